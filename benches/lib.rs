@@ -1,0 +1,94 @@
+//! Shared helpers for kvtier's benchmarks.
+//!
+//! Every figure kvtier reports is a ratio against a baseline measured in the same run, on the
+//! same bytes, interleaved with the subject, because absolute times on a shared machine drift.
+//! [`compare`] does that: it alternates baseline and subject runs and takes medians.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+/// One subject-versus-baseline measurement.
+#[derive(Clone, Debug)]
+pub struct Comparison {
+    /// What was measured.
+    pub name: String,
+    /// Median seconds of one subject run.
+    pub subject_s: f64,
+    /// Median seconds of one baseline run.
+    pub baseline_s: f64,
+    /// Bytes (or items) one run processes, for throughput figures.
+    pub units: u64,
+}
+
+impl Comparison {
+    /// Subject speed as a fraction of baseline speed (1.0 = as fast as the baseline).
+    pub fn ratio(&self) -> f64 {
+        self.baseline_s / self.subject_s
+    }
+
+    /// One line for a table: name, subject and baseline throughput, ratio.
+    pub fn line(&self, unit: &str, scale: f64) -> String {
+        let per = |s: f64| self.units as f64 / s / scale;
+        format!(
+            "{:<44} {:>10.3} {unit}  baseline {:>10.3} {unit}  ratio {:>5.3}",
+            self.name,
+            per(self.subject_s),
+            per(self.baseline_s),
+            self.ratio()
+        )
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times `subject` and `baseline` alternately, `rounds` times each after one warm-up, and
+/// returns their medians.
+pub fn compare<A, B, RA, RB>(
+    name: &str,
+    units: u64,
+    rounds: usize,
+    mut baseline: A,
+    mut subject: B,
+) -> Comparison
+where
+    A: FnMut() -> RA,
+    B: FnMut() -> RB,
+{
+    black_box(baseline());
+    black_box(subject());
+    let (mut b, mut s) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+    for _ in 0..rounds.max(1) {
+        let t = Instant::now();
+        black_box(baseline());
+        b.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        black_box(subject());
+        s.push(t.elapsed().as_secs_f64());
+    }
+    Comparison {
+        name: name.to_string(),
+        subject_s: median(s),
+        baseline_s: median(b),
+        units,
+    }
+}
+
+/// Deterministic pseudo-random token ids (SplitMix64), so every run hashes the same input.
+pub fn tokens(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % 152_000) as u32
+        })
+        .collect()
+}
+
+/// A short criterion-friendly measurement time for this 2-core machine.
+pub const MEASURE: Duration = Duration::from_secs(2);

@@ -1,0 +1,47 @@
+//! kvtier-core: the pure, synchronous heart of kvtier. No I/O, no async, no unsafe.
+//!
+//! - [`keys`]: page keys, the SHA-256 chain that content-addresses token prefixes (SGLang's
+//!   chain in the default namespace, seeded per namespace otherwise).
+//! - [`layout`]: page geometry on the device (layer-first) and host (page-first), and the
+//!   layout fingerprint that keeps pages of different models and shapes apart.
+//! - [`policy`]: the seven eviction policies, each a small type behind [`policy::EvictionPolicy`],
+//!   shared by the agent's radix tree and the daemon's L2 index.
+//! - [`radix`]: the agent's prefix cache, a page-granular radix tree with locks, tier state and
+//!   incremental eviction.
+//!
+//! Everything that decides *which* page goes *where* lives here, so it can be tested
+//! exhaustively without processes, sockets or devices; the crates that move bytes never decide
+//! policy.
+
+pub mod keys;
+pub mod layout;
+pub mod policy;
+pub mod radix;
+
+pub use keys::{Namespace, PageHasher, PageKey};
+pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
+pub use policy::{EvictionPolicy, PolicyKind};
+pub use radix::RadixTree;
+
+/// Errors of the core crate: every one names the input that was wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// A field of a descriptor or request is out of bounds or contradicts another.
+    #[error("invalid {field}: {reason}")]
+    InvalidField {
+        /// The offending field, as named in config files and on the wire.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A handle no longer names a live tree node (released twice, or never issued).
+    #[error("stale handle: {0}")]
+    StaleHandle(String),
+}
+
+impl Error {
+    /// Whether retrying the same call could succeed. Core errors are about the input, so never.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+}

@@ -1,0 +1,17 @@
+//! Generates the gRPC code and a descriptor set (for server reflection) from `proto/`.
+//! protoc comes from the protoc-bin-vendored crate: nothing is downloaded or installed.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let protos = ["kvtier/v1/common.proto"].map(|p| root.join(p));
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    let mut config = prost_build::Config::new();
+    config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure()
+        .file_descriptor_set_path(out.join("kvtier_descriptor.bin"))
+        .compile_with_config(config, &protos, std::slice::from_ref(&root))?;
+    println!("cargo:rerun-if-changed={}", root.display());
+    Ok(())
+}

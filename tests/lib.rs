@@ -1,0 +1,1 @@
+//! Cross-crate tests of kvtier; the tests themselves are the `[[test]]` targets.
