@@ -7,7 +7,9 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kvtier_bench::{MEASURE, tokens};
+use std::collections::HashMap;
+
+use kvtier_bench::{MEASURE, compare, tokens};
 use kvtier_core::radix::RadixTree;
 use kvtier_core::{Namespace, PageHasher, PageKey, PolicyKind};
 
@@ -42,7 +44,34 @@ fn build(seqs: &[Vec<PageKey>]) -> RadixTree<PageKey, u32> {
     t
 }
 
+/// Same-run baseline: looking the same 256 keys up one by one in a flat hash map (what a cache
+/// without prefix structure would pay per request).
+fn ratios() {
+    println!("radix match of {SEQ} pages vs {SEQ} HashMap lookups, ratio = tree / baseline speed");
+    for pages in [1_000usize, 100_000, 1_000_000] {
+        let seqs = sequences(pages, 1);
+        let mut tree = build(&seqs);
+        let flat: HashMap<PageKey, u32> = seqs.iter().flatten().map(|k| (*k, 1)).collect();
+        let (mut i, mut j) = (0usize, 0usize);
+        let c = compare(
+            &format!("match {SEQ} pages, {pages} cached"),
+            SEQ as u64,
+            2000,
+            || {
+                j = (j + 7919) % seqs.len();
+                seqs[j].iter().filter(|k| flat.contains_key(*k)).count()
+            },
+            || {
+                i = (i + 7919) % seqs.len();
+                tree.match_prefix(&seqs[i]).device_pages()
+            },
+        );
+        println!("{}", c.line("Mpages/s", 1e6));
+    }
+}
+
 fn bench(c: &mut Criterion) {
+    ratios();
     let mut g = c.benchmark_group("radix");
     g.measurement_time(MEASURE).sample_size(20);
     g.throughput(Throughput::Elements(SEQ as u64));
