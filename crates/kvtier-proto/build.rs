@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let protos = ["kvtier/v1/common.proto"].map(|p| root.join(p));
+    let protos = ["kvtier/v1/common.proto", "kvtier/v1/host.proto"].map(|p| root.join(p));
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);

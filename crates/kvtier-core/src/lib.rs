@@ -8,15 +8,19 @@
 //!   shared by the agent's radix tree and the daemon's L2 index.
 //! - [`radix`]: the agent's prefix cache, a page-granular radix tree with locks, tier state and
 //!   incremental eviction.
+//! - [`host_index`]: the daemon's L2 index (key → slot, two-phase writes, pins, leaf-first
+//!   eviction) and [`slots`], the free-slot allocator under it.
 //!
 //! Everything that decides *which* page goes *where* lives here, so it can be tested
 //! exhaustively without processes, sockets or devices; the crates that move bytes never decide
 //! policy.
 
+pub mod host_index;
 pub mod keys;
 pub mod layout;
 pub mod policy;
 pub mod radix;
+pub mod slots;
 
 pub use keys::{Namespace, PageHasher, PageKey};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};

@@ -4,6 +4,7 @@
 //! - `keys`: the page keys of a token sequence, one hex key per full page — the tool to use
 //!   when two processes disagree about keys.
 //! - `layout`: the geometry and fingerprint a layout descriptor validates to.
+//! - `status`: pools, sessions, usage and counters of a running kvtierd.
 
 use std::fmt::Write as _;
 
@@ -27,6 +28,16 @@ pub enum Command {
     Keys(KeysArgs),
     /// Validate a layout and print its geometry and fingerprint.
     Layout(LayoutArgs),
+    /// Show a running kvtierd's pools, sessions, usage and counters.
+    Status(StatusArgs),
+}
+
+/// Flags of `kvtierctl status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The daemon's control socket (or http://host:port for its TCP listener).
+    #[arg(long, default_value = "kvtier-data/kvtierd.sock")]
+    pub socket: String,
 }
 
 /// Flags of `kvtierctl keys`.
@@ -94,6 +105,7 @@ pub fn run(cli: Cli) -> Result<String> {
     match cli.command {
         Command::Keys(a) => keys(a),
         Command::Layout(a) => layout(a),
+        Command::Status(a) => status(a),
     }
 }
 
@@ -179,5 +191,81 @@ pub fn layout(a: LayoutArgs) -> Result<String> {
     writeln!(out, "slot_stride    {}", l.slot_stride())?;
     writeln!(out, "run_bytes      {}", l.run_bytes())?;
     writeln!(out, "runs_per_page  {}", l.runs_per_page())?;
+    Ok(out)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
+}
+
+/// `kvtierctl status`.
+pub fn status(a: StatusArgs) -> Result<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (health, s) = rt
+        .block_on(async {
+            let health = kvtier_client::health(&a.socket).await;
+            let mut c = kvtier_client::HostClient::connect(&a.socket).await?;
+            anyhow::Ok((health, c.stats().await?))
+        })
+        .with_context(|| format!("asking kvtierd at {}", a.socket))?;
+    let health = health.unwrap_or_else(|e| format!("unknown ({e})"));
+    let mut out = String::new();
+    let metrics = if s.metrics_address.is_empty() {
+        "off".to_string()
+    } else {
+        format!("http://{}/metrics", s.metrics_address)
+    };
+    writeln!(
+        out,
+        "kvtierd {}  up {}s  health {health}  metrics {metrics}",
+        s.version,
+        s.uptime_ms / 1000
+    )?;
+    writeln!(out, "pools: {}", s.pools.len())?;
+    for p in &s.pools {
+        let used = u64::from(p.ready_pages + p.writing_pages) * p.slot_stride;
+        let total = u64::from(p.slots) * p.slot_stride;
+        writeln!(
+            out,
+            "  {} {}  slots {}  ready {}  writing {}  pinned {} ({} pins)  evictions {}  used {} of {}{}{}",
+            hex(&p.fingerprint),
+            p.model_id,
+            p.slots,
+            p.ready_pages,
+            p.writing_pages,
+            p.pinned_pages,
+            p.pins,
+            p.evictions,
+            mib(used),
+            mib(total),
+            if p.mlocked { "  mlocked" } else { "" },
+            if p.huge_pages { "  hugepages" } else { "" },
+        )?;
+        writeln!(out, "    {}", p.pool_path)?;
+    }
+    writeln!(out, "sessions: {}", s.sessions.len())?;
+    for c in &s.sessions {
+        writeln!(
+            out,
+            "  {:>6} {:<24} pool {}  pins {}  writing {}  idle {} ms",
+            c.session_id,
+            c.name,
+            &hex(&c.fingerprint)[..8],
+            c.pins,
+            c.writing_pages,
+            c.idle_ms
+        )?;
+    }
+    writeln!(
+        out,
+        "counters: reserve {}  commit {}  acquire {}  dedup pages {}  expired sessions {}",
+        s.reserve_calls, s.commit_calls, s.acquire_calls, s.dedup_pages, s.expired_sessions
+    )?;
     Ok(out)
 }

@@ -3,8 +3,8 @@
 //!
 //! Handlers convert wire messages once, on receive, with the functions and `TryFrom` impls
 //! here; past that point only validated types exist. Every conversion failure is a
-//! [`WireError`] naming the field by its path (`layout.kv_heads`, `keys[3]`), and
-//! `From<WireError> for tonic::Status` is the one place those become `INVALID_ARGUMENT`.
+//! [`ApiError::InvalidArgument`] naming the field by its path (`layout.kv_heads`, `keys[3]`);
+//! `From<ApiError> for tonic::Status` is the one place errors become gRPC status codes.
 
 /// Generated code of package `kvtier.v1`.
 #[allow(missing_docs, unreachable_pub, clippy::all)]
@@ -18,10 +18,11 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kvti
 use kvtier_core::keys::{KEY_LEN, Namespace, PageKey};
 use kvtier_core::layout::{DType, KvKind, Layout, LayoutSpec};
 
-/// A wire message that does not validate.
+/// Why a kvtier RPC failed: the error every service handler returns. `From<ApiError> for
+/// tonic::Status` below is the one place these become gRPC status codes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WireError {
-    /// A field is missing, malformed or contradicts another.
+pub enum ApiError {
+    /// A field is missing, malformed or contradicts another (`INVALID_ARGUMENT`).
     #[error("{field}: {reason}")]
     InvalidArgument {
         /// Path of the field within the request, e.g. `layout.kv_heads`.
@@ -29,11 +30,28 @@ pub enum WireError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The named thing (a session, a request) does not exist or no longer does (`NOT_FOUND`).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is well-formed but refused in the current state, e.g. a layout or hash
+    /// self-test that disagrees with the daemon's (`FAILED_PRECONDITION`).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// A configured limit was reached (`RESOURCE_EXHAUSTED`).
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The service cannot answer now; retry later (`UNAVAILABLE`).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A bug or an unexpected OS failure (`INTERNAL`).
+    #[error("{0}")]
+    Internal(String),
 }
 
-impl WireError {
-    fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        WireError::InvalidArgument {
+impl ApiError {
+    /// An `InvalidArgument` naming `field`.
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ApiError::InvalidArgument {
             field: field.into(),
             reason: reason.into(),
         }
@@ -42,20 +60,24 @@ impl WireError {
     /// Prefixes the field path, for errors of nested messages.
     pub fn within(self, parent: &str) -> Self {
         match self {
-            WireError::InvalidArgument { field, reason } => WireError::InvalidArgument {
+            ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument {
                 field: format!("{parent}.{field}"),
                 reason,
             },
+            other => other,
         }
     }
 
-    /// Whether retrying the same request could succeed: never, the request itself is wrong.
+    /// Whether retrying the same request could succeed.
     pub fn is_retryable(&self) -> bool {
-        false
+        matches!(
+            self,
+            ApiError::Unavailable(_) | ApiError::ResourceExhausted(_)
+        )
     }
 }
 
-impl From<kvtier_core::Error> for WireError {
+impl From<kvtier_core::Error> for ApiError {
     fn from(e: kvtier_core::Error) -> Self {
         match e {
             kvtier_core::Error::InvalidField { field, reason } => Self::invalid(field, reason),
@@ -66,10 +88,16 @@ impl From<kvtier_core::Error> for WireError {
     }
 }
 
-impl From<WireError> for tonic::Status {
-    fn from(e: WireError) -> Self {
+impl From<ApiError> for tonic::Status {
+    fn from(e: ApiError) -> Self {
+        let msg = e.to_string();
         match e {
-            WireError::InvalidArgument { .. } => tonic::Status::invalid_argument(e.to_string()),
+            ApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(msg),
+            ApiError::NotFound(_) => tonic::Status::not_found(msg),
+            ApiError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
+            ApiError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),
+            ApiError::Unavailable(_) => tonic::Status::unavailable(msg),
+            ApiError::Internal(_) => tonic::Status::internal(msg),
         }
     }
 }
@@ -100,14 +128,14 @@ impl From<DType> for v1::Dtype {
 }
 
 impl TryFrom<v1::LayoutDescriptor> for Layout {
-    type Error = WireError;
+    type Error = ApiError;
 
-    fn try_from(d: v1::LayoutDescriptor) -> Result<Self, WireError> {
+    fn try_from(d: v1::LayoutDescriptor) -> Result<Self, ApiError> {
         let dtype = v1::Dtype::try_from(d.dtype)
             .ok()
             .and_then(Option::<DType>::from)
             .ok_or_else(|| {
-                WireError::invalid("dtype", format!("{} is not a supported dtype", d.dtype))
+                ApiError::invalid("dtype", format!("{} is not a supported dtype", d.dtype))
             })?;
         let kind = match d.kind {
             Some(v1::layout_descriptor::Kind::Mha(m)) => KvKind::Mha {
@@ -118,7 +146,7 @@ impl TryFrom<v1::LayoutDescriptor> for Layout {
                 kv_lora_rank: m.kv_lora_rank,
                 rope_dim: m.rope_dim,
             },
-            None => return Err(WireError::invalid("kind", "one of mha or mla is required")),
+            None => return Err(ApiError::invalid("kind", "one of mha or mla is required")),
         };
         Ok(Layout::new(LayoutSpec {
             model_id: d.model_id,
@@ -177,9 +205,9 @@ impl From<&Layout> for v1::LayoutInfo {
 pub const MAX_NAMESPACE_FIELD: usize = 1024;
 
 impl TryFrom<v1::Namespace> for Namespace {
-    type Error = WireError;
+    type Error = ApiError;
 
-    fn try_from(n: v1::Namespace) -> Result<Self, WireError> {
+    fn try_from(n: v1::Namespace) -> Result<Self, ApiError> {
         for (field, value) in [
             ("tenant", &n.tenant),
             ("cache_salt", &n.cache_salt),
@@ -187,7 +215,7 @@ impl TryFrom<v1::Namespace> for Namespace {
             ("extra_key", &n.extra_key),
         ] {
             if value.len() > MAX_NAMESPACE_FIELD {
-                return Err(WireError::invalid(
+                return Err(ApiError::invalid(
                     field,
                     format!("longer than {MAX_NAMESPACE_FIELD} bytes"),
                 ));
@@ -214,13 +242,13 @@ impl From<&Namespace> for v1::Namespace {
 }
 
 /// Validates raw key bytes; `field` names the repeated field (`keys`), errors name the index.
-pub fn page_keys(field: &str, raw: &[impl AsRef<[u8]>]) -> Result<Vec<PageKey>, WireError> {
+pub fn page_keys(field: &str, raw: &[impl AsRef<[u8]>]) -> Result<Vec<PageKey>, ApiError> {
     raw.iter()
         .enumerate()
         .map(|(i, k)| {
             let k = k.as_ref();
             <[u8; KEY_LEN]>::try_from(k).map(PageKey).map_err(|_| {
-                WireError::invalid(
+                ApiError::invalid(
                     format!("{field}[{i}]"),
                     format!("a page key is {KEY_LEN} bytes, got {}", k.len()),
                 )
@@ -230,9 +258,9 @@ pub fn page_keys(field: &str, raw: &[impl AsRef<[u8]>]) -> Result<Vec<PageKey>, 
 }
 
 impl TryFrom<v1::PageKeys> for Vec<PageKey> {
-    type Error = WireError;
+    type Error = ApiError;
 
-    fn try_from(k: v1::PageKeys) -> Result<Self, WireError> {
+    fn try_from(k: v1::PageKeys) -> Result<Self, ApiError> {
         page_keys("keys", &k.keys)
     }
 }

@@ -1,0 +1,339 @@
+//! kvtier-client: typed async clients of kvtier's services, and the client side of the
+//! daemon's shared-memory pool.
+//!
+//! [`HostClient`] speaks `kvtier.v1.HostTier` over a Unix socket (or TCP), takes and returns
+//! domain types (page keys, layouts), builds the hash self-test itself at registration, and
+//! maps the session's pool ([`Session::pool`]) so pages are copied, never sent.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvtier_core::{Layout, LayoutSpec, Namespace, PageHasher, PageKey};
+use kvtier_proto::v1;
+use kvtier_proto::v1::host_tier_client::HostTierClient;
+use kvtier_shm::ShmPool;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+pub use kvtier_proto::v1::ReserveStatus;
+
+/// Errors of the clients.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Could not connect.
+    #[error("connecting to {target}: {source}")]
+    Connect {
+        /// Where.
+        target: String,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The server answered with an error status.
+    #[error("{}: {}", .0.code(), .0.message())]
+    Status(#[from] tonic::Status),
+    /// The input was invalid before anything was sent.
+    #[error(transparent)]
+    Core(#[from] kvtier_core::Error),
+    /// The pool could not be mapped.
+    #[error("mapping the pool: {0}")]
+    Shm(#[from] kvtier_shm::ShmError),
+    /// The server's answer does not fit the request.
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+impl ClientError {
+    /// Whether retrying could succeed (the daemon restarting or overloaded).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Connect { .. } => true,
+            ClientError::Status(s) => matches!(
+                s.code(),
+                tonic::Code::Unavailable | tonic::Code::ResourceExhausted
+            ),
+            _ => false,
+        }
+    }
+
+    /// The gRPC code, when the server answered.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            ClientError::Status(s) => Some(s.code()),
+            _ => None,
+        }
+    }
+}
+
+/// Connects a gRPC channel to a Unix socket path, or to `http://host:port`.
+pub async fn connect(target: &str) -> Result<Channel, ClientError> {
+    let err = |source| ClientError::Connect {
+        target: target.to_string(),
+        source,
+    };
+    if target.starts_with("http://") || target.starts_with("https://") {
+        return Endpoint::from_shared(target.to_string())
+            .map_err(err)?
+            .connect()
+            .await
+            .map_err(err);
+    }
+    let path = PathBuf::from(target.strip_prefix("unix://").unwrap_or(target));
+    // The URI is required by the API but unused: the connector dials the socket.
+    Endpoint::from_static("http://kvtierd.local")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .map_err(err)
+}
+
+/// Page keys as raw wire bytes.
+fn raw(keys: &[PageKey]) -> Vec<Vec<u8>> {
+    keys.iter().map(|k| k.0.to_vec()).collect()
+}
+
+/// A client of the host tier.
+#[derive(Debug, Clone)]
+pub struct HostClient {
+    inner: HostTierClient<Channel>,
+}
+
+/// A registered session with its pool mapped.
+#[derive(Debug)]
+pub struct Session {
+    /// Session id.
+    pub id: u64,
+    /// Lease time.
+    pub ttl: Duration,
+    /// The validated layout.
+    pub layout: Layout,
+    /// The daemon's pool for this layout, mapped into this process.
+    pub pool: ShmPool,
+    /// Where the pool lives.
+    pub pool_path: PathBuf,
+}
+
+/// The outcome of a reserve, per key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reserved {
+    /// Write the page into this slot, then commit.
+    Slot(u32),
+    /// Already stored.
+    Present,
+    /// No room.
+    NoSpace,
+}
+
+/// The hash self-test a client sends at registration: keys of two pages of fixed tokens.
+pub fn self_test(page_size: usize, ns: &Namespace) -> Result<v1::HashSelfTest, ClientError> {
+    let tokens: Vec<u32> = (0..2 * page_size as u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 150_000)
+        .collect();
+    let keys = PageHasher::new(page_size, ns)?.keys(&tokens);
+    Ok(v1::HashSelfTest {
+        page_size: page_size as u32,
+        namespace: Some(ns.into()),
+        tokens,
+        keys: raw(&keys),
+    })
+}
+
+impl HostClient {
+    /// Connects to the daemon at a socket path or `http://` address.
+    pub async fn connect(target: &str) -> Result<Self, ClientError> {
+        Ok(Self {
+            inner: HostTierClient::new(connect(target).await?).max_decoding_message_size(64 << 20),
+        })
+    }
+
+    /// The raw generated client, for requests the typed methods do not cover.
+    pub fn raw(&mut self) -> &mut HostTierClient<Channel> {
+        &mut self.inner
+    }
+
+    /// Registers a session for `layout` and maps its pool.
+    pub async fn register(
+        &mut self,
+        name: &str,
+        spec: &LayoutSpec,
+    ) -> Result<Session, ClientError> {
+        let layout = Layout::new(spec.clone())?;
+        let r = self
+            .inner
+            .register(v1::RegisterRequest {
+                name: name.to_string(),
+                layout: Some(spec.into()),
+                hash_self_test: Some(self_test(layout.page_size(), &Namespace::default())?),
+                expected_layout: Some((&layout).into()),
+            })
+            .await?
+            .into_inner();
+        let stride = usize::try_from(r.slot_stride)
+            .map_err(|_| ClientError::Protocol("slot stride overflows".into()))?;
+        if stride != layout.slot_stride() {
+            return Err(ClientError::Protocol(format!(
+                "daemon slot stride {stride} differs from the layout's {}",
+                layout.slot_stride()
+            )));
+        }
+        let pool_path = PathBuf::from(&r.pool_path);
+        let pool = ShmPool::open(&pool_path, r.pool_slots, stride)?;
+        Ok(Session {
+            id: r.session_id,
+            ttl: Duration::from_millis(r.ttl_ms),
+            layout,
+            pool,
+            pool_path,
+        })
+    }
+
+    /// Keeps a session alive.
+    pub async fn heartbeat(&mut self, session: u64) -> Result<(), ClientError> {
+        self.inner
+            .heartbeat(v1::HeartbeatRequest {
+                session_id: session,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Ends a session.
+    pub async fn close(&mut self, session: u64) -> Result<(), ClientError> {
+        self.inner
+            .close(v1::CloseRequest {
+                session_id: session,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Leading keys ready in L2.
+    pub async fn lookup(&mut self, session: u64, keys: &[PageKey]) -> Result<usize, ClientError> {
+        let r = self
+            .inner
+            .lookup(v1::LookupRequest {
+                session_id: session,
+                keys: raw(keys),
+            })
+            .await?;
+        Ok(r.into_inner().ready_pages as usize)
+    }
+
+    /// Reserves slots for the keys not yet stored.
+    pub async fn reserve(
+        &mut self,
+        session: u64,
+        parent: Option<&PageKey>,
+        keys: &[PageKey],
+    ) -> Result<Vec<Reserved>, ClientError> {
+        let r = self
+            .inner
+            .reserve(v1::ReserveRequest {
+                session_id: session,
+                keys: raw(keys),
+                parent: parent.map(|p| p.0.to_vec()).unwrap_or_default(),
+            })
+            .await?
+            .into_inner();
+        if r.status.len() != keys.len() || r.slots.len() != keys.len() {
+            return Err(ClientError::Protocol(format!(
+                "{} statuses and {} slots for {} keys",
+                r.status.len(),
+                r.slots.len(),
+                keys.len()
+            )));
+        }
+        r.status
+            .iter()
+            .zip(&r.slots)
+            .map(|(&st, &slot)| match ReserveStatus::try_from(st) {
+                Ok(ReserveStatus::Reserved) => Ok(Reserved::Slot(slot)),
+                Ok(ReserveStatus::Present) => Ok(Reserved::Present),
+                Ok(ReserveStatus::NoSpace) => Ok(Reserved::NoSpace),
+                _ => Err(ClientError::Protocol(format!(
+                    "unknown reserve status {st}"
+                ))),
+            })
+            .collect()
+    }
+
+    /// Makes reserved pages visible.
+    pub async fn commit(&mut self, session: u64, keys: &[PageKey]) -> Result<(), ClientError> {
+        self.inner
+            .commit(v1::CommitRequest {
+                session_id: session,
+                keys: raw(keys),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Drops reservations.
+    pub async fn abort(&mut self, session: u64, keys: &[PageKey]) -> Result<(), ClientError> {
+        self.inner
+            .abort(v1::AbortRequest {
+                session_id: session,
+                keys: raw(keys),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Pins the longest ready prefix; returns its slots.
+    pub async fn acquire(
+        &mut self,
+        session: u64,
+        keys: &[PageKey],
+    ) -> Result<Vec<u32>, ClientError> {
+        let r = self
+            .inner
+            .acquire(v1::AcquireRequest {
+                session_id: session,
+                keys: raw(keys),
+            })
+            .await?
+            .into_inner();
+        if r.slots.len() > keys.len() {
+            return Err(ClientError::Protocol("more slots than keys".into()));
+        }
+        Ok(r.slots)
+    }
+
+    /// Drops pins. If this fails, bytes read under those pins must be discarded.
+    pub async fn release(&mut self, session: u64, keys: &[PageKey]) -> Result<(), ClientError> {
+        self.inner
+            .release(v1::ReleaseRequest {
+                session_id: session,
+                keys: raw(keys),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Daemon-wide state.
+    pub async fn stats(&mut self) -> Result<v1::StatsResponse, ClientError> {
+        Ok(self.inner.stats(v1::StatsRequest {}).await?.into_inner())
+    }
+}
+
+/// Asks `grpc.health.v1` whether the daemon serves; returns the status name.
+pub async fn health(target: &str) -> Result<String, ClientError> {
+    use tonic_health::pb::health_client::HealthClient;
+    let mut c = HealthClient::new(connect(target).await?);
+    let r = c
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await?
+        .into_inner();
+    Ok(format!("{:?}", r.status()).to_uppercase())
+}
+
+/// The default daemon socket for the embedded default configuration.
+pub fn default_socket() -> &'static Path {
+    Path::new("kvtier-data/kvtierd.sock")
+}

@@ -1,0 +1,455 @@
+//! `kvtierd.toml`: the node daemon's configuration.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvtier_core::PolicyKind;
+use serde::Deserialize;
+
+use crate::{ByteSize, ConfigError, Dur, Sources};
+
+/// The complete, commented default configuration. `kvtierd --print-default-config` prints it,
+/// `deploy/kvtierd.toml` is a copy, and a test checks it parses to [`DaemonConfig::default`].
+pub const DEFAULT_TOML: &str = r#"# kvtierd configuration.
+#
+# Every key is optional: the value shown is the default. Layering, lowest to highest:
+# these defaults < this file < KVTIER_<SECTION>_<KEY> environment variables (KVTIER_<KEY> for
+# top-level keys, e.g. KVTIER_L2_POOL_BYTES=1GiB) < `--set section.key=value` flags.
+# Sizes take units B, KiB, MiB, GiB, TiB (K, M, G, T are the same binary multiples);
+# durations take ms, s, m, h.
+
+# Directory for the control socket and local state. Relative paths are relative to the
+# directory kvtierd starts in.
+data_dir = "kvtier-data"
+
+[server]
+# Unix domain socket of the gRPC control plane. Empty: <data_dir>/kvtierd.sock.
+socket = ""
+# Optional TCP address for clients on other hosts, e.g. "0.0.0.0:50051". Empty: off.
+tcp = ""
+# Most page keys accepted in one request (1 to 1048576).
+max_batch = 65536
+
+[metrics]
+# Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
+# Empty: off.
+listen = "127.0.0.1:9464"
+
+[l2]
+# Directory of the shared-memory pool files (a tmpfs). Used with backing = "shm_file".
+shm_dir = "/dev/shm"
+# What backs each pool: "shm_file" (a named file in shm_dir) or "memfd" (clients open it
+# through /proc/<pid>/fd).
+backing = "shm_file"
+# Size of each pool class (one per layout: model, dtype, shape, page size, TP rank).
+# Rounded down to whole slots; at least one slot.
+pool_bytes = "256MiB"
+# Alternatively a number of pages (slots) per pool class; overrides pool_bytes when above 0.
+pool_pages = 0
+# Most pool classes (distinct layouts) served at once (1 to 1024).
+max_pools = 8
+# Which ready, unpinned leaf page to evict first: lru, lfu, fifo, mru, filo, priority, slru.
+eviction_policy = "lru"
+# Lock pools in RAM (needs RLIMIT_MEMLOCK / systemd LimitMEMLOCK above the pool size).
+mlock = false
+# Ask the kernel for transparent huge pages on the pools (best effort).
+huge_pages = false
+
+[sessions]
+# A client that has not sent a heartbeat for this long is considered dead: its pins are
+# dropped and the pages it was writing are freed (100ms to 1h).
+ttl = "10s"
+
+[log]
+# Log filter, as RUST_LOG: error, warn, info, debug, trace, or per-module directives.
+level = "info"
+"#;
+
+/// The daemon's configuration, as read. Use [`DaemonConfig::load`]; it validates.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DaemonConfig {
+    /// Directory for the socket and local state.
+    pub data_dir: PathBuf,
+    /// Control plane.
+    pub server: ServerConfig,
+    /// Prometheus endpoint.
+    pub metrics: MetricsConfig,
+    /// The host tier.
+    pub l2: L2Config,
+    /// Client sessions.
+    pub sessions: SessionsConfig,
+    /// Logging.
+    pub log: LogConfig,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// UDS path; empty means `<data_dir>/kvtierd.sock`.
+    pub socket: String,
+    /// Optional TCP listen address.
+    pub tcp: String,
+    /// Most keys per request.
+    pub max_batch: u32,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Listen address; empty disables the endpoint.
+    pub listen: String,
+}
+
+/// `[l2]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct L2Config {
+    /// tmpfs directory for pool files.
+    pub shm_dir: PathBuf,
+    /// `shm_file` or `memfd`.
+    pub backing: String,
+    /// Bytes per pool class.
+    pub pool_bytes: ByteSize,
+    /// Pages per pool class (overrides `pool_bytes` when above 0).
+    pub pool_pages: u64,
+    /// Most pool classes.
+    pub max_pools: u32,
+    /// Eviction policy name.
+    pub eviction_policy: String,
+    /// mlock the pools.
+    pub mlock: bool,
+    /// Transparent huge pages.
+    pub huge_pages: bool,
+}
+
+/// `[sessions]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionsConfig {
+    /// Lease time without heartbeat.
+    pub ttl: Dur,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// Filter directives.
+    pub level: String,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        Self {
+            data_dir: PathBuf::from("kvtier-data"),
+            server: ServerConfig::default(),
+            metrics: MetricsConfig::default(),
+            l2: L2Config::default(),
+            sessions: SessionsConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            socket: String::new(),
+            tcp: String::new(),
+            max_batch: 65536,
+        }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9464".into(),
+        }
+    }
+}
+
+impl Default for L2Config {
+    fn default() -> Self {
+        Self {
+            shm_dir: PathBuf::from("/dev/shm"),
+            backing: "shm_file".into(),
+            pool_bytes: ByteSize(256 << 20),
+            pool_pages: 0,
+            max_pools: 8,
+            eviction_policy: "lru".into(),
+            mlock: false,
+            huge_pages: false,
+        }
+    }
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        Self {
+            ttl: Dur(Duration::from_secs(10)),
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+        }
+    }
+}
+
+/// Most keys per request the daemon can be configured to accept.
+pub const MAX_BATCH_LIMIT: u32 = 1 << 20;
+
+impl DaemonConfig {
+    /// Loads from the given sources (see the crate docs for the order) and validates.
+    pub fn load(src: &Sources) -> Result<Self, ConfigError> {
+        let cfg: Self = crate::load(DEFAULT_TOML, src)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The control socket path.
+    pub fn socket_path(&self) -> PathBuf {
+        if self.server.socket.is_empty() {
+            self.data_dir.join("kvtierd.sock")
+        } else {
+            PathBuf::from(&self.server.socket)
+        }
+    }
+
+    /// The eviction policy (validated by [`Self::validate`]).
+    pub fn eviction_policy(&self) -> PolicyKind {
+        self.l2.eviction_policy.parse().unwrap_or_default()
+    }
+
+    /// Checks every key's bounds. Destructures exhaustively, so a new key cannot be added
+    /// without deciding its validation.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let Self {
+            data_dir,
+            server:
+                ServerConfig {
+                    socket: _,
+                    tcp,
+                    max_batch,
+                },
+            metrics: MetricsConfig { listen },
+            l2:
+                L2Config {
+                    shm_dir,
+                    backing,
+                    pool_bytes,
+                    pool_pages,
+                    max_pools,
+                    eviction_policy,
+                    mlock: _,
+                    huge_pages: _,
+                },
+            sessions: SessionsConfig { ttl },
+            log: LogConfig { level },
+        } = self;
+        if data_dir.as_os_str().is_empty() {
+            return Err(ConfigError::invalid("data_dir", "must not be empty"));
+        }
+        if !tcp.is_empty() && tcp.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::invalid(
+                "server.tcp",
+                format!("{tcp:?} is not an address such as 0.0.0.0:50051"),
+            ));
+        }
+        if *max_batch == 0 || *max_batch > MAX_BATCH_LIMIT {
+            return Err(ConfigError::invalid(
+                "server.max_batch",
+                format!("{max_batch} is outside 1..={MAX_BATCH_LIMIT}"),
+            ));
+        }
+        if !listen.is_empty() && listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::invalid(
+                "metrics.listen",
+                format!("{listen:?} is not an address such as 127.0.0.1:9464"),
+            ));
+        }
+        if shm_dir.as_os_str().is_empty() {
+            return Err(ConfigError::invalid("l2.shm_dir", "must not be empty"));
+        }
+        if backing != "shm_file" && backing != "memfd" {
+            return Err(ConfigError::invalid(
+                "l2.backing",
+                format!("{backing:?}: expected \"shm_file\" or \"memfd\""),
+            ));
+        }
+        if *pool_pages == 0 && pool_bytes.0 == 0 {
+            return Err(ConfigError::invalid(
+                "l2.pool_bytes",
+                "must be above 0 (or set l2.pool_pages)",
+            ));
+        }
+        if *pool_pages > u64::from(u32::MAX) {
+            return Err(ConfigError::invalid(
+                "l2.pool_pages",
+                format!("at most {} pages per pool", u32::MAX),
+            ));
+        }
+        if *max_pools == 0 || *max_pools > 1024 {
+            return Err(ConfigError::invalid(
+                "l2.max_pools",
+                format!("{max_pools} is outside 1..=1024"),
+            ));
+        }
+        eviction_policy
+            .parse::<PolicyKind>()
+            .map_err(|e| ConfigError::invalid("l2.eviction_policy", e.to_string()))?;
+        if ttl.0 < Duration::from_millis(100) || ttl.0 > Duration::from_secs(3600) {
+            return Err(ConfigError::invalid(
+                "sessions.ttl",
+                format!("{ttl} is outside 100ms..=1h"),
+            ));
+        }
+        if level.trim().is_empty() {
+            return Err(ConfigError::invalid("log.level", "must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn the_commented_default_file_is_the_default() {
+        let parsed: DaemonConfig = toml::from_str(DEFAULT_TOML).unwrap();
+        assert_eq!(parsed, DaemonConfig::default());
+        assert_eq!(
+            DaemonConfig::load(&Sources::default()).unwrap(),
+            DaemonConfig::default()
+        );
+    }
+
+    #[test]
+    fn deploy_copy_is_the_default_file() {
+        let deployed = include_str!("../../../deploy/kvtierd.toml");
+        assert_eq!(
+            deployed, DEFAULT_TOML,
+            "regenerate deploy/kvtierd.toml with --print-default-config"
+        );
+    }
+
+    #[test]
+    fn layering_order_is_defaults_file_env_flags() {
+        let file = Some((
+            "kvtierd.toml".to_string(),
+            "[l2]\npool_bytes = \"1GiB\"\nmax_pools = 3\neviction_policy = \"lfu\"\n".to_string(),
+        ));
+        let src = Sources {
+            file: file.clone(),
+            env: env(&[
+                ("KVTIER_L2_MAX_POOLS", "5"),
+                ("KVTIER_DATA_DIR", "/var/lib/kvtier"),
+                ("PATH", "/bin"),
+            ]),
+            sets: vec!["l2.max_pools=7".into()],
+        };
+        let c = DaemonConfig::load(&src).unwrap();
+        assert_eq!(c.l2.pool_bytes, ByteSize(1 << 30)); // file over default
+        assert_eq!(c.l2.eviction_policy, "lfu"); // file
+        assert_eq!(c.l2.max_pools, 7); // flag over env over file
+        assert_eq!(c.data_dir, PathBuf::from("/var/lib/kvtier")); // env over default
+        assert_eq!(
+            c.socket_path(),
+            PathBuf::from("/var/lib/kvtier/kvtierd.sock")
+        );
+        let no_flag = DaemonConfig::load(&Sources {
+            sets: vec![],
+            ..src
+        })
+        .unwrap();
+        assert_eq!(no_flag.l2.max_pools, 5); // env over file
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases: &[(Sources, &str)] = &[
+            (
+                Sources {
+                    sets: vec!["l2.eviction_policy=random".into()],
+                    ..Sources::default()
+                },
+                "l2.eviction_policy",
+            ),
+            (
+                Sources {
+                    sets: vec!["sessions.ttl=1ms".into()],
+                    ..Sources::default()
+                },
+                "sessions.ttl",
+            ),
+            (
+                Sources {
+                    env: env(&[("KVTIER_L2_MAX_POOLS", "many")]),
+                    ..Sources::default()
+                },
+                "KVTIER_L2_MAX_POOLS",
+            ),
+            (
+                Sources {
+                    env: env(&[("KVTIER_L2_POOLBYTES", "1G")]),
+                    ..Sources::default()
+                },
+                "KVTIER_L2_POOLBYTES",
+            ),
+            (
+                Sources {
+                    sets: vec!["l2.backing=tape".into()],
+                    ..Sources::default()
+                },
+                "l2.backing",
+            ),
+            (
+                Sources {
+                    sets: vec!["metrics.listen=nowhere".into()],
+                    ..Sources::default()
+                },
+                "metrics.listen",
+            ),
+            (
+                Sources {
+                    sets: vec!["l3.kind=s3".into()],
+                    ..Sources::default()
+                },
+                "l3.kind",
+            ),
+            (
+                Sources {
+                    file: Some(("f.toml".into(), "[l2]\npool_bytez = 1\n".into())),
+                    ..Sources::default()
+                },
+                "pool_bytez",
+            ),
+            (
+                Sources {
+                    file: Some(("f.toml".into(), "[l2]\npool_bytes = \"lots\"\n".into())),
+                    ..Sources::default()
+                },
+                "pool_bytes",
+            ),
+        ];
+        for (src, key) in cases {
+            let err = DaemonConfig::load(src).unwrap_err().to_string();
+            assert!(err.contains(key), "error {err:?} does not name {key}");
+        }
+    }
+}

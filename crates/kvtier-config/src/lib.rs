@@ -1,0 +1,180 @@
+//! kvtier-config: configuration files of the kvtier processes, their layering and validation.
+//!
+//! Layering, lowest to highest: built-in defaults < the TOML file < `KVTIER_*` environment
+//! variables < `--set section.key=value` flags. Every key has a documented default (the
+//! commented default file, [`daemon::DEFAULT_TOML`], is the reference and is checked against
+//! the `Default` impls by test) and bounds; every error names the key.
+//!
+//! Environment variables: `KVTIER_<SECTION>_<KEY>` in upper case, e.g. `KVTIER_L2_POOL_BYTES`
+//! for `l2.pool_bytes`, and `KVTIER_<KEY>` for top-level keys (`KVTIER_DATA_DIR`). Section names
+//! contain no underscore, so the split is unambiguous. This crate and the binaries' `main` are
+//! the only places that read the environment; [`load`] takes it as an argument.
+
+pub mod daemon;
+mod units;
+
+pub use units::{ByteSize, Dur};
+
+use serde::de::DeserializeOwned;
+use toml::{Table, Value};
+
+/// A configuration error. The message always names the key or the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A key has a bad value.
+    #[error("config key `{key}`: {reason}")]
+    Invalid {
+        /// Dotted key, e.g. `l2.pool_bytes`.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The file could not be read or is not valid TOML for this schema.
+    #[error("config file {file}: {reason}")]
+    File {
+        /// The file.
+        file: String,
+        /// The parser's message (names the key and line).
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// An invalid-value error for `key`.
+    pub fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Configuration errors are never retryable: the input must change.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+}
+
+/// Where a value came from: applied in this order, each overriding the previous.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// Contents and name of the config file, if one was given.
+    pub file: Option<(String, String)>,
+    /// Environment variables (all of them; only `KVTIER_*` are looked at).
+    pub env: Vec<(String, String)>,
+    /// `section.key=value` overrides from the command line.
+    pub sets: Vec<String>,
+}
+
+/// Parses a value for `key` with the type the default file gives that key.
+fn typed(key: &str, default: &Value, raw: &str) -> Result<Value, ConfigError> {
+    Ok(match default {
+        Value::String(_) => Value::String(raw.to_string()),
+        Value::Integer(_) => Value::Integer(
+            raw.trim()
+                .parse()
+                .map_err(|_| ConfigError::invalid(key, format!("{raw:?} is not an integer")))?,
+        ),
+        Value::Boolean(_) => Value::Boolean(match raw.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => true,
+            "false" | "0" | "no" | "off" => false,
+            _ => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{raw:?} is not a boolean"),
+                ));
+            }
+        }),
+        Value::Float(_) => Value::Float(
+            raw.trim()
+                .parse()
+                .map_err(|_| ConfigError::invalid(key, format!("{raw:?} is not a number")))?,
+        ),
+        _ => return Err(ConfigError::invalid(key, "cannot be set from a string")),
+    })
+}
+
+/// Sets `section.key` (or top-level `key`) in `table`, typed by `schema`.
+fn set_path(table: &mut Table, schema: &Table, path: &str, raw: &str) -> Result<(), ConfigError> {
+    let parts: Vec<&str> = path.split('.').collect();
+    let unknown = || ConfigError::invalid(path, "no such key");
+    match parts.as_slice() {
+        [key] => {
+            let def = schema.get(*key).ok_or_else(unknown)?;
+            table.insert((*key).to_string(), typed(path, def, raw)?);
+        }
+        [section, key] => {
+            let def = schema
+                .get(*section)
+                .and_then(Value::as_table)
+                .and_then(|t| t.get(*key))
+                .ok_or_else(unknown)?;
+            let v = typed(path, def, raw)?;
+            let t = table
+                .entry((*section).to_string())
+                .or_insert_with(|| Value::Table(Table::new()));
+            match t {
+                Value::Table(t) => {
+                    t.insert((*key).to_string(), v);
+                }
+                _ => return Err(ConfigError::invalid(*section, "must be a table")),
+            }
+        }
+        _ => return Err(unknown()),
+    }
+    Ok(())
+}
+
+/// Maps `KVTIER_L2_POOL_BYTES` to `l2.pool_bytes` using the schema's sections.
+fn env_path(schema: &Table, var: &str) -> Option<String> {
+    let rest = var.strip_prefix("KVTIER_")?.to_ascii_lowercase();
+    if schema.get(&rest).is_some_and(|v| !v.is_table()) {
+        return Some(rest);
+    }
+    let (section, key) = rest.split_once('_')?;
+    schema
+        .get(section)
+        .is_some_and(Value::is_table)
+        .then(|| format!("{section}.{key}"))
+}
+
+/// Loads a configuration of type `T` whose commented default file is `default_toml`.
+pub fn load<T: DeserializeOwned>(default_toml: &str, src: &Sources) -> Result<T, ConfigError> {
+    let schema: Table = toml::from_str(default_toml).map_err(|e| ConfigError::File {
+        file: "<built-in defaults>".into(),
+        reason: e.to_string(),
+    })?;
+    let mut table = match &src.file {
+        Some((name, text)) => toml::from_str::<Table>(text).map_err(|e| ConfigError::File {
+            file: name.clone(),
+            reason: e.to_string(),
+        })?,
+        None => Table::new(),
+    };
+    let mut env: Vec<&(String, String)> = src
+        .env
+        .iter()
+        .filter(|(k, _)| k.starts_with("KVTIER_"))
+        .collect();
+    env.sort();
+    for (var, raw) in env {
+        let path = env_path(&schema, var)
+            .ok_or_else(|| ConfigError::invalid(var.clone(), "no such configuration key"))?;
+        set_path(&mut table, &schema, &path, raw)
+            .map_err(|e| ConfigError::invalid(var.clone(), e.to_string()))?;
+    }
+    for set in &src.sets {
+        let (path, raw) = set
+            .split_once('=')
+            .ok_or_else(|| ConfigError::invalid(set.clone(), "expected section.key=value"))?;
+        set_path(&mut table, &schema, path.trim(), raw)?;
+    }
+    Value::Table(table)
+        .try_into::<T>()
+        .map_err(|e| ConfigError::File {
+            file: src
+                .file
+                .as_ref()
+                .map_or_else(|| "<overrides>".to_string(), |(n, _)| n.clone()),
+            reason: e.to_string(),
+        })
+}

@@ -1,0 +1,541 @@
+//! The L2 host-tier index: which page key sits in which slot of a pool, in which state, pinned
+//! by whom, and which page to evict next.
+//!
+//! Pages go through two phases: [`HostIndex::reserve`] creates them `Writing` (invisible to
+//! lookups and readers), the writer copies the bytes into the slot, and [`HostIndex::commit`]
+//! makes them `Ready`. Nothing is ever visible before it is fully written.
+//!
+//! Each entry remembers its parent key (the page before it in its sequence) and how many of its
+//! children are resident. Only resident *leaves* that are ready and unpinned are eviction
+//! candidates, ordered by the configured [`EvictionPolicy`], so a prefix is never evicted
+//! from under a page that needs it and every eviction is `O(log n)`.
+//!
+//! Entries are stored densely by slot (slots are dense `0..capacity`); a hash map takes a key
+//! to its slot. The index never touches page bytes.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::Error;
+use crate::keys::PageKey;
+use crate::policy::{EntryMeta, EvictionPolicy, PolicyKind, Rank};
+use crate::slots::SlotAllocator;
+
+/// Identity of whoever reserved or pinned a page (a daemon session).
+pub type OwnerId = u64;
+
+/// Life-cycle state of an indexed page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageState {
+    /// Reserved; its owner is copying bytes in. Invisible to lookups and readers.
+    Writing,
+    /// Committed: readable by anyone who pins it.
+    Ready,
+}
+
+/// What [`HostIndex::reserve`] decided for one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reserve {
+    /// A fresh slot for the caller to fill and then commit.
+    Reserved(u32),
+    /// Already indexed (ready, or being written by someone): nothing to copy.
+    Present,
+    /// No slot could be freed: the pool is full of pinned, written or non-leaf pages.
+    NoSpace,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    key: PageKey,
+    parent: Option<PageKey>,
+    state: PageState,
+    owner: OwnerId,
+    pins: u32,
+    children: u32,
+    meta: EntryMeta,
+    rank: Option<Rank>,
+}
+
+/// Counters a daemon exports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostIndexStats {
+    /// Slots in the pool.
+    pub capacity: u32,
+    /// Pages committed and readable.
+    pub ready: u32,
+    /// Pages reserved and being written.
+    pub writing: u32,
+    /// Pages with at least one pin.
+    pub pinned: u32,
+    /// Sum of all pin counts.
+    pub pins: u64,
+    /// Pages evicted since start.
+    pub evictions: u64,
+}
+
+/// The index of one pool class.
+pub struct HostIndex {
+    map: HashMap<PageKey, u32>,
+    entries: Vec<Option<Entry>>,
+    alloc: SlotAllocator,
+    policy: Box<dyn EvictionPolicy>,
+    candidates: BTreeSet<(Rank, u32)>,
+    clock: u64,
+    stats: HostIndexStats,
+}
+
+impl std::fmt::Debug for HostIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostIndex")
+            .field("policy", &self.policy.kind())
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+fn bad_key(field: &'static str, i: usize, key: &PageKey, why: &str) -> Error {
+    Error::InvalidField {
+        field,
+        reason: format!("keys[{i}] ({}): {why}", key.to_hex()),
+    }
+}
+
+impl HostIndex {
+    /// An empty index over `capacity` slots, evicting by `policy`.
+    pub fn new(capacity: u32, policy: PolicyKind) -> Self {
+        Self {
+            map: HashMap::with_capacity(capacity as usize),
+            entries: vec![None; capacity as usize],
+            alloc: SlotAllocator::new(capacity),
+            policy: policy.build(),
+            candidates: BTreeSet::new(),
+            clock: 0,
+            stats: HostIndexStats {
+                capacity,
+                ..HostIndexStats::default()
+            },
+        }
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> HostIndexStats {
+        self.stats
+    }
+
+    /// Slots free without evicting.
+    pub fn free_slots(&self) -> u32 {
+        self.alloc.available()
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn entry(&self, slot: u32) -> &Entry {
+        match &self.entries[slot as usize] {
+            Some(e) => e,
+            None => unreachable!("mapped slot {slot} has no entry"),
+        }
+    }
+
+    fn entry_mut(&mut self, slot: u32) -> &mut Entry {
+        match &mut self.entries[slot as usize] {
+            Some(e) => e,
+            None => unreachable!("mapped slot {slot} has no entry"),
+        }
+    }
+
+    fn refresh(&mut self, slot: u32) {
+        let e = self.entry(slot);
+        let want = (e.state == PageState::Ready && e.pins == 0 && e.children == 0)
+            .then(|| self.policy.rank(&e.meta));
+        let old = e.rank;
+        if old != want {
+            if let Some(r) = old {
+                self.candidates.remove(&(r, slot));
+            }
+            if let Some(r) = want {
+                self.candidates.insert((r, slot));
+            }
+            self.entry_mut(slot).rank = want;
+        }
+    }
+
+    fn adjust_children(&mut self, parent: Option<PageKey>, delta: i32) {
+        if let Some(slot) = parent.and_then(|p| self.map.get(&p).copied()) {
+            let e = self.entry_mut(slot);
+            e.children = e.children.saturating_add_signed(delta);
+            self.refresh(slot);
+        }
+    }
+
+    /// Removes an entry whatever its state, freeing its slot.
+    fn remove(&mut self, slot: u32) -> Entry {
+        let e = match self.entries[slot as usize].take() {
+            Some(e) => e,
+            None => unreachable!("removing empty slot {slot}"),
+        };
+        if let Some(r) = e.rank {
+            self.candidates.remove(&(r, slot));
+        }
+        self.map.remove(&e.key);
+        match e.state {
+            PageState::Ready => self.stats.ready -= 1,
+            PageState::Writing => self.stats.writing -= 1,
+        }
+        if let Err(err) = self.alloc.free(slot) {
+            unreachable!("index and allocator disagree: {err}");
+        }
+        self.adjust_children(e.parent, -1);
+        e
+    }
+
+    /// Evicts the lowest-ranked candidate; returns its key.
+    fn evict_one(&mut self) -> Option<PageKey> {
+        let &(_, slot) = self.candidates.first()?;
+        self.stats.evictions += 1;
+        Some(self.remove(slot).key)
+    }
+
+    /// Evicts up to `n` pages by policy (leaves first). Returns their keys.
+    pub fn evict(&mut self, n: usize) -> Vec<PageKey> {
+        std::iter::from_fn(|| self.evict_one()).take(n).collect()
+    }
+
+    /// The number of leading `keys` that are ready. No pin, no touch.
+    pub fn lookup(&self, keys: &[PageKey]) -> usize {
+        keys.iter()
+            .take_while(|k| {
+                self.map
+                    .get(k)
+                    .is_some_and(|&s| self.entry(s).state == PageState::Ready)
+            })
+            .count()
+    }
+
+    /// The slot and state of `key`, if indexed.
+    pub fn get(&self, key: &PageKey) -> Option<(u32, PageState)> {
+        self.map.get(key).map(|&s| (s, self.entry(s).state))
+    }
+
+    /// Reserves slots for the keys not already indexed, in order. `parent` is the key of the
+    /// page before `keys[0]` (`None` when `keys` starts a sequence). After the first key that
+    /// gets no slot, every later key is `NoSpace` too: a page whose prefix is missing is
+    /// unreachable. Evicts by policy to make room; the returned keys are what was evicted.
+    pub fn reserve(
+        &mut self,
+        owner: OwnerId,
+        parent: Option<PageKey>,
+        keys: &[PageKey],
+    ) -> (Vec<Reserve>, Vec<PageKey>) {
+        let now = self.tick();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut evicted = Vec::new();
+        let mut parent = parent;
+        for key in keys {
+            if self.map.contains_key(key) {
+                out.push(Reserve::Present);
+                parent = Some(*key);
+                continue;
+            }
+            // Count the child before allocating, so eviction cannot take its own parent.
+            self.adjust_children(parent, 1);
+            let slot = loop {
+                if let Some(s) = self.alloc.alloc() {
+                    break Some(s);
+                }
+                match self.evict_one() {
+                    Some(k) => evicted.push(k),
+                    None => break None,
+                }
+            };
+            let Some(slot) = slot else {
+                self.adjust_children(parent, -1);
+                out.resize(keys.len(), Reserve::NoSpace);
+                break;
+            };
+            self.entries[slot as usize] = Some(Entry {
+                key: *key,
+                parent,
+                state: PageState::Writing,
+                owner,
+                pins: 0,
+                children: 0,
+                meta: EntryMeta {
+                    last_access: now,
+                    created: now,
+                    hits: 0,
+                    priority: 0,
+                },
+                rank: None,
+            });
+            self.map.insert(*key, slot);
+            self.stats.writing += 1;
+            out.push(Reserve::Reserved(slot));
+            parent = Some(*key);
+        }
+        (out, evicted)
+    }
+
+    /// Checks that every key is being written by `owner`, naming the first that is not.
+    fn check_writing(&self, owner: OwnerId, keys: &[PageKey]) -> Result<Vec<u32>, Error> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| match self.map.get(k) {
+                Some(&s)
+                    if self.entry(s).state == PageState::Writing
+                        && self.entry(s).owner == owner =>
+                {
+                    Ok(s)
+                }
+                Some(_) => Err(bad_key("keys", i, k, "not reserved by this session")),
+                None => Err(bad_key("keys", i, k, "not reserved")),
+            })
+            .collect()
+    }
+
+    /// Makes reserved pages ready. All-or-nothing: if any key is not being written by `owner`,
+    /// nothing changes.
+    pub fn commit(&mut self, owner: OwnerId, keys: &[PageKey]) -> Result<(), Error> {
+        let slots = self.check_writing(owner, keys)?;
+        let now = self.tick();
+        for s in slots {
+            let e = self.entry_mut(s);
+            e.state = PageState::Ready;
+            e.meta.last_access = now;
+            self.stats.writing -= 1;
+            self.stats.ready += 1;
+            self.refresh(s);
+        }
+        Ok(())
+    }
+
+    /// Drops reservations, freeing their slots. All-or-nothing like [`Self::commit`].
+    pub fn abort(&mut self, owner: OwnerId, keys: &[PageKey]) -> Result<(), Error> {
+        let slots = self.check_writing(owner, keys)?;
+        // Children first, so parents' child counts fall before they are removed.
+        for s in slots.into_iter().rev() {
+            self.remove(s);
+        }
+        Ok(())
+    }
+
+    /// Frees every page `owner` is still writing (its session ended). Returns how many.
+    pub fn abort_owner(&mut self, owner: OwnerId) -> usize {
+        let slots: Vec<u32> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(s, e)| {
+                e.as_ref()
+                    .filter(|e| e.state == PageState::Writing && e.owner == owner)
+                    .map(|_| s as u32)
+            })
+            .collect();
+        for &s in &slots {
+            self.remove(s);
+        }
+        slots.len()
+    }
+
+    /// Pins the longest ready prefix of `keys` and returns its slots, in order. Pinned pages
+    /// are never evicted.
+    pub fn acquire(&mut self, keys: &[PageKey]) -> Vec<u32> {
+        let n = self.lookup(keys);
+        let now = self.tick();
+        let mut slots = Vec::with_capacity(n);
+        for k in &keys[..n] {
+            let s = self.map[k];
+            let e = self.entry_mut(s);
+            if e.pins == 0 {
+                self.stats.pinned += 1;
+            }
+            let e = self.entry_mut(s);
+            e.pins += 1;
+            e.meta.last_access = now;
+            e.meta.hits += 1;
+            self.stats.pins += 1;
+            self.refresh(s);
+            slots.push(s);
+        }
+        slots
+    }
+
+    /// Drops one pin from each key. All-or-nothing: a key that is not pinned changes nothing.
+    pub fn release(&mut self, keys: &[PageKey]) -> Result<(), Error> {
+        let mut want: HashMap<u32, u32> = HashMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            let s = *self
+                .map
+                .get(k)
+                .ok_or_else(|| bad_key("keys", i, k, "not in the pool"))?;
+            let n = want.entry(s).or_insert(0);
+            *n += 1;
+            if self.entry(s).pins < *n {
+                return Err(bad_key("keys", i, k, "not pinned"));
+            }
+        }
+        for (s, n) in want {
+            let e = self.entry_mut(s);
+            e.pins -= n;
+            let unpinned = e.pins == 0;
+            self.stats.pins -= u64::from(n);
+            if unpinned {
+                self.stats.pinned -= 1;
+            }
+            self.refresh(s);
+        }
+        Ok(())
+    }
+
+    /// Checks every count and the candidate set against the entries. `O(n)`; for tests.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut s = HostIndexStats {
+            capacity: self.stats.capacity,
+            evictions: self.stats.evictions,
+            ..HostIndexStats::default()
+        };
+        let mut children: HashMap<PageKey, u32> = HashMap::new();
+        for (slot, e) in self.entries.iter().enumerate() {
+            let Some(e) = e else {
+                if self.alloc.is_allocated(slot as u32) {
+                    return Err(format!("slot {slot} allocated but empty"));
+                }
+                continue;
+            };
+            if self.map.get(&e.key) != Some(&(slot as u32)) || !self.alloc.is_allocated(slot as u32)
+            {
+                return Err(format!("slot {slot} is not mapped or not allocated"));
+            }
+            match e.state {
+                PageState::Ready => s.ready += 1,
+                PageState::Writing => s.writing += 1,
+            }
+            if e.pins > 0 {
+                s.pinned += 1;
+                s.pins += u64::from(e.pins);
+            }
+            if let Some(p) = e.parent.filter(|p| self.map.contains_key(p)) {
+                *children.entry(p).or_insert(0) += 1;
+            }
+            let want = e.state == PageState::Ready && e.pins == 0 && e.children == 0;
+            if want != e.rank.is_some()
+                || want
+                    != self
+                        .candidates
+                        .contains(&(self.policy.rank(&e.meta), slot as u32))
+            {
+                return Err(format!("slot {slot}: candidate set is stale"));
+            }
+        }
+        for e in self.entries.iter().flatten() {
+            // Children that arrived before their parent are not counted (see module docs), so
+            // the kept count may be below the walked one but never above it.
+            if e.children > children.get(&e.key).copied().unwrap_or(0) {
+                return Err(format!("{:?} counts more children than exist", e.key));
+            }
+        }
+        if s != self.stats || self.map.len() as u32 != s.ready + s.writing {
+            return Err(format!("stats walked {s:?} but kept {:?}", self.stats));
+        }
+        if self.candidates.len()
+            != self
+                .entries
+                .iter()
+                .flatten()
+                .filter(|e| e.rank.is_some())
+                .count()
+        {
+            return Err("candidate set holds removed entries".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u8) -> PageKey {
+        PageKey([i; 32])
+    }
+
+    fn keys(r: std::ops::Range<u8>) -> Vec<PageKey> {
+        r.map(key).collect()
+    }
+
+    #[test]
+    fn nothing_is_visible_before_commit() {
+        let mut ix = HostIndex::new(8, PolicyKind::Lru);
+        let ks = keys(1..4);
+        let (r, _) = ix.reserve(1, None, &ks);
+        assert!(r.iter().all(|r| matches!(r, Reserve::Reserved(_))));
+        assert_eq!(ix.lookup(&ks), 0);
+        assert!(ix.acquire(&ks).is_empty());
+        // Another writer is told the pages are present (dedup), and cannot commit them.
+        assert_eq!(ix.reserve(2, None, &ks).0, vec![Reserve::Present; 3]);
+        assert!(
+            ix.commit(2, &ks)
+                .unwrap_err()
+                .to_string()
+                .contains("keys[0]")
+        );
+        ix.commit(1, &ks).unwrap();
+        assert_eq!(ix.lookup(&ks), 3);
+        assert_eq!(ix.acquire(&ks).len(), 3);
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn eviction_takes_leaves_and_spares_pins_and_prefixes() {
+        let mut ix = HostIndex::new(4, PolicyKind::Lru);
+        let a = keys(1..4); // a chain of three
+        ix.reserve(1, None, &a);
+        ix.commit(1, &a).unwrap();
+        let pinned = ix.acquire(&a[..1]);
+        assert_eq!(pinned.len(), 1);
+        // Need two slots for a new chain: one free, then evict the leaf a[2] (never a[0] or
+        // a[1], which have resident children).
+        let b = keys(10..12);
+        let (r, evicted) = ix.reserve(1, None, &b);
+        assert!(matches!(
+            r[..],
+            [Reserve::Reserved(_), Reserve::Reserved(_)]
+        ));
+        assert_eq!(evicted, vec![a[2]]);
+        ix.commit(1, &b).unwrap();
+        // a[0] is pinned and b is a fresh chain; after b's leaf and a[1], nothing is left.
+        let evicted = ix.evict(10);
+        assert!(!evicted.contains(&a[0]));
+        assert_eq!(ix.lookup(&a), 1);
+        ix.release(&a[..1]).unwrap();
+        assert!(
+            ix.release(&a[..1])
+                .unwrap_err()
+                .to_string()
+                .contains("not pinned")
+        );
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn no_space_cuts_the_rest_and_abort_frees() {
+        let mut ix = HostIndex::new(2, PolicyKind::Fifo);
+        let ks = keys(1..5);
+        let (r, _) = ix.reserve(7, None, &ks);
+        assert!(matches!(
+            r[..],
+            [
+                Reserve::Reserved(_),
+                Reserve::Reserved(_),
+                Reserve::NoSpace,
+                Reserve::NoSpace
+            ]
+        ));
+        assert!(ix.abort(8, &ks[..2]).is_err());
+        assert_eq!(ix.stats().writing, 2);
+        assert_eq!(ix.abort_owner(7), 2);
+        assert_eq!(ix.free_slots(), 2);
+        ix.validate().unwrap();
+    }
+}

@@ -1,0 +1,242 @@
+//! kvtierd: the per-node daemon of kvtier. It owns the host tier (L2): one shared-memory page
+//! pool per layout class that every agent on the node maps, its index, and the client
+//! sessions that pin and reserve pages in it; it serves the `kvtier.v1.HostTier` gRPC service
+//! on a Unix socket (and optionally TCP), `grpc.health.v1`, server reflection, and a
+//! Prometheus text endpoint.
+//!
+//! [`run`] is the whole daemon; `main.rs` only parses flags, loads the configuration, starts
+//! logging and calls it, and tests start the same `run` in-process or the binary as a process.
+
+pub mod metrics;
+pub mod service;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_proto::v1::host_tier_server::HostTierServer;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::metrics::Metrics;
+use crate::service::HostService;
+use crate::state::HostState;
+
+/// Where a started daemon can be reached.
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// The control socket.
+    pub socket: PathBuf,
+    /// The TCP control address, if enabled.
+    pub tcp: Option<SocketAddr>,
+    /// The metrics endpoint, if enabled.
+    pub metrics: Option<SocketAddr>,
+}
+
+/// Why the daemon could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// A socket or directory could not be set up.
+    #[error("{what} {path}: {source}")]
+    Setup {
+        /// What was being set up.
+        what: &'static str,
+        /// Where.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another daemon answers on the socket.
+    #[error("another kvtierd is serving {0}; stop it or choose another server.socket")]
+    SocketInUse(String),
+    /// The gRPC server failed.
+    #[error("grpc server: {0}")]
+    Server(#[from] tonic::transport::Error),
+    /// Metrics could not be registered.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+impl DaemonError {
+    /// Start-up errors are not retryable without a change; a server error may be.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, DaemonError::Server(_))
+    }
+}
+
+fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError {
+    let path = path.display().to_string();
+    move |source| DaemonError::Setup { what, path, source }
+}
+
+/// Binds the control socket, replacing a stale socket file but never a live daemon's.
+async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(setup("creating socket directory", dir))?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(DaemonError::SocketInUse(path.display().to_string()));
+        }
+        std::fs::remove_file(path).map_err(setup("removing stale socket", path))?;
+    }
+    UnixListener::bind(path).map_err(setup("binding socket", path))
+}
+
+/// Runs the daemon until `shutdown` is cancelled, then drains in-flight requests, removes
+/// the socket and unmaps (and unlinks) every pool. `ready` is called once everything listens.
+pub async fn run(
+    cfg: DaemonConfig,
+    shutdown: CancellationToken,
+    ready: impl FnOnce(Ready) + Send,
+) -> Result<(), DaemonError> {
+    let socket = cfg.socket_path();
+    std::fs::create_dir_all(&cfg.data_dir).map_err(setup("creating data_dir", &cfg.data_dir))?;
+    let uds = bind_socket(&socket).await?;
+    let tcp = match cfg.server.tcp.as_str() {
+        "" => None,
+        a => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(setup("binding server.tcp", Path::new(a)))?,
+        ),
+    };
+    let metrics_listener = match cfg.metrics.listen.as_str() {
+        "" => None,
+        a => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(setup("binding metrics.listen", Path::new(a)))?,
+        ),
+    };
+    let metrics_addr = metrics_listener.as_ref().and_then(metrics::local);
+
+    let state = Arc::new(Mutex::new(HostState::new(&cfg)));
+    let metrics = Metrics::new()?;
+    let service = HostService::new(
+        state.clone(),
+        metrics.clone(),
+        cfg.server.max_batch as usize,
+        metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+    );
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<HostTierServer<HostService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kvtier_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| DaemonError::Setup {
+            what: "reflection",
+            path: String::new(),
+            source: std::io::Error::other(e),
+        })?;
+
+    let tracker = TaskTracker::new();
+    let router = || {
+        tonic::transport::Server::builder()
+            .add_service(HostTierServer::new(service.clone()))
+            .add_service(health_service.clone())
+            .add_service(reflection.clone())
+    };
+
+    // Control plane on the Unix socket (and TCP when configured).
+    let uds_task = {
+        let stop = shutdown.clone();
+        let server =
+            router().serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {
+                stop.cancelled().await;
+            });
+        tracker.spawn(server)
+    };
+    let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
+    let tcp_task = tcp.map(|l| {
+        let stop = shutdown.clone();
+        tracker.spawn(
+            router().serve_with_incoming_shutdown(TcpListenerStream::new(l), async move {
+                stop.cancelled().await
+            }),
+        )
+    });
+    if let Some(l) = metrics_listener {
+        tracker.spawn(metrics::serve(
+            l,
+            metrics.clone(),
+            state.clone(),
+            shutdown.clone(),
+        ));
+    }
+    // Lease sweeper: ends sessions that stopped heartbeating.
+    {
+        let state = state.clone();
+        let stop = shutdown.clone();
+        let period = (cfg.sessions.ttl.0 / 4).max(Duration::from_millis(20));
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = tick.tick() => {
+                        let mut st = match state.lock() { Ok(g) => g, Err(p) => p.into_inner() };
+                        st.expire(Instant::now());
+                    }
+                }
+            }
+        });
+    }
+    tracker.close();
+
+    tracing::info!(
+        socket = %socket.display(),
+        tcp = ?tcp_addr,
+        metrics = ?metrics_addr,
+        "kvtierd serving"
+    );
+    ready(Ready {
+        socket: socket.clone(),
+        tcp: tcp_addr,
+        metrics: metrics_addr,
+    });
+
+    shutdown.cancelled().await;
+    health
+        .set_not_serving::<HostTierServer<HostService>>()
+        .await;
+    tracing::info!("shutting down: draining in-flight requests");
+    let drain = Duration::from_secs(10);
+    if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+        tracing::warn!(
+            ?drain,
+            "in-flight requests did not finish in time; stopping anyway"
+        );
+    }
+    let result = match uds_task.await {
+        Ok(r) => r.map_err(DaemonError::from),
+        Err(e) => {
+            tracing::error!("control server task failed: {e}");
+            Ok(())
+        }
+    };
+    if let Some(t) = tcp_task
+        && let Ok(Err(e)) = t.await
+    {
+        tracing::warn!("tcp server ended with: {e}");
+    }
+    if let Err(e) = std::fs::remove_file(&socket) {
+        tracing::warn!(socket = %socket.display(), "could not remove the socket: {e}");
+    }
+    // Dropping the last reference to the state unmaps every pool and unlinks its file.
+    drop(service);
+    if Arc::strong_count(&state) > 1 {
+        tracing::warn!("pool state still referenced at shutdown; pools are unlinked at exit");
+    }
+    drop(state);
+    tracing::info!("kvtierd stopped");
+    result
+}

@@ -1,0 +1,407 @@
+//! The `kvtier.v1.HostTier` gRPC service: validates every request once, on receive, then
+//! calls into [`HostState`]. Errors are [`ApiError`]s, turned into gRPC status codes by the
+//! one conversion in kvtier-proto.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use kvtier_core::host_index::Reserve;
+use kvtier_core::{Layout, Namespace, PageHasher, PageKey};
+use kvtier_proto::v1::host_tier_server::HostTier;
+use kvtier_proto::v1::{self, ReserveStatus};
+use kvtier_proto::{ApiError, page_keys};
+use tonic::{Request, Response, Status};
+
+use crate::metrics::Metrics;
+use crate::state::HostState;
+
+/// Most tokens a hash self-test may carry.
+const MAX_SELF_TEST_TOKENS: usize = 1 << 16;
+
+/// The service.
+#[derive(Clone)]
+pub struct HostService {
+    state: Arc<Mutex<HostState>>,
+    metrics: Metrics,
+    max_batch: usize,
+    started: Instant,
+    metrics_address: String,
+}
+
+impl HostService {
+    /// A service over `state`.
+    pub fn new(
+        state: Arc<Mutex<HostState>>,
+        metrics: Metrics,
+        max_batch: usize,
+        metrics_address: String,
+    ) -> Self {
+        Self {
+            state,
+            metrics,
+            max_batch,
+            started: Instant::now(),
+            metrics_address,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, HostState> {
+        // A panic while holding the lock is a bug; the state itself is updated all-or-nothing
+        // per call, so serving on is better than refusing every later request.
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn keys(&self, raw: &[Vec<u8>]) -> Result<Vec<PageKey>, ApiError> {
+        if raw.len() > self.max_batch {
+            return Err(ApiError::invalid(
+                "keys",
+                format!(
+                    "{} keys exceed the batch limit of {} (server.max_batch)",
+                    raw.len(),
+                    self.max_batch
+                ),
+            ));
+        }
+        page_keys("keys", raw)
+    }
+
+    /// Runs one handler body, recording its outcome and latency.
+    fn observe<T>(
+        &self,
+        op: &str,
+        f: impl FnOnce() -> Result<T, ApiError>,
+    ) -> Result<Response<T>, Status> {
+        let t = Instant::now();
+        let r = f();
+        let outcome = match &r {
+            Ok(_) => "ok",
+            Err(ApiError::InvalidArgument { .. }) => "invalid_argument",
+            Err(ApiError::NotFound(_)) => "not_found",
+            Err(ApiError::FailedPrecondition(_)) => "failed_precondition",
+            Err(ApiError::ResourceExhausted(_)) => "resource_exhausted",
+            Err(ApiError::Unavailable(_)) => "unavailable",
+            Err(ApiError::Internal(_)) => "internal",
+        };
+        self.metrics
+            .requests
+            .with_label_values(&[op, outcome])
+            .inc();
+        self.metrics
+            .request_seconds
+            .with_label_values(&[op])
+            .observe(t.elapsed().as_secs_f64());
+        if let Err(e) = &r {
+            tracing::debug!(op, "request refused: {e}");
+        }
+        r.map(Response::new).map_err(Status::from)
+    }
+
+    fn pages(&self, op: &str, n: usize) {
+        self.metrics.pages.with_label_values(&[op]).inc_by(n as u64);
+    }
+
+    fn register_inner(&self, req: v1::RegisterRequest) -> Result<v1::RegisterResponse, ApiError> {
+        let layout = Layout::try_from(
+            req.layout
+                .ok_or_else(|| ApiError::invalid("layout", "required"))?,
+        )
+        .map_err(|e| e.within("layout"))?;
+        if req.name.len() > 256 {
+            return Err(ApiError::invalid("name", "longer than 256 bytes"));
+        }
+        let info = v1::LayoutInfo::from(&layout);
+        if let Some(exp) = req.expected_layout {
+            let checks = [
+                ("fingerprint", exp.fingerprint != info.fingerprint),
+                ("page_bytes", exp.page_bytes != info.page_bytes),
+                ("slot_stride", exp.slot_stride != info.slot_stride),
+                ("run_bytes", exp.run_bytes != info.run_bytes),
+                ("runs_per_page", exp.runs_per_page != info.runs_per_page),
+                ("format_version", exp.format_version != info.format_version),
+            ];
+            if let Some((field, _)) = checks.iter().find(|(_, differs)| *differs) {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "layout mismatch: the client derived a different {field} from the same \
+                     descriptor (client {exp:?}, daemon {info:?}); upgrade the older side"
+                )));
+            }
+        }
+        check_self_test(&layout, req.hash_self_test)?;
+        let name = if req.name.is_empty() {
+            "unnamed".to_string()
+        } else {
+            req.name
+        };
+        let mut st = self.state();
+        let reg = st.register(name.clone(), &layout, Instant::now())?;
+        let ttl = st.ttl();
+        drop(st);
+        tracing::info!(session = reg.session_id, client = %name, fingerprint = %layout.fingerprint(), "session registered");
+        Ok(v1::RegisterResponse {
+            session_id: reg.session_id,
+            ttl_ms: ttl.as_millis() as u64,
+            layout: Some(info),
+            pool_path: reg.pool_path.display().to_string(),
+            pool_slots: reg.slots,
+            slot_stride: reg.stride as u64,
+        })
+    }
+}
+
+/// Recomputes the client's self-test keys; refuses a client whose hashing differs.
+fn check_self_test(layout: &Layout, t: Option<v1::HashSelfTest>) -> Result<(), ApiError> {
+    let t = t.ok_or_else(|| {
+        ApiError::invalid(
+            "hash_self_test",
+            "required: the keys the client computes for a few pages of tokens",
+        )
+    })?;
+    if t.page_size as usize != layout.page_size() {
+        return Err(ApiError::invalid(
+            "hash_self_test.page_size",
+            format!(
+                "{} differs from layout.page_size {}",
+                t.page_size,
+                layout.page_size()
+            ),
+        ));
+    }
+    if t.tokens.len() > MAX_SELF_TEST_TOKENS {
+        return Err(ApiError::invalid(
+            "hash_self_test.tokens",
+            format!("more than {MAX_SELF_TEST_TOKENS} tokens"),
+        ));
+    }
+    if t.tokens.len() < layout.page_size() {
+        return Err(ApiError::invalid(
+            "hash_self_test.tokens",
+            "fewer than one full page of tokens",
+        ));
+    }
+    let ns = Namespace::try_from(t.namespace.unwrap_or_default())
+        .map_err(|e| e.within("hash_self_test.namespace"))?;
+    let theirs = page_keys("hash_self_test.keys", &t.keys)?;
+    let ours = PageHasher::new(layout.page_size(), &ns)?.keys(&t.tokens);
+    if theirs.len() != ours.len() {
+        return Err(ApiError::FailedPrecondition(format!(
+            "hash self-test failed: the client sent {} keys for {} tokens of page size {}, the \
+             daemon computes {}",
+            theirs.len(),
+            t.tokens.len(),
+            layout.page_size(),
+            ours.len()
+        )));
+    }
+    if let Some(i) = ours.iter().zip(&theirs).position(|(a, b)| a != b) {
+        return Err(ApiError::FailedPrecondition(format!(
+            "hash self-test failed at page {i}: client key {} but daemon key {}; the client \
+             does not hash pages as docs/hash-spec.md specifies",
+            theirs[i].to_hex(),
+            ours[i].to_hex()
+        )));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl HostTier for HostService {
+    async fn register(
+        &self,
+        request: Request<v1::RegisterRequest>,
+    ) -> Result<Response<v1::RegisterResponse>, Status> {
+        self.observe("register", || self.register_inner(request.into_inner()))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<v1::HeartbeatRequest>,
+    ) -> Result<Response<v1::HeartbeatResponse>, Status> {
+        self.observe("heartbeat", || {
+            let mut st = self.state();
+            st.touch(request.get_ref().session_id, Instant::now())?;
+            Ok(v1::HeartbeatResponse {
+                ttl_ms: st.ttl().as_millis() as u64,
+            })
+        })
+    }
+
+    async fn close(
+        &self,
+        request: Request<v1::CloseRequest>,
+    ) -> Result<Response<v1::CloseResponse>, Status> {
+        self.observe("close", || {
+            let id = request.get_ref().session_id;
+            self.state().close(id)?;
+            tracing::info!(session = id, "session closed");
+            Ok(v1::CloseResponse {})
+        })
+    }
+
+    async fn lookup(
+        &self,
+        request: Request<v1::LookupRequest>,
+    ) -> Result<Response<v1::LookupResponse>, Status> {
+        self.observe("lookup", || {
+            let r = request.get_ref();
+            let keys = self.keys(&r.keys)?;
+            let n = self.state().lookup(r.session_id, &keys, Instant::now())?;
+            Ok(v1::LookupResponse {
+                ready_pages: n as u32,
+            })
+        })
+    }
+
+    async fn reserve(
+        &self,
+        request: Request<v1::ReserveRequest>,
+    ) -> Result<Response<v1::ReserveResponse>, Status> {
+        self.observe("reserve", || {
+            let r = request.get_ref();
+            let keys = self.keys(&r.keys)?;
+            let parent = match r.parent.len() {
+                0 => None,
+                _ => Some(page_keys("parent", std::slice::from_ref(&r.parent))?[0]),
+            };
+            let (out, evicted) =
+                self.state()
+                    .reserve(r.session_id, parent, &keys, Instant::now())?;
+            self.metrics.evictions.inc_by(evicted as u64);
+            let mut resp = v1::ReserveResponse {
+                status: Vec::with_capacity(out.len()),
+                slots: Vec::with_capacity(out.len()),
+            };
+            let (mut reserved, mut present, mut no_space) = (0, 0, 0);
+            for o in out {
+                let (status, slot) = match o {
+                    Reserve::Reserved(s) => {
+                        reserved += 1;
+                        (ReserveStatus::Reserved, s)
+                    }
+                    Reserve::Present => {
+                        present += 1;
+                        (ReserveStatus::Present, 0)
+                    }
+                    Reserve::NoSpace => {
+                        no_space += 1;
+                        (ReserveStatus::NoSpace, 0)
+                    }
+                };
+                resp.status.push(status as i32);
+                resp.slots.push(slot);
+            }
+            self.pages("reserved", reserved);
+            self.pages("deduplicated", present);
+            self.pages("no_space", no_space);
+            Ok(resp)
+        })
+    }
+
+    async fn commit(
+        &self,
+        request: Request<v1::CommitRequest>,
+    ) -> Result<Response<v1::CommitResponse>, Status> {
+        self.observe("commit", || {
+            let r = request.get_ref();
+            let keys = self.keys(&r.keys)?;
+            self.state().commit(r.session_id, &keys, Instant::now())?;
+            self.pages("committed", keys.len());
+            Ok(v1::CommitResponse {})
+        })
+    }
+
+    async fn abort(
+        &self,
+        request: Request<v1::AbortRequest>,
+    ) -> Result<Response<v1::AbortResponse>, Status> {
+        self.observe("abort", || {
+            let r = request.get_ref();
+            let keys = self.keys(&r.keys)?;
+            self.state().abort(r.session_id, &keys, Instant::now())?;
+            self.pages("aborted", keys.len());
+            Ok(v1::AbortResponse {})
+        })
+    }
+
+    async fn acquire(
+        &self,
+        request: Request<v1::AcquireRequest>,
+    ) -> Result<Response<v1::AcquireResponse>, Status> {
+        self.observe("acquire", || {
+            let r = request.get_ref();
+            let keys = self.keys(&r.keys)?;
+            let slots = self.state().acquire(r.session_id, &keys, Instant::now())?;
+            self.pages("acquired", slots.len());
+            Ok(v1::AcquireResponse { slots })
+        })
+    }
+
+    async fn release(
+        &self,
+        request: Request<v1::ReleaseRequest>,
+    ) -> Result<Response<v1::ReleaseResponse>, Status> {
+        self.observe("release", || {
+            let r = request.get_ref();
+            let keys = self.keys(&r.keys)?;
+            self.state().release(r.session_id, &keys, Instant::now())?;
+            self.pages("released", keys.len());
+            Ok(v1::ReleaseResponse {})
+        })
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<v1::StatsRequest>,
+    ) -> Result<Response<v1::StatsResponse>, Status> {
+        self.observe("stats", || {
+            let st = self.state();
+            let now = Instant::now();
+            let pools = st
+                .pools()
+                .map(|p| {
+                    let s = p.index.stats();
+                    v1::PoolStats {
+                        fingerprint: p.layout.fingerprint().0.to_vec(),
+                        model_id: p.layout.spec().model_id.clone(),
+                        pool_path: p.shm.path().display().to_string(),
+                        slots: s.capacity,
+                        slot_stride: p.shm.stride() as u64,
+                        ready_pages: s.ready,
+                        writing_pages: s.writing,
+                        pinned_pages: s.pinned,
+                        pins: s.pins,
+                        evictions: s.evictions,
+                        mlocked: p.shm.is_locked(),
+                        huge_pages: p.shm.huge_pages(),
+                    }
+                })
+                .collect();
+            let sessions = st
+                .sessions()
+                .map(|(&id, s)| v1::SessionInfo {
+                    session_id: id,
+                    name: s.name.clone(),
+                    fingerprint: s.fingerprint.0.to_vec(),
+                    pins: s.pins.values().map(|&n| u64::from(n)).sum(),
+                    writing_pages: s.writing.len() as u32,
+                    idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
+                })
+                .collect();
+            let c = st.counters;
+            Ok(v1::StatsResponse {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                uptime_ms: self.started.elapsed().as_millis() as u64,
+                pools,
+                sessions,
+                reserve_calls: c.reserve_calls,
+                commit_calls: c.commit_calls,
+                acquire_calls: c.acquire_calls,
+                dedup_pages: c.dedup_pages,
+                expired_sessions: c.expired_sessions,
+                metrics_address: self.metrics_address.clone(),
+            })
+        })
+    }
+}

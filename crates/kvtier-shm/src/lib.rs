@@ -1,0 +1,409 @@
+//! kvtier-shm: the shared-memory page pool that the daemon creates and every agent on the node
+//! maps. This crate and kvtier-device are the only ones with `unsafe`.
+//!
+//! A pool is `slots × stride` bytes of shared memory: a file under `/dev/shm` (default) or a
+//! memfd, mapped `MAP_SHARED` with [`memmap2::MmapRaw`]. One slot holds one page in page-first
+//! layout; the stride is a multiple of 4 KiB. Clients map the same pool by the path the daemon
+//! hands out ([`ShmPool::path`]), so bytes move by memcpy/DMA and never through gRPC.
+//!
+//! The memory is written by other processes, so this crate never hands out Rust references
+//! into it: every access is a bounds-checked raw copy ([`ShmPool::write`], [`ShmPool::read`]) or
+//! a raw pointer for DMA ([`ShmPool::slot_ptr`]). Who may touch which slot when is decided by
+//! the daemon's protocol (reserve → write → commit; acquire → read → release), not here.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+use memmap2::{Advice, MmapOptions, MmapRaw};
+
+/// Alignment of the slot stride.
+pub const STRIDE_ALIGN: usize = 4096;
+
+/// Errors of the shared-memory pool.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// A system call failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The pool's path.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The pool's shape is invalid (zero slots, unaligned stride, overflow).
+    #[error("invalid pool shape: {0}")]
+    Shape(String),
+    /// A slot access outside the pool or its slot.
+    #[error(
+        "out of bounds: slot {slot}, offset {offset}, length {len} (pool of {slots} slots of {stride} bytes)"
+    )]
+    OutOfBounds {
+        /// Slot asked for.
+        slot: u32,
+        /// Offset within the slot.
+        offset: usize,
+        /// Bytes asked for.
+        len: usize,
+        /// Slots in the pool.
+        slots: u32,
+        /// Slot stride.
+        stride: usize,
+    },
+}
+
+impl ShmError {
+    /// Whether retrying could succeed (transient OS conditions only).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, ShmError::Io { source, .. } if source.kind() == io::ErrorKind::Interrupted)
+    }
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ShmError + 'a {
+    move |source| ShmError::Io {
+        op,
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// What backs the pool's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// A named file in a tmpfs directory (usually `/dev/shm`); unlinked when the pool is dropped.
+    ShmFile,
+    /// An anonymous memfd; clients open it through `/proc/<daemon pid>/fd/<fd>`.
+    Memfd,
+}
+
+/// How to create a pool.
+#[derive(Clone, Debug)]
+pub struct PoolSpec {
+    /// File name (without directory) for [`Backing::ShmFile`]; the memfd name otherwise.
+    pub name: String,
+    /// Directory of [`Backing::ShmFile`] pools.
+    pub dir: PathBuf,
+    /// What backs the memory.
+    pub backing: Backing,
+    /// Number of slots.
+    pub slots: u32,
+    /// Bytes per slot, a multiple of [`STRIDE_ALIGN`].
+    pub stride: usize,
+    /// Lock the pool in RAM (`mlock`), so pages are never swapped and DMA stays fast.
+    pub mlock: bool,
+    /// Ask for transparent huge pages (`MADV_HUGEPAGE`).
+    pub huge_pages: bool,
+}
+
+/// A mapped pool. The creating process owns it (and unlinks its file on drop); other processes
+/// [`ShmPool::open`] it by path.
+#[derive(Debug)]
+pub struct ShmPool {
+    map: MmapRaw,
+    _file: File,
+    path: PathBuf,
+    unlink_on_drop: bool,
+    slots: u32,
+    stride: usize,
+    locked: bool,
+    huge_pages: bool,
+}
+
+// SAFETY: `ShmPool` only exposes the mapping through bounds-checked raw copies and raw pointers;
+// it holds no Rust references into the shared bytes, so moving or sharing the handle between
+// threads cannot create aliasing references. Concurrent access to one slot is excluded by the
+// daemon's reserve/commit/acquire protocol, as it must be across processes anyway.
+unsafe impl Send for ShmPool {}
+// SAFETY: as above; every method takes `&self` and performs only raw, bounds-checked copies.
+unsafe impl Sync for ShmPool {}
+
+fn total_len(slots: u32, stride: usize) -> Result<usize, ShmError> {
+    if slots == 0 {
+        return Err(ShmError::Shape("a pool needs at least one slot".into()));
+    }
+    if stride == 0 || !stride.is_multiple_of(STRIDE_ALIGN) {
+        return Err(ShmError::Shape(format!(
+            "stride {stride} is not a positive multiple of {STRIDE_ALIGN}"
+        )));
+    }
+    (slots as usize)
+        .checked_mul(stride)
+        .ok_or_else(|| ShmError::Shape(format!("{slots} slots × {stride} bytes overflows")))
+}
+
+impl ShmPool {
+    /// Creates a pool as `spec` says. A stale file of the same name is replaced.
+    pub fn create(spec: &PoolSpec) -> Result<Self, ShmError> {
+        let len = total_len(spec.slots, spec.stride)?;
+        let (file, path, unlink) = match spec.backing {
+            Backing::ShmFile => {
+                let path = spec.dir.join(&spec.name);
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&path)
+                    .map_err(io_err("create", &path))?;
+                (file, path, true)
+            }
+            Backing::Memfd => {
+                let cname = std::ffi::CString::new(spec.name.clone())
+                    .map_err(|_| ShmError::Shape("pool name contains a NUL byte".into()))?;
+                // SAFETY: `cname` is a valid NUL-terminated string that outlives the call.
+                let fd = unsafe { libc::memfd_create(cname.as_ptr(), 0) };
+                if fd < 0 {
+                    return Err(ShmError::Io {
+                        op: "memfd_create",
+                        path: spec.name.clone(),
+                        source: io::Error::last_os_error(),
+                    });
+                }
+                // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+                let file = unsafe { File::from_raw_fd(fd) };
+                let path = PathBuf::from(format!("/proc/{}/fd/{fd}", std::process::id()));
+                (file, path, false)
+            }
+        };
+        let guard = UnlinkGuard(unlink.then(|| path.clone()));
+        file.set_len(len as u64).map_err(io_err("size", &path))?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(io_err("mmap", &path))?;
+        let huge_pages = spec.huge_pages && map.advise(Advice::HugePage).is_ok();
+        if spec.mlock {
+            map.lock()
+                .map_err(io_err("mlock (raise RLIMIT_MEMLOCK / LimitMEMLOCK)", &path))?;
+        }
+        std::mem::forget(guard);
+        Ok(Self {
+            map,
+            _file: file,
+            path,
+            unlink_on_drop: unlink,
+            slots: spec.slots,
+            stride: spec.stride,
+            locked: spec.mlock,
+            huge_pages,
+        })
+    }
+
+    /// Maps an existing pool created by another process. Its size must be `slots × stride`.
+    pub fn open(path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
+        let len = total_len(slots, stride)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io_err("open", path))?;
+        let actual = file.metadata().map_err(io_err("stat", path))?.len();
+        if actual != len as u64 {
+            return Err(ShmError::Shape(format!(
+                "{} is {actual} bytes, expected {slots} slots × {stride} = {len}",
+                path.display()
+            )));
+        }
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(io_err("mmap", path))?;
+        Ok(Self {
+            map,
+            _file: file,
+            path: path.to_path_buf(),
+            unlink_on_drop: false,
+            slots,
+            stride,
+            locked: false,
+            huge_pages: false,
+        })
+    }
+
+    /// The path other processes open to map this pool.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Slots in the pool.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Bytes per slot.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// Total mapped bytes.
+    pub fn len(&self) -> usize {
+        self.slots as usize * self.stride
+    }
+
+    /// Always false: a pool has at least one slot.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether the pool is locked in RAM.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// Whether transparent huge pages were granted.
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    /// The raw file descriptor (for passing to other processes).
+    pub fn raw_fd(&self) -> i32 {
+        self._file.as_raw_fd()
+    }
+
+    fn check(&self, slot: u32, offset: usize, len: usize) -> Result<usize, ShmError> {
+        let oob = || ShmError::OutOfBounds {
+            slot,
+            offset,
+            len,
+            slots: self.slots,
+            stride: self.stride,
+        };
+        if slot >= self.slots || offset.checked_add(len).is_none_or(|end| end > self.stride) {
+            return Err(oob());
+        }
+        Ok(slot as usize * self.stride + offset)
+    }
+
+    /// Copies `src` into slot `slot` at byte `offset`.
+    pub fn write(&self, slot: u32, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        let at = self.check(slot, offset, src.len())?;
+        // SAFETY: `check` proved `at + src.len() <= len()`, so the destination lies inside the
+        // live mapping; `src` is a Rust slice and cannot overlap the shared mapping's bytes
+        // because this crate never creates references into the mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(at), src.len());
+        }
+        Ok(())
+    }
+
+    /// Copies bytes from slot `slot` at byte `offset` into `dst`.
+    pub fn read(&self, slot: u32, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
+        let at = self.check(slot, offset, dst.len())?;
+        // SAFETY: as in `write`: the source range is inside the mapping and `dst` is a distinct
+        // Rust buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// A raw pointer to the start of `slot`, valid while `self` lives, for DMA engines and
+    /// batched copies. Callers must keep to `stride()` bytes and to the daemon's protocol.
+    pub fn slot_ptr(&self, slot: u32) -> Result<NonNull<u8>, ShmError> {
+        let at = self.check(slot, 0, 0)?;
+        // SAFETY: `at` is inside the mapping (checked above), whose base is non-null.
+        let p = unsafe { self.map.as_mut_ptr().add(at) };
+        NonNull::new(p).ok_or(ShmError::Shape("null mapping".into()))
+    }
+}
+
+impl Drop for ShmPool {
+    fn drop(&mut self) {
+        if self.unlink_on_drop {
+            // Best effort: the file may already be gone (operator cleanup); nothing to do then.
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Removes a half-created pool file if creation fails part-way.
+struct UnlinkGuard(Option<PathBuf>);
+
+impl Drop for UnlinkGuard {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(dir: &Path, backing: Backing) -> PoolSpec {
+        PoolSpec {
+            name: format!("kvtier-shm-test-{}-{backing:?}", std::process::id()),
+            dir: dir.to_path_buf(),
+            backing,
+            slots: 4,
+            stride: 8192,
+            mlock: false,
+            huge_pages: false,
+        }
+    }
+
+    fn tmp() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kvtier-shm-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn two_mappings_see_the_same_bytes() {
+        for backing in [Backing::ShmFile, Backing::Memfd] {
+            let owner = ShmPool::create(&spec(&tmp(), backing)).unwrap();
+            let client = ShmPool::open(owner.path(), 4, 8192).unwrap();
+            let page: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+            client.write(3, 0, &page).unwrap();
+            let mut back = vec![0u8; 8192];
+            owner.read(3, 0, &mut back).unwrap();
+            assert_eq!(back, page, "{backing:?}");
+            assert!(
+                ShmPool::open(owner.path(), 5, 8192).is_err(),
+                "size is checked"
+            );
+        }
+    }
+
+    #[test]
+    fn bounds_are_enforced() {
+        let p = ShmPool::create(&spec(&tmp(), Backing::ShmFile)).unwrap();
+        assert!(matches!(
+            p.write(4, 0, &[1]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            p.write(0, 8190, &[1, 2, 3]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            p.read(0, usize::MAX, &mut [0]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        p.write(0, 8189, &[1, 2, 3]).unwrap();
+        assert!(p.slot_ptr(3).is_ok() && p.slot_ptr(4).is_err());
+    }
+
+    #[test]
+    fn file_is_unlinked_on_drop_and_shapes_are_checked() {
+        let s = spec(&tmp(), Backing::ShmFile);
+        let path = {
+            let p = ShmPool::create(&s).unwrap();
+            assert!(p.path().exists());
+            p.path().to_path_buf()
+        };
+        assert!(!path.exists());
+        let mut bad = s.clone();
+        bad.stride = 100;
+        assert!(matches!(ShmPool::create(&bad), Err(ShmError::Shape(_))));
+        bad.stride = 4096;
+        bad.slots = 0;
+        assert!(matches!(ShmPool::create(&bad), Err(ShmError::Shape(_))));
+    }
+}
