@@ -29,6 +29,9 @@ socket = ""
 tcp = ""
 # Most page keys accepted in one request (1 to 1048576).
 max_batch = 65536
+# On shutdown, how long in-flight requests and open connections get to finish before they
+# are closed (100ms to 10m).
+drain_timeout = "10s"
 
 [metrics]
 # Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
@@ -93,6 +96,8 @@ pub struct ServerConfig {
     pub tcp: String,
     /// Most keys per request.
     pub max_batch: u32,
+    /// Grace period for in-flight work at shutdown.
+    pub drain_timeout: Dur,
 }
 
 /// `[metrics]`.
@@ -160,6 +165,7 @@ impl Default for ServerConfig {
             socket: String::new(),
             tcp: String::new(),
             max_batch: 65536,
+            drain_timeout: Dur(Duration::from_secs(10)),
         }
     }
 }
@@ -238,6 +244,7 @@ impl DaemonConfig {
                     socket: _,
                     tcp,
                     max_batch,
+                    drain_timeout,
                 },
             metrics: MetricsConfig { listen },
             l2:
@@ -267,6 +274,14 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "server.max_batch",
                 format!("{max_batch} is outside 1..={MAX_BATCH_LIMIT}"),
+            ));
+        }
+        if drain_timeout.0 < Duration::from_millis(100)
+            || drain_timeout.0 > Duration::from_secs(600)
+        {
+            return Err(ConfigError::invalid(
+                "server.drain_timeout",
+                format!("{drain_timeout} is outside 100ms..=10m"),
             ));
         }
         if !listen.is_empty() && listen.parse::<std::net::SocketAddr>().is_err() {

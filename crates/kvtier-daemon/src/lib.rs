@@ -209,15 +209,23 @@ pub async fn run(
         .set_not_serving::<HostTierServer<HostService>>()
         .await;
     tracing::info!("shutting down: draining in-flight requests");
-    let drain = Duration::from_secs(10);
+    // Graceful first: in-flight requests finish and connections close. A client that never
+    // closes its connection (or a wedged task) must not keep the daemon alive: after the
+    // drain deadline the servers are aborted.
+    let drain = cfg.server.drain_timeout.0;
     if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
         tracing::warn!(
             ?drain,
-            "in-flight requests did not finish in time; stopping anyway"
+            "connections still open after the drain deadline; closing them"
         );
+        uds_task.abort();
+        if let Some(t) = &tcp_task {
+            t.abort();
+        }
     }
     let result = match uds_task.await {
         Ok(r) => r.map_err(DaemonError::from),
+        Err(e) if e.is_cancelled() => Ok(()),
         Err(e) => {
             tracing::error!("control server task failed: {e}");
             Ok(())

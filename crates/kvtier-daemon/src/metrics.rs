@@ -274,3 +274,38 @@ pub async fn serve(
 pub fn local(listener: &TcpListener) -> Option<SocketAddr> {
     listener.local_addr().ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_registered_and_listed_in_the_readme() {
+        let m = Metrics::new().unwrap();
+        // Touch the labelled families so they appear in the output.
+        m.requests.with_label_values(&["x", "ok"]).inc();
+        m.request_seconds.with_label_values(&["x"]).observe(0.0);
+        m.pages.with_label_values(&["x"]).inc();
+        let state = Mutex::new(HostState::new(
+            &kvtier_config::daemon::DaemonConfig::default(),
+        ));
+        let text = m.render(&state);
+        let readme = include_str!("../../../README.md");
+        for name in METRIC_NAMES {
+            assert!(
+                text.contains(&format!("# TYPE {name} ")),
+                "{name} not exported"
+            );
+            assert!(
+                readme.contains(&format!("`{name}`")),
+                "{name} not listed in README.md"
+            );
+        }
+        let exported = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        assert_eq!(
+            exported,
+            METRIC_NAMES.len(),
+            "METRIC_NAMES is missing a metric"
+        );
+    }
+}

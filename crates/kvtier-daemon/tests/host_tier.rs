@@ -430,7 +430,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
 
 #[test]
 fn health_reflection_status_metrics_and_clean_shutdown() {
-    let mut d = Daemon::start("ops", &["l2.pool_pages=16"]);
+    let mut d = Daemon::start("ops", &["l2.pool_pages=16", "server.drain_timeout=1s"]);
     let pool_path = rt().block_on(async {
         assert_eq!(kvtier_client::health(&d.target()).await.unwrap(), "SERVING");
         // Server reflection lists our service and health.
@@ -474,9 +474,17 @@ fn health_reflection_status_metrics_and_clean_shutdown() {
         );
     }
     assert_eq!(metric(&m, "kvtier_l2_pool_pages{state=\"ready\"}"), 4.0);
-    // SIGTERM: drains, removes the socket and unlinks the pool.
+    // SIGTERM: drains, removes the socket and unlinks the pool, even with a client that holds
+    // its connection open and never answers (the drain deadline is 1s here).
+    let _silent = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
     assert!(pool_path.exists());
+    let t = std::time::Instant::now();
     assert!(d.stop(), "kvtierd exited with an error");
+    assert!(
+        t.elapsed() < Duration::from_secs(8),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
     assert!(!d.socket.exists(), "socket left behind");
     assert!(!pool_path.exists(), "pool file left behind");
 }

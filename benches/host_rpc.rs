@@ -1,0 +1,139 @@
+//! Round-trip latency of kvtierd's host-tier RPCs over the Unix socket, against an empty gRPC
+//! call (grpc.health.v1 Check) on the same socket, measured in the same run.
+//!
+//! The daemon runs in-process on its own runtime thread (the same `run` the binary calls); the
+//! client is a separate runtime, so every call crosses the socket.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use kvtier_client::HostClient;
+use kvtier_config::Sources;
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_core::{DType, KvKind, LayoutSpec, Namespace, PageHasher, PageKey};
+use tokio_util::sync::CancellationToken;
+
+fn pct(mut v: Vec<Duration>, p: f64) -> Duration {
+    v.sort_unstable();
+    v[((v.len() as f64 - 1.0) * p) as usize]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let dir = std::env::temp_dir().join(format!("kvtier-bench-rpc-{}", std::process::id()));
+    let cfg = DaemonConfig::load(&Sources {
+        sets: vec![
+            format!("data_dir={}", dir.display()),
+            "metrics.listen=".into(),
+            "l2.pool_pages=65536".into(),
+            "log.level=error".into(),
+        ],
+        ..Sources::default()
+    })
+    .unwrap();
+    let socket = cfg.socket_path();
+    let stop = CancellationToken::new();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let daemon = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(kvtier_daemon::run(cfg, stop, move |_| tx.send(()).unwrap()))
+                .unwrap();
+        })
+    };
+    rx.recv().unwrap();
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let target = socket.display().to_string();
+        let mut c = HostClient::connect(&target).await.unwrap();
+        let spec = LayoutSpec {
+            model_id: "bench".into(),
+            model_version: String::new(),
+            dtype: DType::Bf16,
+            num_layers: 2,
+            kind: KvKind::Mha { kv_heads: 2, head_dim: 64 },
+            page_size: 16,
+            tp_rank: 0,
+            tp_size: 1,
+        };
+        let s = c.register("bench", &spec).await.unwrap();
+        let mut health = tonic_health::pb::health_client::HealthClient::new(
+            kvtier_client::connect(&target).await.unwrap(),
+        );
+        let hasher = PageHasher::new(16, &Namespace::default()).unwrap();
+        let mut seq = 0u32;
+        let mut fresh = |n: usize| -> Vec<PageKey> {
+            seq += 1;
+            let tokens: Vec<u32> = (0..n as u32 * 16).map(|i| seq.wrapping_mul(7_919) ^ (i << 8)).collect();
+            hasher.keys(&tokens)
+        };
+        let iters = |pages: usize| if quick { 50 } else if pages == 1 { 3000 } else { 400 };
+
+        let mut base = Vec::new();
+        for _ in 0..iters(1) {
+            let t = Instant::now();
+            health
+                .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+                .await
+                .unwrap();
+            base.push(t.elapsed());
+        }
+        let base50 = pct(base.clone(), 0.5);
+        println!("kvtierd host-tier RPC round trips over a Unix socket (same-run baseline: empty health check)");
+        println!("{:<34} {:>10} {:>10} {:>12}", "operation", "p50 µs", "p99 µs", "p50 / empty");
+        println!("{:<34} {:>10.1} {:>10.1} {:>12.2}", "empty call (health check)", us(base50), us(pct(base, 0.99)), 1.0);
+        for pages in [1usize, 1000] {
+            let mut rc = Vec::new();
+            for _ in 0..iters(pages) {
+                let keys = fresh(pages);
+                let t = Instant::now();
+                let r = c.reserve(s.id, None, &keys).await.unwrap();
+                assert_eq!(r.len(), pages);
+                c.commit(s.id, &keys).await.unwrap();
+                rc.push(t.elapsed());
+            }
+            let keys = fresh(pages);
+            c.reserve(s.id, None, &keys).await.unwrap();
+            c.commit(s.id, &keys).await.unwrap();
+            let mut ar = Vec::new();
+            for _ in 0..iters(pages) {
+                let t = Instant::now();
+                let slots = c.acquire(s.id, &keys).await.unwrap();
+                assert_eq!(slots.len(), pages);
+                c.release(s.id, &keys).await.unwrap();
+                ar.push(t.elapsed());
+            }
+            for (name, v) in [("reserve+commit", rc), ("acquire+release", ar)] {
+                let p50 = pct(v.clone(), 0.5);
+                println!(
+                    "{:<34} {:>10.1} {:>10.1} {:>12.2}",
+                    format!("{name}, {pages} page(s)"),
+                    us(p50),
+                    us(pct(v, 0.99)),
+                    p50.as_secs_f64() / base50.as_secs_f64()
+                );
+            }
+        }
+        c.close(s.id).await.unwrap();
+    });
+    drop(rt);
+    stop.cancel();
+    daemon.join().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}

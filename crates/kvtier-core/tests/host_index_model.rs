@@ -1,0 +1,231 @@
+//! The L2 host index against a reference model, over random operation sequences by two
+//! writers, under every eviction policy, in a pool small enough to evict and run out of space.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+
+use kvtier_core::host_index::{HostIndex, PageState, Reserve};
+use kvtier_core::{PageKey, PolicyKind};
+use proptest::prelude::*;
+
+const CAPACITY: u32 = 6;
+
+/// Page `i` of chain `c`: chains share nothing, pages of a chain are a prefix sequence.
+fn key(c: u8, i: u8) -> PageKey {
+    let mut k = [0u8; 32];
+    k[0] = c;
+    k[1] = i;
+    PageKey(k)
+}
+
+fn chain(c: u8, len: u8) -> Vec<PageKey> {
+    (0..len).map(|i| key(c, i)).collect()
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    state: PageState,
+    owner: u64,
+    pins: u32,
+    /// Instance id of this entry; a re-created key gets a new one.
+    instance: u64,
+    /// Instance of the parent entry when this one was created, if the parent was indexed.
+    parent_instance: Option<u64>,
+}
+
+#[derive(Default)]
+struct Model {
+    entries: HashMap<PageKey, Entry>,
+    next_instance: u64,
+}
+
+impl Model {
+    fn ready_prefix(&self, keys: &[PageKey]) -> usize {
+        keys.iter()
+            .take_while(|k| {
+                self.entries
+                    .get(k)
+                    .is_some_and(|e| e.state == PageState::Ready)
+            })
+            .count()
+    }
+
+    fn has_children(&self, instance: u64) -> bool {
+        self.entries
+            .values()
+            .any(|e| e.parent_instance == Some(instance))
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Reserve { owner: u64, chain: u8, len: u8 },
+    Commit { owner: u64, chain: u8 },
+    Abort { owner: u64, chain: u8 },
+    Acquire { chain: u8, len: u8 },
+    Release { chain: u8, len: u8 },
+    Evict(usize),
+    EndOwner(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let owner = 1u64..3;
+    let chain = 0u8..4;
+    let len = 1u8..5;
+    prop_oneof![
+        4 => (owner.clone(), chain.clone(), len.clone()).prop_map(|(owner, chain, len)| Op::Reserve { owner, chain, len }),
+        3 => (owner.clone(), chain.clone()).prop_map(|(owner, chain)| Op::Commit { owner, chain }),
+        1 => (owner.clone(), chain.clone()).prop_map(|(owner, chain)| Op::Abort { owner, chain }),
+        3 => (chain.clone(), len.clone()).prop_map(|(chain, len)| Op::Acquire { chain, len }),
+        3 => (chain, len).prop_map(|(chain, len)| Op::Release { chain, len }),
+        1 => (0usize..4).prop_map(Op::Evict),
+        1 => owner.prop_map(Op::EndOwner),
+    ]
+}
+
+fn check_evicted(m: &mut Model, evicted: &[PageKey]) {
+    for k in evicted {
+        let e = m.entries.remove(k).expect("evicted key was indexed");
+        assert_eq!(e.state, PageState::Ready, "evicted a page being written");
+        assert_eq!(e.pins, 0, "evicted a pinned page");
+        assert!(
+            !m.has_children(e.instance),
+            "evicted a page with a resident child"
+        );
+    }
+}
+
+fn run(kind: PolicyKind, ops: &[Op]) {
+    let mut ix = HostIndex::new(CAPACITY, kind);
+    let mut m = Model::default();
+    for op in ops {
+        match op {
+            Op::Reserve {
+                owner,
+                chain: c,
+                len,
+            } => {
+                let keys = chain(*c, *len);
+                let (out, evicted) = ix.reserve(*owner, None, &keys);
+                check_evicted(&mut m, &evicted);
+                let mut seen_no_space = false;
+                let mut parent: Option<u64> = None;
+                for (k, r) in keys.iter().zip(&out) {
+                    match r {
+                        Reserve::Present => {
+                            assert!(!seen_no_space);
+                            assert!(m.entries.contains_key(k), "Present for an absent key");
+                        }
+                        Reserve::Reserved(_) => {
+                            assert!(!seen_no_space, "a slot after NoSpace");
+                            assert!(!m.entries.contains_key(k), "reserved a present key");
+                            m.next_instance += 1;
+                            m.entries.insert(
+                                *k,
+                                Entry {
+                                    state: PageState::Writing,
+                                    owner: *owner,
+                                    pins: 0,
+                                    instance: m.next_instance,
+                                    parent_instance: parent,
+                                },
+                            );
+                        }
+                        Reserve::NoSpace => seen_no_space = true,
+                    }
+                    parent = m.entries.get(k).map(|e| e.instance);
+                }
+            }
+            Op::Commit { owner, chain: c } | Op::Abort { owner, chain: c } => {
+                let mine: Vec<PageKey> = chain(*c, 4)
+                    .into_iter()
+                    .filter(|k| {
+                        m.entries
+                            .get(k)
+                            .is_some_and(|e| e.state == PageState::Writing && e.owner == *owner)
+                    })
+                    .collect();
+                // Someone else's or a ready page is refused, and nothing changes.
+                if let Some(other) = chain(*c, 4).into_iter().find(|k| {
+                    m.entries
+                        .get(k)
+                        .is_some_and(|e| e.state == PageState::Ready || e.owner != *owner)
+                }) {
+                    let mut bad = mine.clone();
+                    bad.push(other);
+                    assert!(ix.commit(*owner, &bad).is_err());
+                    assert!(ix.abort(*owner, &bad).is_err());
+                }
+                if matches!(op, Op::Commit { .. }) {
+                    ix.commit(*owner, &mine).unwrap();
+                    for k in &mine {
+                        m.entries.get_mut(k).unwrap().state = PageState::Ready;
+                    }
+                } else {
+                    ix.abort(*owner, &mine).unwrap();
+                    for k in &mine {
+                        m.entries.remove(k);
+                    }
+                }
+            }
+            Op::Acquire { chain: c, len } => {
+                let keys = chain(*c, *len);
+                let want = m.ready_prefix(&keys);
+                assert_eq!(ix.lookup(&keys), want);
+                let slots = ix.acquire(&keys);
+                assert_eq!(slots.len(), want);
+                for (k, s) in keys.iter().zip(&slots) {
+                    assert_eq!(ix.get(k), Some((*s, PageState::Ready)));
+                    m.entries.get_mut(k).unwrap().pins += 1;
+                }
+            }
+            Op::Release { chain: c, len } => {
+                let keys = chain(*c, *len);
+                let ok = keys
+                    .iter()
+                    .all(|k| m.entries.get(k).is_some_and(|e| e.pins > 0));
+                assert_eq!(ix.release(&keys).is_ok(), ok, "release of {keys:?}");
+                if ok {
+                    for k in &keys {
+                        m.entries.get_mut(k).unwrap().pins -= 1;
+                    }
+                }
+            }
+            Op::Evict(n) => {
+                let evicted = ix.evict(*n);
+                assert!(evicted.len() <= *n);
+                check_evicted(&mut m, &evicted);
+            }
+            Op::EndOwner(owner) => {
+                let n = ix.abort_owner(*owner);
+                let before = m.entries.len();
+                m.entries
+                    .retain(|_, e| !(e.state == PageState::Writing && e.owner == *owner));
+                assert_eq!(n, before - m.entries.len());
+            }
+        }
+        ix.validate().unwrap();
+        let s = ix.stats();
+        let count = |f: &dyn Fn(&Entry) -> bool| m.entries.values().filter(|e| f(e)).count() as u32;
+        assert_eq!(s.ready, count(&|e| e.state == PageState::Ready));
+        assert_eq!(s.writing, count(&|e| e.state == PageState::Writing));
+        assert_eq!(s.pinned, count(&|e| e.pins > 0));
+        assert_eq!(
+            s.pins,
+            m.entries.values().map(|e| u64::from(e.pins)).sum::<u64>()
+        );
+        assert_eq!(ix.free_slots(), CAPACITY - m.entries.len() as u32);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_agrees_with_model(
+        kind in prop::sample::select(PolicyKind::ALL.to_vec()),
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        run(kind, &ops);
+    }
+}
