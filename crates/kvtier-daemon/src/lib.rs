@@ -70,6 +70,15 @@ impl DaemonError {
     }
 }
 
+/// Locks the state. A panic while holding the lock is a bug, but every state update is
+/// all-or-nothing per call, so serving on beats refusing every later request.
+pub(crate) fn lock(state: &Mutex<HostState>) -> std::sync::MutexGuard<'_, HostState> {
+    match state.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
 fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError {
     let path = path.display().to_string();
     move |source| DaemonError::Setup { what, path, source }
@@ -183,8 +192,7 @@ pub async fn run(
                 tokio::select! {
                     () = stop.cancelled() => return,
                     _ = tick.tick() => {
-                        let mut st = match state.lock() { Ok(g) => g, Err(p) => p.into_inner() };
-                        st.expire(Instant::now());
+                        lock(&state).expire(Instant::now());
                     }
                 }
             }
@@ -239,10 +247,11 @@ pub async fn run(
     if let Err(e) = std::fs::remove_file(&socket) {
         tracing::warn!(socket = %socket.display(), "could not remove the socket: {e}");
     }
-    // Dropping the last reference to the state unmaps every pool and unlinks its file.
+    // Unlink every pool now, even if a connection task aborted above still holds the state;
+    // the memory itself goes when the last mapping does.
     drop(service);
-    if Arc::strong_count(&state) > 1 {
-        tracing::warn!("pool state still referenced at shutdown; pools are unlinked at exit");
+    for pool in lock(&state).pools() {
+        pool.shm.unlink();
     }
     drop(state);
     tracing::info!("kvtierd stopped");

@@ -179,10 +179,7 @@ impl Metrics {
     /// Refreshes the gauges from the state and renders the text format.
     pub fn render(&self, state: &Mutex<HostState>) -> String {
         {
-            let st = match state.lock() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
+            let st = crate::lock(state);
             let t = st.totals();
             let (total, used) = st.pool_bytes();
             self.pool_bytes

@@ -46,12 +46,7 @@ impl HostService {
     }
 
     fn state(&self) -> MutexGuard<'_, HostState> {
-        // A panic while holding the lock is a bug; the state itself is updated all-or-nothing
-        // per call, so serving on is better than refusing every later request.
-        match self.state.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
+        crate::lock(&self.state)
     }
 
     fn keys(&self, raw: &[Vec<u8>]) -> Result<Vec<PageKey>, ApiError> {

@@ -517,3 +517,48 @@ mod tonic_reflection_client {
         }
     }
 }
+
+#[test]
+fn tcp_listener_serves_the_same_service() {
+    let d = Daemon::start("tcp", &["l2.pool_pages=8", "server.tcp=127.0.0.1:0"]);
+    assert!(!d.tcp.is_empty());
+    rt().block_on(async {
+        let target = format!("http://{}", d.tcp);
+        assert_eq!(kvtier_client::health(&target).await.unwrap(), "SERVING");
+        let mut c = HostClient::connect(&target).await.unwrap();
+        let s = c.register("over-tcp", &layout("m")).await.unwrap();
+        let keys = chain(40, 2);
+        let bytes = store(&mut c, &s, &keys).await;
+        // The same pages through the Unix socket.
+        let mut u = HostClient::connect(&d.target()).await.unwrap();
+        let s2 = u.register("over-uds", &layout("m")).await.unwrap();
+        assert_eq!(load(&mut u, &s2, &keys).await, bytes);
+    });
+}
+
+#[test]
+fn bad_configuration_stops_kvtierd_naming_the_key() {
+    for (args, key) in [
+        (
+            vec!["--set", "l2.eviction_policy=random"],
+            "l2.eviction_policy",
+        ),
+        (vec!["--set", "sessions.ttl=forever"], "ttl"),
+        (vec!["--set", "l2.pool_bytez=1G"], "l2.pool_bytez"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtierd"))
+            .args(&args)
+            .env("KVTIER_DATA_DIR", std::env::temp_dir())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(key), "{args:?}: {err}");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtierd"))
+        .env("KVTIER_L2_MAX_POOLS", "lots")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KVTIER_L2_MAX_POOLS"));
+}

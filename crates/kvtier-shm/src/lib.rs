@@ -260,6 +260,15 @@ impl ShmPool {
         self.huge_pages
     }
 
+    /// Removes the pool's name now (owner of a [`Backing::ShmFile`] pool only): processes that
+    /// have it mapped keep their mapping, nobody new can open it. Idempotent.
+    pub fn unlink(&self) {
+        if self.unlink_on_drop {
+            // Already gone is fine: that is the goal.
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
     /// The raw file descriptor (for passing to other processes).
     pub fn raw_fd(&self) -> i32 {
         self._file.as_raw_fd()

@@ -15,6 +15,8 @@ pub struct Daemon {
     pub dir: PathBuf,
     pub socket: PathBuf,
     pub metrics_url: String,
+    /// `host:port` of the TCP listener, empty when off.
+    pub tcp: String,
     stdout_lines: mpsc::Receiver<String>,
 }
 
@@ -78,6 +80,7 @@ impl Daemon {
         Daemon {
             socket: PathBuf::from(field("socket=")),
             metrics_url: field("metrics="),
+            tcp: field("tcp="),
             dir,
             child,
             stdout_lines: rx,
