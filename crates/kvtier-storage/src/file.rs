@@ -1,0 +1,390 @@
+//! `file`: one file per object under a directory — the embedded default backend.
+//!
+//! - **Atomic**: an object is written to `tmp/` and renamed into `objects/`, so a reader sees a
+//!   whole file or none; a crash leaves at most a temp file, removed at the next start. With
+//!   `sync = true` the data is fsynced before the rename (durable across power loss); without,
+//!   a power cut can leave a renamed but empty or torn file, which the page checksum turns into
+//!   a miss.
+//! - **Bounded**: an in-memory index (size and last access per object) evicts least recently
+//!   used objects above `capacity_bytes`, and writes are refused while the filesystem has less
+//!   than `min_free_bytes` free. Objects older than `ttl` are misses (and deleted).
+//! - **Restartable**: the files are the truth; the index is rebuilt in the background at start
+//!   (it serves only eviction and accounting), so start is immediate and reads work at once.
+//! - A file that cannot be deleted is counted and forgotten by the index, never retried in a loop.
+//!
+//! Blocking file I/O runs on tokio's blocking pool, never on the async workers.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{ErrorKind, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::{StorageError, Store, StoreStats, check_name};
+
+/// Configuration of a [`FileStore`].
+#[derive(Clone, Debug)]
+pub struct FileConfig {
+    /// Directory holding `objects/` and `tmp/`.
+    pub root: PathBuf,
+    /// Most bytes kept (0: unbounded); least recently used objects are evicted above it.
+    pub capacity_bytes: u64,
+    /// Writes are refused while the filesystem has less free space than this.
+    pub min_free_bytes: u64,
+    /// Objects older than this are misses and are deleted (None: no expiry).
+    pub ttl: Option<Duration>,
+    /// fsync each object before it becomes visible.
+    pub sync: bool,
+}
+
+impl FileConfig {
+    /// Unbounded, unsynced, no TTL: for tests and benchmarks.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            capacity_bytes: 0,
+            min_free_bytes: 0,
+            ttl: None,
+            sync: false,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    /// name → (bytes, last access in ns since the epoch)
+    entries: HashMap<String, (u64, u64)>,
+    lru: BTreeSet<(u64, String)>,
+    bytes: u64,
+    evictions: u64,
+    delete_failures: u64,
+}
+
+impl Index {
+    fn insert(&mut self, name: &str, size: u64, at: u64) {
+        if let Some((old_size, old_at)) = self.entries.insert(name.to_string(), (size, at)) {
+            self.bytes -= old_size;
+            self.lru.remove(&(old_at, name.to_string()));
+        }
+        self.bytes += size;
+        self.lru.insert((at, name.to_string()));
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Some((size, at)) = self.entries.remove(name) {
+            self.bytes -= size;
+            self.lru.remove(&(at, name.to_string()));
+        }
+    }
+
+    fn touch(&mut self, name: &str, at: u64) {
+        if let Some(e) = self.entries.get_mut(name) {
+            let old = e.1;
+            e.1 = at;
+            self.lru.remove(&(old, name.to_string()));
+            self.lru.insert((at, name.to_string()));
+        }
+    }
+
+    /// Takes least recently used objects out until `bytes <= capacity`, sparing `keep`.
+    fn victims(&mut self, capacity: u64, keep: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        while capacity > 0 && self.bytes > capacity {
+            let Some(first) = self.lru.iter().find(|(_, n)| n != keep).cloned() else {
+                break;
+            };
+            self.remove(&first.1);
+            self.evictions += 1;
+            out.push(first.1);
+        }
+        out
+    }
+}
+
+/// The file backend.
+#[derive(Debug)]
+pub struct FileStore {
+    cfg: FileConfig,
+    objects: PathBuf,
+    tmp: PathBuf,
+    index: Arc<Mutex<Index>>,
+    seq: AtomicU64,
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn io(op: &'static str, target: &Path) -> impl FnOnce(std::io::Error) -> StorageError {
+    let target = target.display().to_string();
+    move |source| StorageError::Io { op, target, source }
+}
+
+/// Whether a file last written per `meta` is older than `ttl`.
+fn expired(ttl: Option<Duration>, meta: &std::fs::Metadata) -> bool {
+    ttl.is_some_and(|ttl| {
+        meta.modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age > ttl)
+    })
+}
+
+fn lock(index: &Mutex<Index>) -> std::sync::MutexGuard<'_, Index> {
+    match index.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Runs blocking file I/O off the async workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
+) -> Result<T, StorageError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(StorageError::Backend {
+            backend: "file",
+            message: format!("blocking task failed: {e}"),
+            retryable: true,
+        }),
+    }
+}
+
+impl FileStore {
+    /// Opens (creating if needed) a store at `cfg.root`: removes temp files a crash left
+    /// behind and rebuilds the index in the background.
+    pub async fn open(cfg: FileConfig) -> Result<Arc<Self>, StorageError> {
+        let objects = cfg.root.join("objects");
+        let tmp = cfg.root.join("tmp");
+        for d in [&objects, &tmp] {
+            std::fs::create_dir_all(d).map_err(io("create", d))?;
+        }
+        let stale = std::fs::read_dir(&tmp).map_err(io("list", &tmp))?;
+        for e in stale.flatten() {
+            // A temp file is a write that never completed: it was never visible.
+            if let Err(err) = std::fs::remove_file(e.path()) {
+                tracing::warn!(path = %e.path().display(), "cannot remove a stale temp file: {err}");
+            }
+        }
+        let store = Arc::new(Self {
+            objects,
+            tmp,
+            index: Arc::default(),
+            seq: AtomicU64::new(0),
+            cfg,
+        });
+        let (root, index) = (store.objects.clone(), store.index.clone());
+        tokio::task::spawn_blocking(move || {
+            let n = rebuild(&root, &root, &index);
+            tracing::info!(root = %root.display(), objects = n, "file store index rebuilt");
+        });
+        Ok(store)
+    }
+
+    /// The path of object `name`: `objects/<dirs>/<2 hex>/<last segment>`, spreading files
+    /// over 256 directories per prefix.
+    pub fn path_of(&self, name: &str) -> PathBuf {
+        let (dir, file) = name.rsplit_once('/').unwrap_or(("", name));
+        let fan = &file[..file.len().min(2)];
+        let mut p = self.objects.clone();
+        if !dir.is_empty() {
+            p.push(dir);
+        }
+        p.push(fan);
+        p.push(file);
+        p
+    }
+
+    fn delete_files(index: &Mutex<Index>, paths: Vec<PathBuf>) {
+        for p in paths {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => {
+                    lock(index).delete_failures += 1;
+                    tracing::warn!(path = %p.display(), "cannot delete an evicted object: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Adds every object file under `dir` to the index (entries already there are newer).
+fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        let path = e.path();
+        let Ok(meta) = e.metadata() else { continue };
+        if meta.is_dir() {
+            n += rebuild(objects, &path, index);
+            continue;
+        }
+        let Ok(rel) = path.strip_prefix(objects) else {
+            continue;
+        };
+        // objects/<dir>/<fan>/<file> → name <dir>/<file>
+        let parts: Vec<&str> = rel.iter().filter_map(|s| s.to_str()).collect();
+        let name = match parts.as_slice() {
+            [dir, _fan, file] => format!("{dir}/{file}"),
+            [_fan, file] => (*file).to_string(),
+            _ => continue,
+        };
+        let at = meta
+            .modified()
+            .ok()
+            .and_then(|m| m.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos() as u64);
+        let mut g = lock(index);
+        if !g.entries.contains_key(&name) {
+            g.insert(&name, meta.len(), at);
+            n += 1;
+        }
+    }
+    n
+}
+
+#[async_trait]
+impl Store for FileStore {
+    fn kind(&self) -> &'static str {
+        "file"
+    }
+
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        check_name(name)?;
+        let path = self.path_of(name);
+        let ttl = self.cfg.ttl;
+        let (name_owned, index) = (name.to_string(), self.index.clone());
+        blocking(move || {
+            let mut f = match std::fs::File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    lock(&index).remove(&name_owned);
+                    return Ok(None);
+                }
+                Err(e) => return Err(io("open", &path)(e)),
+            };
+            if ttl.is_some() && expired(ttl, &f.metadata().map_err(io("stat", &path))?) {
+                lock(&index).remove(&name_owned);
+                // Best effort: an undeletable expired file is still never served.
+                let _ = std::fs::remove_file(&path);
+                return Ok(None);
+            }
+            let mut buf = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut buf).map_err(io("read", &path))?;
+            lock(&index).touch(&name_owned, now_ns());
+            Ok(Some(Bytes::from(buf)))
+        })
+        .await
+    }
+
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        check_name(name)?;
+        let size = (head.len() + body.len()) as u64;
+        let cap = self.cfg.capacity_bytes;
+        if cap > 0 && size > cap {
+            return Err(StorageError::NoSpace(format!(
+                "object of {size} bytes exceeds capacity_bytes {cap}"
+            )));
+        }
+        let min_free = self.cfg.min_free_bytes;
+        let sync = self.cfg.sync;
+        let path = self.path_of(name);
+        let tmp = self.tmp.join(format!(
+            "{}-{}.tmp",
+            std::process::id(),
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        let root = self.cfg.root.clone();
+        let (name_owned, index) = (name.to_string(), self.index.clone());
+        let paths: Vec<PathBuf> = blocking(move || {
+            if min_free > 0 {
+                let st = rustix::fs::statvfs(&root).map_err(|e| io("statvfs", &root)(e.into()))?;
+                let free = st.f_bavail.saturating_mul(st.f_frsize);
+                if free < min_free.saturating_add(size) {
+                    return Err(StorageError::NoSpace(format!(
+                        "{} has {free} bytes free, min_free_bytes is {min_free}",
+                        root.display()
+                    )));
+                }
+            }
+            let write = || -> std::io::Result<()> {
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(&head)?;
+                f.write_all(&body)?;
+                if sync {
+                    f.sync_data()?;
+                }
+                drop(f);
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir)?;
+                }
+                std::fs::rename(&tmp, &path)
+            };
+            if let Err(e) = write() {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io("write", &path)(e));
+            }
+            let mut g = lock(&index);
+            g.insert(&name_owned, size, now_ns());
+            Ok(g.victims(cap, &name_owned))
+        })
+        .await?
+        .into_iter()
+        .map(|victim| self.path_of(&victim))
+        .collect();
+        if !paths.is_empty() {
+            let index = self.index.clone();
+            blocking(move || {
+                Self::delete_files(&index, paths);
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        check_name(name)?;
+        let path = self.path_of(name);
+        match tokio::fs::metadata(&path).await {
+            Ok(meta) => Ok(!expired(self.cfg.ttl, &meta)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io("stat", &path)(e)),
+        }
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        check_name(name)?;
+        let path = self.path_of(name);
+        lock(&self.index).remove(name);
+        match tokio::fs::remove_file(&path).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+            Err(e) => {
+                lock(&self.index).delete_failures += 1;
+                Err(io("delete", &path)(e))
+            }
+        }
+    }
+
+    fn stats(&self) -> StoreStats {
+        let g = lock(&self.index);
+        StoreStats {
+            objects: g.entries.len() as u64,
+            bytes: g.bytes,
+            capacity: self.cfg.capacity_bytes,
+            evictions: g.evictions,
+            delete_failures: g.delete_failures,
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! kvtier-storage: the L3 tier. A small [`Store`] trait over named, opaque objects that every
+//! backend implements; the page [`format`] (header + checksum) and [`PageStore`], which frames
+//! pages into objects and turns every failure into a miss that says why; the backends; and a
+//! [`conformance`] suite that every backend must pass.
+//!
+//! The cut follows object_store: backends only store bytes under names, atomically; everything
+//! that makes those bytes trustworthy (layout fingerprint in the name and the header, page key,
+//! length, CRC32C) lives once, above them. So a backend cannot serve a torn, stale or foreign
+//! page as a hit: the framing layer refuses it, counts it and deletes it.
+
+pub mod conformance;
+pub mod file;
+pub mod format;
+pub mod memory;
+mod page;
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio_util::sync::CancellationToken;
+
+pub use page::{Fetch, MissReason, PageStore, PageStoreStats};
+
+/// Why a storage operation failed. Absence is not an error: `get` returns `Ok(None)`.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// An I/O call failed.
+    #[error("{op} {target}: {source}")]
+    Io {
+        /// The operation.
+        op: &'static str,
+        /// The object or path.
+        target: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The call's deadline passed.
+    #[error("deadline exceeded after {0:?}")]
+    Timeout(Duration),
+    /// The call was cancelled.
+    #[error("cancelled")]
+    Cancelled,
+    /// The backend refuses writes: its capacity or the disk's free-space guard is reached.
+    #[error("no space: {0}")]
+    NoSpace(String),
+    /// The backend is unavailable (e.g. its circuit breaker is open).
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// A backend-specific failure (a remote service's error).
+    #[error("{backend}: {message}")]
+    Backend {
+        /// Which backend.
+        backend: &'static str,
+        /// What it said.
+        message: String,
+        /// Whether the backend says a retry may succeed.
+        retryable: bool,
+    },
+    /// The object name or configuration is invalid.
+    #[error("invalid: {0}")]
+    Invalid(String),
+}
+
+impl StorageError {
+    /// Whether retrying the same call could succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StorageError::Io { source, .. } => !matches!(
+                source.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidInput
+            ),
+            StorageError::Timeout(_) | StorageError::Unavailable(_) => true,
+            StorageError::Backend { retryable, .. } => *retryable,
+            StorageError::Cancelled | StorageError::NoSpace(_) | StorageError::Invalid(_) => false,
+        }
+    }
+
+    /// A short, bounded label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            StorageError::Io { .. } => "io",
+            StorageError::Timeout(_) => "timeout",
+            StorageError::Cancelled => "cancelled",
+            StorageError::NoSpace(_) => "no_space",
+            StorageError::Unavailable(_) => "unavailable",
+            StorageError::Backend { .. } => "backend",
+            StorageError::Invalid(_) => "invalid",
+        }
+    }
+}
+
+/// The cancellation token and deadline every storage call carries. [`PageStore`] applies it
+/// around each backend call, so every backend honours it the same way (backend futures are
+/// cancel safe by contract).
+#[derive(Clone, Debug)]
+pub struct OpCtx {
+    /// Cancelled when the caller gives up (shutdown, request dropped).
+    pub cancel: CancellationToken,
+    /// When the call must have finished.
+    pub deadline: Instant,
+}
+
+impl OpCtx {
+    /// A context with `timeout` from now and a fresh token.
+    pub fn timeout(timeout: Duration) -> Self {
+        Self {
+            cancel: CancellationToken::new(),
+            deadline: Instant::now() + timeout,
+        }
+    }
+
+    /// A context under `parent`'s cancellation.
+    pub fn child(parent: &CancellationToken, timeout: Duration) -> Self {
+        Self {
+            cancel: parent.child_token(),
+            deadline: Instant::now() + timeout,
+        }
+    }
+
+    /// Runs `fut` until it finishes, the deadline passes or the token is cancelled. A future
+    /// that is cut short is dropped; backends make that safe (see [`Store`]).
+    pub async fn run<T>(
+        &self,
+        fut: impl Future<Output = Result<T, StorageError>>,
+    ) -> Result<T, StorageError> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        tokio::select! {
+            r = fut => r,
+            () = self.cancel.cancelled() => Err(StorageError::Cancelled),
+            () = tokio::time::sleep(left) => Err(StorageError::Timeout(left)),
+        }
+    }
+}
+
+/// What a backend reports about itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Objects held (as far as the backend tracks them).
+    pub objects: u64,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Capacity bound in bytes (0: unbounded).
+    pub capacity: u64,
+    /// Objects evicted to honour the capacity bound.
+    pub evictions: u64,
+    /// Objects it failed to delete (left on disk, forgotten by the index).
+    pub delete_failures: u64,
+}
+
+/// A backend: named, opaque objects.
+///
+/// Contract, for every implementation:
+/// - **Atomic sets**: a reader sees an object in full or not at all (or a whole older version),
+///   never a prefix, even if the writer crashes or the set future is dropped mid-way.
+/// - **Idempotent**: setting the same bytes again, or deleting an absent object, succeeds.
+/// - **Absence is not an error**: `get` of a missing object is `Ok(None)`, `exists` is `false`.
+/// - **Cancel safety**: dropping any returned future leaves the store consistent (a set either
+///   happened or did not).
+/// - Objects may disappear at any time (capacity eviction, TTL, operator); callers treat
+///   every object as a cache entry, never as the only copy.
+/// - Names are `[0-9a-f/]` strings of at most 256 bytes (kvtier uses
+///   `<fingerprint hex>/<page key hex>`).
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// The backend's kind (`file`, `memory`, `rocksdb`, `s3`, `remote`), for metrics and logs.
+    fn kind(&self) -> &'static str;
+
+    /// The object, or `None` when absent.
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError>;
+
+    /// Stores `head ‖ body` under `name`, atomically. Two parts so a framed page is written
+    /// straight from its header and payload buffers, without concatenating them first.
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError>;
+
+    /// Whether the object exists.
+    async fn exists(&self, name: &str) -> Result<bool, StorageError>;
+
+    /// Removes the object if present.
+    async fn delete(&self, name: &str) -> Result<(), StorageError>;
+
+    /// How many of `names`, from the first, exist (stops at the first absent one). Backends
+    /// with a batch API override this; the default asks one by one.
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        for (i, n) in names.iter().enumerate() {
+            if !self.exists(n).await? {
+                return Ok(i);
+            }
+        }
+        Ok(names.len())
+    }
+
+    /// Current statistics.
+    fn stats(&self) -> StoreStats;
+}
+
+/// Checks an object name against the contract.
+pub fn check_name(name: &str) -> Result<(), StorageError> {
+    let ok = !name.is_empty()
+        && name.len() <= 256
+        && !name.starts_with('/')
+        && !name.contains("//")
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b) || b == b'/');
+    if ok {
+        Ok(())
+    } else {
+        Err(StorageError::Invalid(format!(
+            "object name {name:?} is not [0-9a-f/]{{1,256}} without empty segments"
+        )))
+    }
+}

@@ -1,0 +1,239 @@
+//! Pages over a [`Store`]: framing on write, verification on read, and results that say why.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use kvtier_core::{LayoutFingerprint, PageKey};
+
+use crate::format::{header, object_name, verify};
+use crate::{OpCtx, StorageError, Store, StoreStats};
+
+/// Why a page was not served.
+#[derive(Debug)]
+pub enum MissReason {
+    /// The backend does not have it.
+    Absent,
+    /// It was there but is not the expected page (torn, corrupted, other layout or key); it
+    /// has been deleted.
+    Corrupt(String),
+    /// The call did not finish in time.
+    Timeout,
+    /// The caller cancelled.
+    Cancelled,
+    /// The backend refused to try (its breaker is open).
+    Throttled,
+    /// The backend failed.
+    Failed(StorageError),
+}
+
+impl MissReason {
+    /// A short, bounded label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            MissReason::Absent => "absent",
+            MissReason::Corrupt(_) => "corrupt",
+            MissReason::Timeout => "timeout",
+            MissReason::Cancelled => "cancelled",
+            MissReason::Throttled => "throttled",
+            MissReason::Failed(_) => "failed",
+        }
+    }
+}
+
+/// The outcome of a page read.
+#[derive(Debug)]
+pub enum Fetch {
+    /// The page's bytes, verified.
+    Hit(Bytes),
+    /// No page, and why.
+    Miss(MissReason),
+}
+
+impl Fetch {
+    /// The bytes of a hit.
+    pub fn hit(self) -> Option<Bytes> {
+        match self {
+            Fetch::Hit(b) => Some(b),
+            Fetch::Miss(_) => None,
+        }
+    }
+}
+
+impl From<StorageError> for MissReason {
+    fn from(e: StorageError) -> Self {
+        match e {
+            StorageError::Timeout(_) => MissReason::Timeout,
+            StorageError::Cancelled => MissReason::Cancelled,
+            StorageError::Unavailable(_) => MissReason::Throttled,
+            other => MissReason::Failed(other),
+        }
+    }
+}
+
+/// Counters of a [`PageStore`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageStoreStats {
+    /// Verified hits.
+    pub hits: u64,
+    /// Reads that found nothing.
+    pub absent: u64,
+    /// Reads that found a bad object (deleted).
+    pub corrupt: u64,
+    /// Reads that failed, timed out or were refused.
+    pub failed: u64,
+    /// Pages written.
+    pub sets: u64,
+    /// Writes that failed.
+    pub set_failures: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    absent: AtomicU64,
+    corrupt: AtomicU64,
+    failed: AtomicU64,
+    sets: AtomicU64,
+    set_failures: AtomicU64,
+}
+
+/// Pages of any layout over one backend.
+#[derive(Clone)]
+pub struct PageStore {
+    store: Arc<dyn Store>,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for PageStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageStore")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl PageStore {
+    /// Pages over `store`.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            counters: Arc::default(),
+        }
+    }
+
+    /// The backend.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Reads and verifies page `key` of layout `fp`. Never returns unverified bytes: a bad
+    /// object is deleted and reported as [`MissReason::Corrupt`].
+    pub async fn get(
+        &self,
+        ctx: &OpCtx,
+        fp: &LayoutFingerprint,
+        key: &PageKey,
+        expected_len: Option<usize>,
+    ) -> Fetch {
+        let name = object_name(fp, key);
+        let c = &self.counters;
+        match ctx.run(self.store.get(&name)).await {
+            Ok(Some(obj)) => match verify(&obj, fp, key, expected_len) {
+                Ok(payload) => {
+                    bump(&c.hits);
+                    Fetch::Hit(payload)
+                }
+                Err(why) => {
+                    bump(&c.corrupt);
+                    tracing::warn!(backend = self.store.kind(), object = %name, "deleting a bad object: {why}");
+                    if let Err(e) = ctx.run(self.store.delete(&name)).await {
+                        tracing::warn!(backend = self.store.kind(), object = %name, "could not delete a bad object: {e}");
+                    }
+                    Fetch::Miss(MissReason::Corrupt(why))
+                }
+            },
+            Ok(None) => {
+                bump(&c.absent);
+                Fetch::Miss(MissReason::Absent)
+            }
+            Err(e) => {
+                bump(&c.failed);
+                Fetch::Miss(e.into())
+            }
+        }
+    }
+
+    /// Writes page `key` of layout `fp`.
+    pub async fn set(
+        &self,
+        ctx: &OpCtx,
+        fp: &LayoutFingerprint,
+        key: &PageKey,
+        payload: Bytes,
+    ) -> Result<(), StorageError> {
+        let head = header(fp, key, &payload);
+        let r = ctx
+            .run(self.store.set(&object_name(fp, key), head, payload))
+            .await;
+        match &r {
+            Ok(()) => bump(&self.counters.sets),
+            Err(_) => bump(&self.counters.set_failures),
+        }
+        r
+    }
+
+    /// Whether the backend has page `key` (unverified: a later `get` may still miss).
+    pub async fn exists(
+        &self,
+        ctx: &OpCtx,
+        fp: &LayoutFingerprint,
+        key: &PageKey,
+    ) -> Result<bool, StorageError> {
+        ctx.run(self.store.exists(&object_name(fp, key))).await
+    }
+
+    /// How many of `keys`, from the first, the backend has.
+    pub async fn exists_prefix(
+        &self,
+        ctx: &OpCtx,
+        fp: &LayoutFingerprint,
+        keys: &[PageKey],
+    ) -> Result<usize, StorageError> {
+        let names: Vec<String> = keys.iter().map(|k| object_name(fp, k)).collect();
+        ctx.run(self.store.exists_prefix(&names)).await
+    }
+
+    /// Deletes page `key`.
+    pub async fn delete(
+        &self,
+        ctx: &OpCtx,
+        fp: &LayoutFingerprint,
+        key: &PageKey,
+    ) -> Result<(), StorageError> {
+        ctx.run(self.store.delete(&object_name(fp, key))).await
+    }
+
+    /// Read and write counters.
+    pub fn stats(&self) -> PageStoreStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PageStoreStats {
+            hits: l(&c.hits),
+            absent: l(&c.absent),
+            corrupt: l(&c.corrupt),
+            failed: l(&c.failed),
+            sets: l(&c.sets),
+            set_failures: l(&c.set_failures),
+        }
+    }
+
+    /// The backend's own statistics.
+    pub fn store_stats(&self) -> StoreStats {
+        self.store.stats()
+    }
+}

@@ -1,0 +1,190 @@
+//! The conformance suite on every backend available without a server, and the file backend's
+//! own guarantees: restart, crash leftovers, capacity, TTL, free-space guard.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_storage::file::{FileConfig, FileStore};
+use kvtier_storage::memory::MemoryStore;
+use kvtier_storage::{Fetch, OpCtx, PageStore, StorageError, Store, conformance};
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvtier-storage-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn ctx() -> OpCtx {
+    OpCtx::timeout(Duration::from_secs(30))
+}
+
+#[tokio::test]
+async fn memory_conforms() {
+    conformance::run_all(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn file_conforms() {
+    let dir = tmpdir("conf");
+    conformance::run_all(FileStore::open(FileConfig::new(&dir)).await.unwrap()).await;
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
+    let dir = tmpdir("restart");
+    let fp = LayoutFingerprint([5; 16]);
+    let keys: Vec<PageKey> = (0..20u8).map(|i| PageKey([i; 32])).collect();
+    let page = |k: &PageKey| Bytes::from(vec![k.0[0]; 64 * 1024]);
+    {
+        let ps = PageStore::new(FileStore::open(FileConfig::new(&dir)).await.unwrap());
+        for k in &keys {
+            ps.set(&ctx(), &fp, k, page(k)).await.unwrap();
+        }
+    }
+    // A write cut short by a crash: a temp file that never got its final name.
+    std::fs::write(dir.join("tmp/999-0.tmp"), b"half a page").unwrap();
+    let store = FileStore::open(FileConfig::new(&dir)).await.unwrap();
+    assert!(
+        std::fs::read_dir(dir.join("tmp")).unwrap().next().is_none(),
+        "stale temp files were not removed"
+    );
+    let ps = PageStore::new(store.clone());
+    for k in &keys {
+        assert_eq!(
+            ps.get(&ctx(), &fp, k, Some(64 * 1024)).await.hit(),
+            Some(page(k))
+        );
+    }
+    // The index is rebuilt in the background and then accounts for every object.
+    for _ in 0..200 {
+        if store.stats().objects == 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.stats().objects, 20);
+    assert_eq!(store.stats().bytes, 20 * (64 * 1024 + 72));
+    // Bytes corrupted on disk are a miss, and the file is removed.
+    let victim = store.path_of(&kvtier_storage::format::object_name(&fp, &keys[3]));
+    let mut raw = std::fs::read(&victim).unwrap();
+    raw[1000] ^= 0xff;
+    std::fs::write(&victim, raw).unwrap();
+    assert!(matches!(
+        ps.get(&ctx(), &fp, &keys[3], None).await,
+        Fetch::Miss(_)
+    ));
+    assert!(!victim.exists());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn file_capacity_evicts_least_recently_used() {
+    let dir = tmpdir("cap");
+    let mut cfg = FileConfig::new(&dir);
+    cfg.capacity_bytes = 4 * 1000;
+    let s = FileStore::open(cfg).await.unwrap();
+    let n = |i: u32| format!("ab/{i:04x}");
+    for i in 0..4 {
+        s.set(&n(i), Bytes::new(), Bytes::from(vec![0u8; 1000]))
+            .await
+            .unwrap();
+    }
+    // Touch 0, so 1 is now the least recently used.
+    assert!(s.get(&n(0)).await.unwrap().is_some());
+    s.set(&n(4), Bytes::new(), Bytes::from(vec![0u8; 1000]))
+        .await
+        .unwrap();
+    assert!(s.exists(&n(0)).await.unwrap());
+    assert!(!s.exists(&n(1)).await.unwrap(), "LRU object survived");
+    assert!(s.exists(&n(4)).await.unwrap());
+    let st = s.stats();
+    assert_eq!((st.objects, st.bytes, st.evictions), (4, 4000, 1));
+    // An object larger than the whole capacity is refused.
+    assert!(matches!(
+        s.set(&n(9), Bytes::new(), Bytes::from(vec![0u8; 5000]))
+            .await,
+        Err(StorageError::NoSpace(_))
+    ));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn file_ttl_and_free_space_guard() {
+    let dir = tmpdir("ttl");
+    let mut cfg = FileConfig::new(&dir);
+    cfg.ttl = Some(Duration::from_millis(50));
+    let s = FileStore::open(cfg).await.unwrap();
+    s.set("ab/01", Bytes::new(), Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    assert!(s.exists("ab/01").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert!(
+        !s.exists("ab/01").await.unwrap(),
+        "expired object still exists"
+    );
+    assert!(
+        s.get("ab/01").await.unwrap().is_none(),
+        "expired object served"
+    );
+
+    let mut cfg = FileConfig::new(dir.join("guard"));
+    cfg.min_free_bytes = u64::MAX / 2;
+    let s = FileStore::open(cfg).await.unwrap();
+    let e = s
+        .set("ab/02", Bytes::new(), Bytes::from_static(b"x"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StorageError::NoSpace(_)), "{e}");
+    assert!(!s.exists("ab/02").await.unwrap());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn deadlines_and_cancellation_become_misses() {
+    /// A store whose every call hangs.
+    #[derive(Debug)]
+    struct Hang;
+    #[async_trait::async_trait]
+    impl Store for Hang {
+        fn kind(&self) -> &'static str {
+            "hang"
+        }
+        async fn get(&self, _: &str) -> Result<Option<Bytes>, StorageError> {
+            std::future::pending().await
+        }
+        async fn set(&self, _: &str, _: Bytes, _: Bytes) -> Result<(), StorageError> {
+            std::future::pending().await
+        }
+        async fn exists(&self, _: &str) -> Result<bool, StorageError> {
+            std::future::pending().await
+        }
+        async fn delete(&self, _: &str) -> Result<(), StorageError> {
+            std::future::pending().await
+        }
+        fn stats(&self) -> kvtier_storage::StoreStats {
+            Default::default()
+        }
+    }
+    let ps = PageStore::new(Arc::new(Hang));
+    let fp = LayoutFingerprint([1; 16]);
+    let key = PageKey([2; 32]);
+    let short = OpCtx::timeout(Duration::from_millis(30));
+    assert!(matches!(
+        ps.get(&short, &fp, &key, None).await,
+        Fetch::Miss(kvtier_storage::MissReason::Timeout)
+    ));
+    let c = OpCtx::timeout(Duration::from_secs(60));
+    c.cancel.cancel();
+    assert!(matches!(
+        ps.set(&c, &fp, &key, Bytes::new()).await,
+        Err(StorageError::Cancelled)
+    ));
+    assert_eq!(ps.stats().failed, 1);
+    assert_eq!(ps.stats().set_failures, 1);
+}
