@@ -10,6 +10,12 @@
 //! candidates, ordered by the configured [`EvictionPolicy`], so a prefix is never evicted
 //! from under a page that needs it and every eviction is `O(log n)`.
 //!
+//! For the storage tier below, each entry carries an [`L3Mark`]. A page being written to L3
+//! is pinned (so its slot cannot be reused mid-copy). In write-back mode
+//! ([`HostIndex::set_evict_needs_l3`]) only pages L3 holds are eviction candidates, and
+//! [`HostIndex::flush_candidates`] hands out the coldest pages L3 does not hold yet, so a
+//! page's slot is freed only after its write landed.
+//!
 //! Entries are stored densely by slot (slots are dense `0..capacity`); a hash map takes a key
 //! to its slot. The index never touches page bytes.
 
@@ -52,7 +58,22 @@ struct Entry {
     pins: u32,
     children: u32,
     meta: EntryMeta,
+    l3: L3Mark,
+    /// Rank under which the entry sits in `candidates`.
     rank: Option<Rank>,
+    /// Rank under which the entry sits in `flushable`.
+    flush_rank: Option<Rank>,
+}
+
+/// Where a page stands with the storage tier below L2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum L3Mark {
+    /// Not known to be in L3.
+    None,
+    /// A write to L3 is queued or in flight (the page is pinned meanwhile).
+    Queued,
+    /// L3 holds it (written, or found there).
+    Persisted,
 }
 
 /// Counters a daemon exports.
@@ -79,6 +100,10 @@ pub struct HostIndex {
     alloc: SlotAllocator,
     policy: Box<dyn EvictionPolicy>,
     candidates: BTreeSet<(Rank, u32)>,
+    /// Ready, unpinned pages not yet in L3, coldest first (write-back flushing order).
+    flushable: BTreeSet<(Rank, u32)>,
+    /// Write-back: only pages persisted in L3 may be evicted.
+    evict_needs_l3: bool,
     clock: u64,
     stats: HostIndexStats,
 }
@@ -108,6 +133,8 @@ impl HostIndex {
             alloc: SlotAllocator::new(capacity),
             policy: policy.build(),
             candidates: BTreeSet::new(),
+            flushable: BTreeSet::new(),
+            evict_needs_l3: false,
             clock: 0,
             stats: HostIndexStats {
                 capacity,
@@ -147,9 +174,13 @@ impl HostIndex {
 
     fn refresh(&mut self, slot: u32) {
         let e = self.entry(slot);
-        let want = (e.state == PageState::Ready && e.pins == 0 && e.children == 0)
-            .then(|| self.policy.rank(&e.meta));
-        let old = e.rank;
+        let idle = e.state == PageState::Ready && e.pins == 0;
+        let rank = self.policy.rank(&e.meta);
+        let evictable =
+            idle && e.children == 0 && (!self.evict_needs_l3 || e.l3 == L3Mark::Persisted);
+        let want = evictable.then_some(rank);
+        let want_flush = (idle && e.l3 == L3Mark::None).then_some(rank);
+        let (old, old_flush) = (e.rank, e.flush_rank);
         if old != want {
             if let Some(r) = old {
                 self.candidates.remove(&(r, slot));
@@ -159,6 +190,104 @@ impl HostIndex {
             }
             self.entry_mut(slot).rank = want;
         }
+        if old_flush != want_flush {
+            if let Some(r) = old_flush {
+                self.flushable.remove(&(r, slot));
+            }
+            if let Some(r) = want_flush {
+                self.flushable.insert((r, slot));
+            }
+            self.entry_mut(slot).flush_rank = want_flush;
+        }
+    }
+
+    /// Write-back mode: a page may be evicted only once L3 holds it. Off by default.
+    pub fn set_evict_needs_l3(&mut self, on: bool) {
+        self.evict_needs_l3 = on;
+        let slots: Vec<u32> = self.map.values().copied().collect();
+        for s in slots {
+            self.refresh(s);
+        }
+    }
+
+    /// Pins ready `keys` for an L3 write and marks them queued; skips keys that are absent,
+    /// not ready, or already queued or persisted. Returns `(key, slot)` of those pinned.
+    pub fn queue_for_l3(&mut self, keys: &[PageKey]) -> Vec<(PageKey, u32)> {
+        let mut out = Vec::new();
+        for k in keys {
+            let Some(&s) = self.map.get(k) else { continue };
+            let e = self.entry_mut(s);
+            if e.state != PageState::Ready || e.l3 != L3Mark::None {
+                continue;
+            }
+            e.l3 = L3Mark::Queued;
+            if e.pins == 0 {
+                self.stats.pinned += 1;
+            }
+            let e = self.entry_mut(s);
+            e.pins += 1;
+            self.stats.pins += 1;
+            self.refresh(s);
+            out.push((*k, s));
+        }
+        out
+    }
+
+    /// The coldest `n` pages not yet in L3, queued and pinned for writing (write-back).
+    pub fn flush_candidates(&mut self, n: usize) -> Vec<(PageKey, u32)> {
+        let keys: Vec<PageKey> = self
+            .flushable
+            .iter()
+            .take(n)
+            .map(|&(_, s)| self.entry(s).key)
+            .collect();
+        self.queue_for_l3(&keys)
+    }
+
+    /// Ends an L3 write started by [`Self::queue_for_l3`]: unpins the page and marks it
+    /// persisted (`landed`) or not (to be tried again later). The page may have been
+    /// re-created meanwhile only if it was unpinned, which a queued page never is.
+    pub fn finish_l3(&mut self, key: &PageKey, landed: bool) {
+        let Some(&s) = self.map.get(key) else { return };
+        let e = self.entry_mut(s);
+        if e.l3 != L3Mark::Queued {
+            return;
+        }
+        e.l3 = if landed {
+            L3Mark::Persisted
+        } else {
+            L3Mark::None
+        };
+        e.pins -= 1;
+        let unpinned = e.pins == 0;
+        self.stats.pins -= 1;
+        if unpinned {
+            self.stats.pinned -= 1;
+        }
+        self.refresh(s);
+    }
+
+    /// Records that L3 already holds `key` (found there, or loaded from there).
+    pub fn mark_persisted(&mut self, key: &PageKey) {
+        if let Some(&s) = self.map.get(key)
+            && self.entry(s).l3 == L3Mark::None
+        {
+            self.entry_mut(s).l3 = L3Mark::Persisted;
+            self.refresh(s);
+        }
+    }
+
+    /// Hit count and L3 mark of `key`.
+    pub fn l3_info(&self, key: &PageKey) -> Option<(u64, L3Mark)> {
+        self.map.get(key).map(|&s| {
+            let e = self.entry(s);
+            (e.meta.hits, e.l3)
+        })
+    }
+
+    /// Pages ready and not yet in L3 (what write-back still has to write).
+    pub fn unpersisted(&self) -> usize {
+        self.flushable.len()
     }
 
     fn adjust_children(&mut self, parent: Option<PageKey>, delta: i32) {
@@ -177,6 +306,9 @@ impl HostIndex {
         };
         if let Some(r) = e.rank {
             self.candidates.remove(&(r, slot));
+        }
+        if let Some(r) = e.flush_rank {
+            self.flushable.remove(&(r, slot));
         }
         self.map.remove(&e.key);
         match e.state {
@@ -267,7 +399,9 @@ impl HostIndex {
                     hits: 0,
                     priority: 0,
                 },
+                l3: L3Mark::None,
                 rank: None,
+                flush_rank: None,
             });
             self.map.insert(*key, slot);
             self.stats.writing += 1;
@@ -418,14 +552,21 @@ impl HostIndex {
             if let Some(p) = e.parent.filter(|p| self.map.contains_key(p)) {
                 *children.entry(p).or_insert(0) += 1;
             }
-            let want = e.state == PageState::Ready && e.pins == 0 && e.children == 0;
-            if want != e.rank.is_some()
-                || want
-                    != self
-                        .candidates
-                        .contains(&(self.policy.rank(&e.meta), slot as u32))
-            {
+            let idle = e.state == PageState::Ready && e.pins == 0;
+            let rank = self.policy.rank(&e.meta);
+            let want =
+                idle && e.children == 0 && (!self.evict_needs_l3 || e.l3 == L3Mark::Persisted);
+            if want != e.rank.is_some() || want != self.candidates.contains(&(rank, slot as u32)) {
                 return Err(format!("slot {slot}: candidate set is stale"));
+            }
+            let want_flush = idle && e.l3 == L3Mark::None;
+            if want_flush != e.flush_rank.is_some()
+                || want_flush != self.flushable.contains(&(rank, slot as u32))
+            {
+                return Err(format!("slot {slot}: flushable set is stale"));
+            }
+            if e.l3 == L3Mark::Queued && e.pins == 0 {
+                return Err(format!("slot {slot}: queued for L3 but not pinned"));
             }
         }
         for e in self.entries.iter().flatten() {
@@ -438,15 +579,11 @@ impl HostIndex {
         if s != self.stats || self.map.len() as u32 != s.ready + s.writing {
             return Err(format!("stats walked {s:?} but kept {:?}", self.stats));
         }
-        if self.candidates.len()
-            != self
-                .entries
-                .iter()
-                .flatten()
-                .filter(|e| e.rank.is_some())
-                .count()
+        let live = self.entries.iter().flatten();
+        if self.candidates.len() != live.clone().filter(|e| e.rank.is_some()).count()
+            || self.flushable.len() != live.filter(|e| e.flush_rank.is_some()).count()
         {
-            return Err("candidate set holds removed entries".into());
+            return Err("candidate or flushable set holds removed entries".into());
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use kvtier_core::host_index::{HostIndex, PageState, Reserve};
+use kvtier_core::host_index::{HostIndex, L3Mark, PageState, Reserve};
 use kvtier_core::{PageKey, PolicyKind};
 use proptest::prelude::*;
 
@@ -31,6 +31,7 @@ struct Entry {
     instance: u64,
     /// Instance of the parent entry when this one was created, if the parent was indexed.
     parent_instance: Option<u64>,
+    l3: L3Mark,
 }
 
 #[derive(Default)]
@@ -66,6 +67,9 @@ enum Op {
     Release { chain: u8, len: u8 },
     Evict(usize),
     EndOwner(u64),
+    QueueL3 { chain: u8, len: u8 },
+    FinishL3 { chain: u8, landed: bool },
+    Flush(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -80,14 +84,29 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (chain, len).prop_map(|(chain, len)| Op::Release { chain, len }),
         1 => (0usize..4).prop_map(Op::Evict),
         1 => owner.prop_map(Op::EndOwner),
+        2 => (0u8..4, 1u8..5).prop_map(|(chain, len)| Op::QueueL3 { chain, len }),
+        2 => (0u8..4, any::<bool>()).prop_map(|(chain, landed)| Op::FinishL3 { chain, landed }),
+        1 => (0usize..4).prop_map(Op::Flush),
     ]
 }
 
-fn check_evicted(m: &mut Model, evicted: &[PageKey]) {
+fn check_evicted(m: &mut Model, evicted: &[PageKey], write_back: bool) {
     for k in evicted {
         let e = m.entries.remove(k).expect("evicted key was indexed");
+        if write_back {
+            assert_eq!(
+                e.l3,
+                L3Mark::Persisted,
+                "write-back evicted a page L3 does not hold"
+            );
+        }
         assert_eq!(e.state, PageState::Ready, "evicted a page being written");
         assert_eq!(e.pins, 0, "evicted a pinned page");
+        assert_ne!(
+            e.l3,
+            L3Mark::Queued,
+            "evicted a page while writing it to L3"
+        );
         assert!(
             !m.has_children(e.instance),
             "evicted a page with a resident child"
@@ -95,8 +114,21 @@ fn check_evicted(m: &mut Model, evicted: &[PageKey]) {
     }
 }
 
-fn run(kind: PolicyKind, ops: &[Op]) {
+fn queue(m: &mut Model, queued: &[(PageKey, u32)]) {
+    for (k, _) in queued {
+        let e = m.entries.get_mut(k).unwrap();
+        assert_eq!(
+            (e.state, e.l3),
+            (PageState::Ready, L3Mark::None),
+            "queued a page twice or unready"
+        );
+        e.l3 = L3Mark::Queued;
+    }
+}
+
+fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
     let mut ix = HostIndex::new(CAPACITY, kind);
+    ix.set_evict_needs_l3(write_back);
     let mut m = Model::default();
     for op in ops {
         match op {
@@ -107,7 +139,7 @@ fn run(kind: PolicyKind, ops: &[Op]) {
             } => {
                 let keys = chain(*c, *len);
                 let (out, evicted) = ix.reserve(*owner, None, &keys);
-                check_evicted(&mut m, &evicted);
+                check_evicted(&mut m, &evicted, write_back);
                 let mut seen_no_space = false;
                 let mut parent: Option<u64> = None;
                 for (k, r) in keys.iter().zip(&out) {
@@ -128,6 +160,7 @@ fn run(kind: PolicyKind, ops: &[Op]) {
                                     pins: 0,
                                     instance: m.next_instance,
                                     parent_instance: parent,
+                                    l3: L3Mark::None,
                                 },
                             );
                         }
@@ -184,6 +217,17 @@ fn run(kind: PolicyKind, ops: &[Op]) {
                 let ok = keys
                     .iter()
                     .all(|k| m.entries.get(k).is_some_and(|e| e.pins > 0));
+                // The index cannot tell a client's pin from an L3 write's; the daemon's sessions
+                // only ever release their own. Skip releases that would take the writer's pin.
+                let steals = !ok
+                    && keys.iter().all(|k| {
+                        m.entries
+                            .get(k)
+                            .is_some_and(|e| e.pins > 0 || e.l3 == L3Mark::Queued)
+                    });
+                if steals {
+                    continue;
+                }
                 assert_eq!(ix.release(&keys).is_ok(), ok, "release of {keys:?}");
                 if ok {
                     for k in &keys {
@@ -194,7 +238,51 @@ fn run(kind: PolicyKind, ops: &[Op]) {
             Op::Evict(n) => {
                 let evicted = ix.evict(*n);
                 assert!(evicted.len() <= *n);
-                check_evicted(&mut m, &evicted);
+                check_evicted(&mut m, &evicted, write_back);
+            }
+            Op::QueueL3 { chain: c, len } => {
+                let keys = chain(*c, *len);
+                let want: Vec<PageKey> = keys
+                    .iter()
+                    .filter(|k| {
+                        m.entries
+                            .get(k)
+                            .is_some_and(|e| e.state == PageState::Ready && e.l3 == L3Mark::None)
+                    })
+                    .copied()
+                    .collect();
+                let got = ix.queue_for_l3(&keys);
+                assert_eq!(got.iter().map(|(k, _)| *k).collect::<Vec<_>>(), want);
+                queue(&mut m, &got);
+            }
+            Op::FinishL3 { chain: c, landed } => {
+                for k in chain(*c, 4) {
+                    ix.finish_l3(&k, *landed);
+                    if let Some(e) = m.entries.get_mut(&k).filter(|e| e.l3 == L3Mark::Queued) {
+                        e.l3 = if *landed {
+                            L3Mark::Persisted
+                        } else {
+                            L3Mark::None
+                        };
+                    }
+                }
+            }
+            Op::Flush(n) => {
+                let got = ix.flush_candidates(*n);
+                let eligible = m
+                    .entries
+                    .values()
+                    .filter(|e| e.state == PageState::Ready && e.pins == 0 && e.l3 == L3Mark::None)
+                    .count();
+                assert_eq!(
+                    got.len(),
+                    eligible.min(*n),
+                    "flush handed out the wrong count"
+                );
+                for (k, _) in &got {
+                    assert_eq!(m.entries[k].pins, 0, "flushed a pinned page");
+                }
+                queue(&mut m, &got);
             }
             Op::EndOwner(owner) => {
                 let n = ix.abort_owner(*owner);
@@ -205,15 +293,21 @@ fn run(kind: PolicyKind, ops: &[Op]) {
             }
         }
         ix.validate().unwrap();
+        for (k, e) in &m.entries {
+            assert_eq!(
+                ix.l3_info(k).map(|(_, l3)| l3),
+                Some(e.l3),
+                "L3 mark of {k:?}"
+            );
+        }
         let s = ix.stats();
         let count = |f: &dyn Fn(&Entry) -> bool| m.entries.values().filter(|e| f(e)).count() as u32;
         assert_eq!(s.ready, count(&|e| e.state == PageState::Ready));
         assert_eq!(s.writing, count(&|e| e.state == PageState::Writing));
-        assert_eq!(s.pinned, count(&|e| e.pins > 0));
-        assert_eq!(
-            s.pins,
-            m.entries.values().map(|e| u64::from(e.pins)).sum::<u64>()
-        );
+        // An L3 write holds one pin of its own while the page is queued.
+        let total = |e: &Entry| u64::from(e.pins) + u64::from(e.l3 == L3Mark::Queued);
+        assert_eq!(s.pinned, count(&|e| total(e) > 0));
+        assert_eq!(s.pins, m.entries.values().map(total).sum::<u64>());
         assert_eq!(ix.free_slots(), CAPACITY - m.entries.len() as u32);
     }
 }
@@ -224,8 +318,9 @@ proptest! {
     #[test]
     fn index_agrees_with_model(
         kind in prop::sample::select(PolicyKind::ALL.to_vec()),
+        write_back in any::<bool>(),
         ops in prop::collection::vec(op(), 1..60),
     ) {
-        run(kind, &ops);
+        run(kind, write_back, &ops);
     }
 }
