@@ -213,14 +213,26 @@ impl HostClient {
 
     /// Leading keys ready in L2.
     pub async fn lookup(&mut self, session: u64, keys: &[PageKey]) -> Result<usize, ClientError> {
+        Ok(self.lookup_tiers(session, keys, false).await?.0)
+    }
+
+    /// Leading keys ready in L2, and (with `storage`) how many after those L3 holds.
+    pub async fn lookup_tiers(
+        &mut self,
+        session: u64,
+        keys: &[PageKey],
+        storage: bool,
+    ) -> Result<(usize, usize), ClientError> {
         let r = self
             .inner
             .lookup(v1::LookupRequest {
                 session_id: session,
                 keys: raw(keys),
+                include_storage: storage,
             })
-            .await?;
-        Ok(r.into_inner().ready_pages as usize)
+            .await?
+            .into_inner();
+        Ok((r.ready_pages as usize, r.storage_pages as usize))
     }
 
     /// Reserves slots for the keys not yet stored.

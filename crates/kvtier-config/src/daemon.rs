@@ -58,6 +58,42 @@ mlock = false
 # Ask the kernel for transparent huge pages on the pools (best effort).
 huge_pages = false
 
+[l3]
+# The storage tier behind L2: "file" (the embedded default: one file per page under
+# file_path), "memory" (a bounded in-process map, for trials), or "none".
+backend = "file"
+# When pages are written from L2 to L3:
+#   write_through           every committed page, at once;
+#   write_through_selective pages whose L2 hit count reaches write_threshold;
+#   write_back              only pages about to be evicted from L2 (a page's slot is freed
+#                           only after its write landed).
+write_policy = "write_through"
+# Hits at which write_through_selective writes a page (1 to 1000000).
+write_threshold = 2
+# Pages waiting to be written; when full, new writes are dropped (counted), never waited for
+# (1 to 1048576).
+queue_pages = 16384
+# Pages the writer takes from the queue at a time (1 to 4096).
+batch_pages = 128
+# Backend writes in flight at once (1 to 256).
+concurrency = 4
+# Deadline of each backend call (1ms to 10m).
+timeout = "5s"
+# Retries of a failed write, with backoff doubling from 50ms (0 to 10).
+retries = 2
+# file backend: directory of the pages. Empty: <data_dir>/l3.
+file_path = ""
+# file backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
+file_capacity_bytes = "0"
+# file backend: writes are refused while the filesystem has less free space than this.
+file_min_free_bytes = "1GiB"
+# file backend: pages older than this are misses and are deleted. 0s: never.
+file_ttl = "0s"
+# file backend: fsync each page before it becomes visible (durable across power loss).
+file_sync = false
+# memory backend: most bytes kept (oldest pages evicted first).
+memory_capacity_bytes = "1GiB"
+
 [sessions]
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
 # dropped and the pages it was writing are freed (100ms to 1h).
@@ -80,6 +116,8 @@ pub struct DaemonConfig {
     pub metrics: MetricsConfig,
     /// The host tier.
     pub l2: L2Config,
+    /// The storage tier.
+    pub l3: L3Config,
     /// Client sessions.
     pub sessions: SessionsConfig,
     /// Logging.
@@ -130,6 +168,83 @@ pub struct L2Config {
     pub huge_pages: bool,
 }
 
+/// `[l3]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct L3Config {
+    /// `file`, `memory` or `none`.
+    pub backend: String,
+    /// `write_through`, `write_through_selective` or `write_back`.
+    pub write_policy: String,
+    /// Hits at which `write_through_selective` writes a page.
+    pub write_threshold: u64,
+    /// Writer queue length in pages.
+    pub queue_pages: u32,
+    /// Pages per writer batch.
+    pub batch_pages: u32,
+    /// Concurrent backend writes.
+    pub concurrency: u32,
+    /// Per-call deadline.
+    pub timeout: Dur,
+    /// Write retries.
+    pub retries: u32,
+    /// File backend directory (empty: `<data_dir>/l3`).
+    pub file_path: String,
+    /// File backend capacity (0: unbounded).
+    pub file_capacity_bytes: ByteSize,
+    /// File backend free-space guard.
+    pub file_min_free_bytes: ByteSize,
+    /// File backend TTL (0: none).
+    pub file_ttl: Dur,
+    /// File backend fsync.
+    pub file_sync: bool,
+    /// Memory backend capacity.
+    pub memory_capacity_bytes: ByteSize,
+}
+
+/// When pages go from L2 to L3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WritePolicy {
+    /// Every committed page.
+    WriteThrough,
+    /// Pages whose hit count reaches the threshold.
+    WriteThroughSelective,
+    /// Pages about to be evicted.
+    WriteBack,
+}
+
+impl Default for L3Config {
+    fn default() -> Self {
+        Self {
+            backend: "file".into(),
+            write_policy: "write_through".into(),
+            write_threshold: 2,
+            queue_pages: 16384,
+            batch_pages: 128,
+            concurrency: 4,
+            timeout: Dur(Duration::from_secs(5)),
+            retries: 2,
+            file_path: String::new(),
+            file_capacity_bytes: ByteSize(0),
+            file_min_free_bytes: ByteSize(1 << 30),
+            file_ttl: Dur(Duration::ZERO),
+            file_sync: false,
+            memory_capacity_bytes: ByteSize(1 << 30),
+        }
+    }
+}
+
+impl L3Config {
+    /// The write policy (validated by [`DaemonConfig::validate`]).
+    pub fn policy(&self) -> WritePolicy {
+        match self.write_policy.as_str() {
+            "write_through_selective" => WritePolicy::WriteThroughSelective,
+            "write_back" => WritePolicy::WriteBack,
+            _ => WritePolicy::WriteThrough,
+        }
+    }
+}
+
 /// `[sessions]`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -153,6 +268,7 @@ impl Default for DaemonConfig {
             server: ServerConfig::default(),
             metrics: MetricsConfig::default(),
             l2: L2Config::default(),
+            l3: L3Config::default(),
             sessions: SessionsConfig::default(),
             log: LogConfig::default(),
         }
@@ -229,6 +345,15 @@ impl DaemonConfig {
         }
     }
 
+    /// The file backend's directory.
+    pub fn l3_file_path(&self) -> PathBuf {
+        if self.l3.file_path.is_empty() {
+            self.data_dir.join("l3")
+        } else {
+            PathBuf::from(&self.l3.file_path)
+        }
+    }
+
     /// The eviction policy (validated by [`Self::validate`]).
     pub fn eviction_policy(&self) -> PolicyKind {
         self.l2.eviction_policy.parse().unwrap_or_default()
@@ -258,9 +383,70 @@ impl DaemonConfig {
                     mlock: _,
                     huge_pages: _,
                 },
+            l3:
+                L3Config {
+                    backend,
+                    write_policy,
+                    write_threshold,
+                    queue_pages,
+                    batch_pages,
+                    concurrency,
+                    timeout,
+                    retries,
+                    file_path: _,
+                    file_capacity_bytes: _,
+                    file_min_free_bytes: _,
+                    file_ttl: _,
+                    file_sync: _,
+                    memory_capacity_bytes,
+                },
             sessions: SessionsConfig { ttl },
             log: LogConfig { level },
         } = self;
+        let l2_backing = backing;
+        if !["file", "memory", "none"].contains(&backend.as_str()) {
+            return Err(ConfigError::invalid(
+                "l3.backend",
+                format!("{backend:?}: expected \"file\", \"memory\" or \"none\""),
+            ));
+        }
+        if !["write_through", "write_through_selective", "write_back"]
+            .contains(&write_policy.as_str())
+        {
+            return Err(ConfigError::invalid(
+                "l3.write_policy",
+                format!(
+                    "{write_policy:?}: expected write_through, write_through_selective or write_back"
+                ),
+            ));
+        }
+        let ranges: [(&str, u64, u64, u64); 5] = [
+            ("l3.write_threshold", *write_threshold, 1, 1_000_000),
+            ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
+            ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
+            ("l3.concurrency", u64::from(*concurrency), 1, 256),
+            ("l3.retries", u64::from(*retries), 0, 10),
+        ];
+        for (key, v, lo, hi) in ranges {
+            if v < lo || v > hi {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{v} is outside {lo}..={hi}"),
+                ));
+            }
+        }
+        if timeout.0 < Duration::from_millis(1) || timeout.0 > Duration::from_secs(600) {
+            return Err(ConfigError::invalid(
+                "l3.timeout",
+                format!("{timeout} is outside 1ms..=10m"),
+            ));
+        }
+        if backend == "memory" && memory_capacity_bytes.0 == 0 {
+            return Err(ConfigError::invalid(
+                "l3.memory_capacity_bytes",
+                "must be above 0",
+            ));
+        }
         if data_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("data_dir", "must not be empty"));
         }
@@ -293,10 +479,10 @@ impl DaemonConfig {
         if shm_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("l2.shm_dir", "must not be empty"));
         }
-        if backing != "shm_file" && backing != "memfd" {
+        if l2_backing != "shm_file" && l2_backing != "memfd" {
             return Err(ConfigError::invalid(
                 "l2.backing",
-                format!("{backing:?}: expected \"shm_file\" or \"memfd\""),
+                format!("{l2_backing:?}: expected \"shm_file\" or \"memfd\""),
             ));
         }
         if *pool_pages == 0 && pool_bytes.0 == 0 {

@@ -7,6 +7,7 @@
 //! [`run`] is the whole daemon; `main.rs` only parses flags, loads the configuration, starts
 //! logging and calls it, and tests start the same `run` in-process or the binary as a process.
 
+pub mod l3;
 pub mod metrics;
 pub mod service;
 pub mod state;
@@ -84,6 +85,40 @@ fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Daem
     move |source| DaemonError::Setup { what, path, source }
 }
 
+/// Removes pool files left in `dir` by kvtierd processes that died without cleaning up
+/// (`kvtier-<pid>-<fingerprint>` whose pid no longer exists). Such files hold RAM in tmpfs
+/// until removed. A pid that exists is left alone, whatever it now runs.
+fn remove_stale_pools(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let me = std::process::id();
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("kvtier-")) else {
+            continue;
+        };
+        let Some((pid, fp)) = rest.split_once('-') else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        if pid == me || fp.len() != 32 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
+            continue;
+        }
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => tracing::info!(path = %e.path().display(), "removed a dead kvtierd's pool"),
+            Err(err) => {
+                tracing::warn!(path = %e.path().display(), "cannot remove a stale pool: {err}")
+            }
+        }
+    }
+}
+
 /// Binds the control socket, replacing a stale socket file but never a live daemon's.
 async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -126,13 +161,29 @@ pub async fn run(
     };
     let metrics_addr = metrics_listener.as_ref().and_then(metrics::local);
 
+    remove_stale_pools(&cfg.l2.shm_dir);
     let state = Arc::new(Mutex::new(HostState::new(&cfg)));
     let metrics = Metrics::new()?;
+    let backend = l3::open_backend(&cfg)
+        .await
+        .map_err(|e| DaemonError::Setup {
+            what: "opening the l3 backend",
+            path: cfg.l3.backend.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    let (l3, writer) = match backend {
+        Some(store) => {
+            let (l3, writer) = l3::L3::new(store, &cfg);
+            (Some(Arc::new(l3)), Some(writer))
+        }
+        None => (None, None),
+    };
     let service = HostService::new(
         state.clone(),
         metrics.clone(),
         cfg.server.max_batch as usize,
         metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+        l3.clone(),
     );
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -178,8 +229,28 @@ pub async fn run(
             l,
             metrics.clone(),
             state.clone(),
+            l3.clone(),
             shutdown.clone(),
         ));
+    }
+    if let (Some(l3), Some(writer)) = (&l3, writer) {
+        tracker.spawn(l3::run_writer(
+            writer,
+            l3.clone(),
+            state.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+        if l3.policy == kvtier_config::daemon::WritePolicy::WriteBack {
+            tracker.spawn(l3::run_flusher(
+                l3.clone(),
+                state.clone(),
+                metrics.clone(),
+                cfg.l3.batch_pages as usize,
+                shutdown.clone(),
+            ));
+        }
+        tracing::info!(backend = l3.store.store().kind(), policy = ?l3.policy, "l3 tier ready");
     }
     // Lease sweeper: ends sessions that stopped heartbeating.
     {

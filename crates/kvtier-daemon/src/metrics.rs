@@ -38,6 +38,16 @@ pub struct Metrics {
     pub dropped_pins: IntCounter,
     /// `kvtier_l2_dropped_reservations_total`.
     pub dropped_reservations: IntCounter,
+    /// `kvtier_l3_writes_total{outcome}`: written, present (already in L3), failed, dropped.
+    pub l3_writes: IntCounterVec,
+    /// `kvtier_l3_write_bytes_total`.
+    pub l3_write_bytes: IntCounter,
+    /// `kvtier_l3_write_duration_seconds`.
+    pub l3_write_seconds: prometheus::Histogram,
+    l3_queue: IntGauge,
+    l3_objects: IntGauge,
+    l3_bytes: IntGauge,
+    l3_evictions: IntGauge,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     pinned_pages: IntGauge,
@@ -61,6 +71,13 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l2_pins",
     "kvtier_l2_sessions",
     "kvtier_l2_pools",
+    "kvtier_l3_writes_total",
+    "kvtier_l3_write_bytes_total",
+    "kvtier_l3_write_duration_seconds",
+    "kvtier_l3_queue_pages",
+    "kvtier_l3_objects",
+    "kvtier_l3_bytes",
+    "kvtier_l3_evicted_objects",
 ];
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
@@ -172,12 +189,63 @@ impl Metrics {
                 &r,
                 IntGauge::new("kvtier_l2_pools", "Pool classes (layouts) served")?,
             ),
+            l3_writes: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l3_writes_total",
+                        "Pages sent to L3 by outcome: written, present, failed, dropped",
+                    ),
+                    &["outcome"],
+                )?,
+            ),
+            l3_write_bytes: reg(
+                &r,
+                IntCounter::new("kvtier_l3_write_bytes_total", "Page bytes written to L3")?,
+            ),
+            l3_write_seconds: reg(
+                &r,
+                prometheus::Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvtier_l3_write_duration_seconds",
+                        "Time to write one page to L3, retries included",
+                    )
+                    .buckets(vec![1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+                )?,
+            ),
+            l3_queue: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_l3_queue_pages",
+                    "Pages queued or being written to L3",
+                )?,
+            ),
+            l3_objects: reg(&r, IntGauge::new("kvtier_l3_objects", "Pages held by L3")?),
+            l3_bytes: reg(&r, IntGauge::new("kvtier_l3_bytes", "Bytes held by L3")?),
+            l3_evictions: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_l3_evicted_objects",
+                    "Pages L3 evicted to honour its capacity since start",
+                )?,
+            ),
             registry: r,
         })
     }
 
     /// Refreshes the gauges from the state and renders the text format.
-    pub fn render(&self, state: &Mutex<HostState>) -> String {
+    pub fn render(&self, state: &Mutex<HostState>, l3: Option<&crate::l3::L3>) -> String {
+        if let Some(l3) = l3 {
+            let st = l3.store.store_stats();
+            self.l3_objects.set(st.objects as i64);
+            self.l3_bytes.set(st.bytes as i64);
+            self.l3_evictions.set(st.evictions as i64);
+            self.l3_queue.set(
+                l3.counters
+                    .queued
+                    .load(std::sync::atomic::Ordering::Relaxed) as i64,
+            );
+        }
         {
             let st = crate::lock(state);
             let t = st.totals();
@@ -225,6 +293,7 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
     state: Arc<Mutex<HostState>>,
+    l3: Option<Arc<crate::l3::L3>>,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -240,10 +309,11 @@ pub async fn serve(
         };
         let metrics = metrics.clone();
         let state = state.clone();
+        let l3 = l3.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let body = if req.uri().path() == "/metrics" {
-                    Some(metrics.render(&state))
+                    Some(metrics.render(&state, l3.as_deref()))
                 } else {
                     None
                 };
@@ -283,10 +353,13 @@ mod tests {
         m.requests.with_label_values(&["x", "ok"]).inc();
         m.request_seconds.with_label_values(&["x"]).observe(0.0);
         m.pages.with_label_values(&["x"]).inc();
-        let state = Mutex::new(HostState::new(
-            &kvtier_config::daemon::DaemonConfig::default(),
-        ));
-        let text = m.render(&state);
+        m.l3_writes.with_label_values(&["x"]).inc();
+        let cfg = kvtier_config::daemon::DaemonConfig::default();
+        let state = Mutex::new(HostState::new(&cfg));
+        let store: Arc<dyn kvtier_storage::Store> =
+            Arc::new(kvtier_storage::memory::MemoryStore::new());
+        let (l3, _writer) = crate::l3::L3::new(store, &cfg);
+        let text = m.render(&state, Some(&l3));
         let readme = include_str!("../../../README.md");
         for name in METRIC_NAMES {
             assert!(

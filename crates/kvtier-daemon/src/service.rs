@@ -12,6 +12,7 @@ use kvtier_proto::v1::{self, ReserveStatus};
 use kvtier_proto::{ApiError, page_keys};
 use tonic::{Request, Response, Status};
 
+use crate::l3::L3;
 use crate::metrics::Metrics;
 use crate::state::HostState;
 
@@ -26,6 +27,7 @@ pub struct HostService {
     max_batch: usize,
     started: Instant,
     metrics_address: String,
+    l3: Option<Arc<L3>>,
 }
 
 impl HostService {
@@ -35,6 +37,7 @@ impl HostService {
         metrics: Metrics,
         max_batch: usize,
         metrics_address: String,
+        l3: Option<Arc<L3>>,
     ) -> Self {
         Self {
             state,
@@ -42,6 +45,16 @@ impl HostService {
             max_batch,
             started: Instant::now(),
             metrics_address,
+            l3,
+        }
+    }
+
+    /// Hands L3 writes to the writer (never waits).
+    fn enqueue(&self, jobs: Vec<crate::l3::Job>) {
+        if let Some(l3) = &self.l3
+            && !jobs.is_empty()
+        {
+            l3.enqueue(jobs, &self.state, &self.metrics);
         }
     }
 
@@ -71,6 +84,16 @@ impl HostService {
     ) -> Result<Response<T>, Status> {
         let t = Instant::now();
         let r = f();
+        self.finish(op, t, r)
+    }
+
+    /// Records the outcome and latency of a handler that started at `t`.
+    fn finish<T>(
+        &self,
+        op: &str,
+        t: Instant,
+        r: Result<T, ApiError>,
+    ) -> Result<Response<T>, Status> {
         let outcome = match &r {
             Ok(_) => "ok",
             Err(ApiError::InvalidArgument { .. }) => "invalid_argument",
@@ -239,14 +262,38 @@ impl HostTier for HostService {
         &self,
         request: Request<v1::LookupRequest>,
     ) -> Result<Response<v1::LookupResponse>, Status> {
-        self.observe("lookup", || {
-            let r = request.get_ref();
+        let t = Instant::now();
+        let r = request.get_ref();
+        let l2 = (|| {
             let keys = self.keys(&r.keys)?;
-            let n = self.state().lookup(r.session_id, &keys, Instant::now())?;
-            Ok(v1::LookupResponse {
-                ready_pages: n as u32,
-            })
-        })
+            let mut st = self.state();
+            let n = st.lookup(r.session_id, &keys, Instant::now())?;
+            let fp = st.session_fingerprint(r.session_id)?;
+            Ok((keys, n, fp))
+        })();
+        let result = match l2 {
+            Ok((keys, n, fp)) => {
+                let mut storage_pages = 0;
+                if r.include_storage
+                    && let Some(l3) = &self.l3
+                    && n < keys.len()
+                {
+                    let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
+                    match l3.store.exists_prefix(&ctx, &fp, &keys[n..]).await {
+                        Ok(m) => storage_pages = m as u32,
+                        Err(e) => {
+                            tracing::debug!("l3 lookup failed, reporting no storage hits: {e}")
+                        }
+                    }
+                }
+                Ok(v1::LookupResponse {
+                    ready_pages: n as u32,
+                    storage_pages,
+                })
+            }
+            Err(e) => Err(e),
+        };
+        self.finish("lookup", t, result)
     }
 
     async fn reserve(
@@ -301,7 +348,8 @@ impl HostTier for HostService {
         self.observe("commit", || {
             let r = request.get_ref();
             let keys = self.keys(&r.keys)?;
-            self.state().commit(r.session_id, &keys, Instant::now())?;
+            let jobs = self.state().commit(r.session_id, &keys, Instant::now())?;
+            self.enqueue(jobs);
             self.pages("committed", keys.len());
             Ok(v1::CommitResponse {})
         })
@@ -327,7 +375,8 @@ impl HostTier for HostService {
         self.observe("acquire", || {
             let r = request.get_ref();
             let keys = self.keys(&r.keys)?;
-            let slots = self.state().acquire(r.session_id, &keys, Instant::now())?;
+            let (slots, jobs) = self.state().acquire(r.session_id, &keys, Instant::now())?;
+            self.enqueue(jobs);
             self.pages("acquired", slots.len());
             Ok(v1::AcquireResponse { slots })
         })
@@ -396,6 +445,26 @@ impl HostTier for HostService {
                 dedup_pages: c.dedup_pages,
                 expired_sessions: c.expired_sessions,
                 metrics_address: self.metrics_address.clone(),
+                l3: self.l3.as_ref().map(|l3| {
+                    let st = l3.store.store_stats();
+                    let w = &l3.counters;
+                    let l = |a: &std::sync::atomic::AtomicU64| {
+                        a.load(std::sync::atomic::Ordering::Relaxed)
+                    };
+                    v1::L3Stats {
+                        backend: l3.store.store().kind().to_string(),
+                        write_policy: format!("{:?}", l3.policy),
+                        objects: st.objects,
+                        bytes: st.bytes,
+                        capacity_bytes: st.capacity,
+                        written_pages: l(&w.written),
+                        skipped_pages: l(&w.skipped),
+                        failed_pages: l(&w.failed),
+                        dropped_pages: l(&w.dropped),
+                        queued_pages: l(&w.queued),
+                        evictions: st.evictions,
+                    }
+                }),
             })
         })
     }

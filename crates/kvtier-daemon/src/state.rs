@@ -4,21 +4,24 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_config::daemon::DaemonConfig;
+use kvtier_config::daemon::{DaemonConfig, WritePolicy};
 use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, Reserve};
 use kvtier_core::{Layout, LayoutFingerprint, PageKey, PolicyKind};
 use kvtier_proto::ApiError;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
+
+use crate::l3::Job;
 
 /// One pool class: the shared memory of one layout and its index.
 #[derive(Debug)]
 pub struct Pool {
     /// The layout every page in this pool has.
     pub layout: Layout,
-    /// The shared memory.
-    pub shm: ShmPool,
+    /// The shared memory (shared with the L3 writer, which copies pinned slots out).
+    pub shm: Arc<ShmPool>,
     /// Which key is in which slot.
     pub index: HostIndex,
 }
@@ -93,6 +96,8 @@ pub struct HostState {
     max_pools: u32,
     mlock: bool,
     huge_pages: bool,
+    /// The L3 write policy and threshold, when there is an L3.
+    write: Option<(WritePolicy, u64)>,
     /// Counters since start.
     pub counters: Counters,
 }
@@ -123,8 +128,50 @@ impl HostState {
             max_pools: cfg.l2.max_pools,
             mlock: cfg.l2.mlock,
             huge_pages: cfg.l2.huge_pages,
+            write: (cfg.l3.backend != "none").then(|| (cfg.l3.policy(), cfg.l3.write_threshold)),
             counters: Counters::default(),
         }
+    }
+
+    fn jobs(pool: &Pool, queued: Vec<(PageKey, u32)>) -> Vec<Job> {
+        queued
+            .into_iter()
+            .map(|(key, slot)| Job {
+                fp: pool.layout.fingerprint(),
+                key,
+                slot,
+                pool: pool.shm.clone(),
+                len: pool.layout.page_bytes(),
+            })
+            .collect()
+    }
+
+    /// Ends an L3 write: unpins the page, marks it persisted if the write landed.
+    pub fn finish_l3(&mut self, fp: &LayoutFingerprint, key: &PageKey, landed: bool) {
+        if let Some(p) = self.pools.get_mut(fp) {
+            p.index.finish_l3(key, landed);
+        }
+    }
+
+    /// Write-back: the coldest unpersisted pages of every pool running short of free slots.
+    pub fn flush_jobs(&mut self, batch: usize) -> Vec<Job> {
+        let mut out = Vec::new();
+        for pool in self.pools.values_mut() {
+            let cap = pool.index.stats().capacity;
+            if pool.index.free_slots() < cap / 4 + 1 {
+                let queued = pool.index.flush_candidates(batch);
+                out.extend(Self::jobs(pool, queued));
+            }
+        }
+        out
+    }
+
+    /// The layout class of a session.
+    pub fn session_fingerprint(&self, id: u64) -> Result<LayoutFingerprint, ApiError> {
+        self.sessions
+            .get(&id)
+            .map(|s| s.fingerprint)
+            .ok_or_else(|| unknown_session(id))
     }
 
     /// Session lease.
@@ -183,12 +230,16 @@ impl HostState {
                 path = %shm.path().display(),
                 "created pool class"
             );
+            let mut index = HostIndex::new(slots, self.policy);
+            if matches!(self.write, Some((WritePolicy::WriteBack, _))) {
+                index.set_evict_needs_l3(true);
+            }
             self.pools.insert(
                 fp,
                 Pool {
                     layout: layout.clone(),
-                    shm,
-                    index: HostIndex::new(slots, self.policy),
+                    shm: Arc::new(shm),
+                    index,
                 },
             );
         }
@@ -347,16 +398,29 @@ impl HostState {
         Ok((out, evicted.len()))
     }
 
-    /// Makes reserved pages visible.
-    pub fn commit(&mut self, id: u64, keys: &[PageKey], now: Instant) -> Result<(), ApiError> {
+    /// Makes reserved pages visible. Returns the L3 writes write-through asks for.
+    pub fn commit(
+        &mut self,
+        id: u64,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<Vec<Job>, ApiError> {
+        let write = self.write;
         let (session, pool) = self.session_pool(id, now)?;
         pool.index.commit(id as OwnerId, keys)?;
         for k in keys {
             session.writing.remove(k);
         }
+        let jobs = match write {
+            Some((WritePolicy::WriteThrough, _)) => {
+                let queued = pool.index.queue_for_l3(keys);
+                Self::jobs(pool, queued)
+            }
+            _ => Vec::new(),
+        };
         self.counters.commit_calls += 1;
         self.counters.committed_pages += keys.len() as u64;
-        Ok(())
+        Ok(jobs)
     }
 
     /// Frees reserved pages.
@@ -369,21 +433,40 @@ impl HostState {
         Ok(())
     }
 
-    /// Pins the longest ready prefix for the session; returns the slots.
+    /// Pins the longest ready prefix for the session; returns the slots, and the L3 writes
+    /// write-through-selective asks for (pages whose hit count reached the threshold).
     pub fn acquire(
         &mut self,
         id: u64,
         keys: &[PageKey],
         now: Instant,
-    ) -> Result<Vec<u32>, ApiError> {
+    ) -> Result<(Vec<u32>, Vec<Job>), ApiError> {
+        let write = self.write;
         let (session, pool) = self.session_pool(id, now)?;
         let slots = pool.index.acquire(keys);
-        for k in &keys[..slots.len()] {
+        let hit = &keys[..slots.len()];
+        for k in hit {
             *session.pins.entry(*k).or_insert(0) += 1;
         }
+        let jobs = match write {
+            Some((WritePolicy::WriteThroughSelective, threshold)) => {
+                let hot: Vec<PageKey> = hit
+                    .iter()
+                    .filter(|k| {
+                        pool.index.l3_info(k).is_some_and(|(hits, l3)| {
+                            hits >= threshold && l3 == kvtier_core::host_index::L3Mark::None
+                        })
+                    })
+                    .copied()
+                    .collect();
+                let queued = pool.index.queue_for_l3(&hot);
+                Self::jobs(pool, queued)
+            }
+            _ => Vec::new(),
+        };
         self.counters.acquire_calls += 1;
         self.counters.acquired_pages += slots.len() as u64;
-        Ok(slots)
+        Ok((slots, jobs))
     }
 
     /// Drops the session's pins on `keys`. All-or-nothing.

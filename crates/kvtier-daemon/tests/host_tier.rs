@@ -172,7 +172,11 @@ fn two_processes_share_pages_and_nothing_is_visible_before_commit() {
 
 #[test]
 fn killed_client_loses_pins_and_reservations_within_ttl() {
-    let d = Daemon::start("kill", &["l2.pool_pages=64", "sessions.ttl=500ms"]);
+    // No L3: its writer pins pages while copying them, which would blur the pin counts here.
+    let d = Daemon::start(
+        "kill",
+        &["l2.pool_pages=64", "sessions.ttl=500ms", "l3.backend=none"],
+    );
     let (mut child, rx) = spawn_child("holder", &d.socket, &[]);
     let line = wait_line(&rx, "RESULT", Duration::from_secs(30));
     assert_eq!(line, "RESULT holding pins=8 reserved=4");
@@ -207,7 +211,12 @@ fn eviction_honours_pins_under_every_policy_and_layouts_stay_apart() {
     for policy in ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"] {
         let d = Daemon::start(
             &format!("evict-{policy}"),
-            &["l2.pool_pages=8", &format!("l2.eviction_policy={policy}")],
+            // No L3: pages pinned by its writer would change what eviction may take.
+            &[
+                "l2.pool_pages=8",
+                &format!("l2.eviction_policy={policy}"),
+                "l3.backend=none",
+            ],
         );
         rt().block_on(async {
             let mut c = HostClient::connect(&d.target()).await.unwrap();
@@ -267,6 +276,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
             raw.lookup(v1::LookupRequest {
                 session_id: s.id,
                 keys: short.clone(),
+                include_storage: false,
             })
             .await,
             InvalidArgument,
@@ -324,6 +334,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
             raw.lookup(v1::LookupRequest {
                 session_id: s.id,
                 keys: many,
+                include_storage: false,
             })
             .await,
             InvalidArgument,
@@ -353,6 +364,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
             raw.lookup(v1::LookupRequest {
                 session_id: 999,
                 keys: k0,
+                include_storage: false,
             })
             .await,
             NotFound,

@@ -54,6 +54,11 @@ impl Daemon {
     pub fn start(name: &str, sets: &[&str]) -> Daemon {
         let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        Self::start_in(dir, sets)
+    }
+
+    /// Starts a daemon on an existing data directory (to test restarts).
+    pub fn start_in(dir: PathBuf, sets: &[&str]) -> Daemon {
         std::fs::create_dir_all(&dir).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtierd"));
         cmd.arg("--set")
@@ -110,12 +115,25 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// Kills the daemon with SIGKILL (no cleanup) and keeps its data directory.
+    pub fn kill(mut self) -> PathBuf {
+        signal(self.child.id(), libc::SIGKILL);
+        self.child.wait().unwrap();
+        let dir = std::mem::take(&mut self.dir);
+        std::mem::forget(self);
+        dir
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         if self.child.try_wait().ok().flatten().is_none() {
             self.stop();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.dir.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

@@ -1,0 +1,279 @@
+//! The storage tier behind L2: the configured backend and the asynchronous writer that copies
+//! committed pages from the shared-memory pool into it, per the write policy.
+//!
+//! A page chosen for writing is pinned in its pool ([`HostIndex::queue_for_l3`]) so its slot
+//! cannot be reused while the writer copies it; the pin is dropped when the write lands or
+//! fails. The queue is bounded: when it is full the page is unpinned and the write dropped
+//! (counted), so no client ever waits for L3.
+//!
+//! [`HostIndex::queue_for_l3`]: kvtier_core::host_index::HostIndex::queue_for_l3
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtier_config::daemon::{DaemonConfig, WritePolicy};
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_shm::ShmPool;
+use kvtier_storage::file::{FileConfig, FileStore};
+use kvtier_storage::memory::MemoryStore;
+use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::state::HostState;
+
+/// One page to write.
+#[derive(Debug)]
+pub struct Job {
+    /// Layout class.
+    pub fp: LayoutFingerprint,
+    /// Page key.
+    pub key: PageKey,
+    /// Slot holding the page (pinned until the job ends).
+    pub slot: u32,
+    /// The pool.
+    pub pool: Arc<ShmPool>,
+    /// Page bytes.
+    pub len: usize,
+}
+
+/// Counters of the writer.
+#[derive(Debug, Default)]
+pub struct WriterCounters {
+    /// Pages written.
+    pub written: AtomicU64,
+    /// Pages L3 already had.
+    pub skipped: AtomicU64,
+    /// Pages whose write failed after retries.
+    pub failed: AtomicU64,
+    /// Pages dropped because the queue was full.
+    pub dropped: AtomicU64,
+    /// Pages in the queue or in flight.
+    pub queued: AtomicU64,
+}
+
+/// The storage tier of a running daemon.
+pub struct L3 {
+    /// Framed page access over the backend.
+    pub store: PageStore,
+    /// The write policy.
+    pub policy: WritePolicy,
+    /// Hits at which `write_through_selective` writes.
+    pub threshold: u64,
+    /// Per-call deadline.
+    pub timeout: Duration,
+    tx: mpsc::Sender<Job>,
+    /// Writer counters.
+    pub counters: Arc<WriterCounters>,
+}
+
+impl std::fmt::Debug for L3 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L3")
+            .field("backend", &self.store.store().kind())
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+/// Opens the configured backend, or `None` for `l3.backend = "none"`.
+pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, StorageError> {
+    let l3 = &cfg.l3;
+    Ok(match l3.backend.as_str() {
+        "none" => None,
+        "memory" => Some(Arc::new(MemoryStore::with_capacity(
+            l3.memory_capacity_bytes.0,
+        ))),
+        _ => Some(
+            FileStore::open(FileConfig {
+                root: cfg.l3_file_path(),
+                capacity_bytes: l3.file_capacity_bytes.0,
+                min_free_bytes: l3.file_min_free_bytes.0,
+                ttl: (!l3.file_ttl.0.is_zero()).then_some(l3.file_ttl.0),
+                sync: l3.file_sync,
+            })
+            .await?,
+        ),
+    })
+}
+
+/// What the writer task needs.
+pub struct WriterParts {
+    rx: mpsc::Receiver<Job>,
+    batch: usize,
+    concurrency: usize,
+    retries: u32,
+}
+
+impl L3 {
+    /// The tier over `store`, and the parts of its writer (run with [`run_writer`]).
+    pub fn new(store: Arc<dyn Store>, cfg: &DaemonConfig) -> (Self, WriterParts) {
+        let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
+        (
+            Self {
+                store: PageStore::new(store),
+                policy: cfg.l3.policy(),
+                threshold: cfg.l3.write_threshold,
+                timeout: cfg.l3.timeout.0,
+                tx,
+                counters: Arc::default(),
+            },
+            WriterParts {
+                rx,
+                batch: cfg.l3.batch_pages as usize,
+                concurrency: cfg.l3.concurrency as usize,
+                retries: cfg.l3.retries,
+            },
+        )
+    }
+
+    /// Queues pages for writing without waiting. Pages that do not fit are unpinned and
+    /// counted as dropped.
+    pub fn enqueue(&self, jobs: Vec<Job>, state: &Mutex<HostState>, metrics: &Metrics) {
+        for job in jobs {
+            match self.tx.try_send(job) {
+                Ok(()) => {
+                    self.counters.queued.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(
+                    mpsc::error::TrySendError::Full(job) | mpsc::error::TrySendError::Closed(job),
+                ) => {
+                    self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    metrics.l3_writes.with_label_values(&["dropped"]).inc();
+                    crate::lock(state).finish_l3(&job.fp, &job.key, false);
+                }
+            }
+        }
+    }
+}
+
+/// Copies the page out of its slot. The slot is pinned, so nobody rewrites it meanwhile.
+fn copy_out(job: &Job) -> Result<Bytes, StorageError> {
+    let mut buf = vec![0u8; job.len];
+    job.pool
+        .read(job.slot, 0, &mut buf)
+        .map_err(|e| StorageError::Invalid(format!("reading slot {}: {e}", job.slot)))?;
+    Ok(Bytes::from(buf))
+}
+
+async fn write_one(
+    job: &Job,
+    store: &PageStore,
+    timeout: Duration,
+    retries: u32,
+    stop: &CancellationToken,
+) -> Result<bool, StorageError> {
+    let ctx = OpCtx::child(stop, timeout);
+    if store.exists(&ctx, &job.fp, &job.key).await? {
+        return Ok(false);
+    }
+    let bytes = copy_out(job)?;
+    let mut backoff = Duration::from_millis(50);
+    let mut attempt = 0;
+    loop {
+        let ctx = OpCtx::child(stop, timeout);
+        match store.set(&ctx, &job.fp, &job.key, bytes.clone()).await {
+            Ok(()) => return Ok(true),
+            Err(e) if e.is_retryable() && attempt < retries => {
+                attempt += 1;
+                tracing::debug!(attempt, "l3 write failed, retrying: {e}");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = stop.cancelled() => return Err(StorageError::Cancelled),
+                }
+                backoff *= 2;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Runs the writer until `stop`: takes jobs in batches, writes up to `concurrency` at once,
+/// and reports each outcome to the index (persisted, or to be tried again later).
+pub async fn run_writer(
+    parts: WriterParts,
+    l3: Arc<L3>,
+    state: Arc<Mutex<HostState>>,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    let WriterParts {
+        mut rx,
+        batch,
+        concurrency,
+        retries,
+    } = parts;
+    let slots = Arc::new(Semaphore::new(concurrency));
+    let mut jobs = Vec::with_capacity(batch);
+    loop {
+        jobs.clear();
+        let n = tokio::select! {
+            n = rx.recv_many(&mut jobs, batch) => n,
+            () = stop.cancelled() => 0,
+        };
+        if n == 0 {
+            break;
+        }
+        for job in jobs.drain(..) {
+            let Ok(permit) = slots.clone().acquire_owned().await else {
+                break;
+            };
+            let (l3, state, metrics, stop) =
+                (l3.clone(), state.clone(), metrics.clone(), stop.clone());
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let r = write_one(&job, &l3.store, l3.timeout, retries, &stop).await;
+                let c = &l3.counters;
+                let outcome = match &r {
+                    Ok(true) => {
+                        c.written.fetch_add(1, Ordering::Relaxed);
+                        metrics.l3_write_bytes.inc_by(job.len as u64);
+                        metrics.l3_write_seconds.observe(t.elapsed().as_secs_f64());
+                        "written"
+                    }
+                    Ok(false) => {
+                        c.skipped.fetch_add(1, Ordering::Relaxed);
+                        "present"
+                    }
+                    Err(e) => {
+                        c.failed.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(backend = l3.store.store().kind(), key = %job.key, "l3 write failed: {e}");
+                        "failed"
+                    }
+                };
+                metrics.l3_writes.with_label_values(&[outcome]).inc();
+                crate::lock(&state).finish_l3(&job.fp, &job.key, r.is_ok());
+                c.queued.fetch_sub(1, Ordering::Relaxed);
+                drop(permit);
+            });
+        }
+    }
+    // Wait for writes in flight (bounded by their own deadlines).
+    let _ = slots.acquire_many(concurrency as u32).await;
+}
+
+/// Write-back: keeps enough cold pages persisted that reserves find evictable slots. Every
+/// `period`, each pool with fewer than a quarter of its slots free gets its coldest
+/// unpersisted pages queued.
+pub async fn run_flusher(
+    l3: Arc<L3>,
+    state: Arc<Mutex<HostState>>,
+    metrics: Metrics,
+    batch: usize,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let jobs = crate::lock(&state).flush_jobs(batch);
+        if !jobs.is_empty() {
+            l3.enqueue(jobs, &state, &metrics);
+        }
+    }
+}

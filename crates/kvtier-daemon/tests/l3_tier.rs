@@ -1,0 +1,225 @@
+//! kvtierd's storage tier end to end: each write policy writes what it should and nothing
+//! else, and file pages survive a SIGKILL of the daemon.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvtier_client::{HostClient, Reserved, Session};
+use kvtier_core::PageKey;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Reserve → copy → commit, retrying while the pool has no evictable slot yet (write-back
+/// frees slots only once their pages reached L3).
+async fn store(c: &mut HostClient, s: &Session, keys: &[PageKey]) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let r = loop {
+        let r = c.reserve(s.id, None, keys).await.unwrap();
+        if !r.contains(&Reserved::NoSpace) {
+            break r;
+        }
+        let mine: Vec<PageKey> = keys
+            .iter()
+            .zip(&r)
+            .filter(|(_, r)| matches!(r, Reserved::Slot(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        c.abort(s.id, &mine).await.unwrap();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool never made room"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut mine = Vec::new();
+    for (k, r) in keys.iter().zip(&r) {
+        if let Reserved::Slot(slot) = r {
+            s.pool
+                .write(*slot, 0, &page_bytes(k, s.layout.page_bytes()))
+                .unwrap();
+            mine.push(*k);
+        }
+    }
+    c.commit(s.id, &mine).await.unwrap();
+}
+
+async fn l3_objects(c: &mut HostClient) -> u64 {
+    c.stats().await.unwrap().l3.unwrap().objects
+}
+
+async fn wait_objects(c: &mut HostClient, n: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while l3_objects(c).await != n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "L3 never held {n} objects"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Files under the file backend's directory.
+fn files(dir: &std::path::Path) -> usize {
+    fn walk(p: &std::path::Path) -> usize {
+        std::fs::read_dir(p)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| {
+                        if e.path().is_dir() {
+                            walk(&e.path())
+                        } else {
+                            1
+                        }
+                    })
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+    walk(&dir.join("l3/objects"))
+}
+
+#[test]
+fn write_through_writes_every_committed_page() {
+    let d = Daemon::start("wt", &["l2.pool_pages=64", "l3.write_policy=write_through"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        store(&mut c, &s, &chain(1, 16)).await;
+        wait_objects(&mut c, 16).await;
+        let st = c.stats().await.unwrap().l3.unwrap();
+        assert_eq!(
+            (st.backend.as_str(), st.written_pages, st.failed_pages),
+            ("file", 16, 0)
+        );
+        assert_eq!(files(&d.dir), 16);
+        // Another layout's pages are written under their own fingerprint.
+        let s2 = c.register("w2", &layout("other")).await.unwrap();
+        store(&mut c, &s2, &chain(2, 4)).await;
+        wait_objects(&mut c, 20).await;
+    });
+    let m = d.metrics();
+    assert_eq!(
+        metric(&m, "kvtier_l3_writes_total{outcome=\"written\"}"),
+        20.0
+    );
+    assert_eq!(metric(&m, "kvtier_l3_objects"), 20.0);
+}
+
+#[test]
+fn write_through_selective_writes_only_hot_pages() {
+    let d = Daemon::start(
+        "wts",
+        &[
+            "l2.pool_pages=64",
+            "l3.write_policy=write_through_selective",
+            "l3.write_threshold=2",
+        ],
+    );
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        let keys = chain(3, 8);
+        store(&mut c, &s, &keys).await;
+        // Two hits on the first four pages, one on the rest.
+        for n in [4, 4, 8] {
+            let slots = c.acquire(s.id, &keys[..n]).await.unwrap();
+            assert_eq!(slots.len(), n);
+            c.release(s.id, &keys[..n]).await.unwrap();
+        }
+        wait_objects(&mut c, 4).await;
+        // Give a wrong write time to happen, then check nothing else was written.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(l3_objects(&mut c).await, 4);
+        assert_eq!(files(&d.dir), 4);
+    });
+}
+
+#[test]
+fn write_back_writes_pages_before_their_slots_are_reused() {
+    let d = Daemon::start("wb", &["l2.pool_pages=8", "l3.write_policy=write_back"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        let a = chain(4, 4);
+        store(&mut c, &s, &a).await;
+        // Half the pool is free: nothing needs to go to L3 yet.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(l3_objects(&mut c).await, 0);
+        // Fill the pool and keep writing: pages are evicted only after they reached L3.
+        let b = chain(5, 4);
+        store(&mut c, &s, &b).await;
+        let fresh = chain(6, 4);
+        store(&mut c, &s, &fresh).await;
+        assert_eq!(c.lookup(s.id, &fresh).await.unwrap(), 4);
+        for old in [&a, &b] {
+            let (l2, l3) = c.lookup_tiers(s.id, old, true).await.unwrap();
+            assert_eq!(
+                l2 + l3,
+                4,
+                "a page left L2 without reaching L3 ({l2} + {l3})"
+            );
+        }
+        let evicted = c.stats().await.unwrap().pools[0].evictions;
+        assert!(evicted >= 4, "nothing was evicted ({evicted})");
+    });
+}
+
+#[test]
+fn file_pages_survive_a_killed_daemon() {
+    let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-restart", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let keys = chain(7, 12);
+    let d = Daemon::start_in(dir.clone(), &["l2.pool_pages=32"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        store(&mut c, &s, &keys).await;
+        wait_objects(&mut c, 12).await;
+    });
+    let killed_pid = d.child.id();
+    let dir = d.kill();
+    let d = Daemon::start_in(dir, &["l2.pool_pages=32"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        // L2 is empty after the restart; L3 still has every page.
+        assert_eq!(c.lookup_tiers(s.id, &keys, true).await.unwrap(), (0, 12));
+        // And pages of another layout are not confused with them.
+        let other = c.register("w", &layout("other")).await.unwrap();
+        assert_eq!(c.lookup_tiers(other.id, &keys, true).await.unwrap(), (0, 0));
+        // Committing the same pages to L2 again writes nothing: L3 already has them.
+        store(&mut c, &s, &keys).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let st = c.stats().await.unwrap().l3.unwrap();
+            if st.skipped_pages == 12 {
+                assert_eq!((st.written_pages, st.objects), (0, 12));
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{st:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    // The killed daemon's shared-memory pool was cleaned up by its successor.
+    let leftovers = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("kvtier-{killed_pid}-"))
+        })
+        .count();
+    assert_eq!(
+        leftovers, 0,
+        "the killed daemon's pool is still in /dev/shm"
+    );
+}
