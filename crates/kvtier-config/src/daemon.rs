@@ -81,6 +81,11 @@ concurrency = 4
 timeout = "5s"
 # Retries of a failed write, with backoff doubling from 50ms (0 to 10).
 retries = 2
+# Consecutive backend failures (errors or timeouts) that open the circuit breaker: calls
+# then fail at once (reads miss, writes drop) instead of waiting on a dead backend (1 to 1000).
+breaker_failures = 5
+# How long the breaker stays open before one probe call is let through (10ms to 10m).
+breaker_cooldown = "1s"
 # file backend: directory of the pages. Empty: <data_dir>/l3.
 file_path = ""
 # file backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
@@ -188,6 +193,10 @@ pub struct L3Config {
     pub timeout: Dur,
     /// Write retries.
     pub retries: u32,
+    /// Failures that open the breaker.
+    pub breaker_failures: u32,
+    /// Breaker cooldown.
+    pub breaker_cooldown: Dur,
     /// File backend directory (empty: `<data_dir>/l3`).
     pub file_path: String,
     /// File backend capacity (0: unbounded).
@@ -224,6 +233,8 @@ impl Default for L3Config {
             concurrency: 4,
             timeout: Dur(Duration::from_secs(5)),
             retries: 2,
+            breaker_failures: 5,
+            breaker_cooldown: Dur(Duration::from_secs(1)),
             file_path: String::new(),
             file_capacity_bytes: ByteSize(0),
             file_min_free_bytes: ByteSize(1 << 30),
@@ -393,6 +404,8 @@ impl DaemonConfig {
                     concurrency,
                     timeout,
                     retries,
+                    breaker_failures,
+                    breaker_cooldown,
                     file_path: _,
                     file_capacity_bytes: _,
                     file_min_free_bytes: _,
@@ -420,7 +433,8 @@ impl DaemonConfig {
                 ),
             ));
         }
-        let ranges: [(&str, u64, u64, u64); 5] = [
+        let ranges: [(&str, u64, u64, u64); 6] = [
+            ("l3.breaker_failures", u64::from(*breaker_failures), 1, 1000),
             ("l3.write_threshold", *write_threshold, 1, 1_000_000),
             ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
             ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
@@ -439,6 +453,14 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "l3.timeout",
                 format!("{timeout} is outside 1ms..=10m"),
+            ));
+        }
+        if breaker_cooldown.0 < Duration::from_millis(10)
+            || breaker_cooldown.0 > Duration::from_secs(600)
+        {
+            return Err(ConfigError::invalid(
+                "l3.breaker_cooldown",
+                format!("{breaker_cooldown} is outside 10ms..=10m"),
             ));
         }
         if backend == "memory" && memory_capacity_bytes.0 == 0 {

@@ -18,6 +18,7 @@ use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_shm::ShmPool;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
+use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -57,8 +58,10 @@ pub struct WriterCounters {
 
 /// The storage tier of a running daemon.
 pub struct L3 {
-    /// Framed page access over the backend.
+    /// Framed page access over the backend (behind its circuit breaker).
     pub store: PageStore,
+    /// The backend's circuit breaker.
+    pub breaker: Arc<Breaker>,
     /// The write policy.
     pub policy: WritePolicy,
     /// Hits at which `write_through_selective` writes.
@@ -109,12 +112,22 @@ pub struct WriterParts {
 }
 
 impl L3 {
-    /// The tier over `store`, and the parts of its writer (run with [`run_writer`]).
+    /// The tier over `store` (wrapped in a circuit breaker), and the parts of its writer
+    /// (run with [`run_writer`]).
     pub fn new(store: Arc<dyn Store>, cfg: &DaemonConfig) -> (Self, WriterParts) {
         let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
+        let breaker = Arc::new(Breaker::new(
+            store,
+            BreakerConfig {
+                failures_to_open: cfg.l3.breaker_failures,
+                cooldown: cfg.l3.breaker_cooldown.0,
+                timeout: cfg.l3.timeout.0,
+            },
+        ));
         (
             Self {
-                store: PageStore::new(store),
+                store: PageStore::new(breaker.clone()),
+                breaker,
                 policy: cfg.l3.policy(),
                 threshold: cfg.l3.write_threshold,
                 timeout: cfg.l3.timeout.0,
@@ -128,6 +141,11 @@ impl L3 {
                 retries: cfg.l3.retries,
             },
         )
+    }
+
+    /// Whether the breaker is letting calls through.
+    pub fn breaker_open(&self) -> bool {
+        self.breaker.state() != BreakerState::Closed
     }
 
     /// Queues pages for writing without waiting. Pages that do not fit are unpinned and

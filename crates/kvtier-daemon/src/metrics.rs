@@ -48,6 +48,7 @@ pub struct Metrics {
     l3_objects: IntGauge,
     l3_bytes: IntGauge,
     l3_evictions: IntGauge,
+    l3_breaker_open: IntGauge,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     pinned_pages: IntGauge,
@@ -78,6 +79,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l3_objects",
     "kvtier_l3_bytes",
     "kvtier_l3_evicted_objects",
+    "kvtier_l3_breaker_open",
 ];
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
@@ -229,6 +231,13 @@ impl Metrics {
                     "Pages L3 evicted to honour its capacity since start",
                 )?,
             ),
+            l3_breaker_open: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_l3_breaker_open",
+                    "1 while the L3 backend's circuit breaker is open or probing",
+                )?,
+            ),
             registry: r,
         })
     }
@@ -240,6 +249,7 @@ impl Metrics {
             self.l3_objects.set(st.objects as i64);
             self.l3_bytes.set(st.bytes as i64);
             self.l3_evictions.set(st.evictions as i64);
+            self.l3_breaker_open.set(i64::from(l3.breaker_open()));
             self.l3_queue.set(
                 l3.counters
                     .queued

@@ -13,6 +13,7 @@ pub mod file;
 pub mod format;
 pub mod memory;
 mod page;
+pub mod wrappers;
 
 use std::fmt;
 use std::time::{Duration, Instant};

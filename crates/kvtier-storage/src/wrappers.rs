@@ -1,0 +1,294 @@
+//! Wrappers that compose over any [`Store`]: a circuit breaker that turns a failing backend
+//! into fast misses, and a fault injector for tests.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::sync::Arc;
+
+use crate::{StorageError, Store, StoreStats};
+
+/// Breaker settings.
+#[derive(Clone, Copy, Debug)]
+pub struct BreakerConfig {
+    /// Consecutive failures that open the breaker.
+    pub failures_to_open: u32,
+    /// How long it stays open before one probe call is let through.
+    pub cooldown: Duration,
+    /// Deadline of each call to the backend; a call that takes longer counts as a failure.
+    pub timeout: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            failures_to_open: 5,
+            cooldown: Duration::from_secs(1),
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the breaker is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Calls go through.
+    Closed,
+    /// Calls fail at once with [`StorageError::Unavailable`].
+    Open,
+    /// One probe call is in flight; others fail at once.
+    HalfOpen,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: BreakerState,
+    failures: u32,
+    opened_at: Instant,
+    probe_started: Instant,
+}
+
+/// A circuit breaker around a backend. Repeated failures open it: calls then fail immediately
+/// (callers see misses and dropped writes) instead of waiting on a dead backend. After the
+/// cooldown one probe call goes through; its success closes the breaker.
+#[derive(Debug)]
+pub struct Breaker {
+    inner: Arc<dyn Store>,
+    cfg: BreakerConfig,
+    st: Mutex<Inner>,
+    opens: AtomicU64,
+    rejected: AtomicU64,
+}
+
+/// Whether an error says the backend is unhealthy (as opposed to a bad request or a caller's
+/// cancellation).
+fn is_backend_failure(e: &StorageError) -> bool {
+    matches!(
+        e,
+        StorageError::Io { .. }
+            | StorageError::Timeout(_)
+            | StorageError::Backend { .. }
+            | StorageError::Unavailable(_)
+    )
+}
+
+impl Breaker {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Store>, cfg: BreakerConfig) -> Self {
+        let now = Instant::now();
+        Self {
+            inner,
+            cfg,
+            st: Mutex::new(Inner {
+                state: BreakerState::Closed,
+                failures: 0,
+                opened_at: now,
+                probe_started: now,
+            }),
+            opens: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        match self.st.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> BreakerState {
+        self.lock().state
+    }
+
+    /// Times the breaker opened, and calls it refused.
+    pub fn counts(&self) -> (u64, u64) {
+        (
+            self.opens.load(Ordering::Relaxed),
+            self.rejected.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Decides whether a call may go to the backend now.
+    fn admit(&self) -> Result<(), StorageError> {
+        let mut g = self.lock();
+        let now = Instant::now();
+        match g.state {
+            BreakerState::Closed => Ok(()),
+            BreakerState::Open if now.duration_since(g.opened_at) >= self.cfg.cooldown => {
+                g.state = BreakerState::HalfOpen;
+                g.probe_started = now;
+                Ok(())
+            }
+            // A probe that outlived its deadline was dropped by its caller: allow another.
+            BreakerState::HalfOpen if now.duration_since(g.probe_started) > self.cfg.timeout => {
+                g.probe_started = now;
+                Ok(())
+            }
+            BreakerState::Open | BreakerState::HalfOpen => {
+                self.rejected.fetch_add(1, Ordering::Relaxed);
+                Err(StorageError::Unavailable(format!(
+                    "{} backend's circuit breaker is open",
+                    self.inner.kind()
+                )))
+            }
+        }
+    }
+
+    fn record(&self, ok: bool) {
+        let mut g = self.lock();
+        if ok {
+            if g.state != BreakerState::Closed {
+                tracing::info!(backend = self.inner.kind(), "circuit breaker closed");
+            }
+            g.state = BreakerState::Closed;
+            g.failures = 0;
+            return;
+        }
+        g.failures += 1;
+        let reopen = g.state == BreakerState::HalfOpen;
+        if reopen || (g.state == BreakerState::Closed && g.failures >= self.cfg.failures_to_open) {
+            if g.state == BreakerState::Closed {
+                self.opens.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    backend = self.inner.kind(),
+                    failures = g.failures,
+                    "circuit breaker opened: calls fail fast until a probe succeeds"
+                );
+            }
+            g.state = BreakerState::Open;
+            g.opened_at = Instant::now();
+        }
+    }
+
+    async fn call<T>(
+        &self,
+        fut: impl Future<Output = Result<T, StorageError>>,
+    ) -> Result<T, StorageError> {
+        self.admit()?;
+        let r = match tokio::time::timeout(self.cfg.timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StorageError::Timeout(self.cfg.timeout)),
+        };
+        match &r {
+            Ok(_) => self.record(true),
+            Err(e) if is_backend_failure(e) => self.record(false),
+            // A bad name or a full disk says nothing about the backend's health.
+            Err(_) => {}
+        }
+        r
+    }
+}
+
+#[async_trait]
+impl Store for Breaker {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        self.call(self.inner.get(name)).await
+    }
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        self.call(self.inner.set(name, head, body)).await
+    }
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        self.call(self.inner.exists(name)).await
+    }
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        self.call(self.inner.delete(name)).await
+    }
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        self.call(self.inner.exists_prefix(names)).await
+    }
+    fn stats(&self) -> StoreStats {
+        self.inner.stats()
+    }
+}
+
+/// How [`Faulty`] misbehaves while failing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Every call returns an I/O error.
+    Error,
+    /// Every call hangs until its caller gives up.
+    Hang,
+}
+
+/// A fault injector for tests: passes calls through until told to fail, then fails them all
+/// (or hangs them) until told to stop.
+#[derive(Debug)]
+pub struct Faulty {
+    inner: Arc<dyn Store>,
+    failing: AtomicBool,
+    hang: AtomicBool,
+    calls: AtomicU64,
+}
+
+impl Faulty {
+    /// Wraps `inner`, healthy.
+    pub fn new(inner: Arc<dyn Store>) -> Self {
+        Self {
+            inner,
+            failing: AtomicBool::new(false),
+            hang: AtomicBool::new(false),
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    /// Starts failing every call in the given way, or stops (`None`).
+    pub fn set_fault(&self, fault: Option<Fault>) {
+        self.hang
+            .store(fault == Some(Fault::Hang), Ordering::SeqCst);
+        self.failing.store(fault.is_some(), Ordering::SeqCst);
+    }
+
+    /// Calls that reached the wrapped store or were failed here.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    async fn gate(&self, op: &'static str) -> Result<(), StorageError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if !self.failing.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        Err(StorageError::Io {
+            op,
+            target: "faulty".into(),
+            source: std::io::Error::other("injected fault"),
+        })
+    }
+}
+
+#[async_trait]
+impl Store for Faulty {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        self.gate("get").await?;
+        self.inner.get(name).await
+    }
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        self.gate("set").await?;
+        self.inner.set(name, head, body).await
+    }
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        self.gate("exists").await?;
+        self.inner.exists(name).await
+    }
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        self.gate("delete").await?;
+        self.inner.delete(name).await
+    }
+    fn stats(&self) -> StoreStats {
+        self.inner.stats()
+    }
+}

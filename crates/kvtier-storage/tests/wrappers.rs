@@ -1,0 +1,118 @@
+//! The circuit breaker and the fault injector: both conform when healthy; a failing or hanging
+//! backend becomes fast misses, and a probe closes the breaker once the backend is back.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_storage::memory::MemoryStore;
+use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Fault, Faulty};
+use kvtier_storage::{Fetch, MissReason, OpCtx, PageStore, StorageError, Store, conformance};
+
+fn cfg() -> BreakerConfig {
+    BreakerConfig {
+        failures_to_open: 3,
+        cooldown: Duration::from_millis(100),
+        timeout: Duration::from_millis(50),
+    }
+}
+
+#[tokio::test]
+async fn healthy_wrappers_conform() {
+    let faulty = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    conformance::run_all(Arc::new(Breaker::new(faulty, cfg()))).await;
+}
+
+#[tokio::test]
+async fn failures_open_the_breaker_and_a_probe_closes_it() {
+    let faulty = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    let breaker = Arc::new(Breaker::new(faulty.clone(), cfg()));
+    let ps = PageStore::new(breaker.clone());
+    let (fp, key) = (LayoutFingerprint([1; 16]), PageKey([2; 32]));
+    let ctx = || OpCtx::timeout(Duration::from_secs(5));
+    ps.set(&ctx(), &fp, &key, Bytes::from_static(b"page"))
+        .await
+        .unwrap();
+
+    faulty.set_fault(Some(Fault::Error));
+    for _ in 0..3 {
+        assert!(matches!(
+            ps.get(&ctx(), &fp, &key, None).await,
+            Fetch::Miss(MissReason::Failed(_))
+        ));
+    }
+    assert_eq!(breaker.state(), BreakerState::Open);
+    // Open: calls are refused without touching the backend.
+    let before = faulty.calls();
+    assert!(matches!(
+        ps.get(&ctx(), &fp, &key, None).await,
+        Fetch::Miss(MissReason::Throttled)
+    ));
+    assert!(matches!(
+        ps.set(&ctx(), &fp, &key, Bytes::new()).await,
+        Err(StorageError::Unavailable(_))
+    ));
+    assert_eq!(faulty.calls(), before, "an open breaker let a call through");
+
+    // After the cooldown one probe goes through; it fails, so the breaker opens again.
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert!(matches!(
+        ps.get(&ctx(), &fp, &key, None).await,
+        Fetch::Miss(MissReason::Failed(_))
+    ));
+    assert_eq!(breaker.state(), BreakerState::Open);
+
+    // The backend recovers: the next probe succeeds and closes the breaker.
+    faulty.set_fault(None);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(
+        ps.get(&ctx(), &fp, &key, None).await.hit().unwrap(),
+        Bytes::from_static(b"page")
+    );
+    assert_eq!(breaker.state(), BreakerState::Closed);
+    assert_eq!(breaker.counts().0, 1);
+}
+
+#[tokio::test]
+async fn a_hanging_backend_costs_at_most_the_timeout_then_nothing() {
+    let faulty = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    let breaker = Arc::new(Breaker::new(faulty.clone(), cfg()));
+    let ps = PageStore::new(breaker.clone());
+    let (fp, key) = (LayoutFingerprint([1; 16]), PageKey([2; 32]));
+    faulty.set_fault(Some(Fault::Hang));
+    let ctx = OpCtx::timeout(Duration::from_secs(10));
+    for _ in 0..3 {
+        let t = Instant::now();
+        assert!(matches!(
+            ps.get(&ctx, &fp, &key, None).await,
+            Fetch::Miss(MissReason::Timeout)
+        ));
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "a hung call was not cut at the timeout"
+        );
+    }
+    assert_eq!(breaker.state(), BreakerState::Open);
+    let t = Instant::now();
+    for _ in 0..100 {
+        assert!(matches!(
+            ps.exists(&ctx, &fp, &key).await,
+            Err(StorageError::Unavailable(_))
+        ));
+    }
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "open-breaker calls are not fast"
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_do_not_open_the_breaker() {
+    let breaker = Breaker::new(Arc::new(MemoryStore::new()), cfg());
+    for _ in 0..10 {
+        assert!(breaker.get("NOT A NAME").await.is_err());
+    }
+    assert_eq!(breaker.state(), BreakerState::Closed);
+}
