@@ -60,7 +60,8 @@ huge_pages = false
 
 [l3]
 # The storage tier behind L2: "file" (the embedded default: one file per page under
-# file_path), "memory" (a bounded in-process map, for trials), or "none".
+# file_path), "rocksdb" (pages in a RocksDB database with blob files), "memory" (a bounded
+# in-process map, for trials), or "none".
 backend = "file"
 # When pages are written from L2 to L3:
 #   write_through           every committed page, at once;
@@ -98,6 +99,12 @@ file_ttl = "0s"
 file_sync = false
 # memory backend: most bytes kept (oldest pages evicted first).
 memory_capacity_bytes = "1GiB"
+# rocksdb backend: database directory. Empty: <data_dir>/rocksdb.
+rocksdb_path = ""
+# rocksdb backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
+rocksdb_capacity_bytes = "0"
+# rocksdb backend: sync the write-ahead log on every write.
+rocksdb_sync = false
 
 [sessions]
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
@@ -209,6 +216,12 @@ pub struct L3Config {
     pub file_sync: bool,
     /// Memory backend capacity.
     pub memory_capacity_bytes: ByteSize,
+    /// RocksDB directory (empty: `<data_dir>/rocksdb`).
+    pub rocksdb_path: String,
+    /// RocksDB capacity (0: unbounded).
+    pub rocksdb_capacity_bytes: ByteSize,
+    /// RocksDB WAL sync.
+    pub rocksdb_sync: bool,
 }
 
 /// When pages go from L2 to L3.
@@ -241,6 +254,9 @@ impl Default for L3Config {
             file_ttl: Dur(Duration::ZERO),
             file_sync: false,
             memory_capacity_bytes: ByteSize(1 << 30),
+            rocksdb_path: String::new(),
+            rocksdb_capacity_bytes: ByteSize(0),
+            rocksdb_sync: false,
         }
     }
 }
@@ -365,6 +381,15 @@ impl DaemonConfig {
         }
     }
 
+    /// The rocksdb backend's directory.
+    pub fn l3_rocksdb_path(&self) -> PathBuf {
+        if self.l3.rocksdb_path.is_empty() {
+            self.data_dir.join("rocksdb")
+        } else {
+            PathBuf::from(&self.l3.rocksdb_path)
+        }
+    }
+
     /// The eviction policy (validated by [`Self::validate`]).
     pub fn eviction_policy(&self) -> PolicyKind {
         self.l2.eviction_policy.parse().unwrap_or_default()
@@ -412,15 +437,18 @@ impl DaemonConfig {
                     file_ttl: _,
                     file_sync: _,
                     memory_capacity_bytes,
+                    rocksdb_path: _,
+                    rocksdb_capacity_bytes: _,
+                    rocksdb_sync: _,
                 },
             sessions: SessionsConfig { ttl },
             log: LogConfig { level },
         } = self;
         let l2_backing = backing;
-        if !["file", "memory", "none"].contains(&backend.as_str()) {
+        if !["file", "rocksdb", "memory", "none"].contains(&backend.as_str()) {
             return Err(ConfigError::invalid(
                 "l3.backend",
-                format!("{backend:?}: expected \"file\", \"memory\" or \"none\""),
+                format!("{backend:?}: expected file, rocksdb, memory or none"),
             ));
         }
         if !["write_through", "write_through_selective", "write_back"]

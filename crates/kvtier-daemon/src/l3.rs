@@ -18,6 +18,7 @@ use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_shm::ShmPool;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
+use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
@@ -90,6 +91,14 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
         "memory" => Some(Arc::new(MemoryStore::with_capacity(
             l3.memory_capacity_bytes.0,
         ))),
+        "rocksdb" => Some(
+            RocksStore::open(RocksConfig {
+                path: cfg.l3_rocksdb_path(),
+                capacity_bytes: l3.rocksdb_capacity_bytes.0,
+                sync: l3.rocksdb_sync,
+            })
+            .await?,
+        ),
         _ => Some(
             FileStore::open(FileConfig {
                 root: cfg.l3_file_path(),

@@ -173,6 +173,22 @@ fn write_back_writes_pages_before_their_slots_are_reused() {
 }
 
 #[test]
+fn rocksdb_backend_from_config() {
+    let d = Daemon::start("rocks", &["l2.pool_pages=32", "l3.backend=rocksdb"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        let keys = chain(8, 6);
+        store(&mut c, &s, &keys).await;
+        wait_objects(&mut c, 6).await;
+        let st = c.stats().await.unwrap().l3.unwrap();
+        assert_eq!(st.backend, "rocksdb");
+        assert!(d.dir.join("rocksdb/CURRENT").exists());
+        assert_eq!(c.lookup_tiers(s.id, &keys, true).await.unwrap(), (6, 0));
+    });
+}
+
+#[test]
 fn file_pages_survive_a_killed_daemon() {
     let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-restart", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -14,7 +14,6 @@
 //!
 //! Blocking file I/O runs on tokio's blocking pool, never on the async workers.
 
-use std::collections::{BTreeSet, HashMap};
 use std::io::{ErrorKind, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,6 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 
+use crate::lru::{Index, lock};
 use crate::{StorageError, Store, StoreStats, check_name};
 
 /// Configuration of a [`FileStore`].
@@ -51,57 +51,6 @@ impl FileConfig {
             ttl: None,
             sync: false,
         }
-    }
-}
-
-#[derive(Debug, Default)]
-struct Index {
-    /// name → (bytes, last access in ns since the epoch)
-    entries: HashMap<String, (u64, u64)>,
-    lru: BTreeSet<(u64, String)>,
-    bytes: u64,
-    evictions: u64,
-    delete_failures: u64,
-}
-
-impl Index {
-    fn insert(&mut self, name: &str, size: u64, at: u64) {
-        if let Some((old_size, old_at)) = self.entries.insert(name.to_string(), (size, at)) {
-            self.bytes -= old_size;
-            self.lru.remove(&(old_at, name.to_string()));
-        }
-        self.bytes += size;
-        self.lru.insert((at, name.to_string()));
-    }
-
-    fn remove(&mut self, name: &str) {
-        if let Some((size, at)) = self.entries.remove(name) {
-            self.bytes -= size;
-            self.lru.remove(&(at, name.to_string()));
-        }
-    }
-
-    fn touch(&mut self, name: &str, at: u64) {
-        if let Some(e) = self.entries.get_mut(name) {
-            let old = e.1;
-            e.1 = at;
-            self.lru.remove(&(old, name.to_string()));
-            self.lru.insert((at, name.to_string()));
-        }
-    }
-
-    /// Takes least recently used objects out until `bytes <= capacity`, sparing `keep`.
-    fn victims(&mut self, capacity: u64, keep: &str) -> Vec<String> {
-        let mut out = Vec::new();
-        while capacity > 0 && self.bytes > capacity {
-            let Some(first) = self.lru.iter().find(|(_, n)| n != keep).cloned() else {
-                break;
-            };
-            self.remove(&first.1);
-            self.evictions += 1;
-            out.push(first.1);
-        }
-        out
     }
 }
 
@@ -134,13 +83,6 @@ fn expired(ttl: Option<Duration>, meta: &std::fs::Metadata) -> bool {
             .and_then(|m| m.elapsed().ok())
             .is_some_and(|age| age > ttl)
     })
-}
-
-fn lock(index: &Mutex<Index>) -> std::sync::MutexGuard<'_, Index> {
-    match index.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
 }
 
 /// Runs blocking file I/O off the async workers.

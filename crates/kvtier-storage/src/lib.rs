@@ -11,8 +11,10 @@
 pub mod conformance;
 pub mod file;
 pub mod format;
+mod lru;
 pub mod memory;
 mod page;
+pub mod rocks;
 pub mod wrappers;
 
 use std::fmt;

@@ -1,0 +1,65 @@
+//! The size-bounded LRU index shared by the backends that keep their own capacity bound
+//! (file, rocksdb). It only does accounting; the backend deletes what it returns.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
+
+/// Object sizes and last-access times, ordered for eviction.
+#[derive(Debug, Default)]
+pub(crate) struct Index {
+    /// name → (bytes, last access in ns since the epoch)
+    pub(crate) entries: HashMap<String, (u64, u64)>,
+    lru: BTreeSet<(u64, String)>,
+    pub(crate) bytes: u64,
+    pub(crate) evictions: u64,
+    pub(crate) delete_failures: u64,
+}
+
+impl Index {
+    pub(crate) fn insert(&mut self, name: &str, size: u64, at: u64) {
+        if let Some((old_size, old_at)) = self.entries.insert(name.to_string(), (size, at)) {
+            self.bytes -= old_size;
+            self.lru.remove(&(old_at, name.to_string()));
+        }
+        self.bytes += size;
+        self.lru.insert((at, name.to_string()));
+    }
+
+    pub(crate) fn remove(&mut self, name: &str) {
+        if let Some((size, at)) = self.entries.remove(name) {
+            self.bytes -= size;
+            self.lru.remove(&(at, name.to_string()));
+        }
+    }
+
+    pub(crate) fn touch(&mut self, name: &str, at: u64) {
+        if let Some(e) = self.entries.get_mut(name) {
+            let old = e.1;
+            e.1 = at;
+            self.lru.remove(&(old, name.to_string()));
+            self.lru.insert((at, name.to_string()));
+        }
+    }
+
+    /// Takes least recently used objects out until `bytes <= capacity`, sparing `keep`.
+    pub(crate) fn victims(&mut self, capacity: u64, keep: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        while capacity > 0 && self.bytes > capacity {
+            let Some(first) = self.lru.iter().find(|(_, n)| n != keep).cloned() else {
+                break;
+            };
+            self.remove(&first.1);
+            self.evictions += 1;
+            out.push(first.1);
+        }
+        out
+    }
+}
+
+/// Locks an index, riding over a poisoned lock (its updates are single statements).
+pub(crate) fn lock(index: &Mutex<Index>) -> std::sync::MutexGuard<'_, Index> {
+    match index.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}

@@ -1,0 +1,265 @@
+//! `rocksdb`: pages in a RocksDB database, tuned for large values.
+//!
+//! Values go to blob files (RocksDB's integrated BlobDB: `enable_blob_files`, values of 4 KiB
+//! and more stored out of the LSM tree), so compactions move keys, not pages. A small `sizes`
+//! column family holds each object's length: `exists` reads it instead of a page, and the
+//! capacity index is rebuilt from it at open without touching a blob. Object and size are
+//! written in one atomic write batch.
+//!
+//! The capacity bound is the same LRU as the file backend's (recency starts afresh after a
+//! restart). Every RocksDB call is blocking and runs on tokio's blocking pool.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use rocksdb::{
+    ColumnFamilyDescriptor, DB, DBCompressionType, IteratorMode, Options, WriteBatch, WriteOptions,
+};
+
+use crate::lru::{Index, lock};
+use crate::{StorageError, Store, StoreStats, check_name};
+
+const SIZES: &str = "sizes";
+
+/// Configuration of a [`RocksStore`].
+#[derive(Clone, Debug)]
+pub struct RocksConfig {
+    /// Database directory.
+    pub path: PathBuf,
+    /// Most bytes kept (0: unbounded).
+    pub capacity_bytes: u64,
+    /// Sync the write-ahead log on every write.
+    pub sync: bool,
+}
+
+impl RocksConfig {
+    /// Unbounded, unsynced.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            capacity_bytes: 0,
+            sync: false,
+        }
+    }
+}
+
+/// The RocksDB backend.
+pub struct RocksStore {
+    db: Arc<DB>,
+    cfg: RocksConfig,
+    index: Arc<Mutex<Index>>,
+}
+
+impl std::fmt::Debug for RocksStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RocksStore")
+            .field("path", &self.cfg.path)
+            .finish()
+    }
+}
+
+fn err(op: &'static str) -> impl FnOnce(rocksdb::Error) -> StorageError {
+    move |e| StorageError::Backend {
+        backend: "rocksdb",
+        message: format!("{op}: {e}"),
+        retryable: !matches!(
+            e.kind(),
+            rocksdb::ErrorKind::InvalidArgument | rocksdb::ErrorKind::NotSupported
+        ),
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
+) -> Result<T, StorageError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(StorageError::Backend {
+            backend: "rocksdb",
+            message: format!("blocking task failed: {e}"),
+            retryable: true,
+        }),
+    }
+}
+
+impl RocksStore {
+    /// Opens (creating if needed) the database and rebuilds the capacity index from the
+    /// `sizes` column family.
+    pub async fn open(cfg: RocksConfig) -> Result<Arc<Self>, StorageError> {
+        let path = cfg.path.clone();
+        let db = blocking(move || {
+            std::fs::create_dir_all(&path).map_err(|source| StorageError::Io {
+                op: "create",
+                target: path.display().to_string(),
+                source,
+            })?;
+            let mut opts = Options::default();
+            opts.create_if_missing(true);
+            opts.create_missing_column_families(true);
+            let mut pages = Options::default();
+            pages.set_enable_blob_files(true);
+            pages.set_min_blob_size(4096);
+            pages.set_blob_file_size(256 << 20);
+            pages.set_enable_blob_gc(true);
+            // KV pages are dense floats: compression costs CPU and saves little.
+            pages.set_compression_type(DBCompressionType::None);
+            let cfs = vec![
+                ColumnFamilyDescriptor::new("default", pages),
+                ColumnFamilyDescriptor::new(SIZES, Options::default()),
+            ];
+            DB::open_cf_descriptors(&opts, &path, cfs).map_err(err("open"))
+        })
+        .await?;
+        let db = Arc::new(db);
+        let index = Arc::new(Mutex::new(Index::default()));
+        {
+            let (db, index) = (db.clone(), index.clone());
+            blocking(move || {
+                let cf = db
+                    .cf_handle(SIZES)
+                    .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+                let at = now_ns();
+                let mut g = lock(&index);
+                for item in db.iterator_cf(cf, IteratorMode::Start) {
+                    let (k, v) = item.map_err(err("scan sizes"))?;
+                    let (Ok(name), Ok(size)) = (std::str::from_utf8(&k), <[u8; 8]>::try_from(&*v))
+                    else {
+                        continue;
+                    };
+                    g.insert(name, u64::from_le_bytes(size), at);
+                }
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(Arc::new(Self { db, cfg, index }))
+    }
+
+    fn write_opts(&self) -> WriteOptions {
+        let mut w = WriteOptions::default();
+        w.set_sync(self.cfg.sync);
+        w
+    }
+
+    fn remove_batch(db: &DB, names: &[String], sync: bool) -> Result<(), StorageError> {
+        let cf = db
+            .cf_handle(SIZES)
+            .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+        let mut b = WriteBatch::default();
+        for n in names {
+            b.delete(n.as_bytes());
+            b.delete_cf(cf, n.as_bytes());
+        }
+        let mut w = WriteOptions::default();
+        w.set_sync(sync);
+        db.write_opt(b, &w).map_err(err("delete"))
+    }
+}
+
+#[async_trait]
+impl Store for RocksStore {
+    fn kind(&self) -> &'static str {
+        "rocksdb"
+    }
+
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        check_name(name)?;
+        let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
+        blocking(move || {
+            let v = db.get(name.as_bytes()).map_err(err("get"))?;
+            if v.is_some() {
+                lock(&index).touch(&name, now_ns());
+            }
+            Ok(v.map(Bytes::from))
+        })
+        .await
+    }
+
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        check_name(name)?;
+        let size = (head.len() + body.len()) as u64;
+        let cap = self.cfg.capacity_bytes;
+        if cap > 0 && size > cap {
+            return Err(StorageError::NoSpace(format!(
+                "object of {size} bytes exceeds capacity_bytes {cap}"
+            )));
+        }
+        let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
+        let (wopts, sync) = (self.write_opts(), self.cfg.sync);
+        blocking(move || {
+            let cf = db
+                .cf_handle(SIZES)
+                .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+            let mut value = Vec::with_capacity(size as usize);
+            value.extend_from_slice(&head);
+            value.extend_from_slice(&body);
+            let mut b = WriteBatch::default();
+            b.put(name.as_bytes(), &value);
+            b.put_cf(cf, name.as_bytes(), size.to_le_bytes());
+            db.write_opt(b, &wopts).map_err(err("put"))?;
+            let victims = {
+                let mut g = lock(&index);
+                g.insert(&name, size, now_ns());
+                g.victims(cap, &name)
+            };
+            if !victims.is_empty()
+                && let Err(e) = Self::remove_batch(&db, &victims, sync)
+            {
+                lock(&index).delete_failures += victims.len() as u64;
+                tracing::warn!("rocksdb: evicting {} objects failed: {e}", victims.len());
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        check_name(name)?;
+        let (db, name) = (self.db.clone(), name.to_string());
+        blocking(move || {
+            let cf = db
+                .cf_handle(SIZES)
+                .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+            Ok(db
+                .get_pinned_cf(cf, name.as_bytes())
+                .map_err(err("exists"))?
+                .is_some())
+        })
+        .await
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        check_name(name)?;
+        let (db, index, name, sync) = (
+            self.db.clone(),
+            self.index.clone(),
+            name.to_string(),
+            self.cfg.sync,
+        );
+        blocking(move || {
+            lock(&index).remove(&name);
+            Self::remove_batch(&db, std::slice::from_ref(&name), sync)
+        })
+        .await
+    }
+
+    fn stats(&self) -> StoreStats {
+        let g = lock(&self.index);
+        StoreStats {
+            objects: g.entries.len() as u64,
+            bytes: g.bytes,
+            capacity: self.cfg.capacity_bytes,
+            evictions: g.evictions,
+            delete_failures: g.delete_failures,
+        }
+    }
+}
