@@ -5,10 +5,20 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let protos = ["kvtier/v1/common.proto", "kvtier/v1/host.proto"].map(|p| root.join(p));
+    let protos = [
+        "kvtier/v1/common.proto",
+        "kvtier/v1/host.proto",
+        "kvtier/v1/storage.proto",
+    ]
+    .map(|p| root.join(p));
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    // Object bytes as `bytes::Bytes`: chunks are sliced from and into buffers without copies.
+    config.bytes([
+        ".kvtier.v1.ObjectChunk.data",
+        ".kvtier.v1.SetObjectChunk.data",
+    ]);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("kvtier_descriptor.bin"))
         .compile_with_config(config, &protos, std::slice::from_ref(&root))?;

@@ -71,15 +71,14 @@ pub async fn connect(target: &str) -> Result<Channel, ClientError> {
         source,
     };
     if target.starts_with("http://") || target.starts_with("https://") {
-        return Endpoint::from_shared(target.to_string())
-            .map_err(err)?
+        return tune(Endpoint::from_shared(target.to_string()).map_err(err)?)
             .connect()
             .await
             .map_err(err);
     }
     let path = PathBuf::from(target.strip_prefix("unix://").unwrap_or(target));
     // The URI is required by the API but unused: the connector dials the socket.
-    Endpoint::from_static("http://kvtierd.local")
+    tune(Endpoint::from_static("http://kvtierd.local"))
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
             async move {
@@ -89,6 +88,42 @@ pub async fn connect(target: &str) -> Result<Channel, ClientError> {
         }))
         .await
         .map_err(err)
+}
+
+/// Like [`connect`], but returns at once: the connection is made on first use and remade after
+/// failures, so a peer that is down at start costs errors on calls, not a failed start.
+pub fn connect_lazy(target: &str) -> Result<Channel, ClientError> {
+    let err = |source| ClientError::Connect {
+        target: target.to_string(),
+        source,
+    };
+    if target.starts_with("http://") || target.starts_with("https://") {
+        return Ok(tune(Endpoint::from_shared(target.to_string()).map_err(err)?).connect_lazy());
+    }
+    let path = PathBuf::from(target.strip_prefix("unix://").unwrap_or(target));
+    Ok(
+        tune(Endpoint::from_static("http://kvtierd.local")).connect_with_connector_lazy(
+            tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }),
+        ),
+    )
+}
+
+/// HTTP/2 windows wide enough that streaming megabyte pages does not stall on the 64 KiB
+/// defaults (kvtierd's server uses the same).
+pub const STREAM_WINDOW: u32 = 8 << 20;
+/// Connection-level HTTP/2 window.
+pub const CONNECTION_WINDOW: u32 = 32 << 20;
+
+fn tune(e: Endpoint) -> Endpoint {
+    e.initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .tcp_nodelay(true)
 }
 
 /// Page keys as raw wire bytes.

@@ -60,8 +60,9 @@ huge_pages = false
 
 [l3]
 # The storage tier behind L2: "file" (the embedded default: one file per page under
-# file_path), "rocksdb" (pages in a RocksDB database with blob files), "memory" (a bounded
-# in-process map, for trials), or "none".
+# file_path), "rocksdb" (pages in a RocksDB database with blob files), "remote" (another
+# kvtierd's storage tier, at remote_address), "memory" (a bounded in-process map, for trials),
+# or "none".
 backend = "file"
 # When pages are written from L2 to L3:
 #   write_through           every committed page, at once;
@@ -99,6 +100,9 @@ file_ttl = "0s"
 file_sync = false
 # memory backend: most bytes kept (oldest pages evicted first).
 memory_capacity_bytes = "1GiB"
+# remote backend: the kvtierd whose storage tier this one uses, as http://host:port (its
+# server.tcp) or a Unix socket path.
+remote_address = ""
 # rocksdb backend: database directory. Empty: <data_dir>/rocksdb.
 rocksdb_path = ""
 # rocksdb backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
@@ -216,6 +220,8 @@ pub struct L3Config {
     pub file_sync: bool,
     /// Memory backend capacity.
     pub memory_capacity_bytes: ByteSize,
+    /// The remote kvtierd.
+    pub remote_address: String,
     /// RocksDB directory (empty: `<data_dir>/rocksdb`).
     pub rocksdb_path: String,
     /// RocksDB capacity (0: unbounded).
@@ -254,6 +260,7 @@ impl Default for L3Config {
             file_ttl: Dur(Duration::ZERO),
             file_sync: false,
             memory_capacity_bytes: ByteSize(1 << 30),
+            remote_address: String::new(),
             rocksdb_path: String::new(),
             rocksdb_capacity_bytes: ByteSize(0),
             rocksdb_sync: false,
@@ -437,6 +444,7 @@ impl DaemonConfig {
                     file_ttl: _,
                     file_sync: _,
                     memory_capacity_bytes,
+                    remote_address,
                     rocksdb_path: _,
                     rocksdb_capacity_bytes: _,
                     rocksdb_sync: _,
@@ -445,10 +453,16 @@ impl DaemonConfig {
             log: LogConfig { level },
         } = self;
         let l2_backing = backing;
-        if !["file", "rocksdb", "memory", "none"].contains(&backend.as_str()) {
+        if !["file", "rocksdb", "remote", "memory", "none"].contains(&backend.as_str()) {
             return Err(ConfigError::invalid(
                 "l3.backend",
-                format!("{backend:?}: expected file, rocksdb, memory or none"),
+                format!("{backend:?}: expected file, rocksdb, remote, memory or none"),
+            ));
+        }
+        if backend == "remote" && remote_address.is_empty() {
+            return Err(ConfigError::invalid(
+                "l3.remote_address",
+                "required with l3.backend = \"remote\" (http://host:port or a socket path)",
             ));
         }
         if !["write_through", "write_through_selective", "write_back"]

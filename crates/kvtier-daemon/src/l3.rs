@@ -18,6 +18,7 @@ use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_shm::ShmPool;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
+use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
@@ -91,6 +92,7 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
         "memory" => Some(Arc::new(MemoryStore::with_capacity(
             l3.memory_capacity_bytes.0,
         ))),
+        "remote" => Some(Arc::new(RemoteStore::connect(&l3.remote_address)?)),
         "rocksdb" => Some(
             RocksStore::open(RocksConfig {
                 path: cfg.l3_rocksdb_path(),
@@ -267,7 +269,12 @@ pub async fn run_writer(
                     }
                     Err(e) => {
                         c.failed.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(backend = l3.store.store().kind(), key = %job.key, "l3 write failed: {e}");
+                        // An open breaker is already logged once, when it opened.
+                        if matches!(e, StorageError::Unavailable(_)) {
+                            tracing::debug!(key = %job.key, "l3 write dropped: {e}");
+                        } else {
+                            tracing::warn!(backend = l3.store.store().kind(), key = %job.key, "l3 write failed: {e}");
+                        }
                         "failed"
                     }
                 };

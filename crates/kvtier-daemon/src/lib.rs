@@ -11,6 +11,7 @@ pub mod l3;
 pub mod metrics;
 pub mod service;
 pub mod state;
+pub mod storage_service;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -199,11 +200,22 @@ pub async fn run(
         })?;
 
     let tracker = TaskTracker::new();
+    let objects = l3.as_ref().map(|l3| {
+        kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
+            storage_service::ObjectStorageService::new(l3.breaker.clone()),
+        )
+        .max_decoding_message_size(2 * kvtier_storage::remote::CHUNK)
+        .max_encoding_message_size(2 * kvtier_storage::remote::CHUNK)
+    });
     let router = || {
         tonic::transport::Server::builder()
+            .initial_stream_window_size(kvtier_client::STREAM_WINDOW)
+            .initial_connection_window_size(kvtier_client::CONNECTION_WINDOW)
+            .tcp_nodelay(true)
             .add_service(HostTierServer::new(service.clone()))
             .add_service(health_service.clone())
             .add_service(reflection.clone())
+            .add_optional_service(objects.clone())
     };
 
     // Control plane on the Unix socket (and TCP when configured).

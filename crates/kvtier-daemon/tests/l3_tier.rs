@@ -239,3 +239,63 @@ fn file_pages_survive_a_killed_daemon() {
         "the killed daemon's pool is still in /dev/shm"
     );
 }
+
+#[test]
+fn remote_backend_conforms_against_a_second_kvtierd() {
+    let a = Daemon::start("remote-a", &["server.tcp=127.0.0.1:0", "l3.backend=memory"]);
+    rt().block_on(async {
+        let over_tcp =
+            kvtier_storage::remote::RemoteStore::connect(&format!("http://{}", a.tcp)).unwrap();
+        kvtier_storage::conformance::run_all(std::sync::Arc::new(over_tcp)).await;
+        let over_uds = kvtier_storage::remote::RemoteStore::connect(&a.target()).unwrap();
+        kvtier_storage::conformance::round_trip(&over_uds).await;
+    });
+}
+
+#[test]
+fn remote_backend_from_config_and_a_dead_peer_costs_only_misses() {
+    let a = Daemon::start("remote-peer", &["l3.backend=memory"]);
+    let b = Daemon::start(
+        "remote-user",
+        &[
+            "l2.pool_pages=32",
+            "l3.backend=remote",
+            &format!("l3.remote_address={}", a.target()),
+            "l3.timeout=500ms",
+            "l3.breaker_failures=2",
+        ],
+    );
+    let keys = chain(9, 6);
+    rt().block_on(async {
+        let mut cb = HostClient::connect(&b.target()).await.unwrap();
+        let s = cb.register("w", &layout("m")).await.unwrap();
+        store(&mut cb, &s, &keys).await;
+        // The pages land in the peer's storage tier.
+        let mut ca = HostClient::connect(&a.target()).await.unwrap();
+        wait_objects(&mut ca, 6).await;
+        assert_eq!(cb.stats().await.unwrap().l3.unwrap().backend, "remote");
+    });
+    drop(a);
+    rt().block_on(async {
+        let mut cb = HostClient::connect(&b.target()).await.unwrap();
+        let s = cb.register("w", &layout("m")).await.unwrap();
+        // With the peer gone, writes fail and lookups report no L3 hits, promptly.
+        store(&mut cb, &s, &chain(10, 4)).await;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            let (l2, l3) = cb.lookup_tiers(s.id, &chain(11, 4), true).await.unwrap();
+            assert_eq!((l2, l3), (0, 0));
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "lookup waited {:?}",
+                t.elapsed()
+            );
+        }
+        assert_eq!(cb.lookup(s.id, &keys).await.unwrap(), 6, "L2 still serves");
+    });
+    let m = b.metrics();
+    assert!(
+        metric(&m, "kvtier_l3_writes_total{outcome=\"failed\"}") >= 1.0,
+        "{m}"
+    );
+}

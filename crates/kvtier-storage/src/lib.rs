@@ -14,6 +14,7 @@ pub mod format;
 mod lru;
 pub mod memory;
 mod page;
+pub mod remote;
 pub mod rocks;
 pub mod wrappers;
 

@@ -1,0 +1,153 @@
+//! `kvtier.v1.ObjectStorage`: this daemon's storage tier, served to other kvtierds (their
+//! `remote` L3 backend). Objects stream in 1 MiB chunks; a set becomes visible only when the
+//! whole object arrived with the announced length.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use kvtier_proto::ApiError;
+use kvtier_proto::v1;
+use kvtier_proto::v1::object_storage_server::ObjectStorage;
+use kvtier_storage::remote::{CHUNK, MAX_OBJECT};
+use kvtier_storage::{StorageError, Store, check_name};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// The service over a store.
+#[derive(Debug, Clone)]
+pub struct ObjectStorageService {
+    store: Arc<dyn Store>,
+}
+
+impl ObjectStorageService {
+    /// Serves `store`.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self { store }
+    }
+}
+
+fn api(e: StorageError) -> ApiError {
+    match e {
+        StorageError::Invalid(m) => ApiError::invalid("name", m),
+        StorageError::NoSpace(m) => ApiError::ResourceExhausted(m),
+        other => ApiError::Unavailable(other.to_string()),
+    }
+}
+
+fn name(n: &str) -> Result<(), Status> {
+    check_name(n).map_err(|e| Status::from(api(e)))
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<v1::ObjectChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ObjectStorage for ObjectStorageService {
+    type GetStream = ChunkStream;
+
+    async fn get(
+        &self,
+        request: Request<v1::GetObjectRequest>,
+    ) -> Result<Response<Self::GetStream>, Status> {
+        let n = &request.get_ref().name;
+        name(n)?;
+        let obj = self.store.get(n).await.map_err(|e| Status::from(api(e)))?;
+        let chunks: Vec<Result<v1::ObjectChunk, Status>> = match obj {
+            None => vec![Ok(v1::ObjectChunk::default())],
+            Some(b) if b.is_empty() => vec![Ok(v1::ObjectChunk {
+                found: true,
+                total_len: 0,
+                data: b,
+            })],
+            Some(b) => (0..b.len())
+                .step_by(CHUNK)
+                .map(|at| {
+                    Ok(v1::ObjectChunk {
+                        found: true,
+                        total_len: b.len() as u64,
+                        data: b.slice(at..(at + CHUNK).min(b.len())),
+                    })
+                })
+                .collect(),
+        };
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    }
+
+    async fn set(
+        &self,
+        request: Request<Streaming<v1::SetObjectChunk>>,
+    ) -> Result<Response<v1::SetObjectResponse>, Status> {
+        let mut stream = request.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::from(ApiError::invalid("name", "empty stream")))?;
+        name(&first.name)?;
+        if first.total_len > MAX_OBJECT {
+            return Err(ApiError::invalid(
+                "total_len",
+                format!(
+                    "{} bytes exceeds the {MAX_OBJECT}-byte limit",
+                    first.total_len
+                ),
+            )
+            .into());
+        }
+        let total = first.total_len as usize;
+        let mut buf = BytesMut::with_capacity(total);
+        buf.extend_from_slice(&first.data);
+        while buf.len() <= total {
+            match stream.message().await? {
+                Some(c) => buf.extend_from_slice(&c.data),
+                None => break,
+            }
+        }
+        if buf.len() != total {
+            // Cut short or overlong: nothing is stored.
+            return Err(ApiError::invalid(
+                "data",
+                format!("received {} bytes of an announced {total}", buf.len()),
+            )
+            .into());
+        }
+        self.store
+            .set(&first.name, bytes::Bytes::new(), buf.freeze())
+            .await
+            .map_err(|e| Status::from(api(e)))?;
+        Ok(Response::new(v1::SetObjectResponse {}))
+    }
+
+    async fn exists(
+        &self,
+        request: Request<v1::ExistsRequest>,
+    ) -> Result<Response<v1::ExistsResponse>, Status> {
+        let names = &request.get_ref().names;
+        if names.len() > 1 << 16 {
+            return Err(ApiError::invalid("names", "more than 65536 names").into());
+        }
+        for (i, n) in names.iter().enumerate() {
+            check_name(n).map_err(|e| {
+                Status::from(ApiError::invalid(format!("names[{i}]"), e.to_string()))
+            })?;
+        }
+        let n = self
+            .store
+            .exists_prefix(names)
+            .await
+            .map_err(|e| Status::from(api(e)))?;
+        Ok(Response::new(v1::ExistsResponse { leading: n as u32 }))
+    }
+
+    async fn delete(
+        &self,
+        request: Request<v1::DeleteObjectRequest>,
+    ) -> Result<Response<v1::DeleteObjectResponse>, Status> {
+        let n = &request.get_ref().name;
+        name(n)?;
+        self.store
+            .delete(n)
+            .await
+            .map_err(|e| Status::from(api(e)))?;
+        Ok(Response::new(v1::DeleteObjectResponse {}))
+    }
+}

@@ -1,0 +1,193 @@
+//! `remote`: another kvtierd's storage tier, over its `kvtier.v1.ObjectStorage` byte-streaming
+//! service. Objects travel in chunks of [`CHUNK`] bytes; HTTP/2 flow-control windows are
+//! widened so a 2 MiB page does not stall on the 64 KiB default.
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use kvtier_proto::v1;
+use kvtier_proto::v1::object_storage_client::ObjectStorageClient;
+use tonic::transport::Channel;
+
+use crate::{StorageError, Store, StoreStats, check_name};
+
+/// Bytes per streamed message.
+pub const CHUNK: usize = 1 << 20;
+
+/// Largest object accepted in either direction (a 1 GiB page plus its header).
+pub const MAX_OBJECT: u64 = (1 << 30) + 4096;
+
+/// The remote backend.
+#[derive(Debug, Clone)]
+pub struct RemoteStore {
+    client: ObjectStorageClient<Channel>,
+    target: String,
+}
+
+fn status(op: &'static str) -> impl FnOnce(tonic::Status) -> StorageError {
+    move |s| StorageError::Backend {
+        backend: "remote",
+        message: format!("{op}: {}: {}", s.code(), s.message()),
+        retryable: matches!(
+            s.code(),
+            tonic::Code::Unavailable
+                | tonic::Code::DeadlineExceeded
+                | tonic::Code::ResourceExhausted
+                | tonic::Code::Aborted
+                | tonic::Code::Internal
+                | tonic::Code::Unknown
+        ),
+    }
+}
+
+impl RemoteStore {
+    /// A store backed by the kvtierd at `target` (`http://host:port` or a Unix socket path).
+    /// Connects on first use, so a peer that is down now only makes calls fail (misses).
+    pub fn connect(target: &str) -> Result<Self, StorageError> {
+        let channel = kvtier_client::connect_lazy(target).map_err(|e| StorageError::Backend {
+            backend: "remote",
+            message: e.to_string(),
+            retryable: true,
+        })?;
+        Ok(Self {
+            client: ObjectStorageClient::new(channel)
+                .max_decoding_message_size(2 * CHUNK)
+                .max_encoding_message_size(2 * CHUNK),
+            target: target.to_string(),
+        })
+    }
+
+    /// Where it connects.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+}
+
+#[async_trait]
+impl Store for RemoteStore {
+    fn kind(&self) -> &'static str {
+        "remote"
+    }
+
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        check_name(name)?;
+        let mut stream = self
+            .client
+            .clone()
+            .get(v1::GetObjectRequest {
+                name: name.to_string(),
+            })
+            .await
+            .map_err(status("get"))?
+            .into_inner();
+        let mut buf = BytesMut::new();
+        let mut total = None;
+        while let Some(chunk) = stream.message().await.map_err(status("get"))? {
+            if !chunk.found {
+                return Ok(None);
+            }
+            let want = *total.get_or_insert(chunk.total_len);
+            if want > MAX_OBJECT {
+                return Err(StorageError::Invalid(format!(
+                    "remote object of {want} bytes"
+                )));
+            }
+            if buf.is_empty() {
+                buf.reserve(want as usize);
+            }
+            buf.extend_from_slice(&chunk.data);
+            if buf.len() as u64 > want {
+                break;
+            }
+        }
+        match total {
+            Some(t) if t == buf.len() as u64 => Ok(Some(buf.freeze())),
+            // A stream cut short or overlong is not the object: report a failure, not data.
+            Some(t) => Err(StorageError::Backend {
+                backend: "remote",
+                message: format!("get {name}: got {} of {t} bytes", buf.len()),
+                retryable: true,
+            }),
+            None => Err(StorageError::Backend {
+                backend: "remote",
+                message: format!("get {name}: empty response"),
+                retryable: true,
+            }),
+        }
+    }
+
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        check_name(name)?;
+        let total = (head.len() + body.len()) as u64;
+        let mut chunks: Vec<v1::SetObjectChunk> = [head, body]
+            .iter()
+            .flat_map(|part| {
+                (0..part.len())
+                    .step_by(CHUNK)
+                    .map(|at| part.slice(at..(at + CHUNK).min(part.len())))
+            })
+            .map(|data| v1::SetObjectChunk {
+                name: String::new(),
+                total_len: 0,
+                data,
+            })
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(v1::SetObjectChunk::default());
+        }
+        chunks[0].name = name.to_string();
+        chunks[0].total_len = total;
+        self.client
+            .clone()
+            .set(tokio_stream_iter(chunks))
+            .await
+            .map_err(status("set"))?;
+        Ok(())
+    }
+
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        Ok(self.exists_prefix(&[name.to_string()]).await? == 1)
+    }
+
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        for n in names {
+            check_name(n)?;
+        }
+        if names.is_empty() {
+            return Ok(0);
+        }
+        let r = self
+            .client
+            .clone()
+            .exists(v1::ExistsRequest {
+                names: names.to_vec(),
+            })
+            .await
+            .map_err(status("exists"))?
+            .into_inner();
+        Ok((r.leading as usize).min(names.len()))
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        check_name(name)?;
+        self.client
+            .clone()
+            .delete(v1::DeleteObjectRequest {
+                name: name.to_string(),
+            })
+            .await
+            .map_err(status("delete"))?;
+        Ok(())
+    }
+
+    fn stats(&self) -> StoreStats {
+        // The remote daemon reports its own tier; nothing is held here.
+        StoreStats::default()
+    }
+}
+
+/// A stream over owned messages, for client-streaming calls.
+fn tokio_stream_iter(
+    items: Vec<v1::SetObjectChunk>,
+) -> impl tonic::codegen::tokio_stream::Stream<Item = v1::SetObjectChunk> + Send + 'static {
+    tonic::codegen::tokio_stream::iter(items)
+}
