@@ -119,6 +119,11 @@ pub fn connect_lazy(target: &str) -> Result<Channel, ClientError> {
 pub const STREAM_WINDOW: u32 = 8 << 20;
 /// Connection-level HTTP/2 window.
 pub const CONNECTION_WINDOW: u32 = 32 << 20;
+/// Largest HTTP/2 frame kvtierd accepts (the protocol's default is 16 KiB): streamed sets go
+/// out in fewer, larger frames, which measured ~1.0× raw loopback TCP against ~0.7× with the
+/// default. Clients keep the default for what they receive: 1 MiB frames measured slower on
+/// gets (`benches/l3_remote.rs`).
+pub const MAX_FRAME: u32 = 1 << 20;
 
 fn tune(e: Endpoint) -> Endpoint {
     e.initial_stream_window_size(STREAM_WINDOW)

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use kvtier_config::daemon::DaemonConfig;
 use kvtier_proto::v1::host_tier_server::HostTierServer;
 use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -211,6 +211,7 @@ pub async fn run(
         tonic::transport::Server::builder()
             .initial_stream_window_size(kvtier_client::STREAM_WINDOW)
             .initial_connection_window_size(kvtier_client::CONNECTION_WINDOW)
+            .max_frame_size(kvtier_client::MAX_FRAME)
             .tcp_nodelay(true)
             .add_service(HostTierServer::new(service.clone()))
             .add_service(health_service.clone())
@@ -230,10 +231,10 @@ pub async fn run(
     let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
     let tcp_task = tcp.map(|l| {
         let stop = shutdown.clone();
+        // Nagle's algorithm with delayed ACKs adds ~40 ms to small responses: off.
+        let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
         tracker.spawn(
-            router().serve_with_incoming_shutdown(TcpListenerStream::new(l), async move {
-                stop.cancelled().await
-            }),
+            router().serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
         )
     });
     if let Some(l) = metrics_listener {

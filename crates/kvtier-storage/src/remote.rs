@@ -42,6 +42,7 @@ fn status(op: &'static str) -> impl FnOnce(tonic::Status) -> StorageError {
 impl RemoteStore {
     /// A store backed by the kvtierd at `target` (`http://host:port` or a Unix socket path).
     /// Connects on first use, so a peer that is down now only makes calls fail (misses).
+    /// Call it inside a tokio runtime (the channel's worker task is spawned there).
     pub fn connect(target: &str) -> Result<Self, StorageError> {
         let channel = kvtier_client::connect_lazy(target).map_err(|e| StorageError::Backend {
             backend: "remote",

@@ -1,0 +1,160 @@
+//! The remote backend (a second kvtierd's ObjectStorage over gRPC on loopback TCP) against raw
+//! loopback TCP moving the same bytes with the same request/response pattern, in one run.
+//!
+//! Baseline: a thread that, per object, reads 2 MiB and answers one byte (set), or reads one
+//! byte and answers 2 MiB (get) — the least any protocol could do per page.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvtier_bench::compare;
+use kvtier_config::Sources;
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_storage::Store;
+use kvtier_storage::remote::RemoteStore;
+use tokio_util::sync::CancellationToken;
+
+const PAGE: usize = 2 << 20;
+
+fn raw_server() -> std::net::SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut s) = conn else { return };
+            s.set_nodelay(true).unwrap();
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; PAGE];
+                let mut op = [0u8; 1];
+                while s.read_exact(&mut op).is_ok() {
+                    if op[0] == b's' {
+                        if s.read_exact(&mut buf).is_err() || s.write_all(b"k").is_err() {
+                            return;
+                        }
+                    } else if s.write_all(&buf).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let pages = if quick { 8 } else { 32 };
+    let dir = std::env::temp_dir().join(format!("kvtier-bench-remote-{}", std::process::id()));
+    let cfg = DaemonConfig::load(&Sources {
+        sets: vec![
+            format!("data_dir={}", dir.display()),
+            "metrics.listen=".into(),
+            "server.tcp=127.0.0.1:0".into(),
+            "l3.backend=memory".into(),
+            "l3.memory_capacity_bytes=1GiB".into(),
+            "log.level=error".into(),
+        ],
+        ..Sources::default()
+    })
+    .unwrap();
+    let stop = CancellationToken::new();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let daemon = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(kvtier_daemon::run(cfg, stop, move |r| tx.send(r).unwrap()))
+                .unwrap();
+        })
+    };
+    let ready = rx.recv().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let remote: Arc<dyn Store> = {
+        let _in_runtime = rt.enter();
+        Arc::new(RemoteStore::connect(&format!("http://{}", ready.tcp.unwrap())).unwrap())
+    };
+    let data: Vec<Bytes> = (0..pages)
+        .map(|i| Bytes::from((0..PAGE).map(|j| (i * 7 + j) as u8).collect::<Vec<u8>>()))
+        .collect();
+    let names: Vec<String> = (0..pages).map(|i| format!("ab/{i:04x}")).collect();
+    let mut raw = TcpStream::connect(raw_server()).unwrap();
+    raw.set_nodelay(true).unwrap();
+    let mut back = vec![0u8; PAGE];
+    let total = (pages * PAGE) as u64;
+    let rounds = if quick { 3 } else { 7 };
+    println!(
+        "remote L3 over loopback TCP, {pages} objects of 2 MiB, ratio = kvtier / raw TCP speed"
+    );
+    let set = compare(
+        "set 2 MiB vs raw TCP write+ack",
+        total,
+        rounds,
+        || {
+            for d in &data {
+                raw.write_all(b"s").unwrap();
+                raw.write_all(d).unwrap();
+                raw.read_exact(&mut back[..1]).unwrap();
+            }
+        },
+        || {
+            rt.block_on(async {
+                for (n, d) in names.iter().zip(&data) {
+                    remote.set(n, Bytes::new(), d.clone()).await.unwrap();
+                }
+            })
+        },
+    );
+    println!("{}", set.line("GiB/s", f64::from(1 << 30)));
+    let get = compare(
+        "get 2 MiB vs raw TCP request+read",
+        total,
+        rounds,
+        || {
+            for _ in 0..pages {
+                raw.write_all(b"g").unwrap();
+                raw.read_exact(&mut back).unwrap();
+            }
+        },
+        || {
+            rt.block_on(async {
+                for n in &names {
+                    assert_eq!(remote.get(n).await.unwrap().unwrap().len(), PAGE);
+                }
+            })
+        },
+    );
+    println!("{}", get.line("GiB/s", f64::from(1 << 30)));
+    // `--sizes`: latency of one get by object size (a fixed ~40 ms here once meant Nagle).
+    if std::env::args().any(|a| a == "--sizes") {
+        for size in [1024usize, 65536, 1 << 20, 2 << 20] {
+            rt.block_on(async {
+                remote
+                    .set("cd/01", Bytes::new(), Bytes::from(vec![1u8; size]))
+                    .await
+                    .unwrap();
+                let t = std::time::Instant::now();
+                for _ in 0..20 {
+                    remote.get("cd/01").await.unwrap();
+                }
+                println!("get {size} B: {:?} each", t.elapsed() / 20);
+            });
+        }
+    }
+    drop(rt);
+    stop.cancel();
+    daemon.join().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
