@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvtier_core::PolicyKind;
 use serde::Deserialize;
 
-use crate::{ByteSize, ConfigError, Dur, Sources};
+use crate::{ByteSize, ConfigError, Dur, Secret, Sources};
 
 /// The complete, commented default configuration. `kvtierd --print-default-config` prints it,
 /// `deploy/kvtierd.toml` is a copy, and a test checks it parses to [`DaemonConfig::default`].
@@ -60,9 +60,9 @@ huge_pages = false
 
 [l3]
 # The storage tier behind L2: "file" (the embedded default: one file per page under
-# file_path), "rocksdb" (pages in a RocksDB database with blob files), "remote" (another
-# kvtierd's storage tier, at remote_address), "memory" (a bounded in-process map, for trials),
-# or "none".
+# file_path), "rocksdb" (pages in a RocksDB database with blob files), "s3" (any
+# S3-compatible object store: AWS S3, MinIO, Ceph RGW), "remote" (another kvtierd's storage
+# tier, at remote_address), "memory" (a bounded in-process map, for trials), or "none".
 backend = "file"
 # When pages are written from L2 to L3:
 #   write_through           every committed page, at once;
@@ -103,6 +103,24 @@ memory_capacity_bytes = "1GiB"
 # remote backend: the kvtierd whose storage tier this one uses, as http://host:port (its
 # server.tcp) or a Unix socket path.
 remote_address = ""
+# s3 backend: endpoint URL for S3-compatible servers (MinIO, Ceph RGW), e.g.
+# "http://127.0.0.1:7480". Empty: AWS S3 (region from s3_region).
+s3_endpoint = ""
+# s3 backend: region. Empty: us-east-1.
+s3_region = ""
+# s3 backend: the bucket (it must exist).
+s3_bucket = ""
+# s3 backend: key prefix inside the bucket, e.g. "kvtier/prod". Empty: none.
+s3_prefix = ""
+# s3 backend: credentials. Empty: the standard AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+# environment variables. Set the secret through KVTIER_L3_S3_SECRET_KEY rather than this file.
+s3_access_key = ""
+s3_secret_key = ""
+# s3 backend: virtual-hosted-style requests (bucket.host). false: path style, which MinIO and
+# Ceph RGW need.
+s3_virtual_hosted = false
+# s3 backend: retries of one request inside the S3 client (0 to 10); l3.timeout bounds each.
+s3_retries = 2
 # rocksdb backend: database directory. Empty: <data_dir>/rocksdb.
 rocksdb_path = ""
 # rocksdb backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
@@ -222,6 +240,22 @@ pub struct L3Config {
     pub memory_capacity_bytes: ByteSize,
     /// The remote kvtierd.
     pub remote_address: String,
+    /// S3 endpoint (empty: AWS).
+    pub s3_endpoint: String,
+    /// S3 region.
+    pub s3_region: String,
+    /// S3 bucket.
+    pub s3_bucket: String,
+    /// S3 key prefix.
+    pub s3_prefix: String,
+    /// S3 access key id (empty: environment).
+    pub s3_access_key: String,
+    /// S3 secret key (empty: environment). Never printed.
+    pub s3_secret_key: Secret,
+    /// Virtual-hosted-style requests.
+    pub s3_virtual_hosted: bool,
+    /// S3 client retries.
+    pub s3_retries: u32,
     /// RocksDB directory (empty: `<data_dir>/rocksdb`).
     pub rocksdb_path: String,
     /// RocksDB capacity (0: unbounded).
@@ -261,6 +295,14 @@ impl Default for L3Config {
             file_sync: false,
             memory_capacity_bytes: ByteSize(1 << 30),
             remote_address: String::new(),
+            s3_endpoint: String::new(),
+            s3_region: String::new(),
+            s3_bucket: String::new(),
+            s3_prefix: String::new(),
+            s3_access_key: String::new(),
+            s3_secret_key: Secret::default(),
+            s3_virtual_hosted: false,
+            s3_retries: 2,
             rocksdb_path: String::new(),
             rocksdb_capacity_bytes: ByteSize(0),
             rocksdb_sync: false,
@@ -445,6 +487,14 @@ impl DaemonConfig {
                     file_sync: _,
                     memory_capacity_bytes,
                     remote_address,
+                    s3_endpoint,
+                    s3_region: _,
+                    s3_bucket,
+                    s3_prefix: _,
+                    s3_access_key: _,
+                    s3_secret_key: _,
+                    s3_virtual_hosted: _,
+                    s3_retries,
                     rocksdb_path: _,
                     rocksdb_capacity_bytes: _,
                     rocksdb_sync: _,
@@ -453,10 +503,29 @@ impl DaemonConfig {
             log: LogConfig { level },
         } = self;
         let l2_backing = backing;
-        if !["file", "rocksdb", "remote", "memory", "none"].contains(&backend.as_str()) {
+        if !["file", "rocksdb", "s3", "remote", "memory", "none"].contains(&backend.as_str()) {
             return Err(ConfigError::invalid(
                 "l3.backend",
-                format!("{backend:?}: expected file, rocksdb, remote, memory or none"),
+                format!("{backend:?}: expected file, rocksdb, s3, remote, memory or none"),
+            ));
+        }
+        if backend == "s3" && s3_bucket.is_empty() {
+            return Err(ConfigError::invalid(
+                "l3.s3_bucket",
+                "required with l3.backend = \"s3\"",
+            ));
+        }
+        let url = s3_endpoint.starts_with("http://") || s3_endpoint.starts_with("https://");
+        if !s3_endpoint.is_empty() && !url {
+            return Err(ConfigError::invalid(
+                "l3.s3_endpoint",
+                format!("{s3_endpoint:?} is not an http:// or https:// URL"),
+            ));
+        }
+        if *s3_retries > 10 {
+            return Err(ConfigError::invalid(
+                "l3.s3_retries",
+                format!("{s3_retries} is above 10"),
             ));
         }
         if backend == "remote" && remote_address.is_empty() {
@@ -602,6 +671,17 @@ mod tests {
             DaemonConfig::load(&Sources::default()).unwrap(),
             DaemonConfig::default()
         );
+    }
+
+    #[test]
+    fn secrets_are_never_printed() {
+        let src = Sources {
+            env: env(&[("KVTIER_L3_S3_SECRET_KEY", "hunter2")]),
+            ..Sources::default()
+        };
+        let c = DaemonConfig::load(&src).unwrap();
+        assert_eq!(c.l3.s3_secret_key.expose(), "hunter2");
+        assert!(!format!("{c:?}").contains("hunter2"));
     }
 
     #[test]

@@ -13,7 +13,7 @@
 pub mod daemon;
 mod units;
 
-pub use units::{ByteSize, Dur};
+pub use units::{ByteSize, Dur, Secret};
 
 use serde::de::DeserializeOwned;
 use toml::{Table, Value};

@@ -6,6 +6,25 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
+/// A secret (a key, a token). Deserialized from a string; never printed: `Debug` and
+/// `Display` show `***` (or nothing when empty), so config dumps and logs cannot leak it.
+#[derive(Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl Secret {
+    /// The secret itself, for the one place that needs it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_empty() { "\"\"" } else { "\"***\"" })
+    }
+}
+
 /// A size in bytes. Accepts an integer or a string with a unit: `B`, `K`/`KB`/`KiB`, `M`/`MB`/
 /// `MiB`, `G`/`GB`/`GiB`, `T`/`TB`/`TiB` (all binary multiples: 1K = 1024).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]

@@ -20,6 +20,7 @@ use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
+use kvtier_storage::s3::{S3Config, S3Store};
 use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
@@ -93,6 +94,17 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
             l3.memory_capacity_bytes.0,
         ))),
         "remote" => Some(Arc::new(RemoteStore::connect(&l3.remote_address)?)),
+        "s3" => Some(Arc::new(S3Store::new(&S3Config {
+            endpoint: l3.s3_endpoint.clone(),
+            region: l3.s3_region.clone(),
+            bucket: l3.s3_bucket.clone(),
+            prefix: l3.s3_prefix.clone(),
+            access_key: l3.s3_access_key.clone(),
+            secret_key: l3.s3_secret_key.expose().to_string(),
+            virtual_hosted: l3.s3_virtual_hosted,
+            request_timeout: l3.timeout.0,
+            retries: l3.s3_retries as usize,
+        })?)),
         "rocksdb" => Some(
             RocksStore::open(RocksConfig {
                 path: cfg.l3_rocksdb_path(),

@@ -299,3 +299,50 @@ fn remote_backend_from_config_and_a_dead_peer_costs_only_misses() {
         "{m}"
     );
 }
+
+#[path = "../../kvtier-storage/tests/ceph/mod.rs"]
+mod ceph;
+
+#[test]
+fn s3_backend_from_config_writes_to_a_real_bucket() {
+    let ceph = ceph::Ceph::start();
+    ceph.create_bucket("kvtierd");
+    let cfg = ceph.config("kvtierd", "node-1");
+    let d = Daemon::start(
+        "s3",
+        &[
+            "l2.pool_pages=32",
+            "l3.backend=s3",
+            &format!("l3.s3_endpoint={}", cfg.endpoint),
+            "l3.s3_bucket=kvtierd",
+            "l3.s3_prefix=node-1",
+            &format!("l3.s3_access_key={}", cfg.access_key),
+            &format!("l3.s3_secret_key={}", cfg.secret_key),
+        ],
+    );
+    let keys = chain(12, 6);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        store(&mut c, &s, &keys).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let st = c.stats().await.unwrap().l3.unwrap();
+            assert_eq!(st.backend, "s3");
+            if st.written_pages == 6 {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{st:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The objects are in the bucket under the prefix, named by fingerprint and key.
+        let s3 = kvtier_storage::s3::S3Store::new(&cfg).unwrap();
+        let fp = kvtier_core::Layout::new(layout("m")).unwrap().fingerprint();
+        let names: Vec<String> = keys
+            .iter()
+            .map(|k| kvtier_storage::format::object_name(&fp, k))
+            .collect();
+        use kvtier_storage::Store as _;
+        assert_eq!(s3.exists_prefix(&names).await.unwrap(), 6);
+    });
+}

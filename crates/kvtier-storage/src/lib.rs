@@ -16,6 +16,7 @@ pub mod memory;
 mod page;
 pub mod remote;
 pub mod rocks;
+pub mod s3;
 pub mod wrappers;
 
 use std::fmt;

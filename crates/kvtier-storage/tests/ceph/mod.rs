@@ -1,0 +1,103 @@
+//! A throwaway Ceph cluster with its S3 gateway for tests, run by `scripts/ceph-s3`. Shared by
+//! the storage and daemon tests (included by path).
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use kvtier_storage::s3::S3Config;
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/ceph-s3");
+
+/// A running throwaway cluster; stopped and removed on drop.
+pub struct Ceph {
+    pub dir: PathBuf,
+    pub env: HashMap<String, String>,
+}
+
+impl Ceph {
+    pub fn start() -> Ceph {
+        let dir = std::env::temp_dir().join(format!("kvtier-ceph-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(SCRIPT)
+            .arg("start")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let mut ceph = Ceph {
+            env: HashMap::new(),
+            dir,
+        };
+        assert!(
+            out.status.success(),
+            "ceph did not start (is it installed? scripts/setup installs it): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ceph.env = std::fs::read_to_string(ceph.dir.join("s3.env"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        ceph
+    }
+
+    pub fn script(&self, cmd: &str) {
+        let st = Command::new(SCRIPT)
+            .arg(cmd)
+            .arg(&self.dir)
+            .status()
+            .unwrap();
+        assert!(st.success(), "ceph-s3 {cmd} failed");
+    }
+
+    /// object_store cannot create buckets: a signed S3 CreateBucket through curl.
+    pub fn create_bucket(&self, bucket: &str) {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "-f",
+                "-X",
+                "PUT",
+                "--aws-sigv4",
+                "aws:amz:us-east-1:s3",
+            ])
+            .args(["-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"])
+            .arg("--user")
+            .arg(format!(
+                "{}:{}",
+                self.env["S3_ACCESS_KEY"], self.env["S3_SECRET_KEY"]
+            ))
+            .arg(format!("{}/{bucket}", self.env["S3_ENDPOINT"]))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "CreateBucket failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+
+    pub fn config(&self, bucket: &str, prefix: &str) -> S3Config {
+        S3Config {
+            endpoint: self.env["S3_ENDPOINT"].clone(),
+            region: self.env["S3_REGION"].clone(),
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            access_key: self.env["S3_ACCESS_KEY"].clone(),
+            secret_key: self.env["S3_SECRET_KEY"].clone(),
+            virtual_hosted: false,
+            request_timeout: Duration::from_secs(2),
+            retries: 0,
+        }
+    }
+}
+
+impl Drop for Ceph {
+    fn drop(&mut self) {
+        let _ = Command::new(SCRIPT).arg("stop").arg(&self.dir).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
