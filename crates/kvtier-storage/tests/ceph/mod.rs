@@ -9,7 +9,21 @@ use std::time::Duration;
 
 use kvtier_storage::s3::S3Config;
 
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/ceph-s3");
+/// `scripts/ceph-s3`, found from the including package's directory upwards.
+fn script() -> PathBuf {
+    let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    loop {
+        let candidate = dir.join("scripts/ceph-s3");
+        if candidate.exists() {
+            return candidate;
+        }
+        assert!(
+            dir.pop(),
+            "scripts/ceph-s3 not found above {}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+    }
+}
 
 /// A running throwaway cluster; stopped and removed on drop.
 pub struct Ceph {
@@ -21,7 +35,7 @@ impl Ceph {
     pub fn start() -> Ceph {
         let dir = std::env::temp_dir().join(format!("kvtier-ceph-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(SCRIPT)
+        let out = Command::new(script())
             .arg("start")
             .arg(&dir)
             .output()
@@ -45,7 +59,7 @@ impl Ceph {
     }
 
     pub fn script(&self, cmd: &str) {
-        let st = Command::new(SCRIPT)
+        let st = Command::new(script())
             .arg(cmd)
             .arg(&self.dir)
             .status()
@@ -97,7 +111,7 @@ impl Ceph {
 
 impl Drop for Ceph {
     fn drop(&mut self) {
-        let _ = Command::new(SCRIPT).arg("stop").arg(&self.dir).status();
+        let _ = Command::new(script()).arg("stop").arg(&self.dir).status();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -1,0 +1,106 @@
+//! The s3 backend against raw object_store put/get of the same 2 MiB objects on the same
+//! server, in the same run. The server is a real Ceph RGW started by `scripts/ceph-s3` (Debian's
+//! Ceph packages; `scripts/setup` installs them) and stopped at the end.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../crates/kvtier-storage/tests/ceph/mod.rs"]
+mod ceph;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvtier_bench::compare;
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_storage::s3::S3Store;
+use kvtier_storage::{OpCtx, PageStore};
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path;
+use object_store::{ObjectStoreExt, PutPayload};
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let pages = if quick { 8 } else { 16 };
+    let page_bytes = 2 << 20;
+    let c = ceph::Ceph::start();
+    c.create_bucket("bench");
+    let cfg = c.config("bench", "kvtier");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ps = PageStore::new(std::sync::Arc::new(S3Store::new(&cfg).unwrap()));
+    let raw = AmazonS3Builder::new()
+        .with_endpoint(&cfg.endpoint)
+        .with_region(&cfg.region)
+        .with_bucket_name("bench")
+        .with_access_key_id(&cfg.access_key)
+        .with_secret_access_key(&cfg.secret_key)
+        .with_allow_http(true)
+        .build()
+        .unwrap();
+    let fp = LayoutFingerprint([1; 16]);
+    let keys: Vec<PageKey> = (0..pages as u8).map(|i| PageKey([i; 32])).collect();
+    let data: Vec<Bytes> = (0..pages)
+        .map(|i| {
+            Bytes::from(
+                (0..page_bytes)
+                    .map(|j| (i * 13 + j) as u8)
+                    .collect::<Vec<u8>>(),
+            )
+        })
+        .collect();
+    let raw_paths: Vec<Path> = (0..pages).map(|i| Path::from(format!("raw/{i}"))).collect();
+    let ctx = || OpCtx::timeout(Duration::from_secs(60));
+    let total = (pages * page_bytes) as u64;
+    let rounds = if quick { 3 } else { 5 };
+    println!(
+        "L3 s3 on Ceph RGW, {pages} objects of 2 MiB, ratio = kvtier / raw object_store speed"
+    );
+    let set = compare(
+        "set 2 MiB pages vs object_store put",
+        total,
+        rounds,
+        || {
+            rt.block_on(async {
+                for (p, d) in raw_paths.iter().zip(&data) {
+                    raw.put(p, PutPayload::from(d.clone())).await.unwrap();
+                }
+            })
+        },
+        || {
+            rt.block_on(async {
+                for (k, d) in keys.iter().zip(&data) {
+                    ps.set(&ctx(), &fp, k, d.clone()).await.unwrap();
+                }
+            })
+        },
+    );
+    println!("{}", set.line("MiB/s", f64::from(1 << 20)));
+    let get = compare(
+        "get 2 MiB pages vs object_store get",
+        total,
+        rounds,
+        || {
+            rt.block_on(async {
+                for p in &raw_paths {
+                    raw.get(p).await.unwrap().bytes().await.unwrap();
+                }
+            })
+        },
+        || {
+            rt.block_on(async {
+                for k in &keys {
+                    ps.get(&ctx(), &fp, k, Some(page_bytes))
+                        .await
+                        .hit()
+                        .unwrap();
+                }
+            })
+        },
+    );
+    println!("{}", get.line("MiB/s", f64::from(1 << 20)));
+}
