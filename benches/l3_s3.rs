@@ -25,13 +25,13 @@ fn main() {
     let pages = if quick { 8 } else { 16 };
     let page_bytes = 2 << 20;
     let c = ceph::Ceph::start();
-    c.create_bucket("bench");
-    let cfg = c.config("bench", "kvtier");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    rt.block_on(c.bucket_ready("bench"));
+    let cfg = c.config("bench", "kvtier");
     let ps = PageStore::new(std::sync::Arc::new(S3Store::new(&cfg).unwrap()));
     let raw = AmazonS3Builder::new()
         .with_endpoint(&cfg.endpoint)

@@ -306,7 +306,7 @@ mod ceph;
 #[test]
 fn s3_backend_from_config_writes_to_a_real_bucket() {
     let ceph = ceph::Ceph::start();
-    ceph.create_bucket("kvtierd");
+    rt().block_on(ceph.bucket_ready("kvtierd"));
     let cfg = ceph.config("kvtierd", "node-1");
     let d = Daemon::start(
         "s3",
@@ -318,6 +318,7 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
             "l3.s3_prefix=node-1",
             &format!("l3.s3_access_key={}", cfg.access_key),
             &format!("l3.s3_secret_key={}", cfg.secret_key),
+            "l3.timeout=10s",
         ],
     );
     let keys = chain(12, 6);

@@ -21,14 +21,19 @@ use ceph::Ceph;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_on_ceph_rgw_conforms_and_survives_an_outage() {
     let ceph = Ceph::start();
-    ceph.create_bucket("kvtier-test");
+    ceph.bucket_ready("kvtier-test").await;
 
     // The conformance suite, under a key prefix.
     let store = Arc::new(S3Store::new(&ceph.config("kvtier-test", "conformance")).unwrap());
     conformance::run_all(store).await;
 
     // An outage.
-    let s3 = Arc::new(S3Store::new(&ceph.config("kvtier-test", "outage")).unwrap());
+    // Outage settings: no client retries, a short request timeout, so the breaker sees
+    // failures quickly.
+    let mut outage = ceph.config("kvtier-test", "outage");
+    outage.request_timeout = Duration::from_secs(2);
+    outage.retries = 0;
+    let s3 = Arc::new(S3Store::new(&outage).unwrap());
     let breaker = Arc::new(Breaker::new(
         s3,
         BreakerConfig {

@@ -94,6 +94,29 @@ impl Ceph {
         );
     }
 
+    /// Makes the bucket and waits until the gateway stores and serves an object in it: a fresh
+    /// cluster creates its data pools on first use, which can take seconds on a busy machine.
+    pub async fn bucket_ready(&self, bucket: &str) {
+        use kvtier_storage::Store as _;
+        self.create_bucket(bucket);
+        let mut cfg = self.config(bucket, "warm-up");
+        cfg.request_timeout = Duration::from_secs(20);
+        let s3 = kvtier_storage::s3::S3Store::new(&cfg).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let body = bytes::Bytes::from_static(b"warm");
+            match s3.set("00", bytes::Bytes::new(), body).await {
+                Ok(()) if s3.exists("00").await.unwrap_or(false) => return,
+                Ok(()) => {}
+                Err(e) => assert!(
+                    std::time::Instant::now() < deadline,
+                    "the S3 gateway never accepted a write: {e}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     pub fn config(&self, bucket: &str, prefix: &str) -> S3Config {
         S3Config {
             endpoint: self.env["S3_ENDPOINT"].clone(),
@@ -103,8 +126,9 @@ impl Ceph {
             access_key: self.env["S3_ACCESS_KEY"].clone(),
             secret_key: self.env["S3_SECRET_KEY"].clone(),
             virtual_hosted: false,
-            request_timeout: Duration::from_secs(2),
-            retries: 0,
+            // Generous: a cluster on a busy 2-core machine can pause for seconds.
+            request_timeout: Duration::from_secs(10),
+            retries: 2,
         }
     }
 }
