@@ -8,10 +8,7 @@
 use std::time::{Duration, Instant};
 
 use kvtier_client::HostClient;
-use kvtier_config::Sources;
-use kvtier_config::daemon::DaemonConfig;
 use kvtier_core::{DType, KvKind, LayoutSpec, Namespace, PageHasher, PageKey};
-use tokio_util::sync::CancellationToken;
 
 fn pct(mut v: Vec<Duration>, p: f64) -> Duration {
     v.sort_unstable();
@@ -27,33 +24,9 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
-    let dir = std::env::temp_dir().join(format!("kvtier-bench-rpc-{}", std::process::id()));
-    let cfg = DaemonConfig::load(&Sources {
-        sets: vec![
-            format!("data_dir={}", dir.display()),
-            "metrics.listen=".into(),
-            "l2.pool_pages=65536".into(),
-            "log.level=error".into(),
-        ],
-        ..Sources::default()
-    })
-    .unwrap();
-    let socket = cfg.socket_path();
-    let stop = CancellationToken::new();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let daemon = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(kvtier_daemon::run(cfg, stop, move |_| tx.send(()).unwrap()))
-                .unwrap();
-        })
-    };
-    rx.recv().unwrap();
+    let daemon =
+        kvtier_bench::InProcessDaemon::start("rpc", &["l2.pool_pages=65536", "l3.backend=none"]);
+    let socket = daemon.ready.socket.clone();
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -133,7 +106,5 @@ fn main() {
         c.close(s.id).await.unwrap();
     });
     drop(rt);
-    stop.cancel();
-    daemon.join().unwrap();
-    let _ = std::fs::remove_dir_all(dir);
+    daemon.stop();
 }

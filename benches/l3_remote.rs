@@ -11,11 +11,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use kvtier_bench::compare;
-use kvtier_config::Sources;
-use kvtier_config::daemon::DaemonConfig;
 use kvtier_storage::Store;
 use kvtier_storage::remote::RemoteStore;
-use tokio_util::sync::CancellationToken;
 
 const PAGE: usize = 2 << 20;
 
@@ -50,34 +47,15 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick");
     let pages = if quick { 8 } else { 32 };
-    let dir = std::env::temp_dir().join(format!("kvtier-bench-remote-{}", std::process::id()));
-    let cfg = DaemonConfig::load(&Sources {
-        sets: vec![
-            format!("data_dir={}", dir.display()),
-            "metrics.listen=".into(),
-            "server.tcp=127.0.0.1:0".into(),
-            "l3.backend=memory".into(),
-            "l3.memory_capacity_bytes=1GiB".into(),
-            "log.level=error".into(),
+    let daemon = kvtier_bench::InProcessDaemon::start(
+        "remote",
+        &[
+            "server.tcp=127.0.0.1:0",
+            "l3.backend=memory",
+            "l3.memory_capacity_bytes=1GiB",
         ],
-        ..Sources::default()
-    })
-    .unwrap();
-    let stop = CancellationToken::new();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let daemon = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(kvtier_daemon::run(cfg, stop, move |r| tx.send(r).unwrap()))
-                .unwrap();
-        })
-    };
-    let ready = rx.recv().unwrap();
+    );
+    let ready = daemon.ready.clone();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -154,7 +132,5 @@ fn main() {
         }
     }
     drop(rt);
-    stop.cancel();
-    daemon.join().unwrap();
-    let _ = std::fs::remove_dir_all(dir);
+    daemon.stop();
 }

@@ -92,3 +92,63 @@ pub fn tokens(n: usize, seed: u64) -> Vec<u32> {
 
 /// A short criterion-friendly measurement time for this 2-core machine.
 pub const MEASURE: Duration = Duration::from_secs(2);
+
+/// A kvtierd running in this process on its own runtime thread (the same `run` the binary
+/// calls), on a private data directory; stopped and cleaned up by [`InProcessDaemon::stop`].
+pub struct InProcessDaemon {
+    /// Where it can be reached.
+    pub ready: kvtier_daemon::Ready,
+    stop: tokio_util::sync::CancellationToken,
+    thread: std::thread::JoinHandle<()>,
+    dir: std::path::PathBuf,
+}
+
+impl InProcessDaemon {
+    /// Starts kvtierd with `sets` (`section.key=value`) on top of a private `data_dir`, no
+    /// metrics endpoint and error-only logs, and waits until it serves.
+    pub fn start(name: &str, sets: &[&str]) -> Self {
+        let dir = std::env::temp_dir().join(format!("kvtier-bench-{name}-{}", std::process::id()));
+        let mut all = vec![
+            format!("data_dir={}", dir.display()),
+            "metrics.listen=".to_string(),
+            "log.level=error".to_string(),
+        ];
+        all.extend(sets.iter().map(|s| s.to_string()));
+        let cfg = kvtier_config::daemon::DaemonConfig::load(&kvtier_config::Sources {
+            sets: all,
+            ..kvtier_config::Sources::default()
+        })
+        .expect("benchmark daemon config");
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+                    .expect("daemon runtime");
+                if let Err(e) = rt.block_on(kvtier_daemon::run(cfg, stop, move |r| {
+                    let _ = tx.send(r);
+                })) {
+                    eprintln!("benchmark kvtierd failed: {e}");
+                }
+            })
+        };
+        let ready = rx.recv().expect("benchmark kvtierd did not start");
+        Self {
+            ready,
+            stop,
+            thread,
+            dir,
+        }
+    }
+
+    /// Stops the daemon, waits for it and removes its directory.
+    pub fn stop(self) {
+        self.stop.cancel();
+        let _ = self.thread.join();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -18,12 +18,12 @@ use std::io::{ErrorKind, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::lru::{Index, lock};
+use crate::lru::{Index, blocking, lock, now_ns};
 use crate::{StorageError, Store, StoreStats, check_name};
 
 /// Configuration of a [`FileStore`].
@@ -64,12 +64,6 @@ pub struct FileStore {
     seq: AtomicU64,
 }
 
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
 fn io(op: &'static str, target: &Path) -> impl FnOnce(std::io::Error) -> StorageError {
     let target = target.display().to_string();
     move |source| StorageError::Io { op, target, source }
@@ -83,20 +77,6 @@ fn expired(ttl: Option<Duration>, meta: &std::fs::Metadata) -> bool {
             .and_then(|m| m.elapsed().ok())
             .is_some_and(|age| age > ttl)
     })
-}
-
-/// Runs blocking file I/O off the async workers.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
-) -> Result<T, StorageError> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r,
-        Err(e) => Err(StorageError::Backend {
-            backend: "file",
-            message: format!("blocking task failed: {e}"),
-            retryable: true,
-        }),
-    }
 }
 
 impl FileStore {
@@ -206,7 +186,7 @@ impl Store for FileStore {
         let path = self.path_of(name);
         let ttl = self.cfg.ttl;
         let (name_owned, index) = (name.to_string(), self.index.clone());
-        blocking(move || {
+        blocking("file", move || {
             let mut f = match std::fs::File::open(&path) {
                 Ok(f) => f,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
@@ -248,7 +228,7 @@ impl Store for FileStore {
         ));
         let root = self.cfg.root.clone();
         let (name_owned, index) = (name.to_string(), self.index.clone());
-        let paths: Vec<PathBuf> = blocking(move || {
+        let paths: Vec<PathBuf> = blocking("file", move || {
             if min_free > 0 {
                 let st = rustix::fs::statvfs(&root).map_err(|e| io("statvfs", &root)(e.into()))?;
                 let free = st.f_bavail.saturating_mul(st.f_frsize);
@@ -286,7 +266,7 @@ impl Store for FileStore {
         .collect();
         if !paths.is_empty() {
             let index = self.index.clone();
-            blocking(move || {
+            blocking("file", move || {
                 Self::delete_files(&index, paths);
                 Ok(())
             })

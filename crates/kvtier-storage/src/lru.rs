@@ -1,8 +1,34 @@
-//! The size-bounded LRU index shared by the backends that keep their own capacity bound
-//! (file, rocksdb). It only does accounting; the backend deletes what it returns.
+//! What the local backends (file, rocksdb) share: the size-bounded LRU index that keeps
+//! their capacity bound (accounting only; the backend deletes what it returns), the clock it
+//! runs on, and the hand-off of blocking I/O to tokio's blocking pool.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::StorageError;
+
+/// Nanoseconds since the epoch: the LRU's notion of "last access".
+pub(crate) fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Runs blocking I/O of `backend` off the async workers.
+pub(crate) async fn blocking<T: Send + 'static>(
+    backend: &'static str,
+    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
+) -> Result<T, StorageError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(StorageError::Backend {
+            backend,
+            message: format!("blocking task failed: {e}"),
+            retryable: true,
+        }),
+    }
+}
 
 /// Object sizes and last-access times, ordered for eviction.
 #[derive(Debug, Default)]

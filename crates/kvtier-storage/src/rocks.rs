@@ -11,7 +11,6 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -19,7 +18,7 @@ use rocksdb::{
     ColumnFamilyDescriptor, DB, DBCompressionType, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 
-use crate::lru::{Index, lock};
+use crate::lru::{Index, blocking, lock, now_ns};
 use crate::{StorageError, Store, StoreStats, check_name};
 
 const SIZES: &str = "sizes";
@@ -72,31 +71,12 @@ fn err(op: &'static str) -> impl FnOnce(rocksdb::Error) -> StorageError {
     }
 }
 
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
-) -> Result<T, StorageError> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r,
-        Err(e) => Err(StorageError::Backend {
-            backend: "rocksdb",
-            message: format!("blocking task failed: {e}"),
-            retryable: true,
-        }),
-    }
-}
-
 impl RocksStore {
     /// Opens (creating if needed) the database and rebuilds the capacity index from the
     /// `sizes` column family.
     pub async fn open(cfg: RocksConfig) -> Result<Arc<Self>, StorageError> {
         let path = cfg.path.clone();
-        let db = blocking(move || {
+        let db = blocking("rocksdb", move || {
             std::fs::create_dir_all(&path).map_err(|source| StorageError::Io {
                 op: "create",
                 target: path.display().to_string(),
@@ -123,7 +103,7 @@ impl RocksStore {
         let index = Arc::new(Mutex::new(Index::default()));
         {
             let (db, index) = (db.clone(), index.clone());
-            blocking(move || {
+            blocking("rocksdb", move || {
                 let cf = db
                     .cf_handle(SIZES)
                     .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
@@ -174,7 +154,7 @@ impl Store for RocksStore {
     async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
         check_name(name)?;
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
-        blocking(move || {
+        blocking("rocksdb", move || {
             let v = db.get(name.as_bytes()).map_err(err("get"))?;
             if v.is_some() {
                 lock(&index).touch(&name, now_ns());
@@ -195,7 +175,7 @@ impl Store for RocksStore {
         }
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
         let (wopts, sync) = (self.write_opts(), self.cfg.sync);
-        blocking(move || {
+        blocking("rocksdb", move || {
             let cf = db
                 .cf_handle(SIZES)
                 .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
@@ -225,7 +205,7 @@ impl Store for RocksStore {
     async fn exists(&self, name: &str) -> Result<bool, StorageError> {
         check_name(name)?;
         let (db, name) = (self.db.clone(), name.to_string());
-        blocking(move || {
+        blocking("rocksdb", move || {
             let cf = db
                 .cf_handle(SIZES)
                 .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
@@ -245,7 +225,7 @@ impl Store for RocksStore {
             name.to_string(),
             self.cfg.sync,
         );
-        blocking(move || {
+        blocking("rocksdb", move || {
             lock(&index).remove(&name);
             Self::remove_batch(&db, std::slice::from_ref(&name), sync)
         })
