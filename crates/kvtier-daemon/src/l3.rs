@@ -21,7 +21,7 @@ use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::s3::{S3Config, S3Store};
-use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState};
+use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Metered, StoreObserver};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -135,12 +135,18 @@ pub struct WriterParts {
 }
 
 impl L3 {
-    /// The tier over `store` (wrapped in a circuit breaker), and the parts of its writer
+    /// The tier over `store` (measured, then wrapped in a circuit breaker), and the parts of its writer
     /// (run with [`run_writer`]).
-    pub fn new(store: Arc<dyn Store>, cfg: &DaemonConfig) -> (Self, WriterParts) {
+    pub fn new(
+        store: Arc<dyn Store>,
+        cfg: &DaemonConfig,
+        observer: Arc<dyn StoreObserver>,
+    ) -> (Self, WriterParts) {
         let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
+        // backend ← metered (every real call measured) ← breaker ← page framing
+        let metered: Arc<dyn Store> = Arc::new(Metered::new(store, observer));
         let breaker = Arc::new(Breaker::new(
-            store,
+            metered,
             BreakerConfig {
                 failures_to_open: cfg.l3.breaker_failures,
                 cooldown: cfg.l3.breaker_cooldown.0,

@@ -174,7 +174,7 @@ pub async fn run(
         })?;
     let (l3, writer) = match backend {
         Some(store) => {
-            let (l3, writer) = l3::L3::new(store, &cfg);
+            let (l3, writer) = l3::L3::new(store, &cfg, Arc::new(metrics.clone()));
             (Some(Arc::new(l3)), Some(writer))
         }
         None => (None, None),

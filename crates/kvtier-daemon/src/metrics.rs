@@ -49,6 +49,12 @@ pub struct Metrics {
     l3_bytes: IntGauge,
     l3_evictions: IntGauge,
     l3_breaker_open: IntGauge,
+    /// `kvtier_l3_backend_ops_total{backend, op, outcome}`.
+    pub l3_ops: IntCounterVec,
+    /// `kvtier_l3_backend_bytes_total{backend, op}`.
+    pub l3_op_bytes: IntCounterVec,
+    /// `kvtier_l3_backend_op_duration_seconds{backend, op}`.
+    pub l3_op_seconds: HistogramVec,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     pinned_pages: IntGauge,
@@ -80,6 +86,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l3_bytes",
     "kvtier_l3_evicted_objects",
     "kvtier_l3_breaker_open",
+    "kvtier_l3_backend_ops_total",
+    "kvtier_l3_backend_bytes_total",
+    "kvtier_l3_backend_op_duration_seconds",
 ];
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
@@ -238,6 +247,37 @@ impl Metrics {
                     "1 while the L3 backend's circuit breaker is open or probing",
                 )?,
             ),
+            l3_ops: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l3_backend_ops_total",
+                        "Calls to the L3 backend by operation and outcome (hit, miss, ok, or the error reason)",
+                    ),
+                    &["backend", "op", "outcome"],
+                )?,
+            ),
+            l3_op_bytes: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l3_backend_bytes_total",
+                        "Bytes moved by L3 backend calls",
+                    ),
+                    &["backend", "op"],
+                )?,
+            ),
+            l3_op_seconds: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvtier_l3_backend_op_duration_seconds",
+                        "Time of one L3 backend call",
+                    )
+                    .buckets(vec![1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+                    &["backend", "op"],
+                )?,
+            ),
             registry: r,
         })
     }
@@ -295,6 +335,33 @@ impl Metrics {
             tracing::error!("encoding metrics failed: {e}");
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl kvtier_storage::wrappers::StoreObserver for Metrics {
+    fn observe(
+        &self,
+        backend: &'static str,
+        op: &'static str,
+        outcome: &'static str,
+        bytes: u64,
+        seconds: f64,
+    ) {
+        self.l3_ops.with_label_values(&[backend, op, outcome]).inc();
+        if bytes > 0 {
+            self.l3_op_bytes
+                .with_label_values(&[backend, op])
+                .inc_by(bytes);
+        }
+        self.l3_op_seconds
+            .with_label_values(&[backend, op])
+            .observe(seconds);
     }
 }
 
@@ -364,11 +431,14 @@ mod tests {
         m.request_seconds.with_label_values(&["x"]).observe(0.0);
         m.pages.with_label_values(&["x"]).inc();
         m.l3_writes.with_label_values(&["x"]).inc();
+        m.l3_ops.with_label_values(&["x", "y", "z"]).inc();
+        m.l3_op_bytes.with_label_values(&["x", "y"]).inc();
+        m.l3_op_seconds.with_label_values(&["x", "y"]).observe(0.0);
         let cfg = kvtier_config::daemon::DaemonConfig::default();
         let state = Mutex::new(HostState::new(&cfg));
         let store: Arc<dyn kvtier_storage::Store> =
             Arc::new(kvtier_storage::memory::MemoryStore::new());
-        let (l3, _writer) = crate::l3::L3::new(store, &cfg);
+        let (l3, _writer) = crate::l3::L3::new(store, &cfg, Arc::new(m.clone()));
         let text = m.render(&state, Some(&l3));
         let readme = include_str!("../../../README.md");
         for name in METRIC_NAMES {

@@ -111,6 +111,23 @@ fn write_through_writes_every_committed_page() {
         20.0
     );
     assert_eq!(metric(&m, "kvtier_l3_objects"), 20.0);
+    // Every backend call is measured: 20 sets, each after an exists that missed.
+    let ops = |op: &str, outcome: &str| {
+        metric(
+            &m,
+            &format!(
+                "kvtier_l3_backend_ops_total{{backend=\"file\",op=\"{op}\",outcome=\"{outcome}\"}}"
+            ),
+        )
+    };
+    assert_eq!(ops("set", "ok"), 20.0);
+    assert_eq!(ops("exists", "miss"), 20.0);
+    assert!(
+        metric(
+            &m,
+            "kvtier_l3_backend_bytes_total{backend=\"file\",op=\"set\"}"
+        ) >= 20.0 * 16384.0
+    );
 }
 
 #[test]

@@ -292,3 +292,104 @@ impl Store for Faulty {
         self.inner.stats()
     }
 }
+
+/// Receives one record per backend call from [`Metered`]: which backend, which operation,
+/// how it ended (`hit`, `miss`, `ok`, or an error's [`StorageError::reason`]), the bytes moved
+/// and the time taken. The daemon turns these into Prometheus metrics.
+pub trait StoreObserver: Send + Sync + std::fmt::Debug {
+    /// One finished call.
+    fn observe(
+        &self,
+        backend: &'static str,
+        op: &'static str,
+        outcome: &'static str,
+        bytes: u64,
+        seconds: f64,
+    );
+}
+
+/// Measures every call to a backend and reports it to a [`StoreObserver`].
+#[derive(Debug)]
+pub struct Metered {
+    inner: Arc<dyn Store>,
+    observer: Arc<dyn StoreObserver>,
+}
+
+impl Metered {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Store>, observer: Arc<dyn StoreObserver>) -> Self {
+        Self { inner, observer }
+    }
+
+    fn record<T>(
+        &self,
+        op: &'static str,
+        t: Instant,
+        r: &Result<T, StorageError>,
+        outcome: &'static str,
+        bytes: u64,
+    ) {
+        let outcome = match r {
+            Ok(_) => outcome,
+            Err(e) => e.reason(),
+        };
+        self.observer.observe(
+            self.inner.kind(),
+            op,
+            outcome,
+            bytes,
+            t.elapsed().as_secs_f64(),
+        );
+    }
+}
+
+#[async_trait]
+impl Store for Metered {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        let t = Instant::now();
+        let r = self.inner.get(name).await;
+        let (outcome, bytes) = match &r {
+            Ok(Some(b)) => ("hit", b.len() as u64),
+            _ => ("miss", 0),
+        };
+        self.record("get", t, &r, outcome, bytes);
+        r
+    }
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        let t = Instant::now();
+        let bytes = (head.len() + body.len()) as u64;
+        let r = self.inner.set(name, head, body).await;
+        self.record("set", t, &r, "ok", bytes);
+        r
+    }
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        let t = Instant::now();
+        let r = self.inner.exists(name).await;
+        let outcome = if matches!(r, Ok(true)) { "hit" } else { "miss" };
+        self.record("exists", t, &r, outcome, 0);
+        r
+    }
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        let t = Instant::now();
+        let r = self.inner.exists_prefix(names).await;
+        let outcome = if matches!(r, Ok(n) if n == names.len()) {
+            "hit"
+        } else {
+            "miss"
+        };
+        self.record("exists_prefix", t, &r, outcome, 0);
+        r
+    }
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        let t = Instant::now();
+        let r = self.inner.delete(name).await;
+        self.record("delete", t, &r, "ok", 0);
+        r
+    }
+    fn stats(&self) -> StoreStats {
+        self.inner.stats()
+    }
+}

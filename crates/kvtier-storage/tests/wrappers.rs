@@ -116,3 +116,52 @@ async fn bad_requests_do_not_open_the_breaker() {
     }
     assert_eq!(breaker.state(), BreakerState::Closed);
 }
+
+#[tokio::test]
+async fn metered_reports_every_call_with_outcome_and_bytes() {
+    use kvtier_storage::wrappers::{Metered, StoreObserver};
+    use std::sync::Mutex;
+
+    #[derive(Debug, Default)]
+    struct Log(Mutex<Vec<(&'static str, &'static str, &'static str, u64)>>);
+    impl StoreObserver for Log {
+        fn observe(
+            &self,
+            backend: &'static str,
+            op: &'static str,
+            outcome: &'static str,
+            bytes: u64,
+            seconds: f64,
+        ) {
+            assert!(seconds >= 0.0);
+            self.0.lock().unwrap().push((backend, op, outcome, bytes));
+        }
+    }
+    let log = Arc::new(Log::default());
+    let faulty = Arc::new(Faulty::new(Arc::new(MemoryStore::new())));
+    let m = Metered::new(faulty.clone(), log.clone());
+    conformance::round_trip(&m).await;
+    m.set(
+        "ab/01",
+        Bytes::from_static(b"hd"),
+        Bytes::from_static(b"body"),
+    )
+    .await
+    .unwrap();
+    assert!(m.get("ab/01").await.unwrap().is_some());
+    assert!(m.get("ab/02").await.unwrap().is_none());
+    faulty.set_fault(Some(Fault::Error));
+    assert!(m.exists("ab/01").await.is_err());
+    let log = log.0.lock().unwrap();
+    let tail: Vec<_> = log.iter().rev().take(4).rev().cloned().collect();
+    assert_eq!(
+        tail,
+        vec![
+            ("memory", "set", "ok", 6),
+            ("memory", "get", "hit", 6),
+            ("memory", "get", "miss", 0),
+            ("memory", "exists", "io", 0),
+        ]
+    );
+    assert!(log.iter().any(|r| r.1 == "delete"));
+}
