@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "kvtier/v1/common.proto",
         "kvtier/v1/host.proto",
         "kvtier/v1/storage.proto",
+        "kvtier/v1/admin.proto",
     ]
     .map(|p| root.join(p));
     let out = PathBuf::from(std::env::var("OUT_DIR")?);

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvtier_core::PolicyKind;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{ByteSize, ConfigError, Dur, Secret, Sources};
 
@@ -32,6 +32,10 @@ max_batch = 65536
 # On shutdown, how long in-flight requests and open connections get to finish before they
 # are closed (100ms to 10m).
 drain_timeout = "10s"
+# Token that admin calls (attach / detach the storage tier) over TCP must present as
+# "authorization: Bearer <token>". Empty: admin calls only on the Unix socket. Set it through
+# KVTIER_SERVER_ADMIN_TOKEN rather than this file.
+admin_token = ""
 
 [metrics]
 # Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
@@ -139,7 +143,7 @@ level = "info"
 "#;
 
 /// The daemon's configuration, as read. Use [`DaemonConfig::load`]; it validates.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DaemonConfig {
     /// Directory for the socket and local state.
@@ -159,7 +163,7 @@ pub struct DaemonConfig {
 }
 
 /// `[server]`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     /// UDS path; empty means `<data_dir>/kvtierd.sock`.
@@ -170,10 +174,12 @@ pub struct ServerConfig {
     pub max_batch: u32,
     /// Grace period for in-flight work at shutdown.
     pub drain_timeout: Dur,
+    /// Token for admin calls over TCP. Never printed.
+    pub admin_token: Secret,
 }
 
 /// `[metrics]`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Listen address; empty disables the endpoint.
@@ -181,7 +187,7 @@ pub struct MetricsConfig {
 }
 
 /// `[l2]`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct L2Config {
     /// tmpfs directory for pool files.
@@ -203,7 +209,7 @@ pub struct L2Config {
 }
 
 /// `[l3]`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct L3Config {
     /// `file`, `memory` or `none`.
@@ -322,7 +328,7 @@ impl L3Config {
 }
 
 /// `[sessions]`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SessionsConfig {
     /// Lease time without heartbeat.
@@ -330,7 +336,7 @@ pub struct SessionsConfig {
 }
 
 /// `[log]`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// Filter directives.
@@ -358,6 +364,7 @@ impl Default for ServerConfig {
             tcp: String::new(),
             max_batch: 65536,
             drain_timeout: Dur(Duration::from_secs(10)),
+            admin_token: Secret::default(),
         }
     }
 }
@@ -405,6 +412,20 @@ impl Default for LogConfig {
 pub const MAX_BATCH_LIMIT: u32 = 1 << 20;
 
 impl DaemonConfig {
+    /// This configuration with `section.key=value` overrides applied (as `--set` would) and
+    /// validated: how runtime changes (attaching another L3 backend) are checked.
+    pub fn with_overrides(&self, sets: &[String]) -> Result<Self, ConfigError> {
+        let table = toml::Table::try_from(self)
+            .map_err(|e| ConfigError::invalid("<running config>", e.to_string()))?;
+        let text = toml::to_string(&table)
+            .map_err(|e| ConfigError::invalid("<running config>", e.to_string()))?;
+        Self::load(&Sources {
+            file: Some(("<running config>".into(), text)),
+            env: Vec::new(),
+            sets: sets.to_vec(),
+        })
+    }
+
     /// Loads from the given sources (see the crate docs for the order) and validates.
     pub fn load(src: &Sources) -> Result<Self, ConfigError> {
         let cfg: Self = crate::load(DEFAULT_TOML, src)?;
@@ -455,6 +476,7 @@ impl DaemonConfig {
                     tcp,
                     max_batch,
                     drain_timeout,
+                    admin_token: _,
                 },
             metrics: MetricsConfig { listen },
             l2:
@@ -671,6 +693,36 @@ mod tests {
             DaemonConfig::load(&Sources::default()).unwrap(),
             DaemonConfig::default()
         );
+    }
+
+    #[test]
+    fn overrides_apply_to_a_running_config() {
+        let base = DaemonConfig::load(&Sources {
+            sets: vec!["l3.backend=none".into(), "l3.s3_secret_key=s".into()],
+            ..Sources::default()
+        })
+        .unwrap();
+        let c = base
+            .with_overrides(&[
+                "l3.backend=memory".into(),
+                "l3.memory_capacity_bytes=2MiB".into(),
+            ])
+            .unwrap();
+        assert_eq!(
+            (c.l3.backend.as_str(), c.l3.memory_capacity_bytes),
+            ("memory", ByteSize(2 << 20))
+        );
+        assert_eq!(
+            c.l3.s3_secret_key.expose(),
+            "s",
+            "secrets survive the round trip"
+        );
+        assert_eq!(c.l2, base.l2);
+        let e = base
+            .with_overrides(&["l3.backend=tape".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("l3.backend"), "{e}");
     }
 
     #[test]

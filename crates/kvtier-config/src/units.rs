@@ -3,12 +3,12 @@
 use std::fmt;
 use std::time::Duration;
 
-use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
 
 /// A secret (a key, a token). Deserialized from a string; never printed: `Debug` and
 /// `Display` show `***` (or nothing when empty), so config dumps and logs cannot leak it.
-#[derive(Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(transparent)]
 pub struct Secret(pub String);
 
@@ -151,6 +151,19 @@ impl Visitor<'_> for DurVisitor {
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         d.deserialize_any(DurVisitor)
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl Serialize for Dur {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Milliseconds round-trip through `Dur::parse` exactly for every configurable value.
+        s.serialize_str(&format!("{}ms", self.0.as_millis()))
     }
 }
 

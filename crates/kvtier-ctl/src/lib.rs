@@ -30,6 +30,35 @@ pub enum Command {
     Layout(LayoutArgs),
     /// Show a running kvtierd's pools, sessions, usage and counters.
     Status(StatusArgs),
+    /// Show, attach, swap or detach a running kvtierd's storage tier (L3).
+    Backend(BackendArgs),
+}
+
+/// Flags of `kvtierctl backend`.
+#[derive(Debug, Args)]
+pub struct BackendArgs {
+    /// The daemon's control socket (admin calls are served there).
+    #[arg(long, default_value = "kvtier-data/kvtierd.sock")]
+    pub socket: String,
+    /// What to do.
+    #[command(subcommand)]
+    pub action: BackendAction,
+}
+
+/// `kvtierctl backend` actions.
+#[derive(Debug, Subcommand)]
+pub enum BackendAction {
+    /// Print the attached backend and its counters.
+    Status,
+    /// Attach a backend (replacing the attached one after draining it), e.g.
+    /// `kvtierctl backend attach backend=file file_path=/data/l3`.
+    Attach {
+        /// l3 settings as KEY=VALUE, keys as in the [l3] section of kvtierd.toml.
+        #[arg(required = true)]
+        settings: Vec<String>,
+    },
+    /// Drain and detach the backend; L2 keeps serving.
+    Detach,
 }
 
 /// Flags of `kvtierctl status`.
@@ -106,6 +135,7 @@ pub fn run(cli: Cli) -> Result<String> {
         Command::Keys(a) => keys(a),
         Command::Layout(a) => layout(a),
         Command::Status(a) => status(a),
+        Command::Backend(a) => backend(a),
     }
 }
 
@@ -267,5 +297,59 @@ pub fn status(a: StatusArgs) -> Result<String> {
         "counters: reserve {}  commit {}  acquire {}  dedup pages {}  expired sessions {}",
         s.reserve_calls, s.commit_calls, s.acquire_calls, s.dedup_pages, s.expired_sessions
     )?;
+    Ok(out)
+}
+
+/// `kvtierctl backend`.
+pub fn backend(a: BackendArgs) -> Result<String> {
+    use kvtier_proto::v1;
+    use kvtier_proto::v1::admin_client::AdminClient;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let r = rt
+        .block_on(async {
+            let mut c = AdminClient::new(kvtier_client::connect(&a.socket).await?);
+            let r = match a.action {
+                BackendAction::Status => c.backend_status(v1::BackendStatusRequest {}).await,
+                BackendAction::Attach { settings } => {
+                    c.attach_backend(v1::AttachBackendRequest { settings })
+                        .await
+                }
+                BackendAction::Detach => c.detach_backend(v1::DetachBackendRequest {}).await,
+            };
+            anyhow::Ok(r.map_err(kvtier_client::ClientError::from)?.into_inner())
+        })
+        .with_context(|| format!("asking kvtierd at {}", a.socket))?;
+    let mut out = String::new();
+    match (r.attached, r.stats) {
+        (true, Some(s)) => {
+            writeln!(
+                out,
+                "l3 backend {}  policy {}  breaker {}",
+                s.backend,
+                s.write_policy,
+                if r.breaker_open { "OPEN" } else { "closed" }
+            )?;
+            writeln!(
+                out,
+                "  objects {}  bytes {}  capacity {}  evictions {}",
+                s.objects,
+                mib(s.bytes),
+                if s.capacity_bytes == 0 {
+                    "unbounded".to_string()
+                } else {
+                    mib(s.capacity_bytes)
+                },
+                s.evictions
+            )?;
+            writeln!(
+                out,
+                "  pages written {}  already there {}  failed {}  dropped {}  queued {}",
+                s.written_pages, s.skipped_pages, s.failed_pages, s.dropped_pages, s.queued_pages
+            )?;
+        }
+        _ => writeln!(out, "no l3 backend attached")?,
+    }
     Ok(out)
 }

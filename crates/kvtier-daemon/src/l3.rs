@@ -329,3 +329,129 @@ pub async fn run_flusher(
         }
     }
 }
+
+/// A running storage tier: the tier and the token that stops its writer and flusher.
+#[derive(Debug)]
+struct Attached {
+    l3: Arc<L3>,
+    stop: CancellationToken,
+}
+
+/// The daemon's storage tier, which can be attached, detached or swapped while it runs.
+/// Everything that uses L3 asks [`L3Slot::current`] per call, so a swap takes effect at once;
+/// the old tier's queued writes drain (bounded by `server.drain_timeout`) before its writer
+/// stops.
+#[derive(Debug)]
+pub struct L3Slot {
+    current: std::sync::RwLock<Option<Attached>>,
+    state: Arc<Mutex<HostState>>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+    drain: Duration,
+}
+
+impl L3Slot {
+    /// An empty slot; `shutdown` stops whatever tier is attached.
+    pub fn new(
+        state: Arc<Mutex<HostState>>,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+        drain: Duration,
+    ) -> Self {
+        Self {
+            current: std::sync::RwLock::new(None),
+            state,
+            metrics,
+            shutdown,
+            drain,
+        }
+    }
+
+    /// The attached tier, if any.
+    pub fn current(&self) -> Option<Arc<L3>> {
+        let g = match self.current.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        g.as_ref().map(|a| a.l3.clone())
+    }
+
+    /// Opens the backend `cfg` describes, starts its writer (and flusher for write-back) and
+    /// makes it the tier, draining any tier it replaces. `l3.backend = "none"` detaches.
+    pub async fn attach(&self, cfg: &DaemonConfig) -> Result<(), StorageError> {
+        let Some(store) = open_backend(cfg).await? else {
+            self.detach().await;
+            return Ok(());
+        };
+        let (l3, writer) = L3::new(store, cfg, Arc::new(self.metrics.clone()));
+        let l3 = Arc::new(l3);
+        let stop = self.shutdown.child_token();
+        tokio::spawn(run_writer(
+            writer,
+            l3.clone(),
+            self.state.clone(),
+            self.metrics.clone(),
+            stop.clone(),
+        ));
+        if l3.policy == WritePolicy::WriteBack {
+            tokio::spawn(run_flusher(
+                l3.clone(),
+                self.state.clone(),
+                self.metrics.clone(),
+                cfg.l3.batch_pages as usize,
+                stop.clone(),
+            ));
+        }
+        crate::lock(&self.state).set_write(Some((l3.policy, l3.threshold)));
+        tracing::info!(backend = l3.store.store().kind(), policy = ?l3.policy, "l3 tier attached");
+        let old = self.swap(Some(Attached { l3, stop }));
+        self.retire(old).await;
+        Ok(())
+    }
+
+    /// Detaches the tier (draining its queued writes first). Clients keep L2 service.
+    pub async fn detach(&self) {
+        crate::lock(&self.state).set_write(None);
+        let old = self.swap(None);
+        self.retire(old).await;
+    }
+
+    fn swap(&self, new: Option<Attached>) -> Option<Attached> {
+        let mut g = match self.current.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        std::mem::replace(&mut *g, new)
+    }
+
+    /// Lets a replaced tier finish its queued writes, then stops it.
+    async fn retire(&self, old: Option<Attached>) {
+        let Some(old) = old else { return };
+        let deadline = Instant::now() + self.drain;
+        while old.l3.counters.queued.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        old.stop.cancel();
+        tracing::info!(backend = old.l3.store.store().kind(), "l3 tier detached");
+    }
+}
+
+/// The wire view of a tier: backend, policy, holdings and writer counters.
+pub fn wire_stats(l3: &L3) -> kvtier_proto::v1::L3Stats {
+    let st = l3.store.store_stats();
+    let w = &l3.counters;
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    kvtier_proto::v1::L3Stats {
+        backend: l3.store.store().kind().to_string(),
+        write_policy: format!("{:?}", l3.policy),
+        objects: st.objects,
+        bytes: st.bytes,
+        capacity_bytes: st.capacity,
+        written_pages: l(&w.written),
+        skipped_pages: l(&w.skipped),
+        failed_pages: l(&w.failed),
+        dropped_pages: l(&w.dropped),
+        queued_pages: l(&w.queued),
+        evictions: st.evictions,
+    }
+}

@@ -7,6 +7,7 @@
 //! [`run`] is the whole daemon; `main.rs` only parses flags, loads the configuration, starts
 //! logging and calls it, and tests start the same `run` in-process or the binary as a process.
 
+pub mod admin;
 pub mod l3;
 pub mod metrics;
 pub mod service;
@@ -165,20 +166,17 @@ pub async fn run(
     remove_stale_pools(&cfg.l2.shm_dir);
     let state = Arc::new(Mutex::new(HostState::new(&cfg)));
     let metrics = Metrics::new()?;
-    let backend = l3::open_backend(&cfg)
-        .await
-        .map_err(|e| DaemonError::Setup {
-            what: "opening the l3 backend",
-            path: cfg.l3.backend.clone(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-    let (l3, writer) = match backend {
-        Some(store) => {
-            let (l3, writer) = l3::L3::new(store, &cfg, Arc::new(metrics.clone()));
-            (Some(Arc::new(l3)), Some(writer))
-        }
-        None => (None, None),
-    };
+    let l3 = Arc::new(l3::L3Slot::new(
+        state.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+        cfg.server.drain_timeout.0,
+    ));
+    l3.attach(&cfg).await.map_err(|e| DaemonError::Setup {
+        what: "opening the l3 backend",
+        path: cfg.l3.backend.clone(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
     let service = HostService::new(
         state.clone(),
         metrics.clone(),
@@ -200,13 +198,13 @@ pub async fn run(
         })?;
 
     let tracker = TaskTracker::new();
-    let objects = l3.as_ref().map(|l3| {
-        kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
-            storage_service::ObjectStorageService::new(l3.breaker.clone()),
-        )
-        .max_decoding_message_size(2 * kvtier_storage::remote::CHUNK)
-        .max_encoding_message_size(2 * kvtier_storage::remote::CHUNK)
-    });
+    let objects = kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
+        storage_service::ObjectStorageService::new(l3.clone()),
+    )
+    .max_decoding_message_size(2 * kvtier_storage::remote::CHUNK)
+    .max_encoding_message_size(2 * kvtier_storage::remote::CHUNK);
+    let admin = admin::AdminService::new(l3.clone(), cfg.clone());
+    let admin_token = cfg.server.admin_token.expose().to_string();
     let router = || {
         tonic::transport::Server::builder()
             .initial_stream_window_size(kvtier_client::STREAM_WINDOW)
@@ -216,14 +214,17 @@ pub async fn run(
             .add_service(HostTierServer::new(service.clone()))
             .add_service(health_service.clone())
             .add_service(reflection.clone())
-            .add_optional_service(objects.clone())
+            .add_service(objects.clone())
     };
 
     // Control plane on the Unix socket (and TCP when configured).
     let uds_task = {
         let stop = shutdown.clone();
-        let server =
-            router().serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {
+        let server = router()
+            .add_service(kvtier_proto::v1::admin_server::AdminServer::new(
+                admin.clone(),
+            ))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {
                 stop.cancelled().await;
             });
         tracker.spawn(server)
@@ -233,8 +234,17 @@ pub async fn run(
         let stop = shutdown.clone();
         // Nagle's algorithm with delayed ACKs adds ~40 ms to small responses: off.
         let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+        // Admin over TCP only with a token.
+        let admin_tcp = (!admin_token.is_empty()).then(|| {
+            kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
+                admin.clone(),
+                admin::require_token(admin_token.clone()),
+            )
+        });
         tracker.spawn(
-            router().serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
+            router()
+                .add_optional_service(admin_tcp)
+                .serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
         )
     });
     if let Some(l) = metrics_listener {
@@ -245,25 +255,6 @@ pub async fn run(
             l3.clone(),
             shutdown.clone(),
         ));
-    }
-    if let (Some(l3), Some(writer)) = (&l3, writer) {
-        tracker.spawn(l3::run_writer(
-            writer,
-            l3.clone(),
-            state.clone(),
-            metrics.clone(),
-            shutdown.clone(),
-        ));
-        if l3.policy == kvtier_config::daemon::WritePolicy::WriteBack {
-            tracker.spawn(l3::run_flusher(
-                l3.clone(),
-                state.clone(),
-                metrics.clone(),
-                cfg.l3.batch_pages as usize,
-                shutdown.clone(),
-            ));
-        }
-        tracing::info!(backend = l3.store.store().kind(), policy = ?l3.policy, "l3 tier ready");
     }
     // Lease sweeper: ends sessions that stopped heartbeating.
     {

@@ -370,7 +370,7 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
     state: Arc<Mutex<HostState>>,
-    l3: Option<Arc<crate::l3::L3>>,
+    l3: Arc<crate::l3::L3Slot>,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -390,7 +390,7 @@ pub async fn serve(
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let body = if req.uri().path() == "/metrics" {
-                    Some(metrics.render(&state, l3.as_deref()))
+                    Some(metrics.render(&state, l3.current().as_deref()))
                 } else {
                     None
                 };

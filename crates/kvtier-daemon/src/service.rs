@@ -12,7 +12,7 @@ use kvtier_proto::v1::{self, ReserveStatus};
 use kvtier_proto::{ApiError, page_keys};
 use tonic::{Request, Response, Status};
 
-use crate::l3::L3;
+use crate::l3::L3Slot;
 use crate::metrics::Metrics;
 use crate::state::HostState;
 
@@ -27,7 +27,7 @@ pub struct HostService {
     max_batch: usize,
     started: Instant,
     metrics_address: String,
-    l3: Option<Arc<L3>>,
+    l3: Arc<L3Slot>,
 }
 
 impl HostService {
@@ -37,7 +37,7 @@ impl HostService {
         metrics: Metrics,
         max_batch: usize,
         metrics_address: String,
-        l3: Option<Arc<L3>>,
+        l3: Arc<L3Slot>,
     ) -> Self {
         Self {
             state,
@@ -51,10 +51,18 @@ impl HostService {
 
     /// Hands L3 writes to the writer (never waits).
     fn enqueue(&self, jobs: Vec<crate::l3::Job>) {
-        if let Some(l3) = &self.l3
-            && !jobs.is_empty()
-        {
-            l3.enqueue(jobs, &self.state, &self.metrics);
+        if jobs.is_empty() {
+            return;
+        }
+        match self.l3.current() {
+            Some(l3) => l3.enqueue(jobs, &self.state, &self.metrics),
+            // Detached between the state's decision and now: unpin, nothing to write to.
+            None => {
+                let mut st = self.state();
+                for j in jobs {
+                    st.finish_l3(&j.fp, &j.key, false);
+                }
+            }
         }
     }
 
@@ -275,7 +283,7 @@ impl HostTier for HostService {
             Ok((keys, n, fp)) => {
                 let mut storage_pages = 0;
                 if r.include_storage
-                    && let Some(l3) = &self.l3
+                    && let Some(l3) = self.l3.current()
                     && n < keys.len()
                 {
                     let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
@@ -445,26 +453,7 @@ impl HostTier for HostService {
                 dedup_pages: c.dedup_pages,
                 expired_sessions: c.expired_sessions,
                 metrics_address: self.metrics_address.clone(),
-                l3: self.l3.as_ref().map(|l3| {
-                    let st = l3.store.store_stats();
-                    let w = &l3.counters;
-                    let l = |a: &std::sync::atomic::AtomicU64| {
-                        a.load(std::sync::atomic::Ordering::Relaxed)
-                    };
-                    v1::L3Stats {
-                        backend: l3.store.store().kind().to_string(),
-                        write_policy: format!("{:?}", l3.policy),
-                        objects: st.objects,
-                        bytes: st.bytes,
-                        capacity_bytes: st.capacity,
-                        written_pages: l(&w.written),
-                        skipped_pages: l(&w.skipped),
-                        failed_pages: l(&w.failed),
-                        dropped_pages: l(&w.dropped),
-                        queued_pages: l(&w.queued),
-                        evictions: st.evictions,
-                    }
-                }),
+                l3: self.l3.current().map(|l3| crate::l3::wire_stats(&l3)),
             })
         })
     }

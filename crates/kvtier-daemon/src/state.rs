@@ -146,6 +146,16 @@ impl HostState {
             .collect()
     }
 
+    /// Changes the L3 write policy (an L3 tier attached, swapped or detached). Write-back
+    /// makes eviction wait for L3; without it, every pool evicts freely again.
+    pub fn set_write(&mut self, write: Option<(WritePolicy, u64)>) {
+        self.write = write;
+        let write_back = matches!(write, Some((WritePolicy::WriteBack, _)));
+        for pool in self.pools.values_mut() {
+            pool.index.set_evict_needs_l3(write_back);
+        }
+    }
+
     /// Ends an L3 write: unpins the page, marks it persisted if the write landed.
     pub fn finish_l3(&mut self, fp: &LayoutFingerprint, key: &PageKey, landed: bool) {
         if let Some(p) = self.pools.get_mut(fp) {

@@ -14,16 +14,25 @@ use kvtier_storage::{StorageError, Store, check_name};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-/// The service over a store.
+/// The service over the daemon's current storage tier.
 #[derive(Debug, Clone)]
 pub struct ObjectStorageService {
-    store: Arc<dyn Store>,
+    l3: Arc<crate::l3::L3Slot>,
 }
 
 impl ObjectStorageService {
-    /// Serves `store`.
-    pub fn new(store: Arc<dyn Store>) -> Self {
-        Self { store }
+    /// Serves whatever tier `l3` holds at each call.
+    pub fn new(l3: Arc<crate::l3::L3Slot>) -> Self {
+        Self { l3 }
+    }
+
+    fn store(&self) -> Result<Arc<dyn Store>, Status> {
+        match self.l3.current() {
+            Some(l3) => Ok(l3.breaker.clone()),
+            None => {
+                Err(ApiError::Unavailable("this kvtierd has no L3 backend attached".into()).into())
+            }
+        }
     }
 }
 
@@ -51,7 +60,11 @@ impl ObjectStorage for ObjectStorageService {
     ) -> Result<Response<Self::GetStream>, Status> {
         let n = &request.get_ref().name;
         name(n)?;
-        let obj = self.store.get(n).await.map_err(|e| Status::from(api(e)))?;
+        let obj = self
+            .store()?
+            .get(n)
+            .await
+            .map_err(|e| Status::from(api(e)))?;
         let chunks: Vec<Result<v1::ObjectChunk, Status>> = match obj {
             None => vec![Ok(v1::ObjectChunk::default())],
             Some(b) if b.is_empty() => vec![Ok(v1::ObjectChunk {
@@ -110,7 +123,7 @@ impl ObjectStorage for ObjectStorageService {
             )
             .into());
         }
-        self.store
+        self.store()?
             .set(&first.name, bytes::Bytes::new(), buf.freeze())
             .await
             .map_err(|e| Status::from(api(e)))?;
@@ -131,7 +144,7 @@ impl ObjectStorage for ObjectStorageService {
             })?;
         }
         let n = self
-            .store
+            .store()?
             .exists_prefix(names)
             .await
             .map_err(|e| Status::from(api(e)))?;
@@ -144,7 +157,7 @@ impl ObjectStorage for ObjectStorageService {
     ) -> Result<Response<v1::DeleteObjectResponse>, Status> {
         let n = &request.get_ref().name;
         name(n)?;
-        self.store
+        self.store()?
             .delete(n)
             .await
             .map_err(|e| Status::from(api(e)))?;

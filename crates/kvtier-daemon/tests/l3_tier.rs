@@ -364,3 +364,86 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
         assert_eq!(s3.exists_prefix(&names).await.unwrap(), 6);
     });
 }
+
+#[test]
+fn backend_attach_swap_and_detach_at_runtime() {
+    use kvtier_ctl::{BackendAction, BackendArgs};
+    let d = Daemon::start("admin", &["l2.pool_pages=64", "l3.backend=none"]);
+    // kvtierctl runs its own runtime: call it from a plain thread.
+    let ctl = |action: BackendAction| {
+        let socket = d.target();
+        std::thread::spawn(move || kvtier_ctl::backend(BackendArgs { socket, action }))
+            .join()
+            .unwrap()
+    };
+    assert!(
+        ctl(BackendAction::Status)
+            .unwrap()
+            .contains("no l3 backend attached")
+    );
+    let out = ctl(BackendAction::Attach {
+        settings: vec!["backend=memory".into()],
+    })
+    .unwrap();
+    assert!(out.contains("l3 backend memory"), "{out}");
+    let swapped = d.dir.join("swapped");
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        store(&mut c, &s, &chain(20, 4)).await;
+        wait_objects(&mut c, 4).await;
+
+        // Swap to a file backend: new pages go there.
+        let out = ctl(BackendAction::Attach {
+            settings: vec![
+                "backend=file".into(),
+                format!("file_path={}", swapped.display()),
+            ],
+        })
+        .unwrap();
+        assert!(out.contains("l3 backend file"), "{out}");
+        store(&mut c, &s, &chain(21, 4)).await;
+        wait_objects(&mut c, 4).await;
+        let files = |p: &std::path::Path| {
+            std::fs::read_dir(p.join("objects"))
+                .map(|rd| rd.flatten().count())
+                .unwrap_or(0)
+        };
+        assert!(
+            files(&swapped) > 0,
+            "nothing was written to the new backend"
+        );
+
+        // Bad requests change nothing.
+        let e = ctl(BackendAction::Attach {
+            settings: vec!["backend=tape".into()],
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("l3.backend"), "{e:#}");
+        let e = ctl(BackendAction::Attach {
+            settings: vec!["nonsense".into()],
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("settings[0]"), "{e:#}");
+        assert!(
+            ctl(BackendAction::Status)
+                .unwrap()
+                .contains("l3 backend file")
+        );
+
+        // Detach: L2 keeps serving, nothing more is written.
+        assert!(
+            ctl(BackendAction::Detach)
+                .unwrap()
+                .contains("no l3 backend attached")
+        );
+        store(&mut c, &s, &chain(22, 4)).await;
+        assert_eq!(c.lookup(s.id, &chain(22, 4)).await.unwrap(), 4);
+        assert!(c.stats().await.unwrap().l3.is_none());
+        // A lookup that asks for L3 just reports none.
+        assert_eq!(
+            c.lookup_tiers(s.id, &chain(23, 2), true).await.unwrap(),
+            (0, 0)
+        );
+    });
+}
