@@ -345,9 +345,10 @@ impl Drop for UnlinkGuard {
 mod tests {
     use super::*;
 
-    fn spec(dir: &Path, backing: Backing) -> PoolSpec {
+    /// A spec whose name is unique to the calling test (tests run in parallel).
+    fn spec(dir: &Path, backing: Backing, test: &str) -> PoolSpec {
         PoolSpec {
-            name: format!("kvtier-shm-test-{}-{backing:?}", std::process::id()),
+            name: format!("kvtier-shm-test-{}-{test}-{backing:?}", std::process::id()),
             dir: dir.to_path_buf(),
             backing,
             slots: 4,
@@ -366,7 +367,7 @@ mod tests {
     #[test]
     fn two_mappings_see_the_same_bytes() {
         for backing in [Backing::ShmFile, Backing::Memfd] {
-            let owner = ShmPool::create(&spec(&tmp(), backing)).unwrap();
+            let owner = ShmPool::create(&spec(&tmp(), backing, "two")).unwrap();
             let client = ShmPool::open(owner.path(), 4, 8192).unwrap();
             let page: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
             client.write(3, 0, &page).unwrap();
@@ -382,7 +383,7 @@ mod tests {
 
     #[test]
     fn bounds_are_enforced() {
-        let p = ShmPool::create(&spec(&tmp(), Backing::ShmFile)).unwrap();
+        let p = ShmPool::create(&spec(&tmp(), Backing::ShmFile, "bounds")).unwrap();
         assert!(matches!(
             p.write(4, 0, &[1]),
             Err(ShmError::OutOfBounds { .. })
@@ -401,7 +402,7 @@ mod tests {
 
     #[test]
     fn file_is_unlinked_on_drop_and_shapes_are_checked() {
-        let s = spec(&tmp(), Backing::ShmFile);
+        let s = spec(&tmp(), Backing::ShmFile, "unlink");
         let path = {
             let p = ShmPool::create(&s).unwrap();
             assert!(p.path().exists());
