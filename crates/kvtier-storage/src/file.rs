@@ -23,7 +23,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::lru::{Index, blocking, lock, now_ns};
+use crate::lru::{Index, blocking, check_fits, lock, now_ns};
 use crate::{StorageError, Store, StoreStats, check_name};
 
 /// Configuration of a [`FileStore`].
@@ -213,11 +213,7 @@ impl Store for FileStore {
         check_name(name)?;
         let size = (head.len() + body.len()) as u64;
         let cap = self.cfg.capacity_bytes;
-        if cap > 0 && size > cap {
-            return Err(StorageError::NoSpace(format!(
-                "object of {size} bytes exceeds capacity_bytes {cap}"
-            )));
-        }
+        check_fits(size, cap)?;
         let min_free = self.cfg.min_free_bytes;
         let sync = self.cfg.sync;
         let path = self.path_of(name);

@@ -15,6 +15,16 @@ pub(crate) fn now_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// Refuses an object that could never fit under the capacity bound (0: unbounded).
+pub(crate) fn check_fits(size: u64, capacity: u64) -> Result<(), StorageError> {
+    if capacity > 0 && size > capacity {
+        return Err(StorageError::NoSpace(format!(
+            "object of {size} bytes exceeds capacity_bytes {capacity}"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs blocking I/O of `backend` off the async workers.
 pub(crate) async fn blocking<T: Send + 'static>(
     backend: &'static str,

@@ -18,7 +18,7 @@ use rocksdb::{
     ColumnFamilyDescriptor, DB, DBCompressionType, IteratorMode, Options, WriteBatch, WriteOptions,
 };
 
-use crate::lru::{Index, blocking, lock, now_ns};
+use crate::lru::{Index, blocking, check_fits, lock, now_ns};
 use crate::{StorageError, Store, StoreStats, check_name};
 
 const SIZES: &str = "sizes";
@@ -168,11 +168,7 @@ impl Store for RocksStore {
         check_name(name)?;
         let size = (head.len() + body.len()) as u64;
         let cap = self.cfg.capacity_bytes;
-        if cap > 0 && size > cap {
-            return Err(StorageError::NoSpace(format!(
-                "object of {size} bytes exceeds capacity_bytes {cap}"
-            )));
-        }
+        check_fits(size, cap)?;
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
         let (wopts, sync) = (self.write_opts(), self.cfg.sync);
         blocking("rocksdb", move || {
