@@ -47,28 +47,6 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// Writes `keys` through reserve → copy → commit; returns the page bytes written.
-async fn store(c: &mut HostClient, s: &kvtier_client::Session, keys: &[PageKey]) -> Vec<Vec<u8>> {
-    let page = s.layout.page_bytes();
-    let r = c.reserve(s.id, None, keys).await.unwrap();
-    let mut written = Vec::new();
-    for (k, r) in keys.iter().zip(&r) {
-        let bytes = page_bytes(k, page);
-        if let Reserved::Slot(slot) = r {
-            s.pool.write(*slot, 0, &bytes).unwrap();
-        }
-        written.push(bytes);
-    }
-    let mine: Vec<PageKey> = keys
-        .iter()
-        .zip(&r)
-        .filter(|(_, r)| matches!(r, Reserved::Slot(_)))
-        .map(|(k, _)| *k)
-        .collect();
-    c.commit(s.id, &mine).await.unwrap();
-    written
-}
-
 /// Acquires `keys`, copies the pages out, releases; returns the bytes read.
 async fn load(c: &mut HostClient, s: &kvtier_client::Session, keys: &[PageKey]) -> Vec<Vec<u8>> {
     let slots = c.acquire(s.id, keys).await.unwrap();

@@ -7,48 +7,13 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvtier_client::{HostClient, Reserved, Session};
-use kvtier_core::PageKey;
+use kvtier_client::HostClient;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap()
-}
-
-/// Reserve → copy → commit, retrying while the pool has no evictable slot yet (write-back
-/// frees slots only once their pages reached L3).
-async fn store(c: &mut HostClient, s: &Session, keys: &[PageKey]) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let r = loop {
-        let r = c.reserve(s.id, None, keys).await.unwrap();
-        if !r.contains(&Reserved::NoSpace) {
-            break r;
-        }
-        let mine: Vec<PageKey> = keys
-            .iter()
-            .zip(&r)
-            .filter(|(_, r)| matches!(r, Reserved::Slot(_)))
-            .map(|(k, _)| *k)
-            .collect();
-        c.abort(s.id, &mine).await.unwrap();
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pool never made room"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let mut mine = Vec::new();
-    for (k, r) in keys.iter().zip(&r) {
-        if let Reserved::Slot(slot) = r {
-            s.pool
-                .write(*slot, 0, &page_bytes(k, s.layout.page_bytes()))
-                .unwrap();
-            mine.push(*k);
-        }
-    }
-    c.commit(s.id, &mine).await.unwrap();
 }
 
 async fn l3_objects(c: &mut HostClient) -> u64 {

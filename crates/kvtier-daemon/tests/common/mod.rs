@@ -242,3 +242,44 @@ pub fn spawn_child(
     let rx = reader(child.stdout.take().unwrap());
     (child, rx)
 }
+
+/// The keys `reserve` handed slots to.
+pub fn reserved(keys: &[PageKey], r: &[kvtier_client::Reserved]) -> Vec<PageKey> {
+    keys.iter()
+        .zip(r)
+        .filter(|(_, r)| matches!(r, kvtier_client::Reserved::Slot(_)))
+        .map(|(k, _)| *k)
+        .collect()
+}
+
+/// Writes `keys` as a client does: reserve, copy each page into its slot, commit. Retries
+/// while the pool has no room yet (write-back frees slots only once their pages reached L3),
+/// up to 20 s. Returns every page's bytes, written or already present.
+pub async fn store(
+    c: &mut kvtier_client::HostClient,
+    s: &kvtier_client::Session,
+    keys: &[PageKey],
+) -> Vec<Vec<u8>> {
+    use kvtier_client::Reserved;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let r = loop {
+        let r = c.reserve(s.id, None, keys).await.unwrap();
+        if !r.contains(&Reserved::NoSpace) {
+            break r;
+        }
+        c.abort(s.id, &reserved(keys, &r)).await.unwrap();
+        assert!(Instant::now() < deadline, "the pool never made room");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let page = s.layout.page_bytes();
+    let mut written = Vec::new();
+    for (k, r) in keys.iter().zip(&r) {
+        let bytes = page_bytes(k, page);
+        if let Reserved::Slot(slot) = r {
+            s.pool.write(*slot, 0, &bytes).unwrap();
+        }
+        written.push(bytes);
+    }
+    c.commit(s.id, &reserved(keys, &r)).await.unwrap();
+    written
+}
