@@ -17,6 +17,13 @@ use object_store::aws::AmazonS3Builder;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
 
+/// Reads every object at `paths` with the raw client.
+async fn raw_get_all(raw: &impl ObjectStoreExt, paths: &[Path]) {
+    for p in paths {
+        raw.get(p).await.unwrap().bytes().await.unwrap();
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -85,13 +92,7 @@ fn main() {
         "get 2 MiB pages vs object_store get",
         total,
         rounds,
-        || {
-            rt.block_on(async {
-                for p in &raw_paths {
-                    raw.get(p).await.unwrap().bytes().await.unwrap();
-                }
-            })
-        },
+        || rt.block_on(raw_get_all(&raw, &raw_paths)),
         || {
             rt.block_on(async {
                 for k in &keys {
@@ -110,13 +111,7 @@ fn main() {
         "get: S3Store alone vs object_store get",
         total,
         rounds,
-        || {
-            rt.block_on(async {
-                for p in &raw_paths {
-                    raw.get(p).await.unwrap().bytes().await.unwrap();
-                }
-            })
-        },
+        || rt.block_on(raw_get_all(&raw, &raw_paths)),
         || {
             rt.block_on(async {
                 use kvtier_storage::Store as _;
@@ -132,13 +127,7 @@ fn main() {
         "get: raw client on kvtier's objects vs raw",
         total,
         rounds,
-        || {
-            rt.block_on(async {
-                for p in &raw_paths {
-                    raw.get(p).await.unwrap().bytes().await.unwrap();
-                }
-            })
-        },
+        || rt.block_on(raw_get_all(&raw, &raw_paths)),
         || {
             rt.block_on(async {
                 for k in &keys {
@@ -171,20 +160,8 @@ fn main() {
         "get: raw, 2 MiB + 72 B objects vs 2 MiB",
         total,
         rounds,
-        || {
-            rt.block_on(async {
-                for p in &raw_paths {
-                    raw.get(p).await.unwrap().bytes().await.unwrap();
-                }
-            })
-        },
-        || {
-            rt.block_on(async {
-                for p in &odd_paths {
-                    raw.get(p).await.unwrap().bytes().await.unwrap();
-                }
-            })
-        },
+        || rt.block_on(raw_get_all(&raw, &raw_paths)),
+        || rt.block_on(raw_get_all(&raw, &odd_paths)),
     );
     println!("{}", shape.line("MiB/s", f64::from(1 << 20)));
 }

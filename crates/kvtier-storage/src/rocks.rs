@@ -71,6 +71,19 @@ fn err(op: &'static str) -> impl FnOnce(rocksdb::Error) -> StorageError {
     }
 }
 
+/// The `sizes` column family (created at open, so its absence is a broken database).
+fn sizes_cf(db: &DB) -> Result<&rocksdb::ColumnFamily, StorageError> {
+    db.cf_handle(SIZES)
+        .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))
+}
+
+/// Write options: WAL synced on every write, or not.
+fn write_opts(sync: bool) -> WriteOptions {
+    let mut w = WriteOptions::default();
+    w.set_sync(sync);
+    w
+}
+
 impl RocksStore {
     /// Opens (creating if needed) the database and rebuilds the capacity index from the
     /// `sizes` column family.
@@ -104,9 +117,7 @@ impl RocksStore {
         {
             let (db, index) = (db.clone(), index.clone());
             blocking("rocksdb", move || {
-                let cf = db
-                    .cf_handle(SIZES)
-                    .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+                let cf = sizes_cf(&db)?;
                 let at = now_ns();
                 let mut g = lock(&index);
                 for item in db.iterator_cf(cf, IteratorMode::Start) {
@@ -124,24 +135,14 @@ impl RocksStore {
         Ok(Arc::new(Self { db, cfg, index }))
     }
 
-    fn write_opts(&self) -> WriteOptions {
-        let mut w = WriteOptions::default();
-        w.set_sync(self.cfg.sync);
-        w
-    }
-
     fn remove_batch(db: &DB, names: &[String], sync: bool) -> Result<(), StorageError> {
-        let cf = db
-            .cf_handle(SIZES)
-            .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+        let cf = sizes_cf(db)?;
         let mut b = WriteBatch::default();
         for n in names {
             b.delete(n.as_bytes());
             b.delete_cf(cf, n.as_bytes());
         }
-        let mut w = WriteOptions::default();
-        w.set_sync(sync);
-        db.write_opt(b, &w).map_err(err("delete"))
+        db.write_opt(b, &write_opts(sync)).map_err(err("delete"))
     }
 }
 
@@ -170,18 +171,16 @@ impl Store for RocksStore {
         let cap = self.cfg.capacity_bytes;
         check_fits(size, cap)?;
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
-        let (wopts, sync) = (self.write_opts(), self.cfg.sync);
+        let sync = self.cfg.sync;
         blocking("rocksdb", move || {
-            let cf = db
-                .cf_handle(SIZES)
-                .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+            let cf = sizes_cf(&db)?;
             let mut value = Vec::with_capacity(size as usize);
             value.extend_from_slice(&head);
             value.extend_from_slice(&body);
             let mut b = WriteBatch::default();
             b.put(name.as_bytes(), &value);
             b.put_cf(cf, name.as_bytes(), size.to_le_bytes());
-            db.write_opt(b, &wopts).map_err(err("put"))?;
+            db.write_opt(b, &write_opts(sync)).map_err(err("put"))?;
             let victims = {
                 let mut g = lock(&index);
                 g.insert(&name, size, now_ns());
@@ -202,9 +201,7 @@ impl Store for RocksStore {
         check_name(name)?;
         let (db, name) = (self.db.clone(), name.to_string());
         blocking("rocksdb", move || {
-            let cf = db
-                .cf_handle(SIZES)
-                .ok_or_else(|| StorageError::Invalid("sizes column family missing".into()))?;
+            let cf = sizes_cf(&db)?;
             Ok(db
                 .get_pinned_cf(cf, name.as_bytes())
                 .map_err(err("exists"))?
