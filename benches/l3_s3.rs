@@ -105,8 +105,10 @@ fn main() {
         },
     );
     println!("{}", get.line("MiB/s", f64::from(1 << 20)));
-    // Where a get gap comes from: the same objects through the bare backend (no framing, no
-    // checksum), against the raw client.
+    // Diagnostics for the get gap: the same objects through the bare backend (no framing, no
+    // checksum), the raw client on kvtier's objects, and on raw objects of kvtier's size. On this
+    // shared machine these swing widely between runs (0.34-1.08); use the full run, not
+    // `--quick`, before drawing conclusions. The gap is not located yet.
     let bare = compare(
         "get: S3Store alone vs object_store get",
         total,
