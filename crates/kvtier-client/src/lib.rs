@@ -370,6 +370,132 @@ impl HostClient {
     pub async fn stats(&mut self) -> Result<v1::StatsResponse, ClientError> {
         Ok(self.inner.stats(v1::StatsRequest {}).await?.into_inner())
     }
+
+    /// Starts prefetching `keys` from L3 into L2 under the name `request_id`; returns its
+    /// progress stream (the first message says whether it runs or was revoked, the last one
+    /// is final).
+    pub async fn prefetch(
+        &mut self,
+        session: u64,
+        request_id: &str,
+        keys: &[PageKey],
+        opts: PrefetchOptions,
+    ) -> Result<tonic::Streaming<v1::PrefetchProgress>, ClientError> {
+        Ok(self
+            .inner
+            .prefetch(v1::PrefetchRequest {
+                session_id: session,
+                request_id: request_id.to_string(),
+                keys: raw(keys),
+                parent: opts.parent.map(|p| p.0.to_vec()).unwrap_or_default(),
+                policy: opts.policy as i32,
+                hints: Some(opts.hints),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// The progress of an open prefetch.
+    pub async fn prefetch_status(
+        &mut self,
+        session: u64,
+        request_id: &str,
+    ) -> Result<v1::PrefetchProgress, ClientError> {
+        Ok(self
+            .inner
+            .prefetch_status(v1::PrefetchStatusRequest {
+                session_id: session,
+                request_id: request_id.to_string(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Finishes a prefetch per its policy and pins its usable prefix for the session;
+    /// returns its final progress and the slots (copy them, then `release` those keys).
+    pub async fn take_prefetch(
+        &mut self,
+        session: u64,
+        request_id: &str,
+    ) -> Result<(v1::PrefetchProgress, Vec<u32>), ClientError> {
+        let r = self
+            .inner
+            .take_prefetch(v1::TakePrefetchRequest {
+                session_id: session,
+                request_id: request_id.to_string(),
+            })
+            .await?
+            .into_inner();
+        let p = r
+            .progress
+            .ok_or_else(|| ClientError::Protocol("take without progress".into()))?;
+        Ok((p, r.slots))
+    }
+
+    /// Cancels a prefetch and drops its pins.
+    pub async fn release_prefetch(
+        &mut self,
+        session: u64,
+        request_id: &str,
+    ) -> Result<(), ClientError> {
+        self.inner
+            .release_prefetch(v1::ReleasePrefetchRequest {
+                session_id: session,
+                request_id: request_id.to_string(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// A snapshot of every daemon metric each `interval` (0: the daemon's default).
+    pub async fn watch_metrics(
+        &mut self,
+        interval: Duration,
+    ) -> Result<tonic::Streaming<v1::MetricsSnapshot>, ClientError> {
+        Ok(self
+            .inner
+            .watch_metrics(v1::WatchMetricsRequest {
+                interval_ms: interval.as_millis() as u64,
+            })
+            .await?
+            .into_inner())
+    }
+}
+
+/// How to run a prefetch; the default is the daemon's configuration.
+#[derive(Clone, Debug, Default)]
+pub struct PrefetchOptions {
+    /// The key of the page before `keys[0]`.
+    pub parent: Option<PageKey>,
+    /// Stop policy (unspecified: the daemon's `prefetch.policy`).
+    pub policy: v1::PrefetchPolicy,
+    /// Per-request adjustments.
+    pub hints: v1::PrefetchHints,
+}
+
+impl PrefetchOptions {
+    /// The daemon's defaults with stop policy `policy`.
+    pub fn policy(policy: v1::PrefetchPolicy) -> Self {
+        Self {
+            policy,
+            ..Self::default()
+        }
+    }
+}
+
+/// A prefetch's outcome as one word: `running`, `completed`, `partial`, `timed_out`,
+/// `revoked:<reason>` or `failed:<reason>`.
+pub fn outcome(p: &v1::PrefetchProgress) -> String {
+    use v1::PrefetchState as S;
+    match S::try_from(p.state).unwrap_or(S::Unspecified) {
+        S::Running => "running".into(),
+        S::Completed => "completed".into(),
+        S::Partial => "partial".into(),
+        S::TimedOut => "timed_out".into(),
+        S::Revoked => format!("revoked:{}", p.reason),
+        S::Failed => format!("failed:{}", p.reason),
+        S::Unspecified => "unspecified".into(),
+    }
 }
 
 /// Asks `grpc.health.v1` whether the daemon serves; returns the status name.

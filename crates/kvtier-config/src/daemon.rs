@@ -131,6 +131,47 @@ rocksdb_path = ""
 rocksdb_capacity_bytes = "0"
 # rocksdb backend: sync the write-ahead log on every write.
 rocksdb_sync = false
+# Chaos drill: every L3 read (get) waits this long before it starts, to rehearse a slow
+# storage tier (prefetch policies, timeouts, metrics). 0s: off; keep it off in production.
+fault_get_delay = "0s"
+
+[prefetch]
+# Loading pages from L3 into L2 ahead of a request (Prefetch RPC). The L3 hit is measured with
+# one batched exists before any L2 slot is allocated.
+#
+# When a prefetch is done by default (a request may choose its own):
+#   best_effort   the client takes what has landed whenever it asks; the rest is cancelled;
+#   wait_complete the client's take waits for every hit page (bounded by timeout_max);
+#   timeout       the daemon stops the prefetch at
+#                 min(timeout_max, timeout_base + timeout_per_1k_tokens * tokens / 1024)
+#                 and the client takes what landed by then.
+policy = "timeout"
+# Prefetches whose L3 hit is shorter than this many tokens are revoked (not worth a round
+# trip); no slot is allocated for them.
+threshold_tokens = 256
+# The engine's prefill throughput (tokens per second). A prefetch whose estimated load time
+# (from the backend's measured latency and bandwidth) exceeds the time to recompute its
+# tokens at this rate is revoked. 0: never revoke on this ground.
+recompute_tokens_per_second = 20000
+# Share of each pool's slots that prefetches may hold at once (reserved or landed and not yet
+# taken), 0.0 to 1.0.
+budget_fraction = 0.5
+# Pages fetched per batch; progress is reported at least once per batch (1 to 4096).
+batch_pages = 128
+# Backend reads in flight at once per prefetch (1 to 256).
+concurrency = 16
+# Timeout policy: the deadline is min(timeout_max, timeout_base + timeout_per_1k_tokens *
+# tokens / 1024), counted from the prefetch's start. timeout_max also bounds wait_complete.
+timeout_base = "2s"
+timeout_per_1k_tokens = "100ms"
+timeout_max = "30s"
+# Keys whose L3 read just failed (missing, corrupt, timed out) are not prefetched again for
+# this long, so a stale exists is not retried in a loop (0s: off).
+negative_ttl = "5s"
+# Most keys remembered as failed.
+negative_capacity = 65536
+# Most prefetches a session may have open (running, or landed and not yet taken).
+max_per_session = 1024
 
 [sessions]
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
@@ -156,6 +197,8 @@ pub struct DaemonConfig {
     pub l2: L2Config,
     /// The storage tier.
     pub l3: L3Config,
+    /// Prefetch from L3 into L2.
+    pub prefetch: PrefetchConfig,
     /// Client sessions.
     pub sessions: SessionsConfig,
     /// Logging.
@@ -268,6 +311,95 @@ pub struct L3Config {
     pub rocksdb_capacity_bytes: ByteSize,
     /// RocksDB WAL sync.
     pub rocksdb_sync: bool,
+    /// Chaos drill: delay before every L3 read (0: off).
+    pub fault_get_delay: Dur,
+}
+
+/// `[prefetch]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefetchConfig {
+    /// Default stop policy: `best_effort`, `wait_complete` or `timeout`.
+    pub policy: String,
+    /// Shortest L3 hit (tokens) worth fetching.
+    pub threshold_tokens: u64,
+    /// Engine prefill rate used to decide whether loading beats recomputing (0: off).
+    pub recompute_tokens_per_second: u64,
+    /// Share of each pool prefetches may hold.
+    pub budget_fraction: f64,
+    /// Pages per fetch batch.
+    pub batch_pages: u32,
+    /// Backend reads in flight per prefetch.
+    pub concurrency: u32,
+    /// Timeout policy: fixed part of the deadline.
+    pub timeout_base: Dur,
+    /// Timeout policy: added per 1024 tokens.
+    pub timeout_per_1k_tokens: Dur,
+    /// Upper bound of every prefetch's deadline.
+    pub timeout_max: Dur,
+    /// How long a failed key is not prefetched again.
+    pub negative_ttl: Dur,
+    /// Most keys remembered as failed.
+    pub negative_capacity: u32,
+    /// Most open prefetches per session.
+    pub max_per_session: u32,
+}
+
+/// When a prefetch is finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopPolicy {
+    /// Take what landed whenever the client asks.
+    BestEffort,
+    /// Wait for every hit page.
+    WaitComplete,
+    /// Wait until the size-dependent deadline.
+    Timeout,
+}
+
+impl std::str::FromStr for StopPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "best_effort" => Ok(Self::BestEffort),
+            "wait_complete" => Ok(Self::WaitComplete),
+            "timeout" => Ok(Self::Timeout),
+            _ => Err(format!(
+                "{s:?}: expected best_effort, wait_complete or timeout"
+            )),
+        }
+    }
+}
+
+impl PrefetchConfig {
+    /// The default stop policy (validated by [`DaemonConfig::validate`]).
+    pub fn stop_policy(&self) -> StopPolicy {
+        self.policy.parse().unwrap_or(StopPolicy::Timeout)
+    }
+
+    /// The timeout policy's deadline for a prefetch of `tokens` tokens.
+    pub fn deadline_for(&self, tokens: u64) -> Duration {
+        let scaled = self.timeout_per_1k_tokens.0.mul_f64(tokens as f64 / 1024.0);
+        (self.timeout_base.0 + scaled).min(self.timeout_max.0)
+    }
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        Self {
+            policy: "timeout".into(),
+            threshold_tokens: 256,
+            recompute_tokens_per_second: 20000,
+            budget_fraction: 0.5,
+            batch_pages: 128,
+            concurrency: 16,
+            timeout_base: Dur(Duration::from_secs(2)),
+            timeout_per_1k_tokens: Dur(Duration::from_millis(100)),
+            timeout_max: Dur(Duration::from_secs(30)),
+            negative_ttl: Dur(Duration::from_secs(5)),
+            negative_capacity: 65536,
+            max_per_session: 1024,
+        }
+    }
 }
 
 /// When pages go from L2 to L3.
@@ -312,6 +444,7 @@ impl Default for L3Config {
             rocksdb_path: String::new(),
             rocksdb_capacity_bytes: ByteSize(0),
             rocksdb_sync: false,
+            fault_get_delay: Dur(Duration::ZERO),
         }
     }
 }
@@ -351,6 +484,7 @@ impl Default for DaemonConfig {
             metrics: MetricsConfig::default(),
             l2: L2Config::default(),
             l3: L3Config::default(),
+            prefetch: PrefetchConfig::default(),
             sessions: SessionsConfig::default(),
             log: LogConfig::default(),
         }
@@ -520,6 +654,22 @@ impl DaemonConfig {
                     rocksdb_path: _,
                     rocksdb_capacity_bytes: _,
                     rocksdb_sync: _,
+                    fault_get_delay,
+                },
+            prefetch:
+                PrefetchConfig {
+                    policy: prefetch_policy,
+                    threshold_tokens,
+                    recompute_tokens_per_second: _,
+                    budget_fraction,
+                    batch_pages: prefetch_batch,
+                    concurrency: prefetch_concurrency,
+                    timeout_base,
+                    timeout_per_1k_tokens,
+                    timeout_max,
+                    negative_ttl,
+                    negative_capacity,
+                    max_per_session,
                 },
             sessions: SessionsConfig { ttl },
             log: LogConfig { level },
@@ -667,6 +817,66 @@ impl DaemonConfig {
                 format!("{ttl} is outside 100ms..=1h"),
             ));
         }
+        if fault_get_delay.0 > Duration::from_secs(600) {
+            return Err(ConfigError::invalid(
+                "l3.fault_get_delay",
+                format!("{fault_get_delay} is above 10m"),
+            ));
+        }
+        prefetch_policy
+            .parse::<StopPolicy>()
+            .map_err(|e| ConfigError::invalid("prefetch.policy", e))?;
+        if !(0.0..=1.0).contains(budget_fraction) {
+            return Err(ConfigError::invalid(
+                "prefetch.budget_fraction",
+                format!("{budget_fraction} is outside 0.0..=1.0"),
+            ));
+        }
+        let ranges: [(&str, u64, u64, u64); 5] = [
+            ("prefetch.threshold_tokens", *threshold_tokens, 0, 1 << 32),
+            ("prefetch.batch_pages", u64::from(*prefetch_batch), 1, 4096),
+            (
+                "prefetch.concurrency",
+                u64::from(*prefetch_concurrency),
+                1,
+                256,
+            ),
+            (
+                "prefetch.negative_capacity",
+                u64::from(*negative_capacity),
+                1,
+                1 << 24,
+            ),
+            (
+                "prefetch.max_per_session",
+                u64::from(*max_per_session),
+                1,
+                1 << 20,
+            ),
+        ];
+        for (key, v, lo, hi) in ranges {
+            if v < lo || v > hi {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{v} is outside {lo}..={hi}"),
+                ));
+            }
+        }
+        for (key, d) in [
+            ("prefetch.timeout_base", timeout_base),
+            ("prefetch.timeout_per_1k_tokens", timeout_per_1k_tokens),
+            ("prefetch.negative_ttl", negative_ttl),
+        ] {
+            if d.0 > Duration::from_secs(3600) {
+                return Err(ConfigError::invalid(key, format!("{d} is above 1h")));
+            }
+        }
+        if timeout_max.0 < Duration::from_millis(1) || timeout_max.0 > Duration::from_secs(3600) {
+            return Err(ConfigError::invalid(
+                "prefetch.timeout_max",
+                format!("{timeout_max} is outside 1ms..=1h"),
+            ));
+        }
         if level.trim().is_empty() {
             return Err(ConfigError::invalid("log.level", "must not be empty"));
         }
@@ -778,6 +988,15 @@ mod tests {
     }
 
     #[test]
+    fn prefetch_deadline_grows_with_tokens_up_to_the_max() {
+        let p = PrefetchConfig::default();
+        assert_eq!(p.deadline_for(0), Duration::from_secs(2));
+        assert_eq!(p.deadline_for(10 * 1024), Duration::from_secs(3));
+        assert_eq!(p.deadline_for(10_000_000), Duration::from_secs(30));
+        assert_eq!(p.stop_policy(), StopPolicy::Timeout);
+    }
+
+    #[test]
     fn errors_name_the_key() {
         let cases: &[(Sources, &str)] = &[
             (
@@ -828,6 +1047,34 @@ mod tests {
                     ..Sources::default()
                 },
                 "l3.kind",
+            ),
+            (
+                Sources {
+                    sets: vec!["prefetch.policy=eventually".into()],
+                    ..Sources::default()
+                },
+                "prefetch.policy",
+            ),
+            (
+                Sources {
+                    sets: vec!["prefetch.budget_fraction=1.5".into()],
+                    ..Sources::default()
+                },
+                "prefetch.budget_fraction",
+            ),
+            (
+                Sources {
+                    env: env(&[("KVTIER_PREFETCH_CONCURRENCY", "0")]),
+                    ..Sources::default()
+                },
+                "prefetch.concurrency",
+            ),
+            (
+                Sources {
+                    sets: vec!["prefetch.timeout_max=0s".into()],
+                    ..Sources::default()
+                },
+                "prefetch.timeout_max",
             ),
             (
                 Sources {

@@ -444,6 +444,34 @@ impl HostIndex {
         Ok(())
     }
 
+    /// Makes reserved pages ready and pins each once, in one step (no instant in which they
+    /// are ready but evictable), marking them persisted when they came from L3. How a
+    /// prefetch lands pages it loaded. All-or-nothing like [`Self::commit`].
+    pub fn commit_pinned(
+        &mut self,
+        owner: OwnerId,
+        keys: &[PageKey],
+        persisted: bool,
+    ) -> Result<Vec<u32>, Error> {
+        let slots = self.check_writing(owner, keys)?;
+        let now = self.tick();
+        for &s in &slots {
+            let e = self.entry_mut(s);
+            e.state = PageState::Ready;
+            e.meta.last_access = now;
+            e.pins += 1;
+            if persisted {
+                e.l3 = L3Mark::Persisted;
+            }
+            self.stats.writing -= 1;
+            self.stats.ready += 1;
+            self.stats.pinned += 1;
+            self.stats.pins += 1;
+            self.refresh(s);
+        }
+        Ok(slots)
+    }
+
     /// Drops reservations, freeing their slots. All-or-nothing like [`Self::commit`].
     pub fn abort(&mut self, owner: OwnerId, keys: &[PageKey]) -> Result<(), Error> {
         let slots = self.check_writing(owner, keys)?;
@@ -673,6 +701,33 @@ mod tests {
         assert_eq!(ix.stats().writing, 2);
         assert_eq!(ix.abort_owner(7), 2);
         assert_eq!(ix.free_slots(), 2);
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn commit_pinned_lands_pages_pinned_and_persisted() {
+        let mut ix = HostIndex::new(3, PolicyKind::Lru);
+        ix.set_evict_needs_l3(true);
+        let ks = keys(1..3);
+        ix.reserve(9, None, &ks);
+        assert!(
+            ix.commit_pinned(8, &ks, true).is_err(),
+            "another owner's pages"
+        );
+        assert_eq!(ix.stats().writing, 2);
+        let slots = ix.commit_pinned(9, &ks, true).unwrap();
+        assert_eq!(slots.len(), 2);
+        assert_eq!(
+            (ix.stats().ready, ix.stats().pinned, ix.stats().pins),
+            (2, 2, 2)
+        );
+        // Pinned: nothing can be evicted, even though both are persisted.
+        assert!(ix.evict(2).is_empty());
+        ix.release(&ks).unwrap();
+        // Persisted, so write-back may evict them once unpinned (leaf first), and no L3
+        // write is asked for.
+        assert!(ix.queue_for_l3(&ks).is_empty());
+        assert_eq!(ix.evict(2), vec![ks[1], ks[0]]);
         ix.validate().unwrap();
     }
 }

@@ -5,6 +5,9 @@
 //!   when two processes disagree about keys.
 //! - `layout`: the geometry and fingerprint a layout descriptor validates to.
 //! - `status`: pools, sessions, usage and counters of a running kvtierd.
+//! - `backend`: show, attach, swap or detach a running kvtierd's storage tier.
+//! - `watch`: a live, refreshing view of a running kvtierd built on its `WatchMetrics`
+//!   stream (tiers, hit rates, prefetch and backup rates and bandwidth, queues, breaker).
 
 use std::fmt::Write as _;
 
@@ -32,6 +35,27 @@ pub enum Command {
     Status(StatusArgs),
     /// Show, attach, swap or detach a running kvtierd's storage tier (L3).
     Backend(BackendArgs),
+    /// A live view of a running kvtierd: tiers, hit rates, prefetch and backup throughput,
+    /// queues and breaker state, refreshed every interval until Ctrl-C.
+    Watch(WatchArgs),
+}
+
+/// Flags of `kvtierctl watch`.
+#[derive(Debug, Args)]
+pub struct WatchArgs {
+    /// The daemon's control socket (or http://host:port for its TCP listener).
+    #[arg(long, default_value = "kvtier-data/kvtierd.sock")]
+    pub socket: String,
+    /// Time between refreshes, in milliseconds (100 to 60000).
+    #[arg(long, default_value_t = 1000)]
+    pub interval_ms: u64,
+    /// Stop after this many refreshes (0: until Ctrl-C or the daemon goes away).
+    #[arg(long, default_value_t = 0)]
+    pub count: u64,
+    /// Print each view after the previous one instead of redrawing the screen (the default
+    /// when stdout is not a terminal).
+    #[arg(long)]
+    pub plain: bool,
 }
 
 /// Flags of `kvtierctl backend`.
@@ -136,6 +160,12 @@ pub fn run(cli: Cli) -> Result<String> {
         Command::Layout(a) => layout(a),
         Command::Status(a) => status(a),
         Command::Backend(a) => backend(a),
+        Command::Watch(a) => {
+            let stdout = std::io::stdout();
+            let redraw = !a.plain && std::io::IsTerminal::is_terminal(&stdout);
+            watch(&a, redraw, &mut stdout.lock())?;
+            Ok(String::new())
+        }
     }
 }
 
@@ -352,4 +382,309 @@ pub fn backend(a: BackendArgs) -> Result<String> {
         _ => writeln!(out, "no l3 backend attached")?,
     }
     Ok(out)
+}
+
+/// `kvtierctl watch`: streams snapshots and writes one view per snapshot to `out` (clearing
+/// the screen first when `redraw`). Returns on Ctrl-C or after `count` views; fails when the
+/// daemon cannot be reached or goes away.
+pub fn watch(a: &WatchArgs, redraw: bool, out: &mut dyn std::io::Write) -> Result<()> {
+    use kvtier_proto::v1::MetricsSnapshot;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut c = kvtier_client::HostClient::connect(&a.socket)
+            .await
+            .with_context(|| format!("connecting to kvtierd at {}", a.socket))?;
+        let mut stream = c
+            .watch_metrics(std::time::Duration::from_millis(a.interval_ms))
+            .await
+            .with_context(|| format!("asking kvtierd at {} for metrics", a.socket))?;
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let mut prev: Option<MetricsSnapshot> = None;
+        let mut shown = 0;
+        loop {
+            let next = tokio::select! {
+                _ = &mut ctrl_c => return Ok(()),
+                m = stream.message() => m,
+            };
+            let snap = match next {
+                Ok(Some(s)) => s,
+                Ok(None) => bail!("kvtierd at {} went away (it closed the stream)", a.socket),
+                Err(e) => bail!("kvtierd at {} went away: {}", a.socket, e.message()),
+            };
+            let view = render_view(&a.socket, &snap, prev.as_ref());
+            if redraw {
+                // Home the cursor and clear the screen, then draw.
+                write!(out, "\x1b[H\x1b[2J{view}")?;
+            } else {
+                writeln!(out, "{view}")?;
+            }
+            out.flush()?;
+            prev = Some(snap);
+            shown += 1;
+            if a.count > 0 && shown >= a.count {
+                return Ok(());
+            }
+        }
+    })
+}
+
+/// Figures of one snapshot, looked up by metric name and labels.
+struct Figures<'a>(&'a kvtier_proto::v1::MetricsSnapshot);
+
+impl Figures<'_> {
+    /// Sum of the values of `name`'s series whose labels include every `want` pair.
+    fn sum(&self, name: &str, want: &[(&str, &str)]) -> f64 {
+        self.0
+            .samples
+            .iter()
+            .filter(|s| s.name == name)
+            .filter(|s| {
+                want.iter()
+                    .all(|(k, v)| s.labels.iter().any(|l| l.name == *k && l.value == *v))
+            })
+            .map(|s| s.value)
+            .sum()
+    }
+
+    /// Sum of `name`'s histogram observation counts and sums.
+    fn hist(&self, name: &str) -> (f64, f64) {
+        self.0
+            .samples
+            .iter()
+            .filter(|s| s.name == name)
+            .fold((0.0, 0.0), |(c, s), x| (c + x.count as f64, s + x.sum))
+    }
+
+    /// The value of label `label` on the first series of `name`.
+    fn label(&self, name: &str, label: &str) -> Option<String> {
+        self.0
+            .samples
+            .iter()
+            .filter(|s| s.name == name)
+            .flat_map(|s| s.labels.iter())
+            .find(|l| l.name == label)
+            .map(|l| l.value.clone())
+    }
+}
+
+fn human_bytes(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+fn pct(part: f64, total: f64) -> String {
+    if total > 0.0 {
+        format!("{:.1}%", 100.0 * part / total)
+    } else {
+        "-".to_string()
+    }
+}
+
+/// One view of the daemon from a snapshot; rates come from the previous snapshot (shown as
+/// totals since start when there is none yet).
+pub fn render_view(
+    target: &str,
+    snap: &kvtier_proto::v1::MetricsSnapshot,
+    prev: Option<&kvtier_proto::v1::MetricsSnapshot>,
+) -> String {
+    let now = Figures(snap);
+    let before = prev.map(Figures);
+    let dt = prev
+        .map(|p| snap.unix_ms.saturating_sub(p.unix_ms) as f64 / 1000.0)
+        .filter(|&d| d > 0.0);
+    // Per second since the previous snapshot, or the total so far on the first view.
+    let rate = |name: &str, want: &[(&str, &str)]| -> f64 {
+        let cur = now.sum(name, want);
+        match (&before, dt) {
+            (Some(b), Some(dt)) => (cur - b.sum(name, want)).max(0.0) / dt,
+            _ => cur,
+        }
+    };
+    let per = if dt.is_some() { "/s" } else { " total" };
+    let mut o = String::new();
+    let up = snap.uptime_ms / 1000;
+    let _ = writeln!(
+        o,
+        "kvtierd at {target}   up {}h{:02}m{:02}s   snapshot #{}",
+        up / 3600,
+        up / 60 % 60,
+        up % 60,
+        snap.seq
+    );
+    let g = |name: &str, want: &[(&str, &str)]| now.sum(name, want);
+    let _ = writeln!(
+        o,
+        "L2        pools {}  sessions {}  pages ready {} writing {} free {}  pinned {}  used {} of {}",
+        g("kvtier_l2_pools", &[]),
+        g("kvtier_l2_sessions", &[]),
+        g("kvtier_l2_pool_pages", &[("state", "ready")]),
+        g("kvtier_l2_pool_pages", &[("state", "writing")]),
+        g("kvtier_l2_pool_pages", &[("state", "free")]),
+        g("kvtier_l2_pinned_pages", &[]),
+        human_bytes(g("kvtier_l2_pool_bytes", &[("state", "used")])),
+        human_bytes(g("kvtier_l2_pool_bytes", &[("state", "total")])),
+    );
+    let (l2, l3, miss, unchecked) = (
+        rate("kvtier_lookup_pages_total", &[("tier", "l2")]),
+        rate("kvtier_lookup_pages_total", &[("tier", "l3")]),
+        rate("kvtier_lookup_pages_total", &[("tier", "miss")]),
+        rate("kvtier_lookup_pages_total", &[("tier", "unchecked")]),
+    );
+    let looked = l2 + l3 + miss + unchecked;
+    let _ = writeln!(
+        o,
+        "lookups   {looked:.0} pages{per}   hit L2 {}  L3 {}  miss {}  unchecked {}",
+        pct(l2, looked),
+        pct(l3, looked),
+        pct(miss, looked),
+        pct(unchecked, looked),
+    );
+    let req = |outcome: &str| rate("kvtier_prefetch_requests_total", &[("outcome", outcome)]);
+    let landed_bytes = rate("kvtier_prefetch_bytes_total", &[("stage", "landed")]);
+    let _ = writeln!(
+        o,
+        "prefetch  in flight {}  budget {}/{} pages  landed {:.0} pages{per} {}{per}  negative keys {}",
+        g("kvtier_prefetch_inflight", &[]),
+        g("kvtier_prefetch_budget_pages", &[("state", "used")]),
+        g("kvtier_prefetch_budget_pages", &[("state", "limit")]),
+        rate("kvtier_prefetch_pages_total", &[("stage", "landed")]),
+        human_bytes(landed_bytes),
+        g("kvtier_prefetch_negative_keys", &[]),
+    );
+    let _ = writeln!(
+        o,
+        "          requests{per}: completed {:.1}  partial {:.1}  timed_out {:.1}  revoked {:.1}  failed {:.1}",
+        req("completed"),
+        req("partial"),
+        req("timed_out"),
+        req("revoked"),
+        req("failed"),
+    );
+    let (n, sum) = now.hist("kvtier_prefetch_duration_seconds");
+    let (wn, wsum) = now.hist("kvtier_prefetch_wait_seconds");
+    let mean_ms = |n: f64, s: f64| {
+        if n > 0.0 {
+            format!("{:.1} ms", 1000.0 * s / n)
+        } else {
+            "-".into()
+        }
+    };
+    let _ = writeln!(
+        o,
+        "          mean duration {}  mean take wait {}",
+        mean_ms(n, sum),
+        mean_ms(wn, wsum)
+    );
+    let w = |outcome: &str| rate("kvtier_l3_writes_total", &[("outcome", outcome)]);
+    let _ = writeln!(
+        o,
+        "backup    written {:.0} pages{per} {}{per}  queue {} pages  dropped {:.0}{per}  failed {:.0}{per}",
+        w("written"),
+        human_bytes(rate("kvtier_l3_write_bytes_total", &[])),
+        g("kvtier_l3_queue_pages", &[]),
+        w("dropped"),
+        w("failed"),
+    );
+    match now.label("kvtier_l3_backend_ops_total", "backend") {
+        Some(backend) => {
+            let breaker = if g("kvtier_l3_breaker_open", &[]) > 0.0 {
+                "OPEN"
+            } else {
+                "closed"
+            };
+            let ops = |op: &str| rate("kvtier_l3_backend_ops_total", &[("op", op)]);
+            let _ = writeln!(
+                o,
+                "L3        {backend}  objects {}  {}  breaker {breaker}  gets {:.0}{per}  sets {:.0}{per}  exists {:.0}{per}",
+                g("kvtier_l3_objects", &[]),
+                human_bytes(g("kvtier_l3_bytes", &[])),
+                ops("get"),
+                ops("set"),
+                ops("exists") + ops("exists_prefix"),
+            );
+        }
+        None => {
+            let _ = writeln!(
+                o,
+                "L3        no backend calls yet  objects {}  breaker {}",
+                g("kvtier_l3_objects", &[]),
+                if g("kvtier_l3_breaker_open", &[]) > 0.0 {
+                    "OPEN"
+                } else {
+                    "closed"
+                }
+            );
+        }
+    }
+    let rpc = |op: &str| rate("kvtier_l2_requests_total", &[("op", op)]);
+    let _ = writeln!(
+        o,
+        "RPCs{per}   lookup {:.0}  reserve {:.0}  commit {:.0}  acquire {:.0}  release {:.0}  prefetch {:.0}  take {:.0}",
+        rpc("lookup"),
+        rpc("reserve"),
+        rpc("commit"),
+        rpc("acquire"),
+        rpc("release"),
+        rpc("prefetch"),
+        rpc("take_prefetch"),
+    );
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_proto::v1::{MetricKind, MetricLabel, MetricSample, MetricsSnapshot};
+
+    fn counter(name: &str, label: (&str, &str), value: f64) -> MetricSample {
+        MetricSample {
+            name: name.into(),
+            labels: vec![MetricLabel {
+                name: label.0.into(),
+                value: label.1.into(),
+            }],
+            kind: MetricKind::Counter as i32,
+            value,
+            ..MetricSample::default()
+        }
+    }
+
+    fn snap(seq: u64, unix_ms: u64, l2: f64, l3: f64, miss: f64, landed: f64) -> MetricsSnapshot {
+        MetricsSnapshot {
+            seq,
+            unix_ms,
+            uptime_ms: 3_723_000,
+            samples: vec![
+                counter("kvtier_lookup_pages_total", ("tier", "l2"), l2),
+                counter("kvtier_lookup_pages_total", ("tier", "l3"), l3),
+                counter("kvtier_lookup_pages_total", ("tier", "miss"), miss),
+                counter("kvtier_prefetch_bytes_total", ("stage", "landed"), landed),
+                counter("kvtier_l3_backend_ops_total", ("backend", "s3"), 1.0),
+            ],
+        }
+    }
+
+    #[test]
+    fn views_show_rates_between_snapshots() {
+        let a = snap(1, 10_000, 100.0, 0.0, 100.0, 0.0);
+        let first = render_view("sock", &a, None);
+        assert!(first.contains("up 1h02m03s"), "{first}");
+        assert!(first.contains("200 pages total"), "{first}");
+        // Two seconds later: 300 more L2 hits, 100 L3 hits, no misses; 4 MiB landed.
+        let b = snap(2, 12_000, 400.0, 100.0, 100.0, 4.0 * 1048576.0);
+        let view = render_view("sock", &b, Some(&a));
+        assert!(view.contains("200 pages/s"), "{view}");
+        assert!(view.contains("hit L2 75.0%  L3 25.0%  miss 0.0%"), "{view}");
+        assert!(view.contains("2.0 MiB/s"), "{view}");
+        assert!(view.contains("L3        s3"), "{view}");
+    }
 }

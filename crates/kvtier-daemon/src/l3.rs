@@ -21,7 +21,9 @@ use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::s3::{S3Config, S3Store};
-use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Metered, StoreObserver};
+use kvtier_storage::wrappers::{
+    Breaker, BreakerConfig, BreakerState, Delayed, Metered, StoreObserver,
+};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -74,6 +76,45 @@ pub struct L3 {
     tx: mpsc::Sender<Job>,
     /// Writer counters.
     pub counters: Arc<WriterCounters>,
+    /// How fast this backend loads pages, learnt from finished prefetches.
+    pub estimate: Mutex<LoadEstimate>,
+}
+
+/// How long loading pages from the backend takes, learnt from finished prefetches: the time
+/// to the first landed page (latency) and the rate after it (bandwidth, with the prefetch's
+/// concurrency). Exponentially weighted, so it follows a backend that slows down.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LoadEstimate {
+    /// Seconds from the start of a prefetch to its first landed page.
+    pub latency: Option<f64>,
+    /// Bytes per second after the first page.
+    pub bandwidth: Option<f64>,
+}
+
+impl LoadEstimate {
+    /// Weight of the newest observation.
+    const ALPHA: f64 = 0.3;
+
+    /// Folds in one prefetch: `first` seconds to its first page, then `bytes` more in `rest`
+    /// seconds (`bytes` = 0 when only one page landed).
+    pub fn observe(&mut self, first: f64, bytes: u64, rest: f64) {
+        let mix =
+            |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + Self::ALPHA * (new - o)));
+        self.latency = mix(self.latency, first);
+        if bytes > 0 && rest > 0.0 {
+            self.bandwidth = mix(self.bandwidth, bytes as f64 / rest);
+        }
+    }
+
+    /// Estimated seconds to load `pages` pages of `page_bytes`; `None` until measured.
+    pub fn seconds(&self, pages: u64, page_bytes: u64) -> Option<f64> {
+        let latency = self.latency?;
+        let rest = pages.saturating_sub(1) * page_bytes;
+        if rest == 0 {
+            return Some(latency);
+        }
+        Some(latency + rest as f64 / self.bandwidth?)
+    }
 }
 
 impl std::fmt::Debug for L3 {
@@ -143,7 +184,13 @@ impl L3 {
         observer: Arc<dyn StoreObserver>,
     ) -> (Self, WriterParts) {
         let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
-        // backend ← metered (every real call measured) ← breaker ← page framing
+        // backend ← (chaos delay) ← metered (every real call measured) ← breaker ← framing
+        let store: Arc<dyn Store> = if cfg.l3.fault_get_delay.0.is_zero() {
+            store
+        } else {
+            tracing::warn!(delay = %cfg.l3.fault_get_delay, "l3.fault_get_delay is set: every L3 read is slowed on purpose");
+            Arc::new(Delayed::new(store, cfg.l3.fault_get_delay.0))
+        };
         let metered: Arc<dyn Store> = Arc::new(Metered::new(store, observer));
         let breaker = Arc::new(Breaker::new(
             metered,
@@ -162,6 +209,7 @@ impl L3 {
                 timeout: cfg.l3.timeout.0,
                 tx,
                 counters: Arc::default(),
+                estimate: Mutex::default(),
             },
             WriterParts {
                 rx,
@@ -278,7 +326,13 @@ pub async fn run_writer(
                     Ok(true) => {
                         c.written.fetch_add(1, Ordering::Relaxed);
                         metrics.l3_write_bytes.inc_by(job.len as u64);
-                        metrics.l3_write_seconds.observe(t.elapsed().as_secs_f64());
+                        let secs = t.elapsed().as_secs_f64();
+                        metrics.l3_write_seconds.observe(secs);
+                        if secs > 0.0 {
+                            metrics
+                                .l3_write_bandwidth
+                                .observe(job.len as f64 / secs / 1e9);
+                        }
                         "written"
                     }
                     Ok(false) => {

@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod l3;
 pub mod metrics;
+pub mod prefetch;
 pub mod service;
 pub mod state;
 pub mod storage_service;
@@ -177,12 +178,22 @@ pub async fn run(
         path: cfg.l3.backend.clone(),
         source: std::io::Error::other(e.to_string()),
     })?;
+    let prefetcher = Arc::new(prefetch::Prefetcher::new(
+        cfg.prefetch.clone(),
+        state.clone(),
+        l3.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+        cfg.server.max_batch as usize,
+    ));
     let service = HostService::new(
         state.clone(),
         metrics.clone(),
         cfg.server.max_batch as usize,
         metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
         l3.clone(),
+        prefetcher,
+        shutdown.clone(),
     );
 
     let (health, health_service) = tonic_health::server::health_reporter();

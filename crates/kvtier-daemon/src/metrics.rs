@@ -55,6 +55,26 @@ pub struct Metrics {
     pub l3_op_bytes: IntCounterVec,
     /// `kvtier_l3_backend_op_duration_seconds{backend, op}`.
     pub l3_op_seconds: HistogramVec,
+    /// `kvtier_l3_write_bandwidth_gigabytes_per_second`: per written page.
+    pub l3_write_bandwidth: prometheus::Histogram,
+    /// `kvtier_lookup_pages_total{tier}`: where looked-up pages are (l2, l3, miss, unchecked).
+    pub lookup_pages: IntCounterVec,
+    /// `kvtier_prefetch_requests_total{outcome, reason}`.
+    pub prefetch_requests: IntCounterVec,
+    /// `kvtier_prefetch_pages_total{stage}`: requested, in_l2, hit, landed.
+    pub prefetch_pages: IntCounterVec,
+    /// `kvtier_prefetch_bytes_total{stage}`: hit, landed.
+    pub prefetch_bytes: IntCounterVec,
+    /// `kvtier_prefetch_duration_seconds`: start to done.
+    pub prefetch_seconds: prometheus::Histogram,
+    /// `kvtier_prefetch_wait_seconds`: how long a take waited.
+    pub prefetch_wait_seconds: prometheus::Histogram,
+    /// `kvtier_prefetch_bandwidth_gigabytes_per_second`: per prefetch that landed pages.
+    pub prefetch_bandwidth: prometheus::Histogram,
+    /// `kvtier_prefetch_negative_keys`: keys remembered as failed.
+    pub prefetch_negative_keys: IntGauge,
+    prefetch_inflight: IntGauge,
+    prefetch_budget: IntGaugeVec,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     pinned_pages: IntGauge,
@@ -63,7 +83,7 @@ pub struct Metrics {
     pools: IntGauge,
 }
 
-/// Names and help of every metric, for the README and a test that keeps both in step.
+/// Names of every metric, for docs/metrics.md and a test that keeps both in step.
 pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l2_requests_total",
     "kvtier_l2_request_duration_seconds",
@@ -89,6 +109,22 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l3_backend_ops_total",
     "kvtier_l3_backend_bytes_total",
     "kvtier_l3_backend_op_duration_seconds",
+    "kvtier_l3_write_bandwidth_gigabytes_per_second",
+    "kvtier_lookup_pages_total",
+    "kvtier_prefetch_requests_total",
+    "kvtier_prefetch_pages_total",
+    "kvtier_prefetch_bytes_total",
+    "kvtier_prefetch_duration_seconds",
+    "kvtier_prefetch_wait_seconds",
+    "kvtier_prefetch_bandwidth_gigabytes_per_second",
+    "kvtier_prefetch_negative_keys",
+    "kvtier_prefetch_inflight",
+    "kvtier_prefetch_budget_pages",
+];
+
+/// Buckets of the bandwidth histograms, in GB/s (10^9 bytes per second).
+const GBPS_BUCKETS: [f64; 12] = [
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0,
 ];
 
 fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
@@ -100,8 +136,29 @@ fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> 
 }
 
 impl Metrics {
-    /// Creates and registers every metric.
+    /// Creates and registers every metric, with the series of known label values at zero
+    /// (so dashboards and rates see them before the first event).
     pub fn new() -> Result<Self, prometheus::Error> {
+        let m = Self::declare()?;
+        for tier in ["l2", "l3", "miss", "unchecked"] {
+            m.lookup_pages.with_label_values(&[tier]);
+        }
+        for stage in ["requested", "in_l2", "hit", "landed"] {
+            m.prefetch_pages.with_label_values(&[stage]);
+        }
+        for stage in ["hit", "landed"] {
+            m.prefetch_bytes.with_label_values(&[stage]);
+        }
+        for outcome in ["completed", "partial", "timed_out"] {
+            m.prefetch_requests.with_label_values(&[outcome, ""]);
+        }
+        for outcome in ["written", "present", "failed", "dropped"] {
+            m.l3_writes.with_label_values(&[outcome]);
+        }
+        Ok(m)
+    }
+
+    fn declare() -> Result<Self, prometheus::Error> {
         let r = Registry::new();
         let buckets = vec![
             25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1,
@@ -278,12 +335,138 @@ impl Metrics {
                     &["backend", "op"],
                 )?,
             ),
+            l3_write_bandwidth: reg(
+                &r,
+                prometheus::Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvtier_l3_write_bandwidth_gigabytes_per_second",
+                        "Backup (L2 to L3) bandwidth of each written page, in GB/s",
+                    )
+                    .buckets(GBPS_BUCKETS.to_vec()),
+                )?,
+            ),
+            lookup_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_lookup_pages_total",
+                        "Looked-up pages by where they were found: l2, l3, miss (in neither), \
+                         unchecked (not in L2; L3 not asked)",
+                    ),
+                    &["tier"],
+                )?,
+            ),
+            prefetch_requests: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_prefetch_requests_total",
+                        "Prefetches by outcome (completed, partial, timed_out, revoked, failed) \
+                         and reason",
+                    ),
+                    &["outcome", "reason"],
+                )?,
+            ),
+            prefetch_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_prefetch_pages_total",
+                        "Prefetch pages by stage: requested, in_l2 (skipped), hit (fetched from \
+                         L3), landed",
+                    ),
+                    &["stage"],
+                )?,
+            ),
+            prefetch_bytes: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_prefetch_bytes_total",
+                        "Prefetch page bytes by stage: hit, landed",
+                    ),
+                    &["stage"],
+                )?,
+            ),
+            prefetch_seconds: reg(
+                &r,
+                prometheus::Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvtier_prefetch_duration_seconds",
+                        "Time from a prefetch's start until it is done (landed, timed out, \
+                         failed or taken)",
+                    )
+                    .buckets(vec![
+                        1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                    ]),
+                )?,
+            ),
+            prefetch_wait_seconds: reg(
+                &r,
+                prometheus::Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvtier_prefetch_wait_seconds",
+                        "Time a TakePrefetch waited for its prefetch to be done",
+                    )
+                    .buckets(vec![
+                        1e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                        30.0,
+                    ]),
+                )?,
+            ),
+            prefetch_bandwidth: reg(
+                &r,
+                prometheus::Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvtier_prefetch_bandwidth_gigabytes_per_second",
+                        "Bandwidth of each prefetch that landed pages (landed bytes over its \
+                         duration), in GB/s",
+                    )
+                    .buckets(GBPS_BUCKETS.to_vec()),
+                )?,
+            ),
+            prefetch_negative_keys: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_prefetch_negative_keys",
+                    "Keys remembered as failed L3 reads (not prefetched again until they expire)",
+                )?,
+            ),
+            prefetch_inflight: reg(
+                &r,
+                IntGauge::new("kvtier_prefetch_inflight", "Prefetches loading now")?,
+            ),
+            prefetch_budget: reg(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "kvtier_prefetch_budget_pages",
+                        "L2 slots prefetches hold (used) and may hold (limit), over every pool",
+                    ),
+                    &["state"],
+                )?,
+            ),
             registry: r,
         })
     }
 
     /// Refreshes the gauges from the state and renders the text format.
     pub fn render(&self, state: &Mutex<HostState>, l3: Option<&crate::l3::L3>) -> String {
+        let families = self.gather(state, l3);
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&families, &mut buf) {
+            tracing::error!("encoding metrics failed: {e}");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+
+    /// Refreshes the gauges from the state and returns every metric family: what both the
+    /// Prometheus endpoint and `WatchMetrics` send.
+    pub fn gather(
+        &self,
+        state: &Mutex<HostState>,
+        l3: Option<&crate::l3::L3>,
+    ) -> Vec<prometheus::proto::MetricFamily> {
         if let Some(l3) = l3 {
             let st = l3.store.store_stats();
             self.l3_objects.set(st.objects as i64);
@@ -318,6 +501,14 @@ impl Metrics {
             self.pinned_pages.set(i64::from(t.pinned));
             self.pins.set(t.pins as i64);
             self.sessions.set(st.sessions().count() as i64);
+            let (running, held, limit) = st.prefetch_totals();
+            self.prefetch_inflight.set(running as i64);
+            self.prefetch_budget
+                .with_label_values(&["used"])
+                .set(held as i64);
+            self.prefetch_budget
+                .with_label_values(&["limit"])
+                .set(limit as i64);
             self.pools.set(st.pools().count() as i64);
             // Session-end counters live in the state (the sweeper has no metrics handle); bring
             // the exported counters up to them.
@@ -330,12 +521,66 @@ impl Metrics {
                 counter.inc_by(total.saturating_sub(counter.get()));
             }
         }
-        let mut buf = Vec::new();
-        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
-            tracing::error!("encoding metrics failed: {e}");
-        }
-        String::from_utf8(buf).unwrap_or_default()
+        self.registry.gather()
     }
+}
+
+/// The wire form of gathered metric families: one sample per series, with the same names,
+/// labels and values the text endpoint shows.
+pub fn samples(
+    families: &[prometheus::proto::MetricFamily],
+) -> Vec<kvtier_proto::v1::MetricSample> {
+    use kvtier_proto::v1::{HistogramBucket, MetricKind, MetricLabel, MetricSample};
+    use prometheus::proto::MetricType;
+    let mut out = Vec::new();
+    for f in families {
+        for m in f.get_metric() {
+            let labels = m
+                .get_label()
+                .iter()
+                .map(|l| MetricLabel {
+                    name: l.name().to_string(),
+                    value: l.value().to_string(),
+                })
+                .collect();
+            let mut s = MetricSample {
+                name: f.name().to_string(),
+                labels,
+                ..MetricSample::default()
+            };
+            match f.get_field_type() {
+                MetricType::COUNTER => {
+                    s.kind = MetricKind::Counter as i32;
+                    s.value = m.get_counter().get_value();
+                }
+                MetricType::GAUGE => {
+                    s.kind = MetricKind::Gauge as i32;
+                    s.value = m.get_gauge().get_value();
+                }
+                MetricType::HISTOGRAM => {
+                    let h = m.get_histogram();
+                    s.kind = MetricKind::Histogram as i32;
+                    s.count = h.get_sample_count();
+                    s.sum = h.get_sample_sum();
+                    s.buckets = h
+                        .get_bucket()
+                        .iter()
+                        .map(|b| HistogramBucket {
+                            upper_bound: b.upper_bound(),
+                            cumulative_count: b.cumulative_count(),
+                        })
+                        .collect();
+                    s.buckets.push(HistogramBucket {
+                        upper_bound: f64::INFINITY,
+                        cumulative_count: h.get_sample_count(),
+                    });
+                }
+                _ => continue,
+            }
+            out.push(s);
+        }
+    }
+    out
 }
 
 impl std::fmt::Debug for Metrics {
@@ -424,7 +669,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_metric_is_registered_and_listed_in_the_readme() {
+    fn every_metric_is_registered_and_documented() {
         let m = Metrics::new().unwrap();
         // Touch the labelled families so they appear in the output.
         m.requests.with_label_values(&["x", "ok"]).inc();
@@ -434,21 +679,30 @@ mod tests {
         m.l3_ops.with_label_values(&["x", "y", "z"]).inc();
         m.l3_op_bytes.with_label_values(&["x", "y"]).inc();
         m.l3_op_seconds.with_label_values(&["x", "y"]).observe(0.0);
+        m.lookup_pages.with_label_values(&["x"]).inc();
+        m.prefetch_requests.with_label_values(&["x", "y"]).inc();
+        m.prefetch_pages.with_label_values(&["x"]).inc();
+        m.prefetch_bytes.with_label_values(&["x"]).inc();
         let cfg = kvtier_config::daemon::DaemonConfig::default();
         let state = Mutex::new(HostState::new(&cfg));
         let store: Arc<dyn kvtier_storage::Store> =
             Arc::new(kvtier_storage::memory::MemoryStore::new());
         let (l3, _writer) = crate::l3::L3::new(store, &cfg, Arc::new(m.clone()));
         let text = m.render(&state, Some(&l3));
-        let readme = include_str!("../../../README.md");
+        let doc = include_str!("../../../docs/metrics.md");
         for name in METRIC_NAMES {
             assert!(
                 text.contains(&format!("# TYPE {name} ")),
                 "{name} not exported"
             );
+            let row = doc
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{name}` |")))
+                .unwrap_or_else(|| panic!("{name} not listed in docs/metrics.md"));
+            let documented = row.split('|').nth(2).unwrap_or_default().trim();
             assert!(
-                readme.contains(&format!("`{name}`")),
-                "{name} not listed in README.md"
+                text.contains(&format!("# TYPE {name} {documented}\n")),
+                "docs/metrics.md gives {name} the type {documented:?}"
             );
         }
         let exported = text.lines().filter(|l| l.starts_with("# TYPE ")).count();

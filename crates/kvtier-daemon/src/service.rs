@@ -14,7 +14,17 @@ use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
 use crate::metrics::Metrics;
+use crate::prefetch::{Prefetcher, ProgressStream};
 use crate::state::HostState;
+
+/// Shortest, default and longest interval between WatchMetrics snapshots.
+const WATCH_MIN_MS: u64 = 100;
+const WATCH_DEFAULT_MS: u64 = 1000;
+const WATCH_MAX_MS: u64 = 60_000;
+
+/// The stream a WatchMetrics call returns.
+type SnapshotStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
 
 /// Most tokens a hash self-test may carry.
 const MAX_SELF_TEST_TOKENS: usize = 1 << 16;
@@ -28,6 +38,8 @@ pub struct HostService {
     started: Instant,
     metrics_address: String,
     l3: Arc<L3Slot>,
+    prefetcher: Arc<Prefetcher>,
+    shutdown: tokio_util::sync::CancellationToken,
 }
 
 impl HostService {
@@ -38,6 +50,8 @@ impl HostService {
         max_batch: usize,
         metrics_address: String,
         l3: Arc<L3Slot>,
+        prefetcher: Arc<Prefetcher>,
+        shutdown: tokio_util::sync::CancellationToken,
     ) -> Self {
         Self {
             state,
@@ -46,6 +60,8 @@ impl HostService {
             started: Instant::now(),
             metrics_address,
             l3,
+            prefetcher,
+            shutdown,
         }
     }
 
@@ -282,17 +298,35 @@ impl HostTier for HostService {
         let result = match l2 {
             Ok((keys, n, fp)) => {
                 let mut storage_pages = 0;
-                if r.include_storage
-                    && let Some(l3) = self.l3.current()
+                let l3 = self.l3.current();
+                let asked = r.include_storage && l3.is_some();
+                if asked
+                    && let Some(l3) = l3
                     && n < keys.len()
                 {
+                    // Keys whose read just failed are not reported again until they expire.
+                    let rest = &keys[n..];
+                    let rest = &rest[..self.prefetcher.usable(fp, rest)];
                     let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
-                    match l3.store.exists_prefix(&ctx, &fp, &keys[n..]).await {
+                    match l3.store.exists_prefix(&ctx, &fp, rest).await {
                         Ok(m) => storage_pages = m as u32,
                         Err(e) => {
                             tracing::debug!("l3 lookup failed, reporting no storage hits: {e}")
                         }
                     }
+                }
+                let beyond = (keys.len() - n) as u64;
+                let tiers = &self.metrics.lookup_pages;
+                tiers.with_label_values(&["l2"]).inc_by(n as u64);
+                if asked {
+                    tiers
+                        .with_label_values(&["l3"])
+                        .inc_by(u64::from(storage_pages));
+                    tiers
+                        .with_label_values(&["miss"])
+                        .inc_by(beyond - u64::from(storage_pages));
+                } else {
+                    tiers.with_label_values(&["unchecked"]).inc_by(beyond);
                 }
                 Ok(v1::LookupResponse {
                     ready_pages: n as u32,
@@ -455,6 +489,90 @@ impl HostTier for HostService {
                 metrics_address: self.metrics_address.clone(),
                 l3: self.l3.current().map(|l3| crate::l3::wire_stats(&l3)),
             })
+        })
+    }
+
+    type PrefetchStream = ProgressStream;
+
+    async fn prefetch(
+        &self,
+        request: Request<v1::PrefetchRequest>,
+    ) -> Result<Response<Self::PrefetchStream>, Status> {
+        let t = Instant::now();
+        let r = self.prefetcher.start(request.into_inner()).await;
+        self.finish("prefetch", t, r)
+    }
+
+    async fn prefetch_status(
+        &self,
+        request: Request<v1::PrefetchStatusRequest>,
+    ) -> Result<Response<v1::PrefetchProgress>, Status> {
+        self.observe("prefetch_status", || {
+            self.prefetcher.status(request.get_ref())
+        })
+    }
+
+    async fn take_prefetch(
+        &self,
+        request: Request<v1::TakePrefetchRequest>,
+    ) -> Result<Response<v1::TakePrefetchResponse>, Status> {
+        let t = Instant::now();
+        let r = self.prefetcher.take(request.get_ref()).await;
+        if let Ok(resp) = &r {
+            self.pages("acquired", resp.slots.len());
+        }
+        self.finish("take_prefetch", t, r)
+    }
+
+    async fn release_prefetch(
+        &self,
+        request: Request<v1::ReleasePrefetchRequest>,
+    ) -> Result<Response<v1::ReleasePrefetchResponse>, Status> {
+        self.observe("release_prefetch", || {
+            self.prefetcher.release(request.get_ref())?;
+            Ok(v1::ReleasePrefetchResponse {})
+        })
+    }
+
+    type WatchMetricsStream = SnapshotStream;
+
+    async fn watch_metrics(
+        &self,
+        request: Request<v1::WatchMetricsRequest>,
+    ) -> Result<Response<Self::WatchMetricsStream>, Status> {
+        self.observe("watch_metrics", || {
+            let ms = match request.get_ref().interval_ms {
+                0 => WATCH_DEFAULT_MS,
+                ms if (WATCH_MIN_MS..=WATCH_MAX_MS).contains(&ms) => ms,
+                ms => {
+                    return Err(ApiError::invalid(
+                        "interval_ms",
+                        format!("{ms} is outside {WATCH_MIN_MS}..={WATCH_MAX_MS}"),
+                    ));
+                }
+            };
+            let svc = self.clone();
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(ms));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let stream =
+                futures::stream::unfold((svc, tick, 0u64), |(svc, mut tick, seq)| async move {
+                    tokio::select! {
+                        () = svc.shutdown.cancelled() => return None,
+                        _ = tick.tick() => {}
+                    }
+                    let families = svc.metrics.gather(&svc.state, svc.l3.current().as_deref());
+                    let snap = v1::MetricsSnapshot {
+                        seq: seq + 1,
+                        unix_ms: std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_millis() as u64)
+                            .unwrap_or_default(),
+                        uptime_ms: svc.started.elapsed().as_millis() as u64,
+                        samples: crate::metrics::samples(&families),
+                    };
+                    Some((Ok(snap), (svc, tick, seq + 1)))
+                });
+            Ok(Box::pin(stream) as SnapshotStream)
         })
     }
 }

@@ -293,6 +293,48 @@ impl Store for Faulty {
     }
 }
 
+/// A slow backend, for chaos drills and tests: every `get` waits `delay` before it starts.
+/// The wait is inside the call, so callers' deadlines and cancellation cut it short as they
+/// would a slow real backend.
+#[derive(Debug)]
+pub struct Delayed {
+    inner: Arc<dyn Store>,
+    delay: Duration,
+}
+
+impl Delayed {
+    /// Wraps `inner`; reads wait `delay` first.
+    pub fn new(inner: Arc<dyn Store>, delay: Duration) -> Self {
+        Self { inner, delay }
+    }
+}
+
+#[async_trait]
+impl Store for Delayed {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.get(name).await
+    }
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        self.inner.set(name, head, body).await
+    }
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        self.inner.exists(name).await
+    }
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        self.inner.delete(name).await
+    }
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        self.inner.exists_prefix(names).await
+    }
+    fn stats(&self) -> StoreStats {
+        self.inner.stats()
+    }
+}
+
 /// Receives one record per backend call from [`Metered`]: which backend, which operation,
 /// how it ended (`hit`, `miss`, `ok`, or an error's [`StorageError::reason`]), the bytes moved
 /// and the time taken. The daemon turns these into Prometheus metrics.

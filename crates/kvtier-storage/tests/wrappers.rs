@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_storage::memory::MemoryStore;
-use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Fault, Faulty};
+use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Delayed, Fault, Faulty};
 use kvtier_storage::{Fetch, MissReason, OpCtx, PageStore, StorageError, Store, conformance};
 
 fn cfg() -> BreakerConfig {
@@ -164,4 +164,30 @@ async fn metered_reports_every_call_with_outcome_and_bytes() {
         ]
     );
     assert!(log.iter().any(|r| r.1 == "delete"));
+}
+
+#[tokio::test]
+async fn delayed_reads_wait_and_deadlines_cut_them_short() {
+    let delay = Duration::from_millis(150);
+    let slow = Arc::new(Delayed::new(Arc::new(MemoryStore::new()), delay));
+    conformance::run_all(slow.clone()).await;
+    let ps = PageStore::new(slow);
+    let (fp, key) = (LayoutFingerprint([3; 16]), PageKey([4; 32]));
+    let ctx = |t| OpCtx::timeout(Duration::from_millis(t));
+    ps.set(&ctx(5000), &fp, &key, Bytes::from_static(b"page"))
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let hit = ps.get(&ctx(5000), &fp, &key, None).await.hit().unwrap();
+    assert_eq!(&hit[..], b"page");
+    assert!(t.elapsed() >= delay, "the read did not wait");
+    // Writes and existence checks are not slowed.
+    let t = Instant::now();
+    assert!(ps.exists(&ctx(5000), &fp, &key).await.unwrap());
+    assert!(t.elapsed() < delay);
+    // A deadline shorter than the delay turns the read into a timely miss.
+    let t = Instant::now();
+    let miss = ps.get(&ctx(20), &fp, &key, None).await;
+    assert!(matches!(miss, Fetch::Miss(MissReason::Timeout)), "{miss:?}");
+    assert!(t.elapsed() < delay);
 }

@@ -1,0 +1,187 @@
+//! `kvtierctl watch` against a live kvtierd: the real binary draws views of the daemon's
+//! metrics stream, stops on Ctrl-C (SIGINT) with success, and fails with a clear message when
+//! the daemon goes away.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvtier_config::daemon::DaemonConfig;
+use tokio_util::sync::CancellationToken;
+
+/// A kvtierd running in this process (real sockets), stopped by cancelling its token.
+struct Daemon {
+    socket: PathBuf,
+    stop: CancellationToken,
+    thread: Option<std::thread::JoinHandle<()>>,
+    dir: PathBuf,
+}
+
+impl Daemon {
+    fn start(name: &str) -> Daemon {
+        let dir =
+            std::env::temp_dir().join(format!("kvtierctl-watch-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = DaemonConfig::default()
+            .with_overrides(&[
+                format!("data_dir={}", dir.display()),
+                "metrics.listen=".into(),
+                "l3.backend=memory".into(),
+                "l2.pool_bytes=8MiB".into(),
+            ])
+            .unwrap();
+        let stop = CancellationToken::new();
+        let (tx, rx) = mpsc::channel();
+        let token = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(kvtier_daemon::run(cfg, token, move |r| {
+                tx.send(r.socket).unwrap();
+            }))
+            .unwrap();
+        });
+        let socket = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        Daemon {
+            socket,
+            stop,
+            thread: Some(thread),
+            dir,
+        }
+    }
+
+    fn shut_down(&mut self) {
+        self.stop.cancel();
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.shut_down();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn watch(socket: &std::path::Path) -> (Child, mpsc::Receiver<String>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtierctl"))
+        .args(["watch", "--interval-ms", "150", "--socket"])
+        .arg(socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Reads views until `n` of them have been drawn; returns the lines of the last one.
+fn views(rx: &mpsc::Receiver<String>, n: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = 0;
+    let mut current = Vec::new();
+    while seen < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx.recv_timeout(left).expect("kvtierctl watch drew no view");
+        if line.starts_with("kvtierd at ") {
+            seen += 1;
+            current.clear();
+        }
+        current.push(line);
+    }
+    // The rest of the last view.
+    while let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
+        if line.starts_with("kvtierd at ") {
+            break;
+        }
+        current.push(line);
+    }
+    current
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "kvtierctl watch did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn watch_shows_a_live_daemon_and_stops_on_ctrl_c() {
+    let d = Daemon::start("live");
+    let (mut child, rx) = watch(&d.socket);
+    let view = views(&rx, 3).join("\n");
+    for part in [
+        "L2 ",
+        "lookups",
+        "prefetch",
+        "backup",
+        "L3 ",
+        "breaker closed",
+    ] {
+        assert!(view.contains(part), "no {part:?} in:\n{view}");
+    }
+    // After the first view, figures are rates.
+    assert!(view.contains("/s"), "{view}");
+    let st = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let st = wait_exit(&mut child, Duration::from_secs(5));
+    assert!(st.success(), "Ctrl-C should end watch cleanly: {st:?}");
+}
+
+#[test]
+fn watch_exits_with_a_message_when_the_daemon_goes_away() {
+    let mut d = Daemon::start("gone");
+    let (mut child, rx) = watch(&d.socket);
+    views(&rx, 2);
+    d.shut_down();
+    let st = wait_exit(&mut child, Duration::from_secs(10));
+    assert_eq!(st.code(), Some(1), "{st:?}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("went away"), "{err}");
+}
+
+#[test]
+fn watch_refuses_a_bad_interval_and_a_missing_daemon() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtierctl"))
+        .args(["watch", "--socket", "/nonexistent/kvtierd.sock"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/kvtierd.sock"), "{err}");
+    let d = Daemon::start("bad");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtierctl"))
+        .args(["watch", "--interval-ms", "5", "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("interval_ms"), "{err}");
+}

@@ -1,0 +1,624 @@
+//! Prefetch: loading a request's pages from L3 into L2 before the engine needs them.
+//!
+//! Planning costs no memory: the pages ready in L2 are skipped, then one batched `exists`
+//! measures the L3 hit, and the prefetch is revoked (nothing allocated) when the hit is under
+//! the threshold, would load slower than the engine recomputes it, or does not fit the
+//! budget. Otherwise slots are reserved for the hit pages under an owner id of the
+//! prefetch's own (not the session's), so nothing but the prefetch task can free them: a
+//! session that ends or a take only *asks* the task to stop, and the task frees the slots
+//! after its in-flight reads are dropped. No read can land in a slot that was freed.
+//!
+//! The task reads pages in order with bounded concurrency; each page is verified by
+//! [`PageStore::get`], copied into its slot and committed ready, pinned and persisted, so
+//! what has landed is always a usable prefix. The first page that fails stops the prefetch
+//! and is remembered in a short-lived negative cache, so a stale `exists` is not retried in
+//! a loop. Progress goes out on a `watch` channel that the streaming RPC, status polls and
+//! takes read.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use kvtier_config::daemon::{PrefetchConfig, StopPolicy};
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_proto::v1::{self, PrefetchState};
+use kvtier_proto::{ApiError, page_keys};
+use kvtier_shm::ShmPool;
+use kvtier_storage::{Fetch, MissReason, OpCtx, PageStore};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::l3::{L3, L3Slot};
+use crate::metrics::Metrics;
+use crate::state::{HostState, Opened, PrefetchOpen};
+
+/// Keys whose L3 read failed recently, per layout class.
+#[derive(Debug)]
+pub struct NegativeCache {
+    until: HashMap<(LayoutFingerprint, PageKey), Instant>,
+    ttl: Duration,
+    capacity: usize,
+}
+
+impl NegativeCache {
+    /// Remembers keys for `ttl`, at most `capacity` at once.
+    pub fn new(ttl: Duration, capacity: usize) -> Self {
+        Self {
+            until: HashMap::new(),
+            ttl,
+            capacity,
+        }
+    }
+
+    /// Remembers that `key` just failed.
+    pub fn insert(&mut self, fp: LayoutFingerprint, key: PageKey, now: Instant) {
+        if self.ttl.is_zero() {
+            return;
+        }
+        if self.until.len() >= self.capacity {
+            self.until.retain(|_, t| *t > now);
+            if self.until.len() >= self.capacity {
+                // Still full of live entries: forget them all rather than grow.
+                self.until.clear();
+            }
+        }
+        self.until.insert((fp, key), now + self.ttl);
+    }
+
+    /// The index of the first of `keys` remembered as failed (`keys.len()` if none).
+    pub fn first(&mut self, fp: LayoutFingerprint, keys: &[PageKey], now: Instant) -> usize {
+        if self.until.is_empty() {
+            return keys.len();
+        }
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(&t) = self.until.get(&(fp, *k)) {
+                if t > now {
+                    return i;
+                }
+                self.until.remove(&(fp, *k));
+            }
+        }
+        keys.len()
+    }
+
+    /// Keys remembered (some may have expired).
+    pub fn len(&self) -> usize {
+        self.until.len()
+    }
+
+    /// Whether nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.until.is_empty()
+    }
+}
+
+/// The stream a Prefetch call returns.
+pub type ProgressStream =
+    Pin<Box<dyn Stream<Item = Result<v1::PrefetchProgress, tonic::Status>> + Send>>;
+
+/// Plans, runs and hands over prefetches.
+#[derive(Debug)]
+pub struct Prefetcher {
+    cfg: PrefetchConfig,
+    state: Arc<Mutex<HostState>>,
+    l3: Arc<L3Slot>,
+    metrics: Metrics,
+    negative: Mutex<NegativeCache>,
+    shutdown: CancellationToken,
+    max_batch: usize,
+}
+
+/// Most bytes of a request id.
+const MAX_REQUEST_ID: usize = 256;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn state_label(s: PrefetchState) -> &'static str {
+    match s {
+        PrefetchState::Completed => "completed",
+        PrefetchState::Partial => "partial",
+        PrefetchState::TimedOut => "timed_out",
+        PrefetchState::Revoked => "revoked",
+        PrefetchState::Failed => "failed",
+        PrefetchState::Running | PrefetchState::Unspecified => "running",
+    }
+}
+
+/// One page read and copied into its slot, or why not.
+async fn fetch_one(
+    store: &PageStore,
+    ctx: OpCtx,
+    fp: LayoutFingerprint,
+    key: PageKey,
+    slot: u32,
+    shm: &ShmPool,
+    page_bytes: usize,
+) -> Result<(), MissReason> {
+    match store.get(&ctx, &fp, &key, Some(page_bytes)).await {
+        Fetch::Hit(bytes) => {
+            // The slot is reserved under the prefetch's own owner id: nobody else writes
+            // it, and it is not freed before this future has been dropped or finished.
+            shm.write(slot, 0, &bytes)
+                .map_err(|e| MissReason::Corrupt(format!("copying into slot {slot}: {e}")))
+        }
+        Fetch::Miss(why) => Err(why),
+    }
+}
+
+impl Prefetcher {
+    /// A prefetcher configured by `cfg`, over the daemon's state and storage tier.
+    pub fn new(
+        cfg: PrefetchConfig,
+        state: Arc<Mutex<HostState>>,
+        l3: Arc<L3Slot>,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+        max_batch: usize,
+    ) -> Self {
+        let negative = NegativeCache::new(cfg.negative_ttl.0, cfg.negative_capacity as usize);
+        Self {
+            cfg,
+            state,
+            l3,
+            metrics,
+            negative: Mutex::new(negative),
+            shutdown,
+            max_batch,
+        }
+    }
+
+    /// How many leading `keys` are not remembered as failed.
+    pub fn usable(&self, fp: LayoutFingerprint, keys: &[PageKey]) -> usize {
+        lock(&self.negative).first(fp, keys, Instant::now())
+    }
+
+    fn remember_failed(&self, fp: LayoutFingerprint, key: PageKey) {
+        let mut n = lock(&self.negative);
+        n.insert(fp, key, Instant::now());
+        self.metrics.prefetch_negative_keys.set(n.len() as i64);
+    }
+
+    fn request_id(raw: &str) -> Result<String, ApiError> {
+        if raw.is_empty() {
+            return Err(ApiError::invalid("request_id", "required"));
+        }
+        if raw.len() > MAX_REQUEST_ID {
+            return Err(ApiError::invalid(
+                "request_id",
+                format!("longer than {MAX_REQUEST_ID} bytes"),
+            ));
+        }
+        Ok(raw.to_string())
+    }
+
+    fn policy(&self, raw: i32) -> Result<StopPolicy, ApiError> {
+        match v1::PrefetchPolicy::try_from(raw) {
+            Ok(v1::PrefetchPolicy::Unspecified) => Ok(self.cfg.stop_policy()),
+            Ok(v1::PrefetchPolicy::BestEffort) => Ok(StopPolicy::BestEffort),
+            Ok(v1::PrefetchPolicy::WaitComplete) => Ok(StopPolicy::WaitComplete),
+            Ok(v1::PrefetchPolicy::Timeout) => Ok(StopPolicy::Timeout),
+            Err(_) => Err(ApiError::invalid(
+                "policy",
+                format!("{raw} is not a PrefetchPolicy"),
+            )),
+        }
+    }
+
+    fn revoked(
+        &self,
+        request_id: String,
+        policy: StopPolicy,
+        l2: usize,
+        reason: &'static str,
+    ) -> v1::PrefetchProgress {
+        self.metrics
+            .prefetch_requests
+            .with_label_values(&["revoked", reason])
+            .inc();
+        tracing::debug!(request = %request_id, reason, "prefetch revoked");
+        let policy = match policy {
+            StopPolicy::BestEffort => v1::PrefetchPolicy::BestEffort,
+            StopPolicy::WaitComplete => v1::PrefetchPolicy::WaitComplete,
+            StopPolicy::Timeout => v1::PrefetchPolicy::Timeout,
+        };
+        v1::PrefetchProgress {
+            request_id,
+            state: PrefetchState::Revoked as i32,
+            reason: reason.to_string(),
+            policy: policy as i32,
+            l2_pages: l2 as u32,
+            ..v1::PrefetchProgress::default()
+        }
+    }
+
+    /// Plans a prefetch and starts it. Returns the progress stream: one final message when
+    /// revoked, else progress until it is done.
+    pub async fn start(
+        self: &Arc<Self>,
+        req: v1::PrefetchRequest,
+    ) -> Result<ProgressStream, ApiError> {
+        let started = Instant::now();
+        if req.keys.len() > self.max_batch {
+            return Err(ApiError::invalid(
+                "keys",
+                format!(
+                    "{} keys exceed the batch limit of {} (server.max_batch)",
+                    req.keys.len(),
+                    self.max_batch
+                ),
+            ));
+        }
+        let keys = page_keys("keys", &req.keys)?;
+        let parent = match req.parent.len() {
+            0 => None,
+            _ => Some(page_keys("parent", std::slice::from_ref(&req.parent))?[0]),
+        };
+        let request_id = Self::request_id(&req.request_id)?;
+        let policy = self.policy(req.policy)?;
+        let hints = req.hints.unwrap_or_default();
+        let (layout, l2) = lock(&self.state).prefetch_check(
+            req.session_id,
+            &request_id,
+            &keys,
+            self.cfg.max_per_session as usize,
+            started,
+        )?;
+        let fp = layout.fingerprint();
+        let page_size = layout.page_size() as u64;
+        let page_bytes = layout.page_bytes() as u64;
+        let m = &self.metrics;
+        m.prefetch_pages
+            .with_label_values(&["requested"])
+            .inc_by(keys.len() as u64);
+        m.prefetch_pages
+            .with_label_values(&["in_l2"])
+            .inc_by(l2 as u64);
+        let once = |p: v1::PrefetchProgress| -> ProgressStream {
+            Box::pin(futures::stream::once(async move { Ok(p) }))
+        };
+        if l2 == keys.len() {
+            return Ok(once(self.revoked(request_id, policy, l2, "in_l2")));
+        }
+        let Some(tier) = self.l3.current() else {
+            return Ok(once(self.revoked(request_id, policy, l2, "no_storage")));
+        };
+        // Keys that just failed are not asked for again until they expire.
+        let rest = &keys[l2..];
+        let rest = &rest[..self.usable(fp, rest)];
+        if rest.is_empty() {
+            return Ok(once(self.revoked(request_id, policy, l2, "miss")));
+        }
+        let ctx = OpCtx::child(&self.shutdown, tier.timeout);
+        let hit = match tier.store.exists_prefix(&ctx, &fp, rest).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!("prefetch exists failed: {e}");
+                return Ok(once(self.revoked(
+                    request_id,
+                    policy,
+                    l2,
+                    "storage_unavailable",
+                )));
+            }
+        };
+        if hit == 0 {
+            return Ok(once(self.revoked(request_id, policy, l2, "miss")));
+        }
+        let threshold = hints.threshold_tokens.unwrap_or(self.cfg.threshold_tokens);
+        if (hit as u64) * page_size < threshold {
+            return Ok(once(self.revoked(
+                request_id,
+                policy,
+                l2,
+                "below_threshold",
+            )));
+        }
+        let rate = match hints.recompute_tokens_per_second {
+            0 => self.cfg.recompute_tokens_per_second,
+            r => r,
+        };
+        if rate > 0 {
+            let recompute = (hit as u64 * page_size) as f64 / rate as f64;
+            let load = lock(&tier.estimate).seconds(hit as u64, page_bytes);
+            if load.is_some_and(|load| load > recompute) {
+                return Ok(once(self.revoked(
+                    request_id,
+                    policy,
+                    l2,
+                    "slower_than_recompute",
+                )));
+            }
+        }
+        let deadline = match (policy, hints.timeout_ms) {
+            (StopPolicy::Timeout, 0) => self.cfg.deadline_for(hit as u64 * page_size),
+            (StopPolicy::Timeout, ms) => Duration::from_millis(ms).min(self.cfg.timeout_max.0),
+            _ => self.cfg.timeout_max.0,
+        };
+        let cancel = self.shutdown.child_token();
+        let min_pages = threshold.div_ceil(page_size.max(1)) as usize;
+        let opened = lock(&self.state).prefetch_open(PrefetchOpen {
+            session: req.session_id,
+            request_id: request_id.clone(),
+            keys,
+            parent,
+            l2,
+            hit,
+            min_pages,
+            policy,
+            started,
+            deadline: started + deadline,
+            cancel: cancel.clone(),
+        })?;
+        let (id, hit, l2, shm, rx, first) = match opened {
+            Opened::Revoked(reason) => {
+                return Ok(once(self.revoked(request_id, policy, l2, reason)));
+            }
+            Opened::Open {
+                id,
+                hit,
+                l2,
+                shm,
+                rx,
+                first,
+            } => (id, hit, l2, shm, rx, first),
+        };
+        m.prefetch_pages
+            .with_label_values(&["hit"])
+            .inc_by(hit.len() as u64);
+        m.prefetch_bytes
+            .with_label_values(&["hit"])
+            .inc_by(hit.len() as u64 * page_bytes);
+        tracing::debug!(request = %request_id, l2, hit = hit.len(), ?deadline, "prefetch started");
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.run(Task {
+                id,
+                tier,
+                fp,
+                hit,
+                shm,
+                page_bytes: page_bytes as usize,
+                deadline: started + deadline,
+                cancel,
+            })
+            .await;
+        });
+        Ok(progress_stream(first, rx))
+    }
+
+    /// Fetches the pages of one prefetch, in order, landing each as it arrives.
+    async fn run(&self, t: Task) {
+        let Task {
+            id,
+            tier,
+            fp,
+            hit,
+            shm,
+            page_bytes,
+            deadline,
+            cancel,
+        } = t;
+        let batch = self.cfg.batch_pages as usize;
+        let store = tier.store.clone();
+        let timeout = tier.timeout;
+        let reads: Vec<_> = hit
+            .iter()
+            .map(|&(key, slot)| (key, slot, store.clone(), shm.clone(), cancel.clone()))
+            .collect();
+        let fetches = futures::stream::iter(reads.into_iter().map(
+            move |(key, slot, store, shm, cancel)| async move {
+                let ctx = OpCtx::child(&cancel, timeout);
+                let r = fetch_one(&store, ctx, fp, key, slot, &shm, page_bytes).await;
+                (key, r)
+            },
+        ))
+        .buffered(self.cfg.concurrency as usize);
+        // Boxed, so that dropping it below really drops the reads in flight.
+        let mut fetches = Box::pin(fetches);
+        let sleep = tokio::time::sleep_until(deadline.into());
+        let mut sleep = std::pin::pin!(sleep);
+        let mut landed = 0usize;
+        let mut first_at: Option<Instant> = None;
+        let started = Instant::now();
+        let (state, reason) = loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => break (PrefetchState::Failed, "cancelled".to_string()),
+                r = fetches.next() => match r {
+                    None => break (PrefetchState::Completed, String::new()),
+                    Some((_, Ok(()))) => {
+                        let mut st = lock(&self.state);
+                        if !st.prefetch_land(id) {
+                            break (PrefetchState::Failed, "cancelled".to_string());
+                        }
+                        landed += 1;
+                        first_at.get_or_insert_with(Instant::now);
+                        if landed.is_multiple_of(batch) {
+                            st.prefetch_publish(id);
+                        }
+                    }
+                    Some((key, Err(why))) => {
+                        if !matches!(why, MissReason::Cancelled) {
+                            self.remember_failed(fp, key);
+                        }
+                        tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
+                        break (PrefetchState::Failed, why.label().to_string());
+                    }
+                },
+                () = &mut sleep => break (PrefetchState::TimedOut, String::new()),
+            }
+        };
+        // Dropping the stream drops every read in flight: after this line nothing more is
+        // copied into this prefetch's slots, so they may be freed.
+        drop(fetches);
+        let done = lock(&self.state).prefetch_finish(id, state, &reason);
+        let Some(done) = done else { return };
+        let m = &self.metrics;
+        let label = state_label(done.state);
+        m.prefetch_requests
+            .with_label_values(&[label, &done.reason])
+            .inc();
+        m.prefetch_pages
+            .with_label_values(&["landed"])
+            .inc_by(done.landed as u64);
+        m.prefetch_bytes
+            .with_label_values(&["landed"])
+            .inc_by(done.bytes);
+        let secs = done.started.elapsed().as_secs_f64();
+        m.prefetch_seconds.observe(secs);
+        if done.landed > 0 && secs > 0.0 {
+            m.prefetch_bandwidth.observe(done.bytes as f64 / secs / 1e9);
+        }
+        if let Some(first) = first_at {
+            let rest_bytes = (done.landed as u64).saturating_sub(1) * page_bytes as u64;
+            lock(&tier.estimate).observe(
+                (first - started).as_secs_f64(),
+                rest_bytes,
+                first.elapsed().as_secs_f64(),
+            );
+        }
+        tracing::debug!(prefetch = id, outcome = label, reason = %done.reason, landed = done.landed, "prefetch done");
+    }
+
+    /// Waits (per the prefetch's policy) until it is done, then pins its usable prefix for
+    /// the session.
+    pub async fn take(
+        &self,
+        req: &v1::TakePrefetchRequest,
+    ) -> Result<v1::TakePrefetchResponse, ApiError> {
+        let t = Instant::now();
+        let request_id = Self::request_id(&req.request_id)?;
+        let (mut rx, _) =
+            lock(&self.state).prefetch_watch(req.session_id, &request_id, true, Instant::now())?;
+        loop {
+            if rx.borrow_and_update().state != PrefetchState::Running as i32 {
+                break;
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { break },
+                () = self.shutdown.cancelled() => {
+                    return Err(ApiError::Unavailable("kvtierd is shutting down".into()));
+                }
+            }
+        }
+        self.metrics
+            .prefetch_wait_seconds
+            .observe(t.elapsed().as_secs_f64());
+        let (progress, slots) =
+            lock(&self.state).prefetch_take(req.session_id, &request_id, Instant::now())?;
+        Ok(v1::TakePrefetchResponse {
+            progress: Some(progress),
+            slots,
+        })
+    }
+
+    /// The progress of an open prefetch.
+    pub fn status(
+        &self,
+        req: &v1::PrefetchStatusRequest,
+    ) -> Result<v1::PrefetchProgress, ApiError> {
+        let request_id = Self::request_id(&req.request_id)?;
+        lock(&self.state).prefetch_status(req.session_id, &request_id, Instant::now())
+    }
+
+    /// Cancels a prefetch and drops its pins.
+    pub fn release(&self, req: &v1::ReleasePrefetchRequest) -> Result<(), ApiError> {
+        let request_id = Self::request_id(&req.request_id)?;
+        let mut st = lock(&self.state);
+        st.touch(req.session_id, Instant::now())?;
+        if st.prefetch_drop(
+            req.session_id,
+            &request_id,
+            crate::state::StopCause::Released,
+        ) {
+            Ok(())
+        } else {
+            Err(ApiError::NotFound(format!(
+                "no open prefetch {request_id:?} in this session"
+            )))
+        }
+    }
+}
+
+/// What a prefetch task needs.
+struct Task {
+    id: u64,
+    tier: Arc<L3>,
+    fp: LayoutFingerprint,
+    hit: Vec<(PageKey, u32)>,
+    shm: Arc<ShmPool>,
+    page_bytes: usize,
+    deadline: Instant,
+    cancel: CancellationToken,
+}
+
+/// Progress of one prefetch: `first` (its plan), then every change `rx` sees, ending after a
+/// final state (or when the prefetch is gone).
+fn progress_stream(
+    first: v1::PrefetchProgress,
+    rx: watch::Receiver<v1::PrefetchProgress>,
+) -> ProgressStream {
+    let head = futures::stream::once(async move { Ok(first) });
+    let rest = futures::stream::unfold((rx, false), |(mut rx, done)| async move {
+        if done || rx.changed().await.is_err() {
+            return None;
+        }
+        let p = rx.borrow_and_update().clone();
+        let done = p.state != PrefetchState::Running as i32;
+        Some((Ok(p), (rx, done)))
+    });
+    Box::pin(head.chain(rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negative_cache_forgets_after_its_ttl_and_stays_bounded() {
+        let fp = LayoutFingerprint([1; 16]);
+        let keys: Vec<PageKey> = (0..4u8).map(|i| PageKey([i; 32])).collect();
+        let mut n = NegativeCache::new(Duration::from_millis(50), 2);
+        let t0 = Instant::now();
+        assert_eq!(n.first(fp, &keys, t0), 4);
+        n.insert(fp, keys[2], t0);
+        assert_eq!(n.first(fp, &keys, t0), 2);
+        // Another layout's key is a different key.
+        assert_eq!(n.first(LayoutFingerprint([2; 16]), &keys, t0), 4);
+        // Expired: usable again, and dropped.
+        assert_eq!(n.first(fp, &keys, t0 + Duration::from_millis(60)), 4);
+        assert!(n.is_empty());
+        n.insert(fp, keys[0], t0);
+        n.insert(fp, keys[1], t0);
+        n.insert(fp, keys[3], t0);
+        assert!(n.len() <= 2, "capacity exceeded: {}", n.len());
+        assert_eq!(n.first(fp, &keys[3..], t0), 0);
+        // A zero TTL turns it off.
+        let mut off = NegativeCache::new(Duration::ZERO, 2);
+        off.insert(fp, keys[0], t0);
+        assert_eq!(off.first(fp, &keys, t0), 4);
+    }
+
+    #[test]
+    fn load_estimate_needs_measurements_and_follows_them() {
+        let mut e = crate::l3::LoadEstimate::default();
+        assert_eq!(e.seconds(10, 1000), None);
+        e.observe(0.01, 0, 0.0);
+        assert_eq!(e.seconds(1, 1000), Some(0.01));
+        assert_eq!(e.seconds(2, 1000), None, "no bandwidth known yet");
+        e.observe(0.01, 1_000_000, 1.0);
+        let s = e.seconds(1001, 1000).unwrap();
+        assert!((s - 1.01).abs() < 1e-9, "{s}");
+        // A slower backend moves the estimate up, not all the way at once.
+        e.observe(0.01, 1_000_000, 10.0);
+        let slower = e.seconds(1001, 1000).unwrap();
+        assert!(slower > s && slower < 10.01, "{slower}");
+    }
+}
