@@ -107,6 +107,16 @@ impl InProcessDaemon {
     /// Starts kvtierd with `sets` (`section.key=value`) on top of a private `data_dir`, no
     /// metrics endpoint and error-only logs, and waits until it serves.
     pub fn start(name: &str, sets: &[&str]) -> Self {
+        Self::start_with(name, sets, 1)
+    }
+
+    /// Like [`Self::start`] with `workers` runtime threads (0: one per core, as kvtierd's
+    /// own runtime has).
+    pub fn start_with(name: &str, sets: &[&str], workers: usize) -> Self {
+        let workers = match workers {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        };
         let dir = std::env::temp_dir().join(format!("kvtier-bench-{name}-{}", std::process::id()));
         let mut all = vec![
             format!("data_dir={}", dir.display()),
@@ -125,7 +135,7 @@ impl InProcessDaemon {
             let stop = stop.clone();
             std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(1)
+                    .worker_threads(workers)
                     .enable_all()
                     .build()
                     .expect("daemon runtime");

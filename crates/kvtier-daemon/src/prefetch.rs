@@ -2,18 +2,22 @@
 //!
 //! Planning costs no memory: the pages ready in L2 are skipped, then one batched `exists`
 //! measures the L3 hit, and the prefetch is revoked (nothing allocated) when the hit is under
-//! the threshold, would load slower than the engine recomputes it, or does not fit the
-//! budget. Otherwise slots are reserved for the hit pages under an owner id of the
-//! prefetch's own (not the session's), so nothing but the prefetch task can free them: a
-//! session that ends or a take only *asks* the task to stop, and the task frees the slots
-//! after its in-flight reads are dropped. No read can land in a slot that was freed.
+//! the threshold, would load slower than the engine recomputes it (estimated from finished
+//! prefetches), or does not fit the budget. Otherwise slots are reserved for the hit pages
+//! under an owner id of the prefetch's own (not the session's), so nothing but the prefetch
+//! task can free them: a session that ends, a release or a best-effort take only *asks* the
+//! task to stop.
 //!
-//! The task reads pages in order with bounded concurrency; each page is verified by
-//! [`PageStore::get`], copied into its slot and committed ready, pinned and persisted, so
-//! what has landed is always a usable prefix. The first page that fails stops the prefetch
-//! and is remembered in a short-lived negative cache, so a stale `exists` is not retried in
-//! a loop. Progress goes out on a `watch` channel that the streaming RPC, status polls and
-//! takes read.
+//! The task reads pages with bounded concurrency, one tokio task per page, each straight into
+//! its reserved slot ([`PageStore::get_into`]: the file backend streams through a small
+//! per-thread buffer, so there is no page-sized allocation per read) and verified on the way
+//! (header fields, CRC32C). Pages land strictly in order, each committed ready, pinned and
+//! persisted, so what has landed is always a usable prefix. The first page that fails stops
+//! the prefetch and is remembered in a short-lived negative cache, so a stale `exists` is not
+//! retried in a loop. When the task stops it aborts its reads, waits for their tasks, and
+//! closes a [`Fence`] that refuses writes from backend threads still reading; only then are
+//! the slots of pages that did not land freed. Progress goes out on a `watch` channel that
+//! the streaming RPC, status polls and takes read.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -26,7 +30,7 @@ use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_proto::v1::{self, PrefetchState};
 use kvtier_proto::{ApiError, page_keys};
 use kvtier_shm::ShmPool;
-use kvtier_storage::{Fetch, MissReason, OpCtx, PageStore};
+use kvtier_storage::{Landed, MissReason, ObjectSink, OpCtx, PageStore};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -131,24 +135,67 @@ fn state_label(s: PrefetchState) -> &'static str {
     }
 }
 
-/// One page read and copied into its slot, or why not.
+/// Closes a prefetch's slots to writes: after [`Fence::close`] returns, no write into them
+/// is in progress and none will start. Backend reads may outlive the task that asked for them
+/// (a blocking read thread keeps going after its future is dropped); the fence is what keeps
+/// such a late read out of a slot that has been freed and handed to someone else.
+#[derive(Debug)]
+struct Fence(std::sync::RwLock<bool>);
+
+impl Fence {
+    fn new() -> Arc<Self> {
+        Arc::new(Self(std::sync::RwLock::new(true)))
+    }
+
+    /// Waits for writes in progress (each one chunk) and refuses every later one.
+    fn close(&self) {
+        *match self.0.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        } = false;
+    }
+}
+
+/// A reserved slot as the destination of a backend read.
+struct SlotSink {
+    shm: Arc<ShmPool>,
+    slot: u32,
+    fence: Arc<Fence>,
+}
+
+impl ObjectSink for SlotSink {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        let open = match self.fence.0.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if !*open {
+            return Err("the prefetch has stopped".into());
+        }
+        let offset = usize::try_from(offset).map_err(|e| e.to_string())?;
+        self.shm
+            .write(self.slot, offset, bytes)
+            .map_err(|e| format!("slot {}: {e}", self.slot))
+    }
+}
+
+/// One page read straight into its slot and verified, or why not.
 async fn fetch_one(
     store: &PageStore,
     ctx: OpCtx,
     fp: LayoutFingerprint,
     key: PageKey,
-    slot: u32,
-    shm: &ShmPool,
+    sink: SlotSink,
     page_bytes: usize,
 ) -> Result<(), MissReason> {
-    match store.get(&ctx, &fp, &key, Some(page_bytes)).await {
-        Fetch::Hit(bytes) => {
-            // The slot is reserved under the prefetch's own owner id: nobody else writes
-            // it, and it is not freed before this future has been dropped or finished.
-            shm.write(slot, 0, &bytes)
-                .map_err(|e| MissReason::Corrupt(format!("copying into slot {slot}: {e}")))
-        }
-        Fetch::Miss(why) => Err(why),
+    // The slot is reserved under the prefetch's own owner id: nobody else writes it, and it
+    // is not freed before the fence has closed.
+    match store
+        .get_into(&ctx, &fp, &key, Some(page_bytes), Arc::new(sink))
+        .await
+    {
+        Landed::Hit(_) => Ok(()),
+        Landed::Miss(why) => Err(why),
     }
 }
 
@@ -406,58 +453,85 @@ impl Prefetcher {
             cancel,
         } = t;
         let batch = self.cfg.batch_pages as usize;
-        let store = tier.store.clone();
+        let concurrency = self.cfg.concurrency as usize;
         let timeout = tier.timeout;
-        let reads: Vec<_> = hit
-            .iter()
-            .map(|&(key, slot)| (key, slot, store.clone(), shm.clone(), cancel.clone()))
-            .collect();
-        let fetches = futures::stream::iter(reads.into_iter().map(
-            move |(key, slot, store, shm, cancel)| async move {
-                let ctx = OpCtx::child(&cancel, timeout);
-                let r = fetch_one(&store, ctx, fp, key, slot, &shm, page_bytes).await;
-                (key, r)
-            },
-        ))
-        .buffered(self.cfg.concurrency as usize);
-        // Boxed, so that dropping it below really drops the reads in flight.
-        let mut fetches = Box::pin(fetches);
+        // Each page is its own task, so verification and the copy into the pool run on every
+        // worker thread at once; results land strictly in order.
+        let fence = Fence::new();
+        let mut reads = tokio::task::JoinSet::new();
+        let spawn = |reads: &mut tokio::task::JoinSet<_>, i: usize| {
+            let (key, slot) = hit[i];
+            let sink = SlotSink {
+                shm: shm.clone(),
+                slot,
+                fence: fence.clone(),
+            };
+            let (store, ctx) = (tier.store.clone(), OpCtx::child(&cancel, timeout));
+            reads
+                .spawn(async move { (i, fetch_one(&store, ctx, fp, key, sink, page_bytes).await) });
+        };
+        let mut next = 0;
+        while next < hit.len().min(concurrency) {
+            spawn(&mut reads, next);
+            next += 1;
+        }
+        let mut arrived: Vec<Option<Result<(), MissReason>>> =
+            std::iter::repeat_with(|| None).take(hit.len()).collect();
         let sleep = tokio::time::sleep_until(deadline.into());
         let mut sleep = std::pin::pin!(sleep);
         let mut landed = 0usize;
         let mut first_at: Option<Instant> = None;
         let started = Instant::now();
-        let (state, reason) = loop {
-            tokio::select! {
+        let (state, reason) = 'fetch: loop {
+            if landed == hit.len() {
+                break (PrefetchState::Completed, String::new());
+            }
+            let joined = tokio::select! {
                 biased;
                 () = cancel.cancelled() => break (PrefetchState::Failed, "cancelled".to_string()),
-                r = fetches.next() => match r {
-                    None => break (PrefetchState::Completed, String::new()),
-                    Some((_, Ok(()))) => {
-                        let mut st = lock(&self.state);
-                        if !st.prefetch_land(id) {
-                            break (PrefetchState::Failed, "cancelled".to_string());
-                        }
-                        landed += 1;
-                        first_at.get_or_insert_with(Instant::now);
-                        if landed.is_multiple_of(batch) {
-                            st.prefetch_publish(id);
-                        }
-                    }
-                    Some((key, Err(why))) => {
-                        if !matches!(why, MissReason::Cancelled) {
-                            self.remember_failed(fp, key);
-                        }
-                        tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
-                        break (PrefetchState::Failed, why.label().to_string());
-                    }
-                },
+                j = reads.join_next() => j,
                 () = &mut sleep => break (PrefetchState::TimedOut, String::new()),
+            };
+            match joined {
+                Some(Ok((i, r))) => arrived[i] = Some(r),
+                Some(Err(e)) => {
+                    tracing::error!(prefetch = id, "a prefetch read task failed: {e}");
+                    break (PrefetchState::Failed, "failed".to_string());
+                }
+                None => break (PrefetchState::Failed, "failed".to_string()),
+            }
+            if next < hit.len() {
+                spawn(&mut reads, next);
+                next += 1;
+            }
+            // Land the contiguous prefix that has arrived.
+            while let Some(r) = arrived.get_mut(landed).and_then(Option::take) {
+                if let Err(why) = r {
+                    let key = hit[landed].0;
+                    if !matches!(why, MissReason::Cancelled) {
+                        self.remember_failed(fp, key);
+                    }
+                    tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
+                    break 'fetch (PrefetchState::Failed, why.label().to_string());
+                }
+                let mut st = lock(&self.state);
+                if !st.prefetch_land(id) {
+                    break 'fetch (PrefetchState::Failed, "cancelled".to_string());
+                }
+                landed += 1;
+                first_at.get_or_insert_with(Instant::now);
+                if landed.is_multiple_of(batch) {
+                    st.prefetch_publish(id);
+                }
             }
         };
-        // Dropping the stream drops every read in flight: after this line nothing more is
-        // copied into this prefetch's slots, so they may be freed.
-        drop(fetches);
+        // Stop every read, wait until each task has ended, then close the fence: only then
+        // may this prefetch's slots be freed, so no read can land in a slot someone else now
+        // owns.
+        reads.abort_all();
+        while reads.join_next().await.is_some() {}
+        // Backend threads may still be reading for the aborted tasks: shut them out.
+        fence.close();
         let done = lock(&self.state).prefetch_finish(id, state, &reason);
         let Some(done) = done else { return };
         let m = &self.metrics;
@@ -604,6 +678,37 @@ mod tests {
         let mut off = NegativeCache::new(Duration::ZERO, 2);
         off.insert(fp, keys[0], t0);
         assert_eq!(off.first(fp, &keys, t0), 4);
+    }
+
+    #[test]
+    fn a_closed_fence_keeps_late_reads_out_of_the_slot() {
+        let shm = Arc::new(
+            ShmPool::create(&kvtier_shm::PoolSpec {
+                name: format!("kvtier-fence-test-{}", std::process::id()),
+                dir: std::path::PathBuf::from("/dev/shm"),
+                backing: kvtier_shm::Backing::Memfd,
+                slots: 2,
+                stride: 4096,
+                mlock: false,
+                huge_pages: false,
+            })
+            .unwrap(),
+        );
+        let fence = Fence::new();
+        let sink = SlotSink {
+            shm: shm.clone(),
+            slot: 1,
+            fence: fence.clone(),
+        };
+        sink.write_at(0, &[7; 100]).unwrap();
+        // Out of bounds is an error, not a write elsewhere.
+        assert!(sink.write_at(4000, &[1; 200]).is_err());
+        fence.close();
+        let e = sink.write_at(0, &[9; 100]).unwrap_err();
+        assert!(e.contains("stopped"), "{e}");
+        let mut back = [0u8; 100];
+        shm.read(1, 0, &mut back).unwrap();
+        assert_eq!(back, [7; 100], "a write after close landed");
     }
 
     #[test]

@@ -290,20 +290,21 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
     let ceph = ceph::Ceph::start();
     rt().block_on(ceph.bucket_ready("kvtierd"));
     let cfg = ceph.config("kvtierd", "node-1");
-    let d = Daemon::start(
-        "s3",
-        &[
-            "l2.pool_pages=32",
-            "l3.backend=s3",
-            &format!("l3.s3_endpoint={}", cfg.endpoint),
-            "l3.s3_bucket=kvtierd",
-            "l3.s3_prefix=node-1",
-            &format!("l3.s3_access_key={}", cfg.access_key),
-            &format!("l3.s3_secret_key={}", cfg.secret_key),
-            "l3.timeout=10s",
-        ],
-    );
-    let keys = chain(12, 6);
+    let settings = [
+        "l3.backend=s3".to_string(),
+        format!("l3.s3_endpoint={}", cfg.endpoint),
+        "l3.s3_bucket=kvtierd".into(),
+        "l3.s3_prefix=node-1".into(),
+        format!("l3.s3_access_key={}", cfg.access_key),
+        format!("l3.s3_secret_key={}", cfg.secret_key),
+        "l3.timeout=10s".into(),
+        "l2.pool_pages=32".into(),
+        "prefetch.budget_fraction=1.0".into(),
+    ];
+    let sets: Vec<&str> = settings.iter().map(String::as_str).collect();
+    let d = Daemon::start("s3", &sets);
+    // 24 pages of 16 tokens: above the 256-token prefetch threshold.
+    let keys = chain(12, 24);
     rt().block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
         let s = c.register("w", &layout("m")).await.unwrap();
@@ -312,7 +313,7 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
         loop {
             let st = c.stats().await.unwrap().l3.unwrap();
             assert_eq!(st.backend, "s3");
-            if st.written_pages == 6 {
+            if st.written_pages == 24 {
                 break;
             }
             assert!(std::time::Instant::now() < deadline, "{st:?}");
@@ -326,8 +327,40 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
             .map(|k| kvtier_storage::format::object_name(&fp, k))
             .collect();
         use kvtier_storage::Store as _;
-        assert_eq!(s3.exists_prefix(&names).await.unwrap(), 6);
+        assert_eq!(s3.exists_prefix(&names).await.unwrap(), 24);
     });
+    // Another node on the same bucket prefetches them into its own, empty L2: every page is
+    // bit-identical to what the first node stored.
+    let other = Daemon::start("s3-other", &sets);
+    rt().block_on(async {
+        use kvtier_client::{PrefetchOptions, outcome};
+        use kvtier_proto::v1::PrefetchPolicy;
+        let mut c = HostClient::connect(&other.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        assert_eq!(c.lookup_tiers(s.id, &keys, true).await.unwrap(), (0, 24));
+        let opts = PrefetchOptions::policy(PrefetchPolicy::WaitComplete);
+        let mut stream = c.prefetch(s.id, "r1", &keys, opts).await.unwrap();
+        let first = stream.message().await.unwrap().unwrap();
+        assert_eq!((outcome(&first).as_str(), first.hit_pages), ("running", 24));
+        let (p, slots) = c.take_prefetch(s.id, "r1").await.unwrap();
+        assert_eq!((outcome(&p).as_str(), slots.len()), ("completed", 24));
+        let len = s.layout.page_bytes();
+        let mut buf = vec![0u8; len];
+        for (k, &slot) in keys.iter().zip(&slots) {
+            s.pool.read(slot, 0, &mut buf).unwrap();
+            assert!(buf == page_bytes(k, len), "a prefetched page differs");
+        }
+        c.release(s.id, &keys).await.unwrap();
+        assert_eq!(c.lookup(s.id, &keys).await.unwrap(), 24);
+    });
+    let m = other.metrics();
+    assert_eq!(
+        metric(
+            &m,
+            "kvtier_l3_backend_ops_total{backend=\"s3\",op=\"get\",outcome=\"hit\"}"
+        ),
+        24.0
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 
 use crate::format::object_name;
-use crate::{Fetch, MissReason, OpCtx, PageStore, Store};
+use crate::{Fetch, Landed, MissReason, ObjectSink, OpCtx, PageStore, Store};
 
 fn name(i: u32) -> String {
     format!("c0ffee/{i:064x}")
@@ -217,6 +217,150 @@ pub async fn pages(store: Arc<dyn Store>) {
     ps.delete(&ctx, &fp, &key2).await.unwrap();
 }
 
+/// A sink collecting what it is given, refusing writes past `limit` bytes.
+struct VecSink {
+    buf: std::sync::Mutex<Vec<u8>>,
+    limit: usize,
+}
+
+impl VecSink {
+    fn new(limit: usize) -> Arc<Self> {
+        Arc::new(Self {
+            buf: std::sync::Mutex::new(Vec::new()),
+            limit,
+        })
+    }
+    fn bytes(&self) -> Vec<u8> {
+        self.buf.lock().unwrap().clone()
+    }
+}
+
+impl ObjectSink for VecSink {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        let end = offset as usize + bytes.len();
+        if end > self.limit {
+            return Err(format!("{end} bytes do not fit in {}", self.limit));
+        }
+        let mut b = self.buf.lock().unwrap();
+        if b.len() < end {
+            b.resize(end, 0);
+        }
+        b[offset as usize..end].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// `read_into` and `PageStore::get_into`: the same bytes as `get`, split where asked; the
+/// same verification (corrupt, torn and misplaced pages are misses and get deleted); a sink
+/// that refuses stops the read with an error, not a hit.
+pub async fn pages_into(store: Arc<dyn Store>) {
+    let ps = PageStore::new(store.clone());
+    let ctx = OpCtx::timeout(Duration::from_secs(30));
+    let fp = LayoutFingerprint([0x55; 16]);
+    let key = PageKey([0x66; 32]);
+    // Larger than one streaming chunk, and not a multiple of it.
+    let payload = bytes(7, 600 * 1024 + 13);
+    ps.set(&ctx, &fp, &key, payload.clone()).await.unwrap();
+    let sink = VecSink::new(usize::MAX);
+    match ps
+        .get_into(&ctx, &fp, &key, Some(payload.len()), sink.clone())
+        .await
+    {
+        Landed::Hit(n) => assert_eq!(n, payload.len() as u64),
+        Landed::Miss(r) => panic!("stored page missed through get_into: {r:?}"),
+    }
+    assert!(sink.bytes() == payload.to_vec(), "get_into bytes differ");
+    // Raw split: the head comes back, the rest goes to the sink.
+    let n = object_name(&fp, &key);
+    let whole = store.get(&n).await.unwrap().unwrap();
+    let sink = VecSink::new(usize::MAX);
+    let (head, rest) = store
+        .read_into(&n, 10, sink.clone())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((&head[..], rest), (&whole[..10], (whole.len() - 10) as u64));
+    assert!(
+        sink.bytes() == whole[10..].to_vec(),
+        "read_into rest differs"
+    );
+    // A split past the end: everything in the head.
+    let sink = VecSink::new(usize::MAX);
+    let (head, rest) = store
+        .read_into(&n, whole.len() + 5, sink.clone())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((head.len(), rest), (whole.len(), 0));
+    // Absent.
+    let sink = VecSink::new(usize::MAX);
+    assert!(
+        store
+            .read_into(&name(999_999), 10, sink.clone())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(matches!(
+        ps.get_into(&ctx, &fp, &PageKey([0x67; 32]), None, sink)
+            .await,
+        Landed::Miss(MissReason::Absent)
+    ));
+    // A sink that refuses: an error, never a hit.
+    let small = VecSink::new(1000);
+    assert!(matches!(
+        ps.get_into(&ctx, &fp, &key, None, small).await,
+        Landed::Miss(MissReason::Failed(_))
+    ));
+    // Corrupt payload: a miss, and the object is deleted.
+    let mut raw = whole.to_vec();
+    let last = raw.len() - 1;
+    raw[last] ^= 1;
+    store
+        .set(&n, Bytes::new(), Bytes::from(raw.clone()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            ps.get_into(&ctx, &fp, &key, None, VecSink::new(usize::MAX))
+                .await,
+            Landed::Miss(MissReason::Corrupt(_))
+        ),
+        "a corrupted page landed"
+    );
+    assert!(
+        !store.exists(&n).await.unwrap(),
+        "the corrupt object was not deleted"
+    );
+    // Torn (truncated) and misplaced (another key's page) objects are misses too.
+    raw[last] ^= 1;
+    store
+        .set(&n, Bytes::new(), Bytes::from(raw[..raw.len() / 3].to_vec()))
+        .await
+        .unwrap();
+    assert!(matches!(
+        ps.get_into(&ctx, &fp, &key, None, VecSink::new(usize::MAX))
+            .await,
+        Landed::Miss(MissReason::Corrupt(_))
+    ));
+    let key2 = PageKey([0x77; 32]);
+    ps.set(&ctx, &fp, &key2, payload.clone()).await.unwrap();
+    let other = store.get(&object_name(&fp, &key2)).await.unwrap().unwrap();
+    store.set(&n, Bytes::new(), other).await.unwrap();
+    assert!(matches!(
+        ps.get_into(&ctx, &fp, &key, None, VecSink::new(usize::MAX))
+            .await,
+        Landed::Miss(MissReason::Corrupt(_))
+    ));
+    // A wrong expected length (another layout's page size) is refused.
+    assert!(matches!(
+        ps.get_into(&ctx, &fp, &key2, Some(4096), VecSink::new(usize::MAX))
+            .await,
+        Landed::Miss(MissReason::Corrupt(_))
+    ));
+    ps.delete(&ctx, &fp, &key2).await.unwrap();
+}
+
 /// Every check, in order, on a fresh empty store.
 pub async fn run_all(store: Arc<dyn Store>) {
     round_trip(store.as_ref()).await;
@@ -224,5 +368,6 @@ pub async fn run_all(store: Arc<dyn Store>) {
     prefix(store.as_ref()).await;
     bad_names(store.as_ref()).await;
     concurrent_sets_are_atomic(store.clone()).await;
-    pages(store).await;
+    pages(store.clone()).await;
+    pages_into(store).await;
 }

@@ -24,7 +24,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::lru::{Index, blocking, check_fits, lock, now_ns};
-use crate::{StorageError, Store, StoreStats, check_name};
+use crate::{ObjectSink, StorageError, Store, StoreStats, check_name};
 
 /// Configuration of a [`FileStore`].
 #[derive(Clone, Debug)]
@@ -52,6 +52,14 @@ impl FileConfig {
             sync: false,
         }
     }
+}
+
+/// Bytes per read of [`Store::read_into`]: large enough for few syscalls, small enough to
+/// stay in cache between the read and the copy out.
+const READ_CHUNK: usize = 256 << 10;
+
+thread_local! {
+    static CHUNK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The file backend.
@@ -205,6 +213,78 @@ impl Store for FileStore {
             std::io::Read::read_to_end(&mut f, &mut buf).map_err(io("read", &path))?;
             lock(&index).touch(&name_owned, now_ns());
             Ok(Some(Bytes::from(buf)))
+        })
+        .await
+    }
+
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        check_name(name)?;
+        let path = self.path_of(name);
+        let ttl = self.cfg.ttl;
+        let (name_owned, index) = (name.to_string(), self.index.clone());
+        blocking("file", move || {
+            let mut f = match std::fs::File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    lock(&index).remove(&name_owned);
+                    return Ok(None);
+                }
+                Err(e) => return Err(io("open", &path)(e)),
+            };
+            let meta = f.metadata().map_err(io("stat", &path))?;
+            if expired(ttl, &meta) {
+                lock(&index).remove(&name_owned);
+                let _ = std::fs::remove_file(&path);
+                return Ok(None);
+            }
+            let head_len = split.min(meta.len() as usize);
+            let mut head = vec![0u8; head_len];
+            std::io::Read::read_exact(&mut f, &mut head).map_err(io("read", &path))?;
+            // The rest goes to the sink through one reused, cache-sized buffer per thread:
+            // no page-sized allocation (and its page faults) per read.
+            let rest = CHUNK.with_borrow_mut(|buf| {
+                buf.resize(READ_CHUNK, 0);
+                let mut off = 0u64;
+                loop {
+                    let n = match std::io::Read::read(&mut f, buf) {
+                        Ok(0) => return Ok(off),
+                        Ok(n) => n,
+                        Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                        Err(e) => return Err(io("read", &path)(e)),
+                    };
+                    sink.write_at(off, &buf[..n])
+                        .map_err(StorageError::Invalid)?;
+                    off += n as u64;
+                }
+            })?;
+            lock(&index).touch(&name_owned, now_ns());
+            Ok(Some((Bytes::from(head), rest)))
+        })
+        .await
+    }
+
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        for n in names {
+            check_name(n)?;
+        }
+        // One hand-off for the whole batch rather than one per name.
+        let paths: Vec<PathBuf> = names.iter().map(|n| self.path_of(n)).collect();
+        let ttl = self.cfg.ttl;
+        blocking("file", move || {
+            for (i, p) in paths.iter().enumerate() {
+                match std::fs::metadata(p) {
+                    Ok(meta) if !expired(ttl, &meta) => {}
+                    Ok(_) => return Ok(i),
+                    Err(e) if e.kind() == ErrorKind::NotFound => return Ok(i),
+                    Err(e) => return Err(io("stat", p)(e)),
+                }
+            }
+            Ok(paths.len())
         })
         .await
     }

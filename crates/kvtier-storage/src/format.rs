@@ -59,7 +59,36 @@ pub fn verify(
             object.len()
         ));
     }
-    let h = &object[..HEADER_LEN];
+    let payload = object.slice(HEADER_LEN..);
+    let crc = verify_head(
+        &object[..HEADER_LEN],
+        fp,
+        key,
+        expected_len,
+        payload.len() as u64,
+    )?;
+    if crc != crc32c::crc32c(&payload) {
+        return Err("payload checksum mismatch".into());
+    }
+    Ok(payload)
+}
+
+/// Checks a header read apart from its payload (of `payload_len` bytes): every field against
+/// what the reader expects. Returns the payload CRC32C the header records, for the caller to
+/// compare with the bytes it received.
+pub fn verify_head(
+    h: &[u8],
+    fp: &LayoutFingerprint,
+    key: &PageKey,
+    expected_len: Option<usize>,
+    payload_len: u64,
+) -> Result<u32, String> {
+    if h.len() < HEADER_LEN {
+        return Err(format!(
+            "object of {} bytes is shorter than a header",
+            h.len()
+        ));
+    }
     let u16_at = |o: usize| u16::from_le_bytes([h[o], h[o + 1]]);
     let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
     if &h[0..4] != MAGIC {
@@ -80,25 +109,17 @@ pub fn verify(
     let mut len = [0u8; 8];
     len.copy_from_slice(&h[56..64]);
     let len = u64::from_le_bytes(len);
-    let payload = object.slice(HEADER_LEN..);
-    if payload.len() as u64 != len {
-        return Err(format!(
-            "payload is {} bytes, header says {len}",
-            payload.len()
-        ));
+    if payload_len != len {
+        return Err(format!("payload is {payload_len} bytes, header says {len}"));
     }
     if let Some(want) = expected_len
-        && payload.len() != want
+        && payload_len != want as u64
     {
         return Err(format!(
-            "payload is {} bytes, the layout's page is {want}",
-            payload.len()
+            "payload is {payload_len} bytes, the layout's page is {want}"
         ));
     }
-    if u32_at(64) != crc32c::crc32c(&payload) {
-        return Err("payload checksum mismatch".into());
-    }
-    Ok(payload)
+    Ok(u32_at(64))
 }
 
 #[cfg(test)]

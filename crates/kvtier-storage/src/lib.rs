@@ -20,13 +20,14 @@ pub mod s3;
 pub mod wrappers;
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-pub use page::{Fetch, MissReason, PageStore, PageStoreStats};
+pub use page::{Fetch, Landed, MissReason, PageStore, PageStoreStats};
 
 /// Why a storage operation failed. Absence is not an error: `get` returns `Ok(None)`.
 #[derive(Debug, thiserror::Error)]
@@ -197,8 +198,36 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         Ok(names.len())
     }
 
+    /// Reads object `name`, returning its first `split` bytes (fewer if it is shorter) and
+    /// the length of the rest, which goes to `sink` in order (`write_at` with increasing
+    /// offsets from 0). `None` when absent. Backends that can stream (file) override this so a
+    /// page lands in its destination without a page-sized intermediate buffer; the default
+    /// reads the whole object with [`Store::get`] and hands the rest over in one piece. A sink
+    /// error stops the read and is returned as [`StorageError::Invalid`].
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        let Some(obj) = self.get(name).await? else {
+            return Ok(None);
+        };
+        let at = split.min(obj.len());
+        let rest = &obj[at..];
+        sink.write_at(0, rest).map_err(StorageError::Invalid)?;
+        Ok(Some((obj.slice(..at), rest.len() as u64)))
+    }
+
     /// Current statistics.
     fn stats(&self) -> StoreStats;
+}
+
+/// Where [`Store::read_into`] puts the bytes after the split: a slot of a shared-memory pool,
+/// for instance. Called from whatever thread the backend reads on.
+pub trait ObjectSink: Send + Sync {
+    /// Stores `bytes` at `offset`; an error (no room, revoked) stops the read.
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String>;
 }
 
 /// Checks an object name against the contract.

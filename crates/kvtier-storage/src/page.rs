@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 
-use crate::format::{header, object_name, verify};
-use crate::{OpCtx, StorageError, Store, StoreStats};
+use crate::format::{HEADER_LEN, header, object_name, verify, verify_head};
+use crate::{ObjectSink, OpCtx, StorageError, Store, StoreStats};
 
 /// Why a page was not served.
 #[derive(Debug)]
@@ -68,6 +68,40 @@ impl From<StorageError> for MissReason {
             StorageError::Unavailable(_) => MissReason::Throttled,
             other => MissReason::Failed(other),
         }
+    }
+}
+
+/// The outcome of [`PageStore::get_into`].
+#[derive(Debug)]
+pub enum Landed {
+    /// The page's bytes are in the sink and verified; this many.
+    Hit(u64),
+    /// The sink holds nothing usable, and why.
+    Miss(MissReason),
+}
+
+/// Passes chunks on to the caller's sink and checksums them on the way, so the payload is
+/// verified without being read twice.
+struct Checksummed {
+    inner: Arc<dyn ObjectSink>,
+    /// (running CRC32C, next expected offset)
+    crc: std::sync::Mutex<(u32, u64)>,
+}
+
+impl ObjectSink for Checksummed {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        {
+            let mut g = match self.crc.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            if offset != g.1 {
+                return Err(format!("chunk at {offset}, expected {}", g.1));
+            }
+            g.0 = crc32c::crc32c_append(g.0, bytes);
+            g.1 += bytes.len() as u64;
+        }
+        self.inner.write_at(offset, bytes)
     }
 }
 
@@ -164,6 +198,67 @@ impl PageStore {
             Err(e) => {
                 bump(&c.failed);
                 Fetch::Miss(e.into())
+            }
+        }
+    }
+
+    /// Reads page `key` of layout `fp` straight into `sink` (no page-sized buffer where the
+    /// backend streams) and verifies it. On a miss the sink may hold partial or wrong bytes:
+    /// the caller must not use them.
+    pub async fn get_into(
+        &self,
+        ctx: &OpCtx,
+        fp: &LayoutFingerprint,
+        key: &PageKey,
+        expected_len: Option<usize>,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Landed {
+        let name = object_name(fp, key);
+        let c = &self.counters;
+        let sum = Arc::new(Checksummed {
+            inner: sink,
+            crc: std::sync::Mutex::new((0, 0)),
+        });
+        let r = ctx
+            .run(self.store.read_into(&name, HEADER_LEN, sum.clone()))
+            .await;
+        match r {
+            Ok(Some((head, len))) => {
+                let (crc, seen) = match sum.crc.lock() {
+                    Ok(g) => *g,
+                    Err(p) => *p.into_inner(),
+                };
+                let check = verify_head(&head, fp, key, expected_len, len).and_then(|want| {
+                    if seen != len {
+                        Err(format!("{seen} of {len} payload bytes arrived"))
+                    } else if crc != want {
+                        Err("payload checksum mismatch".into())
+                    } else {
+                        Ok(())
+                    }
+                });
+                match check {
+                    Ok(()) => {
+                        bump(&c.hits);
+                        Landed::Hit(len)
+                    }
+                    Err(why) => {
+                        bump(&c.corrupt);
+                        tracing::warn!(backend = self.store.kind(), object = %name, "deleting a bad object: {why}");
+                        if let Err(e) = ctx.run(self.store.delete(&name)).await {
+                            tracing::warn!(backend = self.store.kind(), object = %name, "could not delete a bad object: {e}");
+                        }
+                        Landed::Miss(MissReason::Corrupt(why))
+                    }
+                }
+            }
+            Ok(None) => {
+                bump(&c.absent);
+                Landed::Miss(MissReason::Absent)
+            }
+            Err(e) => {
+                bump(&c.failed);
+                Landed::Miss(e.into())
             }
         }
     }

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use std::sync::Arc;
 
-use crate::{StorageError, Store, StoreStats};
+use crate::{ObjectSink, StorageError, Store, StoreStats};
 
 /// Breaker settings.
 #[derive(Clone, Copy, Debug)]
@@ -204,6 +204,14 @@ impl Store for Breaker {
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
         self.call(self.inner.exists_prefix(names)).await
     }
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        self.call(self.inner.read_into(name, split, sink)).await
+    }
     fn stats(&self) -> StoreStats {
         self.inner.stats()
     }
@@ -288,6 +296,15 @@ impl Store for Faulty {
         self.gate("delete").await?;
         self.inner.delete(name).await
     }
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        self.gate("get").await?;
+        self.inner.read_into(name, split, sink).await
+    }
     fn stats(&self) -> StoreStats {
         self.inner.stats()
     }
@@ -317,6 +334,15 @@ impl Store for Delayed {
     async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
         tokio::time::sleep(self.delay).await;
         self.inner.get(name).await
+    }
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.read_into(name, split, sink).await
     }
     async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
         self.inner.set(name, head, body).await
@@ -395,6 +421,21 @@ impl Store for Metered {
         let r = self.inner.get(name).await;
         let (outcome, bytes) = match &r {
             Ok(Some(b)) => ("hit", b.len() as u64),
+            _ => ("miss", 0),
+        };
+        self.record("get", t, &r, outcome, bytes);
+        r
+    }
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        let t = Instant::now();
+        let r = self.inner.read_into(name, split, sink).await;
+        let (outcome, bytes) = match &r {
+            Ok(Some((head, rest))) => ("hit", head.len() as u64 + rest),
             _ => ("miss", 0),
         };
         self.record("get", t, &r, outcome, bytes);
