@@ -146,7 +146,7 @@ impl Metrics {
         for stage in ["requested", "in_l2", "hit", "landed"] {
             m.prefetch_pages.with_label_values(&[stage]);
         }
-        for stage in ["hit", "landed"] {
+        for stage in ["requested", "hit", "landed"] {
             m.prefetch_bytes.with_label_values(&[stage]);
         }
         for outcome in ["completed", "partial", "timed_out"] {
@@ -383,7 +383,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "kvtier_prefetch_bytes_total",
-                        "Prefetch page bytes by stage: hit, landed",
+                        "Prefetch page bytes by stage: requested, hit, landed",
                     ),
                     &["stage"],
                 )?,

@@ -324,6 +324,9 @@ impl Prefetcher {
         m.prefetch_pages
             .with_label_values(&["requested"])
             .inc_by(keys.len() as u64);
+        m.prefetch_bytes
+            .with_label_values(&["requested"])
+            .inc_by(keys.len() as u64 * page_bytes);
         m.prefetch_pages
             .with_label_values(&["in_l2"])
             .inc_by(l2 as u64);
