@@ -330,6 +330,134 @@ impl Drop for ShmPool {
     }
 }
 
+/// A flat shared-memory region: a file of a given length, mapped `MAP_SHARED`. The cpu device
+/// uses it for an engine's KV pool (layer-first buffers laid end to end), which the engine
+/// creates and names; like [`ShmPool`], only raw, bounds-checked copies and raw pointers.
+#[derive(Debug)]
+pub struct ShmRegion {
+    map: MmapRaw,
+    _file: File,
+    path: PathBuf,
+    len: usize,
+}
+
+// SAFETY: as for `ShmPool`: no Rust references into the shared bytes are ever handed out.
+unsafe impl Send for ShmRegion {}
+// SAFETY: as above; every method takes `&self` and performs only raw, bounds-checked copies.
+unsafe impl Sync for ShmRegion {}
+
+impl ShmRegion {
+    /// Creates (or replaces) a zeroed region of `len` bytes at `path` (a tmpfs file, usually
+    /// under `/dev/shm`). What an engine — or a test standing in for one — does.
+    pub fn create(path: &Path, len: usize) -> Result<Self, ShmError> {
+        if len == 0 {
+            return Err(ShmError::Shape("a region needs at least one byte".into()));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io_err("create", path))?;
+        file.set_len(len as u64).map_err(io_err("size", path))?;
+        Self::map(file, path, len)
+    }
+
+    /// Maps an existing region, which must be exactly `len` bytes.
+    pub fn open(path: &Path, len: usize) -> Result<Self, ShmError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io_err("open", path))?;
+        let actual = file.metadata().map_err(io_err("stat", path))?.len();
+        if actual != len as u64 {
+            return Err(ShmError::Shape(format!(
+                "{} is {actual} bytes, expected {len}",
+                path.display()
+            )));
+        }
+        Self::map(file, path, len)
+    }
+
+    fn map(file: File, path: &Path, len: usize) -> Result<Self, ShmError> {
+        if len == 0 {
+            return Err(ShmError::Shape("a region needs at least one byte".into()));
+        }
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(io_err("mmap", path))?;
+        Ok(Self {
+            map,
+            _file: file,
+            path: path.to_path_buf(),
+            len,
+        })
+    }
+
+    /// Where it lives.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Mapped bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a region has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), ShmError> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(ShmError::Shape(format!(
+                "bytes {offset}..+{len} are outside the region of {} bytes",
+                self.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        self.check(offset, src.len())?;
+        // SAFETY: `check` proved the destination lies inside the live mapping, and `src` is a
+        // Rust slice, never a reference into the mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.map.as_mut_ptr().add(offset),
+                src.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: as in `write`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// A raw pointer to the start of the region, valid while `self` lives, for device copies.
+    pub fn ptr(&self) -> NonNull<u8> {
+        // The mapping of a non-empty region is never at address zero.
+        NonNull::new(self.map.as_mut_ptr()).unwrap_or(NonNull::dangling())
+    }
+}
+
 /// Removes a half-created pool file if creation fails part-way.
 struct UnlinkGuard(Option<PathBuf>);
 
@@ -379,6 +507,23 @@ mod tests {
                 "size is checked"
             );
         }
+    }
+
+    #[test]
+    fn regions_are_shared_sized_and_bounded() {
+        let path = tmp().join("region");
+        let engine = ShmRegion::create(&path, 10_000).unwrap();
+        let agent = ShmRegion::open(&path, 10_000).unwrap();
+        engine.write(9_990, &[5; 10]).unwrap();
+        let mut back = [0u8; 10];
+        agent.read(9_990, &mut back).unwrap();
+        assert_eq!(back, [5; 10]);
+        assert!(agent.write(9_995, &[1; 10]).is_err(), "past the end");
+        assert!(agent.read(usize::MAX, &mut back).is_err(), "overflow");
+        let e = ShmRegion::open(&path, 12_000).unwrap_err().to_string();
+        assert!(e.contains("expected 12000"), "{e}");
+        assert!(ShmRegion::create(&path, 0).is_err());
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -1,0 +1,108 @@
+//! kvtier-device: the engine's KV pool (the device tier, L1) and page copies between it and
+//! the daemon's host pool (L2). With kvtier-shm, the only crate with `unsafe`.
+//!
+//! The engine's pool is layer-first: per (layer, K|V) one buffer of `[token_slot][...]`, so
+//! page `p`'s run of one (layer, part) is contiguous at `p × run_bytes` in that buffer
+//! ([`kvtier_core::DevicePool::run`]). A host slot is page-first: the same runs back to back
+//! ([`kvtier_core::Layout::host_run_offset`]). Moving a page is `runs_per_page` contiguous
+//! copies either way.
+//!
+//! - [`cpu::CpuDevice`]: the pool is a shared-memory file the engine created; copies are
+//!   memcpys spread over a few threads.
+//! - [`cuda::CudaDevice`]: the pool is GPU memory opened from the engine's CUDA IPC handles;
+//!   the host pool is registered with the driver (pinned) and copies are asynchronous on a
+//!   dedicated stream per direction. The driver is loaded at run time, so this builds and runs
+//!   (with a clear error) where there is no CUDA.
+//!
+//! Every copy list is checked in full (pages and slots in range, slot big enough) before any
+//! byte moves, so a bad request changes nothing.
+
+use kvtier_core::DevicePool;
+use kvtier_shm::ShmPool;
+
+pub mod cpu;
+pub mod cuda;
+
+/// Errors of a device.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// A copy names a page or slot that does not exist, or the shapes disagree.
+    #[error("invalid {field}: {reason}")]
+    Invalid {
+        /// What is wrong.
+        field: String,
+        /// Why.
+        reason: String,
+    },
+    /// The device is not available here (no driver, no GPU, cannot open the pool).
+    #[error("device unavailable: {0}")]
+    Unavailable(String),
+    /// A copy failed in the driver or the OS.
+    #[error("copy failed: {0}")]
+    Copy(String),
+}
+
+/// One page to move: the engine's page index in its pool and a slot of the host pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageCopy {
+    /// Page index in the engine's pool (token slot / page size).
+    pub device_page: u32,
+    /// Slot in the host pool.
+    pub host_slot: u32,
+}
+
+/// The engine's KV pool and copies to and from the host pool.
+pub trait Device: Send + Sync + std::fmt::Debug {
+    /// `cpu` or `cuda`, for metrics and logs.
+    fn kind(&self) -> &'static str;
+
+    /// The pool's geometry.
+    fn pool(&self) -> &DevicePool;
+
+    /// Copies device pages into host slots (device → host). Returns when every byte landed.
+    fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
+
+    /// Copies host slots into device pages (host → device). Returns when every byte landed.
+    fn copy_from_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
+}
+
+/// Checks a copy list against the pool and the host pool before anything moves.
+pub fn check_copies(
+    pool: &DevicePool,
+    host: &ShmPool,
+    copies: &[PageCopy],
+) -> Result<(), DeviceError> {
+    let page_bytes = pool.layout().page_bytes();
+    if host.stride() < page_bytes {
+        return Err(DeviceError::Invalid {
+            field: "host pool".into(),
+            reason: format!(
+                "slots of {} bytes cannot hold pages of {page_bytes}",
+                host.stride()
+            ),
+        });
+    }
+    for (i, c) in copies.iter().enumerate() {
+        if c.device_page as usize >= pool.num_pages() {
+            return Err(DeviceError::Invalid {
+                field: format!("copies[{i}].device_page"),
+                reason: format!(
+                    "{} is outside the engine's pool of {} pages",
+                    c.device_page,
+                    pool.num_pages()
+                ),
+            });
+        }
+        if c.host_slot >= host.slots() {
+            return Err(DeviceError::Invalid {
+                field: format!("copies[{i}].host_slot"),
+                reason: format!(
+                    "{} is outside the host pool of {} slots",
+                    c.host_slot,
+                    host.slots()
+                ),
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,235 @@
+//! The cpu device against a reference: device pages (layer-first) land in host slots
+//! page-first, byte for byte, and come back unchanged; bad copy lists change nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+
+use kvtier_core::{DType, DevicePool, KvKind, KvPart, Layout, LayoutSpec};
+use kvtier_device::cpu::CpuDevice;
+use kvtier_device::{Device, PageCopy};
+use kvtier_shm::{Backing, PoolSpec, ShmPool, ShmRegion};
+
+fn spec(kind: KvKind) -> LayoutSpec {
+    LayoutSpec {
+        model_id: "m".into(),
+        model_version: String::new(),
+        dtype: DType::Bf16,
+        num_layers: 3,
+        kind,
+        page_size: 16,
+        tp_rank: 0,
+        tp_size: 1,
+    }
+}
+
+fn path(name: &str) -> PathBuf {
+    PathBuf::from("/dev/shm").join(format!("kvtier-device-test-{}-{name}", std::process::id()))
+}
+
+/// The byte at `i` of run (layer, part) of device page `page`: distinct per run and page.
+fn byte(page: usize, layer: usize, part: KvPart, i: usize) -> u8 {
+    (page * 131 + layer * 31 + part as usize * 7 + i * 13) as u8
+}
+
+fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, ShmRegion, ShmPool) {
+    let layout = Layout::new(spec(kind)).unwrap();
+    let pool = DevicePool::new(layout.clone(), pages * 16).unwrap();
+    let engine = ShmRegion::create(&path(name), pool.total_bytes()).unwrap();
+    // Fill every page of the engine's pool as an engine would after prefill.
+    for p in 0..pool.num_pages() {
+        for (layer, part) in layout.runs() {
+            let run = pool.run(p, layer, part).unwrap();
+            let bytes: Vec<u8> = (0..run.len).map(|i| byte(p, layer, part, i)).collect();
+            engine
+                .write(run.buffer * pool.buffer_bytes() + run.offset, &bytes)
+                .unwrap();
+        }
+    }
+    let dev = CpuDevice::open(pool, &path(name), threads).unwrap();
+    let host = ShmPool::create(&PoolSpec {
+        name: format!("kvtier-device-test-host-{}-{name}", std::process::id()),
+        dir: PathBuf::from("/dev/shm"),
+        backing: Backing::Memfd,
+        slots: 40,
+        stride: layout.slot_stride(),
+        mlock: false,
+        huge_pages: false,
+    })
+    .unwrap();
+    (dev, engine, host)
+}
+
+fn check_slot(dev: &CpuDevice, host: &ShmPool, slot: u32, page: usize) {
+    let layout = dev.pool().layout();
+    let mut buf = vec![0u8; layout.page_bytes()];
+    host.read(slot, 0, &mut buf).unwrap();
+    for (layer, part) in layout.runs() {
+        let off = layout.host_run_offset(layer, part);
+        for i in 0..layout.run_bytes() {
+            assert_eq!(
+                buf[off + i],
+                byte(page, layer, part, i),
+                "slot {slot} (page {page}) run ({layer}, {part:?}) byte {i}"
+            );
+        }
+    }
+}
+
+fn round_trip(kind: KvKind, name: &str, threads: usize) {
+    let (dev, engine, host) = setup(kind, name, 32, threads);
+    let snapshot = {
+        let mut b = vec![0u8; engine.len()];
+        engine.read(0, &mut b).unwrap();
+        b
+    };
+    // Pages out of order into scattered slots.
+    let copies: Vec<PageCopy> = (0..20u32)
+        .map(|i| PageCopy {
+            device_page: (i * 7) % 32,
+            host_slot: 39 - i,
+        })
+        .collect();
+    dev.copy_to_host(&host, &copies).unwrap();
+    for c in &copies {
+        check_slot(&dev, &host, c.host_slot, c.device_page as usize);
+    }
+    // Wipe the engine's pool, load the pages back: identical to before for those pages.
+    engine.write(0, &vec![0u8; engine.len()]).unwrap();
+    dev.copy_from_host(&host, &copies).unwrap();
+    let mut after = vec![0u8; engine.len()];
+    engine.read(0, &mut after).unwrap();
+    let pool = dev.pool();
+    for p in 0..pool.num_pages() {
+        let loaded = copies.iter().any(|c| c.device_page as usize == p);
+        for (layer, part) in pool.layout().runs() {
+            let run = pool.run(p, layer, part).unwrap();
+            let at = run.buffer * pool.buffer_bytes() + run.offset;
+            let got = &after[at..at + run.len];
+            if loaded {
+                assert_eq!(
+                    got,
+                    &snapshot[at..at + run.len],
+                    "page {p} came back different"
+                );
+            } else {
+                assert!(
+                    got.iter().all(|&b| b == 0),
+                    "page {p} was written but not asked for"
+                );
+            }
+        }
+    }
+    std::fs::remove_file(path(name)).unwrap();
+}
+
+#[test]
+fn mha_pages_round_trip_single_and_multi_threaded() {
+    let mha = KvKind::Mha {
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    round_trip(mha, "mha1", 1);
+    round_trip(mha, "mha4", 4);
+}
+
+#[test]
+fn mla_pages_round_trip() {
+    round_trip(
+        KvKind::Mla {
+            kv_lora_rank: 512,
+            rope_dim: 64,
+        },
+        "mla",
+        3,
+    );
+}
+
+#[test]
+fn bad_copies_change_nothing() {
+    let (dev, _engine, host) = setup(
+        KvKind::Mha {
+            kv_heads: 1,
+            head_dim: 64,
+        },
+        "bad",
+        8,
+        2,
+    );
+    let before = {
+        let mut b = vec![0u8; host.len()];
+        for s in 0..host.slots() {
+            host.read(
+                s,
+                0,
+                &mut b[s as usize * host.stride()..(s as usize + 1) * host.stride()],
+            )
+            .unwrap();
+        }
+        b
+    };
+    let good = PageCopy {
+        device_page: 1,
+        host_slot: 1,
+    };
+    let e = dev
+        .copy_to_host(
+            &host,
+            &[
+                good,
+                PageCopy {
+                    device_page: 8,
+                    host_slot: 2,
+                },
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("copies[1].device_page"), "{e}");
+    let e = dev
+        .copy_from_host(
+            &host,
+            &[PageCopy {
+                device_page: 0,
+                host_slot: 40,
+            }],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("copies[0].host_slot"), "{e}");
+    let mut after = vec![0u8; host.len()];
+    for s in 0..host.slots() {
+        host.read(
+            s,
+            0,
+            &mut after[s as usize * host.stride()..(s as usize + 1) * host.stride()],
+        )
+        .unwrap();
+    }
+    assert!(after == before, "a refused copy list moved bytes");
+    // A pool file of the wrong size is refused at open, naming the sizes.
+    let layout = dev.pool().layout().clone();
+    let bigger = DevicePool::new(layout, 16 * 16).unwrap();
+    let e = CpuDevice::open(bigger, &path("bad"), 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected"), "{e}");
+    std::fs::remove_file(path("bad")).unwrap();
+}
+
+#[test]
+fn cuda_without_a_driver_is_a_clear_error() {
+    if kvtier_device::cuda::driver_present() {
+        return; // A GPU machine: the gated GPU tests cover this device.
+    }
+    let layout = Layout::new(spec(KvKind::Mha {
+        kv_heads: 1,
+        head_dim: 64,
+    }))
+    .unwrap();
+    let pool = DevicePool::new(layout, 64).unwrap();
+    let handles = vec![[0u8; 64]; pool.num_buffers()];
+    let e = kvtier_device::cuda::CudaDevice::open(pool, 0, &handles)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("libcuda"), "{e}");
+}
