@@ -10,6 +10,7 @@
 //! contain no underscore, so the split is unambiguous. This crate and the binaries' `main` are
 //! the only places that read the environment; [`load`] takes it as an argument.
 
+pub mod agent;
 pub mod daemon;
 mod units;
 
@@ -125,8 +126,8 @@ fn set_path(table: &mut Table, schema: &Table, path: &str, raw: &str) -> Result<
 }
 
 /// Maps `KVTIER_L2_POOL_BYTES` to `l2.pool_bytes` using the schema's sections.
-fn env_path(schema: &Table, var: &str) -> Option<String> {
-    let rest = var.strip_prefix("KVTIER_")?.to_ascii_lowercase();
+fn env_path(schema: &Table, var: &str, prefix: &str) -> Option<String> {
+    let rest = var.strip_prefix(prefix)?.to_ascii_lowercase();
     if schema.get(&rest).is_some_and(|v| !v.is_table()) {
         return Some(rest);
     }
@@ -139,6 +140,42 @@ fn env_path(schema: &Table, var: &str) -> Option<String> {
 
 /// Loads a configuration of type `T` whose commented default file is `default_toml`.
 pub fn load<T: DeserializeOwned>(default_toml: &str, src: &Sources) -> Result<T, ConfigError> {
+    load_env(default_toml, src, Env::Daemon)
+}
+
+/// Which environment variables a process reads: kvtierd takes `KVTIER_<SECTION>_<KEY>`
+/// (leaving `KVTIER_AGENT_*` alone), kvtier-agent takes `KVTIER_AGENT_<SECTION>_<KEY>`, so
+/// both can run with one environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Env {
+    /// `KVTIER_*` except `KVTIER_AGENT_*`.
+    Daemon,
+    /// `KVTIER_AGENT_*`.
+    Agent,
+}
+
+impl Env {
+    fn prefix(self) -> &'static str {
+        match self {
+            Env::Daemon => "KVTIER_",
+            Env::Agent => "KVTIER_AGENT_",
+        }
+    }
+
+    fn takes(self, var: &str) -> bool {
+        match self {
+            Env::Daemon => var.starts_with("KVTIER_") && !var.starts_with("KVTIER_AGENT_"),
+            Env::Agent => var.starts_with("KVTIER_AGENT_"),
+        }
+    }
+}
+
+/// [`load`] for the process whose variables `env` names.
+pub fn load_env<T: DeserializeOwned>(
+    default_toml: &str,
+    src: &Sources,
+    which: Env,
+) -> Result<T, ConfigError> {
     let schema: Table = toml::from_str(default_toml).map_err(|e| ConfigError::File {
         file: "<built-in defaults>".into(),
         reason: e.to_string(),
@@ -150,14 +187,10 @@ pub fn load<T: DeserializeOwned>(default_toml: &str, src: &Sources) -> Result<T,
         })?,
         None => Table::new(),
     };
-    let mut env: Vec<&(String, String)> = src
-        .env
-        .iter()
-        .filter(|(k, _)| k.starts_with("KVTIER_"))
-        .collect();
+    let mut env: Vec<&(String, String)> = src.env.iter().filter(|(k, _)| which.takes(k)).collect();
     env.sort();
     for (var, raw) in env {
-        let path = env_path(&schema, var)
+        let path = env_path(&schema, var, which.prefix())
             .ok_or_else(|| ConfigError::invalid(var.clone(), "no such configuration key"))?;
         set_path(&mut table, &schema, &path, raw)
             .map_err(|e| ConfigError::invalid(var.clone(), e.to_string()))?;

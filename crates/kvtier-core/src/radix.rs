@@ -452,6 +452,30 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         (device, host)
     }
 
+    /// Device values of the device-resident prefix of `keys`. No split, no touch.
+    pub fn peek_device_values(&self, keys: &[K]) -> Vec<V> {
+        let mut out = Vec::new();
+        let mut node = ROOT;
+        let mut i = 0;
+        while i < keys.len() {
+            let Some(&child) = self.node(node).children.get(&keys[i]) else {
+                break;
+            };
+            let n = self.node(child);
+            let c = Self::common(&n.keys, &keys[i..]);
+            match &n.values {
+                Some(v) => out.extend_from_slice(&v[..c]),
+                None => break,
+            }
+            i += c;
+            node = child;
+            if c < n.keys.len() {
+                break;
+            }
+        }
+        out
+    }
+
     /// Inserts `keys` with one device value per page.
     ///
     /// Pages already on the device keep their values: the first `already_on_device` of the
@@ -618,6 +642,17 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         }
         out.reverse();
         Ok(out)
+    }
+
+    /// The label of the page just before node `id`'s first page (the last page of its
+    /// parent), or `None` when `id` starts at the root.
+    pub fn parent_key(&self, id: NodeId) -> Result<Option<K>, Error> {
+        let idx = self.resolve(id)?;
+        let parent = self.node(idx).parent;
+        if parent == ROOT || idx == ROOT {
+            return Ok(None);
+        }
+        Ok(self.node(parent).keys.last().cloned())
     }
 
     /// Sets the caller priority of a node (for [`PolicyKind::Priority`]).

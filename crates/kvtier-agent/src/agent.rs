@@ -1,0 +1,978 @@
+//! The agent's state and its `kvtier.v1.Agent` service: the engine's prefix cache (a radix tree
+//! of page keys over the engine's device pages), load-back from L2, prefetch from L3 through
+//! kvtierd, and device → host backups per the write policy.
+//!
+//! The state sits behind one mutex, held for the few microseconds a tree operation takes and
+//! never across an await: copies and daemon calls happen outside it, with the pages they read
+//! locked in the tree (so eviction cannot hand them back to the engine mid-copy).
+
+use std::collections::{HashMap, HashSet};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use futures::{Stream, StreamExt};
+use kvtier_client::{ClientError, PrefetchOptions, Reserved};
+use kvtier_config::agent::{AgentConfig, BackupPolicy};
+use kvtier_core::radix::NodeId;
+use kvtier_core::{DevicePool, Layout, Namespace, PageHasher, PageKey, RadixTree};
+use kvtier_device::cpu::CpuDevice;
+use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
+use kvtier_device::{Device, DeviceError, PageCopy};
+use kvtier_proto::ApiError;
+use kvtier_proto::v1::{self, agent_server};
+use tokio::sync::{Semaphore, mpsc};
+use tonic::{Request, Response, Status};
+
+use crate::link::{Link, Linked, is_link_error};
+use crate::metrics::Metrics;
+
+/// The engine's pool as registered.
+#[derive(Debug)]
+struct Engine {
+    device: Arc<dyn Device>,
+    pool: DevicePool,
+}
+
+/// An open request: the tree node whose prefix it locks, its keys and device prefix.
+#[derive(Debug)]
+struct Handle {
+    node: NodeId,
+    keys: Vec<PageKey>,
+    device: Vec<u32>,
+    prefetch: Option<String>,
+}
+
+/// Everything behind the mutex.
+struct State {
+    engine: Option<Engine>,
+    tree: RadixTree<PageKey, u32>,
+    /// Which device pages the tree holds (to refuse an engine handing out one twice).
+    in_tree: Vec<bool>,
+    handles: HashMap<u64, Handle>,
+    next_handle: u64,
+}
+
+impl State {
+    fn engine(&self) -> Result<&Engine, ApiError> {
+        self.engine.as_ref().ok_or_else(|| {
+            ApiError::invalid("pool", "no KV pool is registered; call RegisterPool first")
+        })
+    }
+}
+
+/// Counters shown by AgentStats.
+#[derive(Debug, Default)]
+struct Counters {
+    backed_up: AtomicU64,
+    dropped: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+/// What the service and its background tasks share.
+struct Shared {
+    state: Mutex<State>,
+    link: Arc<Link>,
+    metrics: Metrics,
+    policy: BackupPolicy,
+    threshold: u64,
+    max_tokens: usize,
+    copy_threads: usize,
+    eviction: kvtier_core::PolicyKind,
+    backups: mpsc::Sender<NodeId>,
+    counters: Counters,
+    metrics_address: String,
+}
+
+/// The `kvtier.v1.Agent` service.
+#[derive(Clone)]
+pub struct AgentService {
+    shared: Arc<Shared>,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+fn device_error(field: &str, e: DeviceError) -> ApiError {
+    match e {
+        DeviceError::Invalid { field: f, reason } => {
+            ApiError::invalid(format!("{field}.{f}"), reason)
+        }
+        DeviceError::Unavailable(m) => ApiError::FailedPrecondition(m),
+        DeviceError::Copy(m) => ApiError::Internal(m),
+    }
+}
+
+/// Parts of the service its background tasks need.
+pub struct BackupWorker {
+    rx: mpsc::Receiver<NodeId>,
+    concurrency: usize,
+}
+
+impl AgentService {
+    /// A service configured by `cfg`, over `link`; run its backups with [`run_backups`].
+    pub fn new(
+        cfg: &AgentConfig,
+        link: Arc<Link>,
+        metrics: Metrics,
+        metrics_address: String,
+    ) -> (Self, BackupWorker) {
+        let (tx, rx) = mpsc::channel(cfg.cache.backup_queue as usize);
+        let eviction = cfg.eviction_policy();
+        let shared = Shared {
+            state: Mutex::new(State {
+                engine: None,
+                tree: RadixTree::new(eviction),
+                in_tree: Vec::new(),
+                handles: HashMap::new(),
+                next_handle: 1,
+            }),
+            link,
+            metrics,
+            policy: cfg.backup_policy(),
+            threshold: cfg.cache.write_threshold,
+            max_tokens: cfg.server.max_tokens as usize,
+            copy_threads: cfg.device.copy_threads as usize,
+            eviction,
+            backups: tx,
+            counters: Counters::default(),
+            metrics_address,
+        };
+        (
+            Self {
+                shared: Arc::new(shared),
+            },
+            BackupWorker {
+                rx,
+                concurrency: cfg.cache.backup_concurrency as usize,
+            },
+        )
+    }
+
+    /// Refreshes the gauges (called before each scrape).
+    pub fn refresh_gauges(&self) {
+        let s = &self.shared;
+        let st = lock(&s.state);
+        let m = &s.metrics;
+        m.device_pages.set(st.tree.device_pages() as i64);
+        m.locked_pages.set(st.tree.protected_pages() as i64);
+        m.open_handles.set(st.handles.len() as i64);
+        m.daemon_connected
+            .set(i64::from(s.link.current().is_some()));
+    }
+
+    fn keys(
+        &self,
+        tokens: &[u32],
+        ns: Option<v1::Namespace>,
+        page_size: usize,
+    ) -> Result<Vec<PageKey>, ApiError> {
+        if tokens.len() > self.shared.max_tokens {
+            return Err(ApiError::invalid(
+                "tokens",
+                format!(
+                    "{} tokens exceed the limit of {} (server.max_tokens)",
+                    tokens.len(),
+                    self.shared.max_tokens
+                ),
+            ));
+        }
+        let ns = Namespace::try_from(ns.unwrap_or_default()).map_err(|e| e.within("namespace"))?;
+        Ok(PageHasher::new(page_size, &ns)?.keys(tokens))
+    }
+
+    fn page_size(&self) -> Result<usize, ApiError> {
+        Ok(lock(&self.shared.state).engine()?.pool.layout().page_size())
+    }
+
+    /// Checks engine-lent pages: in range, distinct, and (when `free`) not held by the tree.
+    fn check_pages(st: &State, field: &str, pages: &[u32], free: bool) -> Result<(), ApiError> {
+        let n = st.engine()?.pool.num_pages();
+        let mut seen = HashSet::with_capacity(pages.len());
+        for (i, &p) in pages.iter().enumerate() {
+            if p as usize >= n {
+                return Err(ApiError::invalid(
+                    format!("{field}[{i}]"),
+                    format!("page {p} is outside the engine's pool of {n} pages"),
+                ));
+            }
+            if !seen.insert(p) {
+                return Err(ApiError::invalid(
+                    format!("{field}[{i}]"),
+                    format!("page {p} appears twice"),
+                ));
+            }
+            if free && st.in_tree[p as usize] {
+                return Err(ApiError::invalid(
+                    format!("{field}[{i}]"),
+                    format!("page {p} holds a cached page; it is not free"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn register_pool(
+        &self,
+        req: v1::RegisterPoolRequest,
+    ) -> Result<v1::RegisterPoolResponse, ApiError> {
+        let spec_wire = req
+            .layout
+            .ok_or_else(|| ApiError::invalid("layout", "required"))?;
+        let layout = Layout::try_from(spec_wire).map_err(|e| e.within("layout"))?;
+        let pool = DevicePool::new(layout.clone(), req.num_token_slots)
+            .map_err(|e| ApiError::invalid("num_token_slots", e.to_string()))?;
+        let device: Arc<dyn Device> = match req.device {
+            Some(v1::register_pool_request::Device::Cpu(c)) => {
+                if c.path.is_empty() {
+                    return Err(ApiError::invalid("cpu.path", "required"));
+                }
+                Arc::new(
+                    CpuDevice::open(
+                        pool.clone(),
+                        std::path::Path::new(&c.path),
+                        self.shared.copy_threads,
+                    )
+                    .map_err(|e| device_error("cpu", e))?,
+                )
+            }
+            Some(v1::register_pool_request::Device::Cuda(c)) => {
+                let mut handles = Vec::with_capacity(c.ipc_handles.len());
+                for (i, h) in c.ipc_handles.iter().enumerate() {
+                    let h: [u8; IPC_HANDLE_BYTES] = h.as_slice().try_into().map_err(|_| {
+                        ApiError::invalid(
+                            format!("cuda.ipc_handles[{i}]"),
+                            format!(
+                                "{} bytes; a CUDA IPC handle has {IPC_HANDLE_BYTES}",
+                                h.len()
+                            ),
+                        )
+                    })?;
+                    handles.push(h);
+                }
+                Arc::new(
+                    CudaDevice::open(pool.clone(), c.device_ordinal, &handles)
+                        .map_err(|e| device_error("cuda", e))?,
+                )
+            }
+            None => return Err(ApiError::invalid("device", "required: cpu or cuda")),
+        };
+        let num_pages = pool.num_pages();
+        {
+            let mut st = lock(&self.shared.state);
+            st.engine = Some(Engine { device, pool });
+            st.tree = RadixTree::new(self.shared.eviction);
+            st.in_tree = vec![false; num_pages];
+            st.handles.clear();
+        }
+        self.shared.link.want(layout.spec().clone());
+        tracing::info!(model = %layout.spec().model_id, fingerprint = %layout.fingerprint(), num_pages, "engine pool registered");
+        Ok(v1::RegisterPoolResponse {
+            layout: Some(v1::LayoutInfo::from(&layout)),
+            num_pages: num_pages as u32,
+            daemon_connected: self.shared.link.current().is_some(),
+        })
+    }
+
+    /// Runs a daemon call with the link's deadline; a failure that means the link is gone
+    /// marks it broken.
+    async fn call<T>(
+        &self,
+        linked: &Arc<Linked>,
+        fut: impl Future<Output = Result<T, ClientError>>,
+    ) -> Option<T> {
+        let r = match tokio::time::timeout(self.shared.link.timeout(), fut).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Protocol("kvtierd call timed out".into())),
+        };
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                if is_link_error(&e) {
+                    self.shared.link.broken(linked, &e);
+                } else {
+                    tracing::debug!("kvtierd call failed: {e}");
+                }
+                None
+            }
+        }
+    }
+
+    async fn do_match(&self, req: v1::MatchRequest) -> Result<v1::MatchResponse, ApiError> {
+        let t = Instant::now();
+        let page_size = self.page_size()?;
+        let keys = self.keys(&req.tokens, req.namespace, page_size)?;
+        let (handle, device, selective) = {
+            let mut st = lock(&self.shared.state);
+            st.engine()?;
+            let m = st.tree.match_prefix(&keys);
+            st.tree
+                .lock(m.device_node)
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            let hot = self.shared.policy == BackupPolicy::WriteThroughSelective
+                && !m.device_values.is_empty()
+                && st
+                    .tree
+                    .view(m.device_node)
+                    .is_ok_and(|v| v.meta.hits >= self.shared.threshold && !v.backed_up);
+            let h = st.next_handle;
+            st.next_handle += 1;
+            st.handles.insert(
+                h,
+                Handle {
+                    node: m.device_node,
+                    keys: keys.clone(),
+                    device: m.device_values.clone(),
+                    prefetch: None,
+                },
+            );
+            (h, m.device_values, hot.then_some(m.device_node))
+        };
+        if let Some(node) = selective {
+            self.enqueue_backup(node);
+        }
+        let dev = device.len();
+        let (mut l2, mut l3) = (0, 0);
+        if dev < keys.len()
+            && let Some(linked) = self.shared.link.current()
+        {
+            let mut c = linked.client.clone();
+            if let Some((a, b)) = self
+                .call(&linked, c.lookup_tiers(linked.session, &keys[dev..], true))
+                .await
+            {
+                (l2, l3) = (a, b);
+            }
+        }
+        let m = &self.shared.metrics;
+        m.matches.inc();
+        let pages =
+            |tier: &str, n: usize| m.match_pages.with_label_values(&[tier]).inc_by(n as u64);
+        pages("device", dev);
+        pages("l2", l2);
+        pages("l3", l3);
+        pages("miss", keys.len() - dev - l2 - l3);
+        m.match_seconds.observe(t.elapsed().as_secs_f64());
+        Ok(v1::MatchResponse {
+            handle,
+            device_pages: device,
+            l2_pages: l2 as u32,
+            l3_pages: l3 as u32,
+            total_pages: keys.len() as u32,
+        })
+    }
+
+    async fn load_back(&self, req: v1::LoadBackRequest) -> Result<v1::LoadBackResponse, ApiError> {
+        let t = Instant::now();
+        let (keys, dev, prefetch, device, page_bytes) = {
+            let mut st = lock(&self.shared.state);
+            Self::check_pages(&st, "free_pages", &req.free_pages, true)?;
+            let device = st.engine()?.device.clone();
+            let page_bytes = st.engine()?.pool.layout().page_bytes();
+            let h = st.handles.get_mut(&req.handle).ok_or_else(|| {
+                ApiError::invalid("handle", format!("{} is unknown or released", req.handle))
+            })?;
+            (
+                h.keys.clone(),
+                h.device.len(),
+                h.prefetch.take(),
+                device,
+                page_bytes,
+            )
+        };
+        let unchanged = |dev_pages: Vec<u32>| v1::LoadBackResponse {
+            loaded: 0,
+            device_pages: dev_pages,
+            unused_pages: req.free_pages.clone(),
+        };
+        let current = || {
+            lock(&self.shared.state)
+                .handles
+                .get(&req.handle)
+                .map(|h| h.device.clone())
+                .unwrap_or_default()
+        };
+        let want = (keys.len() - dev).min(req.free_pages.len());
+        let Some(linked) = self.shared.link.current() else {
+            return Ok(unchanged(current()));
+        };
+        if want == 0 {
+            if let Some(id) = prefetch {
+                let mut c = linked.client.clone();
+                self.call(&linked, c.release_prefetch(linked.session, &id))
+                    .await;
+            }
+            return Ok(unchanged(current()));
+        }
+        // Pin the pages in L2: through the prefetch when one is open (it waits per its
+        // policy and pins what landed), else directly.
+        let mut c = linked.client.clone();
+        let mut slots = match &prefetch {
+            Some(id) => self
+                .call(&linked, c.take_prefetch(linked.session, id))
+                .await
+                .map(|(_, s)| s)
+                .unwrap_or_default(),
+            None => Vec::new(),
+        };
+        if slots.is_empty() {
+            slots = self
+                .call(&linked, c.acquire(linked.session, &keys[dev..dev + want]))
+                .await
+                .unwrap_or_default();
+        }
+        let pinned = keys[dev..dev + slots.len()].to_vec();
+        let n = slots.len().min(want);
+        let copies: Vec<PageCopy> = req.free_pages[..n]
+            .iter()
+            .zip(&slots)
+            .map(|(&p, &s)| PageCopy {
+                device_page: p,
+                host_slot: s,
+            })
+            .collect();
+        let pool = linked.pool.clone();
+        let copied = if n == 0 {
+            Ok(())
+        } else {
+            let device = device.clone();
+            match tokio::task::spawn_blocking(move || device.copy_from_host(&pool, &copies)).await {
+                Ok(r) => r,
+                Err(e) => Err(DeviceError::Copy(format!("copy task failed: {e}"))),
+            }
+        };
+        // A read counts only if its pins were still held when it ended.
+        let released = pinned.is_empty()
+            || self
+                .call(&linked, c.release(linked.session, &pinned))
+                .await
+                .is_some();
+        if let Err(e) = &copied {
+            tracing::warn!("load-back copy failed, computing instead: {e}");
+        }
+        if copied.is_err() || !released || n == 0 {
+            return Ok(unchanged(current()));
+        }
+        let mut st = lock(&self.shared.state);
+        let Some(h) = st.handles.get(&req.handle) else {
+            // Released meanwhile: nothing to attach the pages to.
+            return Ok(unchanged(Vec::new()));
+        };
+        let old = h.node;
+        let mut values = h.device.clone();
+        values.extend_from_slice(&req.free_pages[..n]);
+        let ins = st
+            .tree
+            .insert(&keys[..dev + n], &values)
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        // Pages another request loaded meanwhile: ours are duplicates, handed back.
+        let dup_end = ins.already_on_device.max(dev).min(dev + n);
+        let mut unused: Vec<u32> = req.free_pages[..dup_end - dev].to_vec();
+        for &p in &req.free_pages[dup_end - dev..n] {
+            st.in_tree[p as usize] = true;
+        }
+        unused.extend_from_slice(&req.free_pages[n..]);
+        // They came from L2: the host tier has them.
+        let _ = st.tree.mark_backed_up(ins.node);
+        let _ = st.tree.lock(ins.node);
+        let _ = st.tree.unlock(old);
+        let device_pages = st.tree.peek_device_values(&keys[..dev + n]);
+        if let Some(h) = st.handles.get_mut(&req.handle) {
+            h.node = ins.node;
+            h.device = device_pages.clone();
+        }
+        drop(st);
+        let loaded = (dev + n - dup_end) as u64;
+        let m = &self.shared.metrics;
+        m.load_back_pages.inc_by(loaded);
+        m.load_back_bytes.inc_by(loaded * page_bytes as u64);
+        m.inserted_pages.inc_by(loaded);
+        m.load_back_seconds.observe(t.elapsed().as_secs_f64());
+        Ok(v1::LoadBackResponse {
+            loaded: loaded as u32,
+            device_pages,
+            unused_pages: unused,
+        })
+    }
+
+    fn insert(&self, req: v1::InsertRequest) -> Result<v1::InsertResponse, ApiError> {
+        let page_size = self.page_size()?;
+        let keys = self.keys(&req.tokens, req.namespace, page_size)?;
+        if req.device_pages.len() != keys.len() {
+            return Err(ApiError::invalid(
+                "device_pages",
+                format!(
+                    "{} pages for {} full pages of tokens ({} tokens, page size {page_size}); \
+                     give one device page per full page",
+                    req.device_pages.len(),
+                    keys.len(),
+                    req.tokens.len()
+                ),
+            ));
+        }
+        let mut st = lock(&self.shared.state);
+        Self::check_pages(&st, "device_pages", &req.device_pages, false)?;
+        let known = st.tree.peek_device_values(&keys).len();
+        for (i, &p) in req.device_pages.iter().enumerate().skip(known) {
+            if st.in_tree[p as usize] {
+                return Err(ApiError::invalid(
+                    format!("device_pages[{i}]"),
+                    format!("page {p} already holds another cached page"),
+                ));
+            }
+        }
+        let ins = st
+            .tree
+            .insert(&keys, &req.device_pages)
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let dup = ins.already_on_device;
+        for &p in &req.device_pages[dup..] {
+            st.in_tree[p as usize] = true;
+        }
+        drop(st);
+        let inserted = keys.len() - dup;
+        self.shared.metrics.inserted_pages.inc_by(inserted as u64);
+        if self.shared.policy == BackupPolicy::WriteThrough && inserted > 0 {
+            self.enqueue_backup(ins.node);
+        }
+        Ok(v1::InsertResponse {
+            duplicate_pages: req.device_pages[..dup].to_vec(),
+            inserted: inserted as u32,
+        })
+    }
+
+    async fn release(&self, handle: u64) -> Result<(), ApiError> {
+        let h = {
+            let mut st = lock(&self.shared.state);
+            let h = st.handles.remove(&handle).ok_or_else(|| {
+                ApiError::invalid("handle", format!("{handle} is unknown or already released"))
+            })?;
+            let _ = st.tree.unlock(h.node);
+            h
+        };
+        if let Some(id) = h.prefetch
+            && let Some(linked) = self.shared.link.current()
+        {
+            let mut c = linked.client.clone();
+            self.call(&linked, c.release_prefetch(linked.session, &id))
+                .await;
+        }
+        Ok(())
+    }
+
+    async fn evict(&self, n: usize) -> Result<v1::EvictResponse, ApiError> {
+        lock(&self.shared.state).engine()?;
+        if self.shared.policy == BackupPolicy::WriteBack {
+            let victims = lock(&self.shared.state).tree.peek_victims(n);
+            for v in victims {
+                self.backup(v).await;
+            }
+        }
+        let mut st = lock(&self.shared.state);
+        let evicted = st.tree.evict(n);
+        let mut pages = Vec::new();
+        let (mut backed_up, mut dropped) = (0u32, 0u32);
+        for e in evicted {
+            for &p in &e.values {
+                st.in_tree[p as usize] = false;
+            }
+            if e.backed_up {
+                backed_up += e.values.len() as u32;
+            } else if self.shared.policy == BackupPolicy::WriteBack {
+                dropped += e.values.len() as u32;
+            }
+            pages.extend(e.values);
+        }
+        drop(st);
+        self.shared.metrics.evicted_pages.inc_by(pages.len() as u64);
+        if dropped > 0 {
+            self.shared
+                .metrics
+                .backup_pages
+                .with_label_values(&[self.shared.policy.name(), "dropped"])
+                .inc_by(u64::from(dropped));
+            self.shared
+                .counters
+                .dropped
+                .fetch_add(u64::from(dropped), Ordering::Relaxed);
+        }
+        Ok(v1::EvictResponse {
+            pages,
+            backed_up,
+            dropped,
+        })
+    }
+
+    /// Queues a backup of `node` (and its unbacked ancestors) without waiting; a full queue
+    /// drops it (counted).
+    fn enqueue_backup(&self, node: NodeId) {
+        if self.shared.backups.try_send(node).is_err() {
+            let pages = lock(&self.shared.state)
+                .tree
+                .view(node)
+                .map(|v| v.keys.len())
+                .unwrap_or(0);
+            self.count_backup("dropped", pages);
+        }
+    }
+
+    fn count_backup(&self, outcome: &str, pages: usize) {
+        if pages == 0 {
+            return;
+        }
+        self.shared
+            .metrics
+            .backup_pages
+            .with_label_values(&[self.shared.policy.name(), outcome])
+            .inc_by(pages as u64);
+        let c = &self.shared.counters;
+        match outcome {
+            "stored" | "present" => c.backed_up.fetch_add(pages as u64, Ordering::Relaxed),
+            _ => c.dropped.fetch_add(pages as u64, Ordering::Relaxed),
+        };
+    }
+
+    /// Backs up `node` and its ancestors not yet in L2: reserve in kvtierd, copy device →
+    /// host into the reserved slots, commit; only then are the pages marked backed up. The
+    /// pages stay locked in the tree while the copy reads them.
+    pub async fn backup(&self, node: NodeId) {
+        let t = Instant::now();
+        let Some(linked) = self.shared.link.current() else {
+            let pages = lock(&self.shared.state)
+                .tree
+                .unbacked_path(node)
+                .map(|p| p.len())
+                .unwrap_or(0);
+            self.count_backup("dropped", pages);
+            return;
+        };
+        let plan = {
+            let mut st = lock(&self.shared.state);
+            let Some(device) = st.engine.as_ref().map(|e| e.device.clone()) else {
+                return;
+            };
+            let Ok(path) = st.tree.unbacked_path(node) else {
+                return;
+            };
+            if path.is_empty() {
+                return;
+            }
+            let mut keys = Vec::new();
+            let mut pages = Vec::new();
+            let mut ends = Vec::new();
+            for &n in &path {
+                let Ok(v) = st.tree.view(n) else { return };
+                let Some(values) = v.values else { return };
+                keys.extend_from_slice(v.keys);
+                pages.extend_from_slice(values);
+                ends.push((n, keys.len()));
+            }
+            let parent = st.tree.parent_key(path[0]).ok().flatten();
+            if st.tree.lock(node).is_err() {
+                return;
+            }
+            (device, keys, pages, ends, parent)
+        };
+        let (device, keys, pages, ends, parent) = plan;
+        self.shared
+            .counters
+            .in_flight
+            .fetch_add(1, Ordering::Relaxed);
+        let stored = self.store(&linked, &device, &keys, &pages, parent).await;
+        self.shared
+            .counters
+            .in_flight
+            .fetch_sub(1, Ordering::Relaxed);
+        {
+            let mut st = lock(&self.shared.state);
+            if let Some((upto, _)) = &stored {
+                // Mark the deepest node whose pages all reached L2 (with its ancestors).
+                if let Some(&(n, _)) = ends.iter().rev().find(|(_, end)| end <= upto) {
+                    let _ = st.tree.mark_backed_up(n);
+                }
+            }
+            let _ = st.tree.unlock(node);
+        }
+        let policy = self.shared.policy.name();
+        match stored {
+            Some((upto, copied)) => {
+                self.count_backup("stored", copied);
+                self.count_backup("present", upto - copied);
+                self.count_backup("dropped", keys.len() - upto);
+                let bytes = copied * device.pool().layout().page_bytes();
+                let m = &self.shared.metrics;
+                m.backup_bytes
+                    .with_label_values(&[policy])
+                    .inc_by(bytes as u64);
+                m.backup_seconds
+                    .with_label_values(&[policy])
+                    .observe(t.elapsed().as_secs_f64());
+            }
+            None => self.count_backup("failed", keys.len()),
+        }
+    }
+
+    /// Reserve, copy, commit. Returns how many leading pages L2 now holds and how many of
+    /// those this call copied; `None` when nothing could be stored.
+    async fn store(
+        &self,
+        linked: &Arc<Linked>,
+        device: &Arc<dyn Device>,
+        keys: &[PageKey],
+        pages: &[u32],
+        parent: Option<PageKey>,
+    ) -> Option<(usize, usize)> {
+        let mut c = linked.client.clone();
+        let r = self
+            .call(linked, c.reserve(linked.session, parent.as_ref(), keys))
+            .await?;
+        let upto = r.iter().take_while(|r| **r != Reserved::NoSpace).count();
+        let mine: Vec<(PageKey, PageCopy)> = keys
+            .iter()
+            .zip(pages)
+            .zip(&r)
+            .filter_map(|((k, &p), r)| match r {
+                Reserved::Slot(s) => Some((
+                    *k,
+                    PageCopy {
+                        device_page: p,
+                        host_slot: *s,
+                    },
+                )),
+                _ => None,
+            })
+            .collect();
+        let reserved: Vec<PageKey> = mine.iter().map(|(k, _)| *k).collect();
+        if mine.is_empty() {
+            return Some((upto, 0));
+        }
+        let copies: Vec<PageCopy> = mine.iter().map(|(_, c)| *c).collect();
+        let (pool, dev) = (linked.pool.clone(), device.clone());
+        let copied =
+            match tokio::task::spawn_blocking(move || dev.copy_to_host(&pool, &copies)).await {
+                Ok(r) => r,
+                Err(e) => Err(DeviceError::Copy(format!("copy task failed: {e}"))),
+            };
+        if let Err(e) = copied {
+            tracing::warn!("backup copy failed: {e}");
+            self.call(linked, c.abort(linked.session, &reserved)).await;
+            return None;
+        }
+        self.call(linked, c.commit(linked.session, &reserved))
+            .await?;
+        Some((upto, reserved.len()))
+    }
+
+    fn stats(&self) -> v1::AgentStatsResponse {
+        let s = &self.shared;
+        let st = lock(&s.state);
+        let c = &s.counters;
+        v1::AgentStatsResponse {
+            pool_registered: st.engine.is_some(),
+            daemon_connected: s.link.current().is_some(),
+            write_policy: s.policy.name().to_string(),
+            device_pages: st.tree.device_pages() as u32,
+            evictable_pages: st.tree.evictable_pages() as u32,
+            locked_pages: st.tree.protected_pages() as u32,
+            host_only_pages: st.tree.host_only_pages() as u32,
+            open_handles: st.handles.len() as u32,
+            backed_up_pages: c.backed_up.load(Ordering::Relaxed),
+            backup_dropped_pages: c.dropped.load(Ordering::Relaxed),
+            backups_in_flight: c.in_flight.load(Ordering::Relaxed),
+            metrics_address: s.metrics_address.clone(),
+        }
+    }
+
+    async fn prefetch(&self, req: v1::AgentPrefetchRequest) -> Result<ProgressStream, ApiError> {
+        let (keys, dev) = {
+            let st = lock(&self.shared.state);
+            st.engine()?;
+            let h = st.handles.get(&req.handle).ok_or_else(|| {
+                ApiError::invalid("handle", format!("{} is unknown or released", req.handle))
+            })?;
+            if h.prefetch.is_some() {
+                return Err(ApiError::invalid(
+                    "handle",
+                    "a prefetch is already open for it",
+                ));
+            }
+            (h.keys.clone(), h.device.len())
+        };
+        let linked = self.shared.link.current().ok_or_else(|| {
+            ApiError::Unavailable("kvtierd is not connected; nothing to prefetch from".into())
+        })?;
+        let id = format!("h{}", req.handle);
+        let opts = PrefetchOptions {
+            parent: dev.checked_sub(1).map(|i| keys[i]),
+            policy: v1::PrefetchPolicy::try_from(req.policy).unwrap_or_default(),
+            hints: req.hints.unwrap_or_default(),
+        };
+        let mut c = linked.client.clone();
+        let stream = match c.prefetch(linked.session, &id, &keys[dev..], opts).await {
+            Ok(s) => s,
+            Err(e) => {
+                if is_link_error(&e) {
+                    self.shared.link.broken(&linked, &e);
+                }
+                return Err(match e {
+                    ClientError::Status(s) => ApiError::FailedPrecondition(format!(
+                        "kvtierd refused the prefetch: {}",
+                        s.message()
+                    )),
+                    e => ApiError::Unavailable(e.to_string()),
+                });
+            }
+        };
+        if let Some(h) = lock(&self.shared.state).handles.get_mut(&req.handle) {
+            h.prefetch = Some(id);
+        }
+        Ok(Box::pin(stream.map(|r| {
+            r.map_err(|s| Status::new(s.code(), s.message().to_string()))
+        })))
+    }
+}
+
+/// The stream Prefetch returns.
+pub type ProgressStream = Pin<Box<dyn Stream<Item = Result<v1::PrefetchProgress, Status>> + Send>>;
+
+/// Runs queued backups, `concurrency` at a time, until the queue closes.
+pub async fn run_backups(
+    svc: AgentService,
+    worker: BackupWorker,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let BackupWorker {
+        mut rx,
+        concurrency,
+    } = worker;
+    let permits = Arc::new(Semaphore::new(concurrency));
+    loop {
+        let node = tokio::select! {
+            n = rx.recv() => match n { Some(n) => n, None => break },
+            () = stop.cancelled() => break,
+        };
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        let svc = svc.clone();
+        tokio::spawn(async move {
+            svc.backup(node).await;
+            drop(permit);
+        });
+    }
+}
+
+fn to_status<T>(r: Result<T, ApiError>) -> Result<Response<T>, Status> {
+    r.map(Response::new).map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl agent_server::Agent for AgentService {
+    async fn register_pool(
+        &self,
+        request: Request<v1::RegisterPoolRequest>,
+    ) -> Result<Response<v1::RegisterPoolResponse>, Status> {
+        to_status(self.register_pool(request.into_inner()))
+    }
+
+    async fn r#match(
+        &self,
+        request: Request<v1::MatchRequest>,
+    ) -> Result<Response<v1::MatchResponse>, Status> {
+        to_status(self.do_match(request.into_inner()).await)
+    }
+
+    async fn match_batch(
+        &self,
+        request: Request<v1::MatchBatchRequest>,
+    ) -> Result<Response<v1::MatchBatchResponse>, Status> {
+        let mut responses = Vec::new();
+        for (i, r) in request.into_inner().requests.into_iter().enumerate() {
+            responses.push(
+                self.do_match(r)
+                    .await
+                    .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
+            );
+        }
+        Ok(Response::new(v1::MatchBatchResponse { responses }))
+    }
+
+    async fn load_back(
+        &self,
+        request: Request<v1::LoadBackRequest>,
+    ) -> Result<Response<v1::LoadBackResponse>, Status> {
+        to_status(self.load_back(request.into_inner()).await)
+    }
+
+    type PrefetchStream = ProgressStream;
+
+    async fn prefetch(
+        &self,
+        request: Request<v1::AgentPrefetchRequest>,
+    ) -> Result<Response<Self::PrefetchStream>, Status> {
+        to_status(AgentService::prefetch(self, request.into_inner()).await)
+    }
+
+    async fn insert(
+        &self,
+        request: Request<v1::InsertRequest>,
+    ) -> Result<Response<v1::InsertResponse>, Status> {
+        to_status(AgentService::insert(self, request.into_inner()))
+    }
+
+    async fn insert_batch(
+        &self,
+        request: Request<v1::InsertBatchRequest>,
+    ) -> Result<Response<v1::InsertBatchResponse>, Status> {
+        let mut responses = Vec::new();
+        for (i, r) in request.into_inner().requests.into_iter().enumerate() {
+            responses.push(
+                AgentService::insert(self, r)
+                    .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
+            );
+        }
+        Ok(Response::new(v1::InsertBatchResponse { responses }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<v1::AgentReleaseRequest>,
+    ) -> Result<Response<v1::AgentReleaseResponse>, Status> {
+        to_status(
+            AgentService::release(self, request.into_inner().handle)
+                .await
+                .map(|()| v1::AgentReleaseResponse {}),
+        )
+    }
+
+    async fn release_batch(
+        &self,
+        request: Request<v1::ReleaseBatchRequest>,
+    ) -> Result<Response<v1::AgentReleaseResponse>, Status> {
+        for (i, h) in request.into_inner().handles.into_iter().enumerate() {
+            AgentService::release(self, h)
+                .await
+                .map_err(|e| Status::from(e.within(&format!("handles[{i}]"))))?;
+        }
+        Ok(Response::new(v1::AgentReleaseResponse {}))
+    }
+
+    async fn evict(
+        &self,
+        request: Request<v1::EvictRequest>,
+    ) -> Result<Response<v1::EvictResponse>, Status> {
+        to_status(AgentService::evict(self, request.into_inner().pages as usize).await)
+    }
+
+    async fn agent_stats(
+        &self,
+        _request: Request<v1::AgentStatsRequest>,
+    ) -> Result<Response<v1::AgentStatsResponse>, Status> {
+        Ok(Response::new(self.stats()))
+    }
+}

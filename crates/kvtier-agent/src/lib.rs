@@ -1,0 +1,175 @@
+//! kvtier-agent: the L1 agent, one per inference worker. It is the engine's prefix cache (a
+//! radix tree of page keys over the engine's device KV pages), and the engine's door to the
+//! node's kvtierd: load-back from L2, prefetch from L3, backups from the device to L2 per the
+//! write policy. The engine talks to it over a Unix socket (`kvtier.v1.Agent`); page bytes
+//! move by memcpy (cpu device) or DMA (cuda device), never through gRPC.
+//!
+//! [`run`] is the whole process: the binary only parses flags, loads the configuration and
+//! calls it.
+
+pub mod agent;
+pub mod link;
+pub mod metrics;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvtier_config::agent::AgentConfig;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::AgentService;
+use crate::link::Link;
+use crate::metrics::Metrics;
+
+/// Where a running agent can be reached.
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// The engine socket.
+    pub socket: PathBuf,
+    /// The metrics endpoint, if enabled.
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
+/// Why the agent could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// Binding or preparing something failed.
+    #[error("{what} {path}: {source}")]
+    Setup {
+        /// What.
+        what: &'static str,
+        /// Where.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another agent answers on the socket.
+    #[error("an agent is already serving on {0}")]
+    SocketInUse(String),
+    /// Metrics could not be registered.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The gRPC server failed.
+    #[error("server: {0}")]
+    Server(#[from] tonic::transport::Error),
+}
+
+fn setup<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> AgentError + 'a {
+    move |source| AgentError::Setup {
+        what,
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+async fn bind_socket(path: &Path) -> Result<UnixListener, AgentError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(setup("creating the socket directory", dir))?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(AgentError::SocketInUse(path.display().to_string()));
+        }
+        std::fs::remove_file(path).map_err(setup("removing stale socket", path))?;
+    }
+    UnixListener::bind(path).map_err(setup("binding socket", path))
+}
+
+/// Runs the agent until `shutdown`; `ready` is called once it serves.
+pub async fn run(
+    cfg: AgentConfig,
+    shutdown: CancellationToken,
+    ready: impl FnOnce(Ready) + Send,
+) -> Result<(), AgentError> {
+    let socket = cfg.socket_path();
+    let uds = bind_socket(&socket).await?;
+    let metrics_listener = match cfg.metrics.listen.as_str() {
+        "" => None,
+        a => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(setup("binding metrics.listen", Path::new(a)))?,
+        ),
+    };
+    let metrics_addr = metrics_listener.as_ref().and_then(metrics::local);
+    let metrics = Metrics::new()?;
+    let link = Arc::new(Link::new(&cfg));
+    let (service, worker) = AgentService::new(
+        &cfg,
+        link.clone(),
+        metrics.clone(),
+        metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+    );
+    let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
+    let backups = tokio::spawn(agent::run_backups(
+        service.clone(),
+        worker,
+        shutdown.clone(),
+    ));
+    if let Some(l) = metrics_listener {
+        let svc = service.clone();
+        tokio::spawn(metrics::serve(
+            l,
+            metrics.clone(),
+            Arc::new(move || svc.refresh_gauges()),
+            shutdown.clone(),
+        ));
+    }
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<kvtier_proto::v1::agent_server::AgentServer<AgentService>>()
+        .await;
+    tracing::info!(socket = %socket.display(), metrics = ?metrics_addr, daemon = %cfg.daemon_address(), "kvtier-agent serving");
+    ready(Ready {
+        socket: socket.clone(),
+        metrics: metrics_addr,
+    });
+    let stop = shutdown.clone();
+    let mut server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(kvtier_proto::v1::agent_server::AgentServer::new(service))
+            .add_service(health_service)
+            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {
+                stop.cancelled().await;
+            }),
+    );
+    // Serve until shutdown (or the server fails); then give open engine connections the
+    // drain deadline, and close them: an engine that never hangs up must not keep the
+    // agent alive.
+    let served = tokio::select! {
+        r = &mut server => Some(r),
+        () = shutdown.cancelled() => None,
+    };
+    let served = match served {
+        Some(r) => r,
+        None => match tokio::time::timeout(cfg.server.drain_timeout.0, &mut server).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::warn!(
+                    "engine connections still open after the drain deadline; closing them"
+                );
+                server.abort();
+                Ok(Ok(()))
+            }
+        },
+    };
+    let served = match served {
+        Ok(r) => r,
+        Err(e) if e.is_cancelled() => Ok(()),
+        Err(e) => {
+            tracing::error!("agent server task failed: {e}");
+            Ok(())
+        }
+    };
+    shutdown.cancel();
+    let _ = backups.await;
+    let _ = link_task.await;
+    if let Err(e) = std::fs::remove_file(&socket) {
+        tracing::warn!(socket = %socket.display(), "could not remove the socket: {e}");
+    }
+    tracing::info!("kvtier-agent stopped");
+    served.map_err(AgentError::from)
+}

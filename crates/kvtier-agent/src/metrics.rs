@@ -1,0 +1,275 @@
+//! The agent's metrics and its Prometheus text endpoint. Names follow kvtierd's scheme
+//! (`kvtier_agent_<noun>_<unit>`, bounded labels); docs/metrics.md lists every one.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Every metric of the agent.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `kvtier_agent_matches_total`.
+    pub matches: IntCounter,
+    /// `kvtier_agent_match_pages_total{tier}`: device, l2, l3, miss.
+    pub match_pages: IntCounterVec,
+    /// `kvtier_agent_match_duration_seconds`.
+    pub match_seconds: Histogram,
+    /// `kvtier_agent_load_back_pages_total`.
+    pub load_back_pages: IntCounter,
+    /// `kvtier_agent_load_back_bytes_total`.
+    pub load_back_bytes: IntCounter,
+    /// `kvtier_agent_load_back_duration_seconds`.
+    pub load_back_seconds: Histogram,
+    /// `kvtier_agent_backup_pages_total{policy, outcome}`: stored, present, dropped, failed.
+    pub backup_pages: IntCounterVec,
+    /// `kvtier_agent_backup_bytes_total{policy}`.
+    pub backup_bytes: IntCounterVec,
+    /// `kvtier_agent_backup_duration_seconds{policy}`.
+    pub backup_seconds: HistogramVec,
+    /// `kvtier_agent_evicted_pages_total`.
+    pub evicted_pages: IntCounter,
+    /// `kvtier_agent_inserted_pages_total`.
+    pub inserted_pages: IntCounter,
+    /// `kvtier_agent_device_pages`.
+    pub device_pages: IntGauge,
+    /// `kvtier_agent_locked_pages`.
+    pub locked_pages: IntGauge,
+    /// `kvtier_agent_open_handles`.
+    pub open_handles: IntGauge,
+    /// `kvtier_agent_daemon_connected`.
+    pub daemon_connected: IntGauge,
+}
+
+/// Every metric name, for docs/metrics.md and the test that keeps both in step.
+pub const METRIC_NAMES: &[&str] = &[
+    "kvtier_agent_matches_total",
+    "kvtier_agent_match_pages_total",
+    "kvtier_agent_match_duration_seconds",
+    "kvtier_agent_load_back_pages_total",
+    "kvtier_agent_load_back_bytes_total",
+    "kvtier_agent_load_back_duration_seconds",
+    "kvtier_agent_backup_pages_total",
+    "kvtier_agent_backup_bytes_total",
+    "kvtier_agent_backup_duration_seconds",
+    "kvtier_agent_evicted_pages_total",
+    "kvtier_agent_inserted_pages_total",
+    "kvtier_agent_device_pages",
+    "kvtier_agent_locked_pages",
+    "kvtier_agent_open_handles",
+    "kvtier_agent_daemon_connected",
+];
+
+fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
+    if let Err(e) = r.register(Box::new(m.clone())) {
+        unreachable!("duplicate metric: {e}");
+    }
+    m
+}
+
+const SECONDS: [f64; 12] = [
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25, 1.0,
+];
+
+impl Metrics {
+    /// Creates and registers every metric; known label values start at zero.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let r = Registry::new();
+        let hist = |name: &str, help: &str| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(SECONDS.to_vec()))
+        };
+        let m = Self {
+            matches: reg(
+                &r,
+                IntCounter::new("kvtier_agent_matches_total", "Match calls")?,
+            ),
+            match_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_agent_match_pages_total",
+                        "Matched request pages by where they were: device, l2, l3, miss",
+                    ),
+                    &["tier"],
+                )?,
+            ),
+            match_seconds: reg(
+                &r,
+                hist(
+                    "kvtier_agent_match_duration_seconds",
+                    "Time to serve a Match, kvtierd lookup included",
+                )?,
+            ),
+            load_back_pages: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_agent_load_back_pages_total",
+                    "Pages copied from L2 into the engine's pool",
+                )?,
+            ),
+            load_back_bytes: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_agent_load_back_bytes_total",
+                    "Bytes copied from L2 into the engine's pool",
+                )?,
+            ),
+            load_back_seconds: reg(
+                &r,
+                hist(
+                    "kvtier_agent_load_back_duration_seconds",
+                    "Time to serve a LoadBack (pin, copy, release, insert)",
+                )?,
+            ),
+            backup_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_agent_backup_pages_total",
+                        "Device pages sent to L2 by policy and outcome: stored, present \
+                         (another worker had stored it), dropped (no room, queue full or no \
+                         kvtierd), failed (copy error)",
+                    ),
+                    &["policy", "outcome"],
+                )?,
+            ),
+            backup_bytes: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_agent_backup_bytes_total",
+                        "Bytes copied from the engine's pool into L2, by policy",
+                    ),
+                    &["policy"],
+                )?,
+            ),
+            backup_seconds: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvtier_agent_backup_duration_seconds",
+                        "Time of one backup (reserve, copy, commit), by policy",
+                    )
+                    .buckets(SECONDS.to_vec()),
+                    &["policy"],
+                )?,
+            ),
+            evicted_pages: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_agent_evicted_pages_total",
+                    "Device pages given back to the engine by Evict",
+                )?,
+            ),
+            inserted_pages: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_agent_inserted_pages_total",
+                    "Device pages added to the tree by Insert and LoadBack",
+                )?,
+            ),
+            device_pages: reg(
+                &r,
+                IntGauge::new("kvtier_agent_device_pages", "Device pages in the tree")?,
+            ),
+            locked_pages: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_agent_locked_pages",
+                    "Device pages locked by open handles or backups in flight",
+                )?,
+            ),
+            open_handles: reg(
+                &r,
+                IntGauge::new("kvtier_agent_open_handles", "Handles not yet released")?,
+            ),
+            daemon_connected: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_agent_daemon_connected",
+                    "1 while the agent has a session with kvtierd",
+                )?,
+            ),
+            registry: r,
+        };
+        for tier in ["device", "l2", "l3", "miss"] {
+            m.match_pages.with_label_values(&[tier]);
+        }
+        Ok(m)
+    }
+
+    /// Renders the text format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::error!("encoding metrics failed: {e}");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+/// Serves `GET /metrics` until `stop`; `refresh` updates the gauges before each scrape.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Metrics,
+    refresh: Arc<dyn Fn() + Send + Sync>,
+    stop: CancellationToken,
+) {
+    loop {
+        let (stream, _) = tokio::select! {
+            () = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("metrics accept failed: {e}");
+                    continue;
+                }
+            },
+        };
+        let (metrics, refresh) = (metrics.clone(), refresh.clone());
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let body = (req.uri().path() == "/metrics").then(|| {
+                    refresh();
+                    metrics.render()
+                });
+                async move {
+                    match body {
+                        Some(text) => Response::builder()
+                            .header("content-type", "text/plain; version=0.0.4")
+                            .body(Full::new(Bytes::from(text))),
+                        None => Response::builder()
+                            .status(StatusCode::NOT_FOUND)
+                            .body(Full::new(Bytes::from_static(b"try /metrics\n"))),
+                    }
+                }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!("metrics connection: {e}");
+            }
+        });
+    }
+}
+
+/// The address a listener is bound to.
+pub fn local(l: &TcpListener) -> Option<SocketAddr> {
+    l.local_addr().ok()
+}

@@ -1,0 +1,464 @@
+//! kvtier-agent end to end on the cpu device, with real processes: kvtierd, one or two
+//! agents, and this test as the engine (its KV pool in shared memory). Pages are a pure
+//! function of their keys, so "bit-identical to recomputing" is checked byte for byte.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvtier_proto::v1;
+
+#[test]
+fn write_policies_back_up_exactly_what_they_should_when_they_should() {
+    let d = dir("policies");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=256"]);
+    let spec = mha(0, 1);
+    let sock = d.join("kvtierd.sock");
+    rt().block_on(async {
+        // write_through: every inserted page, without being asked.
+        let a = agent(&d, "wt", &["cache.write_policy=write_through"]);
+        let mut e = Engine::start(&a, spec.clone(), 64, "wt").await;
+        e.wait_connected().await;
+        let t = tokens(1, 4);
+        let ks = keys(&spec, &t);
+        assert_eq!(l2_pages(&sock, &spec, &ks).await, 0);
+        let r = e.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
+        assert_eq!((r.inserted, r.duplicate_pages.len()), (4, 0));
+        wait_l2(&sock, &spec, &ks, 4).await;
+        drop(e);
+        drop(a);
+
+        // write_through_selective (threshold 2): nothing on insert or the first hit; the
+        // second hit backs the page up.
+        let a = agent(
+            &d,
+            "wts",
+            &[
+                "cache.write_policy=write_through_selective",
+                "cache.write_threshold=2",
+            ],
+        );
+        let mut e = Engine::start(&a, spec.clone(), 64, "wts").await;
+        e.wait_connected().await;
+        let t = tokens(2, 4);
+        let ks = keys(&spec, &t);
+        e.prefill_and_insert(&t, &[4, 5, 6, 7]).await;
+        let m = e.do_match(&t).await;
+        assert_eq!(m.device_pages, vec![4, 5, 6, 7]);
+        e.client
+            .release(v1::AgentReleaseRequest { handle: m.handle })
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            l2_pages(&sock, &spec, &ks).await,
+            0,
+            "backed up before the threshold"
+        );
+        let m = e.do_match(&t).await;
+        wait_l2(&sock, &spec, &ks, 4).await;
+        e.client
+            .release(v1::AgentReleaseRequest { handle: m.handle })
+            .await
+            .unwrap();
+        drop(e);
+        drop(a);
+
+        // write_back: nothing until eviction, and evict returns only after the pages are
+        // committed in L2.
+        let a = agent(&d, "wb", &["cache.write_policy=write_back"]);
+        let mut e = Engine::start(&a, spec.clone(), 64, "wb").await;
+        e.wait_connected().await;
+        let t = tokens(3, 4);
+        let ks = keys(&spec, &t);
+        e.prefill_and_insert(&t, &[8, 9, 10, 11]).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            l2_pages(&sock, &spec, &ks).await,
+            0,
+            "write_back wrote early"
+        );
+        let ev = e
+            .client
+            .evict(v1::EvictRequest { pages: 4 })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut freed = ev.pages.clone();
+        freed.sort_unstable();
+        assert_eq!(
+            (freed, ev.backed_up, ev.dropped),
+            (vec![8, 9, 10, 11], 4, 0)
+        );
+        assert_eq!(
+            l2_pages(&sock, &spec, &ks).await,
+            4,
+            "evicted before the backup landed"
+        );
+        // The engine reuses those pages; a later request loads the prefix back from L2,
+        // bit-identical.
+        for p in 8..12 {
+            e.wipe(p);
+        }
+        let m = e.do_match(&t).await;
+        assert_eq!((m.device_pages.len(), m.l2_pages), (0, 4));
+        let lb = e
+            .client
+            .load_back(v1::LoadBackRequest {
+                handle: m.handle,
+                free_pages: vec![20, 21, 22, 23, 24],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((lb.loaded, lb.unused_pages.clone()), (4, vec![24]));
+        assert_eq!(lb.device_pages, vec![20, 21, 22, 23]);
+        for (k, p) in ks.iter().zip(20..24) {
+            assert!(
+                e.holds(p, k),
+                "loaded page {p} differs from the computed one"
+            );
+        }
+        let page = a.metrics_page();
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_backup_pages_total{outcome=\"stored\",policy=\"write_back\"}"
+            ),
+            4.0
+        );
+        assert_eq!(metric(&page, "kvtier_agent_load_back_pages_total"), 4.0);
+    });
+}
+
+#[test]
+fn a_prefix_computed_by_one_worker_is_loaded_by_another_bit_identical() {
+    let d = dir("two");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=256"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a1 = agent(&d, "w1", &[]);
+        let a2 = agent(&d, "w2", &[]);
+        let mut e1 = Engine::start(&a1, spec.clone(), 64, "w1").await;
+        let mut e2 = Engine::start(&a2, spec.clone(), 64, "w2").await;
+        e1.wait_connected().await;
+        e2.wait_connected().await;
+        let t = tokens(10, 6);
+        let ks = keys(&spec, &t);
+        e1.prefill_and_insert(&t, &[10, 11, 12, 13, 14, 15]).await;
+        wait_l2(&d.join("kvtierd.sock"), &spec, &ks, 6).await;
+        // Worker 2 has never seen the request: nothing on its device, all six in L2. A
+        // longer request shares the prefix.
+        let mut longer = t.clone();
+        longer.extend(tokens(11, 2));
+        let m = e2.do_match(&longer).await;
+        assert_eq!((m.device_pages.len(), m.l2_pages, m.total_pages), (0, 6, 8));
+        let lb = e2
+            .client
+            .load_back(v1::LoadBackRequest {
+                handle: m.handle,
+                free_pages: vec![40, 41, 42, 43, 44, 45],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(lb.loaded, 6);
+        for (k, p) in ks.iter().zip(40..46) {
+            assert!(e2.holds(p, k), "page {p} loaded by worker 2 differs");
+        }
+        // Now it is on worker 2's device: a new match finds it there, locked again.
+        e2.client
+            .release(v1::AgentReleaseRequest { handle: m.handle })
+            .await
+            .unwrap();
+        let m = e2.do_match(&t).await;
+        assert_eq!(m.device_pages, vec![40, 41, 42, 43, 44, 45]);
+        // Inserting the full computed request on worker 2 reports the six as duplicates.
+        let r = e2
+            .prefill_and_insert(&longer, &[50, 51, 52, 53, 54, 55, 56, 57])
+            .await;
+        assert_eq!(r.duplicate_pages, vec![50, 51, 52, 53, 54, 55]);
+        assert_eq!(r.inserted, 2);
+    });
+}
+
+#[test]
+fn mla_ranks_share_one_copy_and_mha_ranks_do_not() {
+    let d = dir("tp");
+    let kvtierd = daemon(&d, &["l2.pool_pages=256"]);
+    rt().block_on(async {
+        // MLA: the latent is the same on every rank, so the layouts (and keys) coincide.
+        let r0 = agent(&d, "mla0", &[]);
+        let r1 = agent(&d, "mla1", &[]);
+        let mut e0 = Engine::start(&r0, mla(0, 2), 32, "mla0").await;
+        let mut e1 = Engine::start(&r1, mla(1, 2), 32, "mla1").await;
+        e0.wait_connected().await;
+        e1.wait_connected().await;
+        let t = tokens(20, 4);
+        let ks = keys(&mla(0, 2), &t);
+        e0.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
+        wait_l2(&d.join("kvtierd.sock"), &mla(0, 2), &ks, 4).await;
+        let m = e1.do_match(&t).await;
+        assert_eq!(m.l2_pages, 4, "rank 1 does not see rank 0's MLA pages");
+        // Rank 1 computing the same pages stores no second copy: L2 reports them present.
+        e1.prefill_and_insert(&t, &[5, 6, 7, 8]).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let p = r1.metrics_page();
+            let present = metric(
+                &p,
+                "kvtier_agent_backup_pages_total{outcome=\"present\",policy=\"write_through\"}",
+            );
+            if present == 4.0 {
+                assert_eq!(
+                    metric(
+                        &p,
+                        "kvtier_agent_backup_pages_total{outcome=\"stored\",policy=\"write_through\"}"
+                    ),
+                    0.0
+                );
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no dedup seen");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let page = kvtierd.metrics_page();
+        assert_eq!(metric(&page, "kvtier_l2_pages_total{op=\"committed\"}"), 4.0);
+
+        // MHA: each rank holds its own heads: same tokens, different layouts, no sharing.
+        let h0 = agent(&d, "mha0", &[]);
+        let h1 = agent(&d, "mha1", &[]);
+        let mut f0 = Engine::start(&h0, mha(0, 2), 32, "mha0").await;
+        let mut f1 = Engine::start(&h1, mha(1, 2), 32, "mha1").await;
+        f0.wait_connected().await;
+        f1.wait_connected().await;
+        f0.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
+        wait_l2(&d.join("kvtierd.sock"), &mha(0, 2), &keys(&mha(0, 2), &t), 4).await;
+        let m = f1.do_match(&t).await;
+        assert_eq!(m.l2_pages, 0, "MHA rank 1 was offered rank 0's heads");
+    });
+}
+
+#[test]
+fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
+    let d = dir("dead");
+    let mut kvtierd = daemon(&d, &["l2.pool_pages=128", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "w", &[]);
+        let mut e = Engine::start(&a, spec.clone(), 64, "dead").await;
+        e.wait_connected().await;
+        let t = tokens(30, 4);
+        let ks = keys(&spec, &t);
+        e.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
+        wait_l2(&d.join("kvtierd.sock"), &spec, &ks, 4).await;
+        // Evict from the device: the pages are now in L2 only.
+        let ev = e
+            .client
+            .evict(v1::EvictRequest { pages: 4 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(ev.pages.len(), 4);
+        kvtierd.kill();
+        // L1 keeps serving; the host tier counts as a miss; load-back loads nothing and
+        // hands every page back.
+        let t2 = tokens(31, 2);
+        e.prefill_and_insert(&t2, &[10, 11]).await;
+        let m = e.do_match(&t2).await;
+        assert_eq!(m.device_pages, vec![10, 11]);
+        let m = e.do_match(&t).await;
+        assert_eq!((m.device_pages.len(), m.l2_pages), (0, 0));
+        let lb = e
+            .client
+            .load_back(v1::LoadBackRequest {
+                handle: m.handle,
+                free_pages: vec![20, 21, 22, 23],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((lb.loaded, lb.unused_pages.len()), (0, 4));
+        for p in 20..24 {
+            assert!(
+                !e.holds(p, &ks[(p - 20) as usize]),
+                "a page appeared from nowhere"
+            );
+        }
+        // A new daemon (empty L2): the agent re-registers; nothing stale is ever loaded.
+        let _kvtierd = daemon(&d, &["l2.pool_pages=128", "l3.backend=none"]);
+        e.wait_connected().await;
+        let m = e.do_match(&t).await;
+        assert_eq!(m.l2_pages, 0);
+        // And backups work again.
+        let t3 = tokens(32, 2);
+        e.prefill_and_insert(&t3, &[30, 31]).await;
+        wait_l2(&d.join("kvtierd.sock"), &spec, &keys(&spec, &t3), 2).await;
+    });
+}
+
+#[test]
+fn a_killed_agent_leaves_no_pins_behind() {
+    let d = dir("killed");
+    let kvtierd = daemon(&d, &["l2.pool_pages=128", "sessions.ttl=500ms"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let mut a = agent(&d, "victim", &[]);
+        let mut e = Engine::start(&a, spec.clone(), 64, "killed").await;
+        e.wait_connected().await;
+        let t = tokens(40, 8);
+        e.prefill_and_insert(&t, &[0, 1, 2, 3, 4, 5, 6, 7]).await;
+        wait_l2(&d.join("kvtierd.sock"), &spec, &keys(&spec, &t), 8).await;
+        a.kill();
+        let mut c =
+            kvtier_client::HostClient::connect(&d.join("kvtierd.sock").display().to_string())
+                .await
+                .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = c.stats().await.unwrap();
+            if st.sessions.is_empty() {
+                assert!(
+                    st.pools.iter().all(|p| p.pins == 0 && p.writing_pages == 0),
+                    "{st:?}"
+                );
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the dead agent's session lingers"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    drop(kvtierd);
+}
+
+#[test]
+fn bad_engine_input_is_refused_by_field() {
+    let d = dir("bad");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=64"]);
+    rt().block_on(async {
+        let a = agent(&d, "w", &[]);
+        let ch = kvtier_client::connect(&a.socket.display().to_string())
+            .await
+            .unwrap();
+        let mut raw = v1::agent_client::AgentClient::new(ch);
+        // Nothing registered yet.
+        let e = raw
+            .r#match(v1::MatchRequest {
+                tokens: tokens(1, 1),
+                namespace: None,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("pool"), "{}", e.message());
+        // A pool file of the wrong size, and a missing one.
+        let e = raw
+            .register_pool(v1::RegisterPoolRequest {
+                layout: Some((&mha(0, 1)).into()),
+                num_token_slots: 1024,
+                device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
+                    path: "/nonexistent/pool".into(),
+                })),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("cpu"), "{}", e.message());
+        let e = raw
+            .register_pool(v1::RegisterPoolRequest {
+                layout: Some((&mha(0, 1)).into()),
+                num_token_slots: 1000,
+                device: None,
+            })
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("num_token_slots"), "{}", e.message());
+
+        let mut e = Engine::start(&a, mha(0, 1), 16, "bad").await;
+        let t = tokens(50, 3);
+        let cases: Vec<(v1::InsertRequest, &str)> = vec![
+            (
+                v1::InsertRequest {
+                    tokens: t.clone(),
+                    namespace: None,
+                    device_pages: vec![0, 1],
+                },
+                "device_pages",
+            ),
+            (
+                v1::InsertRequest {
+                    tokens: t.clone(),
+                    namespace: None,
+                    device_pages: vec![0, 1, 16],
+                },
+                "device_pages[2]",
+            ),
+            (
+                v1::InsertRequest {
+                    tokens: t.clone(),
+                    namespace: None,
+                    device_pages: vec![0, 1, 1],
+                },
+                "device_pages[2]",
+            ),
+        ];
+        for (req, field) in cases {
+            let err = e.client.insert(req).await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument);
+            assert!(err.message().contains(field), "{field}: {}", err.message());
+        }
+        // Nothing was inserted by the refused calls.
+        let m = e.do_match(&t).await;
+        assert!(m.device_pages.is_empty());
+        // A page the tree holds is not free for load-back, and unknown handles are refused.
+        e.prefill_and_insert(&t, &[0, 1, 2]).await;
+        let err = e
+            .client
+            .load_back(v1::LoadBackRequest {
+                handle: m.handle,
+                free_pages: vec![1],
+            })
+            .await
+            .unwrap_err();
+        assert!(err.message().contains("free_pages[0]"), "{}", err.message());
+        let err = e
+            .client
+            .release(v1::AgentReleaseRequest { handle: 999_999 })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("handle"), "{}", err.message());
+        // Inserting a page the tree already holds under another key is refused.
+        let err = e
+            .client
+            .insert(v1::InsertRequest {
+                tokens: tokens(51, 1),
+                namespace: None,
+                device_pages: vec![2],
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            err.message().contains("device_pages[0]"),
+            "{}",
+            err.message()
+        );
+        // Partial trailing pages are never cached: 20 tokens are one full page.
+        let r = e
+            .client
+            .insert(v1::InsertRequest {
+                tokens: tokens(52, 2)[..20].to_vec(),
+                namespace: None,
+                device_pages: vec![5],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.inserted, 1);
+    });
+}

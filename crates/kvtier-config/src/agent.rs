@@ -1,0 +1,457 @@
+//! `kvtier-agent.toml`: the per-worker agent's configuration.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvtier_core::PolicyKind;
+use serde::{Deserialize, Serialize};
+
+use crate::{ConfigError, Dur, Env, Sources};
+
+/// The complete, commented default configuration. `kvtier-agent --print-default-config`
+/// prints it, `deploy/kvtier-agent.toml` is a copy, and a test checks it parses to
+/// [`AgentConfig::default`].
+pub const DEFAULT_TOML: &str = r#"# kvtier-agent configuration (one agent per inference worker).
+#
+# Every key is optional: the value shown is the default. Layering, lowest to highest:
+# these defaults < this file < KVTIER_AGENT_<SECTION>_<KEY> environment variables
+# (KVTIER_AGENT_<KEY> for top-level keys, e.g. KVTIER_AGENT_CACHE_WRITE_POLICY=write_back) <
+# `--set section.key=value` flags. Durations take ms, s, m, h.
+
+# Directory for the engine socket. Relative paths are relative to the directory the agent
+# starts in.
+data_dir = "kvtier-data"
+
+[server]
+# Unix domain socket the engine talks to (kvtier.v1.Agent). Empty: <data_dir>/kvtier-agent.sock.
+socket = ""
+# Most tokens in one request (1 to 16777216).
+max_tokens = 1048576
+# On shutdown, how long open engine connections get to finish before they are closed
+# (10ms to 10m).
+drain_timeout = "2s"
+
+[daemon]
+# The node's kvtierd (L2 and L3): its socket path, or http://host:port. Empty:
+# <data_dir>/kvtierd.sock. While it is unreachable the agent serves from L1 alone.
+address = ""
+# Name this worker registers with (shown by `kvtierctl status`).
+name = "kvtier-agent"
+# Reconnection backoff: first wait, doubling up to the maximum (10ms to 10m).
+reconnect_min = "100ms"
+reconnect_max = "5s"
+# Deadline of each call to kvtierd (1ms to 10m). A call that misses it is a miss.
+timeout = "5s"
+
+[cache]
+# Which unlocked device page to evict first: lru, lfu, fifo, mru, filo, priority, slru.
+eviction_policy = "lru"
+# When device pages are backed up to the host tier (L2):
+#   write_through           every inserted page, at once (asynchronously);
+#   write_through_selective pages whose hit count reaches write_threshold;
+#   write_back              only pages being evicted (evict returns a page only after its
+#                           backup was committed, or dropped and counted when L2 is full).
+write_policy = "write_through"
+# Hits at which write_through_selective backs a page up (1 to 1000000).
+write_threshold = 2
+# Backups in flight at once (1 to 256).
+backup_concurrency = 4
+# Backups waiting to start; beyond this they are dropped and counted (1 to 1048576).
+backup_queue = 1024
+
+[device]
+# Threads that share one batch of cpu-device copies (1 to 64).
+copy_threads = 4
+
+[metrics]
+# Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
+# Empty: off.
+listen = "127.0.0.1:9465"
+
+[log]
+# Log filter, as RUST_LOG: error, warn, info, debug, trace, or per-module directives.
+level = "info"
+"#;
+
+/// The agent's configuration, as read. Use [`AgentConfig::load`]; it validates.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentConfig {
+    /// Directory for the socket.
+    pub data_dir: PathBuf,
+    /// The engine-facing server.
+    pub server: AgentServerConfig,
+    /// The link to kvtierd.
+    pub daemon: DaemonLinkConfig,
+    /// The prefix cache and write policy.
+    pub cache: CacheConfig,
+    /// Device copies.
+    pub device: DeviceConfig,
+    /// Prometheus endpoint.
+    pub metrics: AgentMetricsConfig,
+    /// Logging.
+    pub log: AgentLogConfig,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentServerConfig {
+    /// UDS path; empty means `<data_dir>/kvtier-agent.sock`.
+    pub socket: String,
+    /// Most tokens per request.
+    pub max_tokens: u64,
+    /// Grace period for open connections at shutdown.
+    pub drain_timeout: Dur,
+}
+
+/// `[daemon]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DaemonLinkConfig {
+    /// kvtierd's socket or URL; empty means `<data_dir>/kvtierd.sock`.
+    pub address: String,
+    /// Session name.
+    pub name: String,
+    /// First reconnection wait.
+    pub reconnect_min: Dur,
+    /// Longest reconnection wait.
+    pub reconnect_max: Dur,
+    /// Per-call deadline.
+    pub timeout: Dur,
+}
+
+/// `[cache]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Eviction policy name.
+    pub eviction_policy: String,
+    /// `write_through`, `write_through_selective` or `write_back`.
+    pub write_policy: String,
+    /// Hits at which `write_through_selective` backs up.
+    pub write_threshold: u64,
+    /// Backups in flight.
+    pub backup_concurrency: u32,
+    /// Backups waiting.
+    pub backup_queue: u32,
+}
+
+/// `[device]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceConfig {
+    /// Threads per cpu copy batch.
+    pub copy_threads: u32,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentMetricsConfig {
+    /// Listen address; empty disables the endpoint.
+    pub listen: String,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentLogConfig {
+    /// Filter directives.
+    pub level: String,
+}
+
+/// When device pages are backed up to L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackupPolicy {
+    /// Every inserted page.
+    WriteThrough,
+    /// Pages hit `write_threshold` times.
+    WriteThroughSelective,
+    /// Pages being evicted.
+    WriteBack,
+}
+
+impl BackupPolicy {
+    /// The configuration word.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackupPolicy::WriteThrough => "write_through",
+            BackupPolicy::WriteThroughSelective => "write_through_selective",
+            BackupPolicy::WriteBack => "write_back",
+        }
+    }
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            data_dir: PathBuf::from("kvtier-data"),
+            server: AgentServerConfig {
+                socket: String::new(),
+                max_tokens: 1 << 20,
+                drain_timeout: Dur(Duration::from_secs(2)),
+            },
+            daemon: DaemonLinkConfig {
+                address: String::new(),
+                name: "kvtier-agent".into(),
+                reconnect_min: Dur(Duration::from_millis(100)),
+                reconnect_max: Dur(Duration::from_secs(5)),
+                timeout: Dur(Duration::from_secs(5)),
+            },
+            cache: CacheConfig {
+                eviction_policy: "lru".into(),
+                write_policy: "write_through".into(),
+                write_threshold: 2,
+                backup_concurrency: 4,
+                backup_queue: 1024,
+            },
+            device: DeviceConfig { copy_threads: 4 },
+            metrics: AgentMetricsConfig {
+                listen: "127.0.0.1:9465".into(),
+            },
+            log: AgentLogConfig {
+                level: "info".into(),
+            },
+        }
+    }
+}
+
+macro_rules! default_from_parent {
+    ($($t:ty => $f:ident),*) => {$(
+        impl Default for $t {
+            fn default() -> Self {
+                AgentConfig::default().$f
+            }
+        }
+    )*};
+}
+default_from_parent!(
+    AgentServerConfig => server,
+    DaemonLinkConfig => daemon,
+    CacheConfig => cache,
+    DeviceConfig => device,
+    AgentMetricsConfig => metrics,
+    AgentLogConfig => log
+);
+
+impl AgentConfig {
+    /// Loads from the given sources (`KVTIER_AGENT_*` variables) and validates.
+    pub fn load(src: &Sources) -> Result<Self, ConfigError> {
+        let cfg: Self = crate::load_env(DEFAULT_TOML, src, Env::Agent)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The engine socket path.
+    pub fn socket_path(&self) -> PathBuf {
+        if self.server.socket.is_empty() {
+            self.data_dir.join("kvtier-agent.sock")
+        } else {
+            PathBuf::from(&self.server.socket)
+        }
+    }
+
+    /// kvtierd's address.
+    pub fn daemon_address(&self) -> String {
+        if self.daemon.address.is_empty() {
+            self.data_dir.join("kvtierd.sock").display().to_string()
+        } else {
+            self.daemon.address.clone()
+        }
+    }
+
+    /// The eviction policy (validated).
+    pub fn eviction_policy(&self) -> PolicyKind {
+        self.cache.eviction_policy.parse().unwrap_or_default()
+    }
+
+    /// The backup policy (validated).
+    pub fn backup_policy(&self) -> BackupPolicy {
+        match self.cache.write_policy.as_str() {
+            "write_through_selective" => BackupPolicy::WriteThroughSelective,
+            "write_back" => BackupPolicy::WriteBack,
+            _ => BackupPolicy::WriteThrough,
+        }
+    }
+
+    /// Checks every key's bounds; errors name the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let Self {
+            data_dir,
+            server:
+                AgentServerConfig {
+                    socket: _,
+                    max_tokens,
+                    drain_timeout,
+                },
+            daemon:
+                DaemonLinkConfig {
+                    address: _,
+                    name,
+                    reconnect_min,
+                    reconnect_max,
+                    timeout,
+                },
+            cache:
+                CacheConfig {
+                    eviction_policy,
+                    write_policy,
+                    write_threshold,
+                    backup_concurrency,
+                    backup_queue,
+                },
+            device: DeviceConfig { copy_threads },
+            metrics: AgentMetricsConfig { listen },
+            log: AgentLogConfig { level },
+        } = self;
+        if data_dir.as_os_str().is_empty() {
+            return Err(ConfigError::invalid("data_dir", "must not be empty"));
+        }
+        if name.len() > 256 {
+            return Err(ConfigError::invalid("daemon.name", "longer than 256 bytes"));
+        }
+        eviction_policy
+            .parse::<PolicyKind>()
+            .map_err(|e| ConfigError::invalid("cache.eviction_policy", e.to_string()))?;
+        if !["write_through", "write_through_selective", "write_back"]
+            .contains(&write_policy.as_str())
+        {
+            return Err(ConfigError::invalid(
+                "cache.write_policy",
+                format!(
+                    "{write_policy:?}: expected write_through, write_through_selective or write_back"
+                ),
+            ));
+        }
+        let ranges: [(&str, u64, u64, u64); 5] = [
+            ("server.max_tokens", *max_tokens, 1, 1 << 24),
+            ("cache.write_threshold", *write_threshold, 1, 1_000_000),
+            (
+                "cache.backup_concurrency",
+                u64::from(*backup_concurrency),
+                1,
+                256,
+            ),
+            ("cache.backup_queue", u64::from(*backup_queue), 1, 1 << 20),
+            ("device.copy_threads", u64::from(*copy_threads), 1, 64),
+        ];
+        for (key, v, lo, hi) in ranges {
+            if v < lo || v > hi {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{v} is outside {lo}..={hi}"),
+                ));
+            }
+        }
+        for (key, d, lo) in [
+            (
+                "daemon.reconnect_min",
+                reconnect_min,
+                Duration::from_millis(10),
+            ),
+            (
+                "daemon.reconnect_max",
+                reconnect_max,
+                Duration::from_millis(10),
+            ),
+            ("daemon.timeout", timeout, Duration::from_millis(1)),
+            (
+                "server.drain_timeout",
+                drain_timeout,
+                Duration::from_millis(10),
+            ),
+        ] {
+            if d.0 < lo || d.0 > Duration::from_secs(600) {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{d} is outside {}ms..=10m", lo.as_millis()),
+                ));
+            }
+        }
+        if reconnect_max.0 < reconnect_min.0 {
+            return Err(ConfigError::invalid(
+                "daemon.reconnect_max",
+                format!("{reconnect_max} is below daemon.reconnect_min ({reconnect_min})"),
+            ));
+        }
+        if !listen.is_empty() && listen.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::invalid(
+                "metrics.listen",
+                format!("{listen:?} is not an address such as 127.0.0.1:9465"),
+            ));
+        }
+        if level.trim().is_empty() {
+            return Err(ConfigError::invalid("log.level", "must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_commented_default_file_is_the_default() {
+        let parsed: AgentConfig = toml::from_str(DEFAULT_TOML).unwrap();
+        assert_eq!(parsed, AgentConfig::default());
+        AgentConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn deploy_copy_is_the_default_file() {
+        let deploy = include_str!("../../../deploy/kvtier-agent.toml");
+        assert_eq!(deploy, DEFAULT_TOML, "regenerate deploy/kvtier-agent.toml");
+    }
+
+    #[test]
+    fn agent_and_daemon_variables_do_not_mix() {
+        let env = vec![
+            ("KVTIER_L2_POOL_BYTES".to_string(), "1GiB".to_string()),
+            (
+                "KVTIER_AGENT_CACHE_WRITE_POLICY".to_string(),
+                "write_back".to_string(),
+            ),
+        ];
+        let a = AgentConfig::load(&Sources {
+            env: env.clone(),
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(a.backup_policy(), BackupPolicy::WriteBack);
+        let d = crate::daemon::DaemonConfig::load(&Sources {
+            env,
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(d.l2.pool_bytes.0, 1 << 30);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        for (set, key) in [
+            ("cache.write_policy=sometimes", "cache.write_policy"),
+            ("cache.eviction_policy=random", "cache.eviction_policy"),
+            ("device.copy_threads=0", "device.copy_threads"),
+            ("daemon.reconnect_max=20ms", "daemon.reconnect_max"),
+            ("metrics.listen=nowhere", "metrics.listen"),
+            ("cache.nope=1", "cache.nope"),
+        ] {
+            let e = AgentConfig::load(&Sources {
+                sets: vec![set.to_string()],
+                ..Sources::default()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(key), "{set}: {e}");
+        }
+        let e = AgentConfig::load(&Sources {
+            env: vec![("KVTIER_AGENT_CACHE_WRITEPOLICY".into(), "x".into())],
+            ..Sources::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("KVTIER_AGENT_CACHE_WRITEPOLICY"), "{e}");
+    }
+}
