@@ -93,6 +93,44 @@ pub fn tokens(n: usize, seed: u64) -> Vec<u32> {
 /// A short criterion-friendly measurement time for this 2-core machine.
 pub const MEASURE: Duration = Duration::from_secs(2);
 
+/// Runs a server future (built by `serve` from a stop token and a ready sender) on a new
+/// thread with a runtime of `workers` threads; returns what it reported ready, the token that
+/// stops it, and the thread.
+fn on_own_runtime<R, E, F>(
+    what: &'static str,
+    workers: usize,
+    serve: impl FnOnce(tokio_util::sync::CancellationToken, std::sync::mpsc::Sender<R>) -> F
+    + Send
+    + 'static,
+) -> (
+    R,
+    tokio_util::sync::CancellationToken,
+    std::thread::JoinHandle<()>,
+)
+where
+    R: Send + 'static,
+    E: std::fmt::Display,
+    F: std::future::Future<Output = Result<(), E>>,
+{
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let token = stop.clone();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .expect("benchmark runtime");
+        if let Err(e) = rt.block_on(serve(token, tx)) {
+            eprintln!("benchmark {what} failed: {e}");
+        }
+    });
+    let ready = rx
+        .recv()
+        .unwrap_or_else(|_| panic!("benchmark {what} did not start"));
+    (ready, stop, thread)
+}
+
 /// A kvtierd running in this process on its own runtime thread (the same `run` the binary
 /// calls), on a private data directory; stopped and cleaned up by [`InProcessDaemon::stop`].
 pub struct InProcessDaemon {
@@ -129,24 +167,11 @@ impl InProcessDaemon {
             ..kvtier_config::Sources::default()
         })
         .expect("benchmark daemon config");
-        let stop = tokio_util::sync::CancellationToken::new();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let thread = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(workers)
-                    .enable_all()
-                    .build()
-                    .expect("daemon runtime");
-                if let Err(e) = rt.block_on(kvtier_daemon::run(cfg, stop, move |r| {
-                    let _ = tx.send(r);
-                })) {
-                    eprintln!("benchmark kvtierd failed: {e}");
-                }
+        let (ready, stop, thread) = on_own_runtime("kvtierd", workers, move |stop, tx| {
+            kvtier_daemon::run(cfg, stop, move |r| {
+                let _ = tx.send(r);
             })
-        };
-        let ready = rx.recv().expect("benchmark kvtierd did not start");
+        });
         Self {
             ready,
             stop,
@@ -160,5 +185,43 @@ impl InProcessDaemon {
         self.stop.cancel();
         let _ = self.thread.join();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A kvtier-agent running in this process on its own runtime thread (the same `run` the
+/// binary calls); stopped by [`InProcessAgent::stop`].
+pub struct InProcessAgent {
+    /// Where it can be reached.
+    pub ready: kvtier_agent::Ready,
+    stop: tokio_util::sync::CancellationToken,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl InProcessAgent {
+    /// Starts an agent with `sets` on top of defaults (metrics off, error-only logs).
+    pub fn start(sets: &[String]) -> Self {
+        let mut all = vec!["metrics.listen=".to_string(), "log.level=error".to_string()];
+        all.extend(sets.iter().cloned());
+        let cfg = kvtier_config::agent::AgentConfig::load(&kvtier_config::Sources {
+            sets: all,
+            ..kvtier_config::Sources::default()
+        })
+        .expect("benchmark agent config");
+        let (ready, stop, thread) = on_own_runtime("kvtier-agent", 2, move |stop, tx| {
+            kvtier_agent::run(cfg, stop, move |r| {
+                let _ = tx.send(r);
+            })
+        });
+        Self {
+            ready,
+            stop,
+            thread,
+        }
+    }
+
+    /// Stops the agent and waits for it.
+    pub fn stop(self) {
+        self.stop.cancel();
+        let _ = self.thread.join();
     }
 }

@@ -273,3 +273,35 @@ pub async fn serve(
 pub fn local(l: &TcpListener) -> Option<SocketAddr> {
     l.local_addr().ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_registered_and_documented() {
+        let m = Metrics::new().unwrap();
+        m.backup_pages.with_label_values(&["x", "y"]).inc();
+        m.backup_bytes.with_label_values(&["x"]).inc();
+        m.backup_seconds.with_label_values(&["x"]).observe(0.0);
+        let text = m.render();
+        let doc = include_str!("../../../docs/metrics.md");
+        for name in METRIC_NAMES {
+            let row = doc
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{name}` |")))
+                .unwrap_or_else(|| panic!("{name} not listed in docs/metrics.md"));
+            let documented = row.split('|').nth(2).unwrap_or_default().trim();
+            assert!(
+                text.contains(&format!("# TYPE {name} {documented}\n")),
+                "{name}: not exported, or documented as {documented:?}"
+            );
+        }
+        let exported = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        assert_eq!(
+            exported,
+            METRIC_NAMES.len(),
+            "METRIC_NAMES is missing a metric"
+        );
+    }
+}
