@@ -154,6 +154,27 @@ impl AgentService {
         )
     }
 
+    /// This worker's figures for kvtierd's per-session view.
+    pub fn report(&self) -> v1::ClientReport {
+        let s = &self.shared;
+        let m = &s.metrics;
+        let tier = |t: &str| m.match_pages.with_label_values(&[t]).get();
+        let st = lock(&s.state);
+        v1::ClientReport {
+            matches: m.matches.get(),
+            device_hit_pages: tier("device"),
+            l2_hit_pages: tier("l2"),
+            l3_hit_pages: tier("l3"),
+            miss_pages: tier("miss"),
+            load_back_pages: m.load_back_pages.get(),
+            backup_pages: s.counters.backed_up.load(Ordering::Relaxed),
+            backup_dropped_pages: s.counters.dropped.load(Ordering::Relaxed),
+            evicted_pages: m.evicted_pages.get(),
+            device_pages: st.tree.device_pages() as u32,
+            locked_pages: st.tree.protected_pages() as u32,
+        }
+    }
+
     /// Refreshes the gauges (called before each scrape).
     pub fn refresh_gauges(&self) {
         let s = &self.shared;

@@ -103,6 +103,10 @@ pub async fn run(
         metrics.clone(),
         metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
     );
+    {
+        let svc = service.clone();
+        link.set_reporter(Arc::new(move || svc.report()));
+    }
     let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
     let backups = tokio::spawn(agent::run_backups(
         service.clone(),

@@ -27,7 +27,6 @@ pub struct Linked {
 }
 
 /// The link, shared by the service and the background task that maintains it.
-#[derive(Debug)]
 pub struct Link {
     address: String,
     name: String,
@@ -35,7 +34,20 @@ pub struct Link {
     backoff: (Duration, Duration),
     want: watch::Sender<Option<LayoutSpec>>,
     current: RwLock<Option<Arc<Linked>>>,
+    reporter: RwLock<Option<Reporter>>,
 }
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("address", &self.address)
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+/// Builds the report each heartbeat carries.
+pub type Reporter = Arc<dyn Fn() -> kvtier_proto::v1::ClientReport + Send + Sync>;
 
 fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
     match l.read() {
@@ -78,7 +90,13 @@ impl Link {
             backoff: (cfg.daemon.reconnect_min.0, cfg.daemon.reconnect_max.0),
             want: watch::channel(None).0,
             current: RwLock::new(None),
+            reporter: RwLock::new(None),
         }
+    }
+
+    /// Sets what each heartbeat reports to kvtierd (its per-session view of this worker).
+    pub fn set_reporter(&self, r: Reporter) {
+        *write(&self.reporter) = Some(r);
     }
 
     /// Per-call deadline.
@@ -158,7 +176,9 @@ impl Link {
                 }
                 (Some(_), Some(linked)) => {
                     let mut c = linked.client.clone();
-                    match tokio::time::timeout(self.timeout, c.heartbeat(linked.session)).await {
+                    let report = read(&self.reporter).as_ref().map(|r| r());
+                    let beat = c.heartbeat_with(linked.session, report);
+                    match tokio::time::timeout(self.timeout, beat).await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => self.broken(&linked, &e),
                         Err(_) => self.broken(

@@ -136,7 +136,8 @@ fn write_policies_back_up_exactly_what_they_should_when_they_should() {
 #[test]
 fn a_prefix_computed_by_one_worker_is_loaded_by_another_bit_identical() {
     let d = dir("two");
-    let _kvtierd = daemon(&d, &["l2.pool_pages=256"]);
+    // A short lease: heartbeats (which carry the agents' reports) every 200 ms.
+    let _kvtierd = daemon(&d, &["l2.pool_pages=256", "sessions.ttl=600ms"]);
     let spec = mha(0, 1);
     rt().block_on(async {
         let a1 = agent(&d, "w1", &[]);
@@ -181,6 +182,39 @@ fn a_prefix_computed_by_one_worker_is_loaded_by_another_bit_identical() {
             .await;
         assert_eq!(r.duplicate_pages, vec![50, 51, 52, 53, 54, 55]);
         assert_eq!(r.inserted, 2);
+        // kvtierd's view shows each worker by session, from the reports on heartbeats.
+        let mut c =
+            kvtier_client::HostClient::connect(&d.join("kvtierd.sock").display().to_string())
+                .await
+                .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = c.stats().await.unwrap();
+            let w2 = st
+                .sessions
+                .iter()
+                .find(|s| s.name == "w2")
+                .and_then(|s| s.report);
+            if let Some(r) = w2
+                && r.load_back_pages == 6
+            {
+                assert_eq!((r.l2_hit_pages, r.device_hit_pages), (6, 6));
+                assert_eq!(r.device_pages, 8);
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no report from w2: {st:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let status = tokio::task::spawn_blocking({
+            let socket = d.join("kvtierd.sock").display().to_string();
+            move || kvtier_ctl::status(kvtier_ctl::StatusArgs { socket }).unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(status.contains("loaded back 6"), "{status}");
     });
 }
 
@@ -460,5 +494,54 @@ fn bad_engine_input_is_refused_by_field() {
             .unwrap()
             .into_inner();
         assert_eq!(r.inserted, 1);
+    });
+}
+
+#[test]
+fn an_agent_killed_mid_backup_leaves_only_whole_pages() {
+    let d = dir("midbackup");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=1024", "sessions.ttl=400ms"]);
+    let spec = mha(0, 1);
+    let t = tokens(60, 512);
+    let ks = keys(&spec, &t);
+    rt().block_on(async {
+        let mut a = agent(&d, "victim", &[]);
+        let mut e = Engine::start(&a, spec.clone(), 600, "midbackup").await;
+        e.wait_connected().await;
+        let pages: Vec<u32> = (0..512).collect();
+        e.prefill_and_insert(&t, &pages).await;
+        // The backup of 512 pages has just been queued: kill the agent while it runs.
+        a.kill();
+        drop(e);
+        // Whatever L2 shows once the dead session is reclaimed is a prefix of whole,
+        // correct pages: a second worker loads it and compares every byte.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let b = agent(&d, "survivor", &[]);
+        let mut f = Engine::start(&b, spec.clone(), 600, "survivor").await;
+        f.wait_connected().await;
+        let m = f.do_match(&t).await;
+        let n = m.l2_pages;
+        let lb = f
+            .client
+            .load_back(v1::LoadBackRequest {
+                handle: m.handle,
+                free_pages: (0..n).collect(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(lb.loaded, n);
+        for (k, p) in ks.iter().zip(0..n) {
+            assert!(
+                f.holds(p, k),
+                "page {p} from the killed agent's backup is wrong"
+            );
+        }
+        let mut c =
+            kvtier_client::HostClient::connect(&d.join("kvtierd.sock").display().to_string())
+                .await
+                .unwrap();
+        let st = c.stats().await.unwrap();
+        assert!(st.pools.iter().all(|p| p.writing_pages == 0), "{st:?}");
     });
 }

@@ -233,9 +233,20 @@ impl HostClient {
 
     /// Keeps a session alive.
     pub async fn heartbeat(&mut self, session: u64) -> Result<(), ClientError> {
+        self.heartbeat_with(session, None).await
+    }
+
+    /// Keeps a session alive and hands the daemon this client's report (shown per session
+    /// in the daemon's Stats).
+    pub async fn heartbeat_with(
+        &mut self,
+        session: u64,
+        report: Option<v1::ClientReport>,
+    ) -> Result<(), ClientError> {
         self.inner
             .heartbeat(v1::HeartbeatRequest {
                 session_id: session,
+                report,
             })
             .await?;
         Ok(())

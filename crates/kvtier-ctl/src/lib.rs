@@ -321,6 +321,24 @@ pub fn status(a: StatusArgs) -> Result<String> {
             c.writing_pages,
             c.idle_ms
         )?;
+        if let Some(r) = &c.report {
+            writeln!(
+                out,
+                "         agent: matches {}  pages device {} l2 {} l3 {} miss {}  loaded back {}  \
+                 backed up {} (dropped {})  evicted {}  on device {} (locked {})",
+                r.matches,
+                r.device_hit_pages,
+                r.l2_hit_pages,
+                r.l3_hit_pages,
+                r.miss_pages,
+                r.load_back_pages,
+                r.backup_pages,
+                r.backup_dropped_pages,
+                r.evicted_pages,
+                r.device_pages,
+                r.locked_pages
+            )?;
+        }
     }
     writeln!(
         out,

@@ -263,7 +263,8 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::HeartbeatResponse>, Status> {
         self.observe("heartbeat", || {
             let mut st = self.state();
-            st.touch(request.get_ref().session_id, Instant::now())?;
+            let r = request.get_ref();
+            st.heartbeat(r.session_id, r.report, Instant::now())?;
             Ok(v1::HeartbeatResponse {
                 ttl_ms: st.ttl().as_millis() as u64,
             })
@@ -473,6 +474,7 @@ impl HostTier for HostService {
                     pins: s.pins.values().map(|&n| u64::from(n)).sum(),
                     writing_pages: s.writing.len() as u32,
                     idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
+                    report: s.report,
                 })
                 .collect();
             let c = st.counters;

@@ -194,6 +194,8 @@ pub struct Session {
     pub pins: HashMap<PageKey, u32>,
     /// Pages it has reserved and not yet committed or aborted.
     pub writing: HashSet<PageKey>,
+    /// The client's last report (agents send one with each heartbeat).
+    pub report: Option<v1::ClientReport>,
 }
 
 /// Counters since start (exported as metrics and in Stats).
@@ -349,6 +351,24 @@ impl HostState {
             .ok_or_else(|| unknown_session(id))
     }
 
+    /// Marks a session alive and keeps the report its heartbeat carried.
+    pub fn heartbeat(
+        &mut self,
+        id: u64,
+        report: Option<v1::ClientReport>,
+        now: Instant,
+    ) -> Result<(), ApiError> {
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or_else(|| unknown_session(id))?;
+        s.last_seen = now;
+        if report.is_some() {
+            s.report = report;
+        }
+        Ok(())
+    }
+
     /// Session lease.
     pub fn ttl(&self) -> Duration {
         self.ttl
@@ -449,6 +469,7 @@ impl HostState {
                 last_seen: now,
                 pins: HashMap::new(),
                 writing: HashSet::new(),
+                report: None,
             },
         );
         Ok(Registered {

@@ -14,25 +14,37 @@ use kvtier_proto::v1::agent_client::AgentClient;
 use kvtier_shm::ShmRegion;
 use tonic::transport::Channel;
 
-/// The kvtierd binary: beside this package's binaries; built on demand when a lone
-/// `cargo test -p kvtier-agent` has not built it.
+/// The kvtierd binary, beside this package's binaries. It belongs to another package, so
+/// cargo does not build it for these tests: build it (a no-op when fresh) once per test run,
+/// into the same target directory, so a lone `cargo test -p kvtier-agent` never runs a stale
+/// daemon.
 pub fn kvtierd_bin() -> PathBuf {
-    let agent = PathBuf::from(env!("CARGO_BIN_EXE_kvtier-agent"));
-    let bin = agent.with_file_name("kvtierd");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let profile_release = agent
-            .parent()
-            .and_then(Path::file_name)
-            .is_some_and(|p| p == "release");
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", "kvtier-daemon", "--bin", "kvtierd"]);
-        if profile_release {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().unwrap().success(), "building kvtierd failed");
-    }
-    bin
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let agent = PathBuf::from(env!("CARGO_BIN_EXE_kvtier-agent"));
+            let profile_dir = agent.parent().unwrap();
+            let target_dir = profile_dir.parent().unwrap();
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.args([
+                "build",
+                "--quiet",
+                "-p",
+                "kvtier-daemon",
+                "--bin",
+                "kvtierd",
+            ])
+            .arg("--target-dir")
+            .arg(target_dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+            if profile_dir.file_name().is_some_and(|p| p == "release") {
+                cmd.arg("--release");
+            }
+            assert!(cmd.status().unwrap().success(), "building kvtierd failed");
+            agent.with_file_name("kvtierd")
+        })
+        .clone()
 }
 
 fn reader(out: std::process::ChildStdout) -> mpsc::Receiver<String> {
