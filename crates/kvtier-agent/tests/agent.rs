@@ -10,6 +10,13 @@ use std::time::Duration;
 use common::*;
 use kvtier_proto::v1;
 
+/// Not a test: the entry point of the kvtierd child processes the tests start.
+#[test]
+#[ignore = "entry point of test daemons"]
+fn daemon_entry() {
+    assert!(daemon_child(), "run by the tests, not by hand");
+}
+
 #[test]
 fn write_policies_back_up_exactly_what_they_should_when_they_should() {
     let d = dir("policies");

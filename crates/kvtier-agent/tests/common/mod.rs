@@ -14,37 +14,45 @@ use kvtier_proto::v1::agent_client::AgentClient;
 use kvtier_shm::ShmRegion;
 use tonic::transport::Channel;
 
-/// The kvtierd binary, beside this package's binaries. It belongs to another package, so
-/// cargo does not build it for these tests: build it (a no-op when fresh) once per test run,
-/// into the same target directory, so a lone `cargo test -p kvtier-agent` never runs a stale
-/// daemon.
-pub fn kvtierd_bin() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let agent = PathBuf::from(env!("CARGO_BIN_EXE_kvtier-agent"));
-            let profile_dir = agent.parent().unwrap();
-            let target_dir = profile_dir.parent().unwrap();
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut cmd = Command::new(cargo);
-            cmd.args([
-                "build",
-                "--quiet",
-                "-p",
-                "kvtier-daemon",
-                "--bin",
-                "kvtierd",
-            ])
-            .arg("--target-dir")
-            .arg(target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
-            if profile_dir.file_name().is_some_and(|p| p == "release") {
-                cmd.arg("--release");
-            }
-            assert!(cmd.status().unwrap().success(), "building kvtierd failed");
-            agent.with_file_name("kvtierd")
+/// Runs kvtierd in this process when the test binary was re-executed as a daemon (see
+/// [`daemon`]): the same `kvtier_daemon::run` the kvtierd binary calls, so these tests need no
+/// binary of another package. Returns whether it did.
+pub fn daemon_child() -> bool {
+    let Ok(sets) = std::env::var("KVT_DAEMON_SETS") else {
+        return false;
+    };
+    let cfg = kvtier_config::daemon::DaemonConfig::load(&kvtier_config::Sources {
+        sets: sets.lines().map(str::to_string).collect(),
+        ..kvtier_config::Sources::default()
+    })
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let on_term = stop.clone();
+        tokio::spawn(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
+            term.recv().await;
+            on_term.cancel();
+        });
+        kvtier_daemon::run(cfg, stop, |r| {
+            let metrics = r
+                .metrics
+                .map(|a| format!("http://{a}/metrics"))
+                .unwrap_or_default();
+            println!(
+                "kvtierd ready socket={} metrics={metrics}",
+                r.socket.display()
+            );
         })
-        .clone()
+        .await
+        .unwrap();
+    });
+    true
 }
 
 fn reader(out: std::process::ChildStdout) -> mpsc::Receiver<String> {
@@ -125,27 +133,26 @@ pub fn dir(name: &str) -> PathBuf {
     d
 }
 
-/// Starts kvtierd with its socket in `dir`.
+/// Starts a kvtierd process (this test binary re-executed into [`daemon_child`]) with its
+/// socket in `dir`.
 pub fn daemon(dir: &Path, sets: &[&str]) -> Proc {
-    let mut cmd = Command::new(kvtierd_bin());
+    let mut all = vec![
+        format!("data_dir={}", dir.join("daemon").display()),
+        format!("server.socket={}", dir.join("kvtierd.sock").display()),
+        "metrics.listen=127.0.0.1:0".to_string(),
+        "log.level=warn".to_string(),
+        "server.drain_timeout=500ms".to_string(),
+    ];
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
-        "--set",
-        &format!("data_dir={}", dir.join("daemon").display()),
+        "daemon_entry",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
     ])
-    .args([
-        "--set",
-        &format!("server.socket={}", dir.join("kvtierd.sock").display()),
-    ])
-    .args([
-        "--set",
-        "metrics.listen=127.0.0.1:0",
-        "--set",
-        "log.level=warn",
-    ])
-    .args(["--set", "server.drain_timeout=500ms"]);
-    for s in sets {
-        cmd.args(["--set", s]);
-    }
+    .env("KVT_DAEMON_SETS", all.join("\n"));
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
