@@ -538,7 +538,8 @@ impl AgentService {
         }
         let mut st = lock(&self.shared.state);
         Self::check_pages(&st, "device_pages", &req.device_pages, false)?;
-        let known = st.tree.peek_device_values(&keys).len();
+        let tree_pages = st.tree.peek_device_values(&keys);
+        let known = tree_pages.len();
         for (i, &p) in req.device_pages.iter().enumerate().skip(known) {
             if st.in_tree[p as usize] {
                 return Err(ApiError::invalid(
@@ -556,13 +557,21 @@ impl AgentService {
             st.in_tree[p as usize] = true;
         }
         drop(st);
+        // The engine's own copies of pages the tree already holds; pages it passed that are
+        // the tree's (its matched prefix) are not duplicates.
+        let duplicate_pages: Vec<u32> = req.device_pages[..dup]
+            .iter()
+            .zip(&tree_pages)
+            .filter(|(mine, tree)| mine != tree)
+            .map(|(&mine, _)| mine)
+            .collect();
         let inserted = keys.len() - dup;
         self.shared.metrics.inserted_pages.inc_by(inserted as u64);
         if self.shared.policy == BackupPolicy::WriteThrough && inserted > 0 {
             self.enqueue_backup(ins.node);
         }
         Ok(v1::InsertResponse {
-            duplicate_pages: req.device_pages[..dup].to_vec(),
+            duplicate_pages,
             inserted: inserted as u32,
         })
     }
@@ -631,13 +640,26 @@ impl AgentService {
 
     /// Queues a backup of `node` (and its unbacked ancestors) without waiting; a full queue
     /// drops it (counted).
+    ///
+    /// The node is locked from now until its backup ends, so the engine's evictions cannot
+    /// take its pages before they reached L2 (an unbacked page evicted is a page lost).
     fn enqueue_backup(&self, node: NodeId) {
+        if lock(&self.shared.state).tree.lock(node).is_err() {
+            return;
+        }
+        self.shared
+            .counters
+            .in_flight
+            .fetch_add(1, Ordering::Relaxed);
         if self.shared.backups.try_send(node).is_err() {
-            let pages = lock(&self.shared.state)
-                .tree
-                .view(node)
-                .map(|v| v.keys.len())
-                .unwrap_or(0);
+            self.shared
+                .counters
+                .in_flight
+                .fetch_sub(1, Ordering::Relaxed);
+            let mut st = lock(&self.shared.state);
+            let pages = st.tree.view(node).map(|v| v.keys.len()).unwrap_or(0);
+            let _ = st.tree.unlock(node);
+            drop(st);
             self.count_backup("dropped", pages);
         }
     }
@@ -662,6 +684,27 @@ impl AgentService {
     /// host into the reserved slots, commit; only then are the pages marked backed up. The
     /// pages stay locked in the tree while the copy reads them.
     pub async fn backup(&self, node: NodeId) {
+        if lock(&self.shared.state).tree.lock(node).is_err() {
+            return;
+        }
+        self.shared
+            .counters
+            .in_flight
+            .fetch_add(1, Ordering::Relaxed);
+        self.backup_locked(node).await;
+    }
+
+    /// [`Self::backup`] of a node the caller locked; unlocks it at the end.
+    async fn backup_locked(&self, node: NodeId) {
+        self.backup_inner(node).await;
+        let _ = lock(&self.shared.state).tree.unlock(node);
+        self.shared
+            .counters
+            .in_flight
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+
+    async fn backup_inner(&self, node: NodeId) {
         let t = Instant::now();
         let Some(linked) = self.shared.link.current() else {
             let pages = lock(&self.shared.state)
@@ -673,7 +716,7 @@ impl AgentService {
             return;
         };
         let plan = {
-            let mut st = lock(&self.shared.state);
+            let st = lock(&self.shared.state);
             let Some(device) = st.engine.as_ref().map(|e| e.device.clone()) else {
                 return;
             };
@@ -694,21 +737,10 @@ impl AgentService {
                 ends.push((n, keys.len()));
             }
             let parent = st.tree.parent_key(path[0]).ok().flatten();
-            if st.tree.lock(node).is_err() {
-                return;
-            }
             (device, keys, pages, ends, parent)
         };
         let (device, keys, pages, ends, parent) = plan;
-        self.shared
-            .counters
-            .in_flight
-            .fetch_add(1, Ordering::Relaxed);
         let stored = self.store(&linked, &device, &keys, &pages, parent).await;
-        self.shared
-            .counters
-            .in_flight
-            .fetch_sub(1, Ordering::Relaxed);
         {
             let mut st = lock(&self.shared.state);
             if let Some((upto, _)) = &stored {
@@ -717,7 +749,6 @@ impl AgentService {
                     let _ = st.tree.mark_backed_up(n);
                 }
             }
-            let _ = st.tree.unlock(node);
         }
         let policy = self.shared.policy.name();
         match stored {
@@ -882,7 +913,8 @@ pub async fn run_backups(
         };
         let svc = svc.clone();
         tokio::spawn(async move {
-            svc.backup(node).await;
+            // Queued nodes were locked by `enqueue_backup`.
+            svc.backup_locked(node).await;
             drop(permit);
         });
     }

@@ -134,6 +134,9 @@ rocksdb_sync = false
 # Chaos drill: every L3 read (get) waits this long before it starts, to rehearse a slow
 # storage tier (prefetch policies, timeouts, metrics). 0s: off; keep it off in production.
 fault_get_delay = "0s"
+# Chaos drill: each L3 call fails with this probability (0.0 to 1.0), to rehearse an unreliable
+# storage tier. 0: off; keep it off in production.
+fault_error_rate = 0.0
 
 [prefetch]
 # Loading pages from L3 into L2 ahead of a request (Prefetch RPC). The L3 hit is measured with
@@ -313,6 +316,8 @@ pub struct L3Config {
     pub rocksdb_sync: bool,
     /// Chaos drill: delay before every L3 read (0: off).
     pub fault_get_delay: Dur,
+    /// Chaos drill: probability that an L3 call fails (0: off).
+    pub fault_error_rate: f64,
 }
 
 /// `[prefetch]`.
@@ -445,6 +450,7 @@ impl Default for L3Config {
             rocksdb_capacity_bytes: ByteSize(0),
             rocksdb_sync: false,
             fault_get_delay: Dur(Duration::ZERO),
+            fault_error_rate: 0.0,
         }
     }
 }
@@ -655,6 +661,7 @@ impl DaemonConfig {
                     rocksdb_capacity_bytes: _,
                     rocksdb_sync: _,
                     fault_get_delay,
+                    fault_error_rate,
                 },
             prefetch:
                 PrefetchConfig {
@@ -821,6 +828,12 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "l3.fault_get_delay",
                 format!("{fault_get_delay} is above 10m"),
+            ));
+        }
+        if !(0.0..=1.0).contains(fault_error_rate) {
+            return Err(ConfigError::invalid(
+                "l3.fault_error_rate",
+                format!("{fault_error_rate} is outside 0.0..=1.0"),
             ));
         }
         prefetch_policy

@@ -22,7 +22,7 @@ use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::s3::{S3Config, S3Store};
 use kvtier_storage::wrappers::{
-    Breaker, BreakerConfig, BreakerState, Delayed, Metered, StoreObserver,
+    Breaker, BreakerConfig, BreakerState, Delayed, Flaky, Metered, StoreObserver,
 };
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
@@ -190,6 +190,15 @@ impl L3 {
         } else {
             tracing::warn!(delay = %cfg.l3.fault_get_delay, "l3.fault_get_delay is set: every L3 read is slowed on purpose");
             Arc::new(Delayed::new(store, cfg.l3.fault_get_delay.0))
+        };
+        let store: Arc<dyn Store> = if cfg.l3.fault_error_rate > 0.0 {
+            tracing::warn!(
+                rate = cfg.l3.fault_error_rate,
+                "l3.fault_error_rate is set: L3 calls fail at random on purpose"
+            );
+            Arc::new(Flaky::new(store, cfg.l3.fault_error_rate, 0x6b76_7469_6572))
+        } else {
+            store
         };
         let metered: Arc<dyn Store> = Arc::new(Metered::new(store, observer));
         let breaker = Arc::new(Breaker::new(

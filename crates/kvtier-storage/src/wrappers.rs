@@ -361,6 +361,84 @@ impl Store for Delayed {
     }
 }
 
+/// An unreliable backend, for chaos drills and tests: each call fails with probability
+/// `rate` (an I/O error), decided by a fast deterministic generator so runs are repeatable.
+#[derive(Debug)]
+pub struct Flaky {
+    inner: Arc<dyn Store>,
+    /// `rate` scaled to `u32::MAX`.
+    threshold: u32,
+    state: AtomicU64,
+}
+
+impl Flaky {
+    /// Wraps `inner`; calls fail with probability `rate` (0.0 to 1.0), from `seed`.
+    pub fn new(inner: Arc<dyn Store>, rate: f64, seed: u64) -> Self {
+        Self {
+            inner,
+            threshold: (rate.clamp(0.0, 1.0) * f64::from(u32::MAX)) as u32,
+            state: AtomicU64::new(seed | 1),
+        }
+    }
+
+    fn roll(&self, op: &'static str) -> Result<(), StorageError> {
+        // SplitMix64 step on a shared counter: cheap, lock-free, repeatable for a seed.
+        let x = self
+            .state
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        if ((z ^ (z >> 31)) as u32) < self.threshold {
+            return Err(StorageError::Io {
+                op,
+                target: "flaky".into(),
+                source: std::io::Error::other("injected random fault"),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for Flaky {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
+        self.roll("get")?;
+        self.inner.get(name).await
+    }
+    async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        self.roll("set")?;
+        self.inner.set(name, head, body).await
+    }
+    async fn exists(&self, name: &str) -> Result<bool, StorageError> {
+        self.roll("exists")?;
+        self.inner.exists(name).await
+    }
+    async fn delete(&self, name: &str) -> Result<(), StorageError> {
+        self.inner.delete(name).await
+    }
+    async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
+        self.roll("exists")?;
+        self.inner.exists_prefix(names).await
+    }
+    async fn read_into(
+        &self,
+        name: &str,
+        split: usize,
+        sink: Arc<dyn ObjectSink>,
+    ) -> Result<Option<(Bytes, u64)>, StorageError> {
+        self.roll("get")?;
+        self.inner.read_into(name, split, sink).await
+    }
+    fn stats(&self) -> StoreStats {
+        self.inner.stats()
+    }
+}
+
 /// Receives one record per backend call from [`Metered`]: which backend, which operation,
 /// how it ended (`hit`, `miss`, `ok`, or an error's [`StorageError::reason`]), the bytes moved
 /// and the time taken. The daemon turns these into Prometheus metrics.

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_storage::memory::MemoryStore;
-use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Delayed, Fault, Faulty};
+use kvtier_storage::wrappers::{
+    Breaker, BreakerConfig, BreakerState, Delayed, Fault, Faulty, Flaky,
+};
 use kvtier_storage::{Fetch, MissReason, OpCtx, PageStore, StorageError, Store, conformance};
 
 fn cfg() -> BreakerConfig {
@@ -190,4 +192,39 @@ async fn delayed_reads_wait_and_deadlines_cut_them_short() {
     let miss = ps.get(&ctx(20), &fp, &key, None).await;
     assert!(matches!(miss, Fetch::Miss(MissReason::Timeout)), "{miss:?}");
     assert!(t.elapsed() < delay);
+}
+
+#[tokio::test]
+async fn flaky_fails_at_its_rate_and_never_serves_wrong_bytes() {
+    conformance::run_all(Arc::new(Flaky::new(Arc::new(MemoryStore::new()), 0.0, 1))).await;
+    let inner: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let ps_ok = PageStore::new(inner.clone());
+    let fp = LayoutFingerprint([5; 16]);
+    let keys: Vec<PageKey> = (0..200u8).map(|i| PageKey([i; 32])).collect();
+    let ctx = || OpCtx::timeout(Duration::from_secs(5));
+    for k in &keys {
+        ps_ok
+            .set(&ctx(), &fp, k, Bytes::from(vec![k.0[0]; 64]))
+            .await
+            .unwrap();
+    }
+    let flaky = PageStore::new(Arc::new(Flaky::new(inner, 0.3, 7)));
+    let (mut hits, mut misses) = (0, 0);
+    for k in &keys {
+        match flaky.get(&ctx(), &fp, k, Some(64)).await {
+            Fetch::Hit(b) => {
+                assert!(b.iter().all(|&x| x == k.0[0]), "wrong bytes served");
+                hits += 1;
+            }
+            Fetch::Miss(MissReason::Failed(_)) => misses += 1,
+            Fetch::Miss(other) => panic!("unexpected miss: {other:?}"),
+        }
+    }
+    assert!(
+        (30..=90).contains(&misses),
+        "{misses} failures of 200 at rate 0.3"
+    );
+    assert_eq!(hits + misses, 200);
+    let always = PageStore::new(Arc::new(Flaky::new(Arc::new(MemoryStore::new()), 1.0, 7)));
+    assert!(always.exists(&ctx(), &fp, &keys[0]).await.is_err());
 }

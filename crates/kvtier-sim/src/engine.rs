@@ -1,0 +1,354 @@
+//! One simulated inference worker: a cpu KV pool (layer-first, in shared memory), a page
+//! allocator, and the scheduler's side of the cache protocol with its agent. Every page it
+//! receives from any tier is checked against the deterministic KV.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvtier_core::{DevicePool, Layout, LayoutSpec, Namespace, PageHasher, PageKey};
+use kvtier_proto::v1;
+use kvtier_proto::v1::agent_client::AgentClient;
+use kvtier_shm::ShmRegion;
+use tonic::transport::Channel;
+
+use crate::kv::KvPool;
+use crate::workload::Request;
+
+/// A page that did not hold what recomputing it gives.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Corrupt {
+    /// Request index.
+    pub request: usize,
+    /// The page key, hex.
+    pub key: String,
+    /// Where it came from: device, host or storage.
+    pub tier: &'static str,
+}
+
+/// What one request did.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// Tokens served by the worker's device, L2 (host) and L3 (storage).
+    pub device: u64,
+    /// See `device`.
+    pub host: u64,
+    /// See `device`.
+    pub storage: u64,
+    /// Tokens computed.
+    pub computed: u64,
+    /// Pages checked against the deterministic KV.
+    pub verified: u64,
+    /// Pages that failed the check.
+    pub corrupt: Vec<Corrupt>,
+    /// Final state of the prefetch, if one ran (`completed`, `timed_out`, `revoked:...`).
+    pub prefetch: Option<String>,
+    /// Bytes loaded back from L2.
+    pub load_back_bytes: u64,
+    /// Time spent in LoadBack calls.
+    pub load_back_time: Duration,
+}
+
+/// The simulated worker.
+pub struct Worker {
+    /// Index.
+    pub id: usize,
+    socket: PathBuf,
+    spec: LayoutSpec,
+    layout: Layout,
+    kv: KvPool,
+    path: PathBuf,
+    pages: u64,
+    client: Option<AgentClient<Channel>>,
+    free: Vec<u32>,
+    hasher: PageHasher,
+    prefetch: Option<v1::PrefetchPolicy>,
+    scratch: (Vec<u8>, Vec<u8>),
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("id", &self.id).finish()
+    }
+}
+
+impl Worker {
+    /// A worker with a pool of `pages` pages in /dev/shm, talking to the agent at `socket`.
+    pub fn new(
+        id: usize,
+        socket: PathBuf,
+        spec: LayoutSpec,
+        pages: u64,
+        prefetch: Option<v1::PrefetchPolicy>,
+        run_id: &str,
+    ) -> Result<Self> {
+        let layout = Layout::new(spec.clone()).context("layout")?;
+        let page_size = layout.page_size();
+        let pool = DevicePool::new(layout.clone(), pages * page_size as u64).context("pool")?;
+        let path = PathBuf::from("/dev/shm").join(format!("kvtier-sim-{run_id}-worker-{id}"));
+        let region = ShmRegion::create(&path, pool.total_bytes())
+            .with_context(|| format!("creating the KV pool {}", path.display()))?;
+        Ok(Self {
+            id,
+            socket,
+            spec,
+            layout,
+            kv: KvPool { pool, region },
+            path,
+            pages,
+            client: None,
+            free: Vec::new(),
+            hasher: PageHasher::new(page_size, &Namespace::default())?,
+            prefetch,
+            scratch: (Vec::new(), Vec::new()),
+        })
+    }
+
+    /// Page bytes of the layout.
+    pub fn page_bytes(&self) -> usize {
+        self.layout.page_bytes()
+    }
+
+    /// (Re)connects to the agent and registers the pool: the agent starts with an empty tree,
+    /// so every page is free again.
+    pub async fn connect(&mut self) -> Result<()> {
+        let ch = kvtier_client::connect(&self.socket.display().to_string())
+            .await
+            .with_context(|| format!("connecting to the agent at {}", self.socket.display()))?;
+        let mut c = AgentClient::new(ch);
+        c.register_pool(v1::RegisterPoolRequest {
+            layout: Some((&self.spec).into()),
+            num_token_slots: self.pages * self.layout.page_size() as u64,
+            device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
+                path: self.path.display().to_string(),
+            })),
+        })
+        .await
+        .context("registering the KV pool")?;
+        self.client = Some(c);
+        self.free = (0..self.pages as u32).rev().collect();
+        Ok(())
+    }
+
+    /// Waits until the agent reports a kvtierd session (or `wait` passes).
+    pub async fn wait_daemon(&mut self, wait: Duration) -> Result<bool> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let c = self.client.as_mut().context("not connected")?;
+            let st = c.agent_stats(v1::AgentStatsRequest {}).await?.into_inner();
+            if st.daemon_connected {
+                return Ok(true);
+            }
+            if Instant::now() > deadline {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until the agent has no backup queued or running and kvtierd has no L3 write
+    /// queued (or `wait` passes): the deterministic mode's "everything has settled".
+    pub async fn settle(&mut self, daemon: &mut Option<kvtier_client::HostClient>, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        while Instant::now() < deadline {
+            let agent_busy = match self.stats().await {
+                Ok(st) => st.backups_in_flight > 0,
+                Err(_) => false,
+            };
+            let daemon_busy = match daemon.as_mut() {
+                Some(d) => match d.stats().await {
+                    Ok(st) => st.l3.is_some_and(|l| l.queued_pages > 0),
+                    Err(_) => false,
+                },
+                None => false,
+            };
+            if !agent_busy && !daemon_busy {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// The agent's counters.
+    pub async fn stats(&mut self) -> Result<v1::AgentStatsResponse> {
+        let c = self.client.as_mut().context("not connected")?;
+        Ok(c.agent_stats(v1::AgentStatsRequest {}).await?.into_inner())
+    }
+
+    /// Takes `n` free pages, asking the agent to evict when short. Pages whose backup is
+    /// still running are locked, so eviction may free fewer than asked: wait for them a
+    /// little, as an engine's scheduler would, before giving up.
+    async fn alloc(&mut self, n: usize) -> Result<Vec<u32>> {
+        if n as u64 > self.pages {
+            bail!(
+                "worker {}: {n} pages needed at once; the device pool has {} (raise \
+                 --device-pages)",
+                self.id,
+                self.pages
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.free.len() < n {
+            let short = (n - self.free.len()) as u32;
+            let c = self.client.as_mut().context("not connected")?;
+            // Evict a little more than needed, so the next request does not evict at once.
+            let ev = c
+                .evict(v1::EvictRequest {
+                    pages: short.max(self.pages as u32 / 16),
+                })
+                .await?
+                .into_inner();
+            let got = ev.pages.len();
+            self.free.extend(ev.pages);
+            if self.free.len() >= n {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "worker {}: {n} pages needed, {} free: the device pool ({} pages) is too \
+                     small for this request",
+                    self.id,
+                    self.free.len(),
+                    self.pages
+                );
+            }
+            if got == 0 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        let at = self.free.len() - n;
+        Ok(self.free.split_off(at))
+    }
+
+    fn check(&mut self, page: u32, key: &PageKey) -> bool {
+        let (a, b) = &mut self.scratch;
+        self.kv.check(page, key, a, b)
+    }
+
+    /// Serves one request the way an engine's scheduler would: match, verify the device hit,
+    /// prefetch L3 pages, load back from L2 into free pages (verified), compute the rest,
+    /// insert, release.
+    pub async fn serve(&mut self, req: &Request) -> Result<Outcome> {
+        let page_size = self.layout.page_size() as u64;
+        let page_bytes = self.layout.page_bytes() as u64;
+        let keys = self.hasher.keys(&req.input);
+        let mut out = Outcome {
+            input_tokens: req.input.len() as u64,
+            ..Outcome::default()
+        };
+        let client = self.client.as_mut().context("not connected")?;
+        let m = client
+            .r#match(v1::MatchRequest {
+                tokens: req.input.clone(),
+                namespace: None,
+            })
+            .await?
+            .into_inner();
+        let handle = m.handle;
+        let mut pages: Vec<u32> = m.device_pages.clone();
+        for (i, &p) in m.device_pages.iter().enumerate() {
+            out.verified += 1;
+            if !self.check(p, &keys[i]) {
+                out.corrupt.push(Corrupt {
+                    request: req.index,
+                    key: keys[i].to_hex(),
+                    tier: "device",
+                });
+            }
+        }
+        let d = pages.len();
+        out.device = d as u64 * page_size;
+        let (l2, l3) = (m.l2_pages as usize, m.l3_pages as usize);
+        let mut want = l2;
+        if l3 > 0
+            && let Some(policy) = self.prefetch
+        {
+            let client = self.client.as_mut().context("not connected")?;
+            let mut stream = client
+                .prefetch(v1::AgentPrefetchRequest {
+                    handle,
+                    policy: policy as i32,
+                    hints: None,
+                })
+                .await?
+                .into_inner();
+            let mut last = None;
+            while let Some(p) = stream.message().await? {
+                last = Some(p);
+            }
+            if let Some(p) = last {
+                out.prefetch = Some(kvtier_client::outcome(&p));
+                want = (p.l2_pages + p.landed_pages) as usize;
+            }
+        }
+        if want > 0 {
+            let free = self.alloc(want).await?;
+            for &p in &free {
+                self.kv.scribble(p, &mut self.scratch.0);
+            }
+            let t = Instant::now();
+            let client = self.client.as_mut().context("not connected")?;
+            let lb = client
+                .load_back(v1::LoadBackRequest {
+                    handle,
+                    free_pages: free.clone(),
+                })
+                .await?
+                .into_inner();
+            out.load_back_time = t.elapsed();
+            let loaded = lb.loaded as usize;
+            self.free.extend(lb.unused_pages.iter().copied());
+            // The handle's device prefix now: the matched pages and the loaded ones.
+            let now = lb.device_pages.clone();
+            for i in d..now.len() {
+                let tier = if i - d < l2 { "host" } else { "storage" };
+                out.verified += 1;
+                if !self.check(now[i], &keys[i]) {
+                    out.corrupt.push(Corrupt {
+                        request: req.index,
+                        key: keys[i].to_hex(),
+                        tier,
+                    });
+                }
+            }
+            let host = loaded.min(l2);
+            out.host = host as u64 * page_size;
+            out.storage = (loaded - host) as u64 * page_size;
+            out.load_back_bytes = loaded as u64 * page_bytes;
+            pages = now;
+        }
+        // Compute the rest of the prompt and the generated tokens (full pages only: a partial
+        // last page is never cached).
+        let mut all = req.input.clone();
+        all.extend_from_slice(&req.output);
+        let all_keys = self.hasher.keys(&all);
+        let cached = pages.len();
+        out.computed = out.input_tokens - (cached as u64 * page_size).min(out.input_tokens);
+        let fresh = self.alloc(all_keys.len().saturating_sub(cached)).await?;
+        for (k, &p) in all_keys[cached..].iter().zip(&fresh) {
+            let (a, _) = &mut self.scratch;
+            self.kv.compute(p, k, a);
+        }
+        pages.extend_from_slice(&fresh);
+        let client = self.client.as_mut().context("not connected")?;
+        let ins = client
+            .insert(v1::InsertRequest {
+                tokens: all,
+                namespace: None,
+                device_pages: pages,
+            })
+            .await?
+            .into_inner();
+        self.free.extend(ins.duplicate_pages);
+        client.release(v1::AgentReleaseRequest { handle }).await?;
+        Ok(out)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

@@ -1,0 +1,545 @@
+//! kvtier-sim: drives kvtier the way inference engines do and proves, on every run, that no
+//! tier ever serves a page different from recomputing it.
+//!
+//! A simulation has workers (each a [`engine::Worker`]: a cpu KV pool and its own
+//! kvtier-agent) sharing one kvtierd, and a workload ([`workload`]: a Mooncake trace or
+//! generated chat sessions). Requests are spread over the workers round-robin; every page a
+//! worker receives (device hit, L2 load-back, L3 prefetch) is compared with the deterministic
+//! KV of [`kv`]. [`run`] returns a [`Report`].
+
+/// A name unique to this simulation within the machine (process id, a counter and the
+/// clock), for its directories and shared-memory files: several simulations may run at once.
+pub fn run_id() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "{}-{}-{nanos:x}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub mod cluster;
+pub mod engine;
+pub mod kv;
+pub mod workload;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kvtier_core::LayoutSpec;
+use kvtier_proto::v1;
+use serde::Serialize;
+use tokio::sync::Mutex;
+
+use crate::cluster::{Cluster, ClusterSpec, Launcher};
+use crate::engine::{Corrupt, Outcome, Worker};
+use crate::workload::Request;
+
+/// Where the kvtier processes come from.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// Start kvtierd and one agent per worker here.
+    Embedded(ClusterSpec),
+    /// Use running ones: kvtierd's socket (for its metrics) and one agent socket per worker.
+    Attach {
+        /// kvtierd's socket.
+        daemon: PathBuf,
+        /// One agent socket per worker.
+        agents: Vec<PathBuf>,
+    },
+}
+
+/// Something to do to the cluster while it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Chaos {
+    /// SIGKILL kvtierd after this many requests, then start it again.
+    KillDaemonAt(usize),
+    /// SIGKILL worker 0's agent after this many requests, then start it again.
+    KillAgentAt(usize),
+}
+
+/// A simulation.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The model layout every worker uses.
+    pub layout: LayoutSpec,
+    /// Device pages per worker.
+    pub device_pages: u64,
+    /// Prefetch policy for L3 hits (`None`: no prefetch; only L2 is loaded).
+    pub prefetch: Option<v1::PrefetchPolicy>,
+    /// Run requests one at a time, in order (the deterministic mode tests use); otherwise
+    /// every worker serves its share concurrently.
+    pub sequential: bool,
+    /// Replay at trace time scaled by this (0: as fast as possible).
+    pub time_scale: f64,
+    /// The cost model's prefill rate, tokens per second.
+    pub prefill_tokens_per_second: f64,
+    /// Chaos events.
+    pub chaos: Vec<Chaos>,
+    /// Show progress on stderr.
+    pub progress: bool,
+}
+
+/// Token counts served by each tier.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HitTokens {
+    /// From the worker's own device (L1).
+    pub device: u64,
+    /// From the node's host pool (L2).
+    pub host: u64,
+    /// From the storage tier (L3), through prefetch.
+    pub storage: u64,
+}
+
+/// Bytes moved between tiers.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Bytes {
+    /// L2 → device.
+    pub load_back: u64,
+    /// Device → L2.
+    pub backup: u64,
+    /// L3 → L2 (backend reads).
+    pub l3_read: u64,
+    /// L2 → L3 (backend writes).
+    pub l3_write: u64,
+}
+
+/// The estimated time-to-first-token effect, from a stated cost model.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TtftEstimate {
+    /// The model, in words.
+    pub model: String,
+    /// Prefill of every prompt token, no cache.
+    pub no_cache_seconds: f64,
+    /// Prefill of the computed tokens plus transfer of the loaded ones.
+    pub with_cache_seconds: f64,
+    /// 1 − with / without.
+    pub saving: f64,
+    /// Measured load-back throughput the model uses, GB/s.
+    pub transfer_gbps: f64,
+}
+
+/// The result of a simulation (`--json` prints it).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    /// Requests served.
+    pub requests: usize,
+    /// Requests that failed (an agent or daemon went away mid-request); they are retried on
+    /// a fresh connection once and counted here if that fails too.
+    pub failed_requests: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// What an unbounded cache would have served (from the workload itself).
+    pub ideal_reusable_tokens: u64,
+    /// Served per tier.
+    pub hit_tokens: HitTokens,
+    /// Computed (prefill).
+    pub computed_tokens: u64,
+    /// Pages checked against recomputation.
+    pub pages_verified: u64,
+    /// Pages that differed.
+    pub pages_corrupt: u64,
+    /// The first corrupt pages (at most 20).
+    pub corrupt_samples: Vec<Corrupt>,
+    /// Prefetch outcomes by name.
+    pub prefetch: BTreeMap<String, u64>,
+    /// Bytes moved.
+    pub bytes: Bytes,
+    /// Wall time.
+    pub wall_seconds: f64,
+    /// The cost-model estimate.
+    pub ttft: TtftEstimate,
+}
+
+impl Report {
+    /// Hit tokens of every tier.
+    pub fn hits(&self) -> u64 {
+        self.hit_tokens.device + self.hit_tokens.host + self.hit_tokens.storage
+    }
+
+    /// A readable table.
+    pub fn table(&self) -> String {
+        let pct = |n: u64, d: u64| {
+            if d == 0 {
+                0.0
+            } else {
+                100.0 * n as f64 / d as f64
+            }
+        };
+        let h = &self.hit_tokens;
+        let mut s = String::new();
+        let mut line = |k: &str, v: String| s.push_str(&format!("{k:<28} {v}\n"));
+        line(
+            "requests",
+            format!("{} ({} failed)", self.requests, self.failed_requests),
+        );
+        line("page size", format!("{} tokens", self.page_size));
+        line("input tokens", self.input_tokens.to_string());
+        line(
+            "ideal reusable tokens",
+            format!(
+                "{} ({:.1}% of input)",
+                self.ideal_reusable_tokens,
+                pct(self.ideal_reusable_tokens, self.input_tokens)
+            ),
+        );
+        line(
+            "hit tokens",
+            format!(
+                "{} = {:.1}% of ideal: device {} / host {} / storage {}",
+                self.hits(),
+                pct(self.hits(), self.ideal_reusable_tokens),
+                h.device,
+                h.host,
+                h.storage
+            ),
+        );
+        line("computed tokens", self.computed_tokens.to_string());
+        line(
+            "pages verified / corrupt",
+            format!("{} / {}", self.pages_verified, self.pages_corrupt),
+        );
+        let pf: Vec<String> = self
+            .prefetch
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        line(
+            "prefetch",
+            if pf.is_empty() {
+                "-".into()
+            } else {
+                pf.join(", ")
+            },
+        );
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / f64::from(1 << 20));
+        line(
+            "bytes",
+            format!(
+                "load-back {}, backup {}, L3 read {}, L3 write {}",
+                mib(self.bytes.load_back),
+                mib(self.bytes.backup),
+                mib(self.bytes.l3_read),
+                mib(self.bytes.l3_write)
+            ),
+        );
+        line("wall time", format!("{:.2} s", self.wall_seconds));
+        line(
+            "TTFT estimate",
+            format!(
+                "{:.1}% less prefill time ({:.2} s vs {:.2} s; {})",
+                100.0 * self.ttft.saving,
+                self.ttft.with_cache_seconds,
+                self.ttft.no_cache_seconds,
+                self.ttft.model
+            ),
+        );
+        s
+    }
+}
+
+/// kvtierd counters the report needs, read from its metrics stream.
+async fn daemon_bytes(socket: &std::path::Path) -> (u64, u64) {
+    let Ok(mut c) = kvtier_client::HostClient::connect(&socket.display().to_string()).await else {
+        return (0, 0);
+    };
+    let Ok(mut s) = c.watch_metrics(Duration::from_millis(100)).await else {
+        return (0, 0);
+    };
+    let Ok(Some(snap)) = s.message().await else {
+        return (0, 0);
+    };
+    let sum = |op: &str| {
+        snap.samples
+            .iter()
+            .filter(|s| {
+                s.name == "kvtier_l3_backend_bytes_total"
+                    && s.labels.iter().any(|l| l.name == "op" && l.value == op)
+            })
+            .map(|s| s.value as u64)
+            .sum::<u64>()
+    };
+    (sum("get"), sum("set"))
+}
+
+/// Runs a simulation of `requests`; `launcher` is how embedded servers are started.
+pub async fn run(
+    requests: Vec<Request>,
+    opts: Options,
+    target: Target,
+    launcher: Launcher,
+) -> Result<Report> {
+    let page_size = opts.layout.page_size as usize;
+    let ideal = workload::ideal_reusable_tokens(&requests, page_size);
+    let id = run_id();
+    let (cluster, daemon_socket, agent_sockets) = match &target {
+        Target::Embedded(spec) => {
+            let spec = spec.clone();
+            let cid = id.clone();
+            let c = tokio::task::spawn_blocking(move || Cluster::start(launcher, &spec, &cid))
+                .await
+                .context("starting the cluster")??;
+            let d = c.daemon.socket.clone();
+            let a = c
+                .agents
+                .iter()
+                .map(|a| a.socket.clone())
+                .collect::<Vec<_>>();
+            (Some(Arc::new(std::sync::Mutex::new(c))), d, a)
+        }
+        Target::Attach { daemon, agents } => (None, daemon.clone(), agents.clone()),
+    };
+    let mut workers = Vec::new();
+    for (i, sock) in agent_sockets.iter().enumerate() {
+        let mut w = Worker::new(
+            i,
+            sock.clone(),
+            opts.layout.clone(),
+            opts.device_pages,
+            opts.prefetch,
+            &id,
+        )?;
+        w.connect().await?;
+        if !w.wait_daemon(Duration::from_secs(30)).await? {
+            anyhow::bail!(
+                "worker {i}'s agent never reached kvtierd at {}",
+                daemon_socket.display()
+            );
+        }
+        workers.push(Arc::new(Mutex::new(w)));
+    }
+    let page_bytes = workers
+        .first()
+        .context("at least one worker is needed")?
+        .lock()
+        .await
+        .page_bytes() as u64;
+    let n = requests.len();
+    let requests = Arc::new(requests);
+    let done = Arc::new(AtomicUsize::new(0));
+    let outcomes = Arc::new(std::sync::Mutex::new(Vec::<Result<Outcome, String>>::new()));
+    let started = Instant::now();
+
+    // Progress on stderr.
+    let progress = opts.progress.then(|| {
+        let done = done.clone();
+        tokio::spawn(async move {
+            loop {
+                let k = done.load(Ordering::Relaxed);
+                let width = 40;
+                let filled = (k * width).checked_div(n).unwrap_or(width);
+                eprint!(
+                    "\r[{}{}] {k}/{n} requests",
+                    "#".repeat(filled),
+                    ".".repeat(width - filled)
+                );
+                if k >= n {
+                    eprintln!();
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    });
+
+    // Chaos: a watcher kills and restarts processes when the run reaches each point.
+    let chaos = cluster.clone().map(|cluster| {
+        let (done, events) = (done.clone(), opts.chaos.clone());
+        tokio::spawn(async move {
+            for ev in events {
+                let at = match ev {
+                    Chaos::KillDaemonAt(k) | Chaos::KillAgentAt(k) => k,
+                };
+                while done.load(Ordering::Relaxed) < at {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let cluster = cluster.clone();
+                let r = tokio::task::spawn_blocking(move || -> Result<()> {
+                    let mut c = cluster
+                        .lock()
+                        .map_err(|_| anyhow::anyhow!("cluster lock"))?;
+                    let launcher = c.launcher().clone();
+                    match ev {
+                        Chaos::KillDaemonAt(_) => c.daemon.restart(&launcher),
+                        Chaos::KillAgentAt(_) => match c.agents.first_mut() {
+                            Some(a) => a.restart(&launcher),
+                            None => Ok(()),
+                        },
+                    }
+                })
+                .await;
+                match r {
+                    Ok(Ok(())) => tracing::info!(?ev, "chaos: restarted"),
+                    Ok(Err(e)) => tracing::error!(?ev, "chaos restart failed: {e:#}"),
+                    Err(e) => tracing::error!(?ev, "chaos task failed: {e}"),
+                }
+            }
+        })
+    });
+
+    let (done2, outcomes2) = (done.clone(), outcomes.clone());
+    let serve = move |w: Arc<Mutex<Worker>>, req: Request| {
+        let (done, outcomes) = (done2.clone(), outcomes2.clone());
+        async move {
+            let mut w = w.lock().await;
+            let mut r = w.serve(&req).await;
+            if r.is_err() {
+                // The agent (or the daemon behind it) went away: reconnect once and retry.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while w.connect().await.is_err() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let _ = w.wait_daemon(Duration::from_secs(10)).await;
+                r = w.serve(&req).await;
+            }
+            let r = r.map_err(|e| format!("request {}: {e:#}", req.index));
+            if let Err(e) = &r {
+                tracing::warn!("{e}");
+            }
+            if let Ok(mut o) = outcomes.lock() {
+                o.push(r);
+            }
+            done.fetch_add(1, Ordering::Relaxed);
+        }
+    };
+    let pace = |req: &Request| {
+        let at = Duration::from_secs_f64(req.at_ms as f64 / 1000.0 * opts.time_scale);
+        async move {
+            let left = at.saturating_sub(started.elapsed());
+            if !left.is_zero() {
+                tokio::time::sleep(left).await;
+            }
+        }
+    };
+    if opts.sequential {
+        // One request at a time, and each one's backups (device → L2 → L3) settled before
+        // the next, so the result does not depend on how fast this machine copies.
+        let mut daemon = kvtier_client::HostClient::connect(&daemon_socket.display().to_string())
+            .await
+            .ok();
+        for (i, req) in requests.iter().enumerate() {
+            pace(req).await;
+            let w = workers[i % workers.len()].clone();
+            serve(w.clone(), req.clone()).await;
+            w.lock()
+                .await
+                .settle(&mut daemon, Duration::from_secs(30))
+                .await;
+        }
+    } else {
+        let mut tasks = Vec::new();
+        for (wi, w) in workers.iter().enumerate() {
+            let mine: Vec<Request> = requests
+                .iter()
+                .skip(wi)
+                .step_by(workers.len())
+                .cloned()
+                .collect();
+            let (w, serve) = (w.clone(), serve.clone());
+            let time_scale = opts.time_scale;
+            tasks.push(tokio::spawn(async move {
+                for req in mine {
+                    let at = Duration::from_secs_f64(req.at_ms as f64 / 1000.0 * time_scale);
+                    let left = at.saturating_sub(started.elapsed());
+                    if !left.is_zero() {
+                        tokio::time::sleep(left).await;
+                    }
+                    serve(w.clone(), req).await;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.context("worker task")?;
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    if let Some(p) = progress {
+        let _ = p.await;
+    }
+    if let Some(c) = chaos {
+        c.abort();
+    }
+
+    let mut rep = Report {
+        page_size,
+        ideal_reusable_tokens: ideal,
+        wall_seconds: wall,
+        ..Report::default()
+    };
+    let mut load_time = Duration::ZERO;
+    let results = std::mem::take(&mut *outcomes.lock().map_err(|_| anyhow::anyhow!("lock"))?);
+    for r in results {
+        match r {
+            Ok(o) => {
+                rep.requests += 1;
+                rep.input_tokens += o.input_tokens;
+                rep.hit_tokens.device += o.device;
+                rep.hit_tokens.host += o.host;
+                rep.hit_tokens.storage += o.storage;
+                rep.computed_tokens += o.computed;
+                rep.pages_verified += o.verified;
+                rep.pages_corrupt += o.corrupt.len() as u64;
+                for c in o.corrupt {
+                    if rep.corrupt_samples.len() < 20 {
+                        rep.corrupt_samples.push(c);
+                    }
+                }
+                if let Some(p) = o.prefetch {
+                    let key = p.split(':').next().unwrap_or(&p).to_string();
+                    *rep.prefetch.entry(key).or_insert(0) += 1;
+                }
+                rep.bytes.load_back += o.load_back_bytes;
+                load_time += o.load_back_time;
+            }
+            Err(_) => rep.failed_requests += 1,
+        }
+    }
+    for w in &workers {
+        if let Ok(st) = w.lock().await.stats().await {
+            rep.bytes.backup += st.backed_up_pages * page_bytes;
+        }
+    }
+    let (r, wr) = daemon_bytes(&daemon_socket).await;
+    rep.bytes.l3_read = r;
+    rep.bytes.l3_write = wr;
+    let rate = opts.prefill_tokens_per_second.max(1.0);
+    let gbps = if load_time.is_zero() {
+        0.0
+    } else {
+        rep.bytes.load_back as f64 / load_time.as_secs_f64() / 1e9
+    };
+    let transfer = if gbps > 0.0 {
+        rep.bytes.load_back as f64 / (gbps * 1e9)
+    } else {
+        0.0
+    };
+    let without = rep.input_tokens as f64 / rate;
+    let with = rep.computed_tokens as f64 / rate + transfer;
+    rep.ttft = TtftEstimate {
+        model: format!("prefill at {rate:.0} tokens/s; loads at the measured {gbps:.2} GB/s"),
+        no_cache_seconds: without,
+        with_cache_seconds: with,
+        saving: if without > 0.0 {
+            1.0 - with / without
+        } else {
+            0.0
+        },
+        transfer_gbps: gbps,
+    };
+    drop(workers);
+    if let Some(c) = cluster {
+        drop(c);
+    }
+    Ok(rep)
+}

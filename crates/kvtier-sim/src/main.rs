@@ -1,0 +1,273 @@
+//! kvtier-sim: replay a trace or a generated chat workload through kvtier and check every page.
+//!
+//! `kvtier-sim replay --trace FILE [--limit N] [--json]` starts a kvtierd and one agent per
+//! worker (child processes, temp directory) unless `--daemon`/`--agents` name running ones.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use kvtier_core::{DType, KvKind, LayoutSpec};
+use kvtier_proto::v1::PrefetchPolicy;
+use kvtier_sim::cluster::{ClusterSpec, Launcher};
+use kvtier_sim::{Chaos, Options, Target, workload};
+
+/// kvtier-sim — drive kvtier like inference engines do and verify every page.
+#[derive(Debug, Parser)]
+#[command(name = "kvtier-sim", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Replay a Mooncake-format trace (JSONL: timestamp, input_length, output_length,
+    /// hash_ids of 512-token blocks).
+    Replay {
+        /// The trace file.
+        #[arg(long)]
+        trace: PathBuf,
+        /// Replay the first N requests (0: all).
+        #[arg(long, default_value_t = 0)]
+        limit: usize,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Generate multi-turn chat sessions with shared system prompts.
+    Chat {
+        /// Conversations.
+        #[arg(long, default_value_t = 16)]
+        sessions: usize,
+        /// Turns per conversation.
+        #[arg(long, default_value_t = 4)]
+        turns: usize,
+        /// Distinct system prompts.
+        #[arg(long, default_value_t = 2)]
+        system_prompts: usize,
+        /// Tokens per system prompt.
+        #[arg(long, default_value_t = 2048)]
+        system_tokens: usize,
+        /// Tokens per user message.
+        #[arg(long, default_value_t = 256)]
+        user_tokens: usize,
+        /// Tokens per answer.
+        #[arg(long, default_value_t = 128)]
+        output_tokens: usize,
+        /// Milliseconds between requests (with --time-scale).
+        #[arg(long, default_value_t = 50)]
+        interval_ms: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(Debug, Args)]
+struct Common {
+    /// Print one JSON object instead of progress and a table.
+    #[arg(long)]
+    json: bool,
+    /// Workers (each with its own agent).
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Device (L1) pages per worker.
+    #[arg(long, default_value_t = 4096)]
+    device_pages: u64,
+    /// L2 pages (kvtierd's pool).
+    #[arg(long, default_value_t = 8192)]
+    l2_pages: u64,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 64)]
+    page_size: u32,
+    /// Model layers.
+    #[arg(long, default_value_t = 2)]
+    layers: u32,
+    /// KV heads per worker.
+    #[arg(long, default_value_t = 1)]
+    kv_heads: u32,
+    /// Head dimension.
+    #[arg(long, default_value_t = 32)]
+    head_dim: u32,
+    /// L3 backend: file, memory, rocksdb, none (s3 and remote: attach to a configured kvtierd).
+    #[arg(long, default_value = "file")]
+    l3: String,
+    /// Device → L2 write policy of the agents.
+    #[arg(long, default_value = "write_through")]
+    write_policy: String,
+    /// L2 → L3 write policy of kvtierd.
+    #[arg(long, default_value = "write_through")]
+    l3_write_policy: String,
+    /// Prefetch policy for L3 hits: best_effort, wait_complete, timeout, or off.
+    #[arg(long, default_value = "wait_complete")]
+    prefetch: String,
+    /// Serve requests one at a time in order (deterministic); otherwise workers run
+    /// concurrently.
+    #[arg(long)]
+    sequential: bool,
+    /// Replay at trace time × this factor (0: as fast as possible).
+    #[arg(long, default_value_t = 0.0)]
+    time_scale: f64,
+    /// Cost model: prefill tokens per second (for the TTFT estimate).
+    #[arg(long, default_value_t = 10000.0)]
+    prefill_tokens_per_second: f64,
+    /// Chaos: make L3 calls fail with this probability.
+    #[arg(long, default_value_t = 0.0)]
+    l3_fault_rate: f64,
+    /// Chaos: delay every L3 read by this many milliseconds.
+    #[arg(long, default_value_t = 0)]
+    l3_fault_delay_ms: u64,
+    /// Chaos: SIGKILL kvtierd after this many requests and start it again.
+    #[arg(long)]
+    kill_daemon_at: Option<usize>,
+    /// Chaos: SIGKILL worker 0's agent after this many requests and start it again.
+    #[arg(long)]
+    kill_agent_at: Option<usize>,
+    /// Extra kvtierd setting (section.key=value), repeatable.
+    #[arg(long = "daemon-set")]
+    daemon_set: Vec<String>,
+    /// Attach to this running kvtierd (its socket) instead of starting one.
+    #[arg(long, requires = "agents")]
+    daemon: Option<PathBuf>,
+    /// Attach to these running agents (comma-separated sockets), one per worker.
+    #[arg(long, value_delimiter = ',', requires = "daemon")]
+    agents: Vec<PathBuf>,
+}
+
+fn prefetch_policy(s: &str) -> Result<Option<PrefetchPolicy>> {
+    Ok(match s {
+        "off" => None,
+        "best_effort" => Some(PrefetchPolicy::BestEffort),
+        "wait_complete" => Some(PrefetchPolicy::WaitComplete),
+        "timeout" => Some(PrefetchPolicy::Timeout),
+        other => bail!("--prefetch {other:?}: expected best_effort, wait_complete, timeout or off"),
+    })
+}
+
+fn main() -> Result<()> {
+    // A re-executed child serves kvtierd or an agent for an embedded cluster.
+    if kvtier_sim::cluster::serve_child_from_env() {
+        return Ok(());
+    }
+    let cli = Cli::parse();
+    let (requests, common) = match cli.command {
+        Command::Replay {
+            trace,
+            limit,
+            common,
+        } => (workload::mooncake(&trace, limit, 256)?, common),
+        Command::Chat {
+            sessions,
+            turns,
+            system_prompts,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            interval_ms,
+            common,
+        } => (
+            workload::chat(&workload::ChatSpec {
+                sessions,
+                turns,
+                system_prompts,
+                system_tokens,
+                user_tokens,
+                output_tokens,
+                interval_ms,
+            }),
+            common,
+        ),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let layout = LayoutSpec {
+        model_id: "kvtier-sim".into(),
+        model_version: String::new(),
+        dtype: DType::Bf16,
+        num_layers: common.layers,
+        kind: KvKind::Mha {
+            kv_heads: common.kv_heads,
+            head_dim: common.head_dim,
+        },
+        page_size: common.page_size,
+        tp_rank: 0,
+        tp_size: 1,
+    };
+    let mut chaos = Vec::new();
+    if let Some(k) = common.kill_daemon_at {
+        chaos.push(Chaos::KillDaemonAt(k));
+    }
+    if let Some(k) = common.kill_agent_at {
+        chaos.push(Chaos::KillAgentAt(k));
+    }
+    chaos.sort_by_key(|c| match c {
+        Chaos::KillDaemonAt(k) | Chaos::KillAgentAt(k) => *k,
+    });
+    let opts = Options {
+        layout,
+        device_pages: common.device_pages,
+        prefetch: prefetch_policy(&common.prefetch)?,
+        sequential: common.sequential,
+        time_scale: common.time_scale,
+        prefill_tokens_per_second: common.prefill_tokens_per_second,
+        chaos,
+        progress: !common.json,
+    };
+    let target = match common.daemon {
+        Some(daemon) => {
+            if common.agents.is_empty() {
+                bail!("--daemon needs --agents");
+            }
+            Target::Attach {
+                daemon,
+                agents: common.agents.clone(),
+            }
+        }
+        None => {
+            let mut daemon_sets = vec![
+                format!("l2.pool_pages={}", common.l2_pages),
+                format!("l3.backend={}", common.l3),
+                format!("l3.write_policy={}", common.l3_write_policy),
+                // The simulator decides what to fetch; the daemon's guesses would only hide
+                // hits from the check.
+                "prefetch.recompute_tokens_per_second=0".to_string(),
+                "prefetch.threshold_tokens=0".to_string(),
+                "prefetch.budget_fraction=1.0".to_string(),
+                format!("l3.fault_error_rate={}", common.l3_fault_rate),
+                format!("l3.fault_get_delay={}ms", common.l3_fault_delay_ms),
+            ];
+            daemon_sets.extend(common.daemon_set.iter().cloned());
+            Target::Embedded(ClusterSpec {
+                workers: common.workers,
+                daemon_sets,
+                agent_sets: vec![format!("cache.write_policy={}", common.write_policy)],
+            })
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let report = rt
+        .block_on(kvtier_sim::run(
+            requests,
+            opts,
+            target,
+            Launcher::this_binary()?,
+        ))
+        .context("simulation")?;
+    rt.shutdown_timeout(Duration::from_secs(1));
+    if common.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    if report.pages_corrupt > 0 {
+        bail!("{} corrupt pages", report.pages_corrupt);
+    }
+    Ok(())
+}
