@@ -21,9 +21,16 @@ fn sim_child_entry() {
     );
 }
 
+/// The trace, in `shared/traces/` beside the checkout (where CI has it too).
 fn trace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/mooncake_synthetic_trace.jsonl")
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/traces/mooncake_synthetic_trace.jsonl");
+    assert!(
+        p.exists(),
+        "{} is missing: the tests expect shared/traces/ beside the checkout",
+        p.display()
+    );
+    p
 }
 
 fn requests(limit: usize) -> Vec<Request> {
