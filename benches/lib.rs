@@ -5,7 +5,166 @@
 //! [`compare`] does that: it alternates baseline and subject runs and takes medians.
 
 use std::hint::black_box;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
+pub mod scenarios {
+    pub mod agent;
+    pub mod host_rpc;
+    pub mod l3_file;
+    pub mod l3_remote;
+    pub mod l3_rocksdb;
+    pub mod l3_s3;
+    pub mod prefetch;
+    pub mod sim;
+}
+
+/// The single-node Ceph cluster helper shared with kvtier-storage's S3 tests.
+#[path = "../crates/kvtier-storage/tests/ceph/mod.rs"]
+#[allow(missing_docs)]
+pub mod ceph;
+
+static CEPH: Mutex<Option<std::sync::Arc<ceph::Ceph>>> = Mutex::new(None);
+
+/// The local Ceph cluster the s3 scenarios share (started on first use: ~20 s here).
+pub fn shared_ceph() -> std::sync::Arc<ceph::Ceph> {
+    let mut g = match CEPH.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    g.get_or_insert_with(|| std::sync::Arc::new(ceph::Ceph::start()))
+        .clone()
+}
+
+/// Stops the shared Ceph cluster, if one was started (call before exiting).
+pub fn stop_shared_ceph() {
+    let c = match CEPH.lock() {
+        Ok(mut g) => g.take(),
+        Err(p) => p.into_inner().take(),
+    };
+    drop(c);
+}
+
+/// One measured figure against its same-run baseline.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Row {
+    /// Which scenario.
+    pub scenario: String,
+    /// What was measured.
+    pub figure: String,
+    /// The measured value.
+    pub value: f64,
+    /// Its unit (higher is better for throughputs, lower for latencies).
+    pub unit: String,
+    /// What it is compared with.
+    pub baseline: String,
+    /// The baseline's value, in the same unit.
+    pub baseline_value: f64,
+    /// kvtier's speed as a fraction of the baseline's (1.0 = as fast); none for reports.
+    pub ratio: Option<f64>,
+}
+
+static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
+static TO_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sends the scenarios' running commentary to stderr (when stdout carries `--json`).
+pub fn commentary_to_stderr(on: bool) {
+    TO_STDERR.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether commentary goes to stderr.
+pub fn commentary_on_stderr() -> bool {
+    TO_STDERR.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A scenario's running commentary: stdout normally, stderr under `--json`.
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {
+        if $crate::commentary_on_stderr() {
+            eprintln!($($t)*);
+        } else {
+            println!($($t)*);
+        }
+    };
+}
+static SCENARIO: Mutex<String> = Mutex::new(String::new());
+
+fn rows() -> std::sync::MutexGuard<'static, Vec<Row>> {
+    match ROWS.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Sets the scenario that following rows belong to.
+pub fn begin(scenario: &str) {
+    *match SCENARIO.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    } = scenario.to_string();
+}
+
+/// Records one row of the current scenario.
+pub fn record(
+    figure: &str,
+    value: f64,
+    unit: &str,
+    baseline: &str,
+    baseline_value: f64,
+    ratio: Option<f64>,
+) {
+    let scenario = match SCENARIO.lock() {
+        Ok(g) => g.clone(),
+        Err(p) => p.into_inner().clone(),
+    };
+    rows().push(Row {
+        scenario,
+        figure: figure.to_string(),
+        value,
+        unit: unit.to_string(),
+        baseline: baseline.to_string(),
+        baseline_value,
+        ratio,
+    });
+}
+
+/// Every row recorded so far.
+pub fn recorded() -> Vec<Row> {
+    rows().clone()
+}
+
+/// The rows as a table.
+pub fn table(rows: &[Row]) -> String {
+    let mut s = format!(
+        "{:<12} {:<46} {:>12} {:<8} {:>12}  {:>6}\n",
+        "scenario", "figure", "value", "unit", "baseline", "ratio"
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "{:<12} {:<46} {:>12.3} {:<8} {:>12.3}  {:>6}\n",
+            r.scenario,
+            r.figure,
+            r.value,
+            r.unit,
+            r.baseline_value,
+            r.ratio
+                .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
+        ));
+    }
+    s
+}
+
+/// The `main` of a `cargo bench --bench NAME` target: runs one scenario (`--quick` honoured).
+pub fn bench_main(name: &str, run: fn(bool)) {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    begin(name);
+    run(std::env::args().any(|a| a == "--quick"));
+    stop_shared_ceph();
+}
 
 /// One subject-versus-baseline measurement.
 #[derive(Clone, Debug)]
@@ -26,9 +185,18 @@ impl Comparison {
         self.baseline_s / self.subject_s
     }
 
-    /// One line for a table: name, subject and baseline throughput, ratio.
+    /// One line for a table: name, subject and baseline throughput, ratio. Also records the
+    /// comparison as a [`Row`].
     pub fn line(&self, unit: &str, scale: f64) -> String {
         let per = |s: f64| self.units as f64 / s / scale;
+        record(
+            &self.name,
+            per(self.subject_s),
+            unit,
+            "same-run baseline",
+            per(self.baseline_s),
+            Some(self.ratio()),
+        );
         format!(
             "{:<44} {:>10.3} {unit}  baseline {:>10.3} {unit}  ratio {:>5.3}",
             self.name,

@@ -1,0 +1,60 @@
+//! `kvtier-bench`: every scenario in one run, each figure with the baseline measured in the
+//! same run and their ratio, as a table (and `--json`). `--quick` runs small versions
+//! (under a minute here); `--no-s3` skips the scenarios that need a local Ceph;
+//! `--only a,b` runs the named scenarios.
+#![allow(missing_docs)]
+
+use kvtier_bench::scenarios;
+
+type Scenario = (&'static str, fn(bool), bool);
+
+fn main() {
+    // Child servers of the end-to-end scenario are this binary re-executed.
+    if kvtier_sim::cluster::serve_child_from_env() {
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let json = args.iter().any(|a| a == "--json");
+    kvtier_bench::commentary_to_stderr(json);
+    let no_s3 = args.iter().any(|a| a == "--no-s3");
+    let only: Vec<String> = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(|s| s.split(',').map(str::to_string).collect())
+        .unwrap_or_default();
+    // (name, run, needs Ceph)
+    let all: [Scenario; 8] = [
+        ("agent", scenarios::agent::run, false),
+        ("host_rpc", scenarios::host_rpc::run, false),
+        ("l3_file", scenarios::l3_file::run, false),
+        ("l3_rocksdb", scenarios::l3_rocksdb::run, false),
+        ("l3_remote", scenarios::l3_remote::run, false),
+        ("l3_s3", scenarios::l3_s3::run, true),
+        ("prefetch", scenarios::prefetch::run, false),
+        ("sim", scenarios::sim::run, false),
+    ];
+    // Human-readable progress goes to stderr when the JSON is wanted on stdout.
+    for (name, run, ceph) in all {
+        if !only.is_empty() && !only.iter().any(|o| o == name) {
+            continue;
+        }
+        if ceph && no_s3 {
+            continue;
+        }
+        eprintln!("== {name}");
+        kvtier_bench::begin(name);
+        run(quick);
+    }
+    kvtier_bench::stop_shared_ceph();
+    let rows = kvtier_bench::recorded();
+    if json {
+        match serde_json::to_string(&rows) {
+            Ok(s) => println!("{s}"),
+            Err(e) => eprintln!("encoding the rows: {e}"),
+        }
+    } else {
+        print!("\n{}", kvtier_bench::table(&rows));
+    }
+}

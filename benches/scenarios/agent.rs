@@ -1,0 +1,279 @@
+//! kvtier-agent on the cpu device, against baselines measured in the same run:
+//! - backup (device → L2: reserve, copy, commit) and load-back (L2 → device: pin, copy,
+//!   release, insert) of 1,000 pages vs a single-thread memcpy of the same bytes;
+//! - Match of a 1,000-page cached prefix (hashing included) vs an empty RPC (a health check)
+//!   on the same socket.
+//!
+//! kvtierd and the agent run in this process (their own runtimes, real sockets and shared
+//! memory); this process is the engine.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use crate::{InProcessAgent, InProcessDaemon, compare};
+use kvtier_core::{DType, DevicePool, KvKind, Layout, LayoutSpec};
+use kvtier_proto::v1;
+use kvtier_proto::v1::agent_client::AgentClient;
+use kvtier_shm::ShmRegion;
+
+/// 8 layers, 8 KV heads of 128, bf16, 16-token pages: 512 KiB pages (1,000 pages = 500 MiB).
+fn spec() -> LayoutSpec {
+    LayoutSpec {
+        model_id: "bench-agent".into(),
+        model_version: String::new(),
+        dtype: DType::Bf16,
+        num_layers: 8,
+        kind: KvKind::Mha {
+            kv_heads: 8,
+            head_dim: 128,
+        },
+        page_size: 16,
+        tp_rank: 0,
+        tp_size: 1,
+    }
+}
+
+/// Runs the scenario (`quick`: fewer pages and rounds).
+pub fn run(quick: bool) {
+    let pages: u32 = if quick { 200 } else { 1000 };
+    let rounds = if quick { 2 } else { 3 };
+    let layout = Layout::new(spec()).unwrap();
+    let page_bytes = layout.page_bytes();
+    let pid = std::process::id();
+    let dir = std::env::temp_dir().join(format!("kvtier-bench-agent-{pid}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let daemon_sock = dir.join("kvtierd.sock");
+    let d = InProcessDaemon::start_with(
+        "agent",
+        &[
+            &format!("server.socket={}", daemon_sock.display()),
+            &format!("l2.pool_pages={}", pages + 16),
+            "l3.backend=none",
+        ],
+        0,
+    );
+    let a = InProcessAgent::start(&[
+        format!("data_dir={}", dir.display()),
+        format!("daemon.address={}", daemon_sock.display()),
+        "cache.write_policy=write_back".into(),
+    ]);
+    // The engine's pool: room for the request twice (computed, then loaded back).
+    let pool = DevicePool::new(layout.clone(), u64::from(2 * pages) * 16).unwrap();
+    let pool_path = std::path::PathBuf::from(format!("/dev/shm/kvtier-bench-agent-{pid}"));
+    let region = ShmRegion::create(&pool_path, pool.total_bytes()).unwrap();
+    // Touch every page once so neither side pays first-touch faults in the timings.
+    region.write(0, &vec![7u8; pool.total_bytes()]).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut c = rt.block_on(async {
+        let ch = kvtier_client::connect(&a.ready.socket.display().to_string())
+            .await
+            .unwrap();
+        let mut c = AgentClient::new(ch);
+        c.register_pool(v1::RegisterPoolRequest {
+            layout: Some((&spec()).into()),
+            num_token_slots: u64::from(2 * pages) * 16,
+            device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
+                path: pool_path.display().to_string(),
+            })),
+        })
+        .await
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !c
+            .agent_stats(v1::AgentStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .daemon_connected
+        {
+            assert!(Instant::now() < deadline, "agent never reached kvtierd");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        c
+    });
+    let total = u64::from(pages) * page_bytes as u64;
+    // Baseline: one thread copying the same bytes between two buffers.
+    let src = vec![3u8; page_bytes * pages as usize];
+    let mut dst = vec![0u8; page_bytes * pages as usize];
+    dst.copy_from_slice(&src);
+    let mut memcpy = || {
+        dst.copy_from_slice(&src);
+        dst[0]
+    };
+    crate::say!(
+        "kvtier-agent (cpu device), {pages} pages of {} KiB; ratio = kvtier / baseline speed",
+        page_bytes >> 10
+    );
+
+    // Each round a new request: insert (compute) on the first half, back it up by evicting
+    // it (write_back), then load it back into the second half.
+    let mut backup_s = Vec::new();
+    let mut load_s = Vec::new();
+    let mut base_s = Vec::new();
+    for seed in 1..=rounds as u32 {
+        let tokens: Vec<u32> = (0..pages * 16).map(|i| seed * 1_000_003 + i).collect();
+        let first: Vec<u32> = (0..pages).collect();
+        let second: Vec<u32> = (pages..2 * pages).collect();
+        rt.block_on(async {
+            c.insert(v1::InsertRequest {
+                tokens: tokens.clone(),
+                namespace: None,
+                device_pages: first.clone(),
+            })
+            .await
+            .unwrap();
+        });
+        let t = Instant::now();
+        std::hint::black_box(memcpy());
+        base_s.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let ev = rt.block_on(async {
+            c.evict(v1::EvictRequest { pages })
+                .await
+                .unwrap()
+                .into_inner()
+        });
+        backup_s.push(t.elapsed().as_secs_f64());
+        assert_eq!((ev.pages.len(), ev.backed_up), (pages as usize, pages));
+        let t = Instant::now();
+        let lb = rt.block_on(async {
+            let m = c
+                .r#match(v1::MatchRequest {
+                    tokens: tokens.clone(),
+                    namespace: None,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let lb = c
+                .load_back(v1::LoadBackRequest {
+                    handle: m.handle,
+                    free_pages: second.clone(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            c.release(v1::AgentReleaseRequest { handle: m.handle })
+                .await
+                .unwrap();
+            lb
+        });
+        load_s.push(t.elapsed().as_secs_f64());
+        assert_eq!(lb.loaded, pages);
+        // Make room for the next round.
+        rt.block_on(async {
+            c.evict(v1::EvictRequest { pages: 2 * pages })
+                .await
+                .unwrap();
+        });
+    }
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (b, bk, lb) = (med(base_s), med(backup_s), med(load_s));
+    let gibs = |s: f64| total as f64 / s / f64::from(1 << 30);
+    let kib = page_bytes >> 10;
+    crate::record(
+        &format!("backup {pages} pages of {kib} KiB"),
+        gibs(bk),
+        "GiB/s",
+        "memcpy, 1 thread",
+        gibs(b),
+        Some(b / bk),
+    );
+    crate::record(
+        &format!("load-back {pages} pages of {kib} KiB"),
+        gibs(lb),
+        "GiB/s",
+        "memcpy, 1 thread",
+        gibs(b),
+        Some(b / lb),
+    );
+    crate::say!(
+        "{:<44} {:>8.3} GiB/s  memcpy 1 thread {:>8.3} GiB/s  ratio {:.3}",
+        "backup (evict, write_back)",
+        gibs(bk),
+        gibs(b),
+        b / bk
+    );
+    crate::say!(
+        "{:<44} {:>8.3} GiB/s  memcpy 1 thread {:>8.3} GiB/s  ratio {:.3}",
+        "load-back (match + load_back + release)",
+        gibs(lb),
+        gibs(b),
+        b / lb
+    );
+
+    // Match latency of a cached prefix: put one request on the device and match it.
+    let tokens: Vec<u32> = (0..pages * 16).map(|i| 777 * 1_000_003 + i).collect();
+    rt.block_on(async {
+        c.insert(v1::InsertRequest {
+            tokens: tokens.clone(),
+            namespace: None,
+            device_pages: (0..pages).collect(),
+        })
+        .await
+        .unwrap();
+    });
+    let ch = rt.block_on(kvtier_client::connect(
+        &a.ready.socket.display().to_string(),
+    ));
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch.unwrap());
+    let n = if quick { 50 } else { 200 };
+    let m = compare(
+        &format!("match of a {pages}-page cached prefix"),
+        1,
+        n,
+        || {
+            rt.block_on(async {
+                health
+                    .check(tonic_health::pb::HealthCheckRequest {
+                        service: String::new(),
+                    })
+                    .await
+                    .unwrap()
+            })
+        },
+        || {
+            rt.block_on(async {
+                let m = c
+                    .r#match(v1::MatchRequest {
+                        tokens: tokens.clone(),
+                        namespace: None,
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!(m.device_pages.len(), pages as usize);
+                c.release(v1::AgentReleaseRequest { handle: m.handle })
+                    .await
+                    .unwrap();
+            })
+        },
+    );
+    crate::record(
+        &format!("match+release of a {pages}-page prefix p50"),
+        m.subject_s * 1e6,
+        "µs",
+        "empty RPC",
+        m.baseline_s * 1e6,
+        Some(m.ratio()),
+    );
+    crate::say!(
+        "{:<44} {:>8.1} µs  empty RPC {:>8.1} µs  ratio {:.3} (match + release)",
+        m.name,
+        m.subject_s * 1e6,
+        m.baseline_s * 1e6,
+        m.ratio()
+    );
+    drop(c);
+    a.stop();
+    d.stop();
+    let _ = std::fs::remove_file(&pool_path);
+    let _ = std::fs::remove_dir_all(&dir);
+}

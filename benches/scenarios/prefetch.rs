@@ -1,0 +1,378 @@
+//! Prefetch throughput (L3 → L2, end to end through kvtierd) against the backend's raw read
+//! throughput of the same objects, with the same concurrency, in the same run.
+//!
+//! For each backend (file; s3 on a local Ceph RGW unless `--no-s3`), a first in-process kvtierd
+//! writes `rounds × pages` 2 MiB pages through to L3 and stops; a second one, on the same L3
+//! and with an empty L2, then runs one prefetch per round (wait_complete: Prefetch, TakePrefetch,
+//! Release), each on pages it has never seen. Before each prefetch, the baseline reads the same
+//! objects with the raw API (std::fs::read / object_store get) at the prefetch's concurrency.
+//! Both sides read warm data (page cache / RGW memstore), so the ratio is kvtier's overhead:
+//! framing check (CRC32C), the copy into the shared pool, index updates and RPCs.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::InProcessDaemon;
+use futures::StreamExt;
+use kvtier_client::{HostClient, PrefetchOptions, Reserved, outcome};
+use kvtier_core::{DType, KvKind, Layout, LayoutSpec, Namespace, PageHasher, PageKey};
+use kvtier_proto::v1::PrefetchPolicy;
+
+/// Concurrency of both the prefetch (kvtierd's default) and the raw baseline.
+const CONCURRENCY: usize = 16;
+
+/// A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16, 16-token pages = 2 MiB.
+fn layout() -> LayoutSpec {
+    LayoutSpec {
+        model_id: "bench-8b".into(),
+        model_version: String::new(),
+        dtype: DType::Bf16,
+        num_layers: 32,
+        kind: KvKind::Mha {
+            kv_heads: 8,
+            head_dim: 128,
+        },
+        page_size: 16,
+        tp_rank: 0,
+        tp_size: 1,
+    }
+}
+
+fn chain(seed: u32, pages: usize) -> Vec<PageKey> {
+    let tokens: Vec<u32> = crate::tokens(pages * 16, u64::from(seed));
+    PageHasher::new(16, &Namespace::default())
+        .unwrap()
+        .keys(&tokens)
+}
+
+/// Writes `chains` through a daemon with L3 settings `l3`, and waits until L3 has them all.
+async fn populate(l3: &[String], chains: &[Vec<PageKey>]) {
+    let total: usize = chains.iter().map(Vec::len).sum();
+    let mut sets: Vec<String> = l3.to_vec();
+    sets.push(format!("l2.pool_pages={}", total + 8));
+    sets.push("l3.queue_pages=65536".into());
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let d = InProcessDaemon::start("prefetch-src", &sets);
+    let target = d.ready.socket.display().to_string();
+    let mut c = HostClient::connect(&target).await.unwrap();
+    let s = c.register("writer", &layout()).await.unwrap();
+    let len = s.layout.page_bytes();
+    for (i, keys) in chains.iter().enumerate() {
+        let r = c.reserve(s.id, None, keys).await.unwrap();
+        for (j, (k, r)) in keys.iter().zip(&r).enumerate() {
+            let Reserved::Slot(slot) = r else {
+                panic!("no slot for page {j}")
+            };
+            let byte = (i * 31 + j) as u8;
+            let mut page = vec![byte; len];
+            page[..32].copy_from_slice(&k.0);
+            s.pool.write(*slot, 0, &page).unwrap();
+        }
+        c.commit(s.id, keys).await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let st = c.stats().await.unwrap().l3.unwrap();
+        if st.written_pages + st.skipped_pages >= total as u64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "L3 never held every page: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(c);
+    d.stop();
+}
+
+/// One row of results.
+struct Row {
+    pages: usize,
+    prefetch: Vec<f64>,
+    raw: Vec<f64>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+impl Row {
+    fn print(self, name: &str, page_bytes: usize) {
+        let bytes = (self.pages * page_bytes) as f64;
+        let (p, r) = (median(self.prefetch), median(self.raw));
+        crate::record(
+            &format!("prefetch {} x 2 MiB from {name}", self.pages),
+            bytes / p / 1e9,
+            "GB/s",
+            "raw backend reads",
+            bytes / r / 1e9,
+            Some(r / p),
+        );
+        crate::say!(
+            "{name:<6} prefetch {:>7.0} pages/s {:>6.3} GB/s   raw read {:>7.0} pages/s {:>6.3} GB/s   ratio {:.3}",
+            self.pages as f64 / p,
+            bytes / p / 1e9,
+            self.pages as f64 / r,
+            bytes / r / 1e9,
+            r / p
+        );
+    }
+}
+
+/// Prefetches each chain through a fresh daemon on the same L3, timing each against
+/// `raw` reading the same objects just before.
+async fn measure<F, Fut>(name: &str, l3: &[String], chains: &[Vec<PageKey>], raw: F) -> Row
+where
+    F: Fn(Vec<PageKey>) -> Fut,
+    Fut: std::future::Future<Output = usize>,
+{
+    let pages = chains[0].len();
+    let mut sets: Vec<String> = l3.to_vec();
+    sets.extend([
+        format!("l2.pool_pages={}", pages + 8),
+        "prefetch.budget_fraction=1.0".into(),
+        "prefetch.threshold_tokens=0".into(),
+        "prefetch.recompute_tokens_per_second=0".into(),
+        format!("prefetch.concurrency={CONCURRENCY}"),
+    ]);
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    // As many runtime threads as kvtierd itself runs with.
+    let d = InProcessDaemon::start_with(&format!("prefetch-{name}"), &sets, 0);
+    let target = d.ready.socket.display().to_string();
+    let mut c = HostClient::connect(&target).await.unwrap();
+    let s = c.register("engine", &layout()).await.unwrap();
+    let mut row = Row {
+        pages,
+        prefetch: Vec::new(),
+        raw: Vec::new(),
+    };
+    for (i, keys) in chains.iter().enumerate() {
+        let t = Instant::now();
+        let n = raw(keys.clone()).await;
+        row.raw.push(t.elapsed().as_secs_f64());
+        assert_eq!(n, pages, "the raw read missed objects");
+        let t = Instant::now();
+        let opts = PrefetchOptions::policy(PrefetchPolicy::WaitComplete);
+        let id = format!("r{i}");
+        let mut stream = c.prefetch(s.id, &id, keys, opts).await.unwrap();
+        let first = stream.message().await.unwrap().unwrap();
+        let planned = t.elapsed();
+        assert_eq!(outcome(&first), "running", "{first:?}");
+        let (p, slots) = c.take_prefetch(s.id, &id).await.unwrap();
+        let taken = t.elapsed();
+        c.release(s.id, &keys[..slots.len()]).await.unwrap();
+        if std::env::args().any(|a| a == "--diag") {
+            crate::say!(
+                "diag   {name} round {i}: planned after {planned:?}, taken after {taken:?}, \
+                 released after {:?}",
+                t.elapsed()
+            );
+        }
+        row.prefetch.push(t.elapsed().as_secs_f64());
+        assert_eq!((outcome(&p).as_str(), slots.len()), ("completed", pages));
+        let mut buf = vec![0u8; 32];
+        s.pool.read(slots[0], 0, &mut buf).unwrap();
+        assert_eq!(buf, keys[0].0, "the first page is not what was stored");
+    }
+    drop(c);
+    d.stop();
+    row
+}
+
+/// Runs the scenario (`quick`: fewer pages and rounds).
+pub fn run(quick: bool) {
+    let no_s3 = std::env::args().any(|a| a == "--no-s3");
+    let (pages, rounds) = if quick { (16, 3) } else { (64, 5) };
+    let page_bytes = Layout::new(layout()).unwrap().page_bytes();
+    let fp = Layout::new(layout()).unwrap().fingerprint();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    crate::say!(
+        "prefetch L3 -> L2, {pages} pages of {} MiB per prefetch, {rounds} rounds (medians), \
+         concurrency {CONCURRENCY}; ratio = prefetch / raw read speed",
+        page_bytes >> 20
+    );
+
+    // File backend.
+    let root: PathBuf =
+        std::env::temp_dir().join(format!("kvtier-bench-prefetch-l3-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let l3 = vec![
+        "l3.backend=file".to_string(),
+        format!("l3.file_path={}", root.display()),
+    ];
+    let chains: Vec<Vec<PageKey>> = (0..rounds as u32).map(|r| chain(r + 1, pages)).collect();
+    rt.block_on(populate(&l3, &chains));
+    let store = rt
+        .block_on(kvtier_storage::file::FileStore::open(
+            kvtier_storage::file::FileConfig::new(root.clone()),
+        ))
+        .unwrap();
+    let row = rt.block_on(measure("file", &l3, &chains, |keys| {
+        let store = store.clone();
+        async move {
+            futures::stream::iter(keys)
+                .map(|k| {
+                    let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
+                    tokio::task::spawn_blocking(move || std::fs::read(path).unwrap().len())
+                })
+                .buffer_unordered(CONCURRENCY)
+                .filter(|r| std::future::ready(r.as_ref().is_ok_and(|&n| n > 0)))
+                .count()
+                .await
+        }
+    }));
+    row.print("file", page_bytes);
+    if std::env::args().any(|a| a == "--diag") {
+        // Where the time goes: one core's CRC32C, and the backend's verified get alone, at
+        // the same concurrency.
+        let buf = vec![7u8; page_bytes];
+        let t = Instant::now();
+        let mut x = 0u32;
+        for _ in 0..50 {
+            x ^= crc32c::crc32c(&buf);
+        }
+        crate::say!(
+            "diag   crc32c one core: {:.3} GB/s ({x:x})",
+            (50 * page_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9
+        );
+        let ps = kvtier_storage::PageStore::new(store.clone());
+        let p0 = store.path_of(&kvtier_storage::format::object_name(&fp, &chains[0][0]));
+        crate::say!("diag   {} exists: {}", p0.display(), p0.exists());
+        for keys in &chains {
+            let t = Instant::now();
+            let n = rt.block_on(
+                futures::stream::iter(keys.clone())
+                    .map(|k| {
+                        let ps = ps.clone();
+                        tokio::spawn(async move {
+                            let ctx = kvtier_storage::OpCtx::timeout(Duration::from_secs(60));
+                            match ps.get(&ctx, &fp, &k, Some(page_bytes)).await {
+                                kvtier_storage::Fetch::Hit(b) => b.len(),
+                                kvtier_storage::Fetch::Miss(m) => panic!("{m:?}"),
+                            }
+                        })
+                    })
+                    .buffer_unordered(CONCURRENCY)
+                    .count(),
+            );
+            let s = t.elapsed().as_secs_f64();
+            crate::say!(
+                "diag   PageStore::get x{n}: {:.3} GB/s",
+                (n * page_bytes) as f64 / s / 1e9
+            );
+            let t = Instant::now();
+            let n = rt.block_on(
+                futures::stream::iter(keys.clone())
+                    .map(|k| {
+                        let store = store.clone();
+                        tokio::spawn(async move {
+                            use kvtier_storage::Store as _;
+                            let name = kvtier_storage::format::object_name(&fp, &k);
+                            store.get(&name).await.unwrap().unwrap().len()
+                        })
+                    })
+                    .buffer_unordered(CONCURRENCY)
+                    .count(),
+            );
+            let s = t.elapsed().as_secs_f64();
+            crate::say!(
+                "diag   FileStore::get x{n}: {:.3} GB/s",
+                (n * page_bytes) as f64 / s / 1e9
+            );
+            let t = Instant::now();
+            let n = rt.block_on(
+                futures::stream::iter(keys.clone())
+                    .map(|k| {
+                        let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
+                        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap().len())
+                    })
+                    .buffer_unordered(CONCURRENCY)
+                    .count(),
+            );
+            let s = t.elapsed().as_secs_f64();
+            crate::say!(
+                "diag   std::fs::read x{n}: {:.3} GB/s",
+                (n * page_bytes) as f64 / s / 1e9
+            );
+            let t = Instant::now();
+            let n = rt.block_on(
+                futures::stream::iter(keys.clone())
+                    .map(|k| {
+                        let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
+                        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap())
+                    })
+                    .buffer_unordered(CONCURRENCY)
+                    .map(|v| v.unwrap().len())
+                    .count(),
+            );
+            let s = t.elapsed().as_secs_f64();
+            crate::say!(
+                "diag   std::fs::read, buffer freed elsewhere x{n}: {:.3} GB/s",
+                (n * page_bytes) as f64 / s / 1e9
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+
+    if no_s3 {
+        return;
+    }
+    // S3 backend on a local Ceph RGW (memstore: keep the data small).
+    let c = crate::shared_ceph();
+    rt.block_on(c.bucket_ready("prefetch"));
+    let cfg = c.config("prefetch", "bench");
+    let l3 = vec![
+        "l3.backend=s3".to_string(),
+        format!("l3.s3_endpoint={}", cfg.endpoint),
+        "l3.s3_bucket=prefetch".into(),
+        "l3.s3_prefix=bench".into(),
+        format!("l3.s3_access_key={}", cfg.access_key),
+        format!("l3.s3_secret_key={}", cfg.secret_key),
+        "l3.timeout=60s".into(),
+        "l3.concurrency=16".into(),
+    ];
+    let pages = pages.min(32);
+    let chains: Vec<Vec<PageKey>> = (0..rounds as u32).map(|r| chain(100 + r, pages)).collect();
+    rt.block_on(populate(&l3, &chains));
+    let raw = Arc::new(
+        object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(&cfg.endpoint)
+            .with_region(&cfg.region)
+            .with_bucket_name("prefetch")
+            .with_access_key_id(&cfg.access_key)
+            .with_secret_access_key(&cfg.secret_key)
+            .with_allow_http(true)
+            .build()
+            .unwrap(),
+    );
+    let row = rt.block_on(measure("s3", &l3, &chains, |keys| {
+        let raw = raw.clone();
+        async move {
+            use object_store::ObjectStoreExt;
+            futures::stream::iter(keys)
+                .map(|k| {
+                    let raw = raw.clone();
+                    async move {
+                        let path = object_store::path::Path::from(format!(
+                            "bench/{}",
+                            kvtier_storage::format::object_name(&fp, &k)
+                        ));
+                        raw.get(&path).await.unwrap().bytes().await.unwrap().len()
+                    }
+                })
+                .buffer_unordered(CONCURRENCY)
+                .filter(|&n| std::future::ready(n > 0))
+                .count()
+                .await
+        }
+    }));
+    row.print("s3", page_bytes);
+}
