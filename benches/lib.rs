@@ -16,6 +16,7 @@ pub mod scenarios {
     pub mod l3_remote;
     pub mod l3_rocksdb;
     pub mod l3_s3;
+    pub mod peers;
     pub mod prefetch;
     pub mod sim;
 }

@@ -25,7 +25,7 @@ fn main() {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     // (name, run, needs Ceph)
-    let all: [Scenario; 8] = [
+    let all: [Scenario; 9] = [
         ("agent", scenarios::agent::run, false),
         ("host_rpc", scenarios::host_rpc::run, false),
         ("l3_file", scenarios::l3_file::run, false),
@@ -34,6 +34,8 @@ fn main() {
         ("l3_s3", scenarios::l3_s3::run, true),
         ("prefetch", scenarios::prefetch::run, false),
         ("sim", scenarios::sim::run, false),
+        // Runs kvtierd's side alone unless benches/peers/run set up Mooncake Store.
+        ("peers", scenarios::peers::run, false),
     ];
     // Human-readable progress goes to stderr when the JSON is wanted on stdout.
     for (name, run, ceph) in all {
