@@ -9,59 +9,14 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvtier_bench::{MEASURE, compare, tokens};
+use kvtier_bench::scenarios::keys::{TOKENS, per_page, stream};
+use kvtier_bench::{MEASURE, tokens};
 use kvtier_core::{Namespace, PageHasher};
-use sha2::{Digest, Sha256};
-
-const TOKENS: usize = 1 << 20;
-
-fn stream(bytes: &[u8]) -> [u8; 32] {
-    Sha256::digest(bytes).into()
-}
-
-fn per_page(bytes: &[u8], page_bytes: usize) -> [u8; 32] {
-    let mut prev: Option<[u8; 32]> = None;
-    for page in bytes.chunks_exact(page_bytes) {
-        let mut h = Sha256::new();
-        if let Some(p) = &prev {
-            h.update(p);
-        }
-        h.update(page);
-        prev = Some(h.finalize().into());
-    }
-    prev.unwrap_or_default()
-}
-
-fn ratios() {
-    let toks = tokens(TOKENS, 7);
-    let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
-    println!(
-        "page keys over {TOKENS} tokens ({} MiB), ratio = kvtier / baseline speed",
-        bytes.len() >> 20
-    );
-    for page in [16usize, 64, 256] {
-        let h = PageHasher::new(page, &Namespace::default()).unwrap();
-        let c = compare(
-            &format!("keys P={page} vs sha2 stream"),
-            bytes.len() as u64,
-            15,
-            || stream(&bytes),
-            || h.keys(&toks),
-        );
-        println!("{}", c.line("GiB/s", (1u64 << 30) as f64));
-        let c = compare(
-            &format!("keys P={page} vs sha2 per-page"),
-            bytes.len() as u64,
-            15,
-            || per_page(&bytes, page * 4),
-            || h.keys(&toks),
-        );
-        println!("{}", c.line("GiB/s", (1u64 << 30) as f64));
-    }
-}
 
 fn bench(c: &mut Criterion) {
-    ratios();
+    kvtier_bench::begin("keys");
+    // Quick when run as a test (`cargo test --bench keys`: no `--bench` argument).
+    kvtier_bench::scenarios::keys::run(!std::env::args().any(|a| a == "--bench"));
     let toks = tokens(TOKENS, 7);
     let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
     let mut g = c.benchmark_group("keys");

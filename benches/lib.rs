@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 pub mod scenarios {
     pub mod agent;
     pub mod host_rpc;
+    pub mod keys;
     pub mod l3_file;
     pub mod l3_remote;
     pub mod l3_rocksdb;
@@ -139,17 +140,19 @@ pub fn recorded() -> Vec<Row> {
 /// The rows as a table.
 pub fn table(rows: &[Row]) -> String {
     let mut s = format!(
-        "{:<12} {:<46} {:>12} {:<8} {:>12}  {:>6}\n",
-        "scenario", "figure", "value", "unit", "baseline", "ratio"
+        "{:<11} {:<44} {:>11} {:<8} {:>11}  {:<22} {:>6}\n",
+        "scenario", "figure", "value", "unit", "baseline", "baseline is", "ratio"
     );
     for r in rows {
+        let what: String = r.baseline.chars().take(22).collect();
         s.push_str(&format!(
-            "{:<12} {:<46} {:>12.3} {:<8} {:>12.3}  {:>6}\n",
+            "{:<11} {:<44} {:>11.3} {:<8} {:>11.3}  {:<22} {:>6}\n",
             r.scenario,
             r.figure,
             r.value,
             r.unit,
             r.baseline_value,
+            what,
             r.ratio
                 .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
         ));

@@ -25,7 +25,8 @@ fn main() {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     // (name, run, needs Ceph)
-    let all: [Scenario; 9] = [
+    let all: [Scenario; 10] = [
+        ("keys", scenarios::keys::run, false),
         ("agent", scenarios::agent::run, false),
         ("host_rpc", scenarios::host_rpc::run, false),
         ("l3_file", scenarios::l3_file::run, false),

@@ -17,12 +17,12 @@ use kvtier_proto::v1::agent_client::AgentClient;
 use kvtier_shm::ShmRegion;
 
 /// 8 layers, 8 KV heads of 128, bf16, 16-token pages: 512 KiB pages (1,000 pages = 500 MiB).
-fn spec() -> LayoutSpec {
+fn spec(layers: u32) -> LayoutSpec {
     LayoutSpec {
         model_id: "bench-agent".into(),
         model_version: String::new(),
         dtype: DType::Bf16,
-        num_layers: 8,
+        num_layers: layers,
         kind: KvKind::Mha {
             kv_heads: 8,
             head_dim: 128,
@@ -34,10 +34,19 @@ fn spec() -> LayoutSpec {
 }
 
 /// Runs the scenario (`quick`: fewer pages and rounds).
+/// Runs the scenario: 1,000 pages (200 when `quick`) of 128 KiB, 512 KiB and 2 MiB (only
+/// 512 KiB when `quick`), and the match latency at 512 KiB.
 pub fn run(quick: bool) {
+    let sizes: &[u32] = if quick { &[8] } else { &[2, 8, 32] };
+    for &layers in sizes {
+        one(quick, layers, layers == 8);
+    }
+}
+
+fn one(quick: bool, layers: u32, with_match: bool) {
     let pages: u32 = if quick { 200 } else { 1000 };
     let rounds = if quick { 2 } else { 3 };
-    let layout = Layout::new(spec()).unwrap();
+    let layout = Layout::new(spec(layers)).unwrap();
     let page_bytes = layout.page_bytes();
     let pid = std::process::id();
     let dir = std::env::temp_dir().join(format!("kvtier-bench-agent-{pid}"));
@@ -74,7 +83,7 @@ pub fn run(quick: bool) {
             .unwrap();
         let mut c = AgentClient::new(ch);
         c.register_pool(v1::RegisterPoolRequest {
-            layout: Some((&spec()).into()),
+            layout: Some((&spec(layers)).into()),
             num_token_slots: u64::from(2 * pages) * 16,
             device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
                 path: pool_path.display().to_string(),
@@ -104,6 +113,21 @@ pub fn run(quick: bool) {
         dst.copy_from_slice(&src);
         dst[0]
     };
+    // And with as many threads as the device's copy pool (this machine's cores).
+    let threads = std::thread::available_parallelism().map_or(2, usize::from);
+    let mut src2 = vec![3u8; page_bytes * pages as usize];
+    let mut dst2 = vec![0u8; page_bytes * pages as usize];
+    let mut memcpy_mt = || {
+        let per = dst2.len().div_ceil(threads);
+        std::thread::scope(|sc| {
+            for (d, s) in dst2.chunks_mut(per).zip(src2.chunks(per)) {
+                sc.spawn(move || d.copy_from_slice(s));
+            }
+        });
+        src2[0] = src2[0].wrapping_add(1);
+        dst2[0]
+    };
+    std::hint::black_box(memcpy_mt());
     crate::say!(
         "kvtier-agent (cpu device), {pages} pages of {} KiB; ratio = kvtier / baseline speed",
         page_bytes >> 10
@@ -114,6 +138,7 @@ pub fn run(quick: bool) {
     let mut backup_s = Vec::new();
     let mut load_s = Vec::new();
     let mut base_s = Vec::new();
+    let mut base_mt = Vec::new();
     for seed in 1..=rounds as u32 {
         let tokens: Vec<u32> = (0..pages * 16).map(|i| seed * 1_000_003 + i).collect();
         let first: Vec<u32> = (0..pages).collect();
@@ -130,6 +155,9 @@ pub fn run(quick: bool) {
         let t = Instant::now();
         std::hint::black_box(memcpy());
         base_s.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        std::hint::black_box(memcpy_mt());
+        base_mt.push(t.elapsed().as_secs_f64());
         let t = Instant::now();
         let ev = rt.block_on(async {
             c.evict(v1::EvictRequest { pages })
@@ -176,6 +204,7 @@ pub fn run(quick: bool) {
         v[v.len() / 2]
     };
     let (b, bk, lb) = (med(base_s), med(backup_s), med(load_s));
+    let bmt = med(base_mt);
     let gibs = |s: f64| total as f64 / s / f64::from(1 << 30);
     let kib = page_bytes >> 10;
     crate::record(
@@ -194,6 +223,16 @@ pub fn run(quick: bool) {
         gibs(b),
         Some(b / lb),
     );
+    for (what, s) in [("backup", bk), ("load-back", lb)] {
+        crate::record(
+            &format!("{what} {pages} pages of {kib} KiB"),
+            gibs(s),
+            "GiB/s",
+            &format!("memcpy, {threads} threads"),
+            gibs(bmt),
+            Some(bmt / s),
+        );
+    }
     crate::say!(
         "{:<44} {:>8.3} GiB/s  memcpy 1 thread {:>8.3} GiB/s  ratio {:.3}",
         "backup (evict, write_back)",
@@ -209,6 +248,14 @@ pub fn run(quick: bool) {
         b / lb
     );
 
+    if !with_match {
+        drop(c);
+        a.stop();
+        d.stop();
+        let _ = std::fs::remove_file(&pool_path);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     // Match latency of a cached prefix: put one request on the device and match it.
     let tokens: Vec<u32> = (0..pages * 16).map(|i| 777 * 1_000_003 + i).collect();
     rt.block_on(async {
