@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 pub mod scenarios {
     pub mod agent;
     pub mod host_rpc;
+    pub mod index;
     pub mod keys;
     pub mod l3_file;
     pub mod l3_remote;
@@ -28,6 +29,25 @@ pub mod scenarios {
 pub mod ceph;
 
 static CEPH: Mutex<Option<std::sync::Arc<ceph::Ceph>>> = Mutex::new(None);
+static LIVE_BYTES: Mutex<Option<fn() -> usize>> = Mutex::new(None);
+
+/// Tells the scenarios how to read the process's live heap bytes (a binary with a counting
+/// global allocator sets this).
+pub fn set_live_bytes(f: fn() -> usize) {
+    *match LIVE_BYTES.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    } = Some(f);
+}
+
+/// Live heap bytes, if the binary counts them (0 otherwise).
+pub fn live_bytes() -> usize {
+    let f = match LIVE_BYTES.lock() {
+        Ok(g) => *g,
+        Err(p) => *p.into_inner(),
+    };
+    f.map_or(0, |f| f())
+}
 
 /// The local Ceph cluster the s3 scenarios share (started on first use: ~20 s here).
 pub fn shared_ceph() -> std::sync::Arc<ceph::Ceph> {

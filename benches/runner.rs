@@ -2,9 +2,37 @@
 //! same run and their ratio, as a table (and `--json`). `--quick` runs small versions
 //! (under a minute here); `--no-s3` skips the scenarios that need a local Ceph;
 //! `--only a,b` runs the named scenarios.
-#![allow(missing_docs)]
+#![allow(missing_docs, unsafe_code)]
 
 use kvtier_bench::scenarios;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged and only counts bytes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), Ordering::Relaxed);
+        // SAFETY: same layout contract as our caller's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: `p` came from `alloc` above with this layout.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn live() -> usize {
+    LIVE.load(Ordering::Relaxed)
+}
 
 type Scenario = (&'static str, fn(bool), bool);
 
@@ -13,6 +41,7 @@ fn main() {
     if kvtier_sim::cluster::serve_child_from_env() {
         return;
     }
+    kvtier_bench::set_live_bytes(live);
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");
@@ -25,10 +54,11 @@ fn main() {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     // (name, run, needs Ceph)
-    let all: [Scenario; 10] = [
+    let all: [Scenario; 11] = [
         ("keys", scenarios::keys::run, false),
         ("agent", scenarios::agent::run, false),
         ("host_rpc", scenarios::host_rpc::run, false),
+        ("index", scenarios::index::run, false),
         ("l3_file", scenarios::l3_file::run, false),
         ("l3_rocksdb", scenarios::l3_rocksdb::run, false),
         ("l3_remote", scenarios::l3_remote::run, false),
