@@ -12,6 +12,7 @@ pub mod l3;
 pub mod metrics;
 pub mod prefetch;
 pub mod service;
+pub mod sglang;
 pub mod state;
 pub mod storage_service;
 

@@ -381,6 +381,26 @@ impl ShmRegion {
         Self::map(file, path, len)
     }
 
+    /// Maps a whole file received from another process (e.g. a memfd passed over a Unix
+    /// socket), at its current size; `name` is for errors and logs.
+    pub fn from_fd(fd: std::os::fd::OwnedFd, name: &str) -> Result<Self, ShmError> {
+        let file = File::from(fd);
+        let path = PathBuf::from(name);
+        let len = file.metadata().map_err(io_err("stat", &path))?.len();
+        let len = usize::try_from(len)
+            .map_err(|_| ShmError::Shape(format!("{name}: {len} bytes do not fit in memory")))?;
+        Self::map(file, &path, len)
+    }
+
+    /// The size of the underlying file now: a client may shrink a file it shared after we
+    /// mapped it, and touching the mapping past the new end would fault. Check before use.
+    pub fn current_file_len(&self) -> Result<u64, ShmError> {
+        self._file
+            .metadata()
+            .map(|m| m.len())
+            .map_err(io_err("stat", &self.path))
+    }
+
     fn map(file: File, path: &Path, len: usize) -> Result<Self, ShmError> {
         if len == 0 {
             return Err(ShmError::Shape("a region needs at least one byte".into()));

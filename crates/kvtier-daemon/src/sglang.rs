@@ -1,0 +1,355 @@
+//! SGLang's HiCache RPC storage protocol, part 1: host-pool registration.
+//!
+//! Each SGLang scheduler process (one per TP rank) registers its host KV pool — a memfd — on
+//! a Unix stream socket: one `sendmsg` carrying 8 bytes of magic (`0x8DF6FBFD`, u64
+//! little-endian), a u32 little-endian name length, the UTF-8 name, and exactly one file
+//! descriptor as `SCM_RIGHTS`. The server maps the memfd (its size from `fstat`) and answers
+//! the pool id, u32 little-endian, from 1 upwards. The client keeps the connection open while
+//! it uses the pool; when it closes, the pool is unmapped and its id stops resolving.
+//!
+//! Hostile input — a wrong magic, a short or oversized preamble, a name that is not UTF-8,
+//! no descriptor or more than one, a file that cannot be mapped — closes that connection with
+//! a log line naming the problem; nothing else is affected. The gRPC `StorageServer` (Exist,
+//! BatchPut, BatchGet by offsets into these pools) is the next part.
+
+use std::collections::HashMap;
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvtier_shm::ShmRegion;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+
+/// The preamble's magic, as SGLang sends it.
+pub const MAGIC: u64 = 0x8DF6_FBFD;
+/// Longest pool name accepted.
+pub const MAX_NAME: usize = 4096;
+
+/// The registered pools by id.
+#[derive(Debug, Default)]
+pub struct Pools {
+    next: AtomicU32,
+    map: Mutex<HashMap<u32, Arc<ShmRegion>>>,
+}
+
+impl Pools {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<ShmRegion>>> {
+        match self.map.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// The pool registered as `id`, while its client is connected.
+    pub fn get(&self, id: u32) -> Option<Arc<ShmRegion>> {
+        self.lock().get(&id).cloned()
+    }
+
+    /// Pools registered now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether none is registered.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    fn add(&self, region: ShmRegion) -> u32 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        self.lock().insert(id, Arc::new(region));
+        id
+    }
+
+    fn remove(&self, id: u32) {
+        self.lock().remove(&id);
+    }
+}
+
+/// A registration that went wrong, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// The socket failed.
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    /// The preamble is not SGLang's.
+    #[error("bad preamble: {0}")]
+    Preamble(String),
+    /// The descriptor could not be used.
+    #[error("pool: {0}")]
+    Pool(String),
+}
+
+/// Reads one registration message: the preamble bytes and every descriptor that came with
+/// them (until the preamble is complete or the peer stops sending).
+async fn read_preamble(stream: &UnixStream) -> Result<(String, Vec<OwnedFd>), RegisterError> {
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    loop {
+        let need = if bytes.len() >= 12 {
+            let n = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+            if n > MAX_NAME {
+                return Err(RegisterError::Preamble(format!(
+                    "a pool name of {n} bytes (at most {MAX_NAME})"
+                )));
+            }
+            12 + n
+        } else {
+            12
+        };
+        if bytes.len() >= 8 {
+            let magic = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
+            if magic != MAGIC {
+                return Err(RegisterError::Preamble(format!(
+                    "magic {magic:#x}, expected {MAGIC:#x}"
+                )));
+            }
+        }
+        if bytes.len() >= 12 && bytes.len() >= need {
+            if bytes.len() > need {
+                return Err(RegisterError::Preamble(format!(
+                    "{} bytes after the pool name",
+                    bytes.len() - need
+                )));
+            }
+            let name = String::from_utf8(bytes[12..need].to_vec())
+                .map_err(|_| RegisterError::Preamble("the pool name is not UTF-8".into()))?;
+            return Ok((name, fds));
+        }
+        let mut buf = vec![0u8; need - bytes.len()];
+        let got = stream
+            .async_io(Interest::READABLE, || {
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+                let mut anc = rustix::net::RecvAncillaryBuffer::new(&mut space);
+                let r = rustix::net::recvmsg(
+                    stream,
+                    &mut [std::io::IoSliceMut::new(&mut buf)],
+                    &mut anc,
+                    rustix::net::RecvFlags::CMSG_CLOEXEC,
+                )
+                .map_err(std::io::Error::from)?;
+                let mut got_fds = Vec::new();
+                for msg in anc.drain() {
+                    if let rustix::net::RecvAncillaryMessage::ScmRights(rights) = msg {
+                        got_fds.extend(rights);
+                    }
+                }
+                Ok((r.bytes, got_fds))
+            })
+            .await?;
+        let (n, more) = got;
+        fds.extend(more);
+        if n == 0 {
+            return Err(RegisterError::Preamble(format!(
+                "the client closed after {} of {need} bytes",
+                bytes.len()
+            )));
+        }
+        bytes.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// Serves one registration connection: register, answer the id, hold the pool until the
+/// client hangs up.
+async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), RegisterError> {
+    let (name, mut fds) = read_preamble(&stream).await?;
+    if fds.len() != 1 {
+        return Err(RegisterError::Preamble(format!(
+            "{} file descriptors with pool {name:?}, expected exactly one",
+            fds.len()
+        )));
+    }
+    let fd = fds.remove(0);
+    let region = ShmRegion::from_fd(fd, &name).map_err(|e| RegisterError::Pool(e.to_string()))?;
+    let bytes = region.len();
+    let id = pools.add(region);
+    tracing::info!(pool = id, name = %name, bytes, "sglang host pool registered");
+    let answered = stream.write_all(&id.to_le_bytes()).await;
+    // Held until the client hangs up (anything it sends is ignored).
+    let mut sink = [0u8; 64];
+    if answered.is_ok() {
+        while let Ok(n) = stream.read(&mut sink).await {
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    pools.remove(id);
+    tracing::info!(pool = id, name = %name, "sglang host pool unregistered");
+    Ok(())
+}
+
+/// Accepts registrations on `listener` until `stop`.
+pub async fn serve_registrations(
+    listener: UnixListener,
+    pools: Arc<Pools>,
+    stop: CancellationToken,
+) {
+    loop {
+        let stream = tokio::select! {
+            () = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!("sglang registration accept failed: {e}");
+                    continue;
+                }
+            },
+        };
+        let (pools, stop) = (pools.clone(), stop.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                r = serve_one(stream, pools) => {
+                    if let Err(e) = r {
+                        tracing::warn!("sglang pool registration refused: {e}");
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsFd, BorrowedFd};
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Sends a registration message as SGLang does (magic, name length, name, descriptors).
+    fn send(
+        stream: &std::os::unix::net::UnixStream,
+        magic: u64,
+        name: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) {
+        let mut msg = magic.to_le_bytes().to_vec();
+        msg.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        msg.extend_from_slice(name);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut anc = rustix::net::SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() {
+            assert!(anc.push(rustix::net::SendAncillaryMessage::ScmRights(fds)));
+        }
+        rustix::net::sendmsg(
+            stream,
+            &[std::io::IoSlice::new(&msg)],
+            &mut anc,
+            rustix::net::SendFlags::empty(),
+        )
+        .unwrap();
+    }
+
+    fn memfd(len: u64, fill: u8) -> OwnedFd {
+        let fd =
+            rustix::fs::memfd_create("kvtier-test-pool", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let f = std::fs::File::from(fd);
+        std::io::Write::write_all(&mut &f, &vec![fill; len as usize]).unwrap();
+        OwnedFd::from(f)
+    }
+
+    /// Reads the 4-byte answer, or `None` when the server closed the connection instead.
+    fn answer(stream: &mut std::os::unix::net::UnixStream) -> Option<u32> {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 4];
+        std::io::Read::read_exact(stream, &mut b).ok()?;
+        Some(u32::from_le_bytes(b))
+    }
+
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pools_register_map_the_memfd_and_go_when_the_client_does() {
+        let dir = std::env::temp_dir().join(format!("kvtier-sglang-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mempool.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let pools = Arc::new(Pools::default());
+        let stop = CancellationToken::new();
+        tokio::spawn(serve_registrations(listener, pools.clone(), stop.clone()));
+
+        // A good registration: id 1, the memfd's bytes visible through the mapping.
+        let path2 = path.clone();
+        let (c1, id1, fd1) = tokio::task::spawn_blocking(move || {
+            let mut c = std::os::unix::net::UnixStream::connect(&path2).unwrap();
+            let fd = memfd(8192, 0x42);
+            send(&c, MAGIC, b"tp0", &[fd.as_fd()]);
+            let id = answer(&mut c);
+            (c, id, fd)
+        })
+        .await
+        .unwrap();
+        assert_eq!(id1, Some(1));
+        let region = pools.get(1).unwrap();
+        assert_eq!(region.len(), 8192);
+        let mut b = [0u8; 4];
+        region.read(8188, &mut b).unwrap();
+        assert_eq!(b, [0x42; 4]);
+        // The client writes through its memfd; the daemon's mapping sees it.
+        rustix::io::pwrite(&fd1, &[7, 7], 100).unwrap();
+        region.read(100, &mut b[..2]).unwrap();
+        assert_eq!(&b[..2], &[7, 7]);
+        drop(region);
+
+        // Hostile registrations are refused (connection closed, no id), nothing registered.
+        let path3 = path.clone();
+        let refused = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            let fd = memfd(4096, 1);
+            let fd2 = memfd(4096, 2);
+            let cases: [(u64, Vec<u8>, Vec<BorrowedFd<'_>>); 5] = [
+                (0xDEAD_BEEF, b"bad-magic".to_vec(), vec![fd.as_fd()]),
+                (MAGIC, b"no-fd".to_vec(), vec![]),
+                (MAGIC, b"two-fds".to_vec(), vec![fd.as_fd(), fd2.as_fd()]),
+                (MAGIC, vec![0xff, 0xfe], vec![fd.as_fd()]),
+                (MAGIC, vec![b'x'; MAX_NAME + 1], vec![fd.as_fd()]),
+            ];
+            for (magic, name, fds) in cases {
+                let mut c = std::os::unix::net::UnixStream::connect(&path3).unwrap();
+                send(&c, magic, &name, &fds);
+                out.push(answer(&mut c));
+            }
+            out
+        })
+        .await
+        .unwrap();
+        assert_eq!(refused, vec![None; 5]);
+        assert_eq!(pools.len(), 1);
+
+        // A second good client gets the next id; closing the first unregisters it.
+        let path4 = path.clone();
+        let (c2, id2) = tokio::task::spawn_blocking(move || {
+            let mut c = std::os::unix::net::UnixStream::connect(&path4).unwrap();
+            let fd = memfd(4096, 9);
+            send(&c, MAGIC, b"tp1", &[fd.as_fd()]);
+            let id = answer(&mut c);
+            (c, id)
+        })
+        .await
+        .unwrap();
+        assert_eq!(id2, Some(2));
+        c1.shutdown(std::net::Shutdown::Both).unwrap();
+        drop(c1);
+        until("pool 1 to go", || pools.get(1).is_none()).await;
+        assert!(pools.get(2).is_some());
+        drop(c2);
+        until("pool 2 to go", || pools.is_empty()).await;
+        stop.cancel();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
