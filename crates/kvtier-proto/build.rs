@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "kvtier/v1/storage.proto",
         "kvtier/v1/admin.proto",
         "kvtier/v1/agent.proto",
+        "sglang/runtime/hicache/storage.proto",
     ]
     .map(|p| root.join(p));
     let out = PathBuf::from(std::env::var("OUT_DIR")?);

@@ -176,6 +176,18 @@ negative_capacity = 65536
 # Most prefetches a session may have open (running, or landed and not yet taken).
 max_per_session = 1024
 
+[sglang_rpc]
+# Serve SGLang's HiCache RPC storage protocol (`--hicache-storage-backend rpc`), so SGLang
+# stores its host KV pages in kvtierd's L3 with no code on the SGLang side. Give SGLang
+# {"mempool_socket": "unix://<mempool_socket>", "grpc_socket": "unix://<grpc_socket>"}.
+enable = false
+# Unix socket where SGLang registers its host pool (a memfd). Empty:
+# <data_dir>/sglang-mempool.sock.
+mempool_socket = ""
+# Unix socket of the sglang.runtime.hicache.StorageServer gRPC service. Empty:
+# <data_dir>/sglang-grpc.sock.
+grpc_socket = ""
+
 [sessions]
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
 # dropped and the pages it was writing are freed (100ms to 1h).
@@ -202,6 +214,8 @@ pub struct DaemonConfig {
     pub l3: L3Config,
     /// Prefetch from L3 into L2.
     pub prefetch: PrefetchConfig,
+    /// SGLang's HiCache RPC storage protocol.
+    pub sglang_rpc: SglangRpcConfig,
     /// Client sessions.
     pub sessions: SessionsConfig,
     /// Logging.
@@ -318,6 +332,18 @@ pub struct L3Config {
     pub fault_get_delay: Dur,
     /// Chaos drill: probability that an L3 call fails (0: off).
     pub fault_error_rate: f64,
+}
+
+/// `[sglang_rpc]`.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SglangRpcConfig {
+    /// Serve the protocol.
+    pub enable: bool,
+    /// Pool registration socket (empty: `<data_dir>/sglang-mempool.sock`).
+    pub mempool_socket: String,
+    /// gRPC socket (empty: `<data_dir>/sglang-grpc.sock`).
+    pub grpc_socket: String,
 }
 
 /// `[prefetch]`.
@@ -491,6 +517,7 @@ impl Default for DaemonConfig {
             l2: L2Config::default(),
             l3: L3Config::default(),
             prefetch: PrefetchConfig::default(),
+            sglang_rpc: SglangRpcConfig::default(),
             sessions: SessionsConfig::default(),
             log: LogConfig::default(),
         }
@@ -579,6 +606,22 @@ impl DaemonConfig {
             self.data_dir.join("kvtierd.sock")
         } else {
             PathBuf::from(&self.server.socket)
+        }
+    }
+
+    /// SGLang's pool registration socket.
+    pub fn sglang_mempool_socket(&self) -> PathBuf {
+        match self.sglang_rpc.mempool_socket.as_str() {
+            "" => self.data_dir.join("sglang-mempool.sock"),
+            p => PathBuf::from(p),
+        }
+    }
+
+    /// SGLang's gRPC socket.
+    pub fn sglang_grpc_socket(&self) -> PathBuf {
+        match self.sglang_rpc.grpc_socket.as_str() {
+            "" => self.data_dir.join("sglang-grpc.sock"),
+            p => PathBuf::from(p),
         }
     }
 
@@ -678,6 +721,7 @@ impl DaemonConfig {
                     negative_capacity,
                     max_per_session,
                 },
+            sglang_rpc: _,
             sessions: SessionsConfig { ttl },
             log: LogConfig { level },
         } = self;

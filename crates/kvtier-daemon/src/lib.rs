@@ -285,6 +285,35 @@ pub async fn run(
             }
         });
     }
+    // SGLang's HiCache RPC storage protocol, when enabled.
+    let sglang_sockets = if cfg.sglang_rpc.enable {
+        let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
+        let reg = bind_socket(&reg_path).await?;
+        let grpc = bind_socket(&grpc_path).await?;
+        let pools = Arc::new(sglang::Pools::default());
+        tracker.spawn(sglang::serve_registrations(
+            reg,
+            pools.clone(),
+            shutdown.clone(),
+        ));
+        let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
+            sglang::StorageService::new(pools, l3.clone()),
+        )
+        .max_decoding_message_size(512 << 20)
+        .max_encoding_message_size(512 << 20);
+        let stop = shutdown.clone();
+        tracker.spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(UnixListenerStream::new(grpc), async move {
+                    stop.cancelled().await
+                }),
+        );
+        tracing::info!(mempool = %reg_path.display(), grpc = %grpc_path.display(), "serving SGLang's HiCache RPC storage protocol");
+        vec![reg_path, grpc_path]
+    } else {
+        Vec::new()
+    };
     tracker.close();
 
     tracing::info!(
@@ -330,6 +359,9 @@ pub async fn run(
         && let Ok(Err(e)) = t.await
     {
         tracing::warn!("tcp server ended with: {e}");
+    }
+    for p in &sglang_sockets {
+        let _ = std::fs::remove_file(p);
     }
     if let Err(e) = std::fs::remove_file(&socket) {
         tracing::warn!(socket = %socket.display(), "could not remove the socket: {e}");

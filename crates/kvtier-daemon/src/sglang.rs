@@ -9,8 +9,14 @@
 //!
 //! Hostile input — a wrong magic, a short or oversized preamble, a name that is not UTF-8,
 //! no descriptor or more than one, a file that cannot be mapped — closes that connection with
-//! a log line naming the problem; nothing else is affected. The gRPC `StorageServer` (Exist,
-//! BatchPut, BatchGet by offsets into these pools) is the next part.
+//! a log line naming the problem; nothing else is affected.
+//!
+//! The gRPC `StorageServer` ([`StorageService`]) then moves objects by offset into these
+//! pools: a put stores the concatenation of its iovecs as one object of kvtier's L3 (framed
+//! and checksummed like a page, named in a namespace of its own: a fixed fingerprint and the
+//! SHA-256 of the id), a get scatters it back. Every iovec is checked against the mapping
+//! and against the file's current size (a client may shrink its memfd) before a byte moves;
+//! a bad transfer gets an error code in its slot, the others proceed.
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
@@ -18,7 +24,14 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_proto::sglang;
 use kvtier_shm::ShmRegion;
+use kvtier_storage::{Fetch, MissReason, OpCtx};
+use sha2::{Digest, Sha256};
+use tonic::{Request, Response, Status};
+
+use crate::l3::L3Slot;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
@@ -180,6 +193,200 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
     pools.remove(id);
     tracing::info!(pool = id, name = %name, "sglang host pool unregistered");
     Ok(())
+}
+
+/// The namespace of SGLang's objects in L3: never a layout fingerprint kvtier computes.
+fn namespace() -> LayoutFingerprint {
+    let d = Sha256::digest(b"kvtier: SGLang HiCache RPC objects, v1");
+    let mut fp = [0u8; 16];
+    fp.copy_from_slice(&d[..16]);
+    LayoutFingerprint(fp)
+}
+
+fn object_key(id: &[u8]) -> PageKey {
+    PageKey(Sha256::digest(id).into())
+}
+
+/// gRPC status codes SGLang reads in result slots.
+mod code {
+    pub(super) const OK: i32 = 0;
+    pub(super) const INVALID_ARGUMENT: i32 = 3;
+    pub(super) const NOT_FOUND: i32 = 5;
+    pub(super) const FAILED_PRECONDITION: i32 = 9;
+    pub(super) const OUT_OF_RANGE: i32 = 11;
+    pub(super) const INTERNAL: i32 = 13;
+    pub(super) const UNAVAILABLE: i32 = 14;
+}
+
+/// A transfer's pool, its checked `(offset, length)` ranges, and their total length.
+type Ranges = (Arc<ShmRegion>, Vec<(usize, usize)>, usize);
+
+/// The `sglang.runtime.hicache.StorageServer` service.
+#[derive(Debug, Clone)]
+pub struct StorageService {
+    pools: Arc<Pools>,
+    l3: Arc<L3Slot>,
+}
+
+impl StorageService {
+    /// Serves objects of `l3` by offset into `pools`.
+    pub fn new(pools: Arc<Pools>, l3: Arc<L3Slot>) -> Self {
+        Self { pools, l3 }
+    }
+
+    /// The pool and the checked byte ranges of a transfer, or the code for its slot.
+    fn ranges(&self, t: &sglang::Transfer) -> Result<Ranges, i32> {
+        if t.id.is_empty() {
+            tracing::warn!("sglang transfer with an empty id refused");
+            return Err(code::INVALID_ARGUMENT);
+        }
+        let pool = u32::try_from(t.pool_id)
+            .ok()
+            .and_then(|id| self.pools.get(id))
+            .ok_or_else(|| {
+                tracing::warn!(pool = t.pool_id, "sglang transfer names no registered pool");
+                code::FAILED_PRECONDITION
+            })?;
+        // The client may have shrunk its memfd since it registered: never touch past the
+        // end of the file, whatever the mapping's length.
+        let limit = pool
+            .current_file_len()
+            .map_or(0, |l| l.min(pool.len() as u64));
+        let mut ranges = Vec::with_capacity(t.iovec.len());
+        let mut total = 0usize;
+        for v in &t.iovec {
+            let end = v.offset.checked_add(u64::from(v.length));
+            if end.is_none_or(|e| e > limit) {
+                tracing::warn!(
+                    pool = t.pool_id,
+                    offset = v.offset,
+                    length = v.length,
+                    limit,
+                    "sglang iovec outside the registered pool"
+                );
+                return Err(code::OUT_OF_RANGE);
+            }
+            ranges.push((v.offset as usize, v.length as usize));
+            total += v.length as usize;
+        }
+        Ok((pool, ranges, total))
+    }
+
+    async fn put_one(&self, t: &sglang::Transfer) -> i32 {
+        let (pool, ranges, total) = match self.ranges(t) {
+            Ok(r) => r,
+            Err(c) => return c,
+        };
+        let Some(l3) = self.l3.current() else {
+            return code::UNAVAILABLE;
+        };
+        let mut buf = vec![0u8; total];
+        let mut at = 0;
+        for (off, len) in ranges {
+            if pool.read(off, &mut buf[at..at + len]).is_err() {
+                return code::OUT_OF_RANGE;
+            }
+            at += len;
+        }
+        let ctx = OpCtx::timeout(l3.timeout);
+        match l3
+            .store
+            .set(
+                &ctx,
+                &namespace(),
+                &object_key(&t.id),
+                bytes::Bytes::from(buf),
+            )
+            .await
+        {
+            Ok(()) => code::OK,
+            Err(e) => {
+                tracing::debug!("sglang put failed: {e}");
+                code::UNAVAILABLE
+            }
+        }
+    }
+
+    async fn get_one(&self, t: &sglang::Transfer) -> i32 {
+        let (pool, ranges, total) = match self.ranges(t) {
+            Ok(r) => r,
+            Err(c) => return c,
+        };
+        let Some(l3) = self.l3.current() else {
+            return code::UNAVAILABLE;
+        };
+        let ctx = OpCtx::timeout(l3.timeout);
+        match l3
+            .store
+            .get(&ctx, &namespace(), &object_key(&t.id), Some(total))
+            .await
+        {
+            Fetch::Hit(bytes) => {
+                let mut at = 0;
+                for (off, len) in ranges {
+                    if pool.write(off, &bytes[at..at + len]).is_err() {
+                        return code::INTERNAL;
+                    }
+                    at += len;
+                }
+                code::OK
+            }
+            // Absent, corrupt, torn, or of another length than asked: not found, bytes
+            // untouched.
+            Fetch::Miss(MissReason::Absent | MissReason::Corrupt(_)) => code::NOT_FOUND,
+            Fetch::Miss(_) => code::UNAVAILABLE,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl sglang::storage_server_server::StorageServer for StorageService {
+    async fn exist(
+        &self,
+        request: Request<sglang::ExistRequest>,
+    ) -> Result<Response<sglang::ExistResponse>, Status> {
+        let ids = request.into_inner().id;
+        let mut results = Vec::with_capacity(ids.len());
+        let l3 = self.l3.current();
+        for id in &ids {
+            let found = match &l3 {
+                Some(l3) if !id.is_empty() => {
+                    let ctx = OpCtx::timeout(l3.timeout);
+                    l3.store
+                        .exists(&ctx, &namespace(), &object_key(id))
+                        .await
+                        .unwrap_or(false)
+                }
+                _ => false,
+            };
+            results.push(found);
+        }
+        Ok(Response::new(sglang::ExistResponse { results }))
+    }
+
+    async fn batch_put(
+        &self,
+        request: Request<sglang::BatchPutRequest>,
+    ) -> Result<Response<sglang::BatchPutResponse>, Status> {
+        let puts = request.into_inner().puts;
+        let mut results = Vec::with_capacity(puts.len());
+        for t in &puts {
+            results.push(self.put_one(t).await);
+        }
+        Ok(Response::new(sglang::BatchPutResponse { results }))
+    }
+
+    async fn batch_get(
+        &self,
+        request: Request<sglang::BatchGetRequest>,
+    ) -> Result<Response<sglang::BatchGetResponse>, Status> {
+        let gets = request.into_inner().gets;
+        let mut results = Vec::with_capacity(gets.len());
+        for t in &gets {
+            results.push(self.get_one(t).await);
+        }
+        Ok(Response::new(sglang::BatchGetResponse { results }))
+    }
 }
 
 /// Accepts registrations on `listener` until `stop`.

@@ -6,6 +6,12 @@
 //! [`ApiError::InvalidArgument`] naming the field by its path (`layout.kv_heads`, `keys[3]`);
 //! `From<ApiError> for tonic::Status` is the one place errors become gRPC status codes.
 
+/// SGLang's HiCache RPC storage protocol (`sglang.runtime.hicache`), served by kvtierd.
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod sglang {
+    tonic::include_proto!("sglang.runtime.hicache");
+}
+
 /// Generated code of package `kvtier.v1`.
 #[allow(missing_docs, unreachable_pub, clippy::all)]
 pub mod v1 {
