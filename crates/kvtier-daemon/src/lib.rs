@@ -290,14 +290,14 @@ pub async fn run(
         let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
         let reg = bind_socket(&reg_path).await?;
         let grpc = bind_socket(&grpc_path).await?;
-        let pools = Arc::new(sglang::Pools::default());
+        let pools = Arc::new(sglang::Pools::with_gauge(metrics.sglang_pools.clone()));
         tracker.spawn(sglang::serve_registrations(
             reg,
             pools.clone(),
             shutdown.clone(),
         ));
         let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
-            sglang::StorageService::new(pools, l3.clone()),
+            sglang::StorageService::new(pools, l3.clone(), metrics.clone()),
         )
         .max_decoding_message_size(512 << 20)
         .max_encoding_message_size(512 << 20);

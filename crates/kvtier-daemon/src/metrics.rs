@@ -75,6 +75,16 @@ pub struct Metrics {
     pub prefetch_negative_keys: IntGauge,
     prefetch_inflight: IntGauge,
     prefetch_budget: IntGaugeVec,
+    /// `kvtier_sglang_transfers_total{op, outcome}`: SGLang HiCache RPC objects by operation
+    /// (exist, put, get) and outcome (ok, not_found, out_of_range, no_pool, invalid,
+    /// unavailable, internal).
+    pub sglang_transfers: IntCounterVec,
+    /// `kvtier_sglang_bytes_total{op}`: bytes moved by SGLang puts and gets.
+    pub sglang_bytes: IntCounterVec,
+    /// `kvtier_sglang_batch_duration_seconds{op}`: time of one SGLang batch.
+    pub sglang_seconds: HistogramVec,
+    /// `kvtier_sglang_pools`: SGLang host pools registered now.
+    pub sglang_pools: IntGauge,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     pinned_pages: IntGauge,
@@ -120,6 +130,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_prefetch_negative_keys",
     "kvtier_prefetch_inflight",
     "kvtier_prefetch_budget_pages",
+    "kvtier_sglang_transfers_total",
+    "kvtier_sglang_bytes_total",
+    "kvtier_sglang_batch_duration_seconds",
+    "kvtier_sglang_pools",
 ];
 
 /// Buckets of the bandwidth histograms, in GB/s (10^9 bytes per second).
@@ -154,6 +168,13 @@ impl Metrics {
         }
         for outcome in ["written", "present", "failed", "dropped"] {
             m.l3_writes.with_label_values(&[outcome]);
+        }
+        for op in ["exist", "put", "get"] {
+            m.sglang_transfers.with_label_values(&[op, "ok"]);
+            m.sglang_seconds.with_label_values(&[op]);
+        }
+        for op in ["put", "get"] {
+            m.sglang_bytes.with_label_values(&[op]);
         }
         Ok(m)
     }
@@ -446,6 +467,41 @@ impl Metrics {
                     &["state"],
                 )?,
             ),
+            sglang_transfers: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_sglang_transfers_total",
+                        "SGLang HiCache RPC objects by operation and outcome",
+                    ),
+                    &["op", "outcome"],
+                )?,
+            ),
+            sglang_bytes: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_sglang_bytes_total",
+                        "Bytes moved by SGLang HiCache RPC puts and gets",
+                    ),
+                    &["op"],
+                )?,
+            ),
+            sglang_seconds: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvtier_sglang_batch_duration_seconds",
+                        "Time to serve one SGLang HiCache RPC batch",
+                    )
+                    .buckets(vec![1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+                    &["op"],
+                )?,
+            ),
+            sglang_pools: reg(
+                &r,
+                IntGauge::new("kvtier_sglang_pools", "SGLang host pools registered now")?,
+            ),
             registry: r,
         })
     }
@@ -683,6 +739,9 @@ mod tests {
         m.prefetch_requests.with_label_values(&["x", "y"]).inc();
         m.prefetch_pages.with_label_values(&["x"]).inc();
         m.prefetch_bytes.with_label_values(&["x"]).inc();
+        m.sglang_transfers.with_label_values(&["x", "y"]).inc();
+        m.sglang_bytes.with_label_values(&["x"]).inc();
+        m.sglang_seconds.with_label_values(&["x"]).observe(0.0);
         let cfg = kvtier_config::daemon::DaemonConfig::default();
         let state = Mutex::new(HostState::new(&cfg));
         let store: Arc<dyn kvtier_storage::Store> =

@@ -32,6 +32,7 @@ use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
+use crate::metrics::Metrics;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
@@ -46,6 +47,7 @@ pub const MAX_NAME: usize = 4096;
 pub struct Pools {
     next: AtomicU32,
     map: Mutex<HashMap<u32, Arc<ShmRegion>>>,
+    gauge: Option<prometheus::IntGauge>,
 }
 
 impl Pools {
@@ -71,14 +73,30 @@ impl Pools {
         self.lock().is_empty()
     }
 
+    /// Pools that report their count to `gauge`.
+    pub fn with_gauge(gauge: prometheus::IntGauge) -> Self {
+        Self {
+            gauge: Some(gauge),
+            ..Self::default()
+        }
+    }
+
     fn add(&self, region: ShmRegion) -> u32 {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
-        self.lock().insert(id, Arc::new(region));
+        let mut m = self.lock();
+        m.insert(id, Arc::new(region));
+        if let Some(g) = &self.gauge {
+            g.set(m.len() as i64);
+        }
         id
     }
 
     fn remove(&self, id: u32) {
-        self.lock().remove(&id);
+        let mut m = self.lock();
+        m.remove(&id);
+        if let Some(g) = &self.gauge {
+            g.set(m.len() as i64);
+        }
     }
 }
 
@@ -226,12 +244,42 @@ type Ranges = (Arc<ShmRegion>, Vec<(usize, usize)>, usize);
 pub struct StorageService {
     pools: Arc<Pools>,
     l3: Arc<L3Slot>,
+    metrics: Metrics,
+}
+
+fn outcome(code: i32) -> &'static str {
+    match code {
+        code::OK => "ok",
+        code::NOT_FOUND => "not_found",
+        code::OUT_OF_RANGE => "out_of_range",
+        code::FAILED_PRECONDITION => "no_pool",
+        code::INVALID_ARGUMENT => "invalid",
+        code::UNAVAILABLE => "unavailable",
+        _ => "internal",
+    }
 }
 
 impl StorageService {
     /// Serves objects of `l3` by offset into `pools`.
-    pub fn new(pools: Arc<Pools>, l3: Arc<L3Slot>) -> Self {
-        Self { pools, l3 }
+    pub fn new(pools: Arc<Pools>, l3: Arc<L3Slot>, metrics: Metrics) -> Self {
+        Self { pools, l3, metrics }
+    }
+
+    fn count(&self, op: &str, code: i32, bytes: u64) {
+        self.metrics
+            .sglang_transfers
+            .with_label_values(&[op, outcome(code)])
+            .inc();
+        if code == code::OK && bytes > 0 {
+            self.metrics
+                .sglang_bytes
+                .with_label_values(&[op])
+                .inc_by(bytes);
+        }
+    }
+
+    fn bytes_of(t: &sglang::Transfer) -> u64 {
+        t.iovec.iter().map(|v| u64::from(v.length)).sum()
     }
 
     /// The pool and the checked byte ranges of a transfer, or the code for its slot.
@@ -345,6 +393,7 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         &self,
         request: Request<sglang::ExistRequest>,
     ) -> Result<Response<sglang::ExistResponse>, Status> {
+        let started = std::time::Instant::now();
         let ids = request.into_inner().id;
         let mut results = Vec::with_capacity(ids.len());
         let l3 = self.l3.current();
@@ -359,8 +408,13 @@ impl sglang::storage_server_server::StorageServer for StorageService {
                 }
                 _ => false,
             };
+            self.count("exist", if found { code::OK } else { code::NOT_FOUND }, 0);
             results.push(found);
         }
+        self.metrics
+            .sglang_seconds
+            .with_label_values(&["exist"])
+            .observe(started.elapsed().as_secs_f64());
         Ok(Response::new(sglang::ExistResponse { results }))
     }
 
@@ -368,11 +422,18 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         &self,
         request: Request<sglang::BatchPutRequest>,
     ) -> Result<Response<sglang::BatchPutResponse>, Status> {
+        let started = std::time::Instant::now();
         let puts = request.into_inner().puts;
         let mut results = Vec::with_capacity(puts.len());
         for t in &puts {
-            results.push(self.put_one(t).await);
+            let c = self.put_one(t).await;
+            self.count("put", c, Self::bytes_of(t));
+            results.push(c);
         }
+        self.metrics
+            .sglang_seconds
+            .with_label_values(&["put"])
+            .observe(started.elapsed().as_secs_f64());
         Ok(Response::new(sglang::BatchPutResponse { results }))
     }
 
@@ -380,11 +441,18 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         &self,
         request: Request<sglang::BatchGetRequest>,
     ) -> Result<Response<sglang::BatchGetResponse>, Status> {
+        let started = std::time::Instant::now();
         let gets = request.into_inner().gets;
         let mut results = Vec::with_capacity(gets.len());
         for t in &gets {
-            results.push(self.get_one(t).await);
+            let c = self.get_one(t).await;
+            self.count("get", c, Self::bytes_of(t));
+            results.push(c);
         }
+        self.metrics
+            .sglang_seconds
+            .with_label_values(&["get"])
+            .observe(started.elapsed().as_secs_f64());
         Ok(Response::new(sglang::BatchGetResponse { results }))
     }
 }

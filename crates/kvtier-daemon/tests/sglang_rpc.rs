@@ -167,8 +167,23 @@ fn sglang_pages_round_trip_through_kvtierd_and_bad_transfers_fail_alone() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
-    // Operations went through the L3 backend's metrics like kvtier's own.
+    // Operations went through the L3 backend's metrics like kvtier's own, and the protocol's.
     let m = d.metrics();
+    let tr = |op: &str, outcome: &str| {
+        metric(
+            &m,
+            &format!("kvtier_sglang_transfers_total{{op=\"{op}\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(tr("put", "ok"), 2.0);
+    assert_eq!(tr("put", "out_of_range"), 1.0);
+    assert_eq!(tr("put", "invalid"), 1.0);
+    assert!(tr("put", "no_pool") >= 2.0);
+    assert_eq!(tr("get", "ok"), 2.0);
+    assert_eq!(tr("get", "not_found"), 2.0);
+    assert_eq!(tr("exist", "ok"), 2.0);
+    assert_eq!(metric(&m, "kvtier_sglang_bytes_total{op=\"put\"}"), 16384.0);
+    assert_eq!(metric(&m, "kvtier_sglang_pools"), 0.0);
     assert!(
         metric(
             &m,
