@@ -248,12 +248,13 @@ impl Worker {
             .into_inner();
         let handle = m.handle;
         let mut pages: Vec<u32> = m.device_pages.clone();
-        for (i, &p) in m.device_pages.iter().enumerate() {
+        pages.truncate(keys.len());
+        for (&p, key) in pages.iter().zip(&keys) {
             out.verified += 1;
-            if !self.check(p, &keys[i]) {
+            if !self.check(p, key) {
                 out.corrupt.push(Corrupt {
                     request: req.index,
-                    key: keys[i].to_hex(),
+                    key: key.to_hex(),
                     tier: "device",
                 });
             }
@@ -300,8 +301,10 @@ impl Worker {
             out.load_back_time = t.elapsed();
             let loaded = lb.loaded as usize;
             self.free.extend(lb.unused_pages.iter().copied());
-            // The handle's device prefix now: the matched pages and the loaded ones.
-            let now = lb.device_pages.clone();
+            // The handle's device prefix now: the matched pages and the loaded ones (never
+            // more than the request has keys, whatever the agent says).
+            let mut now = lb.device_pages.clone();
+            now.truncate(keys.len());
             for i in d..now.len() {
                 let tier = if i - d < l2 { "host" } else { "storage" };
                 out.verified += 1;
