@@ -33,18 +33,7 @@ fn main() -> anyhow::Result<()> {
         print!("{DEFAULT_TOML}");
         return Ok(());
     }
-    let file = match &flags.config {
-        Some(p) => Some((
-            p.display().to_string(),
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-        )),
-        None => None,
-    };
-    let cfg = AgentConfig::load(&Sources {
-        file,
-        env: std::env::vars().collect(),
-        sets: flags.set,
-    })?;
+    let cfg = AgentConfig::load(&Sources::from_process(flags.config.as_deref(), flags.set)?)?;
     if flags.check_config {
         println!("{cfg:#?}");
         return Ok(());

@@ -336,14 +336,7 @@ impl AgentConfig {
             ("cache.backup_queue", u64::from(*backup_queue), 1, 1 << 20),
             ("device.copy_threads", u64::from(*copy_threads), 1, 64),
         ];
-        for (key, v, lo, hi) in ranges {
-            if v < lo || v > hi {
-                return Err(ConfigError::invalid(
-                    key,
-                    format!("{v} is outside {lo}..={hi}"),
-                ));
-            }
-        }
+        crate::check_ranges(&ranges)?;
         for (key, d, lo) in [
             (
                 "daemon.reconnect_min",

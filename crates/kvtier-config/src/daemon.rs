@@ -775,14 +775,7 @@ impl DaemonConfig {
             ("l3.concurrency", u64::from(*concurrency), 1, 256),
             ("l3.retries", u64::from(*retries), 0, 10),
         ];
-        for (key, v, lo, hi) in ranges {
-            if v < lo || v > hi {
-                return Err(ConfigError::invalid(
-                    key,
-                    format!("{v} is outside {lo}..={hi}"),
-                ));
-            }
-        }
+        crate::check_ranges(&ranges)?;
         if timeout.0 < Duration::from_millis(1) || timeout.0 > Duration::from_secs(600) {
             return Err(ConfigError::invalid(
                 "l3.timeout",
@@ -911,14 +904,7 @@ impl DaemonConfig {
                 1 << 20,
             ),
         ];
-        for (key, v, lo, hi) in ranges {
-            if v < lo || v > hi {
-                return Err(ConfigError::invalid(
-                    key,
-                    format!("{v} is outside {lo}..={hi}"),
-                ));
-            }
-        }
+        crate::check_ranges(&ranges)?;
         for (key, d) in [
             ("prefetch.timeout_base", timeout_base),
             ("prefetch.timeout_per_1k_tokens", timeout_per_1k_tokens),

@@ -138,6 +138,45 @@ fn env_path(schema: &Table, var: &str, prefix: &str) -> Option<String> {
         .then(|| format!("{section}.{key}"))
 }
 
+/// Checks `(key, value, low, high)` bounds (inclusive); the error names the first key out
+/// of range.
+pub fn check_ranges(ranges: &[(&str, u64, u64, u64)]) -> Result<(), ConfigError> {
+    for &(key, v, lo, hi) in ranges {
+        if v < lo || v > hi {
+            return Err(ConfigError::invalid(
+                key,
+                format!("{v} is outside {lo}..={hi}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Sources {
+    /// What a process's command line gives: the config file at `path` (read here; a missing
+    /// file is an error naming it), this process's environment, and `--set` overrides.
+    pub fn from_process(
+        path: Option<&std::path::Path>,
+        sets: Vec<String>,
+    ) -> Result<Self, ConfigError> {
+        let file = match path {
+            Some(p) => Some((
+                p.display().to_string(),
+                std::fs::read_to_string(p).map_err(|e| ConfigError::File {
+                    file: p.display().to_string(),
+                    reason: e.to_string(),
+                })?,
+            )),
+            None => None,
+        };
+        Ok(Self {
+            file,
+            env: std::env::vars().collect(),
+            sets,
+        })
+    }
+}
+
 /// Loads a configuration of type `T` whose commented default file is `default_toml`.
 pub fn load<T: DeserializeOwned>(default_toml: &str, src: &Sources) -> Result<T, ConfigError> {
     load_env(default_toml, src, Env::Daemon)
