@@ -183,6 +183,14 @@ where
     row
 }
 
+/// Prints one diagnostic throughput line: `pages` pages of `page_bytes` since `t`.
+fn diag_rate(what: &str, pages: usize, page_bytes: usize, t: Instant) {
+    crate::say!(
+        "diag   {what} x{pages}: {:.3} GB/s",
+        (pages * page_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9
+    );
+}
+
 /// Runs the scenario (`quick`: fewer pages and rounds).
 pub fn run(quick: bool) {
     let no_s3 = std::env::args().any(|a| a == "--no-s3");
@@ -244,8 +252,6 @@ pub fn run(quick: bool) {
             (50 * page_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9
         );
         let ps = kvtier_storage::PageStore::new(store.clone());
-        let p0 = store.path_of(&kvtier_storage::format::object_name(&fp, &chains[0][0]));
-        crate::say!("diag   {} exists: {}", p0.display(), p0.exists());
         for keys in &chains {
             let t = Instant::now();
             let n = rt.block_on(
@@ -263,11 +269,7 @@ pub fn run(quick: bool) {
                     .buffer_unordered(CONCURRENCY)
                     .count(),
             );
-            let s = t.elapsed().as_secs_f64();
-            crate::say!(
-                "diag   PageStore::get x{n}: {:.3} GB/s",
-                (n * page_bytes) as f64 / s / 1e9
-            );
+            diag_rate("PageStore::get", n, page_bytes, t);
             let t = Instant::now();
             let n = rt.block_on(
                 futures::stream::iter(keys.clone())
@@ -282,11 +284,7 @@ pub fn run(quick: bool) {
                     .buffer_unordered(CONCURRENCY)
                     .count(),
             );
-            let s = t.elapsed().as_secs_f64();
-            crate::say!(
-                "diag   FileStore::get x{n}: {:.3} GB/s",
-                (n * page_bytes) as f64 / s / 1e9
-            );
+            diag_rate("FileStore::get", n, page_bytes, t);
             let t = Instant::now();
             let n = rt.block_on(
                 futures::stream::iter(keys.clone())
@@ -297,11 +295,7 @@ pub fn run(quick: bool) {
                     .buffer_unordered(CONCURRENCY)
                     .count(),
             );
-            let s = t.elapsed().as_secs_f64();
-            crate::say!(
-                "diag   std::fs::read x{n}: {:.3} GB/s",
-                (n * page_bytes) as f64 / s / 1e9
-            );
+            diag_rate("std::fs::read", n, page_bytes, t);
             let t = Instant::now();
             let n = rt.block_on(
                 futures::stream::iter(keys.clone())
@@ -313,11 +307,7 @@ pub fn run(quick: bool) {
                     .map(|v| v.unwrap().len())
                     .count(),
             );
-            let s = t.elapsed().as_secs_f64();
-            crate::say!(
-                "diag   std::fs::read, buffer freed elsewhere x{n}: {:.3} GB/s",
-                (n * page_bytes) as f64 / s / 1e9
-            );
+            diag_rate("std::fs::read, buffer freed elsewhere", n, page_bytes, t);
         }
     }
     let _ = std::fs::remove_dir_all(&root);
