@@ -187,6 +187,17 @@ mempool_socket = ""
 # Unix socket of the sglang.runtime.hicache.StorageServer gRPC service. Empty:
 # <data_dir>/sglang-grpc.sock.
 grpc_socket = ""
+# Where SGLang's objects persist: "shared" (the [l3] backend above, in a namespace of their
+# own: its capacity, breaker, timeout and metrics apply) or "none" (memory only, below).
+l3 = "shared"
+# Recently put or got objects kept in kvtierd's memory (LRU, bounded), so every SGLang
+# instance on the node is served from memory instead of L3. "0B": off; with l3 = "none"
+# it is the only copy.
+memory_bytes = "1GiB"
+# Backend calls in flight per batch (1 to 256).
+concurrency = 16
+# Most transfers or ids in one request (1 to 65536); a larger request is InvalidArgument.
+max_batch = 4096
 
 [sessions]
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
@@ -335,7 +346,7 @@ pub struct L3Config {
 }
 
 /// `[sglang_rpc]`.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SglangRpcConfig {
     /// Serve the protocol.
@@ -344,6 +355,30 @@ pub struct SglangRpcConfig {
     pub mempool_socket: String,
     /// gRPC socket (empty: `<data_dir>/sglang-grpc.sock`).
     pub grpc_socket: String,
+    /// Where objects persist: `shared` (kvtierd's `[l3]` backend, in a namespace of their
+    /// own) or `none` (kvtierd's memory only).
+    pub l3: String,
+    /// Bytes of recently put or got objects kept in kvtierd's memory for every SGLang
+    /// instance on the node (0: off).
+    pub memory_bytes: ByteSize,
+    /// Backend calls in flight per batch.
+    pub concurrency: u32,
+    /// Most transfers (or ids) in one request.
+    pub max_batch: u32,
+}
+
+impl Default for SglangRpcConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            mempool_socket: String::new(),
+            grpc_socket: String::new(),
+            l3: "shared".into(),
+            memory_bytes: ByteSize(1 << 30),
+            concurrency: 16,
+            max_batch: 4096,
+        }
+    }
 }
 
 /// `[prefetch]`.
@@ -721,7 +756,16 @@ impl DaemonConfig {
                     negative_capacity,
                     max_per_session,
                 },
-            sglang_rpc: _,
+            sglang_rpc:
+                SglangRpcConfig {
+                    enable: sglang_enable,
+                    mempool_socket: _,
+                    grpc_socket: _,
+                    l3: sglang_l3,
+                    memory_bytes: sglang_memory,
+                    concurrency: sglang_concurrency,
+                    max_batch: sglang_max_batch,
+                },
             sessions: SessionsConfig { ttl },
             log: LogConfig { level },
         } = self;
@@ -790,6 +834,32 @@ impl DaemonConfig {
                 format!("{breaker_cooldown} is outside 10ms..=10m"),
             ));
         }
+        if !["shared", "none"].contains(&sglang_l3.as_str()) {
+            return Err(ConfigError::invalid(
+                "sglang_rpc.l3",
+                format!("{sglang_l3:?}: expected shared or none"),
+            ));
+        }
+        if *sglang_enable && sglang_l3 == "none" && sglang_memory.0 == 0 {
+            return Err(ConfigError::invalid(
+                "sglang_rpc.memory_bytes",
+                "must be above 0 with sglang_rpc.l3 = \"none\" (nothing would be stored)",
+            ));
+        }
+        crate::check_ranges(&[
+            (
+                "sglang_rpc.concurrency",
+                u64::from(*sglang_concurrency),
+                1,
+                256,
+            ),
+            (
+                "sglang_rpc.max_batch",
+                u64::from(*sglang_max_batch),
+                1,
+                65536,
+            ),
+        ])?;
         if backend == "memory" && memory_capacity_bytes.0 == 0 {
             return Err(ConfigError::invalid(
                 "l3.memory_capacity_bytes",
@@ -1118,6 +1188,31 @@ mod tests {
                     ..Sources::default()
                 },
                 "prefetch.timeout_max",
+            ),
+            (
+                Sources {
+                    sets: vec!["sglang_rpc.l3=s3".into()],
+                    ..Sources::default()
+                },
+                "sglang_rpc.l3",
+            ),
+            (
+                Sources {
+                    sets: vec![
+                        "sglang_rpc.enable=true".into(),
+                        "sglang_rpc.l3=none".into(),
+                        "sglang_rpc.memory_bytes=0B".into(),
+                    ],
+                    ..Sources::default()
+                },
+                "sglang_rpc.memory_bytes",
+            ),
+            (
+                Sources {
+                    sets: vec!["sglang_rpc.max_batch=0".into()],
+                    ..Sources::default()
+                },
+                "sglang_rpc.max_batch",
             ),
             (
                 Sources {

@@ -73,6 +73,8 @@ pub struct L3 {
     pub threshold: u64,
     /// Per-call deadline.
     pub timeout: Duration,
+    /// Retries of a failed write.
+    pub retries: u32,
     tx: mpsc::Sender<Job>,
     /// Writer counters.
     pub counters: Arc<WriterCounters>,
@@ -216,6 +218,7 @@ impl L3 {
                 policy: cfg.l3.policy(),
                 threshold: cfg.l3.write_threshold,
                 timeout: cfg.l3.timeout.0,
+                retries: cfg.l3.retries,
                 tx,
                 counters: Arc::default(),
                 estimate: Mutex::default(),
@@ -275,12 +278,27 @@ async fn write_one(
         return Ok(false);
     }
     let bytes = copy_out(job)?;
+    set_with_retries(store, &job.fp, &job.key, bytes, timeout, retries, stop).await?;
+    Ok(true)
+}
+
+/// Writes one object, retrying retryable failures up to `retries` times with doubling
+/// backoff from 50 ms (each attempt bounded by `timeout`).
+pub async fn set_with_retries(
+    store: &PageStore,
+    fp: &LayoutFingerprint,
+    key: &PageKey,
+    bytes: Bytes,
+    timeout: Duration,
+    retries: u32,
+    stop: &CancellationToken,
+) -> Result<(), StorageError> {
     let mut backoff = Duration::from_millis(50);
     let mut attempt = 0;
     loop {
         let ctx = OpCtx::child(stop, timeout);
-        match store.set(&ctx, &job.fp, &job.key, bytes.clone()).await {
-            Ok(()) => return Ok(true),
+        match store.set(&ctx, fp, key, bytes.clone()).await {
+            Ok(()) => return Ok(()),
             Err(e) if e.is_retryable() && attempt < retries => {
                 attempt += 1;
                 tracing::debug!(attempt, "l3 write failed, retrying: {e}");

@@ -296,8 +296,23 @@ pub async fn run(
             pools.clone(),
             shutdown.clone(),
         ));
+        let memory = Arc::new(sglang::ObjectCache::new(
+            cfg.sglang_rpc.memory_bytes.0,
+            Some(sglang::cache::CacheGauges {
+                bytes: metrics.sglang_memory_bytes.clone(),
+                objects: metrics.sglang_memory_objects.clone(),
+                evictions: metrics.sglang_memory_evictions.clone(),
+            }),
+        ));
         let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
-            sglang::StorageService::new(pools, l3.clone(), metrics.clone()),
+            sglang::StorageService::new(
+                &cfg.sglang_rpc,
+                pools,
+                l3.clone(),
+                memory,
+                metrics.clone(),
+                shutdown.clone(),
+            ),
         )
         .max_decoding_message_size(512 << 20)
         .max_encoding_message_size(512 << 20);

@@ -85,6 +85,15 @@ pub struct Metrics {
     pub sglang_seconds: HistogramVec,
     /// `kvtier_sglang_pools`: SGLang host pools registered now.
     pub sglang_pools: IntGauge,
+    /// `kvtier_sglang_hits_total{op, tier}`: SGLang gets served and exists answered true, by
+    /// where the object was (memory, l3).
+    pub sglang_hits: IntCounterVec,
+    /// `kvtier_sglang_memory_bytes`: bytes of SGLang objects kept in kvtierd's memory.
+    pub sglang_memory_bytes: IntGauge,
+    /// `kvtier_sglang_memory_objects`: SGLang objects kept in kvtierd's memory.
+    pub sglang_memory_objects: IntGauge,
+    /// `kvtier_sglang_memory_evictions_total`: SGLang objects pushed out of memory for room.
+    pub sglang_memory_evictions: IntCounter,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     pinned_pages: IntGauge,
@@ -134,6 +143,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_sglang_bytes_total",
     "kvtier_sglang_batch_duration_seconds",
     "kvtier_sglang_pools",
+    "kvtier_sglang_hits_total",
+    "kvtier_sglang_memory_bytes",
+    "kvtier_sglang_memory_objects",
+    "kvtier_sglang_memory_evictions_total",
 ];
 
 /// Buckets of the bandwidth histograms, in GB/s (10^9 bytes per second).
@@ -175,6 +188,11 @@ impl Metrics {
         }
         for op in ["put", "get"] {
             m.sglang_bytes.with_label_values(&[op]);
+        }
+        for op in ["exist", "get"] {
+            for tier in ["memory", "l3"] {
+                m.sglang_hits.with_label_values(&[op, tier]);
+            }
         }
         Ok(m)
     }
@@ -501,6 +519,37 @@ impl Metrics {
             sglang_pools: reg(
                 &r,
                 IntGauge::new("kvtier_sglang_pools", "SGLang host pools registered now")?,
+            ),
+            sglang_hits: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_sglang_hits_total",
+                        "SGLang gets served and exists found, by the tier that had the object",
+                    ),
+                    &["op", "tier"],
+                )?,
+            ),
+            sglang_memory_bytes: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_sglang_memory_bytes",
+                    "Bytes of SGLang objects kept in kvtierd's memory",
+                )?,
+            ),
+            sglang_memory_objects: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_sglang_memory_objects",
+                    "SGLang objects kept in kvtierd's memory",
+                )?,
+            ),
+            sglang_memory_evictions: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_sglang_memory_evictions_total",
+                    "SGLang objects pushed out of kvtierd's memory to make room",
+                )?,
             ),
             registry: r,
         })

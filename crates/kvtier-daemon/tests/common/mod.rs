@@ -206,7 +206,12 @@ pub fn chain(seed: u32, pages: usize) -> Vec<PageKey> {
 
 /// The bytes of the page with key `k`: a pure function of the key.
 pub fn page_bytes(k: &PageKey, len: usize) -> Vec<u8> {
-    let mut x = u64::from_le_bytes(k.0[..8].try_into().unwrap()) | 1;
+    seeded_bytes(u64::from_le_bytes(k.0[..8].try_into().unwrap()), len)
+}
+
+/// `len` pseudo-random bytes, a pure function of `seed` (xorshift64).
+pub fn seeded_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
     (0..len)
         .map(|_| {
             x ^= x << 13;

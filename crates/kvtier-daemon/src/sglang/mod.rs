@@ -1,22 +1,25 @@
-//! SGLang's HiCache RPC storage protocol, part 1: host-pool registration.
+//! SGLang's HiCache RPC storage protocol (`--hicache-storage-backend rpc`).
 //!
-//! Each SGLang scheduler process (one per TP rank) registers its host KV pool — a memfd — on
-//! a Unix stream socket: one `sendmsg` carrying 8 bytes of magic (`0x8DF6FBFD`, u64
-//! little-endian), a u32 little-endian name length, the UTF-8 name, and exactly one file
-//! descriptor as `SCM_RIGHTS`. The server maps the memfd (its size from `fstat`) and answers
-//! the pool id, u32 little-endian, from 1 upwards. The client keeps the connection open while
-//! it uses the pool; when it closes, the pool is unmapped and its id stops resolving.
+//! Part 1, here: host-pool registration. Each SGLang scheduler process (one per TP rank)
+//! registers its host KV pool — a memfd — on a Unix stream socket: one `sendmsg` carrying 8
+//! bytes of magic (`0x8DF6FBFD`, u64 little-endian), a u32 little-endian name length, the
+//! UTF-8 name, and exactly one file descriptor as `SCM_RIGHTS`. The server maps the memfd
+//! (its size from `fstat`) and answers the pool id, u32 little-endian, from 1 upwards. The
+//! client keeps the connection open while it uses the pool; when it closes, the pool is
+//! unmapped and its id stops resolving.
 //!
 //! Hostile input — a wrong magic, a short or oversized preamble, a name that is not UTF-8,
 //! no descriptor or more than one, a file that cannot be mapped — closes that connection with
 //! a log line naming the problem; nothing else is affected.
 //!
-//! The gRPC `StorageServer` ([`StorageService`]) then moves objects by offset into these
-//! pools: a put stores the concatenation of its iovecs as one object of kvtier's L3 (framed
-//! and checksummed like a page, named in a namespace of its own: a fixed fingerprint and the
-//! SHA-256 of the id), a get scatters it back. Every iovec is checked against the mapping
-//! and against the file's current size (a client may shrink its memfd) before a byte moves;
-//! a bad transfer gets an error code in its slot, the others proceed.
+//! Part 2, [`service`]: the gRPC `StorageServer` that moves objects by offset into these
+//! pools, over kvtier's L3 and the shared memory cache of [`cache`].
+
+pub mod cache;
+pub mod service;
+
+pub use cache::ObjectCache;
+pub use service::StorageService;
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
@@ -24,15 +27,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kvtier_core::{LayoutFingerprint, PageKey};
-use kvtier_proto::sglang;
 use kvtier_shm::ShmRegion;
-use kvtier_storage::{Fetch, MissReason, OpCtx};
-use sha2::{Digest, Sha256};
-use tonic::{Request, Response, Status};
-
-use crate::l3::L3Slot;
-use crate::metrics::Metrics;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
@@ -211,250 +206,6 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
     pools.remove(id);
     tracing::info!(pool = id, name = %name, "sglang host pool unregistered");
     Ok(())
-}
-
-/// The namespace of SGLang's objects in L3: never a layout fingerprint kvtier computes.
-fn namespace() -> LayoutFingerprint {
-    let d = Sha256::digest(b"kvtier: SGLang HiCache RPC objects, v1");
-    let mut fp = [0u8; 16];
-    fp.copy_from_slice(&d[..16]);
-    LayoutFingerprint(fp)
-}
-
-fn object_key(id: &[u8]) -> PageKey {
-    PageKey(Sha256::digest(id).into())
-}
-
-/// gRPC status codes SGLang reads in result slots.
-mod code {
-    pub(super) const OK: i32 = 0;
-    pub(super) const INVALID_ARGUMENT: i32 = 3;
-    pub(super) const NOT_FOUND: i32 = 5;
-    pub(super) const FAILED_PRECONDITION: i32 = 9;
-    pub(super) const OUT_OF_RANGE: i32 = 11;
-    pub(super) const INTERNAL: i32 = 13;
-    pub(super) const UNAVAILABLE: i32 = 14;
-}
-
-/// A transfer's pool, its checked `(offset, length)` ranges, and their total length.
-type Ranges = (Arc<ShmRegion>, Vec<(usize, usize)>, usize);
-
-/// The `sglang.runtime.hicache.StorageServer` service.
-#[derive(Debug, Clone)]
-pub struct StorageService {
-    pools: Arc<Pools>,
-    l3: Arc<L3Slot>,
-    metrics: Metrics,
-}
-
-fn outcome(code: i32) -> &'static str {
-    match code {
-        code::OK => "ok",
-        code::NOT_FOUND => "not_found",
-        code::OUT_OF_RANGE => "out_of_range",
-        code::FAILED_PRECONDITION => "no_pool",
-        code::INVALID_ARGUMENT => "invalid",
-        code::UNAVAILABLE => "unavailable",
-        _ => "internal",
-    }
-}
-
-impl StorageService {
-    /// Serves objects of `l3` by offset into `pools`.
-    pub fn new(pools: Arc<Pools>, l3: Arc<L3Slot>, metrics: Metrics) -> Self {
-        Self { pools, l3, metrics }
-    }
-
-    fn count(&self, op: &str, code: i32, bytes: u64) {
-        self.metrics
-            .sglang_transfers
-            .with_label_values(&[op, outcome(code)])
-            .inc();
-        if code == code::OK && bytes > 0 {
-            self.metrics
-                .sglang_bytes
-                .with_label_values(&[op])
-                .inc_by(bytes);
-        }
-    }
-
-    fn bytes_of(t: &sglang::Transfer) -> u64 {
-        t.iovec.iter().map(|v| u64::from(v.length)).sum()
-    }
-
-    /// The pool and the checked byte ranges of a transfer, or the code for its slot.
-    fn ranges(&self, t: &sglang::Transfer) -> Result<Ranges, i32> {
-        if t.id.is_empty() {
-            tracing::warn!("sglang transfer with an empty id refused");
-            return Err(code::INVALID_ARGUMENT);
-        }
-        let pool = u32::try_from(t.pool_id)
-            .ok()
-            .and_then(|id| self.pools.get(id))
-            .ok_or_else(|| {
-                tracing::warn!(pool = t.pool_id, "sglang transfer names no registered pool");
-                code::FAILED_PRECONDITION
-            })?;
-        // The client may have shrunk its memfd since it registered: never touch past the
-        // end of the file, whatever the mapping's length.
-        let limit = pool
-            .current_file_len()
-            .map_or(0, |l| l.min(pool.len() as u64));
-        let mut ranges = Vec::with_capacity(t.iovec.len());
-        let mut total = 0usize;
-        for v in &t.iovec {
-            let end = v.offset.checked_add(u64::from(v.length));
-            if end.is_none_or(|e| e > limit) {
-                tracing::warn!(
-                    pool = t.pool_id,
-                    offset = v.offset,
-                    length = v.length,
-                    limit,
-                    "sglang iovec outside the registered pool"
-                );
-                return Err(code::OUT_OF_RANGE);
-            }
-            ranges.push((v.offset as usize, v.length as usize));
-            total += v.length as usize;
-        }
-        Ok((pool, ranges, total))
-    }
-
-    async fn put_one(&self, t: &sglang::Transfer) -> i32 {
-        let (pool, ranges, total) = match self.ranges(t) {
-            Ok(r) => r,
-            Err(c) => return c,
-        };
-        let Some(l3) = self.l3.current() else {
-            return code::UNAVAILABLE;
-        };
-        let mut buf = vec![0u8; total];
-        let mut at = 0;
-        for (off, len) in ranges {
-            if pool.read(off, &mut buf[at..at + len]).is_err() {
-                return code::OUT_OF_RANGE;
-            }
-            at += len;
-        }
-        let ctx = OpCtx::timeout(l3.timeout);
-        match l3
-            .store
-            .set(
-                &ctx,
-                &namespace(),
-                &object_key(&t.id),
-                bytes::Bytes::from(buf),
-            )
-            .await
-        {
-            Ok(()) => code::OK,
-            Err(e) => {
-                tracing::debug!("sglang put failed: {e}");
-                code::UNAVAILABLE
-            }
-        }
-    }
-
-    async fn get_one(&self, t: &sglang::Transfer) -> i32 {
-        let (pool, ranges, total) = match self.ranges(t) {
-            Ok(r) => r,
-            Err(c) => return c,
-        };
-        let Some(l3) = self.l3.current() else {
-            return code::UNAVAILABLE;
-        };
-        let ctx = OpCtx::timeout(l3.timeout);
-        match l3
-            .store
-            .get(&ctx, &namespace(), &object_key(&t.id), Some(total))
-            .await
-        {
-            Fetch::Hit(bytes) => {
-                let mut at = 0;
-                for (off, len) in ranges {
-                    if pool.write(off, &bytes[at..at + len]).is_err() {
-                        return code::INTERNAL;
-                    }
-                    at += len;
-                }
-                code::OK
-            }
-            // Absent, corrupt, torn, or of another length than asked: not found, bytes
-            // untouched.
-            Fetch::Miss(MissReason::Absent | MissReason::Corrupt(_)) => code::NOT_FOUND,
-            Fetch::Miss(_) => code::UNAVAILABLE,
-        }
-    }
-}
-
-#[tonic::async_trait]
-impl sglang::storage_server_server::StorageServer for StorageService {
-    async fn exist(
-        &self,
-        request: Request<sglang::ExistRequest>,
-    ) -> Result<Response<sglang::ExistResponse>, Status> {
-        let started = std::time::Instant::now();
-        let ids = request.into_inner().id;
-        let mut results = Vec::with_capacity(ids.len());
-        let l3 = self.l3.current();
-        for id in &ids {
-            let found = match &l3 {
-                Some(l3) if !id.is_empty() => {
-                    let ctx = OpCtx::timeout(l3.timeout);
-                    l3.store
-                        .exists(&ctx, &namespace(), &object_key(id))
-                        .await
-                        .unwrap_or(false)
-                }
-                _ => false,
-            };
-            self.count("exist", if found { code::OK } else { code::NOT_FOUND }, 0);
-            results.push(found);
-        }
-        self.metrics
-            .sglang_seconds
-            .with_label_values(&["exist"])
-            .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(sglang::ExistResponse { results }))
-    }
-
-    async fn batch_put(
-        &self,
-        request: Request<sglang::BatchPutRequest>,
-    ) -> Result<Response<sglang::BatchPutResponse>, Status> {
-        let started = std::time::Instant::now();
-        let puts = request.into_inner().puts;
-        let mut results = Vec::with_capacity(puts.len());
-        for t in &puts {
-            let c = self.put_one(t).await;
-            self.count("put", c, Self::bytes_of(t));
-            results.push(c);
-        }
-        self.metrics
-            .sglang_seconds
-            .with_label_values(&["put"])
-            .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(sglang::BatchPutResponse { results }))
-    }
-
-    async fn batch_get(
-        &self,
-        request: Request<sglang::BatchGetRequest>,
-    ) -> Result<Response<sglang::BatchGetResponse>, Status> {
-        let started = std::time::Instant::now();
-        let gets = request.into_inner().gets;
-        let mut results = Vec::with_capacity(gets.len());
-        for t in &gets {
-            let c = self.get_one(t).await;
-            self.count("get", c, Self::bytes_of(t));
-            results.push(c);
-        }
-        self.metrics
-            .sglang_seconds
-            .with_label_values(&["get"])
-            .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(sglang::BatchGetResponse { results }))
-    }
 }
 
 /// Accepts registrations on `listener` until `stop`.

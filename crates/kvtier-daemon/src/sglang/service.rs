@@ -1,0 +1,431 @@
+//! SGLang's HiCache RPC storage protocol, part 2: the `sglang.runtime.hicache.StorageServer`
+//! gRPC service.
+//!
+//! A put stores the concatenation of its iovecs (read from the registered pool) as one
+//! object; a get scatters an object back over its iovecs. Objects live in two places:
+//!
+//! - **memory** ([`ObjectCache`]): the objects recently put or got on this node, bounded by
+//!   `sglang_rpc.memory_bytes`. Every SGLang instance registered here reads them, so a second
+//!   instance that asks for ids another one stored is served by one memcpy;
+//! - **L3** (`sglang_rpc.l3 = "shared"`): kvtierd's own backend, each object framed and
+//!   checksummed like a kvtier page and named in a namespace of its own (a fixed fingerprint
+//!   and the SHA-256 of the id), so it never collides with kvtier's page keys. A put is
+//!   written through before it is answered — SGLang's own write policy already decides when
+//!   to back up, and it waits for the answer — with `l3.retries`, the breaker and
+//!   `l3.timeout` as for kvtier's pages.
+//!
+//! Every iovec is checked against the mapping and against the file's current size (a client
+//! may shrink its memfd) before a byte moves; a bad transfer gets an error code in its slot
+//! and a log line, the others proceed. A stored object whose length differs from the
+//! transfer's is `NOT_FOUND` (and stays stored); a corrupt or torn L3 object is `NOT_FOUND`
+//! (and is deleted). A request with more transfers than `sglang_rpc.max_batch` is
+//! `InvalidArgument` as a whole. Transfers of one batch run `sglang_rpc.concurrency` at a
+//! time; results keep the request's order.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use kvtier_config::daemon::SglangRpcConfig;
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_proto::sglang;
+use kvtier_shm::ShmRegion;
+use kvtier_storage::{Fetch, MissReason, OpCtx};
+use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::{ObjectCache, Pools};
+use crate::l3::{L3Slot, set_with_retries};
+use crate::metrics::Metrics;
+
+/// Longest id accepted (SGLang's are ~70 bytes).
+pub const MAX_ID: usize = 1024;
+/// Most iovecs in one transfer.
+pub const MAX_IOVECS: usize = 65536;
+
+/// The namespace of SGLang's objects in L3: never a layout fingerprint kvtier computes.
+fn namespace() -> LayoutFingerprint {
+    let d = Sha256::digest(b"kvtier: SGLang HiCache RPC objects, v1");
+    let mut fp = [0u8; 16];
+    fp.copy_from_slice(&d[..16]);
+    LayoutFingerprint(fp)
+}
+
+fn object_key(id: &[u8]) -> PageKey {
+    PageKey(Sha256::digest(id).into())
+}
+
+/// gRPC status codes SGLang reads in result slots.
+mod code {
+    pub(super) const OK: i32 = 0;
+    pub(super) const INVALID_ARGUMENT: i32 = 3;
+    pub(super) const NOT_FOUND: i32 = 5;
+    pub(super) const FAILED_PRECONDITION: i32 = 9;
+    pub(super) const OUT_OF_RANGE: i32 = 11;
+    pub(super) const INTERNAL: i32 = 13;
+    pub(super) const UNAVAILABLE: i32 = 14;
+}
+
+fn outcome(code: i32) -> &'static str {
+    match code {
+        code::OK => "ok",
+        code::NOT_FOUND => "not_found",
+        code::OUT_OF_RANGE => "out_of_range",
+        code::FAILED_PRECONDITION => "no_pool",
+        code::INVALID_ARGUMENT => "invalid",
+        code::UNAVAILABLE => "unavailable",
+        _ => "internal",
+    }
+}
+
+/// A transfer's pool, its checked `(offset, length)` ranges, and their total length.
+type Ranges = (Arc<ShmRegion>, Vec<(usize, usize)>, usize);
+
+/// The `sglang.runtime.hicache.StorageServer` service.
+#[derive(Debug, Clone)]
+pub struct StorageService {
+    inner: Arc<Objects>,
+}
+
+/// What the service serves from.
+#[derive(Debug)]
+struct Objects {
+    pools: Arc<Pools>,
+    l3: Option<Arc<L3Slot>>,
+    memory: Arc<ObjectCache>,
+    concurrency: usize,
+    max_batch: usize,
+    metrics: Metrics,
+    stop: CancellationToken,
+}
+
+impl StorageService {
+    /// Serves objects by offset into `pools`, from `memory` and (with `sglang_rpc.l3 =
+    /// "shared"`) kvtierd's `l3`.
+    pub fn new(
+        cfg: &SglangRpcConfig,
+        pools: Arc<Pools>,
+        l3: Arc<L3Slot>,
+        memory: Arc<ObjectCache>,
+        metrics: Metrics,
+        stop: CancellationToken,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Objects {
+                pools,
+                l3: (cfg.l3 == "shared").then_some(l3),
+                memory,
+                concurrency: cfg.concurrency.max(1) as usize,
+                max_batch: cfg.max_batch as usize,
+                metrics,
+                stop,
+            }),
+        }
+    }
+}
+
+impl Objects {
+    fn count(&self, op: &str, code: i32, bytes: u64) {
+        self.metrics
+            .sglang_transfers
+            .with_label_values(&[op, outcome(code)])
+            .inc();
+        if code == code::OK && bytes > 0 {
+            self.metrics
+                .sglang_bytes
+                .with_label_values(&[op])
+                .inc_by(bytes);
+        }
+    }
+
+    fn served(&self, op: &str, tier: &str) {
+        self.metrics
+            .sglang_hits
+            .with_label_values(&[op, tier])
+            .inc();
+    }
+
+    fn check_batch(&self, what: &str, n: usize) -> Result<(), Status> {
+        if n > self.max_batch {
+            tracing::warn!(
+                n,
+                max = self.max_batch,
+                "sglang {what} refused: too many in one request"
+            );
+            return Err(Status::invalid_argument(format!(
+                "{n} entries in one {what}; sglang_rpc.max_batch is {}",
+                self.max_batch
+            )));
+        }
+        Ok(())
+    }
+
+    fn bytes_of(t: &sglang::Transfer) -> u64 {
+        t.iovec.iter().map(|v| u64::from(v.length)).sum()
+    }
+
+    /// The pool and the checked byte ranges of a transfer, or the code for its slot.
+    fn ranges(&self, t: &sglang::Transfer) -> Result<Ranges, i32> {
+        if t.id.is_empty() || t.id.len() > MAX_ID {
+            tracing::warn!(
+                len = t.id.len(),
+                "sglang transfer refused: an id must have 1 to {MAX_ID} bytes"
+            );
+            return Err(code::INVALID_ARGUMENT);
+        }
+        if t.iovec.is_empty() || t.iovec.len() > MAX_IOVECS {
+            tracing::warn!(
+                iovecs = t.iovec.len(),
+                "sglang transfer refused: it needs 1 to {MAX_IOVECS} iovecs"
+            );
+            return Err(code::INVALID_ARGUMENT);
+        }
+        let pool = u32::try_from(t.pool_id)
+            .ok()
+            .and_then(|id| self.pools.get(id))
+            .ok_or_else(|| {
+                tracing::warn!(pool = t.pool_id, "sglang transfer names no registered pool");
+                code::FAILED_PRECONDITION
+            })?;
+        // The client may have shrunk its memfd since it registered: never touch past the
+        // end of the file, whatever the mapping's length.
+        let limit = pool
+            .current_file_len()
+            .map_or(0, |l| l.min(pool.len() as u64));
+        let mut ranges = Vec::with_capacity(t.iovec.len());
+        let mut total = 0usize;
+        for v in &t.iovec {
+            let end = v.offset.checked_add(u64::from(v.length));
+            if end.is_none_or(|e| e > limit) {
+                tracing::warn!(
+                    pool = t.pool_id,
+                    offset = v.offset,
+                    length = v.length,
+                    limit,
+                    "sglang iovec outside the registered pool"
+                );
+                return Err(code::OUT_OF_RANGE);
+            }
+            ranges.push((v.offset as usize, v.length as usize));
+            total += v.length as usize;
+        }
+        Ok((pool, ranges, total))
+    }
+
+    /// Copies `data` over the ranges (already checked against the pool).
+    fn scatter(pool: &ShmRegion, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
+        let mut at = 0;
+        for &(off, len) in ranges {
+            if pool.write(off, &data[at..at + len]).is_err() {
+                return code::INTERNAL;
+            }
+            at += len;
+        }
+        code::OK
+    }
+
+    async fn put_one(&self, t: &sglang::Transfer) -> i32 {
+        let (pool, ranges, total) = match self.ranges(t) {
+            Ok(r) => r,
+            Err(c) => return c,
+        };
+        let mut buf = vec![0u8; total];
+        let mut at = 0;
+        for (off, len) in ranges {
+            if pool.read(off, &mut buf[at..at + len]).is_err() {
+                return code::OUT_OF_RANGE;
+            }
+            at += len;
+        }
+        let data = Bytes::from(buf);
+        let key = object_key(&t.id);
+        let in_memory = self.memory.insert(key.0, data.clone());
+        let Some(slot) = &self.l3 else {
+            // Memory is the only copy (`sglang_rpc.l3 = "none"`).
+            return if in_memory {
+                code::OK
+            } else {
+                code::UNAVAILABLE
+            };
+        };
+        let Some(l3) = slot.current() else {
+            return code::UNAVAILABLE;
+        };
+        match set_with_retries(
+            &l3.store,
+            &namespace(),
+            &key,
+            data,
+            l3.timeout,
+            l3.retries,
+            &self.stop,
+        )
+        .await
+        {
+            Ok(()) => code::OK,
+            Err(e) => {
+                tracing::warn!(
+                    id = %String::from_utf8_lossy(&t.id),
+                    "sglang put: the L3 write failed: {e}"
+                );
+                code::UNAVAILABLE
+            }
+        }
+    }
+
+    async fn get_one(&self, t: &sglang::Transfer) -> i32 {
+        let (pool, ranges, total) = match self.ranges(t) {
+            Ok(r) => r,
+            Err(c) => return c,
+        };
+        let key = object_key(&t.id);
+        let wrong_length = |len: usize| {
+            tracing::warn!(
+                id = %String::from_utf8_lossy(&t.id),
+                stored = len,
+                asked = total,
+                "sglang get: the stored object has another length; not served"
+            );
+            code::NOT_FOUND
+        };
+        if let Some(data) = self.memory.get(&key.0) {
+            if data.len() != total {
+                return wrong_length(data.len());
+            }
+            self.served("get", "memory");
+            return Self::scatter(&pool, &ranges, &data);
+        }
+        let Some(l3) = self.l3.as_ref().and_then(|s| s.current()) else {
+            return code::NOT_FOUND;
+        };
+        let ctx = OpCtx::child(&self.stop, l3.timeout);
+        // No expected length here: a request of the wrong length must not make the store
+        // treat a good object as corrupt (and delete it).
+        match l3.store.get(&ctx, &namespace(), &key, None).await {
+            Fetch::Hit(data) => {
+                if data.len() != total {
+                    return wrong_length(data.len());
+                }
+                let c = Self::scatter(&pool, &ranges, &data);
+                if c == code::OK {
+                    self.served("get", "l3");
+                    self.memory.insert(key.0, data);
+                }
+                c
+            }
+            // Absent, corrupt or torn: not found, bytes untouched.
+            Fetch::Miss(MissReason::Absent | MissReason::Corrupt(_)) => code::NOT_FOUND,
+            Fetch::Miss(why) => {
+                tracing::debug!("sglang get: L3 read failed: {}", why.label());
+                code::UNAVAILABLE
+            }
+        }
+    }
+
+    async fn exists_one(&self, id: &[u8]) -> bool {
+        if id.is_empty() || id.len() > MAX_ID {
+            return false;
+        }
+        let key = object_key(id);
+        if self.memory.contains(&key.0) {
+            self.served("exist", "memory");
+            return true;
+        }
+        let Some(l3) = self.l3.as_ref().and_then(|s| s.current()) else {
+            return false;
+        };
+        let ctx = OpCtx::child(&self.stop, l3.timeout);
+        let found = l3
+            .store
+            .exists(&ctx, &namespace(), &key)
+            .await
+            .unwrap_or(false);
+        if found {
+            self.served("exist", "l3");
+        }
+        found
+    }
+
+    fn timed(&self, op: &str, started: Instant) {
+        self.metrics
+            .sglang_seconds
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
+    }
+}
+
+#[tonic::async_trait]
+impl sglang::storage_server_server::StorageServer for StorageService {
+    async fn exist(
+        &self,
+        request: Request<sglang::ExistRequest>,
+    ) -> Result<Response<sglang::ExistResponse>, Status> {
+        let started = Instant::now();
+        let ids = request.into_inner().id;
+        let this = &self.inner;
+        this.check_batch("Exist", ids.len())?;
+        let results: Vec<bool> = futures::stream::iter(ids)
+            .map(|id| {
+                let this = this.clone();
+                async move { this.exists_one(&id).await }
+            })
+            .buffered(this.concurrency)
+            .collect()
+            .await;
+        for &found in &results {
+            this.count("exist", if found { code::OK } else { code::NOT_FOUND }, 0);
+        }
+        this.timed("exist", started);
+        Ok(Response::new(sglang::ExistResponse { results }))
+    }
+
+    async fn batch_put(
+        &self,
+        request: Request<sglang::BatchPutRequest>,
+    ) -> Result<Response<sglang::BatchPutResponse>, Status> {
+        let started = Instant::now();
+        let puts = request.into_inner().puts;
+        let this = &self.inner;
+        this.check_batch("BatchPut", puts.len())?;
+        let results: Vec<i32> = futures::stream::iter(puts)
+            .map(|t| {
+                let this = this.clone();
+                async move {
+                    let c = this.put_one(&t).await;
+                    this.count("put", c, Objects::bytes_of(&t));
+                    c
+                }
+            })
+            .buffered(this.concurrency)
+            .collect()
+            .await;
+        this.timed("put", started);
+        Ok(Response::new(sglang::BatchPutResponse { results }))
+    }
+
+    async fn batch_get(
+        &self,
+        request: Request<sglang::BatchGetRequest>,
+    ) -> Result<Response<sglang::BatchGetResponse>, Status> {
+        let started = Instant::now();
+        let gets = request.into_inner().gets;
+        let this = &self.inner;
+        this.check_batch("BatchGet", gets.len())?;
+        let results: Vec<i32> = futures::stream::iter(gets)
+            .map(|t| {
+                let this = this.clone();
+                async move {
+                    let c = this.get_one(&t).await;
+                    this.count("get", c, Objects::bytes_of(&t));
+                    c
+                }
+            })
+            .buffered(this.concurrency)
+            .collect()
+            .await;
+        this.timed("get", started);
+        Ok(Response::new(sglang::BatchGetResponse { results }))
+    }
+}
