@@ -320,9 +320,11 @@ pub async fn run(
         tracker.spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(UnixListenerStream::new(grpc), async move {
-                    stop.cancelled().await
-                }),
+                // Through the relay that makes grpcio's `:authority` acceptable to h2.
+                .serve_with_incoming_shutdown(
+                    sglang::grpc_incoming(grpc, shutdown.clone()),
+                    async move { stop.cancelled().await },
+                ),
         );
         tracing::info!(mempool = %reg_path.display(), grpc = %grpc_path.display(), "serving SGLang's HiCache RPC storage protocol");
         vec![reg_path, grpc_path]

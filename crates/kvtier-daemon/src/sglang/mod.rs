@@ -15,8 +15,11 @@
 //! Part 2, [`service`]: the gRPC `StorageServer` that moves objects by offset into these
 //! pools, over kvtier's L3 and the shared memory cache of [`cache`].
 
+mod authority;
 pub mod cache;
 pub mod service;
+
+pub use authority::incoming as grpc_incoming;
 
 pub use cache::ObjectCache;
 pub use service::StorageService;

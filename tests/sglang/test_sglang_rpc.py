@@ -1,0 +1,327 @@
+"""kvtierd as SGLang's HiCache RPC storage server, driven by a Python client that does what
+SGLang's does (hicache_rpc.py): a real kvtierd process, a real memfd registered over
+SCM_RIGHTS, real gRPC over a Unix socket, the file backend on a real directory.
+
+kvtierd is the binary built by `cargo test` (scripts/test runs this after it); set
+KVTIERD_BIN to use another.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+import hicache_rpc as rpc
+
+OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE = 0, 3, 5, 9, 11
+
+
+def kvtierd_bin() -> str:
+    if os.environ.get("KVTIERD_BIN"):
+        return os.environ["KVTIERD_BIN"]
+    target = os.environ.get("CARGO_TARGET_DIR", str(rpc.ROOT / "target"))
+    return str(Path(target) / "debug" / "kvtierd")
+
+
+class Kvtierd:
+    """A kvtierd process on its own data directory, with [sglang_rpc] enabled."""
+
+    def __init__(self, data_dir: Path, *sets: str):
+        self.data_dir = data_dir
+        args = [
+            kvtierd_bin(),
+            "--set", f"data_dir={data_dir}",
+            "--set", "metrics.listen=127.0.0.1:0",
+            "--set", "log.level=warn",
+            "--set", "sglang_rpc.enable=true",
+        ]
+        for s in sets:
+            args += ["--set", s]
+        # kvtierd reads KVTIER_* variables as configuration: none of the caller's leak in.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+        self.metrics_url = self._wait_ready()
+        self.mempool = str(data_dir / "sglang-mempool.sock")
+        self.grpc = str(data_dir / "sglang-grpc.sock")
+
+    def _wait_ready(self) -> str:
+        found: list[str] = []
+
+        def read():
+            for line in self.proc.stdout:
+                if "kvtierd ready" in line:
+                    found.append(line)
+                    break
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(30)
+        if not found:
+            code = self.proc.poll()
+            self.proc.kill()
+            if code is not None:
+                raise RuntimeError(f"kvtierd exited with status {code} before it was ready")
+            raise RuntimeError("kvtierd did not become ready in 30 s")
+        # Keep draining stdout so the daemon never blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        return re.search(r"metrics=(\S+)", found[0]).group(1)
+
+    def metric(self, series: str, absent: float | None = None) -> float:
+        """A series' value; `absent` when it is not exported yet (else KeyError)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+        if absent is None:
+            raise KeyError(series)
+        return absent
+
+    def kill(self) -> None:
+        """SIGKILL: no flush, no cleanup."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Kvtierd(tmp_path / "kvtierd")
+    yield d
+    d.stop()
+
+
+def connect(d: Kvtierd, size: int = 4 << 20, name: str = "tp0") -> rpc.Client:
+    return rpc.Client(d.mempool, d.grpc, rpc.HostPool(size), name)
+
+
+def pattern(seed: int, n: int) -> bytes:
+    """Deterministic bytes, distinct per seed."""
+    return bytes((seed * 131 + i * 7 + (i >> 8)) & 0xFF for i in range(n))
+
+
+def test_single_and_multi_iovec_objects_round_trip(daemon):
+    c = connect(daemon)
+    k, v = pattern(1, 8192), pattern(2, 8192)
+    whole = pattern(3, 16384)
+    # A page as SGLang lays it out: its K and V halves at separate offsets (one object, two
+    # iovecs), and a page in one run.
+    c.pool.write(0, k)
+    c.pool.write(1 << 20, v)
+    c.pool.write(65536, whole)
+    assert c.batch_put(
+        [
+            c.transfer("h1_0_k", [(0, 8192), (1 << 20, 8192)]),
+            c.transfer("h2_0_k", [(65536, 16384)]),
+        ]
+    ) == [OK, OK]
+    assert c.exist(["h1_0_k", "h2_0_k", "h3_0_k"]) == [True, True, False]
+    # Back into other places, with another split of the same total length.
+    assert c.batch_get(
+        [
+            c.transfer("h1_0_k", [(2 << 20, 4096), (3 << 20, 12288)]),
+            c.transfer("h2_0_k", [(200_000, 16384)]),
+        ]
+    ) == [OK, OK]
+    assert c.pool.read(2 << 20, 4096) + c.pool.read(3 << 20, 12288) == k + v
+    assert c.pool.read(200_000, 16384) == whole
+    c.close()
+
+
+def test_batches_mix_present_and_missing_ids_independently(daemon):
+    c = connect(daemon)
+    n = 16
+    page = 32768
+    for i in range(n):
+        c.pool.write(i * page, pattern(10 + i, page))
+    # Several transfers per batch; only the even ones are stored.
+    assert c.batch_put([c.transfer(f"p{i}", [(i * page, page)]) for i in range(0, n, 2)]) == [OK] * (n // 2)
+    dst = n * page
+    c.pool.write(dst, b"\xee" * (n * page))
+    r = c.batch_get([c.transfer(f"p{i}", [(dst + i * page, page)]) for i in range(n)])
+    assert r == [OK if i % 2 == 0 else NOT_FOUND for i in range(n)]
+    for i in range(n):
+        got = c.pool.read(dst + i * page, page)
+        # Found: bit-identical. Missing: its bytes untouched.
+        assert got == (pattern(10 + i, page) if i % 2 == 0 else b"\xee" * page), i
+    assert c.exist([f"p{i}" for i in range(n)]) == [i % 2 == 0 for i in range(n)]
+    c.close()
+
+
+def test_a_closed_registration_fails_with_failed_precondition(daemon):
+    c = connect(daemon)
+    c.pool.write(0, pattern(4, 4096))
+    assert c.batch_put([c.transfer("before", [(0, 4096)])]) == [OK]
+    c.unregister()
+    deadline = time.time() + 5
+    while True:
+        r = c.batch_put([c.transfer("after", [(0, 4096)])])
+        if r == [FAILED_PRECONDITION]:
+            break
+        assert time.time() < deadline, f"the pool outlived its registration: {r}"
+        time.sleep(0.02)
+    assert c.batch_get([c.transfer("before", [(0, 4096)])]) == [FAILED_PRECONDITION]
+    # A new registration gets a new id and the stored object back.
+    c2 = connect(daemon, name="tp0-again")
+    assert c2.pool_id != c.pool_id
+    assert c2.batch_get([c2.transfer("before", [(0, 4096)])]) == [OK]
+    assert c2.pool.read(0, 4096) == pattern(4, 4096)
+    c.close()
+    c2.close()
+
+
+def test_objects_are_served_after_kvtierd_restarts_with_the_file_backend(tmp_path):
+    data = tmp_path / "kvtierd"
+    d = Kvtierd(data)
+    c = connect(d)
+    objs = {f"{i:064x}_0_k": pattern(20 + i, 65536) for i in range(8)}
+    for i, (oid, b) in enumerate(objs.items()):
+        c.pool.write(i * 65536, b)
+    assert c.batch_put([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)]) == [OK] * 8
+    c.close()
+    d.kill()  # no flush: a put is in L3 before it is answered
+    d = Kvtierd(data)
+    try:
+        c = connect(d)
+        assert c.exist(list(objs)) == [True] * 8
+        assert c.batch_get([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)]) == [OK] * 8
+        for i, b in enumerate(objs.values()):
+            assert c.pool.read(i * 65536, 65536) == b
+        assert d.metric('kvtier_sglang_hits_total{op="get",tier="l3"}') == 8
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_a_second_instance_is_served_from_kvtierd_memory(daemon):
+    a = connect(daemon, name="instance-a")
+    b = connect(daemon, name="instance-b")
+    for i in range(4):
+        a.pool.write(i * 65536, pattern(40 + i, 65536))
+    assert a.batch_put([a.transfer(f"shared{i}", [(i * 65536, 65536)]) for i in range(4)]) == [OK] * 4
+    assert b.batch_get([b.transfer(f"shared{i}", [(i * 65536, 65536)]) for i in range(4)]) == [OK] * 4
+    for i in range(4):
+        assert b.pool.read(i * 65536, 65536) == pattern(40 + i, 65536)
+    assert daemon.metric('kvtier_sglang_hits_total{op="get",tier="memory"}') == 4
+    assert daemon.metric('kvtier_l3_backend_ops_total{backend="file",op="get",outcome="ok"}', absent=0) == 0
+    a.close()
+    b.close()
+
+
+def test_hostile_transfers_fail_in_their_slot_and_the_rest_proceed(daemon):
+    c = connect(daemon, size=1 << 20)
+    c.pool.write(0, pattern(5, 8192))
+    r = c.batch_put(
+        [
+            c.transfer("good", [(0, 8192)]),
+            c.transfer("outside", [((1 << 20) - 100, 4096)]),  # past the end of the pool
+            c.transfer("wrap", [(2**64 - 16, 4096)]),  # offset + length overflows
+            c.transfer("nopool", [(0, 4096)], pool_id=9999),  # unknown pool id
+            c.transfer(b"", [(0, 4096)]),  # empty id
+        ]
+    )
+    assert r == [OK, OUT_OF_RANGE, OUT_OF_RANGE, FAILED_PRECONDITION, INVALID_ARGUMENT]
+    c.pool.write(100_000, b"\x11" * 4096)
+    # A total length that differs from the stored object's: not found, bytes untouched, and
+    # the object is still there at its own length.
+    assert c.batch_get([c.transfer("good", [(100_000, 4096)])]) == [NOT_FOUND]
+    assert c.pool.read(100_000, 4096) == b"\x11" * 4096
+    assert c.batch_get([c.transfer("good", [(200_000, 8192)])]) == [OK]
+    assert c.pool.read(200_000, 8192) == pattern(5, 8192)
+    c.close()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bad_magic", "no_fd", "two_fds", "huge_name", "not_utf8", "short_then_close"],
+)
+def test_malformed_registrations_are_refused_and_the_daemon_keeps_serving(daemon, case):
+    pool = rpc.HostPool(65536)
+    other = rpc.HostPool(65536)
+    if case == "bad_magic":
+        s = rpc.send_registration(daemon.mempool, b"x", [pool.fd], magic=0xDEADBEEF)
+    elif case == "no_fd":
+        s = rpc.send_registration(daemon.mempool, b"x", [])
+    elif case == "two_fds":
+        s = rpc.send_registration(daemon.mempool, b"x", [pool.fd, other.fd])
+    elif case == "huge_name":
+        s = rpc.send_registration(daemon.mempool, b"n" * (1 << 20), [pool.fd])
+    elif case == "not_utf8":
+        s = rpc.send_registration(daemon.mempool, b"\xff\xfe", [pool.fd])
+    else:
+        import socket as so
+
+        s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(daemon.mempool)
+        s.send(rpc.preamble(b"x")[:6])
+        s.shutdown(so.SHUT_WR)
+    assert rpc.read_pool_id(s) is None, "a malformed registration got a pool id"
+    s.close()
+    assert daemon.alive()
+    assert daemon.metric("kvtier_sglang_pools") == 0
+    # A well-formed client is served as before.
+    c = connect(daemon)
+    c.pool.write(0, pattern(6, 4096))
+    assert c.batch_put([c.transfer("still-serving", [(0, 4096)])]) == [OK]
+    c.close()
+    pool.close()
+    other.close()
+
+
+def test_malformed_requests_get_a_status_and_lose_nothing(tmp_path):
+    d = Kvtierd(tmp_path / "kvtierd", "sglang_rpc.max_batch=8")
+    try:
+        c = connect(d)
+        c.pool.write(0, pattern(7, 4096))
+        assert c.batch_put([c.transfer("kept", [(0, 4096)])]) == [OK]
+        # More transfers than sglang_rpc.max_batch: InvalidArgument for the whole request.
+        with pytest.raises(grpc.RpcError) as e:
+            c.batch_get([c.transfer("kept", [(8192, 4096)]) for _ in range(9)])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sglang_rpc.max_batch" in e.value.details()
+        # Bytes that are not a protobuf message at all: an error status (gRPC's rule for a
+        # message that does not parse is INTERNAL), never a crash.
+        raw = c.channel.unary_unary(
+            "/sglang.runtime.hicache.StorageServer/BatchPut",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\x0a\xff\xff\xff\xff\x0f", timeout=10)
+        assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+        assert d.alive()
+        assert c.batch_get([c.transfer("kept", [(8192, 4096)])]) == [OK]
+        assert c.pool.read(8192, 4096) == pattern(7, 4096)
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_a_client_that_shrinks_its_memfd_does_not_take_the_daemon_down(daemon):
+    c = connect(daemon, size=1 << 20)
+    c.pool.write(500_000, pattern(8, 65536))
+    assert c.batch_put([c.transfer("big", [(500_000, 65536)])]) == [OK]
+    os.ftruncate(c.pool.fd, 4096)
+    assert c.batch_get([c.transfer("big", [(500_000, 65536)])]) == [OUT_OF_RANGE]
+    assert c.batch_put([c.transfer("big2", [(500_000, 65536)])]) == [OUT_OF_RANGE]
+    assert daemon.alive()
+    os.ftruncate(c.pool.fd, 1 << 20)
+    assert c.batch_get([c.transfer("big", [(0, 65536)])]) == [OK]
+    assert c.pool.read(0, 65536) == pattern(8, 65536)
+    c.close()
