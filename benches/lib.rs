@@ -20,6 +20,7 @@ pub mod scenarios {
     pub mod l3_s3;
     pub mod peers;
     pub mod prefetch;
+    pub mod sglang;
     pub mod sim;
 }
 

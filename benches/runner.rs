@@ -54,7 +54,7 @@ fn main() {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     // (name, run, needs Ceph)
-    let all: [Scenario; 11] = [
+    let all: [Scenario; 12] = [
         ("keys", scenarios::keys::run, false),
         ("agent", scenarios::agent::run, false),
         ("host_rpc", scenarios::host_rpc::run, false),
@@ -64,6 +64,7 @@ fn main() {
         ("l3_remote", scenarios::l3_remote::run, false),
         ("l3_s3", scenarios::l3_s3::run, true),
         ("prefetch", scenarios::prefetch::run, false),
+        ("sglang", scenarios::sglang::run, false),
         ("sim", scenarios::sim::run, false),
         // Runs kvtierd's side alone unless benches/peers/run set up Mooncake Store.
         ("peers", scenarios::peers::run, false),

@@ -5,15 +5,12 @@
 
 mod common;
 
-use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
 
 use common::*;
 use kvtier_proto::sglang::storage_server_client::StorageServerClient;
 use kvtier_proto::sglang::{BatchGetRequest, BatchPutRequest, ExistRequest, Iovec, Transfer};
-
-const MAGIC: u64 = 0x8DF6_FBFD;
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -27,25 +24,8 @@ fn rt() -> tokio::runtime::Runtime {
 fn register(socket: &std::path::Path, len: u64) -> (std::os::unix::net::UnixStream, u32, OwnedFd) {
     let fd = rustix::fs::memfd_create("sglang-host-pool", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
     rustix::fs::ftruncate(&fd, len).unwrap();
-    let c = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    let name = b"sglang-tp0";
-    let mut msg = MAGIC.to_le_bytes().to_vec();
-    msg.extend_from_slice(&(name.len() as u32).to_le_bytes());
-    msg.extend_from_slice(name);
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut anc = rustix::net::SendAncillaryBuffer::new(&mut space);
-    let fds = [fd.as_fd()];
-    assert!(anc.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
-    rustix::net::sendmsg(
-        &c,
-        &[std::io::IoSlice::new(&msg)],
-        &mut anc,
-        rustix::net::SendFlags::empty(),
-    )
-    .unwrap();
-    let mut id = [0u8; 4];
-    std::io::Read::read_exact(&mut &c, &mut id).unwrap();
-    (c, u32::from_le_bytes(id), fd)
+    let (c, id) = kvtier_daemon::sglang::register_pool(socket, "sglang-tp0", fd.as_fd()).unwrap();
+    (c, id, fd)
 }
 
 fn fill(fd: &OwnedFd, offset: u64, bytes: &[u8]) {

@@ -6,9 +6,16 @@
 //! reference and copies into the requester's pool outside the lock, so a concurrent put of
 //! the same id replaces the entry without tearing a reader's copy. An object larger than
 //! the whole budget is not kept.
+//!
+//! Buffers are recycled: an object pushed out (or replaced, or a buffer an L3 read no longer
+//! needs) goes to a small spare list by exact length, and the next put or read of that length
+//! takes it instead of allocating. SGLang's objects all have one or two sizes, so in steady
+//! state no put faults in fresh pages — which otherwise costs more than the copy itself
+//! (measured: BatchPut at 0.14 of memcpy speed with fresh buffers).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use prometheus::{IntCounter, IntGauge};
@@ -42,12 +49,23 @@ struct Inner {
     bytes: u64,
 }
 
+/// Most bytes of spare buffers kept for reuse (beyond the cache's budget).
+pub const SPARE_BYTES: u64 = 64 << 20;
+
+/// Spare buffers by exact length.
+#[derive(Debug, Default)]
+struct Spares {
+    lists: Mutex<HashMap<usize, Vec<Vec<u8>>>>,
+    bytes: AtomicU64,
+}
+
 /// A bounded LRU of objects by key.
 #[derive(Debug)]
 pub struct ObjectCache {
     inner: Mutex<Inner>,
     capacity: u64,
     gauges: Option<CacheGauges>,
+    spares: Spares,
 }
 
 impl ObjectCache {
@@ -57,7 +75,45 @@ impl ObjectCache {
             inner: Mutex::default(),
             capacity,
             gauges,
+            spares: Spares::default(),
         }
+    }
+
+    /// A buffer of exactly `len` bytes: a recycled one (holding stale bytes the caller must
+    /// overwrite in full) or a fresh, zeroed one.
+    pub fn take_buffer(&self, len: usize) -> Vec<u8> {
+        let reused = {
+            let mut lists = match self.spares.lists.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            lists.get_mut(&len).and_then(Vec::pop)
+        };
+        match reused {
+            Some(v) => {
+                self.spares.bytes.fetch_sub(len as u64, Ordering::Relaxed);
+                v
+            }
+            None => vec![0u8; len],
+        }
+    }
+
+    /// Takes `data` back for reuse if nothing else references it and the spare list has room.
+    pub fn recycle(&self, data: Bytes) {
+        if !data.is_unique() {
+            return;
+        }
+        let v = Vec::from(data);
+        let len = v.len() as u64;
+        if len == 0 || self.spares.bytes.fetch_add(len, Ordering::Relaxed) + len > SPARE_BYTES {
+            self.spares.bytes.fetch_sub(len, Ordering::Relaxed);
+            return;
+        }
+        let mut lists = match self.spares.lists.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        lists.entry(v.len()).or_default().push(v);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -99,6 +155,7 @@ impl ObjectCache {
             self.remove(&key);
             return false;
         }
+        let mut gone = Vec::new();
         let mut evicted = 0u64;
         let (bytes, objects) = {
             let mut g = self.lock();
@@ -108,6 +165,7 @@ impl ObjectCache {
             if let Some(old) = inner.map.remove(&key) {
                 inner.order.remove(&old.tick);
                 inner.bytes -= old.data.len() as u64;
+                gone.push(old.data);
             }
             while inner.bytes + len > self.capacity {
                 let Some((_, victim)) = inner.order.pop_first() else {
@@ -116,6 +174,7 @@ impl ObjectCache {
                 if let Some(e) = inner.map.remove(&victim) {
                     inner.bytes -= e.data.len() as u64;
                     evicted += 1;
+                    gone.push(e.data);
                 }
             }
             inner.map.insert(key, Entry { data, tick });
@@ -124,6 +183,10 @@ impl ObjectCache {
             (inner.bytes, inner.map.len())
         };
         self.report(bytes, objects, evicted);
+        // Outside the lock: a reader may still hold one (then it is simply freed later).
+        for d in gone {
+            self.recycle(d);
+        }
         true
     }
 
@@ -199,6 +262,26 @@ mod tests {
         assert!(!c.insert(k(1), obj(1001, 7)));
         assert!(c.get(&k(1)).is_none());
         assert_eq!(c.usage(), (0, 0));
+    }
+
+    #[test]
+    fn buffers_of_evicted_objects_are_reused_unless_someone_holds_them() {
+        let c = ObjectCache::new(200, None);
+        let a = c.take_buffer(100);
+        let ptr = a.as_ptr();
+        c.insert(k(1), Bytes::from(a));
+        c.insert(k(2), obj(100, 2));
+        c.insert(k(3), obj(100, 3)); // pushes out 1: its buffer becomes a spare
+        let again = c.take_buffer(100);
+        assert_eq!(again.as_ptr(), ptr, "the evicted buffer was not reused");
+        assert_eq!(again.len(), 100);
+        // Another length gets a fresh buffer; a buffer still referenced is not taken back.
+        assert_eq!(c.take_buffer(50), vec![0u8; 50]);
+        let held = c.get(&k(2)).unwrap();
+        c.insert(k(4), obj(100, 4)); // pushes out 2 while `held` references it
+        assert_eq!(held, obj(100, 2));
+        let fresh = c.take_buffer(100);
+        assert_ne!(fresh.as_ptr(), held.as_ptr());
     }
 
     #[test]

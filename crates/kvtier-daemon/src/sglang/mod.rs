@@ -211,6 +211,35 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
     Ok(())
 }
 
+/// Registers `fd` (a memfd host pool) on the registration socket at `socket`, as SGLang's
+/// client does; returns the connection — the pool stays registered while it is open — and
+/// the pool id. Blocking; for tools, tests and benchmarks that stand in for SGLang.
+pub fn register_pool(
+    socket: &std::path::Path,
+    name: &str,
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> std::io::Result<(std::os::unix::net::UnixStream, u32)> {
+    let c = std::os::unix::net::UnixStream::connect(socket)?;
+    let mut msg = MAGIC.to_le_bytes().to_vec();
+    msg.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    msg.extend_from_slice(name.as_bytes());
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = rustix::net::SendAncillaryBuffer::new(&mut space);
+    let fds = [fd];
+    if !anc.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(std::io::Error::other("no room for the descriptor"));
+    }
+    rustix::net::sendmsg(
+        &c,
+        &[std::io::IoSlice::new(&msg)],
+        &mut anc,
+        rustix::net::SendFlags::empty(),
+    )?;
+    let mut id = [0u8; 4];
+    std::io::Read::read_exact(&mut &c, &mut id)?;
+    Ok((c, u32::from_le_bytes(id)))
+}
+
 /// Accepts registrations on `listener` until `stop`.
 pub async fn serve_registrations(
     listener: UnixListener,

@@ -22,7 +22,8 @@
 //! `InvalidArgument` as a whole. Transfers of one batch run `sglang_rpc.concurrency` at a
 //! time; results keep the request's order.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -31,7 +32,7 @@ use kvtier_config::daemon::SglangRpcConfig;
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_proto::sglang;
 use kvtier_shm::ShmRegion;
-use kvtier_storage::{Fetch, MissReason, OpCtx};
+use kvtier_storage::{Landed, MissReason, ObjectSink, OpCtx};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -77,6 +78,37 @@ fn outcome(code: i32) -> &'static str {
         code::INVALID_ARGUMENT => "invalid",
         code::UNAVAILABLE => "unavailable",
         _ => "internal",
+    }
+}
+
+/// An L3 read's destination: a buffer of the length the transfer asked for.
+struct BufferSink {
+    buf: Mutex<Vec<u8>>,
+    /// The object turned out longer than asked.
+    overflow: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl ObjectSink for BufferSink {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        let mut b = lock(&self.buf);
+        let start = usize::try_from(offset).map_err(|e| e.to_string())?;
+        match start.checked_add(bytes.len()) {
+            Some(end) if end <= b.len() => {
+                b[start..end].copy_from_slice(bytes);
+                Ok(())
+            }
+            _ => {
+                self.overflow.store(true, Ordering::Relaxed);
+                Err("the object is longer than the transfer asked for".into())
+            }
+        }
     }
 }
 
@@ -231,10 +263,12 @@ impl Objects {
             Ok(r) => r,
             Err(c) => return c,
         };
-        let mut buf = vec![0u8; total];
+        // Every byte of the buffer is overwritten: the ranges add up to `total`.
+        let mut buf = self.memory.take_buffer(total);
         let mut at = 0;
         for (off, len) in ranges {
             if pool.read(off, &mut buf[at..at + len]).is_err() {
+                self.memory.recycle(Bytes::from(buf));
                 return code::OUT_OF_RANGE;
             }
             at += len;
@@ -242,37 +276,35 @@ impl Objects {
         let data = Bytes::from(buf);
         let key = object_key(&t.id);
         let in_memory = self.memory.insert(key.0, data.clone());
-        let Some(slot) = &self.l3 else {
+        let code = match self.l3.as_ref().map(|s| s.current()) {
             // Memory is the only copy (`sglang_rpc.l3 = "none"`).
-            return if in_memory {
-                code::OK
-            } else {
-                code::UNAVAILABLE
-            };
+            None if in_memory => code::OK,
+            None | Some(None) => code::UNAVAILABLE,
+            Some(Some(l3)) => match set_with_retries(
+                &l3.store,
+                &namespace(),
+                &key,
+                data.clone(),
+                l3.timeout,
+                l3.retries,
+                &self.stop,
+            )
+            .await
+            {
+                Ok(()) => code::OK,
+                Err(e) => {
+                    tracing::warn!(
+                        id = %String::from_utf8_lossy(&t.id),
+                        "sglang put: the L3 write failed: {e}"
+                    );
+                    code::UNAVAILABLE
+                }
+            },
         };
-        let Some(l3) = slot.current() else {
-            return code::UNAVAILABLE;
-        };
-        match set_with_retries(
-            &l3.store,
-            &namespace(),
-            &key,
-            data,
-            l3.timeout,
-            l3.retries,
-            &self.stop,
-        )
-        .await
-        {
-            Ok(()) => code::OK,
-            Err(e) => {
-                tracing::warn!(
-                    id = %String::from_utf8_lossy(&t.id),
-                    "sglang put: the L3 write failed: {e}"
-                );
-                code::UNAVAILABLE
-            }
+        if !in_memory {
+            self.memory.recycle(data);
         }
+        code
     }
 
     async fn get_one(&self, t: &sglang::Transfer) -> i32 {
@@ -301,27 +333,42 @@ impl Objects {
             return code::NOT_FOUND;
         };
         let ctx = OpCtx::child(&self.stop, l3.timeout);
-        // No expected length here: a request of the wrong length must not make the store
-        // treat a good object as corrupt (and delete it).
-        match l3.store.get(&ctx, &namespace(), &key, None).await {
-            Fetch::Hit(data) => {
-                if data.len() != total {
-                    return wrong_length(data.len());
-                }
-                let c = Self::scatter(&pool, &ranges, &data);
+        // Read (checksummed on the way) into a buffer of the asked length; no expected length
+        // is given to the store, so a request of the wrong length cannot make it treat a good
+        // object as corrupt (and delete it).
+        let sink = Arc::new(BufferSink {
+            buf: Mutex::new(self.memory.take_buffer(total)),
+            overflow: AtomicBool::new(false),
+        });
+        let landed = l3
+            .store
+            .get_into(&ctx, &namespace(), &key, None, sink.clone())
+            .await;
+        // The backend is done with the sink (or its late writes find an empty buffer).
+        let buf = std::mem::take(&mut *lock(&sink.buf));
+        let c = match landed {
+            Landed::Hit(len) if len as usize == total && !sink.overflow.load(Ordering::Relaxed) => {
+                let c = Self::scatter(&pool, &ranges, &buf);
                 if c == code::OK {
                     self.served("get", "l3");
-                    self.memory.insert(key.0, data);
+                    if self.memory.enabled() {
+                        self.memory.insert(key.0, Bytes::from(buf));
+                        return c;
+                    }
                 }
                 c
             }
+            Landed::Hit(len) => wrong_length(len as usize),
+            Landed::Miss(_) if sink.overflow.load(Ordering::Relaxed) => wrong_length(total + 1),
             // Absent, corrupt or torn: not found, bytes untouched.
-            Fetch::Miss(MissReason::Absent | MissReason::Corrupt(_)) => code::NOT_FOUND,
-            Fetch::Miss(why) => {
+            Landed::Miss(MissReason::Absent | MissReason::Corrupt(_)) => code::NOT_FOUND,
+            Landed::Miss(why) => {
                 tracing::debug!("sglang get: L3 read failed: {}", why.label());
                 code::UNAVAILABLE
             }
-        }
+        };
+        self.memory.recycle(Bytes::from(buf));
+        c
     }
 
     async fn exists_one(&self, id: &[u8]) -> bool {
