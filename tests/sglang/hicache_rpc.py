@@ -97,9 +97,9 @@ def read_pool_id(s: socket.socket) -> int | None:
 class HostPool:
     """A host KV pool as SGLang keeps it: a memfd, mapped by the storage server too."""
 
-    def __init__(self, size: int, name: str = "sglang-host-pool"):
+    def __init__(self, size: int, name: str = "sglang-host-pool", sealable: bool = False):
         self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealable else 0))
         os.ftruncate(self.fd, size)
 
     def write(self, offset: int, data: bytes) -> None:

@@ -314,6 +314,8 @@ def test_malformed_requests_get_a_status_and_lose_nothing(tmp_path):
 
 
 def test_a_client_that_shrinks_its_memfd_does_not_take_the_daemon_down(daemon):
+    # A memfd created without MFD_ALLOW_SEALING (as os.memfd_create does by default) cannot
+    # be sealed, so kvtierd copies with pread/pwrite and checks sizes before each transfer.
     c = connect(daemon, size=1 << 20)
     c.pool.write(500_000, pattern(8, 65536))
     assert c.batch_put([c.transfer("big", [(500_000, 65536)])]) == [OK]
@@ -324,4 +326,17 @@ def test_a_client_that_shrinks_its_memfd_does_not_take_the_daemon_down(daemon):
     os.ftruncate(c.pool.fd, 1 << 20)
     assert c.batch_get([c.transfer("big", [(0, 65536)])]) == [OK]
     assert c.pool.read(0, 65536) == pattern(8, 65536)
+    c.close()
+
+
+def test_a_sealable_pool_is_sealed_against_shrinking(daemon):
+    pool = rpc.HostPool(1 << 20, sealable=True)
+    c = rpc.Client(daemon.mempool, daemon.grpc, pool, "sealable")
+    # kvtierd sealed it: the pool cannot shrink under a copy any more.
+    with pytest.raises(PermissionError):
+        os.ftruncate(pool.fd, 4096)
+    c.pool.write(0, pattern(9, 65536))
+    assert c.batch_put([c.transfer("sealed", [(0, 65536)])]) == [OK]
+    assert c.batch_get([c.transfer("sealed", [(300_000, 65536)])]) == [OK]
+    assert c.pool.read(300_000, 65536) == pattern(9, 65536)
     c.close()

@@ -469,3 +469,47 @@ fn malformed_sglang_requests_are_refused_and_lose_nothing() {
         assert_eq!(read(&fd, 8192, 4096), data);
     });
 }
+
+#[test]
+fn a_sealable_pool_is_sealed_against_shrinking_at_registration() {
+    let d = Daemon::start("sglang-seal", &["sglang_rpc.enable=true"]);
+    let fd = rustix::fs::memfd_create(
+        "sglang-host-pool",
+        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+    )
+    .unwrap();
+    rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
+    let (_c, pool) = kvtier_daemon::sglang::register_pool(
+        &d.dir.join("sglang-mempool.sock"),
+        "sealable",
+        fd.as_fd(),
+    )
+    .unwrap();
+    // The pool can no longer shrink, so no copy through kvtierd's mapping can ever fault.
+    assert_eq!(
+        rustix::fs::ftruncate(&fd, 4096),
+        Err(rustix::io::Errno::PERM)
+    );
+    let data = object(3, 65536);
+    fill(&fd, 0, &data);
+    rt().block_on(async {
+        let mut c = client(&d).await;
+        let put = c
+            .batch_put(BatchPutRequest {
+                puts: vec![t("sealed", pool, &[(0, 65536)])],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(put.results, vec![0]);
+        let get = c
+            .batch_get(BatchGetRequest {
+                gets: vec![t("sealed", pool, &[(500_000, 65536)])],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(get.results, vec![0]);
+    });
+    assert_eq!(read(&fd, 500_000, 65536), data);
+}

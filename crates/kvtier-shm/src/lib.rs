@@ -401,6 +401,39 @@ impl ShmRegion {
             .map_err(io_err("stat", &self.path))
     }
 
+    /// Forbids the file to shrink from now on (`F_SEAL_SHRINK`), where its creator allowed
+    /// sealing (`MFD_ALLOW_SEALING`). True when the file can no longer shrink — then the
+    /// mapping can never fault — false when sealing is not allowed.
+    pub fn seal_shrink(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let fd = self._file.as_raw_fd();
+        // SAFETY: plain fcntl calls on a descriptor this region owns; no memory is passed.
+        let added = unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0;
+        // SAFETY: as above.
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        added || (seals > 0 && seals & libc::F_SEAL_SHRINK != 0)
+    }
+
+    /// Copies bytes at `offset` of the file into `dst` with `pread`, not through the mapping:
+    /// a file that shrank under us gives an error here, never a fault.
+    pub fn pread(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
+        use std::os::unix::fs::FileExt;
+        self.check(offset, dst.len())?;
+        self._file
+            .read_exact_at(dst, offset as u64)
+            .map_err(io_err("pread", &self.path))
+    }
+
+    /// Copies `src` into the file at `offset` with `pwrite`, not through the mapping: never a
+    /// fault (a file that shrank under us grows back to cover the write).
+    pub fn pwrite(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        use std::os::unix::fs::FileExt;
+        self.check(offset, src.len())?;
+        self._file
+            .write_all_at(src, offset as u64)
+            .map_err(io_err("pwrite", &self.path))
+    }
+
     fn map(file: File, path: &Path, len: usize) -> Result<Self, ShmError> {
         if len == 0 {
             return Err(ShmError::Shape("a region needs at least one byte".into()));
@@ -580,5 +613,50 @@ mod tests {
         bad.stride = 4096;
         bad.slots = 0;
         assert!(matches!(ShmPool::create(&bad), Err(ShmError::Shape(_))));
+    }
+
+    fn memfd(len: u64, sealable: bool) -> std::os::fd::OwnedFd {
+        use std::os::fd::FromRawFd;
+        let flags = libc::MFD_CLOEXEC | if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
+        // SAFETY: a NUL-terminated name and plain flags; the returned descriptor is checked
+        // and then owned by the OwnedFd alone.
+        let fd = unsafe { libc::memfd_create(c"kvtier-shm-test".as_ptr(), flags) };
+        assert!(fd >= 0, "memfd_create failed");
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        File::from(fd.try_clone().unwrap()).set_len(len).unwrap();
+        fd
+    }
+
+    #[test]
+    fn a_sealable_file_is_sealed_against_shrinking_and_pread_never_faults() {
+        // Sealing allowed: after seal_shrink the owner can no longer shrink it.
+        let fd = memfd(65536, true);
+        let owner = File::from(fd.try_clone().unwrap());
+        let r = ShmRegion::from_fd(fd, "sealable").unwrap();
+        assert!(r.seal_shrink());
+        assert!(r.seal_shrink(), "sealing twice still reports sealed");
+        assert!(owner.set_len(4096).is_err(), "a sealed file shrank");
+        assert_eq!(r.current_file_len().unwrap(), 65536);
+
+        // Not allowed: seal_shrink says so; the owner shrinks it, and pread/pwrite past the new
+        // end give an error or grow it back — no SIGBUS, which the mapping would raise.
+        let fd = memfd(65536, false);
+        let owner = File::from(fd.try_clone().unwrap());
+        let r = ShmRegion::from_fd(fd, "unsealable").unwrap();
+        assert!(!r.seal_shrink());
+        r.pwrite(60000, &[7u8; 100]).unwrap();
+        let mut b = [0u8; 100];
+        r.pread(60000, &mut b).unwrap();
+        assert_eq!(b, [7u8; 100]);
+        owner.set_len(4096).unwrap();
+        assert!(r.pread(60000, &mut b).is_err());
+        assert!(
+            r.pread(70000, &mut b).is_err(),
+            "outside the mapping is refused"
+        );
+        r.pwrite(60000, &[9u8; 100]).unwrap();
+        r.pread(60000, &mut b).unwrap();
+        assert_eq!(b, [9u8; 100]);
     }
 }

@@ -40,16 +40,76 @@ pub const MAGIC: u64 = 0x8DF6_FBFD;
 /// Longest pool name accepted.
 pub const MAX_NAME: usize = 4096;
 
+/// One registered host pool.
+///
+/// At registration kvtierd seals the memfd against shrinking (`F_SEAL_SHRINK`) when its
+/// creator allowed sealing; then copies go through the mapping and can never fault. When
+/// sealing is not allowed, the client could shrink the file in the middle of a copy, and
+/// touching the mapping past the new end would kill kvtierd with SIGBUS — so copies go
+/// through `pread` / `pwrite` on the descriptor instead, which fail (or grow the file) but
+/// never fault.
+#[derive(Debug)]
+pub struct Pool {
+    region: ShmRegion,
+    sealed: bool,
+}
+
+impl Pool {
+    /// A pool over `region`, sealed if its file allows it.
+    pub fn new(region: ShmRegion) -> Self {
+        let sealed = region.seal_shrink();
+        Self { region, sealed }
+    }
+
+    /// Mapped bytes.
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Always false: a pool has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether the file can no longer shrink (copies then use the mapping).
+    pub fn sealed(&self) -> bool {
+        self.sealed
+    }
+
+    /// The file's size now (a client may have shrunk an unsealed one).
+    pub fn current_len(&self) -> u64 {
+        self.region.current_file_len().unwrap_or(0)
+    }
+
+    /// Copies bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), kvtier_shm::ShmError> {
+        if self.sealed {
+            self.region.read(offset, dst)
+        } else {
+            self.region.pread(offset, dst)
+        }
+    }
+
+    /// Copies `src` to `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), kvtier_shm::ShmError> {
+        if self.sealed {
+            self.region.write(offset, src)
+        } else {
+            self.region.pwrite(offset, src)
+        }
+    }
+}
+
 /// The registered pools by id.
 #[derive(Debug, Default)]
 pub struct Pools {
     next: AtomicU32,
-    map: Mutex<HashMap<u32, Arc<ShmRegion>>>,
+    map: Mutex<HashMap<u32, Arc<Pool>>>,
     gauge: Option<prometheus::IntGauge>,
 }
 
 impl Pools {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<ShmRegion>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Pool>>> {
         match self.map.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
@@ -57,7 +117,7 @@ impl Pools {
     }
 
     /// The pool registered as `id`, while its client is connected.
-    pub fn get(&self, id: u32) -> Option<Arc<ShmRegion>> {
+    pub fn get(&self, id: u32) -> Option<Arc<Pool>> {
         self.lock().get(&id).cloned()
     }
 
@@ -79,10 +139,10 @@ impl Pools {
         }
     }
 
-    fn add(&self, region: ShmRegion) -> u32 {
+    fn add(&self, pool: Pool) -> u32 {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         let mut m = self.lock();
-        m.insert(id, Arc::new(region));
+        m.insert(id, Arc::new(pool));
         if let Some(g) = &self.gauge {
             g.set(m.len() as i64);
         }
@@ -194,8 +254,17 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
     let fd = fds.remove(0);
     let region = ShmRegion::from_fd(fd, &name).map_err(|e| RegisterError::Pool(e.to_string()))?;
     let bytes = region.len();
-    let id = pools.add(region);
-    tracing::info!(pool = id, name = %name, bytes, "sglang host pool registered");
+    let pool = Pool::new(region);
+    let sealed = pool.sealed();
+    let id = pools.add(pool);
+    tracing::info!(
+        pool = id,
+        name = %name,
+        bytes,
+        sealed,
+        "sglang host pool registered{}",
+        if sealed { "" } else { " (not sealable: copies use pread/pwrite)" }
+    );
     let answered = stream.write_all(&id.to_le_bytes()).await;
     // Held until the client hangs up (anything it sends is ignored).
     let mut sink = [0u8; 64];

@@ -31,13 +31,12 @@ use futures::StreamExt;
 use kvtier_config::daemon::SglangRpcConfig;
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_proto::sglang;
-use kvtier_shm::ShmRegion;
 use kvtier_storage::{Landed, MissReason, ObjectSink, OpCtx};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::{ObjectCache, Pools};
+use super::{ObjectCache, Pool, Pools};
 use crate::l3::{L3Slot, set_with_retries};
 use crate::metrics::Metrics;
 
@@ -113,7 +112,7 @@ impl ObjectSink for BufferSink {
 }
 
 /// A transfer's pool, its checked `(offset, length)` ranges, and their total length.
-type Ranges = (Arc<ShmRegion>, Vec<(usize, usize)>, usize);
+type Ranges = (Arc<Pool>, Vec<(usize, usize)>, usize);
 
 /// The `sglang.runtime.hicache.StorageServer` service.
 #[derive(Debug, Clone)]
@@ -223,9 +222,7 @@ impl Objects {
             })?;
         // The client may have shrunk its memfd since it registered: never touch past the
         // end of the file, whatever the mapping's length.
-        let limit = pool
-            .current_file_len()
-            .map_or(0, |l| l.min(pool.len() as u64));
+        let limit = pool.current_len().min(pool.len() as u64);
         let mut ranges = Vec::with_capacity(t.iovec.len());
         let mut total = 0usize;
         for v in &t.iovec {
@@ -247,7 +244,7 @@ impl Objects {
     }
 
     /// Copies `data` over the ranges (already checked against the pool).
-    fn scatter(pool: &ShmRegion, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
+    fn scatter(pool: &Pool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
         let mut at = 0;
         for &(off, len) in ranges {
             if pool.write(off, &data[at..at + len]).is_err() {
