@@ -4,7 +4,8 @@
 //!
 //! - **memory path** (`sglang_rpc.l3 = "none"`: objects live in kvtierd's memory; a get is
 //!   what a second SGLang instance sees for ids another one stored): against a single-thread
-//!   memcpy of the same 128 MiB between the heap and the mapped pool.
+//!   memcpy of the same 128 MiB between the heap and the mapped pool; once with a memfd that
+//!   kvtierd can seal (copies through its mapping), once with one it cannot (pread/pwrite).
 //! - **L3 path** (file backend, `sglang_rpc.memory_bytes = 0`, so every get reads L3):
 //!   BatchPut against `std::fs::write` of 128 files of 1 MiB, BatchGet against `std::fs::read`
 //!   of them (page cache warm on both sides), with the file backend's 16 calls in flight
@@ -28,9 +29,17 @@ const PAGE: usize = 1 << 20;
 
 /// A memfd pool of `len` bytes registered with the daemon whose data dir is `dir`: the
 /// registration connection (keep it), the pool id, and the bench's own mapping of it.
-fn register(dir: &Path, len: usize) -> (std::os::unix::net::UnixStream, u32, ShmRegion) {
-    let fd: OwnedFd =
-        rustix::fs::memfd_create("bench-sglang-pool", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+fn register(
+    dir: &Path,
+    len: usize,
+    sealable: bool,
+) -> (std::os::unix::net::UnixStream, u32, ShmRegion) {
+    let flags = if sealable {
+        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING
+    } else {
+        rustix::fs::MemfdFlags::CLOEXEC
+    };
+    let fd: OwnedFd = rustix::fs::memfd_create("bench-sglang-pool", flags).unwrap();
     rustix::fs::ftruncate(&fd, len as u64).unwrap();
     let (c, id) =
         kvtier_daemon::sglang::register_pool(&dir.join("sglang-mempool.sock"), "bench", fd.as_fd())
@@ -61,13 +70,13 @@ struct Side {
     client: StorageServerClient<Channel>,
 }
 
-fn start(rt: &tokio::runtime::Runtime, name: &str, sets: &[&str]) -> Side {
+fn start(rt: &tokio::runtime::Runtime, name: &str, sets: &[&str], sealable: bool) -> Side {
     let mut all = vec!["sglang_rpc.enable=true"];
     all.extend_from_slice(sets);
     let daemon = InProcessDaemon::start_with(name, &all, 0);
     let dir = daemon.ready.socket.parent().unwrap().to_path_buf();
     // Source pages at [0, 128 MiB), destination at [128 MiB, 256 MiB).
-    let (conn, pool, region) = register(&dir, 2 * PAGES * PAGE);
+    let (conn, pool, region) = register(&dir, 2 * PAGES * PAGE, sealable);
     for i in 0..PAGES {
         region.write(i * PAGE, &page(i)).unwrap();
     }
@@ -139,43 +148,50 @@ pub fn run(quick: bool) {
     let heap: Vec<Vec<u8>> = (0..PAGES).map(page).collect();
     let gib = f64::from(1 << 30);
 
-    // Memory path.
-    let m = start(
-        &rt,
-        "sglang-memory",
-        &["sglang_rpc.l3=none", "sglang_rpc.memory_bytes=512MiB"],
-    );
+    // Memory path, for a pool kvtierd could seal (copies through its mapping) and for one it
+    // could not (copies with pread/pwrite).
     let mut scratch: Vec<Vec<u8>> = vec![vec![0u8; PAGE]; PAGES];
-    let put = compare(
-        "BatchPut 128x1MiB, memory vs memcpy",
-        total,
-        rounds,
-        || {
-            for (i, s) in scratch.iter_mut().enumerate() {
-                m.region.read(i * PAGE, s).unwrap();
-            }
-        },
-        || m.put(&rt),
-    );
-    crate::say!("{}", put.line("GiB/s", gib));
-    let get = compare(
-        "BatchGet 128x1MiB, memory vs memcpy",
-        total,
-        rounds,
-        || {
-            for (i, p) in heap.iter().enumerate() {
-                m.region.write((PAGES + i) * PAGE, p).unwrap();
-            }
-        },
-        || m.get(&rt),
-    );
-    m.verify();
-    crate::say!("{}", get.line("GiB/s", gib));
-    let memory_get_s = get.subject_s;
-    m.daemon.stop();
+    let mut memory_get_s = 0.0;
+    for (sealable, how) in [(true, "sealed pool"), (false, "unsealed pool")] {
+        let m = start(
+            &rt,
+            "sglang-memory",
+            &["sglang_rpc.l3=none", "sglang_rpc.memory_bytes=512MiB"],
+            sealable,
+        );
+        let put = compare(
+            &format!("BatchPut 128x1MiB, memory, {how} vs memcpy"),
+            total,
+            rounds,
+            || {
+                for (i, s) in scratch.iter_mut().enumerate() {
+                    m.region.read(i * PAGE, s).unwrap();
+                }
+            },
+            || m.put(&rt),
+        );
+        crate::say!("{}", put.line("GiB/s", gib));
+        let get = compare(
+            &format!("BatchGet 128x1MiB, memory, {how} vs memcpy"),
+            total,
+            rounds,
+            || {
+                for (i, p) in heap.iter().enumerate() {
+                    m.region.write((PAGES + i) * PAGE, p).unwrap();
+                }
+            },
+            || m.get(&rt),
+        );
+        m.verify();
+        crate::say!("{}", get.line("GiB/s", gib));
+        if sealable {
+            memory_get_s = get.subject_s;
+        }
+        m.daemon.stop();
+    }
 
     // L3 path: file backend, no memory copy.
-    let f = start(&rt, "sglang-file", &["sglang_rpc.memory_bytes=0B"]);
+    let f = start(&rt, "sglang-file", &["sglang_rpc.memory_bytes=0B"], true);
     let raw = f.dir.join("raw-baseline");
     std::fs::create_dir_all(&raw).unwrap();
     let put = compare(

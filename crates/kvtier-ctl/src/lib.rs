@@ -464,7 +464,8 @@ impl Figures<'_> {
                     .all(|(k, v)| s.labels.iter().any(|l| l.name == *k && l.value == *v))
             })
             .map(|s| s.value)
-            .sum()
+            // An empty f64 sum is -0.0, which would print as "-0".
+            .fold(0.0, |a, b| a + b)
     }
 
     /// Sum of `name`'s histogram observation counts and sums.
@@ -643,6 +644,43 @@ pub fn render_view(
             );
         }
     }
+    // SGLang's HiCache RPC clients, once there are any.
+    let sglang_ops = now.sum("kvtier_sglang_transfers_total", &[]);
+    if g("kvtier_sglang_pools", &[]) > 0.0 || sglang_ops > 0.0 {
+        let t = |op: &str| rate("kvtier_sglang_transfers_total", &[("op", op)]);
+        let ok = |op: &str| {
+            rate(
+                "kvtier_sglang_transfers_total",
+                &[("op", op), ("outcome", "ok")],
+            )
+        };
+        let hit = |tier: &str| rate("kvtier_sglang_hits_total", &[("op", "get"), ("tier", tier)]);
+        let (mem, l3) = (hit("memory"), hit("l3"));
+        let errors = t("put") - ok("put") + t("get")
+            - ok("get")
+            - rate(
+                "kvtier_sglang_transfers_total",
+                &[("op", "get"), ("outcome", "not_found")],
+            );
+        let _ = writeln!(
+            o,
+            "sglang    pools {}  puts {:.0}{per} {}{per}  gets {:.0}{per} {}{per} (memory {}  L3 {})  not found {:.0}{per}  errors {:.0}{per}  memory {} in {} objects",
+            g("kvtier_sglang_pools", &[]),
+            ok("put"),
+            human_bytes(rate("kvtier_sglang_bytes_total", &[("op", "put")])),
+            ok("get"),
+            human_bytes(rate("kvtier_sglang_bytes_total", &[("op", "get")])),
+            pct(mem, mem + l3),
+            pct(l3, mem + l3),
+            rate(
+                "kvtier_sglang_transfers_total",
+                &[("op", "get"), ("outcome", "not_found")],
+            ),
+            errors.max(0.0),
+            human_bytes(g("kvtier_sglang_memory_bytes", &[])),
+            g("kvtier_sglang_memory_objects", &[]),
+        );
+    }
     let rpc = |op: &str| rate("kvtier_l2_requests_total", &[("op", op)]);
     let _ = writeln!(
         o,
@@ -704,5 +742,63 @@ mod tests {
         assert!(view.contains("hit L2 75.0%  L3 25.0%  miss 0.0%"), "{view}");
         assert!(view.contains("2.0 MiB/s"), "{view}");
         assert!(view.contains("L3        s3"), "{view}");
+    }
+
+    #[test]
+    fn sglang_clients_get_a_line_once_there_are_any() {
+        let quiet = snap(1, 10_000, 0.0, 0.0, 0.0, 0.0);
+        assert!(!render_view("sock", &quiet, None).contains("sglang"));
+        let two = |name: &str, a: (&str, &str), b: (&str, &str), v: f64| {
+            let mut s = counter(name, a, v);
+            s.labels.push(MetricLabel {
+                name: b.0.into(),
+                value: b.1.into(),
+            });
+            s
+        };
+        let mut busy = snap(2, 12_000, 0.0, 0.0, 0.0, 0.0);
+        busy.samples.extend([
+            two(
+                "kvtier_sglang_transfers_total",
+                ("op", "put"),
+                ("outcome", "ok"),
+                128.0,
+            ),
+            two(
+                "kvtier_sglang_transfers_total",
+                ("op", "get"),
+                ("outcome", "ok"),
+                96.0,
+            ),
+            two(
+                "kvtier_sglang_transfers_total",
+                ("op", "get"),
+                ("outcome", "not_found"),
+                4.0,
+            ),
+            two(
+                "kvtier_sglang_transfers_total",
+                ("op", "get"),
+                ("outcome", "out_of_range"),
+                2.0,
+            ),
+            two(
+                "kvtier_sglang_hits_total",
+                ("op", "get"),
+                ("tier", "memory"),
+                72.0,
+            ),
+            two(
+                "kvtier_sglang_hits_total",
+                ("op", "get"),
+                ("tier", "l3"),
+                24.0,
+            ),
+        ]);
+        let view = render_view("sock", &busy, None);
+        assert!(view.contains("sglang    pools 0  puts 128 total"), "{view}");
+        assert!(view.contains("gets 96 total"), "{view}");
+        assert!(view.contains("(memory 75.0%  L3 25.0%)"), "{view}");
+        assert!(view.contains("not found 4 total  errors 2 total"), "{view}");
     }
 }

@@ -308,6 +308,42 @@ fn a_second_sglang_instance_is_served_from_memory_and_objects_outlive_the_daemon
     );
     assert_eq!(metric(&m, "kvtier_sglang_memory_objects"), n as f64);
     assert_eq!(metric(&m, "kvtier_sglang_memory_bytes"), (n * OBJ) as f64);
+    // The same figures stream over WatchMetrics.
+    let watched = rt().block_on(async {
+        let mut c = kvtier_client::HostClient::connect(&d.target())
+            .await
+            .unwrap();
+        let mut stream = c.watch_metrics(Duration::from_millis(100)).await.unwrap();
+        stream.message().await.unwrap().unwrap()
+    });
+    let sample = |name: &str, labels: &[(&str, &str)]| {
+        watched
+            .samples
+            .iter()
+            .find(|s| {
+                s.name == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| s.labels.iter().any(|l| l.name == *k && l.value == *v))
+            })
+            .unwrap_or_else(|| panic!("{name} {labels:?} is not in WatchMetrics"))
+            .value
+    };
+    assert_eq!(
+        sample(
+            "kvtier_sglang_hits_total",
+            &[("op", "get"), ("tier", "memory")]
+        ),
+        n as f64
+    );
+    assert_eq!(
+        sample(
+            "kvtier_sglang_transfers_total",
+            &[("op", "put"), ("outcome", "ok")]
+        ),
+        n as f64
+    );
+    assert_eq!(sample("kvtier_sglang_memory_objects", &[]), n as f64);
 
     // The daemon dies without a chance to flush: the objects were in L3 before their puts
     // were answered, so a restarted daemon (memory empty) serves them from the file backend,
