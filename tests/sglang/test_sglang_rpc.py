@@ -340,3 +340,30 @@ def test_a_sealable_pool_is_sealed_against_shrinking(daemon):
     assert c.batch_get([c.transfer("sealed", [(300_000, 65536)])]) == [OK]
     assert c.pool.read(300_000, 65536) == pattern(9, 65536)
     c.close()
+
+
+def test_many_concurrent_calls_on_one_channel(daemon):
+    """HTTP/2 multiplexing through kvtierd's header relay: interleaved streams whose header
+    blocks use grpcio's dynamic HPACK table all arrive intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = connect(daemon, size=8 << 20)
+    n = 32
+    for i in range(n):
+        c.pool.write(i * 4096, pattern(100 + i, 4096))
+    assert c.batch_put([c.transfer(f"mux{i}", [(i * 4096, 4096)]) for i in range(n)]) == [OK] * n
+
+    def worker(w: int) -> int:
+        done = 0
+        for r in range(25):
+            i = (w * 7 + r) % n
+            base = (1 << 20) + w * 65536
+            assert c.exist([f"mux{i}", f"absent{w}-{r}"]) == [True, False]
+            assert c.batch_get([c.transfer(f"mux{i}", [(base, 4096)])]) == [OK]
+            assert c.pool.read(base, 4096) == pattern(100 + i, 4096)
+            done += 1
+        return done
+
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        assert sum(ex.map(worker, range(8))) == 200
+    c.close()

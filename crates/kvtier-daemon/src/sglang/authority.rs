@@ -90,6 +90,9 @@ where
         let stream = [head[5], head[6], head[7], head[8]];
         match kind {
             HEADERS => {
+                if len > MAX_BLOCK {
+                    return Err(bad("a HEADERS frame over 256 KiB"));
+                }
                 let mut payload = vec![0u8; len];
                 from.read_exact(&mut payload).await?;
                 let mut block = header_fragment(&payload, flags)?.to_vec();
@@ -331,6 +334,15 @@ mod tests {
         let mut input = PREFACE.to_vec();
         input.extend_from_slice(&frame_head(1, HEADERS, END_HEADERS, [0, 0, 0, 1]));
         input.push(0xff);
+        assert!(client_to_server(&input[..], &mut Vec::new()).await.is_err());
+        // A HEADERS frame claiming 16 MiB is refused before anything is allocated for it.
+        let mut input = PREFACE.to_vec();
+        input.extend_from_slice(&frame_head(
+            (1 << 24) - 1,
+            HEADERS,
+            END_HEADERS,
+            [0, 0, 0, 1],
+        ));
         assert!(client_to_server(&input[..], &mut Vec::new()).await.is_err());
     }
 }
