@@ -191,8 +191,8 @@ grpc_socket = ""
 # own: its capacity, breaker, timeout and metrics apply) or "none" (memory only, below).
 l3 = "shared"
 # Recently put or got objects kept in kvtierd's memory (LRU, bounded), so every SGLang
-# instance on the node is served from memory instead of L3. "0B": off; with l3 = "none"
-# it is the only copy.
+# instance on the node is served from memory instead of L3 (plus at most 64 MiB of spare
+# buffers kept for reuse). "0B": off; with l3 = "none" it is the only copy.
 memory_bytes = "1GiB"
 # Backend calls in flight per batch (1 to 256).
 concurrency = 16
