@@ -5,7 +5,8 @@
 //! - **memory path** (`sglang_rpc.l3 = "none"`: objects live in kvtierd's memory; a get is
 //!   what a second SGLang instance sees for ids another one stored): against a single-thread
 //!   memcpy of the same 128 MiB between the heap and the mapped pool; once with a memfd that
-//!   kvtierd can seal (copies through its mapping), once with one it cannot (pread/pwrite).
+//!   kvtierd can seal (plain copies through its mapping), once with one it cannot (copies
+//!   guarded against the client shrinking it).
 //! - **L3 path** (file backend, `sglang_rpc.memory_bytes = 0`, so every get reads L3):
 //!   BatchPut against `std::fs::write` of 128 files of 1 MiB, BatchGet against `std::fs::read`
 //!   of them (page cache warm on both sides), with the file backend's 16 calls in flight
@@ -149,7 +150,7 @@ pub fn run(quick: bool) {
     let gib = f64::from(1 << 30);
 
     // Memory path, for a pool kvtierd could seal (copies through its mapping) and for one it
-    // could not (copies with pread/pwrite).
+    // could not (guarded copies).
     let mut scratch: Vec<Vec<u8>> = vec![vec![0u8; PAGE]; PAGES];
     let mut memory_get_s = 0.0;
     for (sealable, how) in [(true, "sealed pool"), (false, "unsealed pool")] {

@@ -367,3 +367,42 @@ def test_many_concurrent_calls_on_one_channel(daemon):
     with ThreadPoolExecutor(max_workers=8) as ex:
         assert sum(ex.map(worker, range(8))) == 200
     c.close()
+
+
+def test_a_pool_shrinking_during_copies_never_takes_the_daemon_down(daemon):
+    """A client that keeps shrinking and regrowing its (unsealable) memfd while kvtierd copies
+    into it: each transfer succeeds, is refused (11), or — once a copy hit the shrunk end — the
+    pool is given up (9). kvtierd keeps running and serves a fresh registration correctly."""
+    import threading
+
+    mib = 1 << 20
+    c = connect(daemon, size=32 * mib)
+    for i in range(8):
+        c.pool.write(i * mib, pattern(60 + i, mib))
+    assert c.batch_put([c.transfer(f"s{i}", [(i * mib, mib)]) for i in range(8)]) == [OK] * 8
+    stop = threading.Event()
+
+    def shrinker():
+        while not stop.is_set():
+            os.ftruncate(c.pool.fd, 2 * mib)
+            os.ftruncate(c.pool.fd, 32 * mib)
+
+    t = threading.Thread(target=shrinker)
+    t.start()
+    seen = set()
+    try:
+        for _ in range(60):
+            r = c.batch_get([c.transfer(f"s{i % 8}", [((8 + i) * mib, mib)]) for i in range(16)])
+            seen |= set(r)
+    finally:
+        stop.set()
+        t.join()
+    print("codes seen:", sorted(seen))
+    assert seen <= {OK, OUT_OF_RANGE, FAILED_PRECONDITION}, seen
+    assert daemon.alive()
+    c.close()
+    c2 = connect(daemon, size=16 * mib, name="again")
+    assert c2.batch_get([c2.transfer(f"s{i}", [(i * mib, mib)]) for i in range(8)]) == [OK] * 8
+    for i in range(8):
+        assert c2.pool.read(i * mib, mib) == pattern(60 + i, mib)
+    c2.close()

@@ -19,6 +19,8 @@ use std::ptr::NonNull;
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
+mod guard;
+
 /// Alignment of the slot stride.
 pub const STRIDE_ALIGN: usize = 4096;
 
@@ -39,6 +41,10 @@ pub enum ShmError {
     /// The pool's shape is invalid (zero slots, unaligned stride, overflow).
     #[error("invalid pool shape: {0}")]
     Shape(String),
+    /// The file behind a region shrank under a copy: the copy's bytes are meaningless and the
+    /// region no longer maps the file there.
+    #[error("{0}: the file shrank under the mapping")]
+    Truncated(String),
     /// A slot access outside the pool or its slot.
     #[error(
         "out of bounds: slot {slot}, offset {offset}, length {len} (pool of {slots} slots of {stride} bytes)"
@@ -339,6 +345,8 @@ pub struct ShmRegion {
     _file: File,
     path: PathBuf,
     len: usize,
+    /// A guarded copy hit the end of a shrunk file: part of the mapping is anonymous memory now.
+    damaged: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: as for `ShmPool`: no Rust references into the shared bytes are ever handed out.
@@ -414,6 +422,65 @@ impl ShmRegion {
         added || (seals > 0 && seals & libc::F_SEAL_SHRINK != 0)
     }
 
+    /// Copies bytes at `offset` into `dst` through the mapping, surviving a file that shrinks
+    /// under the copy: then `Truncated`, and every later guarded copy of this region fails
+    /// too (the mapping no longer shows the file). Falls back to [`Self::pread`] where the
+    /// guard cannot be installed.
+    pub fn read_guarded(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
+        self.check(offset, dst.len())?;
+        self.check_intact()?;
+        // SAFETY: `check` proved the source range lies inside the live mapping; `dst` is a
+        // distinct Rust buffer. A fault inside the range is absorbed by the guard.
+        let src = unsafe { self.map.as_ptr().add(offset) };
+        let copied = guard::guarded(src as usize, dst.len(), || {
+            // SAFETY: the range was checked above; a SIGBUS inside it is absorbed.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+        });
+        self.after_guarded(copied, || self.pread(offset, dst))
+    }
+
+    /// Copies `src` to `offset` through the mapping, surviving a file that shrinks under the
+    /// copy (see [`Self::read_guarded`]).
+    pub fn write_guarded(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        self.check(offset, src.len())?;
+        self.check_intact()?;
+        // SAFETY: as in `read_guarded`, with the mapping as the destination.
+        let dst = unsafe { self.map.as_mut_ptr().add(offset) };
+        let copied = guard::guarded(dst as usize, src.len(), || {
+            // SAFETY: the range was checked above; a SIGBUS inside it is absorbed.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+        });
+        self.after_guarded(copied, || self.pwrite(offset, src))
+    }
+
+    /// Whether a guarded copy found the file shrunk (the region is of no further use).
+    pub fn is_damaged(&self) -> bool {
+        self.damaged.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn check_intact(&self) -> Result<(), ShmError> {
+        if self.is_damaged() {
+            return Err(ShmError::Truncated(self.path.display().to_string()));
+        }
+        Ok(())
+    }
+
+    fn after_guarded(
+        &self,
+        copied: Option<bool>,
+        fallback: impl FnOnce() -> Result<(), ShmError>,
+    ) -> Result<(), ShmError> {
+        match copied {
+            Some(true) => Ok(()),
+            Some(false) => {
+                self.damaged
+                    .store(true, std::sync::atomic::Ordering::Release);
+                Err(ShmError::Truncated(self.path.display().to_string()))
+            }
+            None => fallback(),
+        }
+    }
+
     /// Copies bytes at `offset` of the file into `dst` with `pread`, not through the mapping:
     /// a file that shrank under us gives an error here, never a fault.
     pub fn pread(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
@@ -447,6 +514,7 @@ impl ShmRegion {
             _file: file,
             path: path.to_path_buf(),
             len,
+            damaged: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -658,5 +726,72 @@ mod tests {
         r.pwrite(60000, &[9u8; 100]).unwrap();
         r.pread(60000, &mut b).unwrap();
         assert_eq!(b, [9u8; 100]);
+    }
+
+    #[test]
+    fn guarded_copies_survive_a_file_shrinking_under_them() {
+        let fd = memfd(256 << 10, false);
+        let owner = File::from(fd.try_clone().unwrap());
+        let r = ShmRegion::from_fd(fd, "shrinking").unwrap();
+        // Intact: guarded copies are plain copies.
+        r.write_guarded(200_000, &[5u8; 1000]).unwrap();
+        let mut b = vec![0u8; 1000];
+        r.read_guarded(200_000, &mut b).unwrap();
+        assert_eq!(b, vec![5u8; 1000]);
+        assert!(!r.is_damaged());
+        // The owner shrinks it: a copy past the new end would be SIGBUS; guarded, it fails.
+        owner.set_len(8192).unwrap();
+        let mut big = vec![0u8; 100_000];
+        assert!(matches!(
+            r.read_guarded(4096, &mut big),
+            Err(ShmError::Truncated(_))
+        ));
+        assert!(r.is_damaged());
+        // From then on the region refuses guarded copies, even inside the remaining file.
+        assert!(r.write_guarded(0, &[1u8; 16]).is_err());
+        assert!(r.read_guarded(0, &mut b[..16]).is_err());
+        // A write that faults is absorbed the same way, on another region.
+        let fd = memfd(256 << 10, false);
+        let owner = File::from(fd.try_clone().unwrap());
+        let w = ShmRegion::from_fd(fd, "shrinking-w").unwrap();
+        owner.set_len(0).unwrap();
+        assert!(matches!(
+            w.write_guarded(100, &[7u8; 50_000]),
+            Err(ShmError::Truncated(_))
+        ));
+        // The file itself did not grow back: the bytes went nowhere.
+        assert_eq!(w.current_file_len().unwrap(), 0);
+    }
+
+    /// A fault outside any guarded copy is not swallowed: the process dies of SIGBUS as it
+    /// would without the guard. Run in a child process (this test binary, re-executed).
+    #[test]
+    fn a_fault_outside_a_guarded_copy_still_kills_the_process() {
+        const CHILD: &str = "KVTIER_SHM_SIGBUS_CHILD";
+        let fd = memfd(64 << 10, false);
+        let owner = File::from(fd.try_clone().unwrap());
+        let r = ShmRegion::from_fd(fd, "unguarded").unwrap();
+        if std::env::var_os(CHILD).is_some() {
+            // Installs the guard, then faults outside it.
+            r.read_guarded(0, &mut [0u8; 8]).unwrap();
+            owner.set_len(0).unwrap();
+            let mut b = [0u8; 8];
+            let _ = r.read(60_000, &mut b);
+            std::hint::black_box(&b);
+            std::process::exit(0); // not reached
+        }
+        use std::os::unix::process::ExitStatusExt;
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tests::a_fault_outside_a_guarded_copy_still_kills_the_process",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
     }
 }

@@ -45,9 +45,10 @@ pub const MAX_NAME: usize = 4096;
 /// At registration kvtierd seals the memfd against shrinking (`F_SEAL_SHRINK`) when its
 /// creator allowed sealing; then copies go through the mapping and can never fault. When
 /// sealing is not allowed, the client could shrink the file in the middle of a copy, and
-/// touching the mapping past the new end would kill kvtierd with SIGBUS — so copies go
-/// through `pread` / `pwrite` on the descriptor instead, which fail (or grow the file) but
-/// never fault.
+/// touching the mapping past the new end would kill kvtierd with SIGBUS — so those copies
+/// are guarded (`ShmRegion::read_guarded`): a fault is absorbed, the copy fails, and the
+/// pool is marked damaged (every later transfer naming it gets `FAILED_PRECONDITION`; the
+/// client must register again).
 #[derive(Debug)]
 pub struct Pool {
     region: ShmRegion,
@@ -81,12 +82,17 @@ impl Pool {
         self.region.current_file_len().unwrap_or(0)
     }
 
+    /// Whether a client shrank the pool under a copy (it is of no further use).
+    pub fn is_damaged(&self) -> bool {
+        self.region.is_damaged()
+    }
+
     /// Copies bytes at `offset` into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), kvtier_shm::ShmError> {
         if self.sealed {
             self.region.read(offset, dst)
         } else {
-            self.region.pread(offset, dst)
+            self.region.read_guarded(offset, dst)
         }
     }
 
@@ -95,7 +101,7 @@ impl Pool {
         if self.sealed {
             self.region.write(offset, src)
         } else {
-            self.region.pwrite(offset, src)
+            self.region.write_guarded(offset, src)
         }
     }
 }
@@ -263,7 +269,7 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
         bytes,
         sealed,
         "sglang host pool registered{}",
-        if sealed { "" } else { " (not sealable: copies use pread/pwrite)" }
+        if sealed { "" } else { " (not sealable: copies are guarded against a shrink)" }
     );
     let answered = stream.write_all(&id.to_le_bytes()).await;
     // Held until the client hangs up (anything it sends is ignored).

@@ -64,7 +64,6 @@ mod code {
     pub(super) const NOT_FOUND: i32 = 5;
     pub(super) const FAILED_PRECONDITION: i32 = 9;
     pub(super) const OUT_OF_RANGE: i32 = 11;
-    pub(super) const INTERNAL: i32 = 13;
     pub(super) const UNAVAILABLE: i32 = 14;
 }
 
@@ -220,6 +219,13 @@ impl Objects {
                 tracing::warn!(pool = t.pool_id, "sglang transfer names no registered pool");
                 code::FAILED_PRECONDITION
             })?;
+        if pool.is_damaged() {
+            tracing::warn!(
+                pool = t.pool_id,
+                "sglang transfer refused: the client shrank this pool under a copy; it must register again"
+            );
+            return Err(code::FAILED_PRECONDITION);
+        }
         // The client may have shrunk its memfd since it registered: never touch past the
         // end of the file, whatever the mapping's length.
         let limit = pool.current_len().min(pool.len() as u64);
@@ -247,8 +253,9 @@ impl Objects {
     fn scatter(pool: &Pool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
         let mut at = 0;
         for &(off, len) in ranges {
-            if pool.write(off, &data[at..at + len]).is_err() {
-                return code::INTERNAL;
+            if let Err(e) = pool.write(off, &data[at..at + len]) {
+                tracing::warn!("sglang get: copy into the pool failed: {e}");
+                return code::OUT_OF_RANGE;
             }
             at += len;
         }
