@@ -10,6 +10,11 @@
 //! into it: every access is a bounds-checked raw copy ([`ShmPool::write`], [`ShmPool::read`]) or
 //! a raw pointer for DMA ([`ShmPool::slot_ptr`]). Who may touch which slot when is decided by
 //! the daemon's protocol (reserve → write → commit; acquire → read → release), not here.
+//!
+//! [`ShmRegion`] maps a whole file another process created (an engine's KV pool, an SGLang
+//! host pool received over a socket). Such a file can shrink under the mapping; where it
+//! cannot be sealed against that, [`ShmRegion::read_guarded`] / [`ShmRegion::write_guarded`]
+//! copy with SIGBUS absorbed inside the copy (module `guard`).
 
 use std::fs::{File, OpenOptions};
 use std::io;
