@@ -61,6 +61,10 @@ eviction_policy = "lru"
 mlock = false
 # Ask the kernel for transparent huge pages on the pools (best effort).
 huge_pages = false
+# Allocate each pool's memory when it is created (fallocate), after checking shm_dir has
+# room: a /dev/shm too small for the pool is then a clear error at registration, not a
+# SIGBUS later in whichever process first touches a page. false: pages on first use.
+reserve = true
 
 [l3]
 # The storage tier behind L2: "file" (the embedded default: one file per page under
@@ -277,6 +281,8 @@ pub struct L2Config {
     pub mlock: bool,
     /// Transparent huge pages.
     pub huge_pages: bool,
+    /// Allocate pools' memory up front.
+    pub reserve: bool,
 }
 
 /// `[l3]`.
@@ -590,6 +596,7 @@ impl Default for L2Config {
             eviction_policy: "lru".into(),
             mlock: false,
             huge_pages: false,
+            reserve: true,
         }
     }
 }
@@ -707,6 +714,7 @@ impl DaemonConfig {
                     eviction_policy,
                     mlock: _,
                     huge_pages: _,
+                    reserve: _,
                 },
             l3:
                 L3Config {

@@ -694,6 +694,7 @@ mod tests {
                 stride: 4096,
                 mlock: false,
                 huge_pages: false,
+                reserve: false,
             })
             .unwrap(),
         );

@@ -255,6 +255,7 @@ pub struct HostState {
     max_pools: u32,
     mlock: bool,
     huge_pages: bool,
+    reserve: bool,
     /// The L3 write policy and threshold, when there is an L3.
     write: Option<(WritePolicy, u64)>,
     prefetches: HashMap<u64, PrefetchEntry>,
@@ -291,6 +292,7 @@ impl HostState {
             max_pools: cfg.l2.max_pools,
             mlock: cfg.l2.mlock,
             huge_pages: cfg.l2.huge_pages,
+            reserve: cfg.l2.reserve,
             write: (cfg.l3.backend != "none").then(|| (cfg.l3.policy(), cfg.l3.write_threshold)),
             prefetches: HashMap::new(),
             prefetch_names: HashMap::new(),
@@ -415,8 +417,16 @@ impl HostState {
                 stride: layout.slot_stride(),
                 mlock: self.mlock,
                 huge_pages: self.huge_pages,
+                reserve: self.reserve,
             })
-            .map_err(|e| ApiError::Internal(format!("creating the pool for {fp}: {e}")))?;
+            .map_err(|e| match e {
+                kvtier_shm::ShmError::NoSpace { .. } => ApiError::ResourceExhausted(format!(
+                    "no room for the pool of {fp} ({e}): lower l2.pool_bytes / l2.pool_pages \
+                     or give l2.shm_dir ({}) more space",
+                    self.shm_dir.display()
+                )),
+                e => ApiError::Internal(format!("creating the pool for {fp}: {e}")),
+            })?;
             tracing::info!(
                 fingerprint = %fp,
                 model = %layout.spec().model_id,

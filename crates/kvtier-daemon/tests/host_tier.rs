@@ -539,6 +539,30 @@ fn tcp_listener_serves_the_same_service() {
 }
 
 #[test]
+fn a_pool_too_big_for_shm_dir_is_refused_at_registration_not_a_crash_later() {
+    // 1 PiB: more than any /dev/shm. The room is checked before a byte is allocated.
+    let d = Daemon::start("no-room", &["l2.pool_bytes=1024TiB"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        match c.register("w", &layout("m")).await {
+            Err(kvtier_client::ClientError::Status(st)) => {
+                assert_eq!(st.code(), tonic::Code::ResourceExhausted, "{st:?}");
+                assert!(st.message().contains("l2.pool_bytes"), "{}", st.message());
+            }
+            other => panic!("expected ResourceExhausted, got {:?}", other.map(|s| s.id)),
+        }
+        assert_eq!(kvtier_client::health(&d.target()).await.unwrap(), "SERVING");
+    });
+    assert!(
+        std::fs::read_dir("/dev/shm").unwrap().flatten().all(|e| !e
+            .file_name()
+            .to_string_lossy()
+            .starts_with(&format!("kvtier-{}-", d.child.id()))),
+        "a refused pool left its file behind"
+    );
+}
+
+#[test]
 fn bad_configuration_stops_kvtierd_naming_the_key() {
     for (args, key) in [
         (

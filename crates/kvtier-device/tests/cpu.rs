@@ -54,6 +54,7 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
         stride: layout.slot_stride(),
         mlock: false,
         huge_pages: false,
+        reserve: false,
     })
     .unwrap();
     (dev, engine, host)

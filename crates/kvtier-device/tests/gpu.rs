@@ -48,6 +48,7 @@ fn pages_round_trip_through_gpu_buffers() {
         stride: layout.slot_stride(),
         mlock: false,
         huge_pages: false,
+        reserve: false,
     })
     .unwrap();
     let page = |s: u32| -> Vec<u8> {

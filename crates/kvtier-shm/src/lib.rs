@@ -50,6 +50,16 @@ pub enum ShmError {
     /// region no longer maps the file there.
     #[error("{0}: the file shrank under the mapping")]
     Truncated(String),
+    /// Not enough room for the pool where it would live.
+    #[error("{path}: {need} bytes needed, {free} free")]
+    NoSpace {
+        /// Where the pool would live.
+        path: String,
+        /// Bytes the pool needs.
+        need: u64,
+        /// Bytes available there.
+        free: u64,
+    },
     /// A slot access outside the pool or its slot.
     #[error(
         "out of bounds: slot {slot}, offset {offset}, length {len} (pool of {slots} slots of {stride} bytes)"
@@ -109,6 +119,10 @@ pub struct PoolSpec {
     pub mlock: bool,
     /// Ask for transparent huge pages (`MADV_HUGEPAGE`).
     pub huge_pages: bool,
+    /// Allocate all the memory now (`fallocate`), after checking the directory has room: a
+    /// full `/dev/shm` is then an error here, not a SIGBUS in whichever process first touches
+    /// a page, and no copy pays first-touch faults.
+    pub reserve: bool,
 }
 
 /// A mapped pool. The creating process owns it (and unlinks its file on drop); other processes
@@ -147,6 +161,52 @@ fn total_len(slots: u32, stride: usize) -> Result<usize, ShmError> {
         .ok_or_else(|| ShmError::Shape(format!("{slots} slots × {stride} bytes overflows")))
 }
 
+/// Fails with [`ShmError::NoSpace`] when the filesystem of `dir` has less than `need` bytes
+/// available.
+fn check_room(dir: &Path, need: u64) -> Result<(), ShmError> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| ShmError::Shape("pool directory contains a NUL byte".into()))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: a NUL-terminated path and a buffer of the right type, both alive for the call.
+    let r = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if r != 0 {
+        return Err(io_err("statvfs", dir)(io::Error::last_os_error()));
+    }
+    // SAFETY: statvfs succeeded, so it filled the buffer.
+    let st = unsafe { st.assume_init() };
+    // The field types differ between platforms (u32 on some 32-bit ones).
+    #[allow(clippy::unnecessary_cast)]
+    let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    if free < need {
+        return Err(ShmError::NoSpace {
+            path: dir.display().to_string(),
+            need,
+            free,
+        });
+    }
+    Ok(())
+}
+
+/// Allocates the file's blocks (tmpfs and memfd: its pages) now. A filesystem that cannot
+/// (EOPNOTSUPP) keeps the file sparse.
+fn reserve(file: &File, path: &Path, len: u64) -> Result<(), ShmError> {
+    let Ok(n) = libc::off_t::try_from(len) else {
+        return Err(ShmError::Shape(format!("{len} bytes do not fit in off_t")));
+    };
+    // SAFETY: a descriptor this function borrows, and plain integers.
+    let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, n) };
+    match r {
+        0 => Ok(()),
+        libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+        libc::ENOSPC => Err(ShmError::NoSpace {
+            path: path.display().to_string(),
+            need: len,
+            free: 0,
+        }),
+        e => Err(io_err("fallocate", path)(io::Error::from_raw_os_error(e))),
+    }
+}
+
 impl ShmPool {
     /// Creates a pool as `spec` says. A stale file of the same name is replaced.
     pub fn create(spec: &PoolSpec) -> Result<Self, ShmError> {
@@ -182,7 +242,13 @@ impl ShmPool {
             }
         };
         let guard = UnlinkGuard(unlink.then(|| path.clone()));
+        if spec.reserve && spec.backing == Backing::ShmFile {
+            check_room(&spec.dir, len as u64)?;
+        }
         file.set_len(len as u64).map_err(io_err("size", &path))?;
+        if spec.reserve {
+            reserve(&file, &path, len as u64)?;
+        }
         let map = MmapOptions::new()
             .len(len)
             .map_raw(&file)
@@ -609,6 +675,7 @@ mod tests {
             stride: 8192,
             mlock: false,
             huge_pages: false,
+            reserve: false,
         }
     }
 
@@ -650,6 +717,28 @@ mod tests {
         assert!(e.contains("expected 12000"), "{e}");
         assert!(ShmRegion::create(&path, 0).is_err());
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_reserved_pool_is_allocated_up_front_and_refused_when_it_cannot_fit() {
+        let mut sp = spec(&tmp(), Backing::ShmFile, "reserve");
+        sp.reserve = true;
+        let p = ShmPool::create(&sp).unwrap();
+        // Every block is allocated: the file is not sparse.
+        let meta = std::fs::metadata(p.path()).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert!(meta.blocks() * 512 >= 4 * 8192, "{} blocks", meta.blocks());
+        drop(p);
+        // Far more than the directory's filesystem has: refused at once, nothing left behind.
+        let mut huge = spec(&tmp(), Backing::ShmFile, "huge");
+        huge.reserve = true;
+        huge.slots = u32::MAX;
+        huge.stride = 1 << 30;
+        match ShmPool::create(&huge) {
+            Err(ShmError::NoSpace { need, free, .. }) => assert!(need > free),
+            other => panic!("expected NoSpace, got {other:?}"),
+        }
+        assert!(!tmp().join(&huge.name).exists());
     }
 
     #[test]
