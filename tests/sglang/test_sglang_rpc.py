@@ -43,6 +43,9 @@ class Kvtierd:
             "--set", "metrics.listen=127.0.0.1:0",
             "--set", "log.level=warn",
             "--set", "sglang_rpc.enable=true",
+            # A closed grpcio channel sometimes keeps its socket open a while; kvtierd's
+            # graceful stop then waits the whole drain for it. Keep that short here.
+            "--set", "server.drain_timeout=2s",
         ]
         for s in sets:
             args += ["--set", s]
