@@ -94,7 +94,9 @@ pub async fn run(
                 .map_err(setup("binding metrics.listen", Path::new(a)))?,
         ),
     };
-    let metrics_addr = metrics_listener.as_ref().and_then(metrics::local);
+    let metrics_addr = metrics_listener
+        .as_ref()
+        .and_then(kvtier_client::prometheus_http::local);
     let metrics = Metrics::new()?;
     let link = Arc::new(Link::new(&cfg));
     let (service, worker) = AgentService::new(
@@ -114,11 +116,13 @@ pub async fn run(
         shutdown.clone(),
     ));
     if let Some(l) = metrics_listener {
-        let svc = service.clone();
-        tokio::spawn(metrics::serve(
+        let (svc, metrics) = (service.clone(), metrics.clone());
+        tokio::spawn(kvtier_client::prometheus_http::serve(
             l,
-            metrics.clone(),
-            Arc::new(move || svc.refresh_gauges()),
+            Arc::new(move || {
+                svc.refresh_gauges();
+                metrics.render()
+            }),
             shutdown.clone(),
         ));
     }

@@ -1,19 +1,10 @@
 //! The agent's metrics and its Prometheus text endpoint. Names follow kvtierd's scheme
 //! (`kvtier_agent_<noun>_<unit>`, bounded labels); docs/metrics.md lists every one.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
     Registry, TextEncoder,
 };
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 /// Every metric of the agent.
 #[derive(Clone)]
@@ -222,56 +213,6 @@ impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Metrics")
     }
-}
-
-/// Serves `GET /metrics` until `stop`; `refresh` updates the gauges before each scrape.
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Metrics,
-    refresh: Arc<dyn Fn() + Send + Sync>,
-    stop: CancellationToken,
-) {
-    loop {
-        let (stream, _) = tokio::select! {
-            () = stop.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("metrics accept failed: {e}");
-                    continue;
-                }
-            },
-        };
-        let (metrics, refresh) = (metrics.clone(), refresh.clone());
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let body = (req.uri().path() == "/metrics").then(|| {
-                    refresh();
-                    metrics.render()
-                });
-                async move {
-                    match body {
-                        Some(text) => Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4")
-                            .body(Full::new(Bytes::from(text))),
-                        None => Response::builder()
-                            .status(StatusCode::NOT_FOUND)
-                            .body(Full::new(Bytes::from_static(b"try /metrics\n"))),
-                    }
-                }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!("metrics connection: {e}");
-            }
-        });
-    }
-}
-
-/// The address a listener is bound to.
-pub fn local(l: &TcpListener) -> Option<SocketAddr> {
-    l.local_addr().ok()
 }
 
 #[cfg(test)]

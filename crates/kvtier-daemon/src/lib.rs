@@ -163,7 +163,9 @@ pub async fn run(
                 .map_err(setup("binding metrics.listen", Path::new(a)))?,
         ),
     };
-    let metrics_addr = metrics_listener.as_ref().and_then(metrics::local);
+    let metrics_addr = metrics_listener
+        .as_ref()
+        .and_then(kvtier_client::prometheus_http::local);
 
     remove_stale_pools(&cfg.l2.shm_dir);
     let state = Arc::new(Mutex::new(HostState::new(&cfg)));
@@ -260,11 +262,10 @@ pub async fn run(
         )
     });
     if let Some(l) = metrics_listener {
-        tracker.spawn(metrics::serve(
+        let (metrics, state, l3) = (metrics.clone(), state.clone(), l3.clone());
+        tracker.spawn(kvtier_client::prometheus_http::serve(
             l,
-            metrics.clone(),
-            state.clone(),
-            l3.clone(),
+            Arc::new(move || metrics.render(&state, l3.current().as_deref())),
             shutdown.clone(),
         ));
     }

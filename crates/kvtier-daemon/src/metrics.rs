@@ -4,19 +4,12 @@
 //! `_seconds` histograms; labels are bounded (`op`, `outcome`, `state`). Gauges that mirror the
 //! index are refreshed from the state at scrape time, so they can never drift.
 
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use crate::state::HostState;
 
@@ -715,63 +708,10 @@ impl kvtier_storage::wrappers::StoreObserver for Metrics {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown`.
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Metrics,
-    state: Arc<Mutex<HostState>>,
-    l3: Arc<crate::l3::L3Slot>,
-    shutdown: CancellationToken,
-) {
-    loop {
-        let (stream, _) = tokio::select! {
-            () = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("metrics accept failed: {e}");
-                    continue;
-                }
-            },
-        };
-        let metrics = metrics.clone();
-        let state = state.clone();
-        let l3 = l3.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let body = if req.uri().path() == "/metrics" {
-                    Some(metrics.render(&state, l3.current().as_deref()))
-                } else {
-                    None
-                };
-                async move {
-                    match body {
-                        Some(text) => Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4")
-                            .body(Full::new(Bytes::from(text))),
-                        None => Response::builder()
-                            .status(StatusCode::NOT_FOUND)
-                            .body(Full::new(Bytes::from_static(b"try /metrics\n"))),
-                    }
-                }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!("metrics connection: {e}");
-            }
-        });
-    }
-}
-
-/// The address a listener is bound to, for logs and the ready line.
-pub fn local(listener: &TcpListener) -> Option<SocketAddr> {
-    listener.local_addr().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn every_metric_is_registered_and_documented() {

@@ -1,0 +1,58 @@
+//! The Prometheus text endpoint both kvtierd and kvtier-agent serve: `GET /metrics` answers
+//! what `render` returns (rendered per scrape, so gauges are fresh), anything else is 404.
+//! One task per connection; stops accepting when `stop` is cancelled.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Renders the metrics page.
+pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves `GET /metrics` on `listener` until `stop`.
+pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToken) {
+    loop {
+        let (stream, _) = tokio::select! {
+            () = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("metrics accept failed: {e}");
+                    continue;
+                }
+            },
+        };
+        let render = render.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let body = (req.uri().path() == "/metrics").then(|| render());
+                async move {
+                    match body {
+                        Some(text) => Response::builder()
+                            .header("content-type", "text/plain; version=0.0.4")
+                            .body(Full::new(Bytes::from(text))),
+                        None => Response::builder()
+                            .status(StatusCode::NOT_FOUND)
+                            .body(Full::new(Bytes::from_static(b"try /metrics\n"))),
+                    }
+                }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!("metrics connection: {e}");
+            }
+        });
+    }
+}
+
+/// The address a listener is bound to, for logs and ready lines.
+pub fn local(listener: &TcpListener) -> Option<SocketAddr> {
+    listener.local_addr().ok()
+}
