@@ -400,7 +400,6 @@ def test_a_pool_shrinking_during_copies_never_takes_the_daemon_down(daemon):
     finally:
         stop.set()
         t.join()
-    print("codes seen:", sorted(seen))
     assert seen <= {OK, OUT_OF_RANGE, FAILED_PRECONDITION}, seen
     assert daemon.alive()
     c.close()

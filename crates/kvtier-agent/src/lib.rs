@@ -66,16 +66,11 @@ fn setup<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) 
 }
 
 async fn bind_socket(path: &Path) -> Result<UnixListener, AgentError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(setup("creating the socket directory", dir))?;
-    }
-    if path.exists() {
-        if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return Err(AgentError::SocketInUse(path.display().to_string()));
-        }
-        std::fs::remove_file(path).map_err(setup("removing stale socket", path))?;
-    }
-    UnixListener::bind(path).map_err(setup("binding socket", path))
+    use kvtier_client::serving::{BindError, bind_unix};
+    bind_unix(path).await.map_err(|e| match e {
+        BindError::InUse(p) => AgentError::SocketInUse(p),
+        BindError::Io { what, path, source } => AgentError::Setup { what, path, source },
+    })
 }
 
 /// Runs the agent until `shutdown`; `ready` is called once it serves.

@@ -1,13 +1,11 @@
 //! kvtier-agent: parse flags, load the configuration, start logging, run until SIGINT/SIGTERM.
 
-use std::io::{IsTerminal as _, Write as _};
+use std::io::Write as _;
 use std::path::PathBuf;
 
-use anyhow::Context as _;
 use clap::Parser;
 use kvtier_config::Sources;
 use kvtier_config::agent::{AgentConfig, DEFAULT_TOML};
-use tokio_util::sync::CancellationToken;
 
 /// kvtier-agent — the per-worker L1 agent of kvtier (the engine's prefix cache).
 #[derive(Debug, Parser)]
@@ -38,39 +36,13 @@ fn main() -> anyhow::Result<()> {
         println!("{cfg:#?}");
         return Ok(());
     }
-    let filter = tracing_subscriber::EnvFilter::try_new(&cfg.log.level).with_context(|| {
-        format!(
-            "config key `log.level`: {:?} is not a filter",
-            cfg.log.level
-        )
-    })?;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    kvtier_client::serving::init_logging(&cfg.log.level).map_err(anyhow::Error::msg)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("kvtier-agent")
         .build()?;
     rt.block_on(async move {
-        let shutdown = CancellationToken::new();
-        let signals = shutdown.clone();
-        tokio::spawn(async move {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::error!("cannot listen for SIGTERM: {e}");
-                        return;
-                    }
-                };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            signals.cancel();
-        });
+        let shutdown = kvtier_client::serving::shutdown_on_signals();
         kvtier_agent::run(cfg, shutdown, |r| {
             // One line on stdout that scripts and tests wait for.
             let metrics = r

@@ -4,7 +4,8 @@
 //! [`HostClient`] speaks `kvtier.v1.HostTier` over a Unix socket (or TCP), takes and returns
 //! domain types (page keys, layouts), builds the hash self-test itself at registration, and
 //! maps the session's pool ([`Session::pool`]) so pages are copied, never sent.
-//! [`prometheus_http`] is the `/metrics` endpoint kvtierd and kvtier-agent both serve.
+//! [`prometheus_http`] is the `/metrics` endpoint kvtierd and kvtier-agent both serve;
+//! [`serving`] the rest of what both need to run as servers.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,6 +19,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 pub use kvtier_proto::v1::ReserveStatus;
 
 pub mod prometheus_http;
+pub mod serving;
 
 /// Errors of the clients.
 #[derive(Debug, thiserror::Error)]

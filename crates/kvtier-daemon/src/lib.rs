@@ -68,6 +68,16 @@ pub enum DaemonError {
     Metrics(#[from] prometheus::Error),
 }
 
+impl From<kvtier_client::serving::BindError> for DaemonError {
+    fn from(e: kvtier_client::serving::BindError) -> Self {
+        use kvtier_client::serving::BindError;
+        match e {
+            BindError::InUse(p) => DaemonError::SocketInUse(p),
+            BindError::Io { what, path, source } => DaemonError::Setup { what, path, source },
+        }
+    }
+}
+
 impl DaemonError {
     /// Start-up errors are not retryable without a change; a server error may be.
     pub fn is_retryable(&self) -> bool {
@@ -123,18 +133,9 @@ fn remove_stale_pools(dir: &Path) {
     }
 }
 
-/// Binds the control socket, replacing a stale socket file but never a live daemon's.
+/// Binds a socket, replacing a stale socket file but never a live server's.
 async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(setup("creating socket directory", dir))?;
-    }
-    if path.exists() {
-        if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return Err(DaemonError::SocketInUse(path.display().to_string()));
-        }
-        std::fs::remove_file(path).map_err(setup("removing stale socket", path))?;
-    }
-    UnixListener::bind(path).map_err(setup("binding socket", path))
+    Ok(kvtier_client::serving::bind_unix(path).await?)
 }
 
 /// Runs the daemon until `shutdown` is cancelled, then drains in-flight requests, removes

@@ -1,13 +1,11 @@
 //! kvtierd: parse flags, load the configuration, start logging, run until SIGINT/SIGTERM.
 
-use std::io::{IsTerminal as _, Write as _};
+use std::io::Write as _;
 use std::path::PathBuf;
 
-use anyhow::Context as _;
 use clap::Parser;
 use kvtier_config::Sources;
 use kvtier_config::daemon::{DEFAULT_TOML, DaemonConfig};
-use tokio_util::sync::CancellationToken;
 
 /// kvtierd — the kvtier node daemon (shared host tier and storage tiers).
 #[derive(Debug, Parser)]
@@ -38,40 +36,14 @@ fn main() -> anyhow::Result<()> {
         println!("{cfg:#?}");
         return Ok(());
     }
-    let filter = tracing_subscriber::EnvFilter::try_new(&cfg.log.level).with_context(|| {
-        format!(
-            "config key `log.level`: {:?} is not a filter",
-            cfg.log.level
-        )
-    })?;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    kvtier_client::serving::init_logging(&cfg.log.level).map_err(anyhow::Error::msg)?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("kvtierd")
         .build()?;
     rt.block_on(async move {
-        let shutdown = CancellationToken::new();
-        let signals = shutdown.clone();
-        tokio::spawn(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) else {
-                tracing::error!("cannot install signal handlers");
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM"),
-                _ = int.recv() => tracing::info!("SIGINT"),
-            }
-            signals.cancel();
-        });
+        let shutdown = kvtier_client::serving::shutdown_on_signals();
         kvtier_daemon::run(cfg, shutdown, |r| {
             // One line on stdout that scripts and tests wait for.
             let metrics = r
