@@ -30,24 +30,32 @@ pub mod scenarios {
 pub mod ceph;
 
 static CEPH: Mutex<Option<std::sync::Arc<ceph::Ceph>>> = Mutex::new(None);
-static LIVE_BYTES: Mutex<Option<fn() -> usize>> = Mutex::new(None);
 
-/// Tells the scenarios how to read the process's live heap bytes (a binary with a counting
-/// global allocator sets this).
-pub fn set_live_bytes(f: fn() -> usize) {
-    *match LIVE_BYTES.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    } = Some(f);
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The system allocator, counting live heap bytes. A binary that needs byte figures
+/// installs it: `#[global_allocator] static A: kvtier_bench::CountingAlloc =
+/// kvtier_bench::CountingAlloc;`.
+pub struct CountingAlloc;
+
+// SAFETY: forwards to the system allocator unchanged and only counts bytes.
+#[allow(unsafe_code)]
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: same layout contract as our caller's.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: `p` came from `alloc` above with this layout.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
 }
 
-/// Live heap bytes, if the binary counts them (0 otherwise).
+/// Live heap bytes, if the binary installed [`CountingAlloc`] (0 otherwise).
 pub fn live_bytes() -> usize {
-    let f = match LIVE_BYTES.lock() {
-        Ok(g) => *g,
-        Err(p) => *p.into_inner(),
-    };
-    f.map_or(0, |f| f())
+    LIVE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The local Ceph cluster the s3 scenarios share (started on first use: ~20 s here).

@@ -2,37 +2,12 @@
 //! same run and their ratio, as a table (and `--json`). `--quick` runs small versions
 //! (under a minute here); `--no-s3` skips the scenarios that need a local Ceph;
 //! `--only a,b` runs the named scenarios.
-#![allow(missing_docs, unsafe_code)]
+#![allow(missing_docs)]
 
 use kvtier_bench::scenarios;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged and only counts bytes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        // SAFETY: same layout contract as our caller's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: `p` came from `alloc` above with this layout.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn live() -> usize {
-    LIVE.load(Ordering::Relaxed)
-}
+static GLOBAL: kvtier_bench::CountingAlloc = kvtier_bench::CountingAlloc;
 
 type Scenario = (&'static str, fn(bool), bool);
 
@@ -41,7 +16,6 @@ fn main() {
     if kvtier_sim::cluster::serve_child_from_env() {
         return;
     }
-    kvtier_bench::set_live_bytes(live);
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");

@@ -20,7 +20,7 @@ fn chains(pages: usize) -> Vec<Vec<PageKey>> {
 }
 
 /// Runs the scenario: 10k, 1M and 10M pages (`quick`: 10k and 100k). Bytes per page need
-/// the counting allocator the calling binary installs ([`crate::set_live_bytes`]); without
+/// the counting allocator the calling binary installs ([`crate::CountingAlloc`]); without
 /// it only the eviction latencies are meaningful.
 pub fn run(quick: bool) {
     let sizes: &[usize] = if quick {
