@@ -8,30 +8,31 @@
 
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
-use kvtier_client::{ClientError, PrefetchOptions, Reserved};
-use kvtier_config::agent::{AgentConfig, BackupPolicy};
+use kvtier_client::{ClientError, PrefetchOptions};
+use kvtier_config::agent::AgentConfig;
 use kvtier_core::radix::NodeId;
-use kvtier_core::{DevicePool, Layout, Namespace, PageHasher, PageKey, RadixTree};
+use kvtier_core::{DevicePool, Layout, Namespace, PageHasher, PageKey, RadixTree, WritePolicy};
 use kvtier_device::cpu::CpuDevice;
 use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
 use kvtier_device::{Device, DeviceError, PageCopy};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1::{self, agent_server};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tonic::{Request, Response, Status};
 
+use crate::backup::{BackupWorker, Counters};
 use crate::link::{Link, Linked, is_link_error};
 use crate::metrics::Metrics;
 
 /// The engine's pool as registered.
 #[derive(Debug)]
-struct Engine {
-    device: Arc<dyn Device>,
+pub(crate) struct Engine {
+    pub(crate) device: Arc<dyn Device>,
     pool: DevicePool,
 }
 
@@ -45,53 +46,55 @@ struct Handle {
 }
 
 /// Everything behind the mutex.
-struct State {
-    engine: Option<Engine>,
-    tree: RadixTree<PageKey, u32>,
+pub(crate) struct State {
+    pub(crate) engine: Option<Engine>,
+    pub(crate) tree: RadixTree<PageKey, u32>,
     /// Which device pages the tree holds (to refuse an engine handing out one twice).
-    in_tree: Vec<bool>,
+    pub(crate) in_tree: Vec<bool>,
     handles: HashMap<u64, Handle>,
     next_handle: u64,
 }
 
 impl State {
-    fn engine(&self) -> Result<&Engine, ApiError> {
+    pub(crate) fn engine(&self) -> Result<&Engine, ApiError> {
         self.engine.as_ref().ok_or_else(|| {
             ApiError::invalid("pool", "no KV pool is registered; call RegisterPool first")
         })
     }
 }
 
-/// Counters shown by AgentStats.
-#[derive(Debug, Default)]
-struct Counters {
-    backed_up: AtomicU64,
-    dropped: AtomicU64,
-    in_flight: AtomicU64,
-}
-
 /// What the service and its background tasks share.
-struct Shared {
-    state: Mutex<State>,
-    link: Arc<Link>,
-    metrics: Metrics,
-    policy: BackupPolicy,
-    threshold: u64,
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) link: Arc<Link>,
+    pub(crate) metrics: Metrics,
+    /// Device → L2 write policy, with its threshold.
+    pub(crate) policy: WritePolicy,
     max_tokens: usize,
     copy_threads: usize,
     eviction: kvtier_core::PolicyKind,
-    backups: mpsc::Sender<NodeId>,
-    counters: Counters,
+    /// The early-backup queue; each entry holds its pages' share of `backup_room`.
+    pub(crate) backups: mpsc::UnboundedSender<(NodeId, OwnedSemaphorePermit)>,
+    /// Pages early backups may have queued or running (`cache.backup_queue`).
+    pub(crate) backup_room: Arc<Semaphore>,
+    pub(crate) backup_room_pages: u32,
+    /// Early backups running at once; an Evict's backups too.
+    pub(crate) backup_concurrency: usize,
+    /// Woken whenever a backup ends (an Evict waiting for one).
+    pub(crate) backup_done: Notify,
+    /// Longest an Evict waits for room in L2.
+    pub(crate) evict_wait: Duration,
+    pub(crate) counters: Counters,
     metrics_address: String,
 }
 
 /// The `kvtier.v1.Agent` service.
 #[derive(Clone)]
 pub struct AgentService {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+pub(crate) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
@@ -108,12 +111,6 @@ fn device_error(field: &str, e: DeviceError) -> ApiError {
     }
 }
 
-/// Parts of the service its background tasks need.
-pub struct BackupWorker {
-    rx: mpsc::Receiver<NodeId>,
-    concurrency: usize,
-}
-
 impl AgentService {
     /// A service configured by `cfg`, over `link`; run its backups with [`run_backups`].
     pub fn new(
@@ -122,7 +119,8 @@ impl AgentService {
         metrics: Metrics,
         metrics_address: String,
     ) -> (Self, BackupWorker) {
-        let (tx, rx) = mpsc::channel(cfg.cache.backup_queue as usize);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let concurrency = cfg.cache.backup_concurrency as usize;
         let eviction = cfg.eviction_policy();
         let shared = Shared {
             state: Mutex::new(State {
@@ -134,12 +132,16 @@ impl AgentService {
             }),
             link,
             metrics,
-            policy: cfg.backup_policy(),
-            threshold: cfg.cache.write_threshold,
+            policy: cfg.write_policy(),
             max_tokens: cfg.server.max_tokens as usize,
             copy_threads: cfg.device.copy_threads as usize,
             eviction,
             backups: tx,
+            backup_room: Arc::new(Semaphore::new(cfg.cache.backup_queue as usize)),
+            backup_room_pages: cfg.cache.backup_queue,
+            backup_concurrency: concurrency,
+            backup_done: Notify::new(),
+            evict_wait: cfg.cache.evict_wait.0,
             counters: Counters::default(),
             metrics_address,
         };
@@ -147,10 +149,7 @@ impl AgentService {
             Self {
                 shared: Arc::new(shared),
             },
-            BackupWorker {
-                rx,
-                concurrency: cfg.cache.backup_concurrency as usize,
-            },
+            BackupWorker { rx, concurrency },
         )
     }
 
@@ -168,7 +167,7 @@ impl AgentService {
             miss_pages: tier("miss"),
             load_back_pages: m.load_back_pages.get(),
             backup_pages: s.counters.backed_up.load(Ordering::Relaxed),
-            backup_dropped_pages: s.counters.dropped.load(Ordering::Relaxed),
+            lost_pages: s.counters.lost().0,
             evicted_pages: m.evicted_pages.get(),
             device_pages: st.tree.device_pages() as u32,
             locked_pages: st.tree.protected_pages() as u32,
@@ -307,21 +306,41 @@ impl AgentService {
         linked: &Arc<Linked>,
         fut: impl Future<Output = Result<T, ClientError>>,
     ) -> Option<T> {
+        self.call_as(linked, fut, false).await
+    }
+
+    /// [`Self::call`] for a call about one prefetch: `NotFound` then means the prefetch is
+    /// gone (revoked before it held anything, or released), not that the session is.
+    async fn call_prefetch<T>(
+        &self,
+        linked: &Arc<Linked>,
+        fut: impl Future<Output = Result<T, ClientError>>,
+    ) -> Option<T> {
+        self.call_as(linked, fut, true).await
+    }
+
+    async fn call_as<T>(
+        &self,
+        linked: &Arc<Linked>,
+        fut: impl Future<Output = Result<T, ClientError>>,
+        about_prefetch: bool,
+    ) -> Option<T> {
         let r = match tokio::time::timeout(self.shared.link.timeout(), fut).await {
             Ok(r) => r,
             Err(_) => Err(ClientError::Protocol("kvtierd call timed out".into())),
         };
-        match r {
-            Ok(v) => Some(v),
-            Err(e) => {
-                if is_link_error(&e) {
-                    self.shared.link.broken(linked, &e);
-                } else {
-                    tracing::debug!("kvtierd call failed: {e}");
-                }
-                None
-            }
+        let e = match r {
+            Ok(v) => return Some(v),
+            Err(e) => e,
+        };
+        let gone = about_prefetch
+            && matches!(&e, ClientError::Status(s) if s.code() == tonic::Code::NotFound);
+        if is_link_error(&e) && !gone {
+            self.shared.link.broken(linked, &e);
+        } else {
+            tracing::debug!("kvtierd call failed: {e}");
         }
+        None
     }
 
     async fn do_match(&self, req: v1::MatchRequest) -> Result<v1::MatchResponse, ApiError> {
@@ -335,12 +354,11 @@ impl AgentService {
             st.tree
                 .lock(m.device_node)
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
-            let hot = self.shared.policy == BackupPolicy::WriteThroughSelective
-                && !m.device_values.is_empty()
+            let hot = !m.device_values.is_empty()
                 && st
                     .tree
                     .view(m.device_node)
-                    .is_ok_and(|v| v.meta.hits >= self.shared.threshold && !v.backed_up);
+                    .is_ok_and(|v| !v.backed_up && self.shared.policy.on_hit(v.meta.hits));
             let h = st.next_handle;
             st.next_handle += 1;
             st.handles.insert(
@@ -355,7 +373,7 @@ impl AgentService {
             (h, m.device_values, hot.then_some(m.device_node))
         };
         if let Some(node) = selective {
-            self.enqueue_backup(node);
+            self.enqueue_backup(node).await;
         }
         let dev = device.len();
         let (mut l2, mut l3) = (0, 0);
@@ -425,7 +443,7 @@ impl AgentService {
         if want == 0 {
             if let Some(id) = prefetch {
                 let mut c = linked.client.clone();
-                self.call(&linked, c.release_prefetch(linked.session, &id))
+                self.call_prefetch(&linked, c.release_prefetch(linked.session, &id))
                     .await;
             }
             return Ok(unchanged(current()));
@@ -435,7 +453,7 @@ impl AgentService {
         let mut c = linked.client.clone();
         let mut slots = match &prefetch {
             Some(id) => self
-                .call(&linked, c.take_prefetch(linked.session, id))
+                .call_prefetch(&linked, c.take_prefetch(linked.session, id))
                 .await
                 .map(|(_, s)| s)
                 .unwrap_or_default(),
@@ -523,7 +541,7 @@ impl AgentService {
         })
     }
 
-    fn insert(&self, req: v1::InsertRequest) -> Result<v1::InsertResponse, ApiError> {
+    async fn insert(&self, req: v1::InsertRequest) -> Result<v1::InsertResponse, ApiError> {
         let page_size = self.page_size()?;
         let keys = self.keys(&req.tokens, req.namespace, page_size)?;
         if req.device_pages.len() != keys.len() {
@@ -538,27 +556,29 @@ impl AgentService {
                 ),
             ));
         }
-        let mut st = lock(&self.shared.state);
-        Self::check_pages(&st, "device_pages", &req.device_pages, false)?;
-        let tree_pages = st.tree.peek_device_values(&keys);
-        let known = tree_pages.len();
-        for (i, &p) in req.device_pages.iter().enumerate().skip(known) {
-            if st.in_tree[p as usize] {
-                return Err(ApiError::invalid(
-                    format!("device_pages[{i}]"),
-                    format!("page {p} already holds another cached page"),
-                ));
+        let (ins, tree_pages) = {
+            let mut st = lock(&self.shared.state);
+            Self::check_pages(&st, "device_pages", &req.device_pages, false)?;
+            let tree_pages = st.tree.peek_device_values(&keys);
+            let known = tree_pages.len();
+            for (i, &p) in req.device_pages.iter().enumerate().skip(known) {
+                if st.in_tree[p as usize] {
+                    return Err(ApiError::invalid(
+                        format!("device_pages[{i}]"),
+                        format!("page {p} already holds another cached page"),
+                    ));
+                }
             }
-        }
-        let ins = st
-            .tree
-            .insert(&keys, &req.device_pages)
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
+            let ins = st
+                .tree
+                .insert(&keys, &req.device_pages)
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            for &p in &req.device_pages[ins.already_on_device..] {
+                st.in_tree[p as usize] = true;
+            }
+            (ins, tree_pages)
+        };
         let dup = ins.already_on_device;
-        for &p in &req.device_pages[dup..] {
-            st.in_tree[p as usize] = true;
-        }
-        drop(st);
         // The engine's own copies of pages the tree already holds; pages it passed that are
         // the tree's (its matched prefix) are not duplicates.
         let duplicate_pages: Vec<u32> = req.device_pages[..dup]
@@ -569,8 +589,8 @@ impl AgentService {
             .collect();
         let inserted = keys.len() - dup;
         self.shared.metrics.inserted_pages.inc_by(inserted as u64);
-        if self.shared.policy == BackupPolicy::WriteThrough && inserted > 0 {
-            self.enqueue_backup(ins.node);
+        if self.shared.policy.on_store() && inserted > 0 {
+            self.enqueue_backup(ins.node).await;
         }
         Ok(v1::InsertResponse {
             duplicate_pages,
@@ -591,241 +611,17 @@ impl AgentService {
             && let Some(linked) = self.shared.link.current()
         {
             let mut c = linked.client.clone();
-            self.call(&linked, c.release_prefetch(linked.session, &id))
+            self.call_prefetch(&linked, c.release_prefetch(linked.session, &id))
                 .await;
         }
         Ok(())
-    }
-
-    async fn evict(&self, n: usize) -> Result<v1::EvictResponse, ApiError> {
-        lock(&self.shared.state).engine()?;
-        if self.shared.policy == BackupPolicy::WriteBack {
-            let victims = lock(&self.shared.state).tree.peek_victims(n);
-            for v in victims {
-                self.backup(v).await;
-            }
-        }
-        let mut st = lock(&self.shared.state);
-        let evicted = st.tree.evict(n);
-        let mut pages = Vec::new();
-        let (mut backed_up, mut dropped) = (0u32, 0u32);
-        for e in evicted {
-            for &p in &e.values {
-                st.in_tree[p as usize] = false;
-            }
-            if e.backed_up {
-                backed_up += e.values.len() as u32;
-            } else if self.shared.policy == BackupPolicy::WriteBack {
-                dropped += e.values.len() as u32;
-            }
-            pages.extend(e.values);
-        }
-        drop(st);
-        self.shared.metrics.evicted_pages.inc_by(pages.len() as u64);
-        if dropped > 0 {
-            self.shared
-                .metrics
-                .backup_pages
-                .with_label_values(&[self.shared.policy.name(), "dropped"])
-                .inc_by(u64::from(dropped));
-            self.shared
-                .counters
-                .dropped
-                .fetch_add(u64::from(dropped), Ordering::Relaxed);
-        }
-        Ok(v1::EvictResponse {
-            pages,
-            backed_up,
-            dropped,
-        })
-    }
-
-    /// Queues a backup of `node` (and its unbacked ancestors) without waiting; a full queue
-    /// drops it (counted).
-    ///
-    /// The node is locked from now until its backup ends, so the engine's evictions cannot
-    /// take its pages before they reached L2 (an unbacked page evicted is a page lost).
-    fn enqueue_backup(&self, node: NodeId) {
-        if lock(&self.shared.state).tree.lock(node).is_err() {
-            return;
-        }
-        self.shared
-            .counters
-            .in_flight
-            .fetch_add(1, Ordering::Relaxed);
-        if self.shared.backups.try_send(node).is_err() {
-            self.shared
-                .counters
-                .in_flight
-                .fetch_sub(1, Ordering::Relaxed);
-            let mut st = lock(&self.shared.state);
-            let pages = st.tree.view(node).map(|v| v.keys.len()).unwrap_or(0);
-            let _ = st.tree.unlock(node);
-            drop(st);
-            self.count_backup("dropped", pages);
-        }
-    }
-
-    fn count_backup(&self, outcome: &str, pages: usize) {
-        if pages == 0 {
-            return;
-        }
-        self.shared
-            .metrics
-            .backup_pages
-            .with_label_values(&[self.shared.policy.name(), outcome])
-            .inc_by(pages as u64);
-        let c = &self.shared.counters;
-        match outcome {
-            "stored" | "present" => c.backed_up.fetch_add(pages as u64, Ordering::Relaxed),
-            _ => c.dropped.fetch_add(pages as u64, Ordering::Relaxed),
-        };
-    }
-
-    /// Backs up `node` and its ancestors not yet in L2: reserve in kvtierd, copy device →
-    /// host into the reserved slots, commit; only then are the pages marked backed up. The
-    /// pages stay locked in the tree while the copy reads them.
-    pub async fn backup(&self, node: NodeId) {
-        if lock(&self.shared.state).tree.lock(node).is_err() {
-            return;
-        }
-        self.shared
-            .counters
-            .in_flight
-            .fetch_add(1, Ordering::Relaxed);
-        self.backup_locked(node).await;
-    }
-
-    /// [`Self::backup`] of a node the caller locked; unlocks it at the end.
-    async fn backup_locked(&self, node: NodeId) {
-        self.backup_inner(node).await;
-        let _ = lock(&self.shared.state).tree.unlock(node);
-        self.shared
-            .counters
-            .in_flight
-            .fetch_sub(1, Ordering::Relaxed);
-    }
-
-    async fn backup_inner(&self, node: NodeId) {
-        let t = Instant::now();
-        let Some(linked) = self.shared.link.current() else {
-            let pages = lock(&self.shared.state)
-                .tree
-                .unbacked_path(node)
-                .map(|p| p.len())
-                .unwrap_or(0);
-            self.count_backup("dropped", pages);
-            return;
-        };
-        let plan = {
-            let st = lock(&self.shared.state);
-            let Some(device) = st.engine.as_ref().map(|e| e.device.clone()) else {
-                return;
-            };
-            let Ok(path) = st.tree.unbacked_path(node) else {
-                return;
-            };
-            if path.is_empty() {
-                return;
-            }
-            let mut keys = Vec::new();
-            let mut pages = Vec::new();
-            let mut ends = Vec::new();
-            for &n in &path {
-                let Ok(v) = st.tree.view(n) else { return };
-                let Some(values) = v.values else { return };
-                keys.extend_from_slice(v.keys);
-                pages.extend_from_slice(values);
-                ends.push((n, keys.len()));
-            }
-            let parent = st.tree.parent_key(path[0]).ok().flatten();
-            (device, keys, pages, ends, parent)
-        };
-        let (device, keys, pages, ends, parent) = plan;
-        let stored = self.store(&linked, &device, &keys, &pages, parent).await;
-        {
-            let mut st = lock(&self.shared.state);
-            if let Some((upto, _)) = &stored {
-                // Mark the deepest node whose pages all reached L2 (with its ancestors).
-                if let Some(&(n, _)) = ends.iter().rev().find(|(_, end)| end <= upto) {
-                    let _ = st.tree.mark_backed_up(n);
-                }
-            }
-        }
-        let policy = self.shared.policy.name();
-        match stored {
-            Some((upto, copied)) => {
-                self.count_backup("stored", copied);
-                self.count_backup("present", upto - copied);
-                self.count_backup("dropped", keys.len() - upto);
-                let bytes = copied * device.pool().layout().page_bytes();
-                let m = &self.shared.metrics;
-                m.backup_bytes
-                    .with_label_values(&[policy])
-                    .inc_by(bytes as u64);
-                m.backup_seconds
-                    .with_label_values(&[policy])
-                    .observe(t.elapsed().as_secs_f64());
-            }
-            None => self.count_backup("failed", keys.len()),
-        }
-    }
-
-    /// Reserve, copy, commit. Returns how many leading pages L2 now holds and how many of
-    /// those this call copied; `None` when nothing could be stored.
-    async fn store(
-        &self,
-        linked: &Arc<Linked>,
-        device: &Arc<dyn Device>,
-        keys: &[PageKey],
-        pages: &[u32],
-        parent: Option<PageKey>,
-    ) -> Option<(usize, usize)> {
-        let mut c = linked.client.clone();
-        let r = self
-            .call(linked, c.reserve(linked.session, parent.as_ref(), keys))
-            .await?;
-        let upto = r.iter().take_while(|r| **r != Reserved::NoSpace).count();
-        let mine: Vec<(PageKey, PageCopy)> = keys
-            .iter()
-            .zip(pages)
-            .zip(&r)
-            .filter_map(|((k, &p), r)| match r {
-                Reserved::Slot(s) => Some((
-                    *k,
-                    PageCopy {
-                        device_page: p,
-                        host_slot: *s,
-                    },
-                )),
-                _ => None,
-            })
-            .collect();
-        let reserved: Vec<PageKey> = mine.iter().map(|(k, _)| *k).collect();
-        if mine.is_empty() {
-            return Some((upto, 0));
-        }
-        let copies: Vec<PageCopy> = mine.iter().map(|(_, c)| *c).collect();
-        let (pool, dev) = (linked.pool.clone(), device.clone());
-        let copied =
-            match tokio::task::spawn_blocking(move || dev.copy_to_host(&pool, &copies)).await {
-                Ok(r) => r,
-                Err(e) => Err(DeviceError::Copy(format!("copy task failed: {e}"))),
-            };
-        if let Err(e) = copied {
-            tracing::warn!("backup copy failed: {e}");
-            self.call(linked, c.abort(linked.session, &reserved)).await;
-            return None;
-        }
-        self.call(linked, c.commit(linked.session, &reserved))
-            .await?;
-        Some((upto, reserved.len()))
     }
 
     fn stats(&self) -> v1::AgentStatsResponse {
         let s = &self.shared;
         let st = lock(&s.state);
         let c = &s.counters;
+        let (lost_pages, lost_by_reason) = c.lost();
         v1::AgentStatsResponse {
             pool_registered: st.engine.is_some(),
             daemon_connected: s.link.current().is_some(),
@@ -836,9 +632,13 @@ impl AgentService {
             host_only_pages: st.tree.host_only_pages() as u32,
             open_handles: st.handles.len() as u32,
             backed_up_pages: c.backed_up.load(Ordering::Relaxed),
-            backup_dropped_pages: c.dropped.load(Ordering::Relaxed),
+            lost_pages,
             backups_in_flight: c.in_flight.load(Ordering::Relaxed),
             metrics_address: s.metrics_address.clone(),
+            lost_by_reason,
+            backup_waits: c.waits.load(Ordering::Relaxed),
+            backup_wait_seconds: c.wait_seconds(),
+            backups_deferred: c.deferred.load(Ordering::Relaxed),
         }
     }
 
@@ -893,34 +693,6 @@ impl AgentService {
 
 /// The stream Prefetch returns.
 pub type ProgressStream = Pin<Box<dyn Stream<Item = Result<v1::PrefetchProgress, Status>> + Send>>;
-
-/// Runs queued backups, `concurrency` at a time, until the queue closes.
-pub async fn run_backups(
-    svc: AgentService,
-    worker: BackupWorker,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    let BackupWorker {
-        mut rx,
-        concurrency,
-    } = worker;
-    let permits = Arc::new(Semaphore::new(concurrency));
-    loop {
-        let node = tokio::select! {
-            n = rx.recv() => match n { Some(n) => n, None => break },
-            () = stop.cancelled() => break,
-        };
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break;
-        };
-        let svc = svc.clone();
-        tokio::spawn(async move {
-            // Queued nodes were locked by `enqueue_backup`.
-            svc.backup_locked(node).await;
-            drop(permit);
-        });
-    }
-}
 
 fn to_status<T>(r: Result<T, ApiError>) -> Result<Response<T>, Status> {
     r.map(Response::new).map_err(Status::from)
@@ -977,7 +749,7 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::InsertRequest>,
     ) -> Result<Response<v1::InsertResponse>, Status> {
-        to_status(AgentService::insert(self, request.into_inner()))
+        to_status(AgentService::insert(self, request.into_inner()).await)
     }
 
     async fn insert_batch(
@@ -988,6 +760,7 @@ impl agent_server::Agent for AgentService {
         for (i, r) in request.into_inner().requests.into_iter().enumerate() {
             responses.push(
                 AgentService::insert(self, r)
+                    .await
                     .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
             );
         }

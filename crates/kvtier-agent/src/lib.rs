@@ -8,6 +8,7 @@
 //! calls it.
 
 pub mod agent;
+pub mod backup;
 pub mod link;
 pub mod metrics;
 
@@ -105,7 +106,7 @@ pub async fn run(
         link.set_reporter(Arc::new(move || svc.report()));
     }
     let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
-    let backups = tokio::spawn(agent::run_backups(
+    let backups = tokio::spawn(backup::run_backups(
         service.clone(),
         worker,
         shutdown.clone(),

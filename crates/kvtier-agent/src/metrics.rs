@@ -22,8 +22,15 @@ pub struct Metrics {
     pub load_back_bytes: IntCounter,
     /// `kvtier_agent_load_back_duration_seconds`.
     pub load_back_seconds: Histogram,
-    /// `kvtier_agent_backup_pages_total{policy, outcome}`: stored, present, dropped, failed.
+    /// `kvtier_agent_backup_pages_total{policy, outcome}`: stored, present, failed,
+    /// deferred.
     pub backup_pages: IntCounterVec,
+    /// `kvtier_agent_lost_pages_total{reason}`: pages evicted without a copy in L2.
+    pub lost_pages: IntCounterVec,
+    /// `kvtier_agent_backup_waits_total{at}`: Inserts and Evicts that waited for backups.
+    pub backup_waits: IntCounterVec,
+    /// `kvtier_agent_backup_wait_seconds{at}`: how long they waited.
+    pub backup_wait_seconds: HistogramVec,
     /// `kvtier_agent_backup_bytes_total{policy}`.
     pub backup_bytes: IntCounterVec,
     /// `kvtier_agent_backup_duration_seconds{policy}`.
@@ -53,6 +60,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_agent_backup_pages_total",
     "kvtier_agent_backup_bytes_total",
     "kvtier_agent_backup_duration_seconds",
+    "kvtier_agent_lost_pages_total",
+    "kvtier_agent_backup_waits_total",
+    "kvtier_agent_backup_wait_seconds",
     "kvtier_agent_evicted_pages_total",
     "kvtier_agent_inserted_pages_total",
     "kvtier_agent_device_pages",
@@ -128,10 +138,43 @@ impl Metrics {
                     Opts::new(
                         "kvtier_agent_backup_pages_total",
                         "Device pages sent to L2 by policy and outcome: stored, present \
-                         (another worker had stored it), dropped (no room, queue full or no \
-                         kvtierd), failed (copy error)",
+                         (already in L2), failed (retried before eviction), deferred (the \
+                         early-backup queue was full; backed up before eviction)",
                     ),
                     &["policy", "outcome"],
+                )?,
+            ),
+            lost_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_agent_lost_pages_total",
+                        "Device pages evicted without a copy in L2, by reason: \
+                         daemon_unreachable, l2_full, copy_failed, refused",
+                    ),
+                    &["reason"],
+                )?,
+            ),
+            backup_waits: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_agent_backup_waits_total",
+                        "Calls that waited for backups to L2 (backpressure), by where: insert \
+                         (room in the early-backup queue), evict (victims backed up first)",
+                    ),
+                    &["at"],
+                )?,
+            ),
+            backup_wait_seconds: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvtier_agent_backup_wait_seconds",
+                        "Time a call waited for backups to L2, by where: insert, evict",
+                    )
+                    .buckets(SECONDS.to_vec()),
+                    &["at"],
                 )?,
             ),
             backup_bytes: reg(
@@ -195,6 +238,13 @@ impl Metrics {
         };
         for tier in ["device", "l2", "l3", "miss"] {
             m.match_pages.with_label_values(&[tier]);
+        }
+        for reason in crate::backup::Loss::ALL {
+            m.lost_pages.with_label_values(&[reason.label()]);
+        }
+        for at in ["insert", "evict"] {
+            m.backup_waits.with_label_values(&[at]);
+            m.backup_wait_seconds.with_label_values(&[at]);
         }
         Ok(m)
     }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvtier_core::PolicyKind;
+use kvtier_core::{PolicyKind, WritePolicy};
 use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, Dur, Env, Sources};
@@ -46,18 +46,29 @@ timeout = "5s"
 [cache]
 # Which unlocked device page to evict first: lru, lfu, fifo, mru, filo, priority, slru.
 eviction_policy = "lru"
-# When device pages are backed up to the host tier (L2):
+# When device pages are backed up to the host tier (L2). Under every policy a page is in L2
+# before Evict hands its device page back to the engine: Evict backs it up first, or waits
+# for the backup in flight. Only when L2 refuses it (kvtierd unreachable, its pool full of
+# pinned pages past evict_wait, a failed copy) is a page given up, counted by reason in
+# kvtier_agent_lost_pages_total. The policies differ in how early the backup starts:
 #   write_through           every inserted page, at once (asynchronously);
-#   write_through_selective pages whose hit count reaches write_threshold;
-#   write_back              only pages being evicted (evict returns a page only after its
-#                           backup was committed, or dropped and counted when L2 is full).
+#   write_through_selective pages whose hit count reaches write_threshold, the rest on
+#                           eviction;
+#   write_back              only pages being evicted.
 write_policy = "write_through"
-# Hits at which write_through_selective backs a page up (1 to 1000000).
+# Hits at which write_through_selective backs a page up early (1 to 1000000).
 write_threshold = 2
-# Backups in flight at once (1 to 256).
+# Early backups in flight at once (1 to 256).
 backup_concurrency = 4
-# Backups waiting to start; beyond this they are dropped and counted (1 to 1048576).
+# Pages early backups may have queued or running (1 to 1048576). When it is full, the Insert
+# (or Match) that starts a backup waits for room: engines slow to what reaches L2 rather than
+# run ahead of it. Only after evict_wait without progress is the backup left to the page's
+# eviction (counted as deferred); it is never dropped.
 backup_queue = 1024
+# How long backups wait for room in L2 (full of pinned pages, or of pages not yet written to
+# L3) without any progress before an Evict gives their pages up, counted as lost
+# (0s to 10m). As long as L2 makes progress they wait on: slow storage is backpressure.
+evict_wait = "5s"
 
 [device]
 # Threads that share one batch of cpu-device copies (1 to 64).
@@ -127,14 +138,16 @@ pub struct DaemonLinkConfig {
 pub struct CacheConfig {
     /// Eviction policy name.
     pub eviction_policy: String,
-    /// `write_through`, `write_through_selective` or `write_back`.
-    pub write_policy: String,
+    /// When pages are backed up (the threshold is applied by [`AgentConfig::write_policy`]).
+    pub write_policy: WritePolicy,
     /// Hits at which `write_through_selective` backs up.
     pub write_threshold: u64,
-    /// Backups in flight.
+    /// Early backups in flight.
     pub backup_concurrency: u32,
-    /// Backups waiting.
+    /// Pages of early backups queued or running; more wait.
     pub backup_queue: u32,
+    /// How long backups wait for room in L2 without progress.
+    pub evict_wait: Dur,
 }
 
 /// `[device]`.
@@ -161,28 +174,6 @@ pub struct AgentLogConfig {
     pub level: String,
 }
 
-/// When device pages are backed up to L2.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackupPolicy {
-    /// Every inserted page.
-    WriteThrough,
-    /// Pages hit `write_threshold` times.
-    WriteThroughSelective,
-    /// Pages being evicted.
-    WriteBack,
-}
-
-impl BackupPolicy {
-    /// The configuration word.
-    pub fn name(self) -> &'static str {
-        match self {
-            BackupPolicy::WriteThrough => "write_through",
-            BackupPolicy::WriteThroughSelective => "write_through_selective",
-            BackupPolicy::WriteBack => "write_back",
-        }
-    }
-}
-
 impl Default for AgentConfig {
     fn default() -> Self {
         Self {
@@ -201,10 +192,11 @@ impl Default for AgentConfig {
             },
             cache: CacheConfig {
                 eviction_policy: "lru".into(),
-                write_policy: "write_through".into(),
+                write_policy: WritePolicy::WriteThrough,
                 write_threshold: 2,
                 backup_concurrency: 4,
                 backup_queue: 1024,
+                evict_wait: Dur(Duration::from_secs(5)),
             },
             device: DeviceConfig { copy_threads: 4 },
             metrics: AgentMetricsConfig {
@@ -266,13 +258,11 @@ impl AgentConfig {
         self.cache.eviction_policy.parse().unwrap_or_default()
     }
 
-    /// The backup policy (validated).
-    pub fn backup_policy(&self) -> BackupPolicy {
-        match self.cache.write_policy.as_str() {
-            "write_through_selective" => BackupPolicy::WriteThroughSelective,
-            "write_back" => BackupPolicy::WriteBack,
-            _ => BackupPolicy::WriteThrough,
-        }
+    /// The device → L2 write policy, with its threshold.
+    pub fn write_policy(&self) -> WritePolicy {
+        self.cache
+            .write_policy
+            .with_threshold(self.cache.write_threshold)
     }
 
     /// Checks every key's bounds; errors name the key.
@@ -296,10 +286,11 @@ impl AgentConfig {
             cache:
                 CacheConfig {
                     eviction_policy,
-                    write_policy,
+                    write_policy: _,
                     write_threshold,
                     backup_concurrency,
                     backup_queue,
+                    evict_wait,
                 },
             device: DeviceConfig { copy_threads },
             metrics: AgentMetricsConfig { listen },
@@ -314,16 +305,6 @@ impl AgentConfig {
         eviction_policy
             .parse::<PolicyKind>()
             .map_err(|e| ConfigError::invalid("cache.eviction_policy", e.to_string()))?;
-        if !["write_through", "write_through_selective", "write_back"]
-            .contains(&write_policy.as_str())
-        {
-            return Err(ConfigError::invalid(
-                "cache.write_policy",
-                format!(
-                    "{write_policy:?}: expected write_through, write_through_selective or write_back"
-                ),
-            ));
-        }
         let ranges: [(&str, u64, u64, u64); 5] = [
             ("server.max_tokens", *max_tokens, 1, 1 << 24),
             ("cache.write_threshold", *write_threshold, 1, 1_000_000),
@@ -361,6 +342,12 @@ impl AgentConfig {
                     format!("{d} is outside {}ms..=10m", lo.as_millis()),
                 ));
             }
+        }
+        if evict_wait.0 > Duration::from_secs(600) {
+            return Err(ConfigError::invalid(
+                "cache.evict_wait",
+                format!("{evict_wait} is above 10m"),
+            ));
         }
         if reconnect_max.0 < reconnect_min.0 {
             return Err(ConfigError::invalid(
@@ -412,7 +399,7 @@ mod tests {
             ..Sources::default()
         })
         .unwrap();
-        assert_eq!(a.backup_policy(), BackupPolicy::WriteBack);
+        assert_eq!(a.write_policy(), WritePolicy::WriteBack);
         let d = crate::daemon::DaemonConfig::load(&Sources {
             env,
             ..Sources::default()
@@ -425,6 +412,7 @@ mod tests {
     fn errors_name_the_key() {
         for (set, key) in [
             ("cache.write_policy=sometimes", "cache.write_policy"),
+            ("cache.evict_wait=1h", "cache.evict_wait"),
             ("cache.eviction_policy=random", "cache.eviction_policy"),
             ("device.copy_threads=0", "device.copy_threads"),
             ("daemon.reconnect_max=20ms", "daemon.reconnect_max"),
@@ -446,5 +434,53 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("KVTIER_AGENT_CACHE_WRITEPOLICY"), "{e}");
+    }
+
+    #[test]
+    fn the_write_policy_is_one_typed_value_from_every_source() {
+        // A bad word fails at parse, naming the key and the allowed words, whichever source
+        // gave it: never a silent fallback to write_through.
+        let sources = [
+            Sources {
+                sets: vec!["cache.write_policy=write_sometimes".into()],
+                ..Sources::default()
+            },
+            Sources {
+                env: vec![(
+                    "KVTIER_AGENT_CACHE_WRITE_POLICY".into(),
+                    "write_sometimes".into(),
+                )],
+                ..Sources::default()
+            },
+            Sources {
+                file: Some((
+                    "agent.toml".into(),
+                    "[cache]\nwrite_policy = \"write_sometimes\"\n".into(),
+                )),
+                ..Sources::default()
+            },
+        ];
+        for src in sources {
+            let e = AgentConfig::load(&src).unwrap_err().to_string();
+            for want in [
+                "cache.write_policy",
+                "write_sometimes",
+                "write_through_selective",
+            ] {
+                assert!(e.contains(want), "{e:?} lacks {want:?}");
+            }
+        }
+        let c = AgentConfig::load(&Sources {
+            sets: vec![
+                "cache.write_policy=write_through_selective".into(),
+                "cache.write_threshold=5".into(),
+            ],
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(
+            c.write_policy(),
+            WritePolicy::WriteThroughSelective { threshold: 5 }
+        );
     }
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvtier_core::PolicyKind;
+use kvtier_core::{PolicyKind, WritePolicy};
 use serde::{Deserialize, Serialize};
 
 use crate::{ByteSize, ConfigError, Dur, Secret, Sources};
@@ -65,6 +65,11 @@ huge_pages = false
 # room: a /dev/shm too small for the pool is then a clear error at registration, not a
 # SIGBUS later in whichever process first touches a page. false: pages on first use.
 reserve = true
+# Share of each pool that pages not yet written to L3 may take while L3 is up (0.05 to 1.0).
+# Past it, writers (agents backing pages up) are refused until L3 writes land: that is the
+# backpressure that slows engines to what L3 absorbs. The rest of the pool keeps pages L3
+# holds, for readers and for prefetches to make room among.
+dirty_fraction = 0.5
 
 [l3]
 # The storage tier behind L2: "file" (the embedded default: one file per page under
@@ -72,16 +77,19 @@ reserve = true
 # S3-compatible object store: AWS S3, MinIO, Ceph RGW), "remote" (another kvtierd's storage
 # tier, at remote_address), "memory" (a bounded in-process map, for trials), or "none".
 backend = "file"
-# When pages are written from L2 to L3:
+# When pages are written from L2 to L3. Under every policy an L2 slot is reused only after
+# L3 holds its page: pages not yet written are flushed (coldest first) as the pool runs short
+# of free slots. Only while L3 is down (circuit breaker open) are pages evicted unwritten,
+# counted in kvtier_l2_lost_pages_total. The policies differ in how early the write starts:
 #   write_through           every committed page, at once;
-#   write_through_selective pages whose L2 hit count reaches write_threshold;
-#   write_back              only pages about to be evicted from L2 (a page's slot is freed
-#                           only after its write landed).
+#   write_through_selective pages whose L2 hit count reaches write_threshold, the rest when
+#                           the pool needs their slots;
+#   write_back              only pages about to be evicted from L2.
 write_policy = "write_through"
-# Hits at which write_through_selective writes a page (1 to 1000000).
+# Hits at which write_through_selective writes a page early (1 to 1000000).
 write_threshold = 2
-# Pages waiting to be written; when full, new writes are dropped (counted), never waited for
-# (1 to 1048576).
+# Early writes waiting for the writer (1 to 1048576). When full, a page waits in L2 for the
+# flush before its eviction (counted as deferred); no client ever waits for L3.
 queue_pages = 16384
 # Pages the writer takes from the queue at a time (1 to 4096).
 batch_pages = 128
@@ -138,6 +146,9 @@ rocksdb_sync = false
 # Chaos drill: every L3 read (get) waits this long before it starts, to rehearse a slow
 # storage tier (prefetch policies, timeouts, metrics). 0s: off; keep it off in production.
 fault_get_delay = "0s"
+# Chaos drill: every L3 write (set) waits this long before it starts, to rehearse storage
+# slower than the engines (backpressure, no page lost). 0s: off; keep it off in production.
+fault_set_delay = "0s"
 # Chaos drill: each L3 call fails with this probability (0.0 to 1.0), to rehearse an unreliable
 # storage tier. 0: off; keep it off in production.
 fault_error_rate = 0.0
@@ -283,6 +294,8 @@ pub struct L2Config {
     pub huge_pages: bool,
     /// Allocate pools' memory up front.
     pub reserve: bool,
+    /// Share of a pool that pages not yet in L3 may take while L3 is up.
+    pub dirty_fraction: f64,
 }
 
 /// `[l3]`.
@@ -291,8 +304,9 @@ pub struct L2Config {
 pub struct L3Config {
     /// `file`, `memory` or `none`.
     pub backend: String,
-    /// `write_through`, `write_through_selective` or `write_back`.
-    pub write_policy: String,
+    /// When pages are written to L3 (the threshold is applied by
+    /// [`L3Config::write_policy`]).
+    pub write_policy: WritePolicy,
     /// Hits at which `write_through_selective` writes a page.
     pub write_threshold: u64,
     /// Writer queue length in pages.
@@ -347,6 +361,8 @@ pub struct L3Config {
     pub rocksdb_sync: bool,
     /// Chaos drill: delay before every L3 read (0: off).
     pub fault_get_delay: Dur,
+    /// Chaos drill: delay before every L3 write (0: off).
+    pub fault_set_delay: Dur,
     /// Chaos drill: probability that an L3 call fails (0: off).
     pub fault_error_rate: f64,
 }
@@ -474,22 +490,11 @@ impl Default for PrefetchConfig {
     }
 }
 
-/// When pages go from L2 to L3.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WritePolicy {
-    /// Every committed page.
-    WriteThrough,
-    /// Pages whose hit count reaches the threshold.
-    WriteThroughSelective,
-    /// Pages about to be evicted.
-    WriteBack,
-}
-
 impl Default for L3Config {
     fn default() -> Self {
         Self {
             backend: "file".into(),
-            write_policy: "write_through".into(),
+            write_policy: WritePolicy::WriteThrough,
             write_threshold: 2,
             queue_pages: 16384,
             batch_pages: 128,
@@ -517,19 +522,16 @@ impl Default for L3Config {
             rocksdb_capacity_bytes: ByteSize(0),
             rocksdb_sync: false,
             fault_get_delay: Dur(Duration::ZERO),
+            fault_set_delay: Dur(Duration::ZERO),
             fault_error_rate: 0.0,
         }
     }
 }
 
 impl L3Config {
-    /// The write policy (validated by [`DaemonConfig::validate`]).
-    pub fn policy(&self) -> WritePolicy {
-        match self.write_policy.as_str() {
-            "write_through_selective" => WritePolicy::WriteThroughSelective,
-            "write_back" => WritePolicy::WriteBack,
-            _ => WritePolicy::WriteThrough,
-        }
+    /// The L2 → L3 write policy, with its threshold.
+    pub fn write_policy(&self) -> WritePolicy {
+        self.write_policy.with_threshold(self.write_threshold)
     }
 }
 
@@ -597,6 +599,7 @@ impl Default for L2Config {
             mlock: false,
             huge_pages: false,
             reserve: true,
+            dirty_fraction: 0.5,
         }
     }
 }
@@ -715,11 +718,12 @@ impl DaemonConfig {
                     mlock: _,
                     huge_pages: _,
                     reserve: _,
+                    dirty_fraction,
                 },
             l3:
                 L3Config {
                     backend,
-                    write_policy,
+                    write_policy: _,
                     write_threshold,
                     queue_pages,
                     batch_pages,
@@ -747,6 +751,7 @@ impl DaemonConfig {
                     rocksdb_capacity_bytes: _,
                     rocksdb_sync: _,
                     fault_get_delay,
+                    fault_set_delay,
                     fault_error_rate,
                 },
             prefetch:
@@ -807,16 +812,6 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "l3.remote_address",
                 "required with l3.backend = \"remote\" (http://host:port or a socket path)",
-            ));
-        }
-        if !["write_through", "write_through_selective", "write_back"]
-            .contains(&write_policy.as_str())
-        {
-            return Err(ConfigError::invalid(
-                "l3.write_policy",
-                format!(
-                    "{write_policy:?}: expected write_through, write_through_selective or write_back"
-                ),
             ));
         }
         let ranges: [(&str, u64, u64, u64); 6] = [
@@ -939,10 +934,18 @@ impl DaemonConfig {
                 format!("{ttl} is outside 100ms..=1h"),
             ));
         }
-        if fault_get_delay.0 > Duration::from_secs(600) {
+        for (key, d) in [
+            ("l3.fault_get_delay", fault_get_delay),
+            ("l3.fault_set_delay", fault_set_delay),
+        ] {
+            if d.0 > Duration::from_secs(600) {
+                return Err(ConfigError::invalid(key, format!("{d} is above 10m")));
+            }
+        }
+        if !(0.05..=1.0).contains(dirty_fraction) {
             return Err(ConfigError::invalid(
-                "l3.fault_get_delay",
-                format!("{fault_get_delay} is above 10m"),
+                "l2.dirty_fraction",
+                format!("{dirty_fraction} is outside 0.05..=1.0"),
             ));
         }
         if !(0.0..=1.0).contains(fault_error_rate) {
@@ -1168,6 +1171,20 @@ mod tests {
                     ..Sources::default()
                 },
                 "l3.kind",
+            ),
+            (
+                Sources {
+                    sets: vec!["l2.dirty_fraction=0".into()],
+                    ..Sources::default()
+                },
+                "l2.dirty_fraction",
+            ),
+            (
+                Sources {
+                    sets: vec!["l3.write_policy=write_whenever".into()],
+                    ..Sources::default()
+                },
+                "l3.write_policy",
             ),
             (
                 Sources {

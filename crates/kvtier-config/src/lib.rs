@@ -240,13 +240,19 @@ pub fn load_env<T: DeserializeOwned>(
             .ok_or_else(|| ConfigError::invalid(set.clone(), "expected section.key=value"))?;
         set_path(&mut table, &schema, path.trim(), raw)?;
     }
-    Value::Table(table)
-        .try_into::<T>()
-        .map_err(|e| ConfigError::File {
-            file: src
-                .file
-                .as_ref()
-                .map_or_else(|| "<overrides>".to_string(), |(n, _)| n.clone()),
-            reason: e.to_string(),
-        })
+    // The path-tracking deserializer names the key of a bad value (`cache.write_policy`),
+    // whichever source gave it; enum-valued settings fail here with the allowed words.
+    serde_path_to_error::deserialize(Value::Table(table)).map_err(|e| {
+        let key = e.path().to_string();
+        let file = src.file.as_ref().map(|(n, _)| n.clone());
+        let reason = e.into_inner().to_string().trim_end().to_string();
+        match (key.is_empty() || key == ".", file) {
+            (true, file) => ConfigError::File {
+                file: file.unwrap_or_else(|| "<overrides>".into()),
+                reason,
+            },
+            (false, Some(file)) => ConfigError::invalid(key, format!("{reason} (config {file})")),
+            (false, None) => ConfigError::invalid(key, reason),
+        }
+    })
 }

@@ -6,20 +6,61 @@
 //! makes them `Ready`. Nothing is ever visible before it is fully written.
 //!
 //! Each entry remembers its parent key (the page before it in its sequence) and how many of its
-//! children are resident. Only resident *leaves* that are ready and unpinned are eviction
-//! candidates, ordered by the configured [`EvictionPolicy`], so a prefix is never evicted
-//! from under a page that needs it and every eviction is `O(log n)`.
+//! children are resident. Only ready, unpinned pages are eviction candidates, ordered by the
+//! configured [`EvictionPolicy`] inside classes that depend on the storage tier below
+//! ([`L3Mode`]), so every eviction is `O(log n)`:
+//!
+//! - no L3 ([`L3Mode::Absent`]): leaves only, so a prefix is never evicted from under a page
+//!   that needs it;
+//! - L3 attached ([`L3Mode::Up`]): only pages L3 holds, leaves first, then interior pages (the
+//!   prefix stays reachable through L3, and a sequence longer than the pool can pass through
+//!   it);
+//! - L3 attached but failing ([`L3Mode::Down`]): as `Up`, then leaves L3 does not hold. Those
+//!   are lost to the node, and counted ([`HostIndexStats::unwritten_evictions`]).
 //!
 //! For the storage tier below, each entry carries an [`L3Mark`]. A page being written to L3
-//! is pinned (so its slot cannot be reused mid-copy). In write-back mode
-//! ([`HostIndex::set_evict_needs_l3`]) only pages L3 holds are eviction candidates, and
-//! [`HostIndex::flush_candidates`] hands out the coldest pages L3 does not hold yet, so a
-//! page's slot is freed only after its write landed.
+//! is pinned (so its slot cannot be reused mid-copy), and [`HostIndex::flush_candidates`] hands
+//! out the coldest pages L3 does not hold yet, so with L3 attached a page's slot is freed only
+//! after its write landed, under every write policy.
+//!
+//! Pages clients wrote that L3 does not hold yet are *dirty*. While L3 is up, a write
+//! reservation ([`HostIndex::reserve`]) that would take the pool past its dirty limit
+//! ([`HostIndex::set_dirty_limit`]) is refused like a full pool: the writers wait for L3 (the
+//! backpressure) while the rest of the pool keeps clean pages that readers hit and
+//! prefetches ([`HostIndex::reserve_clean`]) can still make room among.
 //!
 //! Entries are stored densely by slot (slots are dense `0..capacity`); a hash map takes a key
 //! to its slot. The index never touches page bytes.
 
 use std::collections::{BTreeSet, HashMap};
+
+/// What eviction may do with pages the storage tier below (L3) does not hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum L3Mode {
+    /// There is no L3: ready, unpinned leaves are evicted by policy.
+    #[default]
+    Absent,
+    /// L3 is attached: a page leaves only once L3 holds it (leaves first, then interior
+    /// pages, which stay reachable through L3).
+    Up,
+    /// L3 is attached but failing (its breaker is open): pages L3 holds go first, then
+    /// leaves it does not (lost to the node, counted).
+    Down,
+}
+
+/// Eviction class of a candidate, lowest first. See the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Class {
+    /// A leaf that may go (held by L3, or there is no L3).
+    Leaf,
+    /// An interior page L3 holds.
+    Interior,
+    /// A leaf L3 does not hold while L3 is attached: only when L3 is down.
+    Unwritten,
+}
+
+/// Where a candidate sits in the eviction order.
+type Slot = (Class, Rank, u32);
 
 use crate::Error;
 use crate::keys::PageKey;
@@ -45,7 +86,8 @@ pub enum Reserve {
     Reserved(u32),
     /// Already indexed (ready, or being written by someone): nothing to copy.
     Present,
-    /// No slot could be freed: the pool is full of pinned, written or non-leaf pages.
+    /// No slot could be freed: the pool is full of pinned pages, pages being written, pages
+    /// that may not leave yet (see [`L3Mode`]) or prefixes of other pages.
     NoSpace,
 }
 
@@ -59,8 +101,10 @@ struct Entry {
     children: u32,
     meta: EntryMeta,
     l3: L3Mark,
-    /// Rank under which the entry sits in `candidates`.
-    rank: Option<Rank>,
+    /// Written by a client and not yet held by L3 (counted in `stats.dirty`).
+    dirty: bool,
+    /// Class and rank under which the entry sits in `candidates`.
+    rank: Option<(Class, Rank)>,
     /// Rank under which the entry sits in `flushable`.
     flush_rank: Option<Rank>,
 }
@@ -91,6 +135,11 @@ pub struct HostIndexStats {
     pub pins: u64,
     /// Pages evicted since start.
     pub evictions: u64,
+    /// Of those, pages L3 did not hold (there was no L3, or it was down): gone from the
+    /// node's shared tiers.
+    pub unwritten_evictions: u64,
+    /// Pages clients wrote (reserved, committed) that L3 does not hold yet.
+    pub dirty: u32,
 }
 
 /// The index of one pool class.
@@ -99,11 +148,12 @@ pub struct HostIndex {
     entries: Vec<Option<Entry>>,
     alloc: SlotAllocator,
     policy: Box<dyn EvictionPolicy>,
-    candidates: BTreeSet<(Rank, u32)>,
-    /// Ready, unpinned pages not yet in L3, coldest first (write-back flushing order).
+    candidates: BTreeSet<Slot>,
+    /// Ready, unpinned pages not yet in L3, coldest first (flushing order).
     flushable: BTreeSet<(Rank, u32)>,
-    /// Write-back: only pages persisted in L3 may be evicted.
-    evict_needs_l3: bool,
+    l3_mode: L3Mode,
+    /// Most dirty pages while L3 is attached.
+    dirty_limit: u32,
     clock: u64,
     stats: HostIndexStats,
 }
@@ -134,7 +184,8 @@ impl HostIndex {
             policy: policy.build(),
             candidates: BTreeSet::new(),
             flushable: BTreeSet::new(),
-            evict_needs_l3: false,
+            l3_mode: L3Mode::Absent,
+            dirty_limit: capacity,
             clock: 0,
             stats: HostIndexStats {
                 capacity,
@@ -172,21 +223,37 @@ impl HostIndex {
         }
     }
 
+    /// The eviction class of an entry, if it is a candidate at all.
+    fn class(&self, e: &Entry) -> Option<Class> {
+        if e.state != PageState::Ready || e.pins > 0 {
+            return None;
+        }
+        let leaf = e.children == 0;
+        let held = e.l3 == L3Mark::Persisted;
+        match self.l3_mode {
+            L3Mode::Absent => leaf.then_some(Class::Leaf),
+            L3Mode::Up | L3Mode::Down => match (held, leaf) {
+                (true, true) => Some(Class::Leaf),
+                (true, false) => Some(Class::Interior),
+                (false, true) => Some(Class::Unwritten),
+                (false, false) => None,
+            },
+        }
+    }
+
     fn refresh(&mut self, slot: u32) {
         let e = self.entry(slot);
         let idle = e.state == PageState::Ready && e.pins == 0;
         let rank = self.policy.rank(&e.meta);
-        let evictable =
-            idle && e.children == 0 && (!self.evict_needs_l3 || e.l3 == L3Mark::Persisted);
-        let want = evictable.then_some(rank);
+        let want = self.class(e).map(|c| (c, rank));
         let want_flush = (idle && e.l3 == L3Mark::None).then_some(rank);
         let (old, old_flush) = (e.rank, e.flush_rank);
         if old != want {
-            if let Some(r) = old {
-                self.candidates.remove(&(r, slot));
+            if let Some((c, r)) = old {
+                self.candidates.remove(&(c, r, slot));
             }
-            if let Some(r) = want {
-                self.candidates.insert((r, slot));
+            if let Some((c, r)) = want {
+                self.candidates.insert((c, r, slot));
             }
             self.entry_mut(slot).rank = want;
         }
@@ -201,12 +268,42 @@ impl HostIndex {
         }
     }
 
-    /// Write-back mode: a page may be evicted only once L3 holds it. Off by default.
-    pub fn set_evict_needs_l3(&mut self, on: bool) {
-        self.evict_needs_l3 = on;
-        let slots: Vec<u32> = self.map.values().copied().collect();
-        for s in slots {
-            self.refresh(s);
+    /// Sets what eviction may do with pages L3 does not hold ([`L3Mode::Absent`] at first).
+    /// Switching between `Up` and `Down` costs nothing; attaching or detaching L3 re-files
+    /// every page.
+    pub fn set_l3_mode(&mut self, mode: L3Mode) {
+        let refile = (self.l3_mode == L3Mode::Absent) != (mode == L3Mode::Absent);
+        self.l3_mode = mode;
+        if refile {
+            let slots: Vec<u32> = self.map.values().copied().collect();
+            for s in slots {
+                self.refresh(s);
+            }
+        }
+    }
+
+    /// The current [`L3Mode`].
+    pub fn l3_mode(&self) -> L3Mode {
+        self.l3_mode
+    }
+
+    /// Sets the most dirty pages (written by clients, not yet in L3) the pool holds while
+    /// L3 is up; the whole pool at first. Write reservations beyond it are refused
+    /// (`NoSpace`) until writes to L3 land.
+    pub fn set_dirty_limit(&mut self, pages: u32) {
+        self.dirty_limit = pages;
+    }
+
+    /// The dirty limit.
+    pub fn dirty_limit(&self) -> u32 {
+        self.dirty_limit
+    }
+
+    fn clean(&mut self, slot: u32) {
+        let e = self.entry_mut(slot);
+        if e.dirty {
+            e.dirty = false;
+            self.stats.dirty -= 1;
         }
     }
 
@@ -233,7 +330,8 @@ impl HostIndex {
         out
     }
 
-    /// The coldest `n` pages not yet in L3, queued and pinned for writing (write-back).
+    /// The coldest `n` pages not yet in L3, queued and pinned for writing (the flush that
+    /// keeps evictable slots available under every write policy).
     pub fn flush_candidates(&mut self, n: usize) -> Vec<(PageKey, u32)> {
         let keys: Vec<PageKey> = self
             .flushable
@@ -264,6 +362,9 @@ impl HostIndex {
         if unpinned {
             self.stats.pinned -= 1;
         }
+        if landed {
+            self.clean(s);
+        }
         self.refresh(s);
     }
 
@@ -273,6 +374,7 @@ impl HostIndex {
             && self.entry(s).l3 == L3Mark::None
         {
             self.entry_mut(s).l3 = L3Mark::Persisted;
+            self.clean(s);
             self.refresh(s);
         }
     }
@@ -304,8 +406,8 @@ impl HostIndex {
             Some(e) => e,
             None => unreachable!("removing empty slot {slot}"),
         };
-        if let Some(r) = e.rank {
-            self.candidates.remove(&(r, slot));
+        if let Some((c, r)) = e.rank {
+            self.candidates.remove(&(c, r, slot));
         }
         if let Some(r) = e.flush_rank {
             self.flushable.remove(&(r, slot));
@@ -315,6 +417,9 @@ impl HostIndex {
             PageState::Ready => self.stats.ready -= 1,
             PageState::Writing => self.stats.writing -= 1,
         }
+        if e.dirty {
+            self.stats.dirty -= 1;
+        }
         if let Err(err) = self.alloc.free(slot) {
             unreachable!("index and allocator disagree: {err}");
         }
@@ -322,14 +427,21 @@ impl HostIndex {
         e
     }
 
-    /// Evicts the lowest-ranked candidate; returns its key.
+    /// Evicts the lowest-ranked candidate the mode allows; returns its key.
     fn evict_one(&mut self) -> Option<PageKey> {
-        let &(_, slot) = self.candidates.first()?;
+        let &(class, _, slot) = self.candidates.first()?;
+        if class == Class::Unwritten && self.l3_mode != L3Mode::Down {
+            return None;
+        }
         self.stats.evictions += 1;
-        Some(self.remove(slot).key)
+        let e = self.remove(slot);
+        if e.l3 != L3Mark::Persisted {
+            self.stats.unwritten_evictions += 1;
+        }
+        Some(e.key)
     }
 
-    /// Evicts up to `n` pages by policy (leaves first). Returns their keys.
+    /// Evicts up to `n` pages by policy and [`L3Mode`]. Returns their keys.
     pub fn evict(&mut self, n: usize) -> Vec<PageKey> {
         std::iter::from_fn(|| self.evict_one()).take(n).collect()
     }
@@ -350,16 +462,41 @@ impl HostIndex {
         self.map.get(key).map(|&s| (s, self.entry(s).state))
     }
 
-    /// Reserves slots for the keys not already indexed, in order. `parent` is the key of the
-    /// page before `keys[0]` (`None` when `keys` starts a sequence). After the first key that
-    /// gets no slot, every later key is `NoSpace` too: a page whose prefix is missing is
-    /// unreachable. Evicts by policy to make room; the returned keys are what was evicted.
+    /// Reserves slots for a client to write the keys not already indexed, in order.
+    /// `parent` is the key of the page before `keys[0]` (`None` when `keys` starts a
+    /// sequence). After the first key that gets no slot, every later key is `NoSpace` too: a
+    /// page whose prefix is missing is unreachable. Evicts by policy to make room; the
+    /// returned keys are what was evicted. The pages are dirty until L3 holds them, and with
+    /// L3 attached none is reserved past the dirty limit.
     pub fn reserve(
         &mut self,
         owner: OwnerId,
         parent: Option<PageKey>,
         keys: &[PageKey],
     ) -> (Vec<Reserve>, Vec<PageKey>) {
+        self.reserve_as(owner, parent, keys, true)
+    }
+
+    /// [`Self::reserve`] for pages whose bytes come from L3 (a prefetch): they are clean, so
+    /// the dirty limit does not apply.
+    pub fn reserve_clean(
+        &mut self,
+        owner: OwnerId,
+        parent: Option<PageKey>,
+        keys: &[PageKey],
+    ) -> (Vec<Reserve>, Vec<PageKey>) {
+        self.reserve_as(owner, parent, keys, false)
+    }
+
+    fn reserve_as(
+        &mut self,
+        owner: OwnerId,
+        parent: Option<PageKey>,
+        keys: &[PageKey],
+        dirty: bool,
+    ) -> (Vec<Reserve>, Vec<PageKey>) {
+        // Only while L3 is up can dirty pages become clean: only then do writers wait.
+        let throttled = dirty && self.l3_mode == L3Mode::Up;
         let now = self.tick();
         let mut out = Vec::with_capacity(keys.len());
         let mut evicted = Vec::new();
@@ -369,6 +506,10 @@ impl HostIndex {
                 out.push(Reserve::Present);
                 parent = Some(*key);
                 continue;
+            }
+            if throttled && self.stats.dirty >= self.dirty_limit {
+                out.resize(keys.len(), Reserve::NoSpace);
+                break;
             }
             // Count the child before allocating, so eviction cannot take its own parent.
             self.adjust_children(parent, 1);
@@ -400,11 +541,15 @@ impl HostIndex {
                     priority: 0,
                 },
                 l3: L3Mark::None,
+                dirty,
                 rank: None,
                 flush_rank: None,
             });
             self.map.insert(*key, slot);
             self.stats.writing += 1;
+            if dirty {
+                self.stats.dirty += 1;
+            }
             out.push(Reserve::Reserved(slot));
             parent = Some(*key);
         }
@@ -462,6 +607,7 @@ impl HostIndex {
             e.pins += 1;
             if persisted {
                 e.l3 = L3Mark::Persisted;
+                self.clean(s);
             }
             self.stats.writing -= 1;
             self.stats.ready += 1;
@@ -505,22 +651,38 @@ impl HostIndex {
     pub fn acquire(&mut self, keys: &[PageKey]) -> Vec<u32> {
         let n = self.lookup(keys);
         let now = self.tick();
-        let mut slots = Vec::with_capacity(n);
-        for k in &keys[..n] {
-            let s = self.map[k];
-            let e = self.entry_mut(s);
-            if e.pins == 0 {
-                self.stats.pinned += 1;
-            }
-            let e = self.entry_mut(s);
-            e.pins += 1;
-            e.meta.last_access = now;
-            e.meta.hits += 1;
-            self.stats.pins += 1;
-            self.refresh(s);
-            slots.push(s);
+        keys[..n]
+            .iter()
+            .map(|k| {
+                let s = self.map[k];
+                self.pin(s, now);
+                s
+            })
+            .collect()
+    }
+
+    /// Pins `key` if it is ready (as [`Self::acquire`] does for one key) and returns its slot.
+    pub fn acquire_one(&mut self, key: &PageKey) -> Option<u32> {
+        let &s = self.map.get(key)?;
+        if self.entry(s).state != PageState::Ready {
+            return None;
         }
-        slots
+        let now = self.tick();
+        self.pin(s, now);
+        Some(s)
+    }
+
+    fn pin(&mut self, s: u32, now: u64) {
+        let e = self.entry_mut(s);
+        if e.pins == 0 {
+            self.stats.pinned += 1;
+        }
+        let e = self.entry_mut(s);
+        e.pins += 1;
+        e.meta.last_access = now;
+        e.meta.hits += 1;
+        self.stats.pins += 1;
+        self.refresh(s);
     }
 
     /// Drops one pin from each key. All-or-nothing: a key that is not pinned changes nothing.
@@ -555,6 +717,7 @@ impl HostIndex {
         let mut s = HostIndexStats {
             capacity: self.stats.capacity,
             evictions: self.stats.evictions,
+            unwritten_evictions: self.stats.unwritten_evictions,
             ..HostIndexStats::default()
         };
         let mut children: HashMap<PageKey, u32> = HashMap::new();
@@ -573,6 +736,12 @@ impl HostIndex {
                 PageState::Ready => s.ready += 1,
                 PageState::Writing => s.writing += 1,
             }
+            if e.dirty {
+                if e.l3 == L3Mark::Persisted {
+                    return Err(format!("slot {slot}: dirty but held by L3"));
+                }
+                s.dirty += 1;
+            }
             if e.pins > 0 {
                 s.pinned += 1;
                 s.pins += u64::from(e.pins);
@@ -582,9 +751,9 @@ impl HostIndex {
             }
             let idle = e.state == PageState::Ready && e.pins == 0;
             let rank = self.policy.rank(&e.meta);
-            let want =
-                idle && e.children == 0 && (!self.evict_needs_l3 || e.l3 == L3Mark::Persisted);
-            if want != e.rank.is_some() || want != self.candidates.contains(&(rank, slot as u32)) {
+            let want = self.class(e).map(|c| (c, rank));
+            let filed = want.is_some_and(|(c, r)| self.candidates.contains(&(c, r, slot as u32)));
+            if want != e.rank || want.is_some() != filed {
                 return Err(format!("slot {slot}: candidate set is stale"));
             }
             let want_flush = idle && e.l3 == L3Mark::None;
@@ -707,7 +876,7 @@ mod tests {
     #[test]
     fn commit_pinned_lands_pages_pinned_and_persisted() {
         let mut ix = HostIndex::new(3, PolicyKind::Lru);
-        ix.set_evict_needs_l3(true);
+        ix.set_l3_mode(L3Mode::Up);
         let ks = keys(1..3);
         ix.reserve(9, None, &ks);
         assert!(
@@ -724,10 +893,114 @@ mod tests {
         // Pinned: nothing can be evicted, even though both are persisted.
         assert!(ix.evict(2).is_empty());
         ix.release(&ks).unwrap();
-        // Persisted, so write-back may evict them once unpinned (leaf first), and no L3
-        // write is asked for.
+        // Persisted, so they may be evicted once unpinned (leaf first), and no L3 write is
+        // asked for.
         assert!(ix.queue_for_l3(&ks).is_empty());
         assert_eq!(ix.evict(2), vec![ks[1], ks[0]]);
+        assert_eq!(ix.stats().unwritten_evictions, 0);
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn with_l3_only_written_pages_leave_and_a_long_chain_passes_through() {
+        let mut ix = HostIndex::new(4, PolicyKind::Lru);
+        ix.set_l3_mode(L3Mode::Up);
+        // A chain longer than the pool: the first four fill it.
+        let ks = keys(1..7);
+        let (r, _) = ix.reserve(1, None, &ks);
+        assert_eq!(
+            r.iter()
+                .filter(|r| matches!(r, Reserve::Reserved(_)))
+                .count(),
+            4
+        );
+        ix.commit(1, &ks[..4]).unwrap();
+        // Nothing is in L3 yet: nothing may leave, the rest of the chain waits.
+        assert!(ix.evict(4).is_empty());
+        assert_eq!(ix.reserve(1, Some(ks[3]), &ks[4..]).0[0], Reserve::NoSpace);
+        // Written: interior pages (reachable through L3) make room for the tail.
+        let queued = ix.flush_candidates(10);
+        assert_eq!(queued.len(), 4);
+        for (k, _) in &queued {
+            ix.finish_l3(k, true);
+        }
+        let (r, evicted) = ix.reserve(1, Some(ks[3]), &ks[4..]);
+        assert!(r.iter().all(|r| matches!(r, Reserve::Reserved(_))), "{r:?}");
+        assert_eq!(evicted.len(), 2);
+        assert!(evicted.iter().all(|k| ks[..4].contains(k)), "{evicted:?}");
+        assert_eq!(ix.stats().unwritten_evictions, 0);
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn writers_stop_at_the_dirty_limit_and_prefetches_do_not() {
+        let mut ix = HostIndex::new(8, PolicyKind::Lru);
+        ix.set_l3_mode(L3Mode::Up);
+        ix.set_dirty_limit(3);
+        let a = keys(1..6);
+        let (r, _) = ix.reserve(1, None, &a);
+        assert_eq!(
+            r.iter()
+                .filter(|r| matches!(r, Reserve::Reserved(_)))
+                .count(),
+            3
+        );
+        assert_eq!(r[3..], [Reserve::NoSpace, Reserve::NoSpace]);
+        assert_eq!(ix.stats().dirty, 3);
+        // A prefetch brings clean pages: the limit does not apply, and landing them (from
+        // L3) leaves them clean.
+        let b = keys(10..13);
+        let (r, _) = ix.reserve_clean(2, None, &b);
+        assert!(r.iter().all(|r| matches!(r, Reserve::Reserved(_))));
+        ix.commit_pinned(2, &b, true).unwrap();
+        assert_eq!(ix.stats().dirty, 3);
+        // Once L3 holds the written pages, writers may go on.
+        ix.commit(1, &a[..3]).unwrap();
+        for (k, _) in ix.queue_for_l3(&a[..3]) {
+            ix.finish_l3(&k, true);
+        }
+        assert_eq!(ix.stats().dirty, 0);
+        let (r, _) = ix.reserve(1, Some(a[2]), &a[3..]);
+        assert!(r.iter().all(|r| matches!(r, Reserve::Reserved(_))), "{r:?}");
+        assert_eq!(ix.stats().dirty, 2);
+        ix.validate().unwrap();
+        // Without L3, or with L3 down, there is no limit: nothing could clean the pages, and
+        // writers must not wait for what cannot come.
+        for mode in [L3Mode::Absent, L3Mode::Down] {
+            let mut ix = HostIndex::new(4, PolicyKind::Lru);
+            ix.set_l3_mode(mode);
+            ix.set_dirty_limit(0);
+            let (r, _) = ix.reserve(1, None, &keys(20..22));
+            assert!(
+                r.iter().all(|r| matches!(r, Reserve::Reserved(_))),
+                "{mode:?}: {r:?}"
+            );
+            assert_eq!(ix.stats().dirty, 2);
+            ix.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn unwritten_pages_leave_only_while_l3_is_down_and_are_counted() {
+        let mut ix = HostIndex::new(2, PolicyKind::Lru);
+        ix.set_l3_mode(L3Mode::Up);
+        let a = keys(1..3);
+        ix.reserve(1, None, &a);
+        ix.commit(1, &a).unwrap();
+        let b = keys(10..11);
+        assert_eq!(ix.reserve(1, None, &b).0, vec![Reserve::NoSpace]);
+        ix.set_l3_mode(L3Mode::Down);
+        // Leaves only: a[0] is a[1]'s prefix.
+        let (r, evicted) = ix.reserve(1, None, &b);
+        assert!(matches!(r[..], [Reserve::Reserved(_)]));
+        assert_eq!(evicted, vec![a[1]]);
+        assert_eq!(ix.stats().unwritten_evictions, 1);
+        ix.validate().unwrap();
+        // Without L3 every eviction leaves the node, counted the same way.
+        ix.commit(1, &b).unwrap();
+        ix.set_l3_mode(L3Mode::Absent);
+        assert_eq!(ix.evict(2).len(), 2);
+        assert_eq!(ix.stats().unwritten_evictions, 3);
         ix.validate().unwrap();
     }
 }

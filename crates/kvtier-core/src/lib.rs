@@ -10,6 +10,8 @@
 //!   incremental eviction.
 //! - [`host_index`]: the daemon's L2 index (key → slot, two-phase writes, pins, leaf-first
 //!   eviction) and [`slots`], the free-slot allocator under it.
+//! - [`write_policy`]: when a tier copies pages to the tier below (`write_through`,
+//!   `write_through_selective`, `write_back`), one type for the agent and the daemon.
 //!
 //! Everything that decides *which* page goes *where* lives here, so it can be tested
 //! exhaustively without processes, sockets or devices; the crates that move bytes never decide
@@ -21,11 +23,13 @@ pub mod layout;
 pub mod policy;
 pub mod radix;
 pub mod slots;
+pub mod write_policy;
 
 pub use keys::{Namespace, PageHasher, PageKey};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use radix::RadixTree;
+pub use write_policy::WritePolicy;
 
 /// Errors of the core crate: every one names the input that was wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -93,6 +93,9 @@ pub struct Inserted {
 /// A node's pages that left a tier.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Evicted<K, V> {
+    /// The node the pages were (stale once the node is removed; still names it for callers
+    /// that kept its id).
+    pub node: NodeId,
     /// Labels of the pages, in order.
     pub keys: Vec<K>,
     /// Their device values, now free (empty for host-only eviction).
@@ -631,6 +634,31 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         Ok(())
     }
 
+    /// Records that the host tier holds the pages from the root down to and including the
+    /// page labelled `last`, which must lie on the path from the root to `id`: the node holding
+    /// it is split after it when it is not that node's last page. How a backup that stored
+    /// only part of its path keeps its progress, robust to the nodes of the path having been
+    /// split meanwhile (a label appears once on a root path, so it names the place exactly).
+    /// Returns whether `last` was found.
+    pub fn mark_backed_up_through(&mut self, id: NodeId, last: &K) -> Result<bool, Error> {
+        let mut idx = self.resolve(id)?;
+        while idx != ROOT {
+            if let Some(i) = self.node(idx).keys.iter().position(|k| k == last) {
+                let len = self.node(idx).keys.len();
+                let holder = if i + 1 < len {
+                    self.split(idx, i + 1)
+                } else {
+                    idx
+                };
+                let holder = self.id(holder);
+                self.mark_backed_up(holder)?;
+                return Ok(true);
+            }
+            idx = self.node(idx).parent;
+        }
+        Ok(false)
+    }
+
     /// The nodes from the highest ancestor of `id` that is not backed up down to `id`: what a
     /// backup of `id` must copy, in order.
     pub fn unbacked_path(&self, id: NodeId) -> Result<Vec<NodeId>, Error> {
@@ -683,12 +711,28 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
     /// the last victim so no more is evicted than asked. Backed-up pages stay in the tree as
     /// host pages; the rest are removed. Returns the victims in eviction order.
     pub fn evict(&mut self, pages: usize) -> Vec<Evicted<K, V>> {
+        self.evict_while(pages, |_, _| true)
+    }
+
+    /// [`Self::evict`], stopping at the first victim (in policy order) for which
+    /// `may_go(node, backed_up)` is false: how a caller that must back pages up before they
+    /// leave evicts what is ready and learns, from [`Self::peek_victims`], what to back up
+    /// next.
+    pub fn evict_while(
+        &mut self,
+        pages: usize,
+        mut may_go: impl FnMut(NodeId, bool) -> bool,
+    ) -> Vec<Evicted<K, V>> {
         let mut out = Vec::new();
         let mut need = pages;
         while need > 0 {
             let Some(&(_, idx)) = self.device_set.first() else {
                 break;
             };
+            let node = self.id(idx);
+            if !may_go(node, self.node(idx).backed_up) {
+                break;
+            }
             let len = self.node(idx).keys.len();
             if len > need {
                 self.split(idx, len - need);
@@ -705,6 +749,7 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
             };
             self.refresh(parent);
             out.push(Evicted {
+                node,
                 keys,
                 values,
                 backed_up,
@@ -722,6 +767,7 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
             let Some(&(_, idx)) = self.host_set.first() else {
                 break;
             };
+            let node = self.id(idx);
             let len = self.node(idx).keys.len();
             if len > need {
                 self.split(idx, len - need);
@@ -732,6 +778,7 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
             need -= keys.len();
             self.refresh(parent);
             out.push(Evicted {
+                node,
                 keys,
                 values: Vec::new(),
                 backed_up: true,
@@ -925,5 +972,38 @@ mod tests {
         assert_eq!(freed, 1);
         assert_eq!(t.device_pages(), 2);
         assert_eq!(t.peek_victims(1), Vec::<NodeId>::new());
+    }
+
+    #[test]
+    fn partial_backups_mark_exactly_their_pages_even_after_splits() {
+        let mut t = tree();
+        let a = t.insert(&[1, 2, 3, 4, 5, 6], &[1, 2, 3, 4, 5, 6]).unwrap();
+        t.lock(a.node).unwrap();
+        // A backup planned the whole node; a request splits it meanwhile (after page 2).
+        let m = t.match_prefix(&[1, 2]);
+        assert_eq!(m.device_values, vec![1, 2]);
+        // The backup stored pages 1 to 4: exactly those are marked, wherever the node ends.
+        assert!(t.mark_backed_up_through(a.node, &4).unwrap());
+        assert_eq!(
+            t.unbacked_path(a.node)
+                .unwrap()
+                .iter()
+                .flat_map(|&n| t.view(n).unwrap().keys.to_vec())
+                .collect::<Vec<_>>(),
+            vec![5, 6]
+        );
+        assert!(!t.mark_backed_up_through(a.node, &9).unwrap());
+        t.unlock(a.node).unwrap();
+        // Eviction keeps the marked pages as host pages and removes the rest.
+        let evicted = t.evict_while(6, |_, backed_up| backed_up);
+        assert!(evicted.is_empty(), "the unbacked leaf goes first by policy");
+        let evicted = t.evict(6);
+        let kept: Vec<u32> = evicted
+            .iter()
+            .filter(|e| e.backed_up)
+            .flat_map(|e| e.keys.clone())
+            .collect();
+        assert_eq!(kept.len(), 4);
+        t.validate().unwrap();
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use kvtier_core::host_index::{HostIndex, L3Mark, PageState, Reserve};
+use kvtier_core::host_index::{HostIndex, L3Mark, L3Mode, PageState, Reserve};
 use kvtier_core::{PageKey, PolicyKind};
 use proptest::prelude::*;
 
@@ -32,6 +32,8 @@ struct Entry {
     /// Instance of the parent entry when this one was created, if the parent was indexed.
     parent_instance: Option<u64>,
     l3: L3Mark,
+    /// Written by a client, not yet in L3.
+    dirty: bool,
 }
 
 #[derive(Default)]
@@ -60,16 +62,41 @@ impl Model {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Reserve { owner: u64, chain: u8, len: u8 },
-    Commit { owner: u64, chain: u8 },
-    Abort { owner: u64, chain: u8 },
-    Acquire { chain: u8, len: u8 },
-    Release { chain: u8, len: u8 },
+    Reserve {
+        owner: u64,
+        chain: u8,
+        len: u8,
+        clean: bool,
+    },
+    Commit {
+        owner: u64,
+        chain: u8,
+    },
+    Abort {
+        owner: u64,
+        chain: u8,
+    },
+    Acquire {
+        chain: u8,
+        len: u8,
+    },
+    Release {
+        chain: u8,
+        len: u8,
+    },
     Evict(usize),
     EndOwner(u64),
-    QueueL3 { chain: u8, len: u8 },
-    FinishL3 { chain: u8, landed: bool },
+    QueueL3 {
+        chain: u8,
+        len: u8,
+    },
+    FinishL3 {
+        chain: u8,
+        landed: bool,
+    },
     Flush(usize),
+    /// With L3 attached: it goes down (breaker open) or comes back.
+    L3Down(bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -77,7 +104,7 @@ fn op() -> impl Strategy<Value = Op> {
     let chain = 0u8..4;
     let len = 1u8..5;
     prop_oneof![
-        4 => (owner.clone(), chain.clone(), len.clone()).prop_map(|(owner, chain, len)| Op::Reserve { owner, chain, len }),
+        4 => (owner.clone(), chain.clone(), len.clone(), prop::bool::weighted(0.25)).prop_map(|(owner, chain, len, clean)| Op::Reserve { owner, chain, len, clean }),
         3 => (owner.clone(), chain.clone()).prop_map(|(owner, chain)| Op::Commit { owner, chain }),
         1 => (owner.clone(), chain.clone()).prop_map(|(owner, chain)| Op::Abort { owner, chain }),
         3 => (chain.clone(), len.clone()).prop_map(|(chain, len)| Op::Acquire { chain, len }),
@@ -87,19 +114,15 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..4, 1u8..5).prop_map(|(chain, len)| Op::QueueL3 { chain, len }),
         2 => (0u8..4, any::<bool>()).prop_map(|(chain, landed)| Op::FinishL3 { chain, landed }),
         1 => (0usize..4).prop_map(Op::Flush),
+        1 => any::<bool>().prop_map(Op::L3Down),
     ]
 }
 
-fn check_evicted(m: &mut Model, evicted: &[PageKey], write_back: bool) {
+/// Checks what eviction took against the mode; returns how many L3 did not hold.
+fn check_evicted(m: &mut Model, evicted: &[PageKey], mode: L3Mode) -> u64 {
+    let mut unwritten = 0;
     for k in evicted {
         let e = m.entries.remove(k).expect("evicted key was indexed");
-        if write_back {
-            assert_eq!(
-                e.l3,
-                L3Mark::Persisted,
-                "write-back evicted a page L3 does not hold"
-            );
-        }
         assert_eq!(e.state, PageState::Ready, "evicted a page being written");
         assert_eq!(e.pins, 0, "evicted a pinned page");
         assert_ne!(
@@ -107,11 +130,20 @@ fn check_evicted(m: &mut Model, evicted: &[PageKey], write_back: bool) {
             L3Mark::Queued,
             "evicted a page while writing it to L3"
         );
-        assert!(
-            !m.has_children(e.instance),
-            "evicted a page with a resident child"
-        );
+        let leaf = !m.has_children(e.instance);
+        match (mode, e.l3) {
+            // Without L3 only leaves leave, so prefixes stay reachable.
+            (L3Mode::Absent, _) => assert!(leaf, "evicted a page with a resident child"),
+            // With L3, a page L3 holds may leave from anywhere in its chain.
+            (L3Mode::Up | L3Mode::Down, L3Mark::Persisted) => {}
+            (L3Mode::Up, _) => panic!("evicted a page L3 does not hold while L3 is up"),
+            (L3Mode::Down, _) => assert!(leaf, "evicted an unwritten page with a resident child"),
+        }
+        if e.l3 != L3Mark::Persisted {
+            unwritten += 1;
+        }
     }
+    unwritten
 }
 
 fn queue(m: &mut Model, queued: &[(PageKey, u32)]) {
@@ -126,20 +158,46 @@ fn queue(m: &mut Model, queued: &[(PageKey, u32)]) {
     }
 }
 
-fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
+fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, ops: &[Op]) {
     let mut ix = HostIndex::new(CAPACITY, kind);
-    ix.set_evict_needs_l3(write_back);
+    let mut mode = if l3 { L3Mode::Up } else { L3Mode::Absent };
+    ix.set_l3_mode(mode);
+    ix.set_dirty_limit(dirty_limit);
     let mut m = Model::default();
+    let mut unwritten = 0;
     for op in ops {
         match op {
             Op::Reserve {
                 owner,
                 chain: c,
                 len,
+                clean,
             } => {
                 let keys = chain(*c, *len);
-                let (out, evicted) = ix.reserve(*owner, None, &keys);
-                check_evicted(&mut m, &evicted, write_back);
+                let dirty_before = ix.stats().dirty;
+                let (out, evicted) = if *clean {
+                    ix.reserve_clean(*owner, None, &keys)
+                } else {
+                    ix.reserve(*owner, None, &keys)
+                };
+                if !*clean
+                    && mode == L3Mode::Up
+                    && out.iter().any(|r| matches!(r, Reserve::Reserved(_)))
+                {
+                    assert!(
+                        ix.stats().dirty <= dirty_limit.max(dirty_before),
+                        "a writer went past the dirty limit"
+                    );
+                }
+                // Outcomes are decided key by key, evictions happen on the way: a page may be
+                // evicted to make room for an earlier key and then reserved afresh, or (with
+                // L3) reported present and then make room for a later key.
+                let (before, after): (Vec<PageKey>, Vec<PageKey>) = evicted.iter().partition(|k| {
+                    keys.iter()
+                        .zip(&out)
+                        .any(|(key, r)| key == *k && matches!(r, Reserve::Reserved(_)))
+                });
+                unwritten += check_evicted(&mut m, &before, mode);
                 let mut seen_no_space = false;
                 let mut parent: Option<u64> = None;
                 for (k, r) in keys.iter().zip(&out) {
@@ -161,6 +219,7 @@ fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
                                     instance: m.next_instance,
                                     parent_instance: parent,
                                     l3: L3Mark::None,
+                                    dirty: !*clean,
                                 },
                             );
                         }
@@ -168,6 +227,7 @@ fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
                     }
                     parent = m.entries.get(k).map(|e| e.instance);
                 }
+                unwritten += check_evicted(&mut m, &after, mode);
             }
             Op::Commit { owner, chain: c } | Op::Abort { owner, chain: c } => {
                 let mine: Vec<PageKey> = chain(*c, 4)
@@ -238,7 +298,7 @@ fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
             Op::Evict(n) => {
                 let evicted = ix.evict(*n);
                 assert!(evicted.len() <= *n);
-                check_evicted(&mut m, &evicted, write_back);
+                unwritten += check_evicted(&mut m, &evicted, mode);
             }
             Op::QueueL3 { chain: c, len } => {
                 let keys = chain(*c, *len);
@@ -264,6 +324,7 @@ fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
                         } else {
                             L3Mark::None
                         };
+                        e.dirty &= !*landed;
                     }
                 }
             }
@@ -283,6 +344,12 @@ fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
                     assert_eq!(m.entries[k].pins, 0, "flushed a pinned page");
                 }
                 queue(&mut m, &got);
+            }
+            Op::L3Down(down) => {
+                if mode != L3Mode::Absent {
+                    mode = if *down { L3Mode::Down } else { L3Mode::Up };
+                    ix.set_l3_mode(mode);
+                }
             }
             Op::EndOwner(owner) => {
                 let n = ix.abort_owner(*owner);
@@ -309,6 +376,11 @@ fn run(kind: PolicyKind, write_back: bool, ops: &[Op]) {
         assert_eq!(s.pinned, count(&|e| total(e) > 0));
         assert_eq!(s.pins, m.entries.values().map(total).sum::<u64>());
         assert_eq!(ix.free_slots(), CAPACITY - m.entries.len() as u32);
+        assert_eq!(
+            s.unwritten_evictions, unwritten,
+            "pages evicted without L3 holding them"
+        );
+        assert_eq!(s.dirty, count(&|e| e.dirty), "dirty pages");
     }
 }
 
@@ -318,9 +390,10 @@ proptest! {
     #[test]
     fn index_agrees_with_model(
         kind in prop::sample::select(PolicyKind::ALL.to_vec()),
-        write_back in any::<bool>(),
+        l3 in any::<bool>(),
+        dirty_limit in 1..=CAPACITY,
         ops in prop::collection::vec(op(), 1..60),
     ) {
-        run(kind, write_back, &ops);
+        run(kind, l3, dirty_limit, &ops);
     }
 }

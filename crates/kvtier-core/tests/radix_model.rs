@@ -110,6 +110,8 @@ enum Op {
     Evict(usize),
     EvictHost(usize),
     Backup(Vec<u8>),
+    /// A backup that stored only the first pages of the matched path.
+    PartialBackup(Vec<u8>, usize),
     Priority(Vec<u8>, i8),
 }
 
@@ -126,6 +128,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..6).prop_map(Op::Evict),
         1 => (0usize..6).prop_map(Op::EvictHost),
         2 => seq().prop_map(Op::Backup),
+        1 => (seq(), any::<usize>()).prop_map(|(s, k)| Op::PartialBackup(s, k)),
         1 => (seq(), any::<i8>()).prop_map(|(s, p)| Op::Priority(s, p)),
     ]
 }
@@ -284,6 +287,23 @@ impl Harness {
                 assert_eq!(path_pages, unbacked, "unbacked path length");
                 self.tree.mark_backed_up(m.last_node).unwrap();
                 for l in matched {
+                    self.model.pages.get_mut(l).unwrap().backed = true;
+                }
+            }
+            Op::PartialBackup(s, k) => {
+                let labels = self.names.labels(s);
+                let m = self.do_match(&labels);
+                let matched = m.device_pages() + m.host_pages;
+                if matched == 0 {
+                    return;
+                }
+                let last = labels[k % matched];
+                assert!(
+                    self.tree
+                        .mark_backed_up_through(m.last_node, &last)
+                        .unwrap()
+                );
+                for l in &labels[..=k % matched] {
                     self.model.pages.get_mut(l).unwrap().backed = true;
                 }
             }

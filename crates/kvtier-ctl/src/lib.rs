@@ -325,7 +325,7 @@ pub fn status(a: StatusArgs) -> Result<String> {
             writeln!(
                 out,
                 "         agent: matches {}  pages device {} l2 {} l3 {} miss {}  loaded back {}  \
-                 backed up {} (dropped {})  evicted {}  on device {} (locked {})",
+                 backed up {} (lost {})  evicted {}  on device {} (locked {})",
                 r.matches,
                 r.device_hit_pages,
                 r.l2_hit_pages,
@@ -333,7 +333,7 @@ pub fn status(a: StatusArgs) -> Result<String> {
                 r.miss_pages,
                 r.load_back_pages,
                 r.backup_pages,
-                r.backup_dropped_pages,
+                r.lost_pages,
                 r.evicted_pages,
                 r.device_pages,
                 r.locked_pages
@@ -393,8 +393,8 @@ pub fn backend(a: BackendArgs) -> Result<String> {
             )?;
             writeln!(
                 out,
-                "  pages written {}  already there {}  failed {}  dropped {}  queued {}",
-                s.written_pages, s.skipped_pages, s.failed_pages, s.dropped_pages, s.queued_pages
+                "  pages written {}  already there {}  failed {}  deferred {}  queued {}",
+                s.written_pages, s.skipped_pages, s.failed_pages, s.deferred_pages, s.queued_pages
             )?;
         }
         _ => writeln!(out, "no l3 backend attached")?,
@@ -606,12 +606,13 @@ pub fn render_view(
     let w = |outcome: &str| rate("kvtier_l3_writes_total", &[("outcome", outcome)]);
     let _ = writeln!(
         o,
-        "backup    written {:.0} pages{per} {}{per}  queue {} pages  dropped {:.0}{per}  failed {:.0}{per}",
+        "backup    written {:.0} pages{per} {}{per}  queue {} pages  deferred {:.0}{per}  failed {:.0}{per}  lost {:.0}{per}",
         w("written"),
         human_bytes(rate("kvtier_l3_write_bytes_total", &[])),
         g("kvtier_l3_queue_pages", &[]),
-        w("dropped"),
+        w("deferred"),
         w("failed"),
+        rate("kvtier_l2_lost_pages_total", &[]),
     );
     match now.label("kvtier_l3_backend_ops_total", "backend") {
         Some(backend) => {

@@ -32,7 +32,7 @@ impl AdminService {
             Some(l3) => v1::BackendStatusResponse {
                 attached: true,
                 breaker_open: l3.breaker_open(),
-                stats: Some(wire_stats(&l3)),
+                stats: Some(wire_stats(&l3, self.l3.write_policy())),
             },
             None => v1::BackendStatusResponse::default(),
         }

@@ -3,18 +3,23 @@
 //!
 //! A page chosen for writing is pinned in its pool ([`HostIndex::queue_for_l3`]) so its slot
 //! cannot be reused while the writer copies it; the pin is dropped when the write lands or
-//! fails. The queue is bounded: when it is full the page is unpinned and the write dropped
-//! (counted), so no client ever waits for L3.
+//! fails. Nothing is dropped: while L3 is attached a page leaves L2 only once L3 holds it
+//! (the index's [`L3Mode`]), so a write that finds the queue full, or fails, leaves its page
+//! unwritten in L2, and the flusher ([`run_flusher`]) writes the coldest unwritten pages of a
+//! pool running short of free slots, under every write policy. No client ever waits for L3:
+//! when writes cannot keep up, reserves find fewer free slots (backpressure on the agents).
+//! Only while the breaker is open may unwritten pages be evicted, counted as lost.
 //!
 //! [`HostIndex::queue_for_l3`]: kvtier_core::host_index::HostIndex::queue_for_l3
+//! [`L3Mode`]: kvtier_core::host_index::L3Mode
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvtier_config::daemon::{DaemonConfig, WritePolicy};
-use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_core::{LayoutFingerprint, PageKey, WritePolicy};
 use kvtier_shm::ShmPool;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
@@ -53,10 +58,10 @@ pub struct WriterCounters {
     pub written: AtomicU64,
     /// Pages L3 already had.
     pub skipped: AtomicU64,
-    /// Pages whose write failed after retries.
+    /// Pages whose write failed after retries (left unwritten in L2 for the flusher).
     pub failed: AtomicU64,
-    /// Pages dropped because the queue was full.
-    pub dropped: AtomicU64,
+    /// Early writes that found the queue full (left unwritten in L2 for the flusher).
+    pub deferred: AtomicU64,
     /// Pages in the queue or in flight.
     pub queued: AtomicU64,
 }
@@ -67,10 +72,6 @@ pub struct L3 {
     pub store: PageStore,
     /// The backend's circuit breaker.
     pub breaker: Arc<Breaker>,
-    /// The write policy.
-    pub policy: WritePolicy,
-    /// Hits at which `write_through_selective` writes.
-    pub threshold: u64,
     /// Per-call deadline.
     pub timeout: Duration,
     /// Retries of a failed write.
@@ -123,7 +124,6 @@ impl std::fmt::Debug for L3 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("L3")
             .field("backend", &self.store.store().kind())
-            .field("policy", &self.policy)
             .finish()
     }
 }
@@ -187,11 +187,12 @@ impl L3 {
     ) -> (Self, WriterParts) {
         let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
         // backend ← (chaos delay) ← metered (every real call measured) ← breaker ← framing
-        let store: Arc<dyn Store> = if cfg.l3.fault_get_delay.0.is_zero() {
+        let (get_delay, set_delay) = (cfg.l3.fault_get_delay, cfg.l3.fault_set_delay);
+        let store: Arc<dyn Store> = if get_delay.0.is_zero() && set_delay.0.is_zero() {
             store
         } else {
-            tracing::warn!(delay = %cfg.l3.fault_get_delay, "l3.fault_get_delay is set: every L3 read is slowed on purpose");
-            Arc::new(Delayed::new(store, cfg.l3.fault_get_delay.0))
+            tracing::warn!(get = %get_delay, set = %set_delay, "l3.fault_get_delay / fault_set_delay is set: L3 calls are slowed on purpose");
+            Arc::new(Delayed::with_writes(store, get_delay.0, set_delay.0))
         };
         let store: Arc<dyn Store> = if cfg.l3.fault_error_rate > 0.0 {
             tracing::warn!(
@@ -215,8 +216,6 @@ impl L3 {
             Self {
                 store: PageStore::new(breaker.clone()),
                 breaker,
-                policy: cfg.l3.policy(),
-                threshold: cfg.l3.write_threshold,
                 timeout: cfg.l3.timeout.0,
                 retries: cfg.l3.retries,
                 tx,
@@ -237,8 +236,9 @@ impl L3 {
         self.breaker.state() != BreakerState::Closed
     }
 
-    /// Queues pages for writing without waiting. Pages that do not fit are unpinned and
-    /// counted as dropped.
+    /// Queues pages for writing without waiting. Pages that do not fit stay unwritten in L2
+    /// (unpinned, counted as deferred): the flusher writes them before their slots are
+    /// reused.
     pub fn enqueue(&self, jobs: Vec<Job>, state: &Mutex<HostState>, metrics: &Metrics) {
         for job in jobs {
             match self.tx.try_send(job) {
@@ -248,8 +248,8 @@ impl L3 {
                 Err(
                     mpsc::error::TrySendError::Full(job) | mpsc::error::TrySendError::Closed(job),
                 ) => {
-                    self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                    metrics.l3_writes.with_label_values(&["dropped"]).inc();
+                    self.counters.deferred.fetch_add(1, Ordering::Relaxed);
+                    metrics.l3_writes.with_label_values(&["deferred"]).inc();
                     crate::lock(state).finish_l3(&job.fp, &job.key, false);
                 }
             }
@@ -388,9 +388,10 @@ pub async fn run_writer(
     let _ = slots.acquire_many(concurrency as u32).await;
 }
 
-/// Write-back: keeps enough cold pages persisted that reserves find evictable slots. Every
-/// `period`, each pool with fewer than a quarter of its slots free gets its coldest
-/// unpersisted pages queued.
+/// Keeps enough cold pages in L3 that reserves find evictable slots, under every write
+/// policy, and tells the state whether L3 is down. Every 20 ms: the breaker's state goes to
+/// [`HostState::set_l3_down`]; each pool with fewer than a quarter of its slots free gets its
+/// coldest unwritten pages queued (none while L3 is down).
 pub async fn run_flusher(
     l3: Arc<L3>,
     state: Arc<Mutex<HostState>>,
@@ -404,7 +405,11 @@ pub async fn run_flusher(
             () = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let jobs = crate::lock(&state).flush_jobs(batch);
+        let jobs = {
+            let mut st = crate::lock(&state);
+            st.set_l3_down(l3.breaker_open());
+            st.flush_jobs(batch)
+        };
         if !jobs.is_empty() {
             l3.enqueue(jobs, &state, &metrics);
         }
@@ -448,6 +453,11 @@ impl L3Slot {
         }
     }
 
+    /// The L2 → L3 write policy of the attached tier.
+    pub fn write_policy(&self) -> Option<WritePolicy> {
+        crate::lock(&self.state).write_policy()
+    }
+
     /// The attached tier, if any.
     pub fn current(&self) -> Option<Arc<L3>> {
         let g = match self.current.read() {
@@ -474,17 +484,16 @@ impl L3Slot {
             self.metrics.clone(),
             stop.clone(),
         ));
-        if l3.policy == WritePolicy::WriteBack {
-            tokio::spawn(run_flusher(
-                l3.clone(),
-                self.state.clone(),
-                self.metrics.clone(),
-                cfg.l3.batch_pages as usize,
-                stop.clone(),
-            ));
-        }
-        crate::lock(&self.state).set_write(Some((l3.policy, l3.threshold)));
-        tracing::info!(backend = l3.store.store().kind(), policy = ?l3.policy, "l3 tier attached");
+        tokio::spawn(run_flusher(
+            l3.clone(),
+            self.state.clone(),
+            self.metrics.clone(),
+            cfg.l3.batch_pages as usize,
+            stop.clone(),
+        ));
+        let policy = cfg.l3.write_policy();
+        crate::lock(&self.state).set_write(Some(policy));
+        tracing::info!(backend = l3.store.store().kind(), %policy, "l3 tier attached");
         let old = self.swap(Some(Attached { l3, stop }));
         self.retire(old).await;
         Ok(())
@@ -517,21 +526,25 @@ impl L3Slot {
     }
 }
 
-/// The wire view of a tier: backend, policy, holdings and writer counters.
-pub fn wire_stats(l3: &L3) -> kvtier_proto::v1::L3Stats {
+/// The wire view of a tier: backend, the write policy it serves, holdings and writer
+/// counters.
+pub fn wire_stats(l3: &L3, policy: Option<WritePolicy>) -> kvtier_proto::v1::L3Stats {
     let st = l3.store.store_stats();
     let w = &l3.counters;
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
     kvtier_proto::v1::L3Stats {
         backend: l3.store.store().kind().to_string(),
-        write_policy: format!("{:?}", l3.policy),
+        write_policy: policy
+            .map(WritePolicy::name)
+            .unwrap_or_default()
+            .to_string(),
         objects: st.objects,
         bytes: st.bytes,
         capacity_bytes: st.capacity,
         written_pages: l(&w.written),
         skipped_pages: l(&w.skipped),
         failed_pages: l(&w.failed),
-        dropped_pages: l(&w.dropped),
+        deferred_pages: l(&w.deferred),
         queued_pages: l(&w.queued),
         evictions: st.evictions,
     }

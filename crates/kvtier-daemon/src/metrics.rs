@@ -31,7 +31,10 @@ pub struct Metrics {
     pub dropped_pins: IntCounter,
     /// `kvtier_l2_dropped_reservations_total`.
     pub dropped_reservations: IntCounter,
-    /// `kvtier_l3_writes_total{outcome}`: written, present (already in L3), failed, dropped.
+    /// `kvtier_l2_lost_pages_total{reason}`: pages evicted from L2 that L3 did not hold
+    /// (`no_l3`, `l3_down`).
+    lost_pages: IntCounterVec,
+    /// `kvtier_l3_writes_total{outcome}`: written, present (already in L3), failed, deferred.
     pub l3_writes: IntCounterVec,
     /// `kvtier_l3_write_bytes_total`.
     pub l3_write_bytes: IntCounter,
@@ -89,6 +92,7 @@ pub struct Metrics {
     pub sglang_memory_evictions: IntCounter,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
+    dirty_pages: IntGauge,
     pinned_pages: IntGauge,
     pins: IntGauge,
     sessions: IntGauge,
@@ -104,8 +108,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l2_expired_sessions_total",
     "kvtier_l2_dropped_pins_total",
     "kvtier_l2_dropped_reservations_total",
+    "kvtier_l2_lost_pages_total",
     "kvtier_l2_pool_bytes",
     "kvtier_l2_pool_pages",
+    "kvtier_l2_dirty_pages",
     "kvtier_l2_pinned_pages",
     "kvtier_l2_pins",
     "kvtier_l2_sessions",
@@ -172,8 +178,11 @@ impl Metrics {
         for outcome in ["completed", "partial", "timed_out"] {
             m.prefetch_requests.with_label_values(&[outcome, ""]);
         }
-        for outcome in ["written", "present", "failed", "dropped"] {
+        for outcome in ["written", "present", "failed", "deferred"] {
             m.l3_writes.with_label_values(&[outcome]);
+        }
+        for reason in ["no_l3", "l3_down"] {
+            m.lost_pages.with_label_values(&[reason]);
         }
         for op in ["exist", "put", "get"] {
             m.sglang_transfers.with_label_values(&[op, "ok"]);
@@ -253,6 +262,16 @@ impl Metrics {
                     "Reserved pages freed because their session ended before committing",
                 )?,
             ),
+            lost_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l2_lost_pages_total",
+                        "Pages evicted from L2 that L3 did not hold, by reason: no_l3, l3_down",
+                    ),
+                    &["reason"],
+                )?,
+            ),
             pool_bytes: reg(
                 &r,
                 IntGaugeVec::new(
@@ -261,6 +280,13 @@ impl Metrics {
                         "Shared-memory pool bytes: total, used",
                     ),
                     &["state"],
+                )?,
+            ),
+            dirty_pages: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_l2_dirty_pages",
+                    "Pages clients wrote to L2 that L3 does not hold yet",
                 )?,
             ),
             pool_pages: reg(
@@ -597,6 +623,7 @@ impl Metrics {
                 .with_label_values(&["free"])
                 .set(i64::from(t.capacity - t.ready - t.writing));
             self.pinned_pages.set(i64::from(t.pinned));
+            self.dirty_pages.set(i64::from(t.dirty));
             self.pins.set(t.pins as i64);
             self.sessions.set(st.sessions().count() as i64);
             let (running, held, limit) = st.prefetch_totals();
@@ -615,6 +642,11 @@ impl Metrics {
                 (&self.expired_sessions, c.expired_sessions),
                 (&self.dropped_pins, c.dropped_pins),
                 (&self.dropped_reservations, c.dropped_reservations),
+                (&self.lost_pages.with_label_values(&["no_l3"]), c.lost_no_l3),
+                (
+                    &self.lost_pages.with_label_values(&["l3_down"]),
+                    c.lost_l3_down,
+                ),
             ] {
                 counter.inc_by(total.saturating_sub(counter.get()));
             }

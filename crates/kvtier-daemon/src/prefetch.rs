@@ -226,6 +226,44 @@ impl Prefetcher {
         lock(&self.negative).first(fp, keys, Instant::now())
     }
 
+    /// How many leading `keys` L2 or L3 holds, each page in either (`in_l2[i]`: ready in
+    /// L2). L2 keeps pages whose prefix already left it for L3, so a chain can run from L3
+    /// into L2 and back; only the pages L2 lacks are asked of L3, in one batched exists.
+    /// Keys remembered as failed end the walk.
+    pub async fn reachable(
+        &self,
+        tier: &L3,
+        ctx: &OpCtx,
+        fp: LayoutFingerprint,
+        keys: &[PageKey],
+        in_l2: &[bool],
+    ) -> Result<usize, kvtier_storage::StorageError> {
+        let keys = &keys[..self.usable(fp, keys)];
+        let probe: Vec<PageKey> = keys
+            .iter()
+            .zip(in_l2)
+            .filter(|(_, l2)| !**l2)
+            .map(|(k, _)| *k)
+            .collect();
+        let in_l3 = if probe.is_empty() {
+            0
+        } else {
+            tier.store.exists_prefix(ctx, &fp, &probe).await?
+        };
+        let mut asked = 0;
+        Ok(keys
+            .iter()
+            .zip(in_l2)
+            .take_while(|(_, l2)| {
+                if **l2 {
+                    return true;
+                }
+                asked += 1;
+                asked <= in_l3
+            })
+            .count())
+    }
+
     fn remember_failed(&self, fp: LayoutFingerprint, key: PageKey) {
         let mut n = lock(&self.negative);
         n.insert(fp, key, Instant::now());
@@ -310,13 +348,18 @@ impl Prefetcher {
         let request_id = Self::request_id(&req.request_id)?;
         let policy = self.policy(req.policy)?;
         let hints = req.hints.unwrap_or_default();
-        let (layout, l2) = lock(&self.state).prefetch_check(
-            req.session_id,
-            &request_id,
-            &keys,
-            self.cfg.max_per_session as usize,
-            started,
-        )?;
+        let (layout, l2, in_l2) = {
+            let mut st = lock(&self.state);
+            let (layout, l2) = st.prefetch_check(
+                req.session_id,
+                &request_id,
+                &keys,
+                self.cfg.max_per_session as usize,
+                started,
+            )?;
+            let in_l2 = st.ready_mask(req.session_id, &keys[l2..], started)?;
+            (layout, l2, in_l2)
+        };
         let fp = layout.fingerprint();
         let page_size = layout.page_size() as u64;
         let page_bytes = layout.page_bytes() as u64;
@@ -340,13 +383,8 @@ impl Prefetcher {
             return Ok(once(self.revoked(request_id, policy, l2, "no_storage")));
         };
         // Keys that just failed are not asked for again until they expire.
-        let rest = &keys[l2..];
-        let rest = &rest[..self.usable(fp, rest)];
-        if rest.is_empty() {
-            return Ok(once(self.revoked(request_id, policy, l2, "miss")));
-        }
         let ctx = OpCtx::child(&self.shutdown, tier.timeout);
-        let hit = match tier.store.exists_prefix(&ctx, &fp, rest).await {
+        let hit = match self.reachable(&tier, &ctx, fp, &keys[l2..], &in_l2).await {
             Ok(n) => n,
             Err(e) => {
                 tracing::debug!("prefetch exists failed: {e}");
@@ -406,25 +444,27 @@ impl Prefetcher {
             deadline: started + deadline,
             cancel: cancel.clone(),
         })?;
-        let (id, hit, l2, shm, rx, first) = match opened {
+        let (id, hit, in_place, l2, shm, rx, first) = match opened {
             Opened::Revoked(reason) => {
                 return Ok(once(self.revoked(request_id, policy, l2, reason)));
             }
             Opened::Open {
                 id,
                 hit,
+                in_place,
                 l2,
                 shm,
                 rx,
                 first,
-            } => (id, hit, l2, shm, rx, first),
+            } => (id, hit, in_place, l2, shm, rx, first),
         };
-        m.prefetch_pages
-            .with_label_values(&["hit"])
-            .inc_by(hit.len() as u64);
+        let there = in_place.iter().filter(|p| **p).count() as u64;
+        let fetch = hit.len() as u64 - there;
+        m.prefetch_pages.with_label_values(&["in_l2"]).inc_by(there);
+        m.prefetch_pages.with_label_values(&["hit"]).inc_by(fetch);
         m.prefetch_bytes
             .with_label_values(&["hit"])
-            .inc_by(hit.len() as u64 * page_bytes);
+            .inc_by(fetch * page_bytes);
         tracing::debug!(request = %request_id, l2, hit = hit.len(), ?deadline, "prefetch started");
         let me = self.clone();
         tokio::spawn(async move {
@@ -433,6 +473,7 @@ impl Prefetcher {
                 tier,
                 fp,
                 hit,
+                in_place,
                 shm,
                 page_bytes: page_bytes as usize,
                 deadline: started + deadline,
@@ -450,6 +491,7 @@ impl Prefetcher {
             tier,
             fp,
             hit,
+            in_place,
             shm,
             page_bytes,
             deadline,
@@ -473,19 +515,45 @@ impl Prefetcher {
             reads
                 .spawn(async move { (i, fetch_one(&store, ctx, fp, key, sink, page_bytes).await) });
         };
+        // Pages ready in L2 already have nothing to fetch: they have arrived.
+        let mut arrived: Vec<Option<Result<(), MissReason>>> = in_place
+            .iter()
+            .map(|&there| there.then_some(Ok(())))
+            .collect();
+        let fetch: Vec<usize> = (0..hit.len()).filter(|&i| !in_place[i]).collect();
         let mut next = 0;
-        while next < hit.len().min(concurrency) {
-            spawn(&mut reads, next);
+        while next < fetch.len().min(concurrency) {
+            spawn(&mut reads, fetch[next]);
             next += 1;
         }
-        let mut arrived: Vec<Option<Result<(), MissReason>>> =
-            std::iter::repeat_with(|| None).take(hit.len()).collect();
         let sleep = tokio::time::sleep_until(deadline.into());
         let mut sleep = std::pin::pin!(sleep);
         let mut landed = 0usize;
         let mut first_at: Option<Instant> = None;
         let started = Instant::now();
         let (state, reason) = 'fetch: loop {
+            // Land the contiguous prefix that has arrived.
+            while let Some(r) = arrived.get_mut(landed).and_then(Option::take) {
+                if let Err(why) = r {
+                    let key = hit[landed].0;
+                    if !matches!(why, MissReason::Cancelled) {
+                        self.remember_failed(fp, key);
+                    }
+                    tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
+                    break 'fetch (PrefetchState::Failed, why.label().to_string());
+                }
+                let mut st = lock(&self.state);
+                if !st.prefetch_land(id) {
+                    break 'fetch (PrefetchState::Failed, "cancelled".to_string());
+                }
+                if !in_place[landed] {
+                    first_at.get_or_insert_with(Instant::now);
+                }
+                landed += 1;
+                if landed.is_multiple_of(batch) {
+                    st.prefetch_publish(id);
+                }
+            }
             if landed == hit.len() {
                 break (PrefetchState::Completed, String::new());
             }
@@ -503,29 +571,9 @@ impl Prefetcher {
                 }
                 None => break (PrefetchState::Failed, "failed".to_string()),
             }
-            if next < hit.len() {
-                spawn(&mut reads, next);
+            if next < fetch.len() {
+                spawn(&mut reads, fetch[next]);
                 next += 1;
-            }
-            // Land the contiguous prefix that has arrived.
-            while let Some(r) = arrived.get_mut(landed).and_then(Option::take) {
-                if let Err(why) = r {
-                    let key = hit[landed].0;
-                    if !matches!(why, MissReason::Cancelled) {
-                        self.remember_failed(fp, key);
-                    }
-                    tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
-                    break 'fetch (PrefetchState::Failed, why.label().to_string());
-                }
-                let mut st = lock(&self.state);
-                if !st.prefetch_land(id) {
-                    break 'fetch (PrefetchState::Failed, "cancelled".to_string());
-                }
-                landed += 1;
-                first_at.get_or_insert_with(Instant::now);
-                if landed.is_multiple_of(batch) {
-                    st.prefetch_publish(id);
-                }
             }
         };
         // Stop every read, wait until each task has ended, then close the fence: only then
@@ -554,7 +602,9 @@ impl Prefetcher {
             m.prefetch_bandwidth.observe(done.bytes as f64 / secs / 1e9);
         }
         if let Some(first) = first_at {
-            let rest_bytes = (done.landed as u64).saturating_sub(1) * page_bytes as u64;
+            // Only pages read from L3 tell how fast it loads.
+            let fetched = in_place.iter().take(done.landed).filter(|p| !**p).count();
+            let rest_bytes = (fetched as u64).saturating_sub(1) * page_bytes as u64;
             lock(&tier.estimate).observe(
                 (first - started).as_secs_f64(),
                 rest_bytes,
@@ -630,6 +680,7 @@ struct Task {
     tier: Arc<L3>,
     fp: LayoutFingerprint,
     hit: Vec<(PageKey, u32)>,
+    in_place: Vec<bool>,
     shm: Arc<ShmPool>,
     page_bytes: usize,
     deadline: Instant,

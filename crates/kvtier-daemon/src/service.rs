@@ -289,27 +289,37 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::LookupResponse>, Status> {
         let t = Instant::now();
         let r = request.get_ref();
+        let l3 = self.l3.current();
+        let asked = r.include_storage && l3.is_some();
         let l2 = (|| {
             let keys = self.keys(&r.keys)?;
             let mut st = self.state();
-            let n = st.lookup(r.session_id, &keys, Instant::now())?;
+            let now = Instant::now();
+            let n = st.lookup(r.session_id, &keys, now)?;
             let fp = st.session_fingerprint(r.session_id)?;
-            Ok((keys, n, fp))
+            let in_l2 = if asked {
+                st.ready_mask(r.session_id, &keys[n..], now)?
+            } else {
+                Vec::new()
+            };
+            Ok((keys, n, fp, in_l2))
         })();
         let result = match l2 {
-            Ok((keys, n, fp)) => {
+            Ok((keys, n, fp, in_l2)) => {
                 let mut storage_pages = 0;
-                let l3 = self.l3.current();
-                let asked = r.include_storage && l3.is_some();
                 if asked
                     && let Some(l3) = l3
                     && n < keys.len()
                 {
-                    // Keys whose read just failed are not reported again until they expire.
-                    let rest = &keys[n..];
-                    let rest = &rest[..self.prefetcher.usable(fp, rest)];
+                    // After the ready prefix, pages in L3 or (behind a page that left for
+                    // L3) in L2; keys whose read just failed are not reported again until
+                    // they expire.
                     let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
-                    match l3.store.exists_prefix(&ctx, &fp, rest).await {
+                    match self
+                        .prefetcher
+                        .reachable(&l3, &ctx, fp, &keys[n..], &in_l2)
+                        .await
+                    {
                         Ok(m) => storage_pages = m as u32,
                         Err(e) => {
                             tracing::debug!("l3 lookup failed, reporting no storage hits: {e}")
@@ -489,7 +499,10 @@ impl HostTier for HostService {
                 dedup_pages: c.dedup_pages,
                 expired_sessions: c.expired_sessions,
                 metrics_address: self.metrics_address.clone(),
-                l3: self.l3.current().map(|l3| crate::l3::wire_stats(&l3)),
+                l3: self
+                    .l3
+                    .current()
+                    .map(|l3| crate::l3::wire_stats(&l3, st.write_policy())),
             })
         })
     }

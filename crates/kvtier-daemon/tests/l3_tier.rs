@@ -126,7 +126,15 @@ fn write_through_selective_writes_only_hot_pages() {
 
 #[test]
 fn write_back_writes_pages_before_their_slots_are_reused() {
-    let d = Daemon::start("wb", &["l2.pool_pages=8", "l3.write_policy=write_back"]);
+    // The whole pool may hold unwritten pages (no dirty limit before it is full).
+    let d = Daemon::start(
+        "wb",
+        &[
+            "l2.pool_pages=8",
+            "l3.write_policy=write_back",
+            "l2.dirty_fraction=1.0",
+        ],
+    );
     rt().block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
         let s = c.register("w", &layout("m")).await.unwrap();

@@ -701,3 +701,82 @@ fn watch_metrics_matches_the_prometheus_endpoint() {
         assert_eq!(get("kvtier_lookup_pages_total", "l3"), Some(32.0));
     });
 }
+
+#[test]
+fn a_chain_running_from_l3_into_l2_is_found_and_loaded_whole() {
+    // With L3 attached, L2 may evict a page whose later pages it keeps: the chain then starts
+    // in L3 and goes on in L2, where its last pages may not be in L3 at all yet. Lookup counts
+    // it whole, and a prefetch fetches only what L2 lacks, pinning the rest where it is.
+    let d = Daemon::start(
+        "holes",
+        &[
+            "l2.pool_pages=8",
+            "l2.dirty_fraction=1.0",
+            "l3.write_policy=write_through_selective",
+            "l3.write_threshold=1",
+            "prefetch.threshold_tokens=0",
+            "prefetch.budget_fraction=1.0",
+        ],
+    );
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        let a = chain(70, 8);
+        // The first six pages are hit once, so L3 gets them; the last two are not.
+        store(&mut c, &s, &a[..6]).await;
+        assert_eq!(c.acquire(s.id, &a[..6]).await.unwrap().len(), 6);
+        c.release(s.id, &a[..6]).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while c.stats().await.unwrap().l3.unwrap().written_pages < 6 {
+            assert!(Instant::now() < deadline, "L3 never got the chain");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let r = c.reserve(s.id, Some(&a[5]), &a[6..]).await.unwrap();
+        let len = s.layout.page_bytes();
+        for (k, r) in a[6..].iter().zip(&r) {
+            let Reserved::Slot(slot) = r else {
+                panic!("no slot for the chain's tail: {r:?}")
+            };
+            s.pool.write(*slot, 0, &page_bytes(k, len)).unwrap();
+        }
+        c.commit(s.id, &a[6..]).await.unwrap();
+        // The pool is full; two more pages make two of the chain's interior pages (held by
+        // L3) leave. Hit once, L3 gets them too, so a prefetch may make room among them.
+        let b = chain(71, 2);
+        store(&mut c, &s, &b).await;
+        assert_eq!(c.acquire(s.id, &b).await.unwrap().len(), 2);
+        c.release(s.id, &b).await.unwrap();
+        while c.stats().await.unwrap().l3.unwrap().written_pages < 8 {
+            assert!(Instant::now() < deadline, "L3 never got the other pages");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (l2, rest) = c.lookup_tiers(s.id, &a, true).await.unwrap();
+        assert!(l2 < 6, "nothing of the chain's head left L2 ({l2})");
+        assert_eq!(
+            l2 + rest,
+            8,
+            "the chain was not found whole ({l2} + {rest})"
+        );
+        let p = run(
+            &mut c,
+            &s,
+            "whole",
+            &a,
+            PrefetchOptions::policy(PrefetchPolicy::WaitComplete),
+        )
+        .await;
+        assert_eq!(
+            (p.l2_pages as usize, p.hit_pages as usize),
+            (l2, 8 - l2),
+            "{p:?}"
+        );
+        let (p, slots) = c.take_prefetch(s.id, "whole").await.unwrap();
+        assert_eq!((outcome(&p).as_str(), slots.len()), ("completed", 8));
+        verify_and_release(&mut c, &s, &a, &slots).await;
+        // Only the pages L2 lacked were read from L3.
+        let m = d.metrics();
+        let read = metric(&m, "kvtier_prefetch_pages_total{stage=\"hit\"}");
+        assert_eq!(read, 2.0, "pages read from L3");
+        quiet(&mut c).await;
+    });
+}

@@ -310,19 +310,29 @@ impl Store for Faulty {
     }
 }
 
-/// A slow backend, for chaos drills and tests: every `get` waits `delay` before it starts.
-/// The wait is inside the call, so callers' deadlines and cancellation cut it short as they
-/// would a slow real backend.
+/// A slow backend, for chaos drills and tests: every `get` waits `delay` before it starts,
+/// every `set` waits `set_delay`. The wait is inside the call, so callers' deadlines and
+/// cancellation cut it short as they would a slow real backend.
 #[derive(Debug)]
 pub struct Delayed {
     inner: Arc<dyn Store>,
     delay: Duration,
+    set_delay: Duration,
 }
 
 impl Delayed {
     /// Wraps `inner`; reads wait `delay` first.
     pub fn new(inner: Arc<dyn Store>, delay: Duration) -> Self {
-        Self { inner, delay }
+        Self::with_writes(inner, delay, Duration::ZERO)
+    }
+
+    /// Wraps `inner`; reads wait `delay` first, writes `set_delay`.
+    pub fn with_writes(inner: Arc<dyn Store>, delay: Duration, set_delay: Duration) -> Self {
+        Self {
+            inner,
+            delay,
+            set_delay,
+        }
     }
 }
 
@@ -345,6 +355,9 @@ impl Store for Delayed {
         self.inner.read_into(name, split, sink).await
     }
     async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
+        if !self.set_delay.is_zero() {
+            tokio::time::sleep(self.set_delay).await;
+        }
         self.inner.set(name, head, body).await
     }
     async fn exists(&self, name: &str) -> Result<bool, StorageError> {

@@ -186,7 +186,22 @@ async fn delayed_reads_wait_and_deadlines_cut_them_short() {
     // Writes and existence checks are not slowed.
     let t = Instant::now();
     assert!(ps.exists(&ctx(5000), &fp, &key).await.unwrap());
+    ps.set(&ctx(5000), &fp, &key, Bytes::from_static(b"page"))
+        .await
+        .unwrap();
     assert!(t.elapsed() < delay);
+    // Unless asked to: then every write waits too.
+    let slow_writes = PageStore::new(Arc::new(Delayed::with_writes(
+        Arc::new(MemoryStore::new()),
+        Duration::ZERO,
+        delay,
+    )));
+    let t = Instant::now();
+    slow_writes
+        .set(&ctx(5000), &fp, &key, Bytes::from_static(b"page"))
+        .await
+        .unwrap();
+    assert!(t.elapsed() >= delay, "the write did not wait");
     // A deadline shorter than the delay turns the read into a timely miss.
     let t = Instant::now();
     let miss = ps.get(&ctx(20), &fp, &key, None).await;

@@ -257,9 +257,10 @@ pub fn reserved(keys: &[PageKey], r: &[kvtier_client::Reserved]) -> Vec<PageKey>
         .collect()
 }
 
-/// Writes `keys` as a client does: reserve, copy each page into its slot, commit. Retries
-/// while the pool has no room yet (write-back frees slots only once their pages reached L3),
-/// up to 20 s. Returns every page's bytes, written or already present.
+/// Writes `keys` as a client does: reserve, copy each page into its slot, commit, and when
+/// the pool has no room for all of them (pages not yet in L3 leave only once written; past
+/// the dirty limit writers wait), go on from where it got once room comes back, up to 20 s.
+/// Returns every page's bytes, written or already present.
 pub async fn store(
     c: &mut kvtier_client::HostClient,
     s: &kvtier_client::Session,
@@ -267,24 +268,27 @@ pub async fn store(
 ) -> Vec<Vec<u8>> {
     use kvtier_client::Reserved;
     let deadline = Instant::now() + Duration::from_secs(20);
-    let r = loop {
-        let r = c.reserve(s.id, None, keys).await.unwrap();
-        if !r.contains(&Reserved::NoSpace) {
-            break r;
-        }
-        c.abort(s.id, &reserved(keys, &r)).await.unwrap();
-        assert!(Instant::now() < deadline, "the pool never made room");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
     let page = s.layout.page_bytes();
-    let mut written = Vec::new();
-    for (k, r) in keys.iter().zip(&r) {
-        let bytes = page_bytes(k, page);
-        if let Reserved::Slot(slot) = r {
-            s.pool.write(*slot, 0, &bytes).unwrap();
+    let mut done = 0;
+    while done < keys.len() {
+        let rest = &keys[done..];
+        let parent = done.checked_sub(1).map(|i| &keys[i]);
+        let r = c.reserve(s.id, parent, rest).await.unwrap();
+        let got = r.iter().take_while(|r| **r != Reserved::NoSpace).count();
+        for (k, r) in rest.iter().zip(&r).take(got) {
+            if let Reserved::Slot(slot) = r {
+                s.pool.write(*slot, 0, &page_bytes(k, page)).unwrap();
+            }
         }
-        written.push(bytes);
+        let mine = reserved(&rest[..got], &r[..got]);
+        if !mine.is_empty() {
+            c.commit(s.id, &mine).await.unwrap();
+        }
+        done += got;
+        if got == 0 {
+            assert!(Instant::now() < deadline, "the pool never made room");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
-    c.commit(s.id, &reserved(keys, &r)).await.unwrap();
-    written
+    keys.iter().map(|k| page_bytes(k, page)).collect()
 }
