@@ -1,8 +1,16 @@
 //! The whole system end to end, through kvtier-sim: real kvtierd and kvtier-agent processes
-//! (this test binary re-executed into those roles), a replay of the Mooncake synthetic trace,
-//! and every page the simulated engines receive checked against recomputation.
+//! (this test binary re-executed into those roles), a replay of the Mooncake synthetic trace
+//! (the slice in `tests/data/`), and every page the simulated engines receive checked against
+//! recomputation.
+//!
+//! Replays are concurrent unless a test says otherwise: workers take requests from one queue
+//! in arrival order, as an engine does, at `--time-scale 0` (as fast as possible), so backups,
+//! writes to L3, prefetches and evictions all race. At the end every worker gives its device
+//! pages back and every computed page is looked up: a page no tier holds and no counter
+//! explains would be a page lost silently.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 
 use kvtier_core::{DType, KvKind, LayoutSpec};
@@ -21,23 +29,17 @@ fn sim_child_entry() {
     );
 }
 
-/// The trace, in `shared/traces/` beside the checkout (where CI has it too).
+/// The first 1,000 requests of the trace, kept in the repository (see tests/data/README.md).
 fn trace() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/mooncake_synthetic_trace.jsonl");
-    assert!(
-        p.exists(),
-        "{} is missing: the tests expect shared/traces/ beside the checkout",
-        p.display()
-    );
-    p
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mooncake_synthetic_first1000.jsonl")
 }
 
 fn requests(limit: usize) -> Vec<Request> {
     workload::mooncake(&trace(), limit, 64).unwrap()
 }
 
-/// A small layout (16 KiB pages of 64 tokens) so a thousand long requests fit the machine.
+/// A small layout (4 KiB pages of 64 tokens) so a thousand long requests fit the machine and
+/// the tests measure kvtier, not the disk.
 fn layout() -> LayoutSpec {
     LayoutSpec {
         model_id: "sim-test".into(),
@@ -46,7 +48,7 @@ fn layout() -> LayoutSpec {
         num_layers: 2,
         kind: KvKind::Mha {
             kv_heads: 1,
-            head_dim: 32,
+            head_dim: 8,
         },
         page_size: 64,
         tp_rank: 0,
@@ -57,31 +59,45 @@ fn layout() -> LayoutSpec {
 struct Run {
     workers: usize,
     device_pages: u64,
+    l2_pages: u64,
     daemon: Vec<String>,
     agent: Vec<String>,
     prefetch: Option<PrefetchPolicy>,
     chaos: Vec<Chaos>,
+    sequential: bool,
 }
 
 impl Default for Run {
+    /// `kvtier-sim replay`'s defaults.
     fn default() -> Self {
         Self {
             workers: 2,
-            // Room for the longest request of the first thousand (135k tokens), not much more:
-            // L1 evicts all the time.
-            device_pages: 2600,
+            device_pages: 4096,
+            l2_pages: 8192,
             daemon: Vec::new(),
             agent: Vec::new(),
             prefetch: Some(PrefetchPolicy::WaitComplete),
             chaos: Vec::new(),
+            sequential: false,
+        }
+    }
+}
+
+impl Run {
+    /// Small tiers: room for the longest request of the first thousand (135k tokens) in L1,
+    /// not much more, and an L2 smaller than a few long requests, so every tier serves.
+    fn small() -> Self {
+        Self {
+            device_pages: 2600,
+            l2_pages: 3000,
+            ..Self::default()
         }
     }
 }
 
 fn simulate(reqs: Vec<Request>, run: Run) -> Report {
     let mut daemon_sets = vec![
-        // L2 smaller than a few long requests: it evicts all the time too, so L3 serves.
-        "l2.pool_pages=3000".to_string(),
+        format!("l2.pool_pages={}", run.l2_pages),
         "l3.backend=file".to_string(),
         "prefetch.recompute_tokens_per_second=0".to_string(),
         "prefetch.threshold_tokens=0".to_string(),
@@ -104,7 +120,7 @@ fn simulate(reqs: Vec<Request>, run: Run) -> Report {
         layout: layout(),
         device_pages: run.device_pages,
         prefetch: run.prefetch,
-        sequential: true,
+        sequential: run.sequential,
         time_scale: 0.0,
         prefill_tokens_per_second: 10_000.0,
         chaos: run.chaos,
@@ -126,21 +142,176 @@ fn simulate(reqs: Vec<Request>, run: Run) -> Report {
     report
 }
 
+/// What every healthy run must show: every request served, no wrong page, nothing lost,
+/// every computed page in some tier at the end, and at least `share` of the ideal reuse.
+fn assert_healthy(what: &str, r: &Report, n: usize, share: f64) {
+    assert_eq!(r.pages_corrupt, 0, "{what}: {:?}", r.corrupt_samples);
+    assert_eq!((r.requests, r.failed_requests), (n, 0), "{what}");
+    assert_eq!(r.pages_lost_total, 0, "{what}: lost {:?}", r.pages_lost);
+    assert_eq!(
+        r.pages_unreachable, 0,
+        "{what}: computed pages in no tier at the end, and not counted as lost"
+    );
+    assert!(
+        r.served_fraction >= share,
+        "{what}: served {:.3} of the ideal reuse, want at least {share}",
+        r.served_fraction
+    );
+    assert!(r.pages_verified * 64 >= r.hits(), "{what}");
+}
+
+/// The ideal reuse, counted without page keys or token ids: page `p` of a prompt is the same
+/// page as in an earlier prompt exactly when the hash ids of the 512-token blocks up to the
+/// one holding it are the same. Generated tokens are unique to their request, so only full
+/// prompt pages can be reused.
+fn ideal_from_block_ids(limit: usize, page: usize) -> u64 {
+    let text = std::fs::read_to_string(trace()).unwrap();
+    let mut seen: HashSet<(Vec<u64>, usize)> = HashSet::new();
+    let mut total = 0;
+    for line in text.lines().take(limit) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let len = v["input_length"].as_u64().unwrap() as usize;
+        let ids: Vec<u64> = v["hash_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap())
+            .collect();
+        let pages: Vec<(Vec<u64>, usize)> = (0..len / page)
+            .map(|p| (ids[..p * page / 512 + 1].to_vec(), p))
+            .collect();
+        total += (pages.iter().take_while(|p| seen.contains(*p)).count() * page) as u64;
+        seen.extend(pages);
+    }
+    total
+}
+
 #[test]
-fn replay_serves_every_tier_and_never_a_wrong_page() {
-    let r = simulate(requests(1000), Run::default());
-    assert_eq!(r.pages_corrupt, 0, "{:?}", r.corrupt_samples);
-    assert_eq!((r.requests, r.failed_requests), (1000, 0));
+fn the_ideal_agrees_with_an_independent_count() {
+    for (limit, page) in [(1000, 64), (300, 16), (1000, 512)] {
+        assert_eq!(
+            workload::ideal_reusable_tokens(&requests(limit), page),
+            ideal_from_block_ids(limit, page),
+            "first {limit} requests, {page}-token pages"
+        );
+    }
+    // The slice's figure quoted in tests/data/README.md.
+    assert_eq!(ideal_from_block_ids(1000, 64), 2_045_824);
+}
+
+#[test]
+fn concurrent_replay_keeps_the_reuse_and_loses_nothing() {
+    for workers in [2, 4] {
+        let r = simulate(
+            requests(1000),
+            Run {
+                workers,
+                ..Run::default()
+            },
+        );
+        assert_healthy(&format!("{workers} workers"), &r, 1000, 0.95);
+        assert!(r.bytes.l3_write > 0 && r.bytes.backup > 0);
+        assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
+    }
+}
+
+#[test]
+fn sequential_replay_serves_exactly_the_ideal_from_every_tier() {
+    let r = simulate(
+        requests(1000),
+        Run {
+            sequential: true,
+            ..Run::small()
+        },
+    );
+    assert_healthy("sequential", &r, 1000, 1.0);
+    assert_eq!(r.hits(), r.ideal_reusable_tokens);
     let h = &r.hit_tokens;
     assert!(h.device > 0 && h.host > 0 && h.storage > 0, "{h:?}");
-    assert!(
-        r.hits() as f64 >= 0.95 * r.ideal_reusable_tokens as f64,
-        "hits {} of ideal {}",
-        r.hits(),
-        r.ideal_reusable_tokens
-    );
-    assert!(r.pages_verified * 64 >= r.hits());
     assert!(r.bytes.l3_read > 0 && r.bytes.l3_write > 0 && r.bytes.backup > 0);
+}
+
+#[test]
+fn each_write_policy_keeps_the_reuse_under_concurrency() {
+    let reqs = requests(1000);
+    // Under write_back (and for the pages write_through_selective does not pick) a page
+    // reaches L2, where the other worker can find it, only when its own worker evicts it:
+    // with 4,096 device pages that is several requests later, so some reuse across workers
+    // is missed by design (kvtier-sim measures 0.955 to 0.97 of the ideal for write_back on
+    // these requests). Nothing may be lost under any policy.
+    for (write, l3_write, prefetch, share) in [
+        (
+            "write_back",
+            "write_through",
+            PrefetchPolicy::WaitComplete,
+            0.9,
+        ),
+        (
+            "write_through_selective",
+            "write_back",
+            PrefetchPolicy::WaitComplete,
+            0.9,
+        ),
+        (
+            "write_through",
+            "write_through_selective",
+            PrefetchPolicy::Timeout,
+            0.95,
+        ),
+    ] {
+        let r = simulate(
+            reqs.clone(),
+            Run {
+                agent: vec![format!("cache.write_policy={write}")],
+                daemon: vec![format!("l3.write_policy={l3_write}")],
+                prefetch: Some(prefetch),
+                ..Run::default()
+            },
+        );
+        assert_healthy(&format!("{write}/{l3_write}"), &r, 1000, share);
+    }
+}
+
+#[test]
+fn a_small_l2_passes_long_prefixes_through_to_l3() {
+    // L2 holds 1,024 pages; the longest prefixes are twice that. Pages reach L3 through L2
+    // in chunks, and come back the same way.
+    let r = simulate(
+        requests(1000),
+        Run {
+            l2_pages: 1024,
+            ..Run::default()
+        },
+    );
+    assert_healthy("l2 1024 pages", &r, 1000, 0.95);
+    assert!(
+        r.hit_tokens.storage > r.hit_tokens.host + r.hit_tokens.device,
+        "most hits come from L3: {:?}",
+        r.hit_tokens
+    );
+}
+
+#[test]
+fn pages_given_up_are_counted_with_their_reason() {
+    // No L3: every page L2 evicts is gone from the node's shared tiers. Each one is counted,
+    // and nothing is missing at the end that the counts do not explain.
+    let r = simulate(
+        requests(300),
+        Run {
+            daemon: vec!["l3.backend=none".into()],
+            ..Run::small()
+        },
+    );
+    assert_eq!(r.pages_corrupt, 0, "{:?}", r.corrupt_samples);
+    let no_l3 = r.pages_lost.get("l2:no_l3").copied().unwrap_or(0);
+    assert!(no_l3 > 0, "{:?}", r.pages_lost);
+    assert_eq!(r.pages_lost_total, no_l3, "{:?}", r.pages_lost);
+    assert!(
+        r.pages_unreachable > 0 && r.pages_unreachable <= r.pages_lost_total,
+        "unreachable {} vs lost {}",
+        r.pages_unreachable,
+        r.pages_lost_total
+    );
 }
 
 #[test]
@@ -153,7 +324,8 @@ fn an_unreliable_l3_costs_hits_never_correctness() {
                 "l3.fault_get_delay=1ms".into(),
                 "l3.breaker_failures=1000".into(),
             ],
-            ..Run::default()
+            sequential: true,
+            ..Run::small()
         },
     );
     assert_eq!(r.pages_corrupt, 0, "{:?}", r.corrupt_samples);
@@ -167,7 +339,8 @@ fn killed_and_restarted_daemon_and_agent_never_corrupt() {
         requests(400),
         Run {
             chaos: vec![Chaos::KillDaemonAt(150), Chaos::KillAgentAt(280)],
-            ..Run::default()
+            sequential: true,
+            ..Run::small()
         },
     );
     assert_eq!(r.pages_corrupt, 0, "{:?}", r.corrupt_samples);
@@ -175,39 +348,4 @@ fn killed_and_restarted_daemon_and_agent_never_corrupt() {
     assert!(r.requests >= 396, "{} of 400 served", r.requests);
     // The file L3 survives the daemon's death: later requests still hit storage.
     assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
-}
-
-#[test]
-fn each_write_and_prefetch_policy_serves_correct_pages() {
-    let reqs = requests(250);
-    for (write, l3_write, prefetch) in [
-        (
-            "write_through_selective",
-            "write_back",
-            Some(PrefetchPolicy::BestEffort),
-        ),
-        (
-            "write_back",
-            "write_through_selective",
-            Some(PrefetchPolicy::Timeout),
-        ),
-        ("write_through", "write_through", None),
-    ] {
-        let r = simulate(
-            reqs.clone(),
-            Run {
-                agent: vec![format!("cache.write_policy={write}")],
-                daemon: vec![format!("l3.write_policy={l3_write}")],
-                prefetch,
-                ..Run::default()
-            },
-        );
-        assert_eq!(
-            r.pages_corrupt, 0,
-            "{write}/{l3_write}: {:?}",
-            r.corrupt_samples
-        );
-        assert_eq!(r.requests, 250, "{write}/{l3_write}");
-        assert!(r.hits() > 0, "{write}/{l3_write}: no hit at all");
-    }
 }

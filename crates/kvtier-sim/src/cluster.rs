@@ -79,6 +79,8 @@ pub fn serve_child_from_env() -> bool {
         match role.as_str() {
             "daemon" => {
                 let cfg = kvtier_config::daemon::DaemonConfig::load(&src)?;
+                // Warnings and errors of the children reach the simulation's stderr.
+                let _ = kvtier_client::serving::init_logging(&cfg.log.level);
                 kvtier_daemon::run(cfg, stop, |r| {
                     let m = r.metrics.map(|a| a.to_string()).unwrap_or_default();
                     println!("ready socket={} metrics={m}", r.socket.display());
@@ -87,6 +89,7 @@ pub fn serve_child_from_env() -> bool {
             }
             "agent" => {
                 let cfg = kvtier_config::agent::AgentConfig::load(&src)?;
+                let _ = kvtier_client::serving::init_logging(&cfg.log.level);
                 kvtier_agent::run(cfg, stop, |r| {
                     let m = r.metrics.map(|a| a.to_string()).unwrap_or_default();
                     println!("ready socket={} metrics={m}", r.socket.display());

@@ -15,6 +15,9 @@ use tonic::transport::Channel;
 use crate::kv::KvPool;
 use crate::workload::Request;
 
+/// Most load rounds (prefetch, then load back) for one request.
+const MAX_LOAD_ROUNDS: usize = 16;
+
 /// A page that did not hold what recomputing it gives.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Corrupt {
@@ -29,6 +32,8 @@ pub struct Corrupt {
 /// What one request did.
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
+    /// The request's index in the workload.
+    pub request: usize,
     /// Prompt tokens.
     pub input_tokens: u64,
     /// Tokens served by the worker's device, L2 (host) and L3 (storage).
@@ -39,6 +44,8 @@ pub struct Outcome {
     pub storage: u64,
     /// Tokens computed.
     pub computed: u64,
+    /// Pages computed (prompt and generated tokens, full pages).
+    pub computed_pages: u64,
     /// Pages checked against the deterministic KV.
     pub verified: u64,
     /// Pages that failed the check.
@@ -66,6 +73,8 @@ pub struct Worker {
     hasher: PageHasher,
     prefetch: Option<v1::PrefetchPolicy>,
     scratch: (Vec<u8>, Vec<u8>),
+    /// Wall seconds one computed token takes (0: compute is instant).
+    seconds_per_token: f64,
 }
 
 impl std::fmt::Debug for Worker {
@@ -103,7 +112,18 @@ impl Worker {
             hasher: PageHasher::new(page_size, &Namespace::default())?,
             prefetch,
             scratch: (Vec::new(), Vec::new()),
+            seconds_per_token: 0.0,
         })
+    }
+
+    /// Makes prefill take wall time: `time_scale / tokens_per_second` per computed token,
+    /// so the worker is busy while it computes, as an engine is (0: instant).
+    pub fn set_compute_time(&mut self, tokens_per_second: f64, time_scale: f64) {
+        self.seconds_per_token = if tokens_per_second > 0.0 && time_scale > 0.0 {
+            time_scale / tokens_per_second
+        } else {
+            0.0
+        };
     }
 
     /// Page bytes of the layout.
@@ -171,6 +191,28 @@ impl Worker {
         }
     }
 
+    /// Gives every device page back, as an engine shutting down would: the agent evicts them
+    /// all, each backed up to L2 first (or counted as lost).
+    pub async fn drain(&mut self) -> Result<()> {
+        let c = self.client.as_mut().context("not connected")?;
+        let ev = c
+            .evict(v1::EvictRequest {
+                pages: self.pages as u32,
+            })
+            .await?
+            .into_inner();
+        self.free.extend(ev.pages);
+        Ok(())
+    }
+
+    /// The page keys a request computes or reads: its prompt and generated tokens, full
+    /// pages.
+    pub fn all_keys(&self, req: &Request) -> Vec<PageKey> {
+        let mut all = req.input.clone();
+        all.extend_from_slice(&req.output);
+        self.hasher.keys(&all)
+    }
+
     /// The agent's counters.
     pub async fn stats(&mut self) -> Result<v1::AgentStatsResponse> {
         let c = self.client.as_mut().context("not connected")?;
@@ -235,6 +277,7 @@ impl Worker {
         let page_bytes = self.layout.page_bytes() as u64;
         let keys = self.hasher.keys(&req.input);
         let mut out = Outcome {
+            request: req.index,
             input_tokens: req.input.len() as u64,
             ..Outcome::default()
         };
@@ -262,29 +305,42 @@ impl Worker {
         let d = pages.len();
         out.device = d as u64 * page_size;
         let (l2, l3) = (m.l2_pages as usize, m.l3_pages as usize);
-        let mut want = l2;
-        if l3 > 0
-            && let Some(policy) = self.prefetch
-        {
-            let client = self.client.as_mut().context("not connected")?;
-            let mut stream = client
-                .prefetch(v1::AgentPrefetchRequest {
-                    handle,
-                    policy: policy as i32,
-                    hints: None,
-                })
-                .await?
-                .into_inner();
-            let mut last = None;
-            while let Some(p) = stream.message().await? {
-                last = Some(p);
+        // What L2 and L3 hold after the device prefix comes in rounds: a prefix longer than
+        // the room L2 has for one prefetch (or than the free pages) takes several.
+        let promised = (d + l2 + l3).min(keys.len());
+        let mut loaded_total = 0;
+        for _round in 0..MAX_LOAD_ROUNDS {
+            let now = pages.len();
+            if now >= promised {
+                break;
             }
-            if let Some(p) = last {
-                out.prefetch = Some(kvtier_client::outcome(&p));
-                want = (p.l2_pages + p.landed_pages) as usize;
+            let mut want = (d + l2).saturating_sub(now);
+            if now + want < promised
+                && let Some(policy) = self.prefetch
+            {
+                let client = self.client.as_mut().context("not connected")?;
+                let mut stream = client
+                    .prefetch(v1::AgentPrefetchRequest {
+                        handle,
+                        policy: policy as i32,
+                        hints: None,
+                    })
+                    .await?
+                    .into_inner();
+                let mut last = None;
+                while let Some(p) = stream.message().await? {
+                    last = Some(p);
+                }
+                if let Some(p) = last {
+                    out.prefetch
+                        .get_or_insert_with(|| kvtier_client::outcome(&p));
+                    want = (p.l2_pages + p.landed_pages) as usize;
+                }
             }
-        }
-        if want > 0 {
+            let want = want.min(self.pages as usize / 2);
+            if want == 0 {
+                break;
+            }
             let free = self.alloc(want).await?;
             for &p in &free {
                 self.kv.scribble(p, &mut self.scratch.0);
@@ -298,17 +354,19 @@ impl Worker {
                 })
                 .await?
                 .into_inner();
-            out.load_back_time = t.elapsed();
-            let loaded = lb.loaded as usize;
+            out.load_back_time += t.elapsed();
             self.free.extend(lb.unused_pages.iter().copied());
             // The handle's device prefix now: the matched pages and the loaded ones (never
             // more than the request has keys, whatever the agent says).
-            let mut now = lb.device_pages.clone();
-            now.truncate(keys.len());
-            for i in d..now.len() {
-                let tier = if i - d < l2 { "host" } else { "storage" };
+            let mut dev_now = lb.device_pages.clone();
+            dev_now.truncate(keys.len());
+            if dev_now.len() <= now || lb.loaded == 0 {
+                break;
+            }
+            for i in now..dev_now.len() {
+                let tier = if i < d + l2 { "host" } else { "storage" };
                 out.verified += 1;
-                if !self.check(now[i], &keys[i]) {
+                if !self.check(dev_now[i], &keys[i]) {
                     out.corrupt.push(Corrupt {
                         request: req.index,
                         key: keys[i].to_hex(),
@@ -316,12 +374,13 @@ impl Worker {
                     });
                 }
             }
-            let host = loaded.min(l2);
-            out.host = host as u64 * page_size;
-            out.storage = (loaded - host) as u64 * page_size;
-            out.load_back_bytes = loaded as u64 * page_bytes;
-            pages = now;
+            loaded_total += dev_now.len() - now;
+            pages = dev_now;
         }
+        let host = loaded_total.min(l2);
+        out.host = host as u64 * page_size;
+        out.storage = (loaded_total - host) as u64 * page_size;
+        out.load_back_bytes = loaded_total as u64 * page_bytes;
         // Compute the rest of the prompt and the generated tokens (full pages only: a partial
         // last page is never cached).
         let mut all = req.input.clone();
@@ -330,11 +389,19 @@ impl Worker {
         let cached = pages.len();
         out.computed = out.input_tokens - (cached as u64 * page_size).min(out.input_tokens);
         let fresh = self.alloc(all_keys.len().saturating_sub(cached)).await?;
+        let computing = Instant::now();
         for (k, &p) in all_keys[cached..].iter().zip(&fresh) {
             let (a, _) = &mut self.scratch;
             self.kv.compute(p, k, a);
         }
+        out.computed_pages = fresh.len() as u64;
         pages.extend_from_slice(&fresh);
+        // Prefill takes the time the cost model gives it (less what filling the pages took).
+        let busy = Duration::from_secs_f64(out.computed as f64 * self.seconds_per_token);
+        let left = busy.saturating_sub(computing.elapsed());
+        if !left.is_zero() {
+            tokio::time::sleep(left).await;
+        }
         let client = self.client.as_mut().context("not connected")?;
         let ins = client
             .insert(v1::InsertRequest {

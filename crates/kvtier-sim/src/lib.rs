@@ -112,6 +112,24 @@ pub struct Bytes {
     pub l3_write: u64,
 }
 
+/// Waits for backups.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Waits {
+    /// How many.
+    pub count: u64,
+    /// Their total time.
+    pub seconds: f64,
+}
+
+/// Prefetch counts.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Prefetches {
+    /// Asked for (revoked included).
+    pub started: u64,
+    /// Ended with every hit page landed.
+    pub completed: u64,
+}
+
 /// The estimated time-to-first-token effect, from a stated cost model.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct TtftEstimate {
@@ -155,6 +173,32 @@ pub struct Report {
     pub prefetch: BTreeMap<String, u64>,
     /// Bytes moved.
     pub bytes: Bytes,
+    /// Pages computed (prompt and generated tokens, full pages).
+    pub pages_computed: u64,
+    /// Pages the agents backed up to L2 (copied there, or found there already).
+    pub pages_backed_up: u64,
+    /// Pages kvtierd wrote to L3.
+    pub pages_written_l3: u64,
+    /// Pages given up, by tier and reason: `device:<reason>` left a worker's device without
+    /// a copy in L2, `l2:<reason>` left L2 without a copy in L3. Nothing computed is lost
+    /// silently: every page that is gone from every tier is here.
+    pub pages_lost: BTreeMap<String, u64>,
+    /// The sum of `pages_lost`.
+    pub pages_lost_total: u64,
+    /// Evicts that had to wait for backups to L2 first (backpressure), and for how long in
+    /// total.
+    pub backup_waits: Waits,
+    /// Prefetches asked for (revoked ones included) and how many completed.
+    pub prefetches: Prefetches,
+    /// Pages some request computed that no tier holds at the end, after every worker gave
+    /// its device pages back (each backed up first, as eviction does) and the writes
+    /// settled. With an unbounded L3 this is at most `pages_lost_total`: a page missing and
+    /// not counted was lost silently.
+    pub pages_unreachable: u64,
+    /// Served tokens over ideal reusable tokens.
+    pub served_fraction: f64,
+    /// Requests served per second of wall time (the sustained rate).
+    pub requests_per_second: f64,
     /// Wall time.
     pub wall_seconds: f64,
     /// The cost-model estimate.
@@ -233,7 +277,47 @@ impl Report {
                 mib(self.bytes.l3_write)
             ),
         );
-        line("wall time", format!("{:.2} s", self.wall_seconds));
+        line(
+            "pages",
+            format!(
+                "computed {}, backed up to L2 {}, written to L3 {}",
+                self.pages_computed, self.pages_backed_up, self.pages_written_l3
+            ),
+        );
+        let lost: Vec<String> = self
+            .pages_lost
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        line(
+            "pages lost",
+            if lost.is_empty() {
+                "0".into()
+            } else {
+                format!("{} ({})", self.pages_lost_total, lost.join(", "))
+            },
+        );
+        line(
+            "pages unreachable",
+            format!(
+                "{} (computed, in no tier after the final flush)",
+                self.pages_unreachable
+            ),
+        );
+        line(
+            "backup waits",
+            format!(
+                "{} calls waited {:.2} s in total",
+                self.backup_waits.count, self.backup_waits.seconds
+            ),
+        );
+        line(
+            "wall time",
+            format!(
+                "{:.2} s ({:.1} requests/s)",
+                self.wall_seconds, self.requests_per_second
+            ),
+        );
         line(
             "TTFT estimate",
             format!(
@@ -248,28 +332,112 @@ impl Report {
     }
 }
 
-/// kvtierd counters the report needs, read from its metrics stream.
-async fn daemon_bytes(socket: &std::path::Path) -> (u64, u64) {
+/// kvtierd's figures the report needs, read from its metrics stream.
+#[derive(Debug, Default)]
+struct DaemonFigures {
+    l3_read_bytes: u64,
+    l3_write_bytes: u64,
+    l3_written_pages: u64,
+    /// Pages evicted from L2 without a copy in L3, by reason.
+    lost: Vec<(String, u64)>,
+}
+
+async fn daemon_figures(socket: &std::path::Path) -> DaemonFigures {
     let Ok(mut c) = kvtier_client::HostClient::connect(&socket.display().to_string()).await else {
-        return (0, 0);
+        return DaemonFigures::default();
     };
     let Ok(mut s) = c.watch_metrics(Duration::from_millis(100)).await else {
-        return (0, 0);
+        return DaemonFigures::default();
     };
     let Ok(Some(snap)) = s.message().await else {
-        return (0, 0);
+        return DaemonFigures::default();
     };
-    let sum = |op: &str| {
+    let sum = |name: &str, label: Option<(&str, &str)>| {
         snap.samples
             .iter()
             .filter(|s| {
-                s.name == "kvtier_l3_backend_bytes_total"
-                    && s.labels.iter().any(|l| l.name == "op" && l.value == op)
+                s.name == name
+                    && label
+                        .is_none_or(|(k, v)| s.labels.iter().any(|l| l.name == k && l.value == v))
             })
             .map(|s| s.value as u64)
             .sum::<u64>()
     };
-    (sum("get"), sum("set"))
+    let lost = snap
+        .samples
+        .iter()
+        .filter(|s| s.name == "kvtier_l2_lost_pages_total" && s.value > 0.0)
+        .map(|s| {
+            let reason = s
+                .labels
+                .iter()
+                .find(|l| l.name == "reason")
+                .map(|l| l.value.clone())
+                .unwrap_or_default();
+            (reason, s.value as u64)
+        })
+        .collect();
+    DaemonFigures {
+        l3_read_bytes: sum("kvtier_l3_backend_bytes_total", Some(("op", "get"))),
+        l3_write_bytes: sum("kvtier_l3_backend_bytes_total", Some(("op", "set"))),
+        l3_written_pages: sum("kvtier_l3_writes_total", Some(("outcome", "written"))),
+        lost,
+    }
+}
+
+/// The end-of-run audit: every worker gives its device pages back (the agent backs each up
+/// first, as eviction does), the writes settle, and the pages of every request are looked
+/// up in L2 and L3. Returns how many distinct page keys no tier holds.
+async fn audit(
+    workers: &[Arc<Mutex<Worker>>],
+    requests: &[&Request],
+    daemon: &mut Option<kvtier_client::HostClient>,
+    layout: &LayoutSpec,
+) -> Result<u64> {
+    for w in workers {
+        let mut w = w.lock().await;
+        if let Err(e) = w.drain().await {
+            tracing::warn!(
+                "audit: worker {} could not give its pages back: {e:#}",
+                w.id
+            );
+        }
+    }
+    for w in workers {
+        w.lock().await.settle(daemon, Duration::from_secs(60)).await;
+    }
+    let Some(first) = workers.first() else {
+        return Ok(0);
+    };
+    let first = first.lock().await;
+    let Some(d) = daemon.as_mut() else {
+        // No kvtierd to ask: nothing is reachable beyond the devices, which gave theirs up.
+        let all: std::collections::HashSet<_> =
+            requests.iter().flat_map(|r| first.all_keys(r)).collect();
+        return Ok(all.len() as u64);
+    };
+    let session = d
+        .register("kvtier-sim-audit", layout)
+        .await
+        .context("registering the audit session")?;
+    let mut missing = std::collections::HashSet::new();
+    for r in requests {
+        let keys = first.all_keys(r);
+        let mut at = 0;
+        while at < keys.len() {
+            let (l2, l3) = d
+                .lookup_tiers(session.id, &keys[at..], true)
+                .await
+                .context("audit lookup")?;
+            at += l2 + l3;
+            if let Some(k) = keys.get(at) {
+                missing.insert(*k);
+                at += 1;
+            }
+        }
+    }
+    let _ = d.close(session.id).await;
+    Ok(missing.len() as u64)
 }
 
 /// Runs a simulation of `requests`; `launcher` is how embedded servers are started.
@@ -309,6 +477,7 @@ pub async fn run(
             opts.prefetch,
             &id,
         )?;
+        w.set_compute_time(opts.prefill_tokens_per_second, opts.time_scale);
         w.connect().await?;
         if !w.wait_daemon(Duration::from_secs(30)).await? {
             anyhow::bail!(
@@ -438,24 +607,24 @@ pub async fn run(
                 .await;
         }
     } else {
+        // As an engine's scheduler does: one queue in arrival order, each worker taking the
+        // next request when it is free, so at most `workers` requests are in flight.
+        let next = Arc::new(AtomicUsize::new(0));
         let mut tasks = Vec::new();
-        for (wi, w) in workers.iter().enumerate() {
-            let mine: Vec<Request> = requests
-                .iter()
-                .skip(wi)
-                .step_by(workers.len())
-                .cloned()
-                .collect();
-            let (w, serve) = (w.clone(), serve.clone());
+        for w in &workers {
+            let (w, serve, next, requests) =
+                (w.clone(), serve.clone(), next.clone(), requests.clone());
             let time_scale = opts.time_scale;
             tasks.push(tokio::spawn(async move {
-                for req in mine {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(req) = requests.get(i) else { break };
                     let at = Duration::from_secs_f64(req.at_ms as f64 / 1000.0 * time_scale);
                     let left = at.saturating_sub(started.elapsed());
                     if !left.is_zero() {
                         tokio::time::sleep(left).await;
                     }
-                    serve(w.clone(), req).await;
+                    serve(w.clone(), req.clone()).await;
                 }
             }));
         }
@@ -471,6 +640,17 @@ pub async fn run(
         c.abort();
     }
 
+    // Let the backups of the last requests finish (device → L2 → L3), so the counts below
+    // are complete; this is not part of the wall time.
+    let mut daemon = kvtier_client::HostClient::connect(&daemon_socket.display().to_string())
+        .await
+        .ok();
+    for w in &workers {
+        w.lock()
+            .await
+            .settle(&mut daemon, Duration::from_secs(60))
+            .await;
+    }
     let mut rep = Report {
         page_size,
         ideal_reusable_tokens: ideal,
@@ -479,6 +659,12 @@ pub async fn run(
     };
     let mut load_time = Duration::ZERO;
     let results = std::mem::take(&mut *outcomes.lock().map_err(|_| anyhow::anyhow!("lock"))?);
+    let served: Vec<&Request> = results
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .filter_map(|o| requests.get(o.request))
+        .collect();
+    rep.pages_unreachable = audit(&workers, &served, &mut daemon, &opts.layout).await?;
     for r in results {
         match r {
             Ok(o) => {
@@ -488,6 +674,7 @@ pub async fn run(
                 rep.hit_tokens.host += o.host;
                 rep.hit_tokens.storage += o.storage;
                 rep.computed_tokens += o.computed;
+                rep.pages_computed += o.computed_pages;
                 rep.pages_verified += o.verified;
                 rep.pages_corrupt += o.corrupt.len() as u64;
                 for c in o.corrupt {
@@ -508,11 +695,34 @@ pub async fn run(
     for w in &workers {
         if let Ok(st) = w.lock().await.stats().await {
             rep.bytes.backup += st.backed_up_pages * page_bytes;
+            rep.pages_backed_up += st.backed_up_pages;
+            rep.backup_waits.count += st.backup_waits;
+            rep.backup_waits.seconds += st.backup_wait_seconds;
+            for l in st.lost_by_reason.iter().filter(|l| l.pages > 0) {
+                *rep.pages_lost
+                    .entry(format!("device:{}", l.reason))
+                    .or_insert(0) += l.pages;
+            }
         }
     }
-    let (r, wr) = daemon_bytes(&daemon_socket).await;
-    rep.bytes.l3_read = r;
-    rep.bytes.l3_write = wr;
+    let d = daemon_figures(&daemon_socket).await;
+    rep.bytes.l3_read = d.l3_read_bytes;
+    rep.bytes.l3_write = d.l3_write_bytes;
+    rep.pages_written_l3 = d.l3_written_pages;
+    for (reason, n) in d.lost {
+        *rep.pages_lost.entry(format!("l2:{reason}")).or_insert(0) += n;
+    }
+    rep.pages_lost_total = rep.pages_lost.values().sum();
+    rep.prefetches = Prefetches {
+        started: rep.prefetch.values().sum(),
+        completed: rep.prefetch.get("completed").copied().unwrap_or(0),
+    };
+    if rep.ideal_reusable_tokens > 0 {
+        rep.served_fraction = rep.hits() as f64 / rep.ideal_reusable_tokens as f64;
+    }
+    if wall > 0.0 {
+        rep.requests_per_second = rep.requests as f64 / wall;
+    }
     let rate = opts.prefill_tokens_per_second.max(1.0);
     let gbps = if load_time.is_zero() {
         0.0

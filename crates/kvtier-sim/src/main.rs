@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use kvtier_core::{DType, KvKind, LayoutSpec};
+use kvtier_core::{DType, KvKind, LayoutSpec, WritePolicy};
 use kvtier_proto::v1::PrefetchPolicy;
 use kvtier_sim::cluster::{ClusterSpec, Launcher};
 use kvtier_sim::{Chaos, Options, Target, workload};
@@ -92,23 +92,28 @@ struct Common {
     /// L3 backend: file, memory, rocksdb, none (s3 and remote: attach to a configured kvtierd).
     #[arg(long, default_value = "file")]
     l3: String,
-    /// Device → L2 write policy of the agents.
+    /// Device → L2 write policy of the agents: write_through, write_through_selective,
+    /// write_back.
     #[arg(long, default_value = "write_through")]
-    write_policy: String,
+    write_policy: WritePolicy,
     /// L2 → L3 write policy of kvtierd.
     #[arg(long, default_value = "write_through")]
-    l3_write_policy: String,
+    l3_write_policy: WritePolicy,
     /// Prefetch policy for L3 hits: best_effort, wait_complete, timeout, or off.
     #[arg(long, default_value = "wait_complete")]
     prefetch: String,
-    /// Serve requests one at a time in order (deterministic); otherwise workers run
-    /// concurrently.
+    /// Serve requests one at a time in order, each one's backups settled before the next
+    /// (deterministic, for debugging). By default workers take requests from one queue in
+    /// arrival order and serve them concurrently, as an engine does.
     #[arg(long)]
     sequential: bool,
-    /// Replay at trace time × this factor (0: as fast as possible).
+    /// Replay at trace time × this factor, with prefill taking computed tokens /
+    /// --prefill-tokens-per-second × this factor of wall time. 0: as fast as possible,
+    /// compute instant (the stress case).
     #[arg(long, default_value_t = 0.0)]
     time_scale: f64,
-    /// Cost model: prefill tokens per second (for the TTFT estimate).
+    /// Cost model: prefill tokens per second (prefill time with --time-scale, and the TTFT
+    /// estimate).
     #[arg(long, default_value_t = 10000.0)]
     prefill_tokens_per_second: f64,
     /// Chaos: make L3 calls fail with this probability.
@@ -126,6 +131,9 @@ struct Common {
     /// Extra kvtierd setting (section.key=value), repeatable.
     #[arg(long = "daemon-set")]
     daemon_set: Vec<String>,
+    /// Extra kvtier-agent setting (section.key=value), repeatable.
+    #[arg(long = "agent-set")]
+    agent_set: Vec<String>,
     /// Attach to this running kvtierd (its socket) instead of starting one.
     #[arg(long, requires = "agents")]
     daemon: Option<PathBuf>,
@@ -232,7 +240,7 @@ fn main() -> Result<()> {
             let mut daemon_sets = vec![
                 format!("l2.pool_pages={}", common.l2_pages),
                 format!("l3.backend={}", common.l3),
-                format!("l3.write_policy={}", common.l3_write_policy),
+                format!("l3.write_policy={}", common.l3_write_policy.name()),
                 // The simulator decides what to fetch; the daemon's guesses would only hide
                 // hits from the check.
                 "prefetch.recompute_tokens_per_second=0".to_string(),
@@ -245,7 +253,12 @@ fn main() -> Result<()> {
             Target::Embedded(ClusterSpec {
                 workers: common.workers,
                 daemon_sets,
-                agent_sets: vec![format!("cache.write_policy={}", common.write_policy)],
+                agent_sets: std::iter::once(format!(
+                    "cache.write_policy={}",
+                    common.write_policy.name()
+                ))
+                .chain(common.agent_set.iter().cloned())
+                .collect(),
             })
         }
     };
