@@ -10,8 +10,6 @@
 //! progress for `cache.evict_wait` is the backup left to eviction (counted as deferred); it
 //! is never dropped.
 //!
-//! [`WritePolicy`]: kvtier_core::WritePolicy
-//!
 //! Under every policy, [`AgentService::evict`] gives a device page back to the engine only
 //! once L2 holds a copy: it evicts what is backed up, backs up (concurrently) the victims in
 //! its way, and waits for early backups in flight. A backup that finds L2 full (its writes to
@@ -20,6 +18,8 @@
 //! L2 and L3 cannot keep up. A page is given up only when L2 refuses it — kvtierd
 //! unreachable, no progress for `cache.evict_wait`, a failed copy, a refused call — and then
 //! it is counted by [`Loss`] reason.
+//!
+//! [`WritePolicy`]: kvtier_core::WritePolicy
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -92,7 +92,7 @@ pub(crate) enum Backup {
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) backed_up: AtomicU64,
-    lost: [AtomicU64; 4],
+    lost: [AtomicU64; Loss::ALL.len()],
     pub(crate) deferred: AtomicU64,
     /// Backups queued or running (early ones, and those an Evict runs).
     pub(crate) in_flight: AtomicU64,
@@ -131,7 +131,7 @@ pub struct BackupWorker {
 struct Evicting {
     pages: Vec<u32>,
     backed_up: u32,
-    lost: [u64; 4],
+    lost: [u64; Loss::ALL.len()],
     /// Victims whose backup failed for good in this call: they may go, counted.
     given_up: HashMap<NodeId, Loss>,
 }
