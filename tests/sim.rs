@@ -158,6 +158,11 @@ fn assert_healthy(what: &str, r: &Report, n: usize, share: f64) {
         r.served_fraction
     );
     assert!(r.pages_verified * 64 >= r.hits(), "{what}");
+    // Requests finished before another starts come before it in the queue.
+    assert!(
+        r.reachable_reusable_tokens <= r.ideal_reusable_tokens,
+        "{what}"
+    );
 }
 
 /// The ideal reuse, counted without page keys or token ids: page `p` of a prompt is the same
@@ -226,6 +231,7 @@ fn sequential_replay_serves_exactly_the_ideal_from_every_tier() {
     );
     assert_healthy("sequential", &r, 1000, 1.0);
     assert_eq!(r.hits(), r.ideal_reusable_tokens);
+    assert_eq!(r.reachable_reusable_tokens, r.ideal_reusable_tokens);
     let h = &r.hit_tokens;
     assert!(h.device > 0 && h.host > 0 && h.storage > 0, "{h:?}");
     assert!(r.bytes.l3_read > 0 && r.bytes.l3_write > 0 && r.bytes.backup > 0);

@@ -52,6 +52,8 @@ pub struct Outcome {
     pub corrupt: Vec<Corrupt>,
     /// Final state of the prefetch, if one ran (`completed`, `timed_out`, `revoked:...`).
     pub prefetch: Option<String>,
+    /// Pages the match found in L2 and in L3 after the device prefix.
+    pub matched: (u64, u64),
     /// Bytes loaded back from L2.
     pub load_back_bytes: u64,
     /// Time spent in LoadBack calls.
@@ -205,6 +207,11 @@ impl Worker {
         Ok(())
     }
 
+    /// The page keys of a request's prompt (full pages).
+    pub fn prompt_keys(&self, req: &Request) -> Vec<PageKey> {
+        self.hasher.keys(&req.input)
+    }
+
     /// The page keys a request computes or reads: its prompt and generated tokens, full
     /// pages.
     pub fn all_keys(&self, req: &Request) -> Vec<PageKey> {
@@ -305,6 +312,7 @@ impl Worker {
         let d = pages.len();
         out.device = d as u64 * page_size;
         let (l2, l3) = (m.l2_pages as usize, m.l3_pages as usize);
+        out.matched = (l2 as u64, l3 as u64);
         // What L2 and L3 hold after the device prefix comes in rounds: a prefix longer than
         // the room L2 has for one prefetch (or than the free pages) takes several.
         let promised = (d + l2 + l3).min(keys.len());

@@ -195,8 +195,15 @@ pub struct Report {
     /// settled. With an unbounded L3 this is at most `pages_lost_total`: a page missing and
     /// not counted was lost silently.
     pub pages_unreachable: u64,
+    /// Of the ideal, the tokens whose pages some finished request had computed when a
+    /// request asked for them: the most any cache can serve under this schedule (requests in
+    /// flight at the same time cannot reuse what the others are still computing). Equal to
+    /// the ideal when requests run one at a time.
+    pub reachable_reusable_tokens: u64,
     /// Served tokens over ideal reusable tokens.
     pub served_fraction: f64,
+    /// Served tokens over reachable reusable tokens: what kvtier itself missed.
+    pub served_of_reachable: f64,
     /// Requests served per second of wall time (the sustained rate).
     pub requests_per_second: f64,
     /// Wall time.
@@ -246,6 +253,14 @@ impl Report {
                 h.device,
                 h.host,
                 h.storage
+            ),
+        );
+        line(
+            "reachable reusable tokens",
+            format!(
+                "{} (computed by a finished request when asked for); served {:.1}% of it",
+                self.reachable_reusable_tokens,
+                pct(self.hits(), self.reachable_reusable_tokens)
             ),
         );
         line("computed tokens", self.computed_tokens.to_string());
@@ -329,6 +344,25 @@ impl Report {
             ),
         );
         s
+    }
+}
+
+/// The pages finished requests computed, shared by the workers: what a request could have
+/// been served at the moment it asked, whatever the cache.
+#[derive(Debug, Default)]
+struct Reachable {
+    done: std::collections::HashSet<kvtier_core::PageKey>,
+    tokens: u64,
+}
+
+impl Reachable {
+    /// Counts the leading `prompt` pages finished requests computed, and returns them in
+    /// tokens.
+    fn ask(&mut self, prompt: &[kvtier_core::PageKey], page_size: usize) -> u64 {
+        let n = prompt.iter().take_while(|k| self.done.contains(*k)).count();
+        let tokens = (n * page_size) as u64;
+        self.tokens += tokens;
+        tokens
     }
 }
 
@@ -556,11 +590,16 @@ pub async fn run(
         })
     });
 
-    let (done2, outcomes2) = (done.clone(), outcomes.clone());
+    let reachable = Arc::new(std::sync::Mutex::new(Reachable::default()));
+    let (done2, outcomes2, reachable2) = (done.clone(), outcomes.clone(), reachable.clone());
     let serve = move |w: Arc<Mutex<Worker>>, req: Request| {
-        let (done, outcomes) = (done2.clone(), outcomes2.clone());
+        let (done, outcomes, reachable) = (done2.clone(), outcomes2.clone(), reachable2.clone());
         async move {
             let mut w = w.lock().await;
+            let could = match reachable.lock() {
+                Ok(mut r) => r.ask(&w.prompt_keys(&req), page_size),
+                Err(_) => 0,
+            };
             let mut r = w.serve(&req).await;
             if r.is_err() {
                 // The agent (or the daemon behind it) went away: reconnect once and retry.
@@ -571,6 +610,27 @@ pub async fn run(
                 }
                 let _ = w.wait_daemon(Duration::from_secs(10)).await;
                 r = w.serve(&req).await;
+            }
+            if let Ok(o) = &r {
+                let served = o.device + o.host + o.storage;
+                if served < could {
+                    tracing::info!(
+                        request = req.index,
+                        worker = w.id,
+                        could,
+                        served,
+                        device = o.device,
+                        host = o.host,
+                        storage = o.storage,
+                        matched_l2 = o.matched.0,
+                        matched_l3 = o.matched.1,
+                        prefetch = o.prefetch.as_deref().unwrap_or("-"),
+                        "served less than finished requests had computed"
+                    );
+                }
+                if let Ok(mut r) = reachable.lock() {
+                    r.done.extend(w.all_keys(&req));
+                }
             }
             let r = r.map_err(|e| format!("request {}: {e:#}", req.index));
             if let Err(e) = &r {
@@ -717,8 +777,12 @@ pub async fn run(
         started: rep.prefetch.values().sum(),
         completed: rep.prefetch.get("completed").copied().unwrap_or(0),
     };
+    rep.reachable_reusable_tokens = reachable.lock().map(|r| r.tokens).unwrap_or(0);
     if rep.ideal_reusable_tokens > 0 {
         rep.served_fraction = rep.hits() as f64 / rep.ideal_reusable_tokens as f64;
+    }
+    if rep.reachable_reusable_tokens > 0 {
+        rep.served_of_reachable = rep.hits() as f64 / rep.reachable_reusable_tokens as f64;
     }
     if wall > 0.0 {
         rep.requests_per_second = rep.requests as f64 / wall;

@@ -46,13 +46,21 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
             ps.set(&ctx(), &fp, k, page(k)).await.unwrap();
         }
     }
-    // A write cut short by a crash: a temp file that never got its final name.
+    // A write cut short by a crash: a temp file beside the objects that never got its final
+    // name (and one where versions before 0.2 kept them).
+    let name = kvtier_storage::format::object_name(&fp, &PageKey([99; 32]));
+    let probe = FileStore::open(FileConfig::new(dir.join("probe")))
+        .await
+        .unwrap();
+    let rel = probe.path_of(&name);
+    let rel = rel.strip_prefix(dir.join("probe")).unwrap();
+    let temp = dir.join(rel).with_file_name(".t999-0");
+    std::fs::create_dir_all(temp.parent().unwrap()).unwrap();
+    std::fs::write(&temp, b"half a page").unwrap();
+    std::fs::create_dir_all(dir.join("tmp")).unwrap();
     std::fs::write(dir.join("tmp/999-0.tmp"), b"half a page").unwrap();
     let store = FileStore::open(FileConfig::new(&dir)).await.unwrap();
-    assert!(
-        std::fs::read_dir(dir.join("tmp")).unwrap().next().is_none(),
-        "stale temp files were not removed"
-    );
+    assert!(!dir.join("tmp").exists(), "the old temp directory stayed");
     let ps = PageStore::new(store.clone());
     for k in &keys {
         assert_eq!(
@@ -69,6 +77,11 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     }
     assert_eq!(store.stats().objects, 20);
     assert_eq!(store.stats().bytes, 20 * (64 * 1024 + 72));
+    assert!(!temp.exists(), "a stale temp file was not removed");
+    assert!(matches!(
+        ps.get(&ctx(), &fp, &PageKey([99; 32]), None).await,
+        Fetch::Miss(_)
+    ));
     // Bytes corrupted on disk are a miss, and the file is removed.
     let victim = store.path_of(&kvtier_storage::format::object_name(&fp, &keys[3]));
     let mut raw = std::fs::read(&victim).unwrap();
