@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time, not compiled in: a target directory shared by checkouts at other
+    // paths may reuse this script's binary.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let protos = [
         "kvtier/v1/common.proto",
         "kvtier/v1/host.proto",
