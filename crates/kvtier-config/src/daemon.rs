@@ -97,11 +97,22 @@ batch_pages = 128
 concurrency = 4
 # Deadline of each backend call (1ms to 10m).
 timeout = "5s"
-# Retries of a failed write, with backoff doubling from 50ms (0 to 10).
+# Retries of a backend call (read, write, exists) that failed in a way that may pass
+# (an I/O error, a timeout, a throttled or unavailable backend), within the call's deadline
+# (0 to 10). Waits double from retry_backoff, each drawn from half to all of it (jitter).
 retries = 2
-# Consecutive backend failures (errors or timeouts) that open the circuit breaker: calls
-# then fail at once (reads miss, writes drop) instead of waiting on a dead backend (1 to 1000).
-breaker_failures = 5
+# The first retry's backoff (100us to 10s).
+retry_backoff = "2ms"
+# The circuit breaker opens when at least this share of the backend calls of the last
+# breaker_window failed (0.01 to 1.0), once the window holds breaker_min_calls: then calls
+# fail at once (reads miss; writes stay queued, and L2 pages not in L3 may be evicted,
+# counted as lost) instead of waiting on a dead backend. Isolated errors, retried, never
+# open it.
+breaker_failure_rate = 0.5
+# Calls the window must hold before its failure rate is judged (1 to 100000).
+breaker_min_calls = 20
+# How far back the failure rate looks (100ms to 10m).
+breaker_window = "10s"
 # How long the breaker stays open before one probe call is let through (10ms to 10m).
 breaker_cooldown = "1s"
 # file backend: directory of the pages. Empty: <data_dir>/l3.
@@ -317,10 +328,16 @@ pub struct L3Config {
     pub concurrency: u32,
     /// Per-call deadline.
     pub timeout: Dur,
-    /// Write retries.
+    /// Retries of a failed backend call.
     pub retries: u32,
-    /// Failures that open the breaker.
-    pub breaker_failures: u32,
+    /// First retry backoff.
+    pub retry_backoff: Dur,
+    /// Failure rate that opens the breaker.
+    pub breaker_failure_rate: f64,
+    /// Calls before the rate is judged.
+    pub breaker_min_calls: u32,
+    /// The rate's window.
+    pub breaker_window: Dur,
     /// Breaker cooldown.
     pub breaker_cooldown: Dur,
     /// File backend directory (empty: `<data_dir>/l3`).
@@ -501,7 +518,10 @@ impl Default for L3Config {
             concurrency: 4,
             timeout: Dur(Duration::from_secs(5)),
             retries: 2,
-            breaker_failures: 5,
+            retry_backoff: Dur(Duration::from_millis(2)),
+            breaker_failure_rate: 0.5,
+            breaker_min_calls: 20,
+            breaker_window: Dur(Duration::from_secs(10)),
             breaker_cooldown: Dur(Duration::from_secs(1)),
             file_path: String::new(),
             file_capacity_bytes: ByteSize(0),
@@ -730,7 +750,10 @@ impl DaemonConfig {
                     concurrency,
                     timeout,
                     retries,
-                    breaker_failures,
+                    retry_backoff,
+                    breaker_failure_rate,
+                    breaker_min_calls,
+                    breaker_window,
                     breaker_cooldown,
                     file_path: _,
                     file_capacity_bytes: _,
@@ -815,7 +838,12 @@ impl DaemonConfig {
             ));
         }
         let ranges: [(&str, u64, u64, u64); 6] = [
-            ("l3.breaker_failures", u64::from(*breaker_failures), 1, 1000),
+            (
+                "l3.breaker_min_calls",
+                u64::from(*breaker_min_calls),
+                1,
+                100_000,
+            ),
             ("l3.write_threshold", *write_threshold, 1, 1_000_000),
             ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
             ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
@@ -827,6 +855,27 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "l3.timeout",
                 format!("{timeout} is outside 1ms..=10m"),
+            ));
+        }
+        if !(0.01..=1.0).contains(breaker_failure_rate) {
+            return Err(ConfigError::invalid(
+                "l3.breaker_failure_rate",
+                format!("{breaker_failure_rate} is outside 0.01..=1.0"),
+            ));
+        }
+        if breaker_window.0 < Duration::from_millis(100)
+            || breaker_window.0 > Duration::from_secs(600)
+        {
+            return Err(ConfigError::invalid(
+                "l3.breaker_window",
+                format!("{breaker_window} is outside 100ms..=10m"),
+            ));
+        }
+        if retry_backoff.0 < Duration::from_micros(100) || retry_backoff.0 > Duration::from_secs(10)
+        {
+            return Err(ConfigError::invalid(
+                "l3.retry_backoff",
+                format!("{retry_backoff} is outside 100us..=10s"),
             ));
         }
         if breaker_cooldown.0 < Duration::from_millis(10)

@@ -24,6 +24,7 @@ use kvtier_shm::ShmPool;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::remote::RemoteStore;
+use kvtier_storage::retry::{RetryPolicy, Retrying};
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::s3::{S3Config, S3Store};
 use kvtier_storage::wrappers::{
@@ -74,8 +75,8 @@ pub struct L3 {
     pub breaker: Arc<Breaker>,
     /// Per-call deadline.
     pub timeout: Duration,
-    /// Retries of a failed write.
-    pub retries: u32,
+    /// Retries of transient failures (under the breaker).
+    pub retrying: Arc<Retrying>,
     tx: mpsc::Sender<Job>,
     /// Writer counters.
     pub counters: Arc<WriterCounters>,
@@ -174,7 +175,6 @@ pub struct WriterParts {
     rx: mpsc::Receiver<Job>,
     batch: usize,
     concurrency: usize,
-    retries: u32,
 }
 
 impl L3 {
@@ -186,7 +186,8 @@ impl L3 {
         observer: Arc<dyn StoreObserver>,
     ) -> (Self, WriterParts) {
         let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
-        // backend ← (chaos delay) ← metered (every real call measured) ← breaker ← framing
+        // backend ← (chaos delay, faults) ← metered (every real call measured) ← retries of
+        // transient failures ← breaker (judges what retries could not save) ← framing
         let (get_delay, set_delay) = (cfg.l3.fault_get_delay, cfg.l3.fault_set_delay);
         let store: Arc<dyn Store> = if get_delay.0.is_zero() && set_delay.0.is_zero() {
             store
@@ -204,10 +205,21 @@ impl L3 {
             store
         };
         let metered: Arc<dyn Store> = Arc::new(Metered::new(store, observer));
-        let breaker = Arc::new(Breaker::new(
+        let retrying = Arc::new(Retrying::new(
             metered,
+            RetryPolicy {
+                retries: cfg.l3.retries,
+                base_backoff: cfg.l3.retry_backoff.0,
+                max_backoff: (cfg.l3.retry_backoff.0 * 32).min(Duration::from_secs(1)),
+                budget: cfg.l3.timeout.0,
+            },
+        ));
+        let breaker = Arc::new(Breaker::new(
+            retrying.clone(),
             BreakerConfig {
-                failures_to_open: cfg.l3.breaker_failures,
+                failure_rate: cfg.l3.breaker_failure_rate,
+                min_calls: cfg.l3.breaker_min_calls,
+                window: cfg.l3.breaker_window.0,
                 cooldown: cfg.l3.breaker_cooldown.0,
                 timeout: cfg.l3.timeout.0,
             },
@@ -217,7 +229,7 @@ impl L3 {
                 store: PageStore::new(breaker.clone()),
                 breaker,
                 timeout: cfg.l3.timeout.0,
-                retries: cfg.l3.retries,
+                retrying,
                 tx,
                 counters: Arc::default(),
                 estimate: Mutex::default(),
@@ -226,7 +238,6 @@ impl L3 {
                 rx,
                 batch: cfg.l3.batch_pages as usize,
                 concurrency: cfg.l3.concurrency as usize,
-                retries: cfg.l3.retries,
             },
         )
     }
@@ -270,7 +281,6 @@ async fn write_one(
     job: &Job,
     store: &PageStore,
     timeout: Duration,
-    retries: u32,
     stop: &CancellationToken,
 ) -> Result<bool, StorageError> {
     let ctx = OpCtx::child(stop, timeout);
@@ -278,39 +288,10 @@ async fn write_one(
         return Ok(false);
     }
     let bytes = copy_out(job)?;
-    set_with_retries(store, &job.fp, &job.key, bytes, timeout, retries, stop).await?;
+    store
+        .set(&OpCtx::child(stop, timeout), &job.fp, &job.key, bytes)
+        .await?;
     Ok(true)
-}
-
-/// Writes one object, retrying retryable failures up to `retries` times with doubling
-/// backoff from 50 ms (each attempt bounded by `timeout`).
-pub async fn set_with_retries(
-    store: &PageStore,
-    fp: &LayoutFingerprint,
-    key: &PageKey,
-    bytes: Bytes,
-    timeout: Duration,
-    retries: u32,
-    stop: &CancellationToken,
-) -> Result<(), StorageError> {
-    let mut backoff = Duration::from_millis(50);
-    let mut attempt = 0;
-    loop {
-        let ctx = OpCtx::child(stop, timeout);
-        match store.set(&ctx, fp, key, bytes.clone()).await {
-            Ok(()) => return Ok(()),
-            Err(e) if e.is_retryable() && attempt < retries => {
-                attempt += 1;
-                tracing::debug!(attempt, "l3 write failed, retrying: {e}");
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = stop.cancelled() => return Err(StorageError::Cancelled),
-                }
-                backoff *= 2;
-            }
-            Err(e) => return Err(e),
-        }
-    }
 }
 
 /// Runs the writer until `stop`: takes jobs in batches, writes up to `concurrency` at once,
@@ -326,7 +307,6 @@ pub async fn run_writer(
         mut rx,
         batch,
         concurrency,
-        retries,
     } = parts;
     let slots = Arc::new(Semaphore::new(concurrency));
     let mut jobs = Vec::with_capacity(batch);
@@ -347,7 +327,7 @@ pub async fn run_writer(
                 (l3.clone(), state.clone(), metrics.clone(), stop.clone());
             tokio::spawn(async move {
                 let t = Instant::now();
-                let r = write_one(&job, &l3.store, l3.timeout, retries, &stop).await;
+                let r = write_one(&job, &l3.store, l3.timeout, &stop).await;
                 let c = &l3.counters;
                 let outcome = match &r {
                     Ok(true) => {

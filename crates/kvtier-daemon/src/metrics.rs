@@ -45,6 +45,8 @@ pub struct Metrics {
     l3_bytes: IntGauge,
     l3_evictions: IntGauge,
     l3_breaker_open: IntGauge,
+    l3_breaker_transitions: IntCounterVec,
+    l3_retries: IntCounterVec,
     /// `kvtier_l3_backend_ops_total{backend, op, outcome}`.
     pub l3_ops: IntCounterVec,
     /// `kvtier_l3_backend_bytes_total{backend, op}`.
@@ -63,6 +65,8 @@ pub struct Metrics {
     pub prefetch_bytes: IntCounterVec,
     /// `kvtier_prefetch_duration_seconds`: start to done.
     pub prefetch_seconds: prometheus::Histogram,
+    /// `kvtier_prefetch_rereads_total`: page reads tried again after a transient failure.
+    pub prefetch_rereads: IntCounter,
     /// `kvtier_prefetch_wait_seconds`: how long a take waited.
     pub prefetch_wait_seconds: prometheus::Histogram,
     /// `kvtier_prefetch_bandwidth_gigabytes_per_second`: per prefetch that landed pages.
@@ -124,6 +128,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l3_bytes",
     "kvtier_l3_evicted_objects",
     "kvtier_l3_breaker_open",
+    "kvtier_l3_breaker_transitions_total",
+    "kvtier_l3_retries_total",
     "kvtier_l3_backend_ops_total",
     "kvtier_l3_backend_bytes_total",
     "kvtier_l3_backend_op_duration_seconds",
@@ -133,6 +139,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_prefetch_pages_total",
     "kvtier_prefetch_bytes_total",
     "kvtier_prefetch_duration_seconds",
+    "kvtier_prefetch_rereads_total",
     "kvtier_prefetch_wait_seconds",
     "kvtier_prefetch_bandwidth_gigabytes_per_second",
     "kvtier_prefetch_negative_keys",
@@ -362,6 +369,28 @@ impl Metrics {
                     "1 while the L3 backend's circuit breaker is open or probing",
                 )?,
             ),
+            l3_breaker_transitions: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l3_breaker_transitions_total",
+                        "L3 circuit breaker transitions: to=open (sustained failure), \
+                         half_open (a probe let through), closed (a probe succeeded)",
+                    ),
+                    &["to"],
+                )?,
+            ),
+            l3_retries: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l3_retries_total",
+                        "Retries of L3 backend calls after a transient failure: \
+                         outcome=retried (attempts), saved (calls a retry turned into success)",
+                    ),
+                    &["outcome"],
+                )?,
+            ),
             l3_ops: reg(
                 &r,
                 IntCounterVec::new(
@@ -444,6 +473,14 @@ impl Metrics {
                         "Prefetch page bytes by stage: requested, hit, landed",
                     ),
                     &["stage"],
+                )?,
+            ),
+            prefetch_rereads: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_prefetch_rereads_total",
+                    "Prefetch page reads tried again after a transient failure the store's own \
+                     retries did not save",
                 )?,
             ),
             prefetch_seconds: reg(
@@ -597,6 +634,27 @@ impl Metrics {
             self.l3_bytes.set(st.bytes as i64);
             self.l3_evictions.set(st.evictions as i64);
             self.l3_breaker_open.set(i64::from(l3.breaker_open()));
+            let (b, r) = (l3.breaker.counts(), l3.retrying.counts());
+            for (counter, total) in [
+                (
+                    &self.l3_breaker_transitions.with_label_values(&["open"]),
+                    b.opened,
+                ),
+                (
+                    &self
+                        .l3_breaker_transitions
+                        .with_label_values(&["half_open"]),
+                    b.probes,
+                ),
+                (
+                    &self.l3_breaker_transitions.with_label_values(&["closed"]),
+                    b.closed,
+                ),
+                (&self.l3_retries.with_label_values(&["retried"]), r.retries),
+                (&self.l3_retries.with_label_values(&["saved"]), r.saved),
+            ] {
+                counter.inc_by(total.saturating_sub(counter.get()));
+            }
             self.l3_queue.set(
                 l3.counters
                     .queued

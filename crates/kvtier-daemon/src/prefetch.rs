@@ -117,6 +117,10 @@ pub struct Prefetcher {
 /// Most bytes of a request id.
 const MAX_REQUEST_ID: usize = 256;
 
+/// Times a prefetch reads one page again after a transient failure (each read already has
+/// the store's own retries), within the prefetch's deadline.
+const PAGE_REREADS: u8 = 4;
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -521,6 +525,7 @@ impl Prefetcher {
             .map(|&there| there.then_some(Ok(())))
             .collect();
         let fetch: Vec<usize> = (0..hit.len()).filter(|&i| !in_place[i]).collect();
+        let mut rereads = vec![0u8; hit.len()];
         let mut next = 0;
         while next < fetch.len().min(concurrency) {
             spawn(&mut reads, fetch[next]);
@@ -564,6 +569,17 @@ impl Prefetcher {
                 () = &mut sleep => break (PrefetchState::TimedOut, String::new()),
             };
             match joined {
+                // A page whose read failed in a way that may pass (the store retried it
+                // already) is read again while the deadline allows: one bad call must not cut
+                // the chain behind it.
+                Some(Ok((i, Err(MissReason::Failed(e)))))
+                    if e.is_retryable() && rereads[i] < PAGE_REREADS =>
+                {
+                    rereads[i] += 1;
+                    self.metrics.prefetch_rereads.inc();
+                    spawn(&mut reads, i);
+                    continue;
+                }
                 Some(Ok((i, r))) => arrived[i] = Some(r),
                 Some(Err(e)) => {
                     tracing::error!(prefetch = id, "a prefetch read task failed: {e}");

@@ -252,7 +252,8 @@ fn remote_backend_from_config_and_a_dead_peer_costs_only_misses() {
             "l3.backend=remote",
             &format!("l3.remote_address={}", a.target()),
             "l3.timeout=500ms",
-            "l3.breaker_failures=2",
+            "l3.breaker_min_calls=2",
+            "l3.retries=0",
         ],
     );
     let keys = chain(9, 6);

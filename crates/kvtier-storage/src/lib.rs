@@ -15,6 +15,7 @@ mod lru;
 pub mod memory;
 mod page;
 pub mod remote;
+pub mod retry;
 pub mod rocks;
 pub mod s3;
 pub mod wrappers;

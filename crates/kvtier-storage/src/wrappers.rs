@@ -14,8 +14,12 @@ use crate::{ObjectSink, StorageError, Store, StoreStats};
 /// Breaker settings.
 #[derive(Clone, Copy, Debug)]
 pub struct BreakerConfig {
-    /// Consecutive failures that open the breaker.
-    pub failures_to_open: u32,
+    /// Share of calls failing over `window` that opens the breaker (0 < rate ≤ 1).
+    pub failure_rate: f64,
+    /// Calls the window must hold before its rate is judged: a few errors never open it.
+    pub min_calls: u32,
+    /// How far back the failure rate looks.
+    pub window: Duration,
     /// How long it stays open before one probe call is let through.
     pub cooldown: Duration,
     /// Deadline of each call to the backend; a call that takes longer counts as a failure.
@@ -25,7 +29,9 @@ pub struct BreakerConfig {
 impl Default for BreakerConfig {
     fn default() -> Self {
         Self {
-            failures_to_open: 5,
+            failure_rate: 0.5,
+            min_calls: 10,
+            window: Duration::from_secs(10),
             cooldown: Duration::from_secs(1),
             timeout: Duration::from_secs(5),
         }
@@ -43,23 +49,96 @@ pub enum BreakerState {
     HalfOpen,
 }
 
+/// Buckets the failure-rate window is kept in.
+const BUCKETS: usize = 10;
+
+/// Call outcomes over a sliding window, in [`BUCKETS`] buckets of `window / BUCKETS`.
+#[derive(Debug)]
+struct Window {
+    span: Duration,
+    start: Instant,
+    /// (ok, failed) per bucket; bucket `i` covers the `i`-th span since `start`, mod BUCKETS.
+    counts: [(u32, u32); BUCKETS],
+    /// Index of the newest bucket since `start`.
+    newest: u64,
+}
+
+impl Window {
+    fn new(window: Duration, now: Instant) -> Self {
+        Self {
+            span: (window / BUCKETS as u32).max(Duration::from_millis(1)),
+            start: now,
+            counts: [(0, 0); BUCKETS],
+            newest: 0,
+        }
+    }
+
+    fn advance(&mut self, now: Instant) {
+        let at =
+            (now.saturating_duration_since(self.start).as_nanos() / self.span.as_nanos()) as u64;
+        let gone = at.saturating_sub(self.newest).min(BUCKETS as u64);
+        for i in 1..=gone {
+            self.counts[((self.newest + i) % BUCKETS as u64) as usize] = (0, 0);
+        }
+        self.newest = self.newest.max(at);
+    }
+
+    fn record(&mut self, ok: bool, now: Instant) {
+        self.advance(now);
+        let b = &mut self.counts[(self.newest % BUCKETS as u64) as usize];
+        if ok {
+            b.0 += 1;
+        } else {
+            b.1 += 1;
+        }
+    }
+
+    /// (calls, failures) in the window.
+    fn totals(&self) -> (u32, u32) {
+        self.counts
+            .iter()
+            .fold((0, 0), |(c, f), (o, x)| (c + o + x, f + x))
+    }
+
+    fn clear(&mut self) {
+        self.counts = [(0, 0); BUCKETS];
+    }
+}
+
+/// Breaker transitions so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BreakerCounts {
+    /// Closed → open (the backend judged down).
+    pub opened: u64,
+    /// Open → half-open (a probe let through).
+    pub probes: u64,
+    /// Half-open → closed (a probe succeeded).
+    pub closed: u64,
+    /// Calls refused while open.
+    pub rejected: u64,
+}
+
 #[derive(Debug)]
 struct Inner {
     state: BreakerState,
-    failures: u32,
+    window: Window,
     opened_at: Instant,
     probe_started: Instant,
 }
 
-/// A circuit breaker around a backend. Repeated failures open it: calls then fail immediately
-/// (callers see misses and dropped writes) instead of waiting on a dead backend. After the
-/// cooldown one probe call goes through; its success closes the breaker.
+/// A circuit breaker around a backend. Sustained failure opens it — at least
+/// `failure_rate` of the calls over `window`, once the window holds `min_calls` — and calls
+/// then fail immediately (callers see misses; writes stay queued) instead of waiting on a
+/// dead backend. Isolated errors never open it. After the cooldown one probe call goes
+/// through (half-open); its success closes the breaker, its failure opens it again.
 #[derive(Debug)]
 pub struct Breaker {
     inner: Arc<dyn Store>,
     cfg: BreakerConfig,
     st: Mutex<Inner>,
     opens: AtomicU64,
+    probes: AtomicU64,
+    closes: AtomicU64,
     rejected: AtomicU64,
 }
 
@@ -84,11 +163,13 @@ impl Breaker {
             cfg,
             st: Mutex::new(Inner {
                 state: BreakerState::Closed,
-                failures: 0,
+                window: Window::new(cfg.window, now),
                 opened_at: now,
                 probe_started: now,
             }),
             opens: AtomicU64::new(0),
+            probes: AtomicU64::new(0),
+            closes: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
         }
     }
@@ -105,12 +186,14 @@ impl Breaker {
         self.lock().state
     }
 
-    /// Times the breaker opened, and calls it refused.
-    pub fn counts(&self) -> (u64, u64) {
-        (
-            self.opens.load(Ordering::Relaxed),
-            self.rejected.load(Ordering::Relaxed),
-        )
+    /// Its transitions and refusals so far.
+    pub fn counts(&self) -> BreakerCounts {
+        BreakerCounts {
+            opened: self.opens.load(Ordering::Relaxed),
+            probes: self.probes.load(Ordering::Relaxed),
+            closed: self.closes.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+        }
     }
 
     /// Decides whether a call may go to the backend now.
@@ -122,6 +205,7 @@ impl Breaker {
             BreakerState::Open if now.duration_since(g.opened_at) >= self.cfg.cooldown => {
                 g.state = BreakerState::HalfOpen;
                 g.probe_started = now;
+                self.probes.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
             // A probe that outlived its deadline was dropped by its caller: allow another.
@@ -141,27 +225,38 @@ impl Breaker {
 
     fn record(&self, ok: bool) {
         let mut g = self.lock();
-        if ok {
-            if g.state != BreakerState::Closed {
+        let now = Instant::now();
+        match (g.state, ok) {
+            (BreakerState::HalfOpen, true) => {
                 tracing::info!(backend = self.inner.kind(), "circuit breaker closed");
+                self.closes.fetch_add(1, Ordering::Relaxed);
+                g.state = BreakerState::Closed;
+                g.window.clear();
             }
-            g.state = BreakerState::Closed;
-            g.failures = 0;
-            return;
-        }
-        g.failures += 1;
-        let reopen = g.state == BreakerState::HalfOpen;
-        if reopen || (g.state == BreakerState::Closed && g.failures >= self.cfg.failures_to_open) {
-            if g.state == BreakerState::Closed {
-                self.opens.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    backend = self.inner.kind(),
-                    failures = g.failures,
-                    "circuit breaker opened: calls fail fast until a probe succeeds"
-                );
+            (BreakerState::HalfOpen, false) => {
+                g.state = BreakerState::Open;
+                g.opened_at = now;
             }
-            g.state = BreakerState::Open;
-            g.opened_at = Instant::now();
+            (BreakerState::Closed, _) => {
+                g.window.record(ok, now);
+                let (calls, failed) = g.window.totals();
+                if !ok
+                    && calls >= self.cfg.min_calls.max(1)
+                    && f64::from(failed) >= self.cfg.failure_rate * f64::from(calls)
+                {
+                    self.opens.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        backend = self.inner.kind(),
+                        calls,
+                        failed,
+                        "circuit breaker opened: calls fail fast until a probe succeeds"
+                    );
+                    g.state = BreakerState::Open;
+                    g.opened_at = now;
+                }
+            }
+            // Calls admitted before it opened end while it is open: they change nothing.
+            (BreakerState::Open, _) => {}
         }
     }
 

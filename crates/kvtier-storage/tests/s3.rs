@@ -37,7 +37,9 @@ async fn s3_on_ceph_rgw_conforms_and_survives_an_outage() {
     let breaker = Arc::new(Breaker::new(
         s3,
         BreakerConfig {
-            failures_to_open: 2,
+            failure_rate: 0.5,
+            min_calls: 2,
+            window: Duration::from_secs(30),
             cooldown: Duration::from_millis(300),
             timeout: Duration::from_secs(3),
         },

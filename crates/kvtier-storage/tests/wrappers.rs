@@ -15,7 +15,9 @@ use kvtier_storage::{Fetch, MissReason, OpCtx, PageStore, StorageError, Store, c
 
 fn cfg() -> BreakerConfig {
     BreakerConfig {
-        failures_to_open: 3,
+        failure_rate: 0.5,
+        min_calls: 3,
+        window: Duration::from_secs(10),
         cooldown: Duration::from_millis(100),
         timeout: Duration::from_millis(50),
     }
@@ -74,7 +76,25 @@ async fn failures_open_the_breaker_and_a_probe_closes_it() {
         Bytes::from_static(b"page")
     );
     assert_eq!(breaker.state(), BreakerState::Closed);
-    assert_eq!(breaker.counts().0, 1);
+    let c = breaker.counts();
+    assert_eq!((c.opened, c.probes, c.closed), (1, 2, 1), "{c:?}");
+}
+
+#[tokio::test]
+async fn isolated_errors_never_open_the_breaker() {
+    // One call in twenty fails, as a throttling S3 or a busy remote node would: the breaker
+    // judges the rate, so it stays closed through hundreds of calls.
+    let flaky = Arc::new(Flaky::new(Arc::new(MemoryStore::new()), 0.05, 11));
+    let breaker = Arc::new(Breaker::new(flaky, cfg()));
+    let mut failed = 0;
+    for i in 0..600 {
+        if breaker.exists(&format!("{i:x}")).await.is_err() {
+            failed += 1;
+        }
+    }
+    assert!(failed > 10, "the injector failed {failed} calls");
+    assert_eq!(breaker.state(), BreakerState::Closed);
+    assert_eq!(breaker.counts().opened, 0);
 }
 
 #[tokio::test]

@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::{ObjectCache, Pool, Pools};
-use crate::l3::{L3Slot, set_with_retries};
+use crate::l3::L3Slot;
 use crate::metrics::Metrics;
 
 /// Longest id accepted (SGLang's are ~70 bytes).
@@ -284,16 +284,15 @@ impl Objects {
             // Memory is the only copy (`sglang_rpc.l3 = "none"`).
             None if in_memory => code::OK,
             None | Some(None) => code::UNAVAILABLE,
-            Some(Some(l3)) => match set_with_retries(
-                &l3.store,
-                &namespace(),
-                &key,
-                data.clone(),
-                l3.timeout,
-                l3.retries,
-                &self.stop,
-            )
-            .await
+            Some(Some(l3)) => match l3
+                .store
+                .set(
+                    &kvtier_storage::OpCtx::child(&self.stop, l3.timeout),
+                    &namespace(),
+                    &key,
+                    data.clone(),
+                )
+                .await
             {
                 Ok(()) => code::OK,
                 Err(e) => {
