@@ -320,38 +320,59 @@ fn pages_given_up_are_counted_with_their_reason() {
     );
 }
 
-#[test]
-fn an_unreliable_l3_costs_hits_never_correctness() {
-    let r = simulate(
-        requests(400),
-        Run {
-            daemon: vec![
-                "l3.fault_error_rate=0.05".into(),
-                "l3.fault_get_delay=1ms".into(),
-                "l3.breaker_failures=1000".into(),
-            ],
-            sequential: true,
-            ..Run::small()
-        },
+/// What a run with faults must still show: every request served, no wrong page, nothing
+/// lost, and at least `share` of the ideal reuse. (The end-of-run audit asks L3 through the
+/// same faults, so its count of unreachable pages is not asserted here.)
+fn assert_recovers(what: &str, r: &Report, n: usize, share: f64) {
+    assert_eq!(r.pages_corrupt, 0, "{what}: {:?}", r.corrupt_samples);
+    assert_eq!((r.requests, r.failed_requests), (n, 0), "{what}");
+    assert_eq!(r.pages_lost_total, 0, "{what}: lost {:?}", r.pages_lost);
+    assert!(
+        r.served_fraction >= share,
+        "{what}: served {:.3} of the ideal reuse, want at least {share}",
+        r.served_fraction
     );
-    assert_eq!(r.pages_corrupt, 0, "{:?}", r.corrupt_samples);
-    assert_eq!(r.requests + r.failed_requests, 400);
-    assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
 }
 
 #[test]
-fn killed_and_restarted_daemon_and_agent_never_corrupt() {
+fn transient_l3_faults_are_retried_and_cost_little_reuse() {
+    // One L3 call in twenty fails, then one in three: retries (in the store, and page by
+    // page in prefetch) save nearly all of them, and the breaker, judging the rate, stays
+    // closed. Before retries, 5% faults cost 89% of the reuse.
+    for (rate, n, share) in [(0.05, 1000, 0.9), (0.3, 400, 0.6)] {
+        let r = simulate(
+            requests(n),
+            Run {
+                daemon: vec![format!("l3.fault_error_rate={rate}")],
+                ..Run::default()
+            },
+        );
+        assert_recovers(&format!("fault rate {rate}"), &r, n, share);
+        assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
+    }
+}
+
+#[test]
+fn a_killed_daemon_or_agent_is_a_blip() {
+    // kvtierd is SIGKILLed mid-run and started again, then an agent: the agents re-register
+    // at once, backups wait for the daemon instead of giving pages up, the file L3 serves
+    // everything written before the kill, and reuse comes back.
+    let r = simulate(
+        requests(1000),
+        Run {
+            chaos: vec![Chaos::KillDaemonAt(400), Chaos::KillAgentAt(700)],
+            ..Run::default()
+        },
+    );
+    assert_recovers("concurrent", &r, 1000, 0.95);
     let r = simulate(
         requests(400),
         Run {
-            chaos: vec![Chaos::KillDaemonAt(150), Chaos::KillAgentAt(280)],
+            chaos: vec![Chaos::KillDaemonAt(150)],
             sequential: true,
             ..Run::small()
         },
     );
-    assert_eq!(r.pages_corrupt, 0, "{:?}", r.corrupt_samples);
-    assert_eq!(r.requests + r.failed_requests, 400);
-    assert!(r.requests >= 396, "{} of 400 served", r.requests);
-    // The file L3 survives the daemon's death: later requests still hit storage.
+    assert_recovers("sequential", &r, 400, 0.95);
     assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
 }

@@ -53,6 +53,8 @@ pub(crate) struct State {
     pub(crate) in_tree: Vec<bool>,
     handles: HashMap<u64, Handle>,
     next_handle: u64,
+    /// The kvtierd session generation backup marks belong to (see [`Link`]).
+    pub(crate) link_generation: u64,
 }
 
 impl State {
@@ -129,6 +131,7 @@ impl AgentService {
                 in_tree: Vec::new(),
                 handles: HashMap::new(),
                 next_handle: 1,
+                link_generation: 0,
             }),
             link,
             metrics,
@@ -151,6 +154,18 @@ impl AgentService {
             },
             BackupWorker { rx, concurrency },
         )
+    }
+
+    /// A new kvtierd session: what the tree believed L2 held may be gone (a restarted
+    /// kvtierd), so every mark is cleared and each page is backed up again (or found in L2)
+    /// before its eviction. Runs before the session is used.
+    pub fn relinked(&self, generation: u64) {
+        let s = &self.shared;
+        let mut st = lock(&s.state);
+        let (_, marked) = st.tree.forget_backups();
+        st.link_generation = generation;
+        s.metrics.daemon_sessions.inc();
+        s.metrics.rechecked_pages.inc_by(marked as u64);
     }
 
     /// This worker's figures for kvtierd's per-session view.

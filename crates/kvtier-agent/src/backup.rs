@@ -269,6 +269,10 @@ impl AgentService {
                     pause = Duration::from_millis(1);
                 }
                 Backup::Failed(Loss::L2Full) if now < deadline => {}
+                // kvtierd went away: a restart is a blip, so wait for the link (for
+                // `evict_wait` after it broke; at once to failure when it was down longer).
+                Backup::Failed(Loss::DaemonUnreachable) if self.shared.link.may_come_back(wait) => {
+                }
                 r => break r,
             }
             tokio::time::sleep(pause.min(deadline.saturating_duration_since(now))).await;
@@ -285,7 +289,7 @@ impl AgentService {
     async fn backup_inner(&self, node: NodeId) -> Backup {
         let t = Instant::now();
         let s = &self.shared;
-        let Some(linked) = s.link.current() else {
+        let Some(linked) = s.link.current_or_wait(s.evict_wait).await else {
             return Backup::Failed(Loss::DaemonUnreachable);
         };
         let plan = {
@@ -323,8 +327,12 @@ impl AgentService {
             // Mark what reached L2, by its last page: the node was locked all along, so that
             // page is still on its path, however requests split the path meanwhile. A retry
             // goes on from there (pages that reached L2 may have left it for L3 since, and
-            // must not be copied again).
-            let _ = lock(&s.state).tree.mark_backed_up_through(node, &last);
+            // must not be copied again). Only for the current session: a mark made through
+            // a session that has since been replaced would be assumed, not checked.
+            let mut st = lock(&s.state);
+            if st.link_generation == linked.generation {
+                let _ = st.tree.mark_backed_up_through(node, &last);
+            }
         }
         let policy = s.policy.name();
         match stored {

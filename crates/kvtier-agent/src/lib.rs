@@ -104,6 +104,8 @@ pub async fn run(
     {
         let svc = service.clone();
         link.set_reporter(Arc::new(move || svc.report()));
+        let svc = service.clone();
+        link.set_on_linked(Arc::new(move |generation| svc.relinked(generation)));
     }
     let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
     let backups = tokio::spawn(backup::run_backups(

@@ -1,16 +1,19 @@
 //! The agent's link to kvtierd: one session for the engine's layout, kept alive with
-//! heartbeats, re-established with backoff when the daemon restarts or the session expires.
-//! While there is no link the agent serves from L1 alone: every host or storage lookup is a
-//! miss, backups are dropped (counted), nothing waits.
+//! heartbeats, re-established at once (then with backoff) when the daemon restarts or the
+//! session expires. While there is no link the agent serves from L1 alone: every host or
+//! storage lookup is a miss. Backups wait for the link to come back for up to
+//! `cache.evict_wait` after it broke ([`Link::current_or_wait`]): a restarting kvtierd is a
+//! blip, not a loss. Each new session has a new generation; the agent is told before the
+//! session is used ([`Link::set_on_linked`]), so it re-checks what it believed L2 held.
 
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use kvtier_client::{ClientError, HostClient};
 use kvtier_config::agent::AgentConfig;
 use kvtier_core::LayoutSpec;
 use kvtier_shm::ShmPool;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 /// A live session with kvtierd and its pool mapped.
@@ -24,6 +27,8 @@ pub struct Linked {
     pub pool: Arc<ShmPool>,
     /// Session lease.
     pub ttl: Duration,
+    /// Which link this is: 1 for the first session, one more for each one after.
+    pub generation: u64,
 }
 
 /// The link, shared by the service and the background task that maintains it.
@@ -35,7 +40,19 @@ pub struct Link {
     want: watch::Sender<Option<LayoutSpec>>,
     current: RwLock<Option<Arc<Linked>>>,
     reporter: RwLock<Option<Reporter>>,
+    on_linked: RwLock<Option<OnLinked>>,
+    /// Sessions established so far.
+    generation: std::sync::atomic::AtomicU64,
+    /// When the last link broke (`None` while linked, or before the first link).
+    down_since: Mutex<Option<Instant>>,
+    /// Wakes the maintenance task when a call finds the link broken.
+    wake: Notify,
+    /// Bumped each time a session is published, for waiters.
+    linked: watch::Sender<u64>,
 }
+
+/// Called with a new session's generation before the session is used.
+pub type OnLinked = Arc<dyn Fn(u64) + Send + Sync>;
 
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -91,7 +108,54 @@ impl Link {
             want: watch::channel(None).0,
             current: RwLock::new(None),
             reporter: RwLock::new(None),
+            on_linked: RwLock::new(None),
+            generation: std::sync::atomic::AtomicU64::new(0),
+            down_since: Mutex::new(None),
+            wake: Notify::new(),
+            linked: watch::channel(0).0,
         }
+    }
+
+    /// Sets what runs when a new session is established, before anything uses it.
+    pub fn set_on_linked(&self, f: OnLinked) {
+        *write(&self.on_linked) = Some(f);
+    }
+
+    fn down_since(&self) -> Option<Instant> {
+        *self.down_since.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_down_since(&self, at: Option<Instant>) {
+        *self.down_since.lock().unwrap_or_else(|p| p.into_inner()) = at;
+    }
+
+    /// The live session; when there is none but the link broke less than `grace` ago, waits
+    /// (until `grace` after it broke) for it to come back. `None` at once when the link never
+    /// came up, or has been down longer: a daemon that is gone must not stall the engine.
+    pub async fn current_or_wait(&self, grace: Duration) -> Option<Arc<Linked>> {
+        let mut seen = self.linked.subscribe();
+        loop {
+            if let Some(l) = self.current() {
+                return Some(l);
+            }
+            let until = self.down_since()? + grace;
+            if Instant::now() >= until {
+                return None;
+            }
+            let changed = seen.changed();
+            if tokio::time::timeout_at(until.into(), changed)
+                .await
+                .is_err()
+            {
+                return self.current();
+            }
+        }
+    }
+
+    /// Whether a call that failed for want of a link may wait for it: it broke less than
+    /// `grace` ago (or is back already).
+    pub fn may_come_back(&self, grace: Duration) -> bool {
+        self.current().is_some() || self.down_since().is_some_and(|t| t.elapsed() < grace)
     }
 
     /// Sets what each heartbeat reports to kvtierd (its per-session view of this worker).
@@ -128,6 +192,8 @@ impl Link {
                 "kvtierd link lost: {why}; serving L1 only until it is back"
             );
             *cur = None;
+            self.set_down_since(Some(Instant::now()));
+            self.wake.notify_one();
         }
     }
 
@@ -139,6 +205,7 @@ impl Link {
             session: s.id,
             pool: Arc::new(s.pool),
             ttl: s.ttl,
+            generation: 0,
         })
     }
 
@@ -154,10 +221,21 @@ impl Link {
                 (None, _) => None,
                 (Some(layout), None) => {
                     match tokio::time::timeout(self.timeout, self.connect(&layout)).await {
-                        Ok(Ok(linked)) => {
-                            tracing::info!(session = linked.session, address = %self.address, "registered with kvtierd");
+                        Ok(Ok(mut linked)) => {
+                            let generation = self
+                                .generation
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                                + 1;
+                            linked.generation = generation;
+                            tracing::info!(session = linked.session, generation, address = %self.address, "registered with kvtierd");
+                            let hook = read(&self.on_linked).clone();
+                            if let Some(hook) = hook {
+                                hook(generation);
+                            }
                             let ttl = linked.ttl;
                             *write(&self.current) = Some(Arc::new(linked));
+                            self.set_down_since(None);
+                            self.linked.send_replace(generation);
                             backoff = self.backoff.0;
                             Some(ttl / 3)
                         }
@@ -192,6 +270,8 @@ impl Link {
             tokio::select! {
                 () = stop.cancelled() => break,
                 _ = want.changed() => {}
+                // A call found the link broken: reconnect now, not at the next heartbeat.
+                () = self.wake.notified() => {}
                 () = async {
                     match wait {
                         Some(w) => tokio::time::sleep(w).await,

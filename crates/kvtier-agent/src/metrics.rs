@@ -39,6 +39,11 @@ pub struct Metrics {
     pub evicted_pages: IntCounter,
     /// `kvtier_agent_inserted_pages_total`.
     pub inserted_pages: IntCounter,
+    /// `kvtier_agent_daemon_sessions_total`: sessions established with kvtierd.
+    pub daemon_sessions: IntCounter,
+    /// `kvtier_agent_rechecked_pages_total`: device pages whose backup mark a new session
+    /// cleared, to be backed up (or found in L2) again before eviction.
+    pub rechecked_pages: IntCounter,
     /// `kvtier_agent_device_pages`.
     pub device_pages: IntGauge,
     /// `kvtier_agent_locked_pages`.
@@ -65,6 +70,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_agent_backup_wait_seconds",
     "kvtier_agent_evicted_pages_total",
     "kvtier_agent_inserted_pages_total",
+    "kvtier_agent_daemon_sessions_total",
+    "kvtier_agent_rechecked_pages_total",
     "kvtier_agent_device_pages",
     "kvtier_agent_locked_pages",
     "kvtier_agent_open_handles",
@@ -210,6 +217,22 @@ impl Metrics {
                 IntCounter::new(
                     "kvtier_agent_inserted_pages_total",
                     "Device pages added to the tree by Insert and LoadBack",
+                )?,
+            ),
+            daemon_sessions: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_agent_daemon_sessions_total",
+                    "Sessions established with kvtierd (more than one: it restarted, or a \
+                     session expired)",
+                )?,
+            ),
+            rechecked_pages: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_agent_rechecked_pages_total",
+                    "Device pages believed in L2 whose mark a new kvtierd session cleared, to \
+                     be backed up or found there again before eviction",
                 )?,
             ),
             device_pages: reg(

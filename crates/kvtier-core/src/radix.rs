@@ -787,6 +787,30 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         out
     }
 
+    /// Forgets what the host tier was believed to hold: drops every host-only node and
+    /// clears every backed-up mark, so each page is backed up (or found there already) again
+    /// before its eviction. For when the host tier may have lost pages, such as a restarted
+    /// kvtierd. Returns the host-only pages dropped and the device pages whose mark was
+    /// cleared.
+    pub fn forget_backups(&mut self) -> (usize, usize) {
+        let dropped = self
+            .evict_host(usize::MAX)
+            .iter()
+            .map(|e| e.keys.len())
+            .sum();
+        let mut cleared = 0;
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if i as u32 != ROOT
+                && let Some(n) = &mut slot.node
+                && n.backed_up
+            {
+                n.backed_up = false;
+                cleared += n.keys.len();
+            }
+        }
+        (dropped, cleared)
+    }
+
     /// Unlinks a childless, unlocked node that holds no device values and frees its slot.
     fn remove_leaf(&mut self, idx: u32) -> Vec<K> {
         let n = self.node(idx);

@@ -113,6 +113,8 @@ enum Op {
     /// A backup that stored only the first pages of the matched path.
     PartialBackup(Vec<u8>, usize),
     Priority(Vec<u8>, i8),
+    /// The host tier may have lost pages (kvtierd restarted).
+    ForgetBackups,
 }
 
 fn seq() -> impl Strategy<Value = Vec<u8>> {
@@ -130,6 +132,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => seq().prop_map(Op::Backup),
         1 => (seq(), any::<usize>()).prop_map(|(s, k)| Op::PartialBackup(s, k)),
         1 => (seq(), any::<i8>()).prop_map(|(s, p)| Op::Priority(s, p)),
+        1 => Just(Op::ForgetBackups),
     ]
 }
 
@@ -305,6 +308,15 @@ impl Harness {
                 );
                 for l in &labels[..=k % matched] {
                     self.model.pages.get_mut(l).unwrap().backed = true;
+                }
+            }
+            Op::ForgetBackups => {
+                let host_only = self.model.count(|p| p.value.is_none());
+                let marked = self.model.count(|p| p.value.is_some() && p.backed);
+                assert_eq!(self.tree.forget_backups(), (host_only, marked));
+                self.model.pages.retain(|_, p| p.value.is_some());
+                for p in self.model.pages.values_mut() {
+                    p.backed = false;
                 }
             }
             Op::Priority(s, prio) => {
