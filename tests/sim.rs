@@ -376,3 +376,77 @@ fn a_killed_daemon_or_agent_is_a_blip() {
     assert_recovers("sequential", &r, 400, 0.95);
     assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
 }
+
+#[test]
+fn l2_survives_a_daemon_crash() {
+    // No L3, and an L2 that holds everything: after kvtierd is SIGKILLed, its successor takes
+    // over the pool's verified pages, so every page computed before the kill is still in a
+    // tier at the end (without the takeover, tens of thousands are not).
+    let n = 400;
+    let r = simulate(
+        requests(n),
+        Run {
+            l2_pages: 200_000,
+            daemon: vec!["l3.backend=none".into()],
+            chaos: vec![Chaos::KillDaemonAt(200)],
+            ..Run::default()
+        },
+    );
+    assert_healthy("kill without L3", &r, n, 0.9);
+    assert!(r.hit_tokens.host > 0, "{:?}", r.hit_tokens);
+}
+
+#[test]
+fn slow_storage_never_slows_the_engine() {
+    let n = 400;
+    let slow = |delay: &str, extra: &[&str], policy| {
+        let mut daemon = vec![format!("l3.fault_get_delay={delay}")];
+        daemon.extend(extra.iter().map(|s| s.to_string()));
+        simulate(
+            requests(n),
+            Run {
+                daemon,
+                prefetch: Some(policy),
+                ..Run::default()
+            },
+        )
+    };
+    // 200 ms per L3 read. Each read waits the same however many run, so the prefetch widens
+    // its read window and the pages still arrive within the timeout policy's deadline (with
+    // 16 reads at once they would not).
+    let r = slow("200ms", &[], PrefetchPolicy::Timeout);
+    assert_recovers("200 ms reads, timeout", &r, n, 0.95);
+    assert!(r.hit_tokens.storage > 0, "{:?}", r.hit_tokens);
+    assert_eq!(r.storage_waits.over_deadline, 0, "{:?}", r.storage_waits);
+    // 3 s per read against a 300 ms deadline: a request waits out its deadline, no more,
+    // then computes what did not arrive.
+    let r = slow(
+        "3s",
+        &[
+            "prefetch.timeout_base=300ms",
+            "prefetch.timeout_per_1k_tokens=0s",
+        ],
+        PrefetchPolicy::Timeout,
+    );
+    assert_recovers("3 s reads, timeout", &r, n, 0.0);
+    assert!(
+        r.prefetch.get("timed_out").is_some_and(|&t| t > 0),
+        "{:?}",
+        r.prefetch
+    );
+    assert_eq!(r.storage_waits.over_deadline, 0, "{:?}", r.storage_waits);
+    assert!(
+        r.storage_waits.max_seconds < 1.5,
+        "a request waited {:.2} s on a 300 ms deadline",
+        r.storage_waits.max_seconds
+    );
+    // Best effort: the engine never waits; it takes what landed when it runs the request.
+    let r = slow("200ms", &[], PrefetchPolicy::BestEffort);
+    assert_recovers("200 ms reads, best effort", &r, n, 0.0);
+    assert!(r.storage_waits.requests > 0, "{:?}", r.storage_waits);
+    assert!(
+        r.storage_waits.max_seconds < 0.5,
+        "best effort waited {:.2} s",
+        r.storage_waits.max_seconds
+    );
+}

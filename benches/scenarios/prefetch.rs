@@ -137,7 +137,9 @@ where
         "prefetch.budget_fraction=1.0".into(),
         "prefetch.threshold_tokens=0".into(),
         "prefetch.recompute_tokens_per_second=0".into(),
+        // Pinned, so the raw baseline reads with the same number in flight.
         format!("prefetch.concurrency={CONCURRENCY}"),
+        format!("prefetch.max_concurrency={CONCURRENCY}"),
     ]);
     let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
     // As many runtime threads as kvtierd itself runs with.

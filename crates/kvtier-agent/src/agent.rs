@@ -658,6 +658,12 @@ impl AgentService {
     }
 
     async fn prefetch(&self, req: v1::AgentPrefetchRequest) -> Result<ProgressStream, ApiError> {
+        let policy = v1::PrefetchPolicy::try_from(req.policy).map_err(|_| {
+            ApiError::invalid(
+                "policy",
+                format!("{} is not a PrefetchPolicy value", req.policy),
+            )
+        })?;
         let (keys, dev) = {
             let st = lock(&self.shared.state);
             st.engine()?;
@@ -678,7 +684,7 @@ impl AgentService {
         let id = format!("h{}", req.handle);
         let opts = PrefetchOptions {
             parent: dev.checked_sub(1).map(|i| keys[i]),
-            policy: v1::PrefetchPolicy::try_from(req.policy).unwrap_or_default(),
+            policy,
             hints: req.hints.unwrap_or_default(),
         };
         let mut c = linked.client.clone();

@@ -70,6 +70,12 @@ reserve = true
 # backpressure that slows engines to what L3 absorbs. The rest of the pool keeps pages L3
 # holds, for readers and for prefetches to make room among.
 dirty_fraction = 0.5
+# Survive a kvtierd crash with L2 intact (shm_file pools). Each committed page gets a record
+# beside the pool (key, length, CRC32C, computed in the background), cleared before its slot
+# is reused. A kvtierd that starts and finds a dead one's pool takes over every page whose
+# record and checksum verify, and serves them at once; a page half-written, or changed after
+# its record, is never taken. false: no records, and a dead kvtierd's pools are removed.
+take_over_after_crash = true
 
 [l3]
 # The storage tier behind L2: "file" (the embedded default: one file per page under
@@ -187,8 +193,13 @@ recompute_tokens_per_second = 20000
 budget_fraction = 0.5
 # Pages fetched per batch; progress is reported at least once per batch (1 to 4096).
 batch_pages = 128
-# Backend reads in flight at once per prefetch (1 to 256).
+# Backend reads in flight at once per prefetch, at least (1 to 256). The number adapts per
+# backend between this and max_concurrency from the reads' latencies: a latency-bound
+# backend (S3, a remote node, a throttled store) gets more reads at once, a saturated one
+# (a local disk) stays near this.
 concurrency = 16
+# The most reads in flight per prefetch (concurrency to 4096).
+max_concurrency = 512
 # Timeout policy: the deadline is min(timeout_max, timeout_base + timeout_per_1k_tokens *
 # tokens / 1024), counted from the prefetch's start. timeout_max also bounds wait_complete.
 timeout_base = "2s"
@@ -307,6 +318,8 @@ pub struct L2Config {
     pub reserve: bool,
     /// Share of a pool that pages not yet in L3 may take while L3 is up.
     pub dirty_fraction: f64,
+    /// Seal committed pages so a kvtierd started after a crash takes the pool over.
+    pub take_over_after_crash: bool,
 }
 
 /// `[l3]`.
@@ -434,8 +447,10 @@ pub struct PrefetchConfig {
     pub budget_fraction: f64,
     /// Pages per fetch batch.
     pub batch_pages: u32,
-    /// Backend reads in flight per prefetch.
+    /// Backend reads in flight per prefetch, at least.
     pub concurrency: u32,
+    /// Backend reads in flight per prefetch, at most (the window adapts in between).
+    pub max_concurrency: u32,
     /// Timeout policy: fixed part of the deadline.
     pub timeout_base: Dur,
     /// Timeout policy: added per 1024 tokens.
@@ -497,6 +512,7 @@ impl Default for PrefetchConfig {
             budget_fraction: 0.5,
             batch_pages: 128,
             concurrency: 16,
+            max_concurrency: 512,
             timeout_base: Dur(Duration::from_secs(2)),
             timeout_per_1k_tokens: Dur(Duration::from_millis(100)),
             timeout_max: Dur(Duration::from_secs(30)),
@@ -620,6 +636,7 @@ impl Default for L2Config {
             huge_pages: false,
             reserve: true,
             dirty_fraction: 0.5,
+            take_over_after_crash: true,
         }
     }
 }
@@ -739,6 +756,7 @@ impl DaemonConfig {
                     huge_pages: _,
                     reserve: _,
                     dirty_fraction,
+                    take_over_after_crash: _,
                 },
             l3:
                 L3Config {
@@ -785,6 +803,7 @@ impl DaemonConfig {
                     budget_fraction,
                     batch_pages: prefetch_batch,
                     concurrency: prefetch_concurrency,
+                    max_concurrency: prefetch_max_concurrency,
                     timeout_base,
                     timeout_per_1k_tokens,
                     timeout_max,
@@ -1012,7 +1031,7 @@ impl DaemonConfig {
                 format!("{budget_fraction} is outside 0.0..=1.0"),
             ));
         }
-        let ranges: [(&str, u64, u64, u64); 5] = [
+        let ranges: [(&str, u64, u64, u64); 6] = [
             ("prefetch.threshold_tokens", *threshold_tokens, 0, 1 << 32),
             ("prefetch.batch_pages", u64::from(*prefetch_batch), 1, 4096),
             (
@@ -1020,6 +1039,12 @@ impl DaemonConfig {
                 u64::from(*prefetch_concurrency),
                 1,
                 256,
+            ),
+            (
+                "prefetch.max_concurrency",
+                u64::from(*prefetch_max_concurrency),
+                u64::from(*prefetch_concurrency),
+                4096,
             ),
             (
                 "prefetch.negative_capacity",
@@ -1255,6 +1280,16 @@ mod tests {
                     ..Sources::default()
                 },
                 "prefetch.concurrency",
+            ),
+            (
+                Sources {
+                    sets: vec![
+                        "prefetch.concurrency=32".into(),
+                        "prefetch.max_concurrency=16".into(),
+                    ],
+                    ..Sources::default()
+                },
+                "prefetch.max_concurrency",
             ),
             (
                 Sources {

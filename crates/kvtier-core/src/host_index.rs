@@ -109,6 +109,37 @@ struct Entry {
     flush_rank: Option<Rank>,
 }
 
+impl Entry {
+    /// A new, unpinned entry created at tick `now`, not known to L3.
+    fn new(
+        key: PageKey,
+        parent: Option<PageKey>,
+        state: PageState,
+        owner: OwnerId,
+        now: u64,
+        dirty: bool,
+    ) -> Self {
+        Self {
+            key,
+            parent,
+            state,
+            owner,
+            pins: 0,
+            children: 0,
+            meta: EntryMeta {
+                last_access: now,
+                created: now,
+                hits: 0,
+                priority: 0,
+            },
+            l3: L3Mark::None,
+            dirty,
+            rank: None,
+            flush_rank: None,
+        }
+    }
+}
+
 /// Where a page stands with the storage tier below L2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum L3Mark {
@@ -457,6 +488,32 @@ impl HostIndex {
             .count()
     }
 
+    /// The key of the page before `key` in its sequence, as it was reserved, if `key` is
+    /// indexed and has one.
+    pub fn parent(&self, key: &PageKey) -> Option<PageKey> {
+        self.map.get(key).and_then(|&s| self.entry(s).parent)
+    }
+
+    /// Indexes a page taken over from a dead daemon's pool: ready, unpinned, under `parent`
+    /// (counted as its child when indexed), and dirty: L3 is not known to hold it, so the
+    /// writer asks L3 before it writes it. Takes a free slot and never evicts. Returns the
+    /// slot the caller must fill before anyone can read it (adoption runs before the daemon
+    /// serves), or `None` when `key` is indexed already or no slot is free.
+    pub fn adopt(&mut self, key: PageKey, parent: Option<PageKey>) -> Option<u32> {
+        if self.map.contains_key(&key) {
+            return None;
+        }
+        let slot = self.alloc.alloc()?;
+        let now = self.tick();
+        self.entries[slot as usize] = Some(Entry::new(key, parent, PageState::Ready, 0, now, true));
+        self.map.insert(key, slot);
+        self.stats.ready += 1;
+        self.stats.dirty += 1;
+        self.adjust_children(parent, 1);
+        self.refresh(slot);
+        Some(slot)
+    }
+
     /// The slot and state of `key`, if indexed.
     pub fn get(&self, key: &PageKey) -> Option<(u32, PageState)> {
         self.map.get(key).map(|&s| (s, self.entry(s).state))
@@ -527,24 +584,14 @@ impl HostIndex {
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;
             };
-            self.entries[slot as usize] = Some(Entry {
-                key: *key,
+            self.entries[slot as usize] = Some(Entry::new(
+                *key,
                 parent,
-                state: PageState::Writing,
+                PageState::Writing,
                 owner,
-                pins: 0,
-                children: 0,
-                meta: EntryMeta {
-                    last_access: now,
-                    created: now,
-                    hits: 0,
-                    priority: 0,
-                },
-                l3: L3Mark::None,
+                now,
                 dirty,
-                rank: None,
-                flush_rank: None,
-            });
+            ));
             self.map.insert(*key, slot);
             self.stats.writing += 1;
             if dirty {

@@ -22,6 +22,7 @@ pub mod keys;
 pub mod layout;
 pub mod policy;
 pub mod radix;
+pub mod read_window;
 pub mod slots;
 pub mod write_policy;
 
@@ -29,6 +30,7 @@ pub use keys::{Namespace, PageHasher, PageKey};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use radix::RadixTree;
+pub use read_window::ReadWindow;
 pub use write_policy::WritePolicy;
 
 /// Errors of the core crate: every one names the input that was wrong.

@@ -95,6 +95,11 @@ enum Op {
         landed: bool,
     },
     Flush(usize),
+    /// A page taken over from a dead daemon's pool (page `i` of chain `c`, under page i-1).
+    Adopt {
+        chain: u8,
+        i: u8,
+    },
     /// With L3 attached: it goes down (breaker open) or comes back.
     L3Down(bool),
 }
@@ -115,6 +120,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u8..4, any::<bool>()).prop_map(|(chain, landed)| Op::FinishL3 { chain, landed }),
         1 => (0usize..4).prop_map(Op::Flush),
         1 => any::<bool>().prop_map(Op::L3Down),
+        1 => (0u8..4, 0u8..4).prop_map(|(chain, i)| Op::Adopt { chain, i }),
     ]
 }
 
@@ -344,6 +350,32 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, ops: &[Op]) {
                     assert_eq!(m.entries[k].pins, 0, "flushed a pinned page");
                 }
                 queue(&mut m, &got);
+            }
+            Op::Adopt { chain: c, i } => {
+                let k = key(*c, *i);
+                let parent = i.checked_sub(1).map(|p| key(*c, p));
+                let got = ix.adopt(k, parent);
+                let fits = !m.entries.contains_key(&k) && (m.entries.len() as u32) < CAPACITY;
+                assert_eq!(got.is_some(), fits, "adopt of {k:?}");
+                if let Some(slot) = got {
+                    assert_eq!(ix.get(&k), Some((slot, PageState::Ready)));
+                    assert_eq!(ix.parent(&k), parent);
+                    m.next_instance += 1;
+                    let parent_instance =
+                        parent.and_then(|p| m.entries.get(&p)).map(|e| e.instance);
+                    m.entries.insert(
+                        k,
+                        Entry {
+                            state: PageState::Ready,
+                            owner: 0,
+                            pins: 0,
+                            instance: m.next_instance,
+                            parent_instance,
+                            l3: L3Mark::None,
+                            dirty: true,
+                        },
+                    );
+                }
             }
             Op::L3Down(down) => {
                 if mode != L3Mode::Absent {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvtier_config::daemon::DaemonConfig;
-use kvtier_core::{LayoutFingerprint, PageKey, WritePolicy};
+use kvtier_core::{LayoutFingerprint, PageKey, ReadWindow, WritePolicy};
 use kvtier_shm::ShmPool;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
@@ -82,6 +82,8 @@ pub struct L3 {
     pub counters: Arc<WriterCounters>,
     /// How fast this backend loads pages, learnt from finished prefetches.
     pub estimate: Mutex<LoadEstimate>,
+    /// How many reads a prefetch keeps in flight, learnt from their latencies.
+    pub read_window: Mutex<ReadWindow>,
 }
 
 /// How long loading pages from the backend takes, learnt from finished prefetches: the time
@@ -233,6 +235,10 @@ impl L3 {
                 tx,
                 counters: Arc::default(),
                 estimate: Mutex::default(),
+                read_window: Mutex::new(ReadWindow::new(
+                    cfg.prefetch.concurrency as usize,
+                    cfg.prefetch.max_concurrency as usize,
+                )),
             },
             WriterParts {
                 rx,

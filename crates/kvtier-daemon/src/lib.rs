@@ -99,39 +99,10 @@ fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Daem
     move |source| DaemonError::Setup { what, path, source }
 }
 
-/// Removes pool files left in `dir` by kvtierd processes that died without cleaning up
-/// (`kvtier-<pid>-<fingerprint>` whose pid no longer exists). Such files hold RAM in tmpfs
-/// until removed. A pid that exists is left alone, whatever it now runs.
-fn remove_stale_pools(dir: &Path) {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let me = std::process::id();
-    for e in rd.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("kvtier-")) else {
-            continue;
-        };
-        let Some((pid, fp)) = rest.split_once('-') else {
-            continue;
-        };
-        let Ok(pid) = pid.parse::<u32>() else {
-            continue;
-        };
-        if pid == me || fp.len() != 32 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
-            continue;
-        }
-        if Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        match std::fs::remove_file(e.path()) {
-            Ok(()) => tracing::info!(path = %e.path().display(), "removed a dead kvtierd's pool"),
-            Err(err) => {
-                tracing::warn!(path = %e.path().display(), "cannot remove a stale pool: {err}")
-            }
-        }
-    }
-}
+/// How often the sealer looks for committed pages to seal.
+const SEAL_PERIOD: Duration = Duration::from_millis(20);
+/// Pages the sealer checksums per round trip to a blocking thread.
+const SEAL_BATCH: usize = 256;
 
 /// Binds a socket, replacing a stale socket file but never a live server's.
 async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
@@ -168,8 +139,13 @@ pub async fn run(
         .as_ref()
         .and_then(kvtier_client::prometheus_http::local);
 
-    remove_stale_pools(&cfg.l2.shm_dir);
     let state = Arc::new(Mutex::new(HostState::new(&cfg)));
+    {
+        // Before serving: the pools of a kvtierd that crashed are taken over (or removed).
+        let mut st = lock(&state);
+        let counts = state::take_over_dead_pools(&cfg, &mut st);
+        st.counters.takeover = counts;
+    }
     let metrics = Metrics::new()?;
     let l3 = Arc::new(l3::L3Slot::new(
         state.clone(),
@@ -269,6 +245,36 @@ pub async fn run(
             Arc::new(move || metrics.render(&state, l3.current().as_deref())),
             shutdown.clone(),
         ));
+    }
+    // Sealer: checksums committed pages off the state lock and seals their slot records,
+    // so the pools survive a crash.
+    if lock(&state).seals_enabled() {
+        let state = state.clone();
+        let stop = shutdown.clone();
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(SEAL_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                loop {
+                    let jobs = lock(&state).seal_jobs(SEAL_BATCH);
+                    if jobs.is_empty() {
+                        break;
+                    }
+                    let done = tokio::task::spawn_blocking(move || {
+                        jobs.into_iter()
+                            .filter_map(state::SealJob::checksum)
+                            .collect()
+                    })
+                    .await
+                    .unwrap_or_default();
+                    lock(&state).seal(done);
+                }
+            }
+        });
     }
     // Lease sweeper: ends sessions that stopped heartbeating.
     {

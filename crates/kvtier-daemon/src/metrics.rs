@@ -34,6 +34,12 @@ pub struct Metrics {
     /// `kvtier_l2_lost_pages_total{reason}`: pages evicted from L2 that L3 did not hold
     /// (`no_l3`, `l3_down`).
     lost_pages: IntCounterVec,
+    /// `kvtier_l2_takeover_pages_total{outcome}`: pages of a crashed kvtierd's pools.
+    takeover_pages: IntCounterVec,
+    /// `kvtier_l2_takeover_pools_total{outcome}`.
+    takeover_pools: IntCounterVec,
+    /// `kvtier_l2_sealed_pages_total`.
+    sealed_pages: IntCounter,
     /// `kvtier_l3_writes_total{outcome}`: written, present (already in L3), failed, deferred.
     pub l3_writes: IntCounterVec,
     /// `kvtier_l3_write_bytes_total`.
@@ -47,6 +53,7 @@ pub struct Metrics {
     l3_breaker_open: IntGauge,
     l3_breaker_transitions: IntCounterVec,
     l3_retries: IntCounterVec,
+    l3_read_window: IntGauge,
     /// `kvtier_l3_backend_ops_total{backend, op, outcome}`.
     pub l3_ops: IntCounterVec,
     /// `kvtier_l3_backend_bytes_total{backend, op}`.
@@ -113,6 +120,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l2_dropped_pins_total",
     "kvtier_l2_dropped_reservations_total",
     "kvtier_l2_lost_pages_total",
+    "kvtier_l2_takeover_pages_total",
+    "kvtier_l2_takeover_pools_total",
+    "kvtier_l2_sealed_pages_total",
     "kvtier_l2_pool_bytes",
     "kvtier_l2_pool_pages",
     "kvtier_l2_dirty_pages",
@@ -130,6 +140,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "kvtier_l3_breaker_open",
     "kvtier_l3_breaker_transitions_total",
     "kvtier_l3_retries_total",
+    "kvtier_l3_read_window",
     "kvtier_l3_backend_ops_total",
     "kvtier_l3_backend_bytes_total",
     "kvtier_l3_backend_op_duration_seconds",
@@ -279,6 +290,37 @@ impl Metrics {
                     &["reason"],
                 )?,
             ),
+            takeover_pages: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l2_takeover_pages_total",
+                        "Pages of a crashed kvtierd's pools found at start, by outcome: \
+                         adopted (verified and served), refused_checksum (bytes no longer \
+                         match their sealed record), no_room (the new pool was full)",
+                    ),
+                    &["outcome"],
+                )?,
+            ),
+            takeover_pools: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvtier_l2_takeover_pools_total",
+                        "Pools of crashed kvtierd processes found at start: taken_over, or \
+                         removed (no or damaged slot table, foreign layout, takeover off)",
+                    ),
+                    &["outcome"],
+                )?,
+            ),
+            sealed_pages: reg(
+                &r,
+                IntCounter::new(
+                    "kvtier_l2_sealed_pages_total",
+                    "Committed L2 pages checksummed and recorded beside their pool, so a \
+                     kvtierd started after a crash can take them over",
+                )?,
+            ),
             pool_bytes: reg(
                 &r,
                 IntGaugeVec::new(
@@ -378,6 +420,14 @@ impl Metrics {
                          half_open (a probe let through), closed (a probe succeeded)",
                     ),
                     &["to"],
+                )?,
+            ),
+            l3_read_window: reg(
+                &r,
+                IntGauge::new(
+                    "kvtier_l3_read_window",
+                    "Reads a prefetch keeps in flight against L3 now, learnt from their \
+                     latencies (between prefetch.concurrency and prefetch.max_concurrency)",
                 )?,
             ),
             l3_retries: reg(
@@ -655,6 +705,12 @@ impl Metrics {
             ] {
                 counter.inc_by(total.saturating_sub(counter.get()));
             }
+            let window = l3
+                .read_window
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .limit();
+            self.l3_read_window.set(window as i64);
             self.l3_queue.set(
                 l3.counters
                     .queued
@@ -704,6 +760,27 @@ impl Metrics {
                 (
                     &self.lost_pages.with_label_values(&["l3_down"]),
                     c.lost_l3_down,
+                ),
+                (&self.sealed_pages, c.sealed_pages),
+                (
+                    &self.takeover_pages.with_label_values(&["adopted"]),
+                    c.takeover.adopted,
+                ),
+                (
+                    &self.takeover_pages.with_label_values(&["refused_checksum"]),
+                    c.takeover.refused_checksum,
+                ),
+                (
+                    &self.takeover_pages.with_label_values(&["no_room"]),
+                    c.takeover.no_room,
+                ),
+                (
+                    &self.takeover_pools.with_label_values(&["taken_over"]),
+                    c.takeover.pools,
+                ),
+                (
+                    &self.takeover_pools.with_label_values(&["removed"]),
+                    c.takeover.pools_removed,
                 ),
             ] {
                 counter.inc_by(total.saturating_sub(counter.get()));

@@ -8,7 +8,8 @@
 //! task can free them: a session that ends, a release or a best-effort take only *asks* the
 //! task to stop.
 //!
-//! The task reads pages with bounded concurrency, one tokio task per page, each straight into
+//! The task reads pages with bounded concurrency (the tier's [`ReadWindow`], which learns from
+//! read latencies how many reads the backend serves at once), one tokio task per page, each straight into
 //! its reserved slot ([`PageStore::get_into`]: the file backend streams through a small
 //! per-thread buffer, so there is no page-sized allocation per read) and verified on the way
 //! (header fields, CRC32C). Pages land strictly in order, each committed ready, pinned and
@@ -18,6 +19,8 @@
 //! closes a [`Fence`] that refuses writes from backend threads still reading; only then are
 //! the slots of pages that did not land freed. Progress goes out on a `watch` channel that
 //! the streaming RPC, status polls and takes read.
+//!
+//! [`ReadWindow`]: kvtier_core::ReadWindow
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -502,7 +505,9 @@ impl Prefetcher {
             cancel,
         } = t;
         let batch = self.cfg.batch_pages as usize;
-        let concurrency = self.cfg.concurrency as usize;
+        // Reads in flight: the tier's window, learnt from read latencies across prefetches
+        // (wide for a latency-bound backend, narrow for a saturated one).
+        let window = || lock(&tier.read_window).limit();
         let timeout = tier.timeout;
         // Each page is its own task, so verification and the copy into the pool run on every
         // worker thread at once; results land strictly in order.
@@ -516,8 +521,11 @@ impl Prefetcher {
                 fence: fence.clone(),
             };
             let (store, ctx) = (tier.store.clone(), OpCtx::child(&cancel, timeout));
-            reads
-                .spawn(async move { (i, fetch_one(&store, ctx, fp, key, sink, page_bytes).await) });
+            reads.spawn(async move {
+                let t = Instant::now();
+                let r = fetch_one(&store, ctx, fp, key, sink, page_bytes).await;
+                (i, t.elapsed(), r)
+            });
         };
         // Pages ready in L2 already have nothing to fetch: they have arrived.
         let mut arrived: Vec<Option<Result<(), MissReason>>> = in_place
@@ -527,7 +535,7 @@ impl Prefetcher {
         let fetch: Vec<usize> = (0..hit.len()).filter(|&i| !in_place[i]).collect();
         let mut rereads = vec![0u8; hit.len()];
         let mut next = 0;
-        while next < fetch.len().min(concurrency) {
+        while next < fetch.len().min(window()) {
             spawn(&mut reads, fetch[next]);
             next += 1;
         }
@@ -572,7 +580,7 @@ impl Prefetcher {
                 // A page whose read failed in a way that may pass (the store retried it
                 // already) is read again while the deadline allows: one bad call must not cut
                 // the chain behind it.
-                Some(Ok((i, Err(MissReason::Failed(e)))))
+                Some(Ok((i, _, Err(MissReason::Failed(e)))))
                     if e.is_retryable() && rereads[i] < PAGE_REREADS =>
                 {
                     rereads[i] += 1;
@@ -580,14 +588,20 @@ impl Prefetcher {
                     spawn(&mut reads, i);
                     continue;
                 }
-                Some(Ok((i, r))) => arrived[i] = Some(r),
+                Some(Ok((i, took, r))) => {
+                    if r.is_ok() {
+                        lock(&tier.read_window).observe(took);
+                    }
+                    arrived[i] = Some(r);
+                }
                 Some(Err(e)) => {
                     tracing::error!(prefetch = id, "a prefetch read task failed: {e}");
                     break (PrefetchState::Failed, "failed".to_string());
                 }
                 None => break (PrefetchState::Failed, "failed".to_string()),
             }
-            if next < fetch.len() {
+            // Top up to the window (it may have grown; when it shrank, reads drain first).
+            while next < fetch.len() && reads.len() < window() {
                 spawn(&mut reads, fetch[next]);
                 next += 1;
             }

@@ -19,8 +19,10 @@ use kvtier_shm::{Backing, PoolSpec, ShmPool};
 use crate::l3::Job;
 
 mod prefetch;
+mod survive;
 
 pub use prefetch::{Finished, Opened, PrefetchEntry, PrefetchOpen, StopCause};
+pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
 
 /// One pool class: the shared memory of one layout and its index.
 #[derive(Debug)]
@@ -33,6 +35,8 @@ pub struct Pool {
     pub index: HostIndex,
     /// Slots held by prefetches: reserved for pages on their way, or landed and not taken.
     pub prefetch_held: u32,
+    /// The slot table that lets a later kvtierd take this pool over after a crash.
+    pub seals: Option<Seals>,
 }
 
 /// A registered client.
@@ -83,6 +87,10 @@ pub struct Counters {
     pub lost_no_l3: u64,
     /// Pages evicted from L2 that L3 did not hold, because L3 was down (breaker open).
     pub lost_l3_down: u64,
+    /// Committed pages whose slot records were sealed (they would survive a crash).
+    pub sealed_pages: u64,
+    /// What the start-up takeover of dead kvtierd pools did.
+    pub takeover: TakeoverCounts,
 }
 
 /// What a client gets back from [`HostState::register`].
@@ -115,6 +123,11 @@ pub struct HostState {
     huge_pages: bool,
     reserve: bool,
     dirty_fraction: f64,
+    /// Keep slot tables, so the pools survive a crash.
+    take_over: bool,
+    /// Which kvtierd this is, across restarts (from its socket path): pool files carry it,
+    /// so a restarted daemon takes over its own predecessor's pools and no one else's.
+    instance: String,
     /// The L2 → L3 write policy while a tier is attached; the daemon's one copy of it.
     write: Option<WritePolicy>,
     /// Whether the attached tier is failing (its breaker open): eviction may then give up
@@ -156,6 +169,8 @@ impl HostState {
             huge_pages: cfg.l2.huge_pages,
             reserve: cfg.l2.reserve,
             dirty_fraction: cfg.l2.dirty_fraction,
+            take_over: cfg.l2.take_over_after_crash,
+            instance: survive::instance_id(&cfg.socket_path()),
             write: (cfg.l3.backend != "none").then(|| cfg.l3.write_policy()),
             l3_down: false,
             prefetches: HashMap::new(),
@@ -177,6 +192,11 @@ impl HostState {
                 len: pool.layout.page_bytes(),
             })
             .collect()
+    }
+
+    /// Whether pools keep slot tables (so a later kvtierd can take them over).
+    pub fn seals_enabled(&self) -> bool {
+        self.take_over && self.backing == Backing::ShmFile
     }
 
     /// The L2 → L3 write policy, while a tier is attached.
@@ -326,7 +346,12 @@ impl HostState {
             }
             let slots = u32::try_from(slots).unwrap_or(u32::MAX);
             let shm = ShmPool::create(&PoolSpec {
-                name: format!("kvtier-{}-{}", std::process::id(), fp.to_hex()),
+                name: format!(
+                    "kvtier-{}-{}-{}",
+                    self.instance,
+                    std::process::id(),
+                    fp.to_hex()
+                ),
                 dir: self.shm_dir.clone(),
                 backing: self.backing,
                 slots,
@@ -351,6 +376,17 @@ impl HostState {
                 path = %shm.path().display(),
                 "created pool class"
             );
+            let seals = if self.seals_enabled() {
+                match Seals::create(shm.path(), layout, slots) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::warn!(fingerprint = %fp, "no slot table, so this pool will not survive a crash: {e}");
+                        None
+                    }
+                }
+            } else {
+                None
+            };
             let mut index = HostIndex::new(slots, self.policy);
             index.set_l3_mode(self.l3_mode());
             index.set_dirty_limit(((f64::from(slots) * self.dirty_fraction) as u32).max(1));
@@ -361,6 +397,7 @@ impl HostState {
                     shm: Arc::new(shm),
                     index,
                     prefetch_held: 0,
+                    seals,
                 },
             );
         }
@@ -527,6 +564,10 @@ impl HostState {
         let (session, pool) = self.session_pool(id, now)?;
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (out, evicted) = pool.index.reserve(id as OwnerId, parent, keys);
+        pool.handed_out(out.iter().filter_map(|r| match r {
+            Reserve::Reserved(s) => Some(*s),
+            _ => None,
+        }));
         let lost_after = pool.index.stats().unwritten_evictions;
         let mut dedup = 0;
         let mut reserved = 0;
@@ -560,6 +601,7 @@ impl HostState {
         let write = self.write;
         let (session, pool) = self.session_pool(id, now)?;
         pool.index.commit(id as OwnerId, keys)?;
+        pool.committed(keys);
         for k in keys {
             session.writing.remove(k);
         }

@@ -40,13 +40,6 @@ fn check<T: std::fmt::Debug>(
     );
 }
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// Acquires `keys`, copies the pages out, releases; returns the bytes read.
 async fn load(c: &mut HostClient, s: &kvtier_client::Session, keys: &[PageKey]) -> Vec<Vec<u8>> {
     let slots = c.acquire(s.id, keys).await.unwrap();

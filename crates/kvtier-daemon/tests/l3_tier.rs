@@ -9,13 +9,6 @@ use std::time::Duration;
 use common::*;
 use kvtier_client::HostClient;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 async fn l3_objects(c: &mut HostClient) -> u64 {
     c.stats().await.unwrap().l3.unwrap().objects
 }
@@ -183,7 +176,12 @@ fn file_pages_survive_a_killed_daemon() {
     let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-restart", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let keys = chain(7, 12);
-    let d = Daemon::start_in(dir.clone(), &["l2.pool_pages=32"]);
+    // L2 is not taken over after the kill (tests/takeover.rs covers that): what comes back
+    // here comes from L3.
+    let d = Daemon::start_in(
+        dir.clone(),
+        &["l2.pool_pages=32", "l2.take_over_after_crash=false"],
+    );
     rt().block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
         let s = c.register("w", &layout("m")).await.unwrap();

@@ -14,19 +14,16 @@ use kvtier_client::{HostClient, PrefetchOptions, Reserved, Session, outcome};
 use kvtier_core::PageKey;
 use kvtier_proto::v1::{self, PrefetchPolicy, PrefetchState};
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// A data directory whose file L3 holds `chains` (seed, pages), written by a daemon that is
 /// gone: a daemon started on it has an empty L2 and everything in L3.
 fn populated(name: &str, chains: &[(u32, usize)]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let d = Daemon::start_in(dir.clone(), &["l2.pool_pages=512"]);
+    // Its pool is not taken over after the kill: these tests start from pages in L3 only.
+    let d = Daemon::start_in(
+        dir.clone(),
+        &["l2.pool_pages=512", "l2.take_over_after_crash=false"],
+    );
     let total: usize = chains.iter().map(|c| c.1).sum();
     rt().block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
@@ -118,6 +115,7 @@ fn each_stop_policy_against_a_slow_backend() {
             // Deliberately slow: never revoke for being slower than recomputing.
             "prefetch.recompute_tokens_per_second=0",
             "prefetch.concurrency=2",
+            "prefetch.max_concurrency=2",
             "prefetch.batch_pages=4",
         ],
     );
@@ -457,6 +455,7 @@ fn a_failing_backend_yields_a_correct_prefix_and_no_retry_loop() {
             "l3.fault_get_delay=20ms",
             "prefetch.recompute_tokens_per_second=0",
             "prefetch.concurrency=2",
+            "prefetch.max_concurrency=2",
         ],
     );
     rt().block_on(async {
@@ -507,6 +506,7 @@ fn prefetch_races_with_eviction_and_session_expiry() {
             "l3.fault_get_delay=30ms",
             "prefetch.recompute_tokens_per_second=0",
             "prefetch.concurrency=2",
+            "prefetch.max_concurrency=2",
             "sessions.ttl=400ms",
         ],
     );
@@ -597,6 +597,7 @@ fn status_polls_and_release_cancels() {
             "l3.fault_get_delay=50ms",
             "prefetch.recompute_tokens_per_second=0",
             "prefetch.concurrency=1",
+            "prefetch.max_concurrency=1",
         ],
     );
     rt().block_on(async {

@@ -12,13 +12,6 @@ use common::*;
 use kvtier_proto::sglang::storage_server_client::StorageServerClient;
 use kvtier_proto::sglang::{BatchGetRequest, BatchPutRequest, ExistRequest, Iovec, Transfer};
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 /// Registers a memfd of `len` bytes as SGLang does; returns the connection (keep it open),
 /// the pool id and the memfd.
 fn register(socket: &std::path::Path, len: u64) -> (std::os::unix::net::UnixStream, u32, OwnedFd) {

@@ -25,6 +25,9 @@ use std::ptr::NonNull;
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 mod guard;
+mod slot_table;
+
+pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_path};
 
 /// Alignment of the slot stride.
 pub const STRIDE_ALIGN: usize = 4096;
@@ -85,7 +88,10 @@ impl ShmError {
     }
 }
 
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ShmError + 'a {
+pub(crate) fn io_err<'a>(
+    op: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> ShmError + 'a {
     move |source| ShmError::Io {
         op,
         path: path.display().to_string(),
@@ -386,6 +392,58 @@ impl ShmPool {
             std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), dst.as_mut_ptr(), dst.len());
         }
         Ok(())
+    }
+
+    /// CRC32C of the first `len` bytes of `slot`, read through a small buffer (no reference
+    /// into the shared bytes is ever made).
+    pub fn checksum(&self, slot: u32, len: usize) -> Result<u32, ShmError> {
+        self.check(slot, 0, len)?;
+        let mut buf = vec![0u8; len.min(256 << 10)];
+        let (mut crc, mut done) = (0u32, 0usize);
+        while done < len {
+            let n = buf.len().min(len - done);
+            self.read(slot, done, &mut buf[..n])?;
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            done += n;
+        }
+        Ok(crc)
+    }
+
+    /// Gives the memory of `slot` back to the system (`FALLOC_FL_PUNCH_HOLE`): its bytes read
+    /// as zeros afterwards. Used on a dead daemon's pool as its pages are taken over, so the
+    /// takeover never needs twice the memory. A filesystem that cannot punch holes keeps the
+    /// bytes (no error).
+    pub fn punch(&self, slot: u32) -> Result<(), ShmError> {
+        let at = self.check(slot, 0, self.stride)?;
+        let (Ok(off), Ok(len)) = (
+            libc::off_t::try_from(at),
+            libc::off_t::try_from(self.stride),
+        ) else {
+            return Err(ShmError::Shape(format!(
+                "slot {slot} does not fit in off_t"
+            )));
+        };
+        // SAFETY: a descriptor this pool owns, and plain integers.
+        let r = unsafe {
+            libc::fallocate(
+                self._file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off,
+                len,
+            )
+        };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP)) {
+                return Err(io_err("punch hole", &self.path)(e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the file when this handle drops (a dead daemon's pool, once taken over).
+    pub fn remove_on_drop(&mut self) {
+        self.unlink_on_drop = true;
     }
 
     /// A raw pointer to the start of `slot`, valid while `self` lives, for DMA engines and

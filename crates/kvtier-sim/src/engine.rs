@@ -58,6 +58,11 @@ pub struct Outcome {
     pub load_back_bytes: u64,
     /// Time spent in LoadBack calls.
     pub load_back_time: Duration,
+    /// Time the request waited for storage: from asking for a prefetch to having its pages
+    /// on the device (every round).
+    pub storage_wait: Duration,
+    /// The longest deadline the daemon gave this request's prefetches.
+    pub storage_deadline: Duration,
 }
 
 /// The simulated worker.
@@ -317,6 +322,10 @@ impl Worker {
         // the room L2 has for one prefetch (or than the free pages) takes several.
         let promised = (d + l2 + l3).min(keys.len());
         let mut loaded_total = 0;
+        // An engine waits for storage once per request: after a prefetch that ran out of
+        // time it serves what landed and computes the rest.
+        let mut out_of_time = false;
+        let mut waiting: Option<Instant> = None;
         for _round in 0..MAX_LOAD_ROUNDS {
             let now = pages.len();
             if now >= promised {
@@ -324,9 +333,11 @@ impl Worker {
             }
             let mut want = (d + l2).saturating_sub(now);
             if now + want < promised
+                && !out_of_time
                 && let Some(policy) = self.prefetch
             {
                 let client = self.client.as_mut().context("not connected")?;
+                waiting.get_or_insert_with(Instant::now);
                 let mut stream = client
                     .prefetch(v1::AgentPrefetchRequest {
                         handle,
@@ -337,16 +348,39 @@ impl Worker {
                     .into_inner();
                 let mut last = None;
                 while let Some(p) = stream.message().await? {
+                    out.storage_deadline = out
+                        .storage_deadline
+                        .max(Duration::from_millis(p.deadline_ms));
+                    let planned = p.l2_pages + p.hit_pages;
                     last = Some(p);
+                    // Best effort: the engine does not wait. It schedules the request at
+                    // once (a worker here never has anything else to run first), and the
+                    // load back takes what has landed by then.
+                    if policy == v1::PrefetchPolicy::BestEffort {
+                        want = planned as usize;
+                        out_of_time = true;
+                        break;
+                    }
                 }
                 if let Some(p) = last {
-                    out.prefetch
-                        .get_or_insert_with(|| kvtier_client::outcome(&p));
-                    want = (p.l2_pages + p.landed_pages) as usize;
+                    out.prefetch.get_or_insert_with(|| {
+                        if out_of_time && p.state == v1::PrefetchState::Running as i32 {
+                            "taken_early".to_string()
+                        } else {
+                            kvtier_client::outcome(&p)
+                        }
+                    });
+                    if policy != v1::PrefetchPolicy::BestEffort {
+                        out_of_time = p.state == v1::PrefetchState::TimedOut as i32;
+                        want = (p.l2_pages + p.landed_pages) as usize;
+                    }
                 }
             }
             let want = want.min(self.pages as usize / 2);
             if want == 0 {
+                if let Some(w) = waiting.take() {
+                    out.storage_wait += w.elapsed();
+                }
                 break;
             }
             let free = self.alloc(want).await?;
@@ -363,6 +397,9 @@ impl Worker {
                 .await?
                 .into_inner();
             out.load_back_time += t.elapsed();
+            if let Some(w) = waiting.take() {
+                out.storage_wait += w.elapsed();
+            }
             self.free.extend(lb.unused_pages.iter().copied());
             // The handle's device prefix now: the matched pages and the loaded ones (never
             // more than the request has keys, whatever the agent says).

@@ -121,6 +121,20 @@ pub struct Waits {
     pub seconds: f64,
 }
 
+/// How long requests waited for storage (prefetch and load back of what it fetched).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StorageWaits {
+    /// Requests that asked for a prefetch.
+    pub requests: u64,
+    /// Their total wait.
+    pub seconds: f64,
+    /// The longest one.
+    pub max_seconds: f64,
+    /// Requests that waited longer than their prefetch's deadline (plus 0.5 s for the load
+    /// back): the policy's bound broken.
+    pub over_deadline: u64,
+}
+
 /// Prefetch counts.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Prefetches {
@@ -190,6 +204,8 @@ pub struct Report {
     pub backup_waits: Waits,
     /// Prefetches asked for (revoked ones included) and how many completed.
     pub prefetches: Prefetches,
+    /// Time requests spent waiting for storage.
+    pub storage_waits: StorageWaits,
     /// Pages some request computed that no tier holds at the end, after every worker gave
     /// its device pages back (each backed up first, as eviction does) and the writes
     /// settled. With an unbounded L3 this is at most `pages_lost_total`: a page missing and
@@ -280,6 +296,14 @@ impl Report {
             } else {
                 pf.join(", ")
             },
+        );
+        let w = &self.storage_waits;
+        line(
+            "storage waits",
+            format!(
+                "{} requests, {:.1} s in all, longest {:.2} s, {} over their deadline",
+                w.requests, w.seconds, w.max_seconds, w.over_deadline
+            ),
         );
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / f64::from(1 << 20));
         line(
@@ -742,12 +766,24 @@ pub async fn run(
                         rep.corrupt_samples.push(c);
                     }
                 }
-                if let Some(p) = o.prefetch {
-                    let key = p.split(':').next().unwrap_or(&p).to_string();
+                if let Some(p) = &o.prefetch {
+                    let key = p.split(':').next().unwrap_or(p).to_string();
                     *rep.prefetch.entry(key).or_insert(0) += 1;
                 }
                 rep.bytes.load_back += o.load_back_bytes;
                 load_time += o.load_back_time;
+                if o.prefetch.is_some() {
+                    let w = &mut rep.storage_waits;
+                    let secs = o.storage_wait.as_secs_f64();
+                    w.requests += 1;
+                    w.seconds += secs;
+                    w.max_seconds = w.max_seconds.max(secs);
+                    // Deadline 0: not planned (revoked at once), nothing to wait for.
+                    let bound = o.storage_deadline + Duration::from_millis(500);
+                    if !o.storage_deadline.is_zero() && o.storage_wait > bound {
+                        w.over_deadline += 1;
+                    }
+                }
             }
             Err(_) => rep.failed_requests += 1,
         }

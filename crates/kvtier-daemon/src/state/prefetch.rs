@@ -253,6 +253,10 @@ impl HostState {
         let pinned: Vec<Option<u32>> = want.iter().map(|k| pool.index.acquire_one(k)).collect();
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (out, evicted) = pool.index.reserve_clean(owner, parent, want);
+        pool.handed_out(out.iter().filter_map(|r| match r {
+            Reserve::Reserved(s) => Some(*s),
+            _ => None,
+        }));
         let lost_after = pool.index.stats().unwritten_evictions;
         let slot = |i: usize| match (out[i], pinned[i]) {
             (Reserve::Reserved(s), _) | (_, Some(s)) => Some(s),
@@ -353,6 +357,7 @@ impl HostState {
             .commit_pinned(PrefetchEntry::owner(id), &[key], true)
         {
             Ok(_) => {
+                pool.committed(&[key]);
                 e.landed += 1;
                 true
             }

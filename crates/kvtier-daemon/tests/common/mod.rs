@@ -137,6 +137,14 @@ impl Drop for Daemon {
     }
 }
 
+/// A single-threaded runtime for a test's client side.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub fn signal(pid: u32, sig: i32) {
     let status = Command::new("kill")
         .arg(format!("-{sig}"))

@@ -1,0 +1,412 @@
+//! L2 that survives a kvtierd crash.
+//!
+//! Each `shm_file` pool has a [`SlotTable`] beside it. A slot's record is cleared when the
+//! slot is handed out for writing (reserve, or a prefetch's reservation) and sealed after its
+//! page is committed: the sealer ([`HostState::seal_jobs`], run by a background task)
+//! checksums committed pages outside the state lock, then seals each record under the lock
+//! only if the slot has not been handed out again meanwhile (its epoch is unchanged). So a
+//! record only ever describes bytes that were committed and have not been rewritten since.
+//!
+//! Pool files are named `kvtier-<instance>-<pid>-<fingerprint>`, the instance being a hash of
+//! the daemon's socket path, the same across restarts. At start ([`take_over_dead_pools`])
+//! kvtierd looks in `l2.shm_dir` for pools of its own instance whose kvtierd is gone (another
+//! instance's are left to that instance's successor). For each with an intact table and a layout it can rebuild, it creates its own
+//! pool of that layout and copies in every page whose record is sealed and whose bytes still
+//! have the recorded CRC32C, parents before children, giving each old slot's memory back as
+//! it goes (so the takeover needs no second pool's worth of RAM). Then the dead pool and its
+//! table are removed. The copy also means that an agent still mapping the dead pool can
+//! never write into the new one.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_core::host_index::PageState;
+use kvtier_core::{Layout, LayoutFingerprint, PageKey};
+use kvtier_proto::v1;
+use kvtier_shm::{ShmPool, SlotRecord, SlotTable, table_path};
+use prost::Message;
+
+use super::{HostState, Pool};
+
+/// The seal bookkeeping of one pool.
+#[derive(Debug)]
+pub struct Seals {
+    table: SlotTable,
+    /// Bumped each time a slot is handed out for writing.
+    epochs: Vec<u32>,
+    /// Committed slots not yet sealed: (slot, key, epoch at commit).
+    pending: Vec<(u32, PageKey, u32)>,
+}
+
+impl Seals {
+    /// The table for a new pool at `pool_path` (its file beside the pool).
+    pub fn create(pool_path: &Path, layout: &Layout, slots: u32) -> Result<Self, String> {
+        let description = v1::LayoutDescriptor::from(layout.spec()).encode_to_vec();
+        let table = SlotTable::create(
+            &table_path(pool_path),
+            slots,
+            layout.slot_stride() as u64,
+            &description,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(Self {
+            table,
+            epochs: vec![0; slots as usize],
+            pending: Vec::new(),
+        })
+    }
+
+    /// `slot` is about to be written: nothing vouches for it any more.
+    pub fn handed_out(&mut self, slot: u32) {
+        if let Some(e) = self.epochs.get_mut(slot as usize) {
+            *e = e.wrapping_add(1);
+        }
+        if let Err(e) = self.table.clear(slot) {
+            tracing::error!(slot, "clearing a slot record: {e}");
+        }
+    }
+
+    /// `key` was committed into `slot`: to be checksummed and sealed.
+    pub fn committed(&mut self, slot: u32, key: PageKey) {
+        let epoch = self.epochs.get(slot as usize).copied().unwrap_or(0);
+        self.pending.push((slot, key, epoch));
+    }
+}
+
+/// One committed page to checksum, outside the state lock.
+#[derive(Debug)]
+pub struct SealJob {
+    fp: LayoutFingerprint,
+    shm: Arc<ShmPool>,
+    slot: u32,
+    key: PageKey,
+    epoch: u32,
+    len: usize,
+}
+
+impl SealJob {
+    /// Reads the page and computes its CRC32C (slow: run off the state lock).
+    pub fn checksum(self) -> Option<(Self, u32)> {
+        let crc = self.shm.checksum(self.slot, self.len).ok()?;
+        Some((self, crc))
+    }
+}
+
+/// What a start-up takeover did, by outcome.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TakeoverCounts {
+    /// Pages taken over (now in L2).
+    pub adopted: u64,
+    /// Sealed pages whose bytes no longer had the recorded CRC (or length): refused.
+    pub refused_checksum: u64,
+    /// Pages that did not fit the new pool (smaller, or the key was there already).
+    pub no_room: u64,
+    /// Dead pools taken over.
+    pub pools: u64,
+    /// Dead pools removed without a takeover (no table, a damaged one, a foreign layout, or
+    /// takeover turned off).
+    pub pools_removed: u64,
+}
+
+impl Pool {
+    /// Clears the records of freshly reserved slots.
+    pub(super) fn handed_out(&mut self, slots: impl IntoIterator<Item = u32>) {
+        if let Some(s) = &mut self.seals {
+            for slot in slots {
+                s.handed_out(slot);
+            }
+        }
+    }
+
+    /// Queues committed keys for sealing.
+    pub(super) fn committed(&mut self, keys: &[PageKey]) {
+        if let Some(s) = &mut self.seals {
+            for k in keys {
+                if let Some((slot, PageState::Ready)) = self.index.get(k) {
+                    s.committed(slot, *k);
+                }
+            }
+        }
+    }
+}
+
+impl HostState {
+    /// Up to `max` committed pages waiting to be sealed.
+    pub fn seal_jobs(&mut self, max: usize) -> Vec<SealJob> {
+        let mut out = Vec::new();
+        for (fp, pool) in &mut self.pools {
+            let Some(s) = &mut pool.seals else { continue };
+            let n = s.pending.len().min(max - out.len());
+            let len = pool.layout.page_bytes();
+            out.extend(s.pending.drain(..n).map(|(slot, key, epoch)| SealJob {
+                fp: *fp,
+                shm: pool.shm.clone(),
+                slot,
+                key,
+                epoch,
+                len,
+            }));
+            if out.len() >= max {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Seals the checksummed pages whose slots still hold them, untouched since commit.
+    /// Returns how many were sealed.
+    pub fn seal(&mut self, done: Vec<(SealJob, u32)>) -> usize {
+        let mut sealed = 0;
+        for (job, crc) in done {
+            let Some(pool) = self.pools.get_mut(&job.fp) else {
+                continue;
+            };
+            let Some(s) = &pool.seals else { continue };
+            let same = s.epochs.get(job.slot as usize) == Some(&job.epoch)
+                && pool.index.get(&job.key) == Some((job.slot, PageState::Ready));
+            if !same {
+                continue;
+            }
+            let rec = SlotRecord {
+                key: job.key.0,
+                parent: pool.index.parent(&job.key).map(|p| p.0),
+                len: job.len as u32,
+                crc,
+            };
+            match s.table.seal(job.slot, &rec) {
+                Ok(()) => {
+                    sealed += 1;
+                    self.counters.sealed_pages += 1;
+                }
+                Err(e) => tracing::error!(slot = job.slot, "sealing a slot record: {e}"),
+            }
+        }
+        sealed
+    }
+
+    /// Copies the verified pages of a dead kvtierd's pool of `layout` into this daemon's pool
+    /// of that layout (created here), and gives the dead pool's memory back page by page.
+    fn adopt_pool(
+        &mut self,
+        layout: &Layout,
+        old: &ShmPool,
+        table: &SlotTable,
+        counts: &mut TakeoverCounts,
+    ) -> Result<(), String> {
+        let page_bytes = layout.page_bytes();
+        let pool = self.pool_for(layout).map_err(|e| e.to_string())?;
+        let mut records: HashMap<PageKey, (u32, SlotRecord)> = HashMap::new();
+        for slot in 0..table.slots().min(old.slots()) {
+            if let Some(r) = table.record(slot) {
+                records.insert(PageKey(r.key), (slot, r));
+            }
+        }
+        let mut buf = vec![0u8; page_bytes];
+        let mut done: HashMap<PageKey, bool> = HashMap::new();
+        let keys: Vec<PageKey> = records.keys().copied().collect();
+        for start in keys {
+            // Parents first: walk up while the parent has a record not yet handled.
+            let mut chain = vec![start];
+            while let Some(p) = records
+                .get(chain.last().unwrap_or(&start))
+                .and_then(|(_, r)| r.parent)
+                .map(PageKey)
+                .filter(|p| records.contains_key(p) && !done.contains_key(p) && !chain.contains(p))
+            {
+                chain.push(p);
+            }
+            for key in chain.into_iter().rev() {
+                if done.contains_key(&key) {
+                    continue;
+                }
+                let Some(&(slot, rec)) = records.get(&key) else {
+                    continue;
+                };
+                let ok = rec.len as usize == page_bytes
+                    && old.read(slot, 0, &mut buf).is_ok()
+                    && crc32c::crc32c(&buf) == rec.crc;
+                if !ok {
+                    counts.refused_checksum += 1;
+                } else if let Some(new) = pool.index.adopt(key, rec.parent.map(PageKey)) {
+                    if let Err(e) = pool.shm.write(new, 0, &buf) {
+                        return Err(format!("copying into slot {new}: {e}"));
+                    }
+                    if let Some(s) = &mut pool.seals
+                        && let Err(e) = s.table.seal(new, &rec)
+                    {
+                        tracing::error!(slot = new, "sealing a slot record: {e}");
+                    }
+                    counts.adopted += 1;
+                } else {
+                    counts.no_room += 1;
+                }
+                if let Err(e) = old.punch(slot) {
+                    tracing::debug!(slot, "giving a dead pool's slot back: {e}");
+                }
+                done.insert(key, ok);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The instance id of the kvtierd serving `socket`: 8 hex digits of its SHA-256.
+pub(super) fn instance_id(socket: &Path) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(socket.as_os_str().as_encoded_bytes());
+    d[..4].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whose a file in `l2.shm_dir` is.
+#[derive(Debug, PartialEq, Eq)]
+enum Found<'a> {
+    /// A pool of this instance whose kvtierd is gone (its layout fingerprint, hex).
+    Mine(&'a str),
+    /// A pool of a dead kvtierd from before pools carried an instance id.
+    Legacy,
+    /// A pool of another kvtierd instance on this node, dead: its own successor takes it
+    /// over.
+    Foreign,
+    /// Not a dead kvtierd's pool.
+    Other,
+}
+
+/// Reads a pool file name: `kvtier-<instance>-<pid>-<fingerprint>` (or the older
+/// `kvtier-<pid>-<fingerprint>`). A live pid (whatever it runs now) is never dead.
+fn classify<'a>(name: &'a str, instance: &str) -> Found<'a> {
+    let Some(rest) = name.strip_prefix("kvtier-") else {
+        return Found::Other;
+    };
+    let parts: Vec<&str> = rest.split('-').collect();
+    let (inst, pid, fp) = match parts.as_slice() {
+        [pid, fp] => (None, *pid, *fp),
+        [inst, pid, fp] => (Some(*inst), *pid, *fp),
+        _ => return Found::Other,
+    };
+    let Ok(pid) = pid.parse::<u32>() else {
+        return Found::Other;
+    };
+    if pid == std::process::id()
+        || fp.len() != 32
+        || !fp.bytes().all(|b| b.is_ascii_hexdigit())
+        || Path::new(&format!("/proc/{pid}")).exists()
+    {
+        return Found::Other;
+    }
+    match inst {
+        None => Found::Legacy,
+        Some(i) if i == instance => Found::Mine(fp),
+        Some(_) => Found::Foreign,
+    }
+}
+
+/// Takes over (or, when that is off or impossible, removes) the pools of dead kvtierd
+/// processes in `l2.shm_dir`. Runs at start, before the daemon serves.
+pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> TakeoverCounts {
+    let mut counts = TakeoverCounts::default();
+    let dir = &cfg.l2.shm_dir;
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return counts;
+    };
+    let mut names: Vec<String> = rd
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    let instance = state.instance.clone();
+    for name in &names {
+        // A table of ours whose pool file is gone is of no use.
+        if let Some(pool) = name.strip_suffix(".slots")
+            && matches!(classify(pool, &instance), Found::Mine(_) | Found::Legacy)
+            && !dir.join(pool).exists()
+        {
+            let _ = std::fs::remove_file(dir.join(name));
+            continue;
+        }
+        let path = dir.join(name);
+        let result = match classify(name, &instance) {
+            Found::Other => continue,
+            Found::Foreign => {
+                tracing::info!(path = %path.display(), "a dead kvtierd of another instance left this pool; its successor takes it over (or remove it by hand)");
+                continue;
+            }
+            Found::Legacy => Err("it has no slot table".to_string()),
+            Found::Mine(_) if !(cfg.l2.take_over_after_crash && state.seals_enabled()) => {
+                Err("l2.take_over_after_crash is off (or pools are memfds)".to_string())
+            }
+            Found::Mine(fp) => take_over_one(&path, fp, state, &mut counts),
+        };
+        match result {
+            Ok(adopted) => {
+                counts.pools += 1;
+                tracing::info!(path = %path.display(), pages = adopted, "took over a dead kvtierd's pool");
+            }
+            Err(why) => {
+                counts.pools_removed += 1;
+                tracing::info!(path = %path.display(), "removed a dead kvtierd's pool: {why}");
+            }
+        }
+        for p in [path.clone(), table_path(&path)] {
+            if let Err(e) = std::fs::remove_file(&p)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %p.display(), "cannot remove a stale pool file: {e}");
+            }
+        }
+    }
+    counts
+}
+
+/// Takes over one dead pool; returns the pages taken.
+fn take_over_one(
+    path: &Path,
+    fp: &str,
+    state: &mut HostState,
+    counts: &mut TakeoverCounts,
+) -> Result<u64, String> {
+    let (table, header) = SlotTable::open(&table_path(path)).map_err(|e| e.to_string())?;
+    let desc = v1::LayoutDescriptor::decode(header.description.as_slice())
+        .map_err(|e| format!("its layout does not decode: {e}"))?;
+    let layout = Layout::try_from(desc).map_err(|e| format!("its layout is invalid: {e}"))?;
+    if layout.fingerprint().to_hex() != fp.to_ascii_lowercase() {
+        return Err("its layout does not match its name".into());
+    }
+    if header.stride != layout.slot_stride() as u64 {
+        return Err("its stride does not match its layout".into());
+    }
+    let stride = usize::try_from(header.stride).map_err(|e| e.to_string())?;
+    let old = ShmPool::open(path, header.slots, stride).map_err(|e| e.to_string())?;
+    let before = counts.adopted;
+    state.adopt_pool(&layout, &old, &table, counts)?;
+    Ok(counts.adopted - before)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_names_are_classified_by_instance_and_liveness() {
+        // A pid that cannot be running (above pid_max on any Linux).
+        let dead = 4_194_399u32;
+        let fp = "0123456789abcdef0123456789abcdef";
+        let me = instance_id(Path::new("/run/kvtier/kvtierd.sock"));
+        assert_eq!(me.len(), 8);
+        assert_ne!(me, instance_id(Path::new("/run/other/kvtierd.sock")));
+        let name = |inst: &str, pid: u32| format!("kvtier-{inst}-{pid}-{fp}");
+        assert_eq!(classify(&name(&me, dead), &me), Found::Mine(fp));
+        assert_eq!(classify(&name("deadbeef", dead), &me), Found::Foreign);
+        assert_eq!(classify(&format!("kvtier-{dead}-{fp}"), &me), Found::Legacy);
+        // Live pids, bad shapes and other files are nobody's business here.
+        assert_eq!(classify(&name(&me, std::process::id()), &me), Found::Other);
+        assert_eq!(classify(&name(&me, 1), &me), Found::Other);
+        assert_eq!(
+            classify(&format!("{}.slots", name(&me, dead)), &me),
+            Found::Other
+        );
+        assert_eq!(classify("kvtier-x-y", &me), Found::Other);
+        assert_eq!(classify("engine-pool", &me), Found::Other);
+    }
+}

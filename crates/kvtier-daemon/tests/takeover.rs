@@ -1,0 +1,162 @@
+//! L2 survives a kvtierd crash: a kvtierd started after one was SIGKILLed takes over the
+//! committed pages of its shared-memory pool whose slot records and checksums verify, and
+//! never a page that was half-written or changed after it was sealed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtier_client::{HostClient, Reserved};
+
+/// The one pool file in `shm` (not its slot table).
+fn pool_file(shm: &Path) -> std::path::PathBuf {
+    let pools: Vec<_> = std::fs::read_dir(shm)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| !p.to_string_lossy().ends_with(".slots"))
+        .collect();
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    pools[0].clone()
+}
+
+#[test]
+fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
+    let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-takeover", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let shm = dir.join("shm");
+    std::fs::create_dir_all(&shm).unwrap();
+    let shm_dir = format!("l2.shm_dir={}", shm.display());
+    // No L3: what survives can only have come from the pool.
+    let sets = [shm_dir.as_str(), "l2.pool_pages=256", "l3.backend=none"];
+    let d = Daemon::start_in(dir.clone(), &sets);
+    let (kept, torn, half) = rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        // Three sequences committed by three sessions at once.
+        let chains: Vec<_> = (0..3).map(|i| chain(100 + i, 40)).collect();
+        let mut writers = Vec::new();
+        for keys in chains.clone() {
+            let target = d.target();
+            writers.push(tokio::spawn(async move {
+                let mut c = HostClient::connect(&target).await.unwrap();
+                let s = c.register("worker", &layout("m")).await.unwrap();
+                store(&mut c, &s, &keys).await;
+                c
+            }));
+        }
+        let mut alive = Vec::new();
+        for w in writers {
+            alive.push(w.await.unwrap());
+        }
+        let total = 3 * 40;
+        eventually(
+            "every committed page sealed",
+            Duration::from_secs(10),
+            || metric(&d.metrics(), "kvtier_l2_sealed_pages_total") >= total as f64,
+        );
+        // A page written half-way and never committed: must not come back.
+        let half = chain(900, 1);
+        let r = c.reserve(s.id, None, &half).await.unwrap();
+        let Reserved::Slot(slot) = r[0] else {
+            panic!("no slot: {r:?}")
+        };
+        let len = s.layout.page_bytes();
+        s.pool
+            .write(slot, 0, &page_bytes(&half[0], len)[..len / 2])
+            .unwrap();
+        // A sealed page whose bytes change afterwards (a stray write): refused at takeover.
+        let torn = chains[2][39];
+        let slots = c.acquire(s.id, &[torn]).await.unwrap();
+        s.pool.write(slots[0], 100, &[0xA5; 64]).unwrap();
+        drop(alive);
+        (chains, torn, half[0])
+    });
+    let pool_before = pool_file(&shm);
+    let dir = d.kill();
+    assert!(
+        pool_before.exists(),
+        "the dead daemon's pool is still in shm"
+    );
+
+    let d = Daemon::start_in(dir, &sets);
+    let m = d.metrics();
+    assert_eq!(
+        metric(&m, "kvtier_l2_takeover_pages_total{outcome=\"adopted\"}"),
+        119.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "kvtier_l2_takeover_pages_total{outcome=\"refused_checksum\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&m, "kvtier_l2_takeover_pools_total{outcome=\"taken_over\"}"),
+        1.0
+    );
+    assert!(!pool_before.exists(), "the dead pool was not removed");
+    assert_ne!(pool_file(&shm), pool_before);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        let len = s.layout.page_bytes();
+        let mut buf = vec![0u8; len];
+        for (i, keys) in kept.iter().enumerate() {
+            // The torn page is the last of the third sequence: its prefix survives whole.
+            let want = if i == 2 { 39 } else { 40 };
+            assert_eq!(c.lookup(s.id, keys).await.unwrap(), want, "sequence {i}");
+            let slots = c.acquire(s.id, &keys[..want]).await.unwrap();
+            for (k, &slot) in keys.iter().zip(&slots) {
+                s.pool.read(slot, 0, &mut buf).unwrap();
+                assert!(
+                    buf == page_bytes(k, len),
+                    "a taken-over page is not what was stored"
+                );
+            }
+            c.release(s.id, &keys[..want]).await.unwrap();
+        }
+        assert_eq!(c.lookup(s.id, &[torn]).await.unwrap(), 0);
+        assert_eq!(c.lookup(s.id, &[half]).await.unwrap(), 0);
+        // The taken-over pool works as any other: new pages go in, and are sealed too.
+        let fresh = chain(500, 20);
+        store(&mut c, &s, &fresh).await;
+        assert_eq!(c.lookup(s.id, &fresh).await.unwrap(), 20);
+        let t = Instant::now();
+        while metric(&d.metrics(), "kvtier_l2_sealed_pages_total") < 20.0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "new pages never sealed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+
+    // Takeover off: a dead pool is removed, nothing comes back.
+    let dir = d.kill();
+    let off: Vec<&str> = sets
+        .iter()
+        .copied()
+        .chain(["l2.take_over_after_crash=false"])
+        .collect();
+    let d = Daemon::start_in(dir, &off);
+    let m = d.metrics();
+    assert_eq!(
+        metric(&m, "kvtier_l2_takeover_pools_total{outcome=\"removed\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&m, "kvtier_l2_takeover_pages_total{outcome=\"adopted\"}"),
+        0.0
+    );
+    assert_eq!(
+        std::fs::read_dir(&shm).unwrap().count(),
+        0,
+        "stale files left"
+    );
+}
