@@ -450,3 +450,25 @@ fn slow_storage_never_slows_the_engine() {
         r.storage_waits.max_seconds
     );
 }
+
+#[test]
+fn several_faults_at_once() {
+    // Flaky, slow L3 (1 call in 20 fails, every read 50 ms late), kvtierd killed, then an
+    // agent, under the timeout policy: reuse holds, nothing is wrong, nothing is lost, and no
+    // request waits past its deadline.
+    let n = 400;
+    let r = simulate(
+        requests(n),
+        Run {
+            daemon: vec![
+                "l3.fault_error_rate=0.05".into(),
+                "l3.fault_get_delay=50ms".into(),
+            ],
+            chaos: vec![Chaos::KillDaemonAt(150), Chaos::KillAgentAt(300)],
+            prefetch: Some(PrefetchPolicy::Timeout),
+            ..Run::default()
+        },
+    );
+    assert_recovers("all at once", &r, n, 0.9);
+    assert_eq!(r.storage_waits.over_deadline, 0, "{:?}", r.storage_waits);
+}
