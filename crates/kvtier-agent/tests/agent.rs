@@ -300,6 +300,13 @@ fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
             .unwrap()
             .into_inner();
         assert_eq!(ev.pages.len(), 4);
+        // Sealed (checksummed and recorded beside the pool) before the crash, so the next
+        // kvtierd may take them over.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while metric(&kvtierd.metrics_page(), "kvtier_l2_sealed_pages_total") < 4.0 {
+            assert!(std::time::Instant::now() < deadline, "pages never sealed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         kvtierd.kill();
         // L1 keeps serving; the host tier counts as a miss; load-back loads nothing and
         // hands every page back.
@@ -325,11 +332,28 @@ fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
                 "a page appeared from nowhere"
             );
         }
-        // A new daemon (empty L2): the agent re-registers; nothing stale is ever loaded.
+        // A new daemon takes over the dead one's pool (its pages verified): the agent
+        // re-registers, finds them in L2 again, and loads exactly what it stored.
         let _kvtierd = daemon(&d, &["l2.pool_pages=128", "l3.backend=none"]);
         e.wait_connected().await;
         let m = e.do_match(&t).await;
-        assert_eq!(m.l2_pages, 0);
+        assert_eq!((m.device_pages.len(), m.l2_pages), (0, 4));
+        let lb = e
+            .client
+            .load_back(v1::LoadBackRequest {
+                handle: m.handle,
+                free_pages: vec![20, 21, 22, 23],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(lb.loaded, 4);
+        for p in 20..24 {
+            assert!(
+                e.holds(p, &ks[(p - 20) as usize]),
+                "page {p} is not what was stored before the crash"
+            );
+        }
         // And backups work again.
         let t3 = tokens(32, 2);
         e.prefill_and_insert(&t3, &[30, 31]).await;
