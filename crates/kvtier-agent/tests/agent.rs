@@ -279,6 +279,18 @@ fn mla_ranks_share_one_copy_and_mha_ranks_do_not() {
     });
 }
 
+/// Loads the handle's L2 pages into `free` device pages.
+async fn load_back(e: &mut Engine, handle: u64, free: Vec<u32>) -> v1::LoadBackResponse {
+    e.client
+        .load_back(v1::LoadBackRequest {
+            handle,
+            free_pages: free,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 #[test]
 fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
     let d = dir("dead");
@@ -316,15 +328,7 @@ fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
         assert_eq!(m.device_pages, vec![10, 11]);
         let m = e.do_match(&t).await;
         assert_eq!((m.device_pages.len(), m.l2_pages), (0, 0));
-        let lb = e
-            .client
-            .load_back(v1::LoadBackRequest {
-                handle: m.handle,
-                free_pages: vec![20, 21, 22, 23],
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let lb = load_back(&mut e, m.handle, vec![20, 21, 22, 23]).await;
         assert_eq!((lb.loaded, lb.unused_pages.len()), (0, 4));
         for p in 20..24 {
             assert!(
@@ -338,15 +342,7 @@ fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
         e.wait_connected().await;
         let m = e.do_match(&t).await;
         assert_eq!((m.device_pages.len(), m.l2_pages), (0, 4));
-        let lb = e
-            .client
-            .load_back(v1::LoadBackRequest {
-                handle: m.handle,
-                free_pages: vec![20, 21, 22, 23],
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let lb = load_back(&mut e, m.handle, vec![20, 21, 22, 23]).await;
         assert_eq!(lb.loaded, 4);
         for p in 20..24 {
             assert!(
