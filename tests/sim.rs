@@ -152,16 +152,31 @@ fn assert_healthy(what: &str, r: &Report, n: usize, share: f64) {
         r.pages_unreachable, 0,
         "{what}: computed pages in no tier at the end, and not counted as lost"
     );
-    assert!(
-        r.served_fraction >= share,
-        "{what}: served {:.3} of the ideal reuse, want at least {share}",
-        r.served_fraction
-    );
+    assert_served(what, r, share);
     assert!(r.pages_verified * 64 >= r.hits(), "{what}");
     // Requests finished before another starts come before it in the queue.
     assert!(
         r.reachable_reusable_tokens <= r.ideal_reusable_tokens,
         "{what}"
+    );
+}
+
+/// `share` is asked of what kvtier itself controls: the tokens served over those some
+/// finished request had computed when they were asked for. Concurrent requests that share a
+/// prefix and run at the same time cannot reuse each other's pages; how many do depends on
+/// how fast this (shared, 2-core) machine runs the workers, so the share of the full ideal
+/// only has a looser floor (a 5.1% overlap was seen with every reachable token served).
+fn assert_served(what: &str, r: &Report, share: f64) {
+    assert!(
+        r.served_of_reachable >= share,
+        "{what}: served {:.3} of the reachable reuse, want at least {share}",
+        r.served_of_reachable
+    );
+    assert!(
+        r.served_fraction >= 0.9 * share,
+        "{what}: served {:.3} of the ideal reuse, want at least {:.3}",
+        r.served_fraction,
+        0.9 * share
     );
 }
 
@@ -289,10 +304,10 @@ fn a_small_l2_passes_long_prefixes_through_to_l3() {
             ..Run::default()
         },
     );
-    // 1.000 alone; 0.949 once in a full `scripts/test` run on this 2-core machine, where
-    // two workers' overlapping requests share less (pages still queued for backup on the
-    // other worker are invisible). The floor leaves room for that, not for lost pages:
-    // assert_healthy still wants 0 lost and 0 unreachable.
+    // 1.000 alone; 0.949 of the ideal once in a full `scripts/test` run on this 2-core
+    // machine, where pages still queued for backup on the other worker are invisible to the
+    // first. The floor leaves room for that, not for lost pages: assert_healthy still wants
+    // 0 lost and 0 unreachable.
     assert_healthy("l2 1024 pages", &r, 1000, 0.93);
     assert!(
         r.hit_tokens.storage > r.hit_tokens.host + r.hit_tokens.device,
@@ -331,11 +346,7 @@ fn assert_recovers(what: &str, r: &Report, n: usize, share: f64) {
     assert_eq!(r.pages_corrupt, 0, "{what}: {:?}", r.corrupt_samples);
     assert_eq!((r.requests, r.failed_requests), (n, 0), "{what}");
     assert_eq!(r.pages_lost_total, 0, "{what}: lost {:?}", r.pages_lost);
-    assert!(
-        r.served_fraction >= share,
-        "{what}: served {:.3} of the ideal reuse, want at least {share}",
-        r.served_fraction
-    );
+    assert_served(what, r, share);
 }
 
 #[test]
