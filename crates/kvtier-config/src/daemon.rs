@@ -233,8 +233,10 @@ l3 = "shared"
 memory_bytes = "1GiB"
 # Backend calls in flight per batch (1 to 256).
 concurrency = 16
-# Most transfers or ids in one request (1 to 65536); a larger request is InvalidArgument.
-max_batch = 4096
+# Most transfers or ids in one request (1 to 1048576); a larger request is refused whole
+# (InvalidArgument), never half done. SGLang sends one id per page and per layer and part
+# for layer_first pools: 128 pages of a 126-layer model are 32,256.
+max_batch = 65536
 
 [sessions]
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
@@ -428,7 +430,7 @@ impl Default for SglangRpcConfig {
             l3: "shared".into(),
             memory_bytes: ByteSize(1 << 30),
             concurrency: 16,
-            max_batch: 4096,
+            max_batch: 65536,
         }
     }
 }
@@ -928,7 +930,7 @@ impl DaemonConfig {
                 "sglang_rpc.max_batch",
                 u64::from(*sglang_max_batch),
                 1,
-                65536,
+                1 << 20,
             ),
         ])?;
         if backend == "memory" && memory_capacity_bytes.0 == 0 {

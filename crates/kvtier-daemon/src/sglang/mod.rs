@@ -4,9 +4,11 @@
 //! registers its host KV pool — a memfd — on a Unix stream socket: one `sendmsg` carrying 8
 //! bytes of magic (`0x8DF6FBFD`, u64 little-endian), a u32 little-endian name length, the
 //! UTF-8 name, and exactly one file descriptor as `SCM_RIGHTS`. The server maps the memfd
-//! (its size from `fstat`) and answers the pool id, u32 little-endian, from 1 upwards. The
-//! client keeps the connection open while it uses the pool; when it closes, the pool is
-//! unmapped and its id stops resolving.
+//! (its size from `fstat`) and answers the pool id, u32 little-endian: random in
+//! 1..=i32::MAX (transfers carry it in an int32 field) and never handed out twice by one
+//! kvtierd, so a client from before a restart (or one that kept an old id) gets a clean "no
+//! registered pool" instead of another client's pool. The client keeps the connection open
+//! while it uses the pool; when it closes, the pool is unmapped and its id stops resolving.
 //!
 //! Hostile input — a wrong magic, a short or oversized preamble, a name that is not UTF-8,
 //! no descriptor or more than one, a file that cannot be mapped — closes that connection with
@@ -24,10 +26,9 @@ pub use authority::incoming as grpc_incoming;
 pub use cache::ObjectCache;
 pub use service::StorageService;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvtier_shm::ShmRegion;
@@ -106,16 +107,61 @@ impl Pool {
     }
 }
 
-/// The registered pools by id.
+/// The registered pools by id, and every id handed out since start.
 #[derive(Debug, Default)]
 pub struct Pools {
-    next: AtomicU32,
-    map: Mutex<HashMap<u32, Arc<Pool>>>,
+    map: Mutex<Registry>,
     gauge: Option<prometheus::IntGauge>,
 }
 
+#[derive(Debug, Default)]
+struct Registry {
+    live: HashMap<u32, Arc<Pool>>,
+    issued: HashSet<u32>,
+    draws: u64,
+}
+
+impl Registry {
+    /// A random id in 1..=i32::MAX (transfers carry it as an int32) never issued before by
+    /// this process. Random rather than counted so that ids do not repeat across restarts
+    /// either (as far as 31 bits allow).
+    fn fresh_id(&mut self) -> u32 {
+        loop {
+            self.draws += 1;
+            // Transfers carry the id in an int32 field: 31 bits.
+            let id = random_u32(self.draws) & 0x7FFF_FFFF;
+            if id != 0 && self.issued.insert(id) {
+                return id;
+            }
+        }
+    }
+}
+
+/// 32 random bits from the kernel; should /dev/urandom be unreadable, a per-process random
+/// hash of the draw count and the clock.
+fn random_u32(draw: u64) -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::io::Read;
+    let mut b = [0u8; 4];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok()
+    {
+        return u32::from_le_bytes(b);
+    }
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(draw);
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish() as u32
+}
+
 impl Pools {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Pool>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
         match self.map.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
@@ -124,17 +170,17 @@ impl Pools {
 
     /// The pool registered as `id`, while its client is connected.
     pub fn get(&self, id: u32) -> Option<Arc<Pool>> {
-        self.lock().get(&id).cloned()
+        self.lock().live.get(&id).cloned()
     }
 
     /// Pools registered now.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().live.len()
     }
 
     /// Whether none is registered.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().live.is_empty()
     }
 
     /// Pools that report their count to `gauge`.
@@ -146,20 +192,20 @@ impl Pools {
     }
 
     fn add(&self, pool: Pool) -> u32 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         let mut m = self.lock();
-        m.insert(id, Arc::new(pool));
+        let id = m.fresh_id();
+        m.live.insert(id, Arc::new(pool));
         if let Some(g) = &self.gauge {
-            g.set(m.len() as i64);
+            g.set(m.live.len() as i64);
         }
         id
     }
 
     fn remove(&self, id: u32) {
         let mut m = self.lock();
-        m.remove(&id);
+        m.live.remove(&id);
         if let Some(g) = &self.gauge {
-            g.set(m.len() as i64);
+            g.set(m.live.len() as i64);
         }
     }
 }
@@ -405,6 +451,18 @@ mod tests {
         panic!("timed out waiting for {what}");
     }
 
+    #[test]
+    fn pool_ids_are_non_zero_int32_and_never_repeat() {
+        let mut r = Registry::default();
+        let ids: Vec<u32> = (0..20_000).map(|_| r.fresh_id()).collect();
+        assert!(ids.iter().all(|&id| (1..=i32::MAX as u32).contains(&id)));
+        let distinct: HashSet<u32> = ids.iter().copied().collect();
+        assert_eq!(distinct.len(), ids.len());
+        // Not a counter: two registries (two kvtierd runs) start from different ids.
+        let mut again = Registry::default();
+        assert_ne!(again.fresh_id(), ids[0]);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pools_register_map_the_memfd_and_go_when_the_client_does() {
         let dir = std::env::temp_dir().join(format!("kvtier-sglang-{}", std::process::id()));
@@ -416,7 +474,8 @@ mod tests {
         let stop = CancellationToken::new();
         tokio::spawn(serve_registrations(listener, pools.clone(), stop.clone()));
 
-        // A good registration: id 1, the memfd's bytes visible through the mapping.
+        // A good registration: a random non-zero id, the memfd's bytes visible through the
+        // mapping.
         let path2 = path.clone();
         let (c1, id1, fd1) = tokio::task::spawn_blocking(move || {
             let mut c = std::os::unix::net::UnixStream::connect(&path2).unwrap();
@@ -427,8 +486,9 @@ mod tests {
         })
         .await
         .unwrap();
-        assert_eq!(id1, Some(1));
-        let region = pools.get(1).unwrap();
+        let id1 = id1.unwrap();
+        assert!((1..=i32::MAX as u32).contains(&id1), "{id1}");
+        let region = pools.get(id1).unwrap();
         assert_eq!(region.len(), 8192);
         let mut b = [0u8; 4];
         region.read(8188, &mut b).unwrap();
@@ -464,7 +524,7 @@ mod tests {
         assert_eq!(refused, vec![None; 5]);
         assert_eq!(pools.len(), 1);
 
-        // A second good client gets the next id; closing the first unregisters it.
+        // A second good client gets another id; closing the first unregisters it.
         let path4 = path.clone();
         let (c2, id2) = tokio::task::spawn_blocking(move || {
             let mut c = std::os::unix::net::UnixStream::connect(&path4).unwrap();
@@ -475,13 +535,14 @@ mod tests {
         })
         .await
         .unwrap();
-        assert_eq!(id2, Some(2));
+        let id2 = id2.unwrap();
+        assert!(id2 != id1 && (1..=i32::MAX as u32).contains(&id2), "{id2}");
         c1.shutdown(std::net::Shutdown::Both).unwrap();
         drop(c1);
-        until("pool 1 to go", || pools.get(1).is_none()).await;
-        assert!(pools.get(2).is_some());
+        until("the first pool to go", || pools.get(id1).is_none()).await;
+        assert!(pools.get(id2).is_some());
         drop(c2);
-        until("pool 2 to go", || pools.is_empty()).await;
+        until("the second pool to go", || pools.is_empty()).await;
         stop.cancel();
         let _ = std::fs::remove_dir_all(&dir);
     }
