@@ -5,6 +5,7 @@ One client process that also contributes its memory segment (as an inference wor
 talking to a running mooncake_master over TCP on loopback. Prints one JSON object:
 {"put_bytes_per_s": ..., "get_bytes_per_s": ...} (medians of the rounds).
 """
+
 import argparse
 import json
 import os

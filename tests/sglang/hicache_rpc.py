@@ -19,6 +19,7 @@ kvtierd are held to the same definition.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import socket
 import struct
@@ -56,10 +57,27 @@ def _generate_stubs():
     )
     if code != 0:
         raise RuntimeError(f"protoc failed on {PROTO_ROOT / PROTO} (exit {code})")
-    sys.path.insert(0, str(out))
-    pb2 = importlib.import_module("sglang.runtime.hicache.storage_pb2")
-    pb2_grpc = importlib.import_module("sglang.runtime.hicache.storage_pb2_grpc")
+    # The proto's package is `sglang.runtime.hicache`, but the real `sglang` package is
+    # installed beside these tests: load the generated modules under names of their own.
+    gen = out / "sglang" / "runtime" / "hicache"
+    pb2 = _load("kvtier_tests_hicache_storage_pb2", gen / "storage_pb2.py")
+    grpc_py = gen / "storage_pb2_grpc.py"
+    grpc_py.write_text(
+        grpc_py.read_text().replace(
+            "from sglang.runtime.hicache import storage_pb2",
+            "import kvtier_tests_hicache_storage_pb2",
+        )
+    )
+    pb2_grpc = _load("kvtier_tests_hicache_storage_pb2_grpc", grpc_py)
     return pb2, pb2_grpc
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 pb2, pb2_grpc = _generate_stubs()
@@ -86,7 +104,7 @@ def read_pool_id(s: socket.socket) -> int | None:
     while len(got) < 4:
         try:
             chunk = s.recv(4 - len(got))
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             return None
         if not chunk:
             return None
@@ -131,7 +149,9 @@ class Client:
         )
         self.stub = pb2_grpc.StorageServerStub(self.channel)
 
-    def transfer(self, obj_id: str | bytes, iovecs: list[tuple[int, int]], pool_id: int | None = None):
+    def transfer(
+        self, obj_id: str | bytes, iovecs: list[tuple[int, int]], pool_id: int | None = None
+    ):
         return pb2.Transfer(
             id=obj_id.encode() if isinstance(obj_id, str) else obj_id,
             iovec=[pb2.Iovec(offset=o, length=n) for o, n in iovecs],
@@ -143,10 +163,14 @@ class Client:
         return list(r.results)
 
     def batch_put(self, transfers) -> list[int]:
-        return list(self.stub.BatchPut(pb2.BatchPutRequest(puts=transfers), timeout=TIMEOUT_S).results)
+        return list(
+            self.stub.BatchPut(pb2.BatchPutRequest(puts=transfers), timeout=TIMEOUT_S).results
+        )
 
     def batch_get(self, transfers) -> list[int]:
-        return list(self.stub.BatchGet(pb2.BatchGetRequest(gets=transfers), timeout=TIMEOUT_S).results)
+        return list(
+            self.stub.BatchGet(pb2.BatchGetRequest(gets=transfers), timeout=TIMEOUT_S).results
+        )
 
     def unregister(self) -> None:
         """Closes the registration connection, as SGLang does when it shuts down."""

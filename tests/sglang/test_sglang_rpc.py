@@ -9,97 +9,25 @@ KVTIERD_BIN to use another.
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
-import pytest
-
 import hicache_rpc as rpc
+import pytest
+from kvtierd_proc import Kvtierd as KvtierdProcess
 
 OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE = 0, 3, 5, 9, 11
 
 
-def kvtierd_bin() -> str:
-    if os.environ.get("KVTIERD_BIN"):
-        return os.environ["KVTIERD_BIN"]
-    target = os.environ.get("CARGO_TARGET_DIR", str(rpc.ROOT / "target"))
-    return str(Path(target) / "debug" / "kvtierd")
-
-
-class Kvtierd:
+class Kvtierd(KvtierdProcess):
     """A kvtierd process on its own data directory, with [sglang_rpc] enabled."""
 
     def __init__(self, data_dir: Path, *sets: str):
-        self.data_dir = data_dir
-        args = [
-            kvtierd_bin(),
-            "--set", f"data_dir={data_dir}",
-            "--set", "metrics.listen=127.0.0.1:0",
-            "--set", "log.level=warn",
-            "--set", "sglang_rpc.enable=true",
-            # A closed grpcio channel sometimes keeps its socket open a while; kvtierd's
-            # graceful stop then waits the whole drain for it. Keep that short here.
-            "--set", "server.drain_timeout=2s",
-        ]
-        for s in sets:
-            args += ["--set", s]
-        # kvtierd reads KVTIER_* variables as configuration: none of the caller's leak in.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
-        self.metrics_url = self._wait_ready()
+        super().__init__(data_dir, "sglang_rpc.enable=true", *sets)
         self.mempool = str(data_dir / "sglang-mempool.sock")
         self.grpc = str(data_dir / "sglang-grpc.sock")
-
-    def _wait_ready(self) -> str:
-        found: list[str] = []
-
-        def read():
-            for line in self.proc.stdout:
-                if "kvtierd ready" in line:
-                    found.append(line)
-                    break
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(30)
-        if not found:
-            code = self.proc.poll()
-            self.proc.kill()
-            if code is not None:
-                raise RuntimeError(f"kvtierd exited with status {code} before it was ready")
-            raise RuntimeError("kvtierd did not become ready in 30 s")
-        # Keep draining stdout so the daemon never blocks on a full pipe.
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-        return re.search(r"metrics=(\S+)", found[0]).group(1)
-
-    def metric(self, series: str, absent: float | None = None) -> float:
-        """A series' value; `absent` when it is not exported yet (else KeyError)."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        for line in text.splitlines():
-            if line.startswith(series + " "):
-                return float(line.split()[-1])
-        if absent is None:
-            raise KeyError(series)
-        return absent
-
-    def kill(self) -> None:
-        """SIGKILL: no flush, no cleanup."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
 
 @pytest.fixture
@@ -153,7 +81,9 @@ def test_batches_mix_present_and_missing_ids_independently(daemon):
     for i in range(n):
         c.pool.write(i * page, pattern(10 + i, page))
     # Several transfers per batch; only the even ones are stored.
-    assert c.batch_put([c.transfer(f"p{i}", [(i * page, page)]) for i in range(0, n, 2)]) == [OK] * (n // 2)
+    assert c.batch_put([c.transfer(f"p{i}", [(i * page, page)]) for i in range(0, n, 2)]) == [
+        OK
+    ] * (n // 2)
     dst = n * page
     c.pool.write(dst, b"\xee" * (n * page))
     r = c.batch_get([c.transfer(f"p{i}", [(dst + i * page, page)]) for i in range(n)])
@@ -193,16 +123,22 @@ def test_objects_are_served_after_kvtierd_restarts_with_the_file_backend(tmp_pat
     d = Kvtierd(data)
     c = connect(d)
     objs = {f"{i:064x}_0_k": pattern(20 + i, 65536) for i in range(8)}
-    for i, (oid, b) in enumerate(objs.items()):
+    for i, b in enumerate(objs.values()):
         c.pool.write(i * 65536, b)
-    assert c.batch_put([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)]) == [OK] * 8
+    assert (
+        c.batch_put([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)])
+        == [OK] * 8
+    )
     c.close()
     d.kill()  # no flush: a put is in L3 before it is answered
     d = Kvtierd(data)
     try:
         c = connect(d)
         assert c.exist(list(objs)) == [True] * 8
-        assert c.batch_get([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)]) == [OK] * 8
+        assert (
+            c.batch_get([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)])
+            == [OK] * 8
+        )
         for i, b in enumerate(objs.values()):
             assert c.pool.read(i * 65536, 65536) == b
         assert d.metric('kvtier_sglang_hits_total{op="get",tier="l3"}') == 8
@@ -216,12 +152,19 @@ def test_a_second_instance_is_served_from_kvtierd_memory(daemon):
     b = connect(daemon, name="instance-b")
     for i in range(4):
         a.pool.write(i * 65536, pattern(40 + i, 65536))
-    assert a.batch_put([a.transfer(f"shared{i}", [(i * 65536, 65536)]) for i in range(4)]) == [OK] * 4
-    assert b.batch_get([b.transfer(f"shared{i}", [(i * 65536, 65536)]) for i in range(4)]) == [OK] * 4
+    assert (
+        a.batch_put([a.transfer(f"shared{i}", [(i * 65536, 65536)]) for i in range(4)]) == [OK] * 4
+    )
+    assert (
+        b.batch_get([b.transfer(f"shared{i}", [(i * 65536, 65536)]) for i in range(4)]) == [OK] * 4
+    )
     for i in range(4):
         assert b.pool.read(i * 65536, 65536) == pattern(40 + i, 65536)
     assert daemon.metric('kvtier_sglang_hits_total{op="get",tier="memory"}') == 4
-    assert daemon.metric('kvtier_l3_backend_ops_total{backend="file",op="get",outcome="ok"}', absent=0) == 0
+    assert (
+        daemon.metric('kvtier_l3_backend_ops_total{backend="file",op="get",outcome="ok"}', absent=0)
+        == 0
+    )
     a.close()
     b.close()
 
@@ -376,7 +319,6 @@ def test_a_pool_shrinking_during_copies_never_takes_the_daemon_down(daemon):
     """A client that keeps shrinking and regrowing its (unsealable) memfd while kvtierd copies
     into it: each transfer succeeds, is refused (11), or — once a copy hit the shrunk end — the
     pool is given up (9). kvtierd keeps running and serves a fresh registration correctly."""
-    import threading
 
     mib = 1 << 20
     c = connect(daemon, size=32 * mib)
@@ -408,3 +350,55 @@ def test_a_pool_shrinking_during_copies_never_takes_the_daemon_down(daemon):
     for i in range(8):
         assert c2.pool.read(i * mib, mib) == pattern(60 + i, mib)
     c2.close()
+
+
+def test_pool_ids_are_random_and_a_stale_id_never_reaches_another_pool(tmp_path):
+    """Ids are random and non-zero: a client that kept its id across a kvtierd restart gets
+    FAILED_PRECONDITION, never another client's pool (with ids counted from 1, the first
+    client registered after the restart would have had its id)."""
+    data = tmp_path / "kvtierd"
+    d = Kvtierd(data)
+    old = connect(d, name="old")
+    ids = {old.pool_id}
+    others = [connect(d, name=f"o{i}") for i in range(4)]
+    ids |= {o.pool_id for o in others}
+    assert len(ids) == 5 and 0 not in ids
+    assert ids != set(range(1, 6)), "ids must not be counted from 1"
+    for o in others:
+        o.close()
+    d.kill()
+    d = Kvtierd(data)
+    try:
+        new = connect(d, name="new")
+        assert new.pool_id not in ids
+        new.pool.write(0, pattern(50, 4096))
+        assert new.batch_put([new.transfer("mine", [(0, 4096)])]) == [OK]
+        # The stale client, on a fresh channel to the new daemon, with its old id.
+        stale = connect(d, name="stale")
+        stale.pool_id = old.pool_id
+        assert stale.batch_get([stale.transfer("mine", [(0, 4096)])]) == [FAILED_PRECONDITION]
+        assert stale.batch_put([stale.transfer("x", [(0, 4096)])]) == [FAILED_PRECONDITION]
+        assert new.batch_get([new.transfer("mine", [(0, 4096)])]) == [OK]
+        new.close()
+        stale.close()
+    finally:
+        d.stop()
+        old.close()
+
+
+def test_a_layer_first_batch_of_a_deep_model_fits_in_one_request(daemon):
+    """SGLang's layer_first pools send one object per page, layer and part: 128 pages of an
+    80-layer model are 20,480 objects in one request, all of which must go through (the old
+    limit of 4,096 refused such requests)."""
+    pages, layers, run = 128, 80, 64
+    c = connect(daemon, size=pages * layers * 2 * run)
+    blob = pattern(60, pages * layers * 2 * run)
+    c.pool.write(0, blob)
+    ids = [f"{p:060x}_{layer}_{kv}" for p in range(pages) for layer in range(layers) for kv in "kv"]
+    transfers = [c.transfer(oid, [(i * run, run)]) for i, oid in enumerate(ids)]
+    assert c.batch_put(transfers) == [OK] * len(ids)
+    assert c.exist(ids) == [True] * len(ids)
+    c.pool.write(0, bytes(len(blob)))
+    assert c.batch_get(transfers) == [OK] * len(ids)
+    assert c.pool.read(0, len(blob)) == blob
+    c.close()

@@ -1,0 +1,411 @@
+"""kvtierd's host tier (L2) from Python: a session, its mapped page pool, and the calls of
+``kvtier.v1.HostTier`` (proto/kvtier/v1/host.proto says the protocol).
+
+Page bytes never travel over gRPC: :class:`SlotPool` maps the pool file the daemon names at
+registration, and callers copy pages into or out of the slots the calls hand out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvtier import keys as _keys
+from kvtier.v1 import admin_pb2, admin_pb2_grpc, common_pb2, host_pb2, host_pb2_grpc
+
+# Messages of a few thousand keys are far below this; the bound is for Stats and metrics.
+_MAX_MESSAGE = 64 << 20
+
+DTYPES = {
+    "float32": common_pb2.DTYPE_FP32,
+    "float16": common_pb2.DTYPE_FP16,
+    "bfloat16": common_pb2.DTYPE_BF16,
+    "float8_e4m3fn": common_pb2.DTYPE_FP8_E4M3,
+    "float8_e5m2": common_pb2.DTYPE_FP8_E5M2,
+}
+
+
+class KvtierError(Exception):
+    """A call to kvtierd failed; ``retryable`` when the daemon may come back (restart, load)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in (
+            None,
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+
+    @property
+    def session_lost(self) -> bool:
+        """The daemon no longer knows the session (it expired, or kvtierd restarted)."""
+        return self.code == grpc.StatusCode.NOT_FOUND
+
+
+def _call(fn, request, timeout: float):
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        name = getattr(fn, "_method", b"call")
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        raise KvtierError(f"{name}: {code.name if code else 'error'}: {details}", code) from None
+
+
+def grpc_target(address: str) -> str:
+    """A gRPC target for a socket path, ``unix:`` URI or ``host:port``."""
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/") or address.startswith("."):
+        return f"unix://{os.path.abspath(address)}"
+    return address
+
+
+class DaemonClient:
+    """A channel to kvtierd with its services' stubs."""
+
+    def __init__(self, address: str, timeout: float = 5.0):
+        self.address = address
+        self.timeout = timeout
+        target = grpc_target(address)
+        self.channel = grpc.insecure_channel(
+            target,
+            options=[
+                # grpcio sends a Unix socket's path as the HTTP/2 authority, which is not a
+                # valid authority; servers built on hyper (kvtierd) reset such streams.
+                *([("grpc.default_authority", "localhost")] if target.startswith("unix:") else []),
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # Reconnect quickly after a daemon restart instead of backing off for minutes.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self.host = host_pb2_grpc.HostTierStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
+    def stats(self) -> host_pb2.StatsResponse:
+        return _call(self.host.Stats, host_pb2.StatsRequest(), self.timeout)
+
+    def backend_status(self) -> admin_pb2.BackendStatusResponse:
+        """The L3 tier: attached, breaker state, counters."""
+        return _call(self.admin.BackendStatus, admin_pb2.BackendStatusRequest(), self.timeout)
+
+    def watch_metrics(self, interval_ms: int = 1000) -> Iterator[host_pb2.MetricsSnapshot]:
+        """Every daemon metric, every ``interval_ms``, until the caller stops iterating."""
+        stream = self.host.WatchMetrics(host_pb2.WatchMetricsRequest(interval_ms=interval_ms))
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            raise KvtierError(f"WatchMetrics: {e.code().name}: {e.details()}", e.code()) from None
+        finally:
+            stream.cancel()
+
+    def register(
+        self,
+        name: str,
+        layout: common_pb2.LayoutDescriptor,
+        namespace: _keys.Namespace = _keys.Namespace(),
+    ) -> HostSession:
+        return HostSession.register(self, name, layout, namespace)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class SlotPool:
+    """The daemon's page pool, mapped: ``slots`` slots of ``stride`` bytes."""
+
+    def __init__(self, path: str, slots: int, stride: int):
+        self.path, self.slots, self.stride = path, slots, stride
+        size = slots * stride
+        fd = os.open(path, os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise KvtierError(
+                    f"pool {path} is {actual} bytes, expected {slots} slots x {stride}"
+                )
+            # MAP_POPULATE: fault every page of the pool in now, not one 4 KiB page at a time
+            # inside the first copies (which halved the first writes' speed).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self.base = ctypes.addressof(self._anchor)
+
+    def address(self, slot: int, offset: int = 0, length: int = 0) -> int:
+        """The address of ``length`` bytes at ``offset`` in ``slot``, bounds-checked."""
+        if not 0 <= slot < self.slots:
+            raise KvtierError(f"slot {slot} is outside the pool's {self.slots} slots")
+        if offset < 0 or length < 0 or offset + length > self.stride:
+            raise KvtierError(
+                f"bytes {offset}..{offset + length} exceed the slot stride {self.stride}"
+            )
+        return self.base + slot * self.stride + offset
+
+    def view(self, slot: int, length: int) -> memoryview:
+        start = slot * self.stride
+        self.address(slot, 0, length)
+        return memoryview(self._map)[start : start + length]
+
+    def close(self) -> None:
+        del self._anchor
+        try:
+            self._map.close()
+        except BufferError:
+            # A view is still held somewhere; the mapping goes when it does.
+            pass
+
+
+@dataclass
+class Progress:
+    """A prefetch's progress (host.proto PrefetchProgress)."""
+
+    state: str
+    reason: str
+    l2_pages: int
+    hit_pages: int
+    landed_pages: int
+
+    @staticmethod
+    def of(p: host_pb2.PrefetchProgress) -> Progress:
+        return Progress(
+            state=host_pb2.PrefetchState.Name(p.state).removeprefix("PREFETCH_STATE_").lower(),
+            reason=p.reason,
+            l2_pages=p.l2_pages,
+            hit_pages=p.hit_pages,
+            landed_pages=p.landed_pages,
+        )
+
+
+POLICIES = {
+    "best_effort": host_pb2.PREFETCH_POLICY_BEST_EFFORT,
+    "wait_complete": host_pb2.PREFETCH_POLICY_WAIT_COMPLETE,
+    "timeout": host_pb2.PREFETCH_POLICY_TIMEOUT,
+}
+
+
+@dataclass
+class HostSession:
+    """A registered session: its id, lease, layout as the daemon derived it, and its pool."""
+
+    client: DaemonClient
+    session_id: int
+    ttl_s: float
+    info: common_pb2.LayoutInfo
+    pool: SlotPool
+    closed: bool = False
+    _heartbeats: threading.Thread | None = field(default=None, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    SELF_TEST_PAGES = 2
+
+    @classmethod
+    def register(
+        cls,
+        client: DaemonClient,
+        name: str,
+        layout: common_pb2.LayoutDescriptor,
+        namespace: _keys.Namespace = _keys.Namespace(),
+    ) -> HostSession:
+        tokens = list(range(1, layout.page_size * cls.SELF_TEST_PAGES + 1))
+        test = common_pb2.HashSelfTest(
+            page_size=layout.page_size,
+            namespace=common_pb2.Namespace(
+                tenant=namespace.tenant,
+                cache_salt=namespace.cache_salt,
+                lora_id=namespace.lora_id,
+                extra_key=namespace.extra_key,
+            ),
+            tokens=tokens,
+            keys=_keys.page_keys(tokens, layout.page_size, namespace),
+        )
+        r = _call(
+            client.host.Register,
+            host_pb2.RegisterRequest(name=name, layout=layout, hash_self_test=test),
+            client.timeout,
+        )
+        pool = SlotPool(r.pool_path, r.pool_slots, r.slot_stride)
+        return cls(client, r.session_id, r.ttl_ms / 1000.0, r.layout, pool)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.info.page_bytes
+
+    def _t(self, timeout: float | None) -> float:
+        return self.client.timeout if timeout is None else timeout
+
+    def lookup(
+        self, keys: Sequence[bytes], include_storage: bool = False, timeout: float | None = None
+    ) -> tuple[int, int]:
+        """(leading keys ready in L2, keys after those a prefetch can bring in from L3)."""
+        r = _call(
+            self.client.host.Lookup,
+            host_pb2.LookupRequest(
+                session_id=self.session_id, keys=keys, include_storage=include_storage
+            ),
+            self._t(timeout),
+        )
+        return r.ready_pages, r.storage_pages
+
+    def reserve(
+        self, keys: Sequence[bytes], parent: bytes = b"", timeout: float | None = None
+    ) -> list[tuple[int, int]]:
+        """(status, slot) per key; status is a ``host_pb2.ReserveStatus`` value."""
+        r = _call(
+            self.client.host.Reserve,
+            host_pb2.ReserveRequest(session_id=self.session_id, keys=keys, parent=parent),
+            self._t(timeout),
+        )
+        if len(r.status) != len(keys) or len(r.slots) != len(keys):
+            raise KvtierError(f"Reserve answered {len(r.status)} statuses for {len(keys)} keys")
+        return list(zip(r.status, r.slots))
+
+    def commit(self, keys: Sequence[bytes], timeout: float | None = None) -> None:
+        _call(
+            self.client.host.Commit,
+            host_pb2.CommitRequest(session_id=self.session_id, keys=keys),
+            self._t(timeout),
+        )
+
+    def abort(self, keys: Sequence[bytes], timeout: float | None = None) -> None:
+        _call(
+            self.client.host.Abort,
+            host_pb2.AbortRequest(session_id=self.session_id, keys=keys),
+            self._t(timeout),
+        )
+
+    def acquire(self, keys: Sequence[bytes], timeout: float | None = None) -> list[int]:
+        """Pins the longest ready prefix of ``keys``; its slots."""
+        r = _call(
+            self.client.host.Acquire,
+            host_pb2.AcquireRequest(session_id=self.session_id, keys=keys),
+            self._t(timeout),
+        )
+        return list(r.slots)
+
+    def release(self, keys: Sequence[bytes], timeout: float | None = None) -> None:
+        """Drops pins. Raises when they were already dropped: bytes copied under them are void."""
+        _call(
+            self.client.host.Release,
+            host_pb2.ReleaseRequest(session_id=self.session_id, keys=keys),
+            self._t(timeout),
+        )
+
+    def prefetch(
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        parent: bytes = b"",
+        policy: str = "wait_complete",
+        timeout_ms: int = 0,
+        threshold_tokens: int | None = None,
+        recompute_tokens_per_second: int = 0,
+        timeout: float | None = None,
+    ) -> Progress:
+        """Loads ``keys`` from L3 into L2 and waits for the prefetch's final state. Zero or
+        None hints keep the daemon's configuration (host.proto PrefetchHints)."""
+        hints = host_pb2.PrefetchHints(
+            timeout_ms=timeout_ms, recompute_tokens_per_second=recompute_tokens_per_second
+        )
+        if threshold_tokens is not None:
+            hints.threshold_tokens = threshold_tokens
+        req = host_pb2.PrefetchRequest(
+            session_id=self.session_id,
+            request_id=request_id,
+            keys=keys,
+            parent=parent,
+            policy=POLICIES[policy],
+            hints=hints,
+        )
+        last = None
+        try:
+            for p in self.client.host.Prefetch(req, timeout=self._t(timeout)):
+                last = p
+        except grpc.RpcError as e:
+            raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None
+        if last is None:
+            raise KvtierError("Prefetch: the stream ended without progress")
+        return Progress.of(last)
+
+    def take_prefetch(
+        self, request_id: str, timeout: float | None = None
+    ) -> tuple[Progress, list[int]]:
+        """Pins the prefetch's usable prefix; its progress and slots (copy, then release)."""
+        r = _call(
+            self.client.host.TakePrefetch,
+            host_pb2.TakePrefetchRequest(session_id=self.session_id, request_id=request_id),
+            self._t(timeout),
+        )
+        return Progress.of(r.progress), list(r.slots)
+
+    def release_prefetch(self, request_id: str, timeout: float | None = None) -> None:
+        _call(
+            self.client.host.ReleasePrefetch,
+            host_pb2.ReleasePrefetchRequest(session_id=self.session_id, request_id=request_id),
+            self._t(timeout),
+        )
+
+    def heartbeat(self, timeout: float | None = None) -> None:
+        r = _call(
+            self.client.host.Heartbeat,
+            host_pb2.HeartbeatRequest(session_id=self.session_id),
+            self._t(timeout),
+        )
+        if r.ttl_ms:
+            self.ttl_s = r.ttl_ms / 1000.0
+
+    def start_heartbeats(self, on_lost=None) -> None:
+        """Heartbeats every third of the lease on a daemon thread. ``on_lost(error)`` is
+        called once when the daemon no longer knows the session (or cannot be reached for a
+        whole lease); the thread then stops."""
+
+        def run() -> None:
+            failing_since = None
+            while not self._stop.wait(max(self.ttl_s / 3.0, 0.05)):
+                try:
+                    self.heartbeat()
+                    failing_since = None
+                except KvtierError as e:
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if e.session_lost or now - failing_since >= self.ttl_s:
+                        self.closed = True
+                        if on_lost is not None:
+                            on_lost(e)
+                        return
+
+        self._heartbeats = threading.Thread(
+            target=run, name=f"kvtier-heartbeat-{self.session_id}", daemon=True
+        )
+        self._heartbeats.start()
+
+    def close(self) -> None:
+        """Ends the session (its pins and reservations are dropped) and unmaps the pool."""
+        self._stop.set()
+        if not self.closed:
+            self.closed = True
+            try:
+                _call(
+                    self.client.host.Close,
+                    host_pb2.CloseRequest(session_id=self.session_id),
+                    self.client.timeout,
+                )
+            except KvtierError:
+                pass
+        self.pool.close()

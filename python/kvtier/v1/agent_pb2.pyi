@@ -1,0 +1,217 @@
+from kvtier.v1 import common_pb2 as _common_pb2
+from kvtier.v1 import host_pb2 as _host_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CpuPool(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CudaPool(_message.Message):
+    __slots__ = ("device_ordinal", "ipc_handles")
+    DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    device_ordinal: int
+    ipc_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, device_ordinal: _Optional[int] = ..., ipc_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("layout", "num_token_slots", "cpu", "cuda")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.LayoutDescriptor
+    num_token_slots: int
+    cpu: CpuPool
+    cuda: CudaPool
+    def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutDescriptor, _Mapping]] = ..., num_token_slots: _Optional[int] = ..., cpu: _Optional[_Union[CpuPool, _Mapping]] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("layout", "num_pages", "daemon_connected")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.LayoutInfo
+    num_pages: int
+    daemon_connected: bool
+    def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., num_pages: _Optional[int] = ..., daemon_connected: _Optional[bool] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("tokens", "namespace")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    namespace: _common_pb2.Namespace
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("handle", "device_pages", "l2_pages", "l3_pages", "total_pages")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L3_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    l2_pages: int
+    l3_pages: int
+    total_pages: int
+    def __init__(self, handle: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+
+class MatchBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[MatchRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[MatchRequest, _Mapping]]] = ...) -> None: ...
+
+class MatchBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[MatchResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[MatchResponse, _Mapping]]] = ...) -> None: ...
+
+class LoadBackRequest(_message.Message):
+    __slots__ = ("handle", "free_pages")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    free_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[int] = ..., free_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadBackResponse(_message.Message):
+    __slots__ = ("loaded", "device_pages", "unused_pages")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    loaded: int
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    unused_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loaded: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., unused_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AgentPrefetchRequest(_message.Message):
+    __slots__ = ("handle", "policy", "hints")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    policy: _host_pb2.PrefetchPolicy
+    hints: _host_pb2.PrefetchHints
+    def __init__(self, handle: _Optional[int] = ..., policy: _Optional[_Union[_host_pb2.PrefetchPolicy, str]] = ..., hints: _Optional[_Union[_host_pb2.PrefetchHints, _Mapping]] = ...) -> None: ...
+
+class InsertRequest(_message.Message):
+    __slots__ = ("tokens", "namespace", "device_pages")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    namespace: _common_pb2.Namespace
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InsertResponse(_message.Message):
+    __slots__ = ("duplicate_pages", "inserted")
+    DUPLICATE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    duplicate_pages: _containers.RepeatedScalarFieldContainer[int]
+    inserted: int
+    def __init__(self, duplicate_pages: _Optional[_Iterable[int]] = ..., inserted: _Optional[int] = ...) -> None: ...
+
+class InsertBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[InsertRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[InsertRequest, _Mapping]]] = ...) -> None: ...
+
+class InsertBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[InsertResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[InsertResponse, _Mapping]]] = ...) -> None: ...
+
+class AgentReleaseRequest(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    def __init__(self, handle: _Optional[int] = ...) -> None: ...
+
+class ReleaseBatchRequest(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AgentReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("pages", "backed_up", "lost")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BACKED_UP_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    backed_up: int
+    lost: int
+    def __init__(self, pages: _Optional[_Iterable[int]] = ..., backed_up: _Optional[int] = ..., lost: _Optional[int] = ...) -> None: ...
+
+class AgentStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AgentStatsResponse(_message.Message):
+    __slots__ = ("pool_registered", "daemon_connected", "write_policy", "device_pages", "evictable_pages", "locked_pages", "host_only_pages", "open_handles", "backed_up_pages", "lost_pages", "backups_in_flight", "metrics_address", "lost_by_reason", "backup_waits", "backup_wait_seconds", "backups_deferred")
+    POOL_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOCKED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ONLY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    BACKED_UP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOST_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WAITS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    pool_registered: bool
+    daemon_connected: bool
+    write_policy: str
+    device_pages: int
+    evictable_pages: int
+    locked_pages: int
+    host_only_pages: int
+    open_handles: int
+    backed_up_pages: int
+    lost_pages: int
+    backups_in_flight: int
+    metrics_address: str
+    lost_by_reason: _containers.RepeatedCompositeFieldContainer[LostPages]
+    backup_waits: int
+    backup_wait_seconds: float
+    backups_deferred: int
+    def __init__(self, pool_registered: _Optional[bool] = ..., daemon_connected: _Optional[bool] = ..., write_policy: _Optional[str] = ..., device_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., locked_pages: _Optional[int] = ..., host_only_pages: _Optional[int] = ..., open_handles: _Optional[int] = ..., backed_up_pages: _Optional[int] = ..., lost_pages: _Optional[int] = ..., backups_in_flight: _Optional[int] = ..., metrics_address: _Optional[str] = ..., lost_by_reason: _Optional[_Iterable[_Union[LostPages, _Mapping]]] = ..., backup_waits: _Optional[int] = ..., backup_wait_seconds: _Optional[float] = ..., backups_deferred: _Optional[int] = ...) -> None: ...
+
+class LostPages(_message.Message):
+    __slots__ = ("reason", "pages")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    pages: int
+    def __init__(self, reason: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
