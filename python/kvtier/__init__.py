@@ -2,6 +2,7 @@
 
 - :mod:`kvtier.host`: kvtierd's host tier (sessions, the mapped page pool, prefetch, stats,
   metrics watch) and the admin service;
+- :mod:`kvtier.agent`: a kvtier-agent's engine API;
 - :mod:`kvtier.keys`: page keys as docs/hash-spec.md specifies them;
 - :mod:`kvtier.sglang`: SGLang's HiCache storage backend (``--hicache-storage-backend
   dynamic``);

@@ -74,26 +74,37 @@ def grpc_target(address: str) -> str:
     return address
 
 
+def grpc_channel(address: str) -> grpc.Channel:
+    """A channel to a kvtier server (kvtierd or kvtier-agent) at ``address``."""
+    target = grpc_target(address)
+    return grpc.insecure_channel(
+        target,
+        options=[
+            # grpcio sends a Unix socket's path as the HTTP/2 authority, which is not a valid
+            # authority; servers built on hyper (kvtierd, kvtier-agent) reset such streams.
+            *([("grpc.default_authority", "localhost")] if target.startswith("unix:") else []),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            # Reconnect quickly after a server restart instead of backing off for minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ],
+    )
+
+
+def namespace_pb(ns: _keys.Namespace) -> common_pb2.Namespace:
+    return common_pb2.Namespace(
+        tenant=ns.tenant, cache_salt=ns.cache_salt, lora_id=ns.lora_id, extra_key=ns.extra_key
+    )
+
+
 class DaemonClient:
     """A channel to kvtierd with its services' stubs."""
 
     def __init__(self, address: str, timeout: float = 5.0):
         self.address = address
         self.timeout = timeout
-        target = grpc_target(address)
-        self.channel = grpc.insecure_channel(
-            target,
-            options=[
-                # grpcio sends a Unix socket's path as the HTTP/2 authority, which is not a
-                # valid authority; servers built on hyper (kvtierd) reset such streams.
-                *([("grpc.default_authority", "localhost")] if target.startswith("unix:") else []),
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                # Reconnect quickly after a daemon restart instead of backing off for minutes.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        self.channel = grpc_channel(address)
         self.host = host_pb2_grpc.HostTierStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
 
@@ -226,12 +237,7 @@ class HostSession:
         tokens = list(range(1, layout.page_size * cls.SELF_TEST_PAGES + 1))
         test = common_pb2.HashSelfTest(
             page_size=layout.page_size,
-            namespace=common_pb2.Namespace(
-                tenant=namespace.tenant,
-                cache_salt=namespace.cache_salt,
-                lora_id=namespace.lora_id,
-                extra_key=namespace.extra_key,
-            ),
+            namespace=namespace_pb(namespace),
             tokens=tokens,
             keys=_keys.page_keys(tokens, layout.page_size, namespace),
         )

@@ -3,46 +3,18 @@ two-phase write and pinned read through the mapped pool, and refusals that name 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from kvtier.host import DaemonClient, KvtierError
 from kvtier.keys import page_keys
 from kvtier.v1 import common_pb2, host_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def kvtierd_bin() -> str:
-    if os.environ.get("KVTIERD_BIN"):
-        return os.environ["KVTIERD_BIN"]
-    target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
-    return str(Path(target) / "debug" / "kvtierd")
-
 
 @pytest.fixture
-def client(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    args = [
-        kvtierd_bin(),
-        "--set",
-        f"data_dir={tmp_path}",
-        "--set",
-        "metrics.listen=127.0.0.1:0",
-        "--set",
-        "log.level=warn",
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
-    assert "kvtierd ready" in proc.stdout.readline()
-    c = DaemonClient(str(tmp_path / "kvtierd.sock"))
+def client(kvtierd):
+    c = DaemonClient(kvtierd.socket)
     yield c
     c.close()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(15)
 
 
 def layout(**kw) -> common_pb2.LayoutDescriptor:

@@ -1,0 +1,175 @@
+"""A kvtier-agent's engine API from Python (``kvtier.v1.Agent``; proto/kvtier/v1/agent.proto
+says the protocol).
+
+The agent is the engine's prefix cache (L1) over the engine's own KV pool: the engine
+registers its pool, matches a request's tokens, lends free pages for load-back, inserts
+what it computed, releases the request's handle and asks for pages back when it runs short.
+Calls take and return plain Python values; the wire messages stay inside this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvtier.host import POLICIES, KvtierError, Progress, _call, grpc_channel, namespace_pb
+from kvtier.keys import Namespace
+from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
+
+
+@dataclass(frozen=True)
+class Match:
+    """A request's cached prefix: device pages (locked for ``handle`` until release), then
+    how many more pages L2 and, after those, L3 hold."""
+
+    handle: int
+    device_pages: list[int]
+    l2_pages: int
+    l3_pages: int
+    total_pages: int
+
+    @staticmethod
+    def of(r: agent_pb2.MatchResponse) -> Match:
+        return Match(r.handle, list(r.device_pages), r.l2_pages, r.l3_pages, r.total_pages)
+
+
+@dataclass(frozen=True)
+class LoadBack:
+    """Pages loaded into the first lent pages; the handle's device prefix now; lent pages
+    the engine gets back unused."""
+
+    loaded: int
+    device_pages: list[int]
+    unused_pages: list[int]
+
+
+@dataclass(frozen=True)
+class Inserted:
+    """Pages inserted, and the engine's pages that duplicate the tree's (the engine frees
+    them)."""
+
+    inserted: int
+    duplicate_pages: list[int]
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """Device pages now free; of them, how many are in L2 and how many were given up."""
+
+    pages: list[int]
+    backed_up: int
+    lost: int
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What the agent derived from the registered pool."""
+
+    layout: common_pb2.LayoutInfo
+    num_pages: int
+    daemon_connected: bool
+
+
+class AgentClient:
+    """A channel to one kvtier-agent (its socket path, or ``host:port``)."""
+
+    def __init__(self, address: str, timeout: float = 5.0):
+        self.address, self.timeout = address, timeout
+        self.channel = grpc_channel(address)
+        self.stub = agent_pb2_grpc.AgentStub(self.channel)
+
+    def register_pool(
+        self,
+        layout: common_pb2.LayoutDescriptor,
+        num_token_slots: int,
+        cpu_path: str | None = None,
+        cuda_ordinal: int | None = None,
+        cuda_ipc_handles: Sequence[bytes] = (),
+    ) -> PoolInfo:
+        """Registers the engine's KV pool: a CPU shared-memory file of layer-first buffers
+        (``cpu_path``), or CUDA IPC handles, one per buffer, on device ``cuda_ordinal``."""
+        req = agent_pb2.RegisterPoolRequest(layout=layout, num_token_slots=num_token_slots)
+        if (cpu_path is None) == (cuda_ordinal is None):
+            raise ValueError("register_pool: give exactly one of cpu_path and cuda_ordinal")
+        if cpu_path is not None:
+            req.cpu.CopyFrom(agent_pb2.CpuPool(path=cpu_path))
+        else:
+            req.cuda.CopyFrom(
+                agent_pb2.CudaPool(device_ordinal=cuda_ordinal, ipc_handles=list(cuda_ipc_handles))
+            )
+        r = _call(self.stub.RegisterPool, req, self.timeout)
+        return PoolInfo(r.layout, r.num_pages, r.daemon_connected)
+
+    def match(self, tokens: Sequence[int], namespace: Namespace = Namespace()) -> Match:
+        req = agent_pb2.MatchRequest(tokens=tokens, namespace=namespace_pb(namespace))
+        return Match.of(_call(self.stub.Match, req, self.timeout))
+
+    def match_batch(self, requests: Sequence[tuple[Sequence[int], Namespace]]) -> list[Match]:
+        req = agent_pb2.MatchBatchRequest(
+            requests=[
+                agent_pb2.MatchRequest(tokens=t, namespace=namespace_pb(ns)) for t, ns in requests
+            ]
+        )
+        r = _call(self.stub.MatchBatch, req, self.timeout)
+        return [Match.of(m) for m in r.responses]
+
+    def load_back(self, handle: int, free_pages: Sequence[int]) -> LoadBack:
+        req = agent_pb2.LoadBackRequest(handle=handle, free_pages=free_pages)
+        r = _call(self.stub.LoadBack, req, self.timeout)
+        return LoadBack(r.loaded, list(r.device_pages), list(r.unused_pages))
+
+    def prefetch(
+        self,
+        handle: int,
+        policy: str = "wait_complete",
+        timeout_ms: int = 0,
+        timeout: float | None = None,
+    ) -> Progress:
+        """Loads the handle's L3 pages into L2 and waits for the prefetch's final state; a
+        later load_back takes what landed."""
+        if policy not in POLICIES:
+            raise ValueError(f"prefetch policy {policy!r} is not one of {', '.join(POLICIES)}")
+        req = agent_pb2.AgentPrefetchRequest(
+            handle=handle,
+            policy=POLICIES[policy],
+            hints=host_pb2.PrefetchHints(timeout_ms=timeout_ms),
+        )
+        last = None
+        try:
+            for p in self.stub.Prefetch(req, timeout=timeout or self.timeout):
+                last = p
+        except grpc.RpcError as e:
+            raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None
+        if last is None:
+            raise KvtierError("Prefetch: the stream ended without progress")
+        return Progress.of(last)
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        device_pages: Sequence[int],
+        namespace: Namespace = Namespace(),
+    ) -> Inserted:
+        req = agent_pb2.InsertRequest(
+            tokens=tokens, device_pages=device_pages, namespace=namespace_pb(namespace)
+        )
+        r = _call(self.stub.Insert, req, self.timeout)
+        return Inserted(r.inserted, list(r.duplicate_pages))
+
+    def release(self, handle: int) -> None:
+        _call(self.stub.Release, agent_pb2.AgentReleaseRequest(handle=handle), self.timeout)
+
+    def release_batch(self, handles: Sequence[int]) -> None:
+        _call(self.stub.ReleaseBatch, agent_pb2.ReleaseBatchRequest(handles=handles), self.timeout)
+
+    def evict(self, pages: int) -> Evicted:
+        r = _call(self.stub.Evict, agent_pb2.EvictRequest(pages=pages), self.timeout)
+        return Evicted(list(r.pages), r.backed_up, r.lost)
+
+    def stats(self) -> agent_pb2.AgentStatsResponse:
+        return _call(self.stub.AgentStats, agent_pb2.AgentStatsRequest(), self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,107 @@
+"""kvtier.agent against real kvtier-agent and kvtierd processes, this test as the engine with
+a CPU KV pool: insert, match, evict (backed up to L2), load back bit-identical, and bad input
+refused by name."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvtier.agent import AgentClient
+from kvtier.host import KvtierError
+from kvtier.v1 import common_pb2
+
+LAYERS, PAGE, SLOTS, TOKEN_BYTES = 2, 4, 64, 16  # 1 KV head of 8 bf16
+BUFFERS = 2 * LAYERS  # K of each layer, then V of each layer
+RUN = PAGE * TOKEN_BYTES
+
+
+def layout() -> common_pb2.LayoutDescriptor:
+    d = common_pb2.LayoutDescriptor(
+        model_id="agent-test",
+        dtype=common_pb2.DTYPE_BF16,
+        num_layers=LAYERS,
+        page_size=PAGE,
+        tp_rank=0,
+        tp_size=1,
+    )
+    d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=1, head_dim=8))
+    return d
+
+
+class CpuPool:
+    """The engine's KV pool: layer-first buffers end to end in a shared file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.write_bytes(bytes(BUFFERS * SLOTS * TOKEN_BYTES))
+
+    def page(self, p: int) -> bytes:
+        data = self.path.read_bytes()
+        return b"".join(data[b * SLOTS * TOKEN_BYTES + p * RUN :][:RUN] for b in range(BUFFERS))
+
+    def fill(self, p: int, seed: int) -> bytes:
+        with open(self.path, "r+b") as f:
+            for b in range(BUFFERS):
+                f.seek(b * SLOTS * TOKEN_BYTES + p * RUN)
+                f.write(bytes((seed * 31 + b * 7 + i) % 251 for i in range(RUN)))
+        return self.page(p)
+
+    def clear(self) -> None:
+        self.path.write_bytes(bytes(BUFFERS * SLOTS * TOKEN_BYTES))
+
+
+@pytest.fixture
+def engine(agent, tmp_path: Path):
+    c = AgentClient(agent.socket)
+    pool = CpuPool(tmp_path / "engine-pool")
+    info = c.register_pool(layout(), SLOTS, cpu_path=str(pool.path))
+    assert info.num_pages == SLOTS // PAGE
+    # The agent opens its kvtierd session for the registered layout in the background.
+    deadline = time.monotonic() + 10
+    while not c.stats().daemon_connected:
+        assert time.monotonic() < deadline, "the agent never connected to kvtierd"
+        time.sleep(0.05)
+    yield c, pool
+    c.close()
+
+
+def test_pages_go_to_l2_on_eviction_and_load_back_identical(engine) -> None:
+    c, pool = engine
+    tokens = list(range(1, 3 * PAGE + 1))
+    m = c.match(tokens)
+    assert (m.device_pages, m.total_pages) == ([], 3)
+    want = [pool.fill(p, seed=p + 1) for p in range(3)]
+    assert c.insert(tokens, [0, 1, 2]).inserted == 3
+    c.release(m.handle)
+    m = c.match(tokens)
+    assert m.device_pages == [0, 1, 2]
+    c.release(m.handle)
+
+    ev = c.evict(SLOTS // PAGE)
+    assert set(ev.pages) >= {0, 1, 2} and ev.backed_up >= 3 and ev.lost == 0
+    pool.clear()
+    m = c.match(tokens)
+    assert (m.device_pages, m.l2_pages) == ([], 3)
+    lb = c.load_back(m.handle, [5, 6, 7, 8])
+    assert (lb.loaded, lb.device_pages, lb.unused_pages) == (3, [5, 6, 7], [8])
+    assert [pool.page(p) for p in (5, 6, 7)] == want
+    c.release_batch([m.handle])
+    s = c.stats()
+    assert s.pool_registered and s.open_handles == 0 and s.lost_pages == 0
+
+
+def test_bad_input_is_refused_by_name(engine) -> None:
+    c, _ = engine
+    with pytest.raises(KvtierError) as e:
+        c.insert(list(range(PAGE)), [SLOTS])  # a page past the pool
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ValueError, match="policy"):
+        c.prefetch(1, policy="soon")
+    with pytest.raises(ValueError, match="exactly one"):
+        c.register_pool(layout(), SLOTS)
+    assert os.path.exists(engine[1].path)
