@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
-from kvtier.host import POLICIES, KvtierError, Progress, _call, grpc_channel, namespace_pb
+from kvtier.host import (
+    POLICIES,
+    Progress,
+    _call,
+    final_progress,
+    grpc_channel,
+    namespace_pb,
+)
 from kvtier.keys import Namespace
 from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 
@@ -136,15 +141,7 @@ class AgentClient:
             policy=POLICIES[policy],
             hints=host_pb2.PrefetchHints(timeout_ms=timeout_ms),
         )
-        last = None
-        try:
-            for p in self.stub.Prefetch(req, timeout=timeout or self.timeout):
-                last = p
-        except grpc.RpcError as e:
-            raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None
-        if last is None:
-            raise KvtierError("Prefetch: the stream ended without progress")
-        return Progress.of(last)
+        return final_progress(self.stub.Prefetch, req, timeout or self.timeout)
 
     def insert(
         self,

@@ -211,6 +211,20 @@ POLICIES = {
 }
 
 
+def final_progress(method, request, timeout: float) -> Progress:
+    """Calls a Prefetch stream (kvtierd's or an agent's) and returns its last message: the
+    prefetch's final state."""
+    last = None
+    try:
+        for p in method(request, timeout=timeout):
+            last = p
+    except grpc.RpcError as e:
+        raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None
+    if last is None:
+        raise KvtierError("Prefetch: the stream ended without progress")
+    return Progress.of(last)
+
+
 @dataclass
 class HostSession:
     """A registered session: its id, lease, layout as the daemon derived it, and its pool."""
@@ -339,15 +353,7 @@ class HostSession:
             policy=POLICIES[policy],
             hints=hints,
         )
-        last = None
-        try:
-            for p in self.client.host.Prefetch(req, timeout=self._t(timeout)):
-                last = p
-        except grpc.RpcError as e:
-            raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None
-        if last is None:
-            raise KvtierError("Prefetch: the stream ended without progress")
-        return Progress.of(last)
+        return final_progress(self.client.host.Prefetch, req, self._t(timeout))
 
     def take_prefetch(
         self, request_id: str, timeout: float | None = None
