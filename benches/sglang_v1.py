@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang"))
 
@@ -58,7 +59,7 @@ def main() -> None:
             w = sp.worker(
                 d.socket, layout, heads=a.heads, head_dim=a.head_dim, tokens=4 * a.pages * a.page
             )
-            w.host.kv_buffer.view(-1).view(dtype=__import__("torch").uint8).random_(0, 255)
+            w.host.kv_buffer.view(-1).view(dtype=torch.uint8).random_(0, 255)
             mem, put, get = [], [], []
             for r in range(a.rounds + 1):
                 t = time.perf_counter()

@@ -7,6 +7,7 @@ registration, and callers copy pages into or out of the slots the calls hand out
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -175,7 +176,10 @@ class SlotPool:
         return memoryview(self._map)[start : start + length]
 
     def close(self) -> None:
-        del self._anchor
+        """Unmaps the pool (again: nothing)."""
+        if getattr(self, "_anchor", None) is None:
+            return
+        self._anchor = None
         try:
             self._map.close()
         except BufferError:
@@ -237,6 +241,9 @@ class HostSession:
     closed: bool = False
     _heartbeats: threading.Thread | None = field(default=None, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Calls copying through the pool now (`in_use`): the pool is unmapped only when none is.
+    _users: int = field(default=0, repr=False)
+    _users_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     SELF_TEST_PAGES = 2
 
@@ -397,7 +404,7 @@ class HostSession:
                     now = time.monotonic()
                     failing_since = failing_since or now
                     if e.session_lost or now - failing_since >= self.ttl_s:
-                        self.closed = True
+                        self.abandon()
                         if on_lost is not None:
                             on_lost(e)
                         return
@@ -406,6 +413,34 @@ class HostSession:
             target=run, name=f"kvtier-heartbeat-{self.session_id}", daemon=True
         )
         self._heartbeats.start()
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[HostSession]:
+        """Holds the pool mapped for the calls and copies inside the block. Raises
+        ``KvtierError`` (session lost) when the session was already given up."""
+        with self._users_lock:
+            if self.closed:
+                raise KvtierError("the session was given up", grpc.StatusCode.NOT_FOUND)
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._users_lock:
+                self._users -= 1
+                unmap = self.closed and self._users == 0
+            if unmap:
+                self.pool.close()
+
+    def abandon(self) -> None:
+        """Gives up a session the daemon no longer serves (it expired, or kvtierd restarted):
+        no Close call; heartbeats stop, and the pool is unmapped once no call is using it (a
+        dead daemon's pool file may already be removed, but a mapping keeps its memory)."""
+        self._stop.set()
+        with self._users_lock:
+            self.closed = True
+            unmap = self._users == 0
+        if unmap:
+            self.pool.close()
 
     def close(self) -> None:
         """Ends the session (its pins and reservations are dropped) and unmaps the pool."""

@@ -19,12 +19,14 @@ logged at most once per ``log_interval_s`` per reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -208,7 +210,7 @@ class KvtierStorage(HiCacheStorage):
                 )
             s.start_heartbeats()
             self._session = s
-            self.counters["sessions"] += 1
+            self._bump("sessions")
             logger.info(
                 "kvtier: session %d on %s (pool %s)",
                 s.session_id,
@@ -217,18 +219,34 @@ class KvtierStorage(HiCacheStorage):
             )
             return s
 
-    def _drop(self, s: HostSession, e: KvtierError) -> None:
-        """Forgets a session the daemon no longer serves; the next call registers anew."""
-        if e.session_lost or e.retryable:
+    def _drop(self, s: HostSession, e: BaseException) -> None:
+        """Gives up a session the daemon no longer serves; the next call registers anew."""
+        if isinstance(e, KvtierError) and (e.session_lost or e.retryable):
             with self._session_lock:
                 if self._session is s:
                     self._session = None
-                    s._stop.set()
-                    s.closed = True
+            s.abandon()
+
+    @contextlib.contextmanager
+    def _use(self) -> Iterator[HostSession | None]:
+        """The live session, its pool held mapped for the block; None when kvtierd cannot be
+        reached."""
+        with contextlib.ExitStack() as stack:
+            s = self._live_session()
+            if s is not None:
+                try:
+                    stack.enter_context(s.in_use())
+                except KvtierError as e:
+                    self._drop(s, e)
+                    s = None
+            yield s
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.counters[name] += n
 
     def _fail(self, reason: str, e: BaseException) -> None:
-        with self._stats_lock:
-            self.counters[f"error:{reason}"] += 1
+        self._bump(f"error:{reason}")
         now = time.monotonic()
         if now - self._logged.get(reason, -1e9) >= self.settings.log_interval_s:
             self._logged[reason] = now
@@ -275,10 +293,10 @@ class KvtierStorage(HiCacheStorage):
             return [True] * n
         try:
             segs = self._segments(host_indices, n)
+            return self._store(segs, [self._key(k) for k in keys], self._parent(extra_info))
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
             self._fail("set", e)
             return [False] * n
-        return self._store(segs, [self._key(k) for k in keys], self._parent(extra_info))
 
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
@@ -288,10 +306,10 @@ class KvtierStorage(HiCacheStorage):
             return []
         try:
             segs = self._segments(host_indices, n)
-        except Exception as e:  # noqa: BLE001
+            got = self._load(segs, [self._key(k) for k in keys], self._parent(extra_info))
+        except Exception as e:  # noqa: BLE001 - never into SGLang's thread
             self._fail("get", e)
             return [False] * n
-        got = self._load(segs, [self._key(k) for k in keys], self._parent(extra_info))
         return [True] * got + [False] * (n - got)
 
     def _segments(self, host_indices: Any, n: int) -> list[list[pages.Segment]]:
@@ -306,12 +324,24 @@ class KvtierStorage(HiCacheStorage):
     ) -> list[bool]:
         """Writes pages into L2 (kvtierd writes them on to L3 per its policy)."""
         n = len(keys)
+        with self._use() as s:
+            if s is None:
+                self._bump("set_unavailable", n)
+                return [False] * n
+            start = time.perf_counter()
+            ok, copied = self._store_in(s, segs, keys, parent)
+        self._count(
+            "backup", copied, copied * self.geometry.page_bytes, time.perf_counter() - start
+        )
+        return ok
+
+    def _store_in(
+        self, s: HostSession, segs: list[list[pages.Segment]], keys: list[bytes], parent: bytes
+    ) -> tuple[list[bool], int]:
+        """Reserve, copy, Commit; on any failure the reserved slots are aborted (never left to
+        the session's expiry) and the whole batch is False."""
+        n = len(keys)
         ok = [False] * n
-        s = self._live_session()
-        if s is None:
-            self.counters["set_unavailable"] += n
-            return ok
-        start = time.perf_counter()
         reserved: list[bytes] = []
         copied = 0
         try:
@@ -327,13 +357,14 @@ class KvtierStorage(HiCacheStorage):
                     copied += 1
                 else:
                     # No room in L2 now; every later key is refused too.
-                    self.counters["set_no_space"] += n - i
+                    self._bump("set_no_space", n - i)
                     break
             if reserved:
                 s.commit(reserved)
+                reserved = []
             if copied < sum(ok):
                 self._confirm_present(s, keys, ok)
-        except KvtierError as e:
+        except Exception as e:
             self._fail("set", e)
             if reserved:
                 try:
@@ -341,11 +372,8 @@ class KvtierStorage(HiCacheStorage):
                 except KvtierError:
                     pass
             self._drop(s, e)
-            return [False] * n
-        self._count(
-            "backup", copied, copied * self.geometry.page_bytes, time.perf_counter() - start
-        )
-        return ok
+            return [False] * n, 0
+        return ok, copied
 
     def _confirm_present(self, s: HostSession, keys: list[bytes], ok: list[bool]) -> None:
         """Keys Reserve called present may still be in another client's hands, not yet
@@ -362,26 +390,27 @@ class KvtierStorage(HiCacheStorage):
             if time.monotonic() >= deadline:
                 for i in range(seen, n):
                     ok[i] = False
-                self.counters["set_not_visible"] += want - seen
+                self._bump("set_not_visible", want - seen)
                 return
             time.sleep(0.005)
 
     def _load(self, segs: list[list[pages.Segment]], keys: list[bytes], parent: bytes) -> int:
         """Copies the longest available prefix of ``keys`` into the host pool: L2 first, then
         what kvtierd loads from L3. Returns how many pages arrived."""
-        s = self._live_session()
-        if s is None:
-            self.counters["get_unavailable"] += len(keys)
-            return 0
-        start = time.perf_counter()
-        try:
-            got = self._copy_out(s, s.acquire(keys), keys, segs, 0)
-            if got < len(keys):
-                got += self._from_storage(s, keys, segs, got, keys[got - 1] if got else parent)
-        except KvtierError as e:
-            self._fail("get", e)
-            self._drop(s, e)
-            return 0
+        with self._use() as s:
+            if s is None:
+                self._bump("get_unavailable", len(keys))
+                return 0
+            start = time.perf_counter()
+            try:
+                got = self._copy_out(s, s.acquire(keys), keys, segs, 0)
+                if got < len(keys):
+                    prev = keys[got - 1] if got else parent
+                    got += self._from_storage(s, keys, segs, got, prev)
+            except Exception as e:
+                self._fail("get", e)
+                self._drop(s, e)
+                return 0
         self._count("prefetch", got, got * self.geometry.page_bytes, time.perf_counter() - start)
         return got
 
@@ -395,11 +424,16 @@ class KvtierStorage(HiCacheStorage):
     ) -> int:
         """Copies pinned slots into pages ``first..``, then releases them. A failed Release
         means the pins were dropped while copying: the bytes are void, so nothing counts."""
-        for i, slot in enumerate(slots):
-            base = s.pool.address(slot, 0, self.geometry.page_bytes)
-            for seg in segs[first + i]:
-                pages.load(seg, self.geometry, base)
-        if slots:
+        if not slots:
+            return 0
+        try:
+            for i, slot in enumerate(slots):
+                base = s.pool.address(slot, 0, self.geometry.page_bytes)
+                for seg in segs[first + i]:
+                    pages.load(seg, self.geometry, base)
+        finally:
+            # Pins are released even when a copy failed (else they last until the session
+            # does).
             s.release(keys[first : first + len(slots)])
         return len(slots)
 
@@ -425,7 +459,7 @@ class KvtierStorage(HiCacheStorage):
         )
         if progress.state == "revoked":
             # Nothing was allocated or pinned, and the prefetch is closed.
-            self.counters[f"prefetch_revoked:{progress.reason}"] += 1
+            self._bump(f"prefetch_revoked:{progress.reason}")
             return 0
         try:
             progress, slots = s.take_prefetch(rid)
@@ -436,7 +470,7 @@ class KvtierStorage(HiCacheStorage):
                 pass
             raise
         if progress.state == "failed":
-            self.counters[f"prefetch_failed:{progress.reason}"] += 1
+            self._bump(f"prefetch_failed:{progress.reason}")
         return self._copy_out(s, slots, keys, segs, first)
 
     # ---- lookups ------------------------------------------------------------------------
@@ -445,15 +479,15 @@ class KvtierStorage(HiCacheStorage):
         """Leading keys kvtierd holds in L2 or L3."""
         if not keys:
             return 0
-        s = self._live_session()
-        if s is None:
-            return 0
-        try:
-            ready, storage = s.lookup([self._key(k) for k in keys], include_storage=True)
-        except KvtierError as e:
-            self._fail("exists", e)
-            self._drop(s, e)
-            return 0
+        with self._use() as s:
+            if s is None:
+                return 0
+            try:
+                ready, storage = s.lookup([self._key(k) for k in keys], include_storage=True)
+            except Exception as e:  # noqa: BLE001 - never into SGLang's thread
+                self._fail("exists", e)
+                self._drop(s, e)
+                return 0
         return min(ready + storage, len(keys))
 
     def exists(self, key: str) -> bool:

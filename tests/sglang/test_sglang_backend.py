@@ -59,7 +59,7 @@ def test_pages_round_trip_bit_identical_between_every_layout(daemon: Kvtierd, ml
     # Through the older tensor-per-page calls too.
     w = writers["page_first"]
     ks = keys(2, salt=f"flat-{mla}")
-    want = w.fill(0, 2, seed=99)
+    w.fill(0, 2, seed=99)
     pages = [w.host.get_data_page(i * 16, flat=True).clone() for i in range(2)]
     assert inner(w.backend).batch_set(ks, pages) is True
     out = [torch.zeros_like(p) for p in pages]
@@ -70,7 +70,6 @@ def test_pages_round_trip_bit_identical_between_every_layout(daemon: Kvtierd, ml
         for g, p in zip(got, pages)
     )
     assert inner(w.backend).exists(ks[0]) and not inner(w.backend).exists(keys(1, "x")[0])
-    del want
 
 
 def test_a_partial_hit_is_a_prefix_and_misses_are_false(daemon: Kvtierd):
@@ -148,6 +147,7 @@ def test_after_a_kvtierd_crash_pages_come_back_from_l3_and_the_client_reconnects
         want = w.fill(0, 12, seed=8)
         assert w.backend.batch_set_v1(ks, w.indices(0, 12)) == [True] * 12
         wait_for(lambda: len(d.l3_files()) >= 12, what="12 pages in the file L3")
+        old = inner(w.backend)._session
         d.kill()
         d.start()
         w.clear()
@@ -156,6 +156,8 @@ def test_after_a_kvtierd_crash_pages_come_back_from_l3_and_the_client_reconnects
         assert w.backend.batch_get_v1(ks, w.indices(40, 12)) == [True] * 12
         assert all(torch.equal(w.canonical(40 + i), want[i]) for i in range(12))
         assert inner(w.backend).counters["sessions"] == 2
+        # The dead daemon's pool is unmapped (a mapping would keep its memory alive).
+        assert old.closed and old.pool._anchor is None
     finally:
         d.stop()
 
@@ -287,7 +289,7 @@ def test_bad_settings_are_refused_by_name(daemon: Kvtierd):
         worker(daemon.socket, model="")
 
 
-def test_stub_of_sglang_interface_is_complete() -> None:
+def test_every_method_of_sglangs_interface_is_kvtiers_own() -> None:
     """Every method of SGLang's HiCacheStorage is KvtierStorage's own (none falls back to the
     base class's `pass`, which returns None and kills SGLang's storage threads)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
