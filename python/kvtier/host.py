@@ -30,6 +30,7 @@ DTYPES = {
     "bfloat16": common_pb2.DTYPE_BF16,
     "float8_e4m3fn": common_pb2.DTYPE_FP8_E4M3,
     "float8_e5m2": common_pb2.DTYPE_FP8_E5M2,
+    "uint8": common_pb2.DTYPE_UINT8,
 }
 
 
@@ -289,6 +290,25 @@ class HostSession:
             self._t(timeout),
         )
         return r.ready_pages, r.storage_pages
+
+    def lookup_each(
+        self, keys: Sequence[bytes], include_storage: bool = False, timeout: float | None = None
+    ) -> list[bool]:
+        """Key by key (not only the leading run): whether each is ready in L2 or, with
+        ``include_storage``, held by L3."""
+        r = _call(
+            self.client.host.Lookup,
+            host_pb2.LookupRequest(
+                session_id=self.session_id,
+                keys=keys,
+                include_storage=include_storage,
+                each_key=True,
+            ),
+            self._t(timeout),
+        )
+        if len(r.present) != len(keys):
+            raise KvtierError(f"Lookup answered {len(r.present)} flags for {len(keys)} keys")
+        return list(r.present)
 
     def reserve(
         self, keys: Sequence[bytes], parent: bytes = b"", timeout: float | None = None

@@ -46,12 +46,39 @@ def test_a_page_written_through_the_pool_reads_back(client: DaemonClient) -> Non
             s.pool.view(slot, s.page_bytes)[:] = d
         s.commit(keys)
         assert s.lookup(keys) == (3, 0)
+        stray = page_keys(list(range(100, 104)), 4)
+        assert s.lookup_each([keys[2], stray[0], keys[0]]) == [True, False, True]
         assert [st for st, _ in s.reserve(keys)] == [host_pb2.RESERVE_STATUS_PRESENT] * 3
         slots = s.acquire(keys)
         assert [bytes(s.pool.view(x, s.page_bytes)) for x in slots] == data
         s.release(keys)
         with pytest.raises(KvtierError):
             s.pool.address(s.pool.slots, 0, 1)
+    finally:
+        s.close()
+
+
+def test_a_state_pool_stores_bytes(client: DaemonClient) -> None:
+    """A pool that is not attention KV (a recurrent state): pages of `elems` bytes."""
+    d = common_pb2.LayoutDescriptor(
+        model_id="m",
+        model_version="sglang/mamba",
+        dtype=common_pb2.DTYPE_UINT8,
+        num_layers=1,
+        page_size=1,
+        tp_rank=1,
+        tp_size=2,
+    )
+    d.state.CopyFrom(common_pb2.StateShape(elems=3360))
+    s = client.register("py-state", d)
+    try:
+        assert s.page_bytes == 3360
+        keys = page_keys(list(range(3)), 1)
+        res = s.reserve(keys)
+        for i, (_, slot) in enumerate(res):
+            s.pool.view(slot, s.page_bytes)[:] = bytes([i + 7]) * s.page_bytes
+        s.commit(keys)
+        assert s.lookup_each(keys) == [True] * 3
     finally:
         s.close()
 

@@ -279,16 +279,45 @@ impl HostClient {
         keys: &[PageKey],
         storage: bool,
     ) -> Result<(usize, usize), ClientError> {
-        let r = self
+        let r = self.lookup_raw(session, keys, storage, false).await?;
+        Ok((r.ready_pages as usize, r.storage_pages as usize))
+    }
+
+    /// Key by key, whether each is ready in L2 or (with `storage`) held by L3.
+    pub async fn lookup_each(
+        &mut self,
+        session: u64,
+        keys: &[PageKey],
+        storage: bool,
+    ) -> Result<Vec<bool>, ClientError> {
+        let r = self.lookup_raw(session, keys, storage, true).await?;
+        if r.present.len() != keys.len() {
+            return Err(ClientError::Protocol(format!(
+                "lookup answered {} presence flags for {} keys",
+                r.present.len(),
+                keys.len()
+            )));
+        }
+        Ok(r.present)
+    }
+
+    async fn lookup_raw(
+        &mut self,
+        session: u64,
+        keys: &[PageKey],
+        include_storage: bool,
+        each_key: bool,
+    ) -> Result<v1::LookupResponse, ClientError> {
+        Ok(self
             .inner
             .lookup(v1::LookupRequest {
                 session_id: session,
                 keys: raw(keys),
-                include_storage: storage,
+                include_storage,
+                each_key,
             })
             .await?
-            .into_inner();
-        Ok((r.ready_pages as usize, r.storage_pages as usize))
+            .into_inner())
     }
 
     /// Reserves slots for the keys not yet stored.

@@ -40,6 +40,8 @@ pub enum DType {
     Fp8E4M3,
     /// 8-bit float, 5 exponent bits, 2 mantissa bits.
     Fp8E5M2,
+    /// Plain bytes (a [`KvKind::State`] pool whose parts have mixed element types).
+    U8,
 }
 
 impl DType {
@@ -48,7 +50,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::Bf16 => 2,
-            DType::Fp8E4M3 | DType::Fp8E5M2 => 1,
+            DType::Fp8E4M3 | DType::Fp8E5M2 | DType::U8 => 1,
         }
     }
 
@@ -60,16 +62,18 @@ impl DType {
             DType::Bf16 => "bf16",
             DType::Fp8E4M3 => "fp8_e4m3",
             DType::Fp8E5M2 => "fp8_e5m2",
+            DType::U8 => "uint8",
         }
     }
 
     /// Every dtype, for help texts and tests.
-    pub const ALL: [DType; 5] = [
+    pub const ALL: [DType; 6] = [
         DType::F32,
         DType::F16,
         DType::Bf16,
         DType::Fp8E4M3,
         DType::Fp8E5M2,
+        DType::U8,
     ];
 
     fn code(self) -> u8 {
@@ -79,6 +83,7 @@ impl DType {
             DType::Bf16 => 3,
             DType::Fp8E4M3 => 4,
             DType::Fp8E5M2 => 5,
+            DType::U8 => 6,
         }
     }
 }
@@ -100,6 +105,7 @@ impl FromStr for DType {
             "bf16" | "bfloat16" => Some(DType::Bf16),
             "fp8_e4m3" | "fp8" | "float8_e4m3fn" | "e4m3" => Some(DType::Fp8E4M3),
             "fp8_e5m2" | "float8_e5m2" | "e5m2" => Some(DType::Fp8E5M2),
+            "uint8" | "u8" | "bytes" => Some(DType::U8),
             _ => None,
         };
         found.ok_or_else(|| Error::InvalidField {
@@ -129,6 +135,13 @@ pub enum KvKind {
         kv_lora_rank: u32,
         /// Width of the decoupled rotary part.
         rope_dim: u32,
+    },
+    /// A pool that is not attention KV (a recurrent model's state, an indexer cache): `elems`
+    /// elements per token per layer, one run per layer. kvtier stores its pages as bytes;
+    /// it is sharded per tensor-parallel rank like MHA.
+    State {
+        /// Elements of the dtype per token per layer.
+        elems: u32,
     },
 }
 
@@ -230,6 +243,7 @@ impl Layout {
                 let r = positive("kv_lora_rank", kv_lora_rank)?;
                 (r + u64::from(rope_dim), 1u64)
             }
+            KvKind::State { elems } => (positive("elems", elems)?, 1u64),
         };
         // Factors are below 2^32, so heads × dim fits in u64; every further product is checked.
         let overflow = || {
@@ -283,7 +297,7 @@ impl Layout {
     pub fn parts(&self) -> usize {
         match self.spec.kind {
             KvKind::Mha { .. } => 2,
-            KvKind::Mla { .. } => 1,
+            KvKind::Mla { .. } | KvKind::State { .. } => 1,
         }
     }
 
@@ -464,6 +478,7 @@ impl LayoutFingerprint {
                 kv_lora_rank,
                 rope_dim,
             } => (2u8, kv_lora_rank, rope_dim, 0, 1),
+            KvKind::State { elems } => (3u8, elems, 0, spec.tp_rank, spec.tp_size),
         };
         pre.push(kind);
         pre.extend_from_slice(&a.to_le_bytes());
@@ -668,6 +683,46 @@ mod tests {
             LayoutFingerprint::of(&deepseek(0)),
             LayoutFingerprint::of(&deepseek(5))
         );
+    }
+
+    #[test]
+    fn state_pools_are_bytes_sharded_per_rank() {
+        let state = |rank: u32| LayoutSpec {
+            model_id: "Qwen/Qwen3-Next-80B-A3B".into(),
+            model_version: "sglang/mamba".into(),
+            dtype: DType::U8,
+            num_layers: 1,
+            kind: KvKind::State { elems: 3360 },
+            page_size: 1,
+            tp_rank: rank,
+            tp_size: 2,
+        };
+        let l = Layout::new(state(1)).unwrap();
+        assert_eq!(l.parts(), 1);
+        assert_eq!(l.page_bytes(), 3360);
+        assert_eq!(l.runs().count(), 1);
+        assert_eq!(l.slot_stride(), SLOT_ALIGN);
+        // A state pool's shards differ per rank, unlike MLA.
+        assert_ne!(
+            LayoutFingerprint::of(&state(0)),
+            LayoutFingerprint::of(&state(1))
+        );
+        // The same bytes described as MLA are another layout.
+        let mut as_mla = state(0);
+        as_mla.kind = KvKind::Mla {
+            kv_lora_rank: 3360,
+            rope_dim: 0,
+        };
+        assert_ne!(
+            LayoutFingerprint::of(&as_mla),
+            LayoutFingerprint::of(&state(0))
+        );
+        let mut empty = state(0);
+        empty.kind = KvKind::State { elems: 0 };
+        match Layout::new(empty) {
+            Err(Error::InvalidField { field, .. }) => assert_eq!(field, "elems"),
+            other => panic!("expected an error on elems, got {other:?}"),
+        }
     }
 
     const PINNED_LLAMA_FINGERPRINT: &str = "cf80ad93d28d184f574559fe096bb489";

@@ -90,6 +90,11 @@ impl NegativeCache {
         keys.len()
     }
 
+    /// Whether `key` is remembered as failed.
+    pub fn contains(&mut self, fp: LayoutFingerprint, key: &PageKey, now: Instant) -> bool {
+        self.first(fp, std::slice::from_ref(key), now) == 0
+    }
+
     /// Keys remembered (some may have expired).
     pub fn len(&self) -> usize {
         self.until.len()
@@ -123,6 +128,9 @@ const MAX_REQUEST_ID: usize = 256;
 /// Times a prefetch reads one page again after a transient failure (each read already has
 /// the store's own retries), within the prefetch's deadline.
 const PAGE_REREADS: u8 = 4;
+
+/// L3 exists calls in flight for one key-by-key Lookup.
+const EACH_KEY_CONCURRENCY: usize = 32;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
@@ -269,6 +277,39 @@ impl Prefetcher {
                 asked <= in_l3
             })
             .count())
+    }
+
+    /// Key by key, whether L2 (`in_l2[i]`) or L3 holds it. Only the keys L2 lacks are asked
+    /// of L3, [`EACH_KEY_CONCURRENCY`] at a time; a key remembered as failed, or whose exists
+    /// call fails, is absent.
+    pub async fn present(
+        &self,
+        tier: &L3,
+        ctx: &OpCtx,
+        fp: LayoutFingerprint,
+        keys: &[PageKey],
+        in_l2: &[bool],
+    ) -> Vec<bool> {
+        let now = Instant::now();
+        let probe: Vec<usize> = {
+            let mut negative = lock(&self.negative);
+            (0..keys.len())
+                .filter(|&i| !in_l2[i] && !negative.contains(fp, &keys[i], now))
+                .collect()
+        };
+        let found: Vec<(usize, bool)> = futures::stream::iter(probe)
+            .map(|i| async move {
+                let held = tier.store.exists(ctx, &fp, &keys[i]).await;
+                (i, matches!(held, Ok(true)))
+            })
+            .buffer_unordered(EACH_KEY_CONCURRENCY)
+            .collect()
+            .await;
+        let mut out = in_l2.to_vec();
+        for (i, held) in found {
+            out[i] = held;
+        }
+        out
     }
 
     fn remember_failed(&self, fp: LayoutFingerprint, key: PageKey) {

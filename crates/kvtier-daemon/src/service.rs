@@ -302,10 +302,22 @@ impl HostTier for HostService {
             } else {
                 Vec::new()
             };
-            Ok((keys, n, fp, in_l2))
+            let each_l2 = if r.each_key {
+                st.ready_mask(r.session_id, &keys, now)?
+            } else {
+                Vec::new()
+            };
+            Ok((keys, n, fp, in_l2, each_l2))
         })();
         let result = match l2 {
-            Ok((keys, n, fp, in_l2)) => {
+            Ok((keys, n, fp, in_l2, each_l2)) => {
+                let present = match (&l3, asked && r.each_key) {
+                    (Some(l3), true) => {
+                        let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
+                        self.prefetcher.present(l3, &ctx, fp, &keys, &each_l2).await
+                    }
+                    _ => each_l2,
+                };
                 let mut storage_pages = 0;
                 if asked
                     && let Some(l3) = l3
@@ -342,6 +354,7 @@ impl HostTier for HostService {
                 Ok(v1::LookupResponse {
                     ready_pages: n as u32,
                     storage_pages,
+                    present,
                 })
             }
             Err(e) => Err(e),

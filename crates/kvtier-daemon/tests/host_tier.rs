@@ -248,6 +248,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
                 session_id: s.id,
                 keys: short.clone(),
                 include_storage: false,
+                each_key: false,
             })
             .await,
             InvalidArgument,
@@ -306,6 +307,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
                 session_id: s.id,
                 keys: many,
                 include_storage: false,
+                each_key: false,
             })
             .await,
             InvalidArgument,
@@ -336,6 +338,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
                 session_id: 999,
                 keys: k0,
                 include_storage: false,
+                each_key: false,
             })
             .await,
             NotFound,

@@ -199,8 +199,29 @@ fn file_pages_survive_a_killed_daemon() {
         // And pages of another layout are not confused with them.
         let other = c.register("w", &layout("other")).await.unwrap();
         assert_eq!(c.lookup_tiers(other.id, &keys, true).await.unwrap(), (0, 0));
+        // Key by key, out of chain order: L3 holds keys 5 and 0, nobody holds the others.
+        let stray = chain(99, 2);
+        let sparse = [keys[5], stray[0], keys[0], stray[1], keys[11]];
+        assert_eq!(
+            c.lookup_each(s.id, &sparse, true).await.unwrap(),
+            [true, false, true, false, true]
+        );
+        assert_eq!(
+            c.lookup_each(s.id, &sparse, false).await.unwrap(),
+            [false; 5],
+            "L2 is empty and L3 was not asked"
+        );
+        assert_eq!(
+            c.lookup_each(other.id, &sparse, true).await.unwrap(),
+            [false; 5]
+        );
         // Committing the same pages to L2 again writes nothing: L3 already has them.
         store(&mut c, &s, &keys).await;
+        assert_eq!(
+            c.lookup_each(s.id, &sparse, false).await.unwrap(),
+            [true, false, true, false, true],
+            "ready in L2"
+        );
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         loop {
             let st = c.stats().await.unwrap().l3.unwrap();

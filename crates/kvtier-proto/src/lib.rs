@@ -117,6 +117,7 @@ impl From<v1::Dtype> for Option<DType> {
             v1::Dtype::Bf16 => Some(DType::Bf16),
             v1::Dtype::Fp8E4m3 => Some(DType::Fp8E4M3),
             v1::Dtype::Fp8E5m2 => Some(DType::Fp8E5M2),
+            v1::Dtype::Uint8 => Some(DType::U8),
         }
     }
 }
@@ -129,6 +130,7 @@ impl From<DType> for v1::Dtype {
             DType::Bf16 => v1::Dtype::Bf16,
             DType::Fp8E4M3 => v1::Dtype::Fp8E4m3,
             DType::Fp8E5M2 => v1::Dtype::Fp8E5m2,
+            DType::U8 => v1::Dtype::Uint8,
         }
     }
 }
@@ -152,7 +154,13 @@ impl TryFrom<v1::LayoutDescriptor> for Layout {
                 kv_lora_rank: m.kv_lora_rank,
                 rope_dim: m.rope_dim,
             },
-            None => return Err(ApiError::invalid("kind", "one of mha or mla is required")),
+            Some(v1::layout_descriptor::Kind::State(m)) => KvKind::State { elems: m.elems },
+            None => {
+                return Err(ApiError::invalid(
+                    "kind",
+                    "one of mha, mla or state is required",
+                ));
+            }
         };
         Ok(Layout::new(LayoutSpec {
             model_id: d.model_id,
@@ -180,6 +188,7 @@ impl From<&LayoutSpec> for v1::LayoutDescriptor {
                 kv_lora_rank,
                 rope_dim,
             }),
+            KvKind::State { elems } => v1::layout_descriptor::Kind::State(v1::StateShape { elems }),
         };
         Self {
             model_id: s.model_id.clone(),
@@ -306,6 +315,15 @@ mod tests {
         let info = v1::LayoutInfo::from(&layout);
         assert_eq!(info.fingerprint, layout.fingerprint().0);
         assert_eq!(info.page_bytes, 2 * 4 * 16 * 2 * 64 * 2);
+
+        let mut state = descriptor();
+        state.dtype = v1::Dtype::Uint8 as i32;
+        state.kind = Some(v1::layout_descriptor::Kind::State(v1::StateShape {
+            elems: 3000,
+        }));
+        let layout = Layout::try_from(state.clone()).unwrap();
+        assert_eq!(v1::LayoutDescriptor::from(layout.spec()), state);
+        assert_eq!(v1::LayoutInfo::from(&layout).page_bytes, 4 * 16 * 3000);
     }
 
     #[test]

@@ -24,31 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/common.proto\x12\tkvtier.v1\".\n\x08MhaShape\x12\x10\n\x08kv_heads\x18\x01 \x01(\r\x12\x10\n\x08head_dim\x18\x02 \x01(\r\"2\n\x08MlaShape\x12\x14\n\x0ckv_lora_rank\x18\x01 \x01(\r\x12\x10\n\x08rope_dim\x18\x02 \x01(\r\"\xf5\x01\n\x10LayoutDescriptor\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.kvtier.v1.Dtype\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\"\n\x03mha\x18\x05 \x01(\x0b\x32\x13.kvtier.v1.MhaShapeH\x00\x12\"\n\x03mla\x18\x06 \x01(\x0b\x32\x13.kvtier.v1.MlaShapeH\x00\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\rB\x06\n\x04kind\"\x8c\x01\n\nLayoutInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bslot_stride\x18\x03 \x01(\x04\x12\x11\n\trun_bytes\x18\x04 \x01(\x04\x12\x15\n\rruns_per_page\x18\x05 \x01(\r\x12\x16\n\x0e\x66ormat_version\x18\x06 \x01(\r\"S\n\tNamespace\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x0f\n\x07lora_id\x18\x03 \x01(\t\x12\x11\n\textra_key\x18\x04 \x01(\t\"\x18\n\x08PageKeys\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"h\n\x0cHashSelfTest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\'\n\tnamespace\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.Namespace\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x0c\n\x04keys\x18\x04 \x03(\x0c\"K\n\x08TierHits\x12\x14\n\x0c\x64\x65vice_pages\x18\x01 \x01(\r\x12\x12\n\nhost_pages\x18\x02 \x01(\r\x12\x15\n\rstorage_pages\x18\x03 \x01(\r*v\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_FP32\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x12\x12\n\x0e\x44TYPE_FP8_E4M3\x10\x04\x12\x12\n\x0e\x44TYPE_FP8_E5M2\x10\x05*N\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\x10\n\x0cTIER_STORAGE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvtier/v1/common.proto\x12\tkvtier.v1\".\n\x08MhaShape\x12\x10\n\x08kv_heads\x18\x01 \x01(\r\x12\x10\n\x08head_dim\x18\x02 \x01(\r\"2\n\x08MlaShape\x12\x14\n\x0ckv_lora_rank\x18\x01 \x01(\r\x12\x10\n\x08rope_dim\x18\x02 \x01(\r\"\x1b\n\nStateShape\x12\r\n\x05\x65lems\x18\x01 \x01(\r\"\x9d\x02\n\x10LayoutDescriptor\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.kvtier.v1.Dtype\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\"\n\x03mha\x18\x05 \x01(\x0b\x32\x13.kvtier.v1.MhaShapeH\x00\x12\"\n\x03mla\x18\x06 \x01(\x0b\x32\x13.kvtier.v1.MlaShapeH\x00\x12&\n\x05state\x18\n \x01(\x0b\x32\x15.kvtier.v1.StateShapeH\x00\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\rB\x06\n\x04kind\"\x8c\x01\n\nLayoutInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x13\n\x0bslot_stride\x18\x03 \x01(\x04\x12\x11\n\trun_bytes\x18\x04 \x01(\x04\x12\x15\n\rruns_per_page\x18\x05 \x01(\r\x12\x16\n\x0e\x66ormat_version\x18\x06 \x01(\r\"S\n\tNamespace\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x0f\n\x07lora_id\x18\x03 \x01(\t\x12\x11\n\textra_key\x18\x04 \x01(\t\"\x18\n\x08PageKeys\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"h\n\x0cHashSelfTest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\'\n\tnamespace\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.Namespace\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x0c\n\x04keys\x18\x04 \x03(\x0c\"K\n\x08TierHits\x12\x14\n\x0c\x64\x65vice_pages\x18\x01 \x01(\r\x12\x12\n\nhost_pages\x18\x02 \x01(\r\x12\x15\n\rstorage_pages\x18\x03 \x01(\r*\x87\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_FP32\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x12\x12\n\x0e\x44TYPE_FP8_E4M3\x10\x04\x12\x12\n\x0e\x44TYPE_FP8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*N\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\x10\n\x0cTIER_STORAGE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=822
-  _globals['_DTYPE']._serialized_end=940
-  _globals['_TIER']._serialized_start=942
-  _globals['_TIER']._serialized_end=1020
+  _globals['_DTYPE']._serialized_start=892
+  _globals['_DTYPE']._serialized_end=1027
+  _globals['_TIER']._serialized_start=1029
+  _globals['_TIER']._serialized_end=1107
   _globals['_MHASHAPE']._serialized_start=37
   _globals['_MHASHAPE']._serialized_end=83
   _globals['_MLASHAPE']._serialized_start=85
   _globals['_MLASHAPE']._serialized_end=135
-  _globals['_LAYOUTDESCRIPTOR']._serialized_start=138
-  _globals['_LAYOUTDESCRIPTOR']._serialized_end=383
-  _globals['_LAYOUTINFO']._serialized_start=386
-  _globals['_LAYOUTINFO']._serialized_end=526
-  _globals['_NAMESPACE']._serialized_start=528
-  _globals['_NAMESPACE']._serialized_end=611
-  _globals['_PAGEKEYS']._serialized_start=613
-  _globals['_PAGEKEYS']._serialized_end=637
-  _globals['_HASHSELFTEST']._serialized_start=639
-  _globals['_HASHSELFTEST']._serialized_end=743
-  _globals['_TIERHITS']._serialized_start=745
-  _globals['_TIERHITS']._serialized_end=820
+  _globals['_STATESHAPE']._serialized_start=137
+  _globals['_STATESHAPE']._serialized_end=164
+  _globals['_LAYOUTDESCRIPTOR']._serialized_start=167
+  _globals['_LAYOUTDESCRIPTOR']._serialized_end=452
+  _globals['_LAYOUTINFO']._serialized_start=455
+  _globals['_LAYOUTINFO']._serialized_end=595
+  _globals['_NAMESPACE']._serialized_start=597
+  _globals['_NAMESPACE']._serialized_end=680
+  _globals['_PAGEKEYS']._serialized_start=682
+  _globals['_PAGEKEYS']._serialized_end=706
+  _globals['_HASHSELFTEST']._serialized_start=708
+  _globals['_HASHSELFTEST']._serialized_end=812
+  _globals['_TIERHITS']._serialized_start=814
+  _globals['_TIERHITS']._serialized_end=889
 # @@protoc_insertion_point(module_scope)

@@ -15,6 +15,7 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BF16: _ClassVar[Dtype]
     DTYPE_FP8_E4M3: _ClassVar[Dtype]
     DTYPE_FP8_E5M2: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ DTYPE_FP16: Dtype
 DTYPE_BF16: Dtype
 DTYPE_FP8_E4M3: Dtype
 DTYPE_FP8_E5M2: Dtype
+DTYPE_UINT8: Dtype
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -49,14 +51,21 @@ class MlaShape(_message.Message):
     rope_dim: int
     def __init__(self, kv_lora_rank: _Optional[int] = ..., rope_dim: _Optional[int] = ...) -> None: ...
 
+class StateShape(_message.Message):
+    __slots__ = ("elems",)
+    ELEMS_FIELD_NUMBER: _ClassVar[int]
+    elems: int
+    def __init__(self, elems: _Optional[int] = ...) -> None: ...
+
 class LayoutDescriptor(_message.Message):
-    __slots__ = ("model_id", "model_version", "dtype", "num_layers", "mha", "mla", "page_size", "tp_rank", "tp_size")
+    __slots__ = ("model_id", "model_version", "dtype", "num_layers", "mha", "mla", "state", "page_size", "tp_rank", "tp_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MHA_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -66,10 +75,11 @@ class LayoutDescriptor(_message.Message):
     num_layers: int
     mha: MhaShape
     mla: MlaShape
+    state: StateShape
     page_size: int
     tp_rank: int
     tp_size: int
-    def __init__(self, model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., num_layers: _Optional[int] = ..., mha: _Optional[_Union[MhaShape, _Mapping]] = ..., mla: _Optional[_Union[MlaShape, _Mapping]] = ..., page_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., model_version: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., num_layers: _Optional[int] = ..., mha: _Optional[_Union[MhaShape, _Mapping]] = ..., mla: _Optional[_Union[MlaShape, _Mapping]] = ..., state: _Optional[_Union[StateShape, _Mapping]] = ..., page_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class LayoutInfo(_message.Message):
     __slots__ = ("fingerprint", "page_bytes", "slot_stride", "run_bytes", "runs_per_page", "format_version")

@@ -275,22 +275,26 @@ class CloseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "include_storage")
+    __slots__ = ("session_id", "keys", "include_storage", "each_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    EACH_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     include_storage: bool
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., include_storage: _Optional[bool] = ...) -> None: ...
+    each_key: bool
+    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., include_storage: _Optional[bool] = ..., each_key: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("ready_pages", "storage_pages")
+    __slots__ = ("ready_pages", "storage_pages", "present")
     READY_PAGES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     ready_pages: int
     storage_pages: int
-    def __init__(self, ready_pages: _Optional[int] = ..., storage_pages: _Optional[int] = ...) -> None: ...
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ready_pages: _Optional[int] = ..., storage_pages: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "keys", "parent")
