@@ -19,21 +19,18 @@ logged at most once per ``log_interval_s`` per reason.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import threading
 import time
-import uuid
-from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtier import sglang_pages as pages
-from kvtier.host import DTYPES, POLICIES, DaemonClient, HostSession, KvtierError
+from kvtier.host import DTYPES, POLICIES, DaemonClient
 from kvtier.keys import Namespace
-from kvtier.v1 import common_pb2, host_pb2
+from kvtier.sglang_link import PoolLink, Reporter
+from kvtier.v1 import common_pb2
 
 try:  # The base class SGLang checks for; absent only outside an SGLang install.
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -123,14 +120,14 @@ class KvtierStorage(HiCacheStorage):
         self.namespace = Namespace(tenant=self.settings.namespace)
         self._seed = self.namespace.seed()
         self.client = DaemonClient(self.settings.socket, self.settings.timeout_s)
+        self.report = Reporter(self.settings.log_interval_s)
+        self.counters = self.report.counters
         self.geometry: pages.PageGeometry | None = None
         self.mem_pool_host = None
-        self._session: HostSession | None = None
-        self._session_lock = threading.Lock()
-        self._retry_at = 0.0
-        self._logged: dict[str, float] = {}
-        self._stats_lock = threading.Lock()
-        self.counters: Counter = Counter()
+        self._kv: PoolLink | None = None
+        # Hybrid pools (v2): name -> (link, host pool), made on first use.
+        self._hybrid: dict[str, tuple[PoolLink, Any]] = {}
+        self._hybrid_lock = threading.Lock()
         self._pending = {
             "prefetch_pgs": [],
             "backup_pgs": [],
@@ -151,23 +148,39 @@ class KvtierStorage(HiCacheStorage):
             raise pages.UnsupportedPool(
                 f"kvtier: KV dtype {self.geometry.dtype} is not one of {', '.join(DTYPES)}"
             )
-        self._live_session()
+        self._kv = self._link("kv", self.descriptor(), self.geometry.page_bytes)
+        self._kv.session()
+
+    def _link(self, label: str, d: common_pb2.LayoutDescriptor, page_bytes: int) -> PoolLink:
+        c = self.storage_config
+        name = f"sglang-tp{c.tp_rank}" + (f"-pp{c.pp_rank}" if c.pp_size > 1 else "")
+        if label != "kv":
+            name += f"-{label}"
+        return PoolLink(
+            label, self.client, d, page_bytes, self.namespace, name, self.report, self.settings
+        )
+
+    def _model_version(self, pool: str = "") -> str:
+        """What SGLang keys by beside the model (the pipeline stage, context-parallel shard)
+        and the pool's name, so different shards and pools never share a fingerprint."""
+        c = self.storage_config
+        parts = ["sglang"]
+        if getattr(c, "pp_size", 1) > 1:
+            parts.append(f"pp{c.pp_rank}of{c.pp_size}")
+        if getattr(c, "attn_cp_size", 1) > 1:
+            parts.append(f"cp{c.attn_cp_rank}of{c.attn_cp_size}")
+        if getattr(c, "dcp_size", 1) > 1:
+            parts.append(f"dcp{c.dcp_rank}of{c.dcp_size}")
+        if pool:
+            parts.append(f"pool={pool}")
+        return "/".join(parts)
 
     def descriptor(self) -> common_pb2.LayoutDescriptor:
-        """The kvtier layout of this worker's pages. What SGLang keys by beside the model (the
-        pipeline stage, context-parallel shard) goes into the model version, so different
-        shards never share a fingerprint."""
+        """The kvtier layout of this worker's KV pages."""
         g, c = self.geometry, self.storage_config
-        shard = []
-        if getattr(c, "pp_size", 1) > 1:
-            shard.append(f"pp{c.pp_rank}of{c.pp_size}")
-        if getattr(c, "attn_cp_size", 1) > 1:
-            shard.append(f"cp{c.attn_cp_rank}of{c.attn_cp_size}")
-        if getattr(c, "dcp_size", 1) > 1:
-            shard.append(f"dcp{c.dcp_rank}of{c.dcp_size}")
         d = common_pb2.LayoutDescriptor(
             model_id=self.model_id,
-            model_version="sglang" + ("/" + "/".join(shard) if shard else ""),
+            model_version=self._model_version(),
             dtype=DTYPES[g.dtype],
             num_layers=g.layers,
             page_size=g.page_size,
@@ -180,77 +193,49 @@ class KvtierStorage(HiCacheStorage):
             d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=g.dim_a, head_dim=g.dim_b))
         return d
 
-    def _live_session(self) -> HostSession | None:
-        """The session, registering one when there is none (at most once per
-        reconnect_interval_s while kvtierd cannot be reached)."""
-        s = self._session
-        if s is not None and not s.closed:
-            return s
-        if self.geometry is None:
-            return None
-        with self._session_lock:
-            s = self._session
-            if s is not None and not s.closed:
-                return s
-            if time.monotonic() < self._retry_at:
-                return None
-            c = self.storage_config
-            name = f"sglang-tp{c.tp_rank}" + (f"-pp{c.pp_rank}" if c.pp_size > 1 else "")
-            try:
-                s = HostSession.register(self.client, name, self.descriptor(), self.namespace)
-            except KvtierError as e:
-                self._retry_at = time.monotonic() + self.settings.reconnect_interval_s
-                self._fail("connect", e)
-                return None
-            if s.page_bytes != self.geometry.page_bytes:
-                s.close()
-                raise pages.UnsupportedPool(
-                    f"kvtierd derived {s.page_bytes}-byte pages from the layout, the host pool "
-                    f"has {self.geometry.page_bytes}"
-                )
-            s.start_heartbeats()
-            self._session = s
-            self._bump("sessions")
-            logger.info(
-                "kvtier: session %d on %s (pool %s)",
-                s.session_id,
-                self.settings.socket,
-                s.pool.path,
-            )
-            return s
+    def hybrid_descriptor(self, name: str, page_bytes: int) -> common_pb2.LayoutDescriptor:
+        """The kvtier layout of a hybrid pool: its flat data pages as bytes. A Mamba state is
+        sharded per TP rank even under MLA; other pools are shared as the KV is."""
+        c = self.storage_config
+        shared = self.mla and name != "mamba"
+        d = common_pb2.LayoutDescriptor(
+            model_id=self.model_id,
+            model_version=self._model_version(name),
+            dtype=common_pb2.DTYPE_UINT8,
+            num_layers=1,
+            page_size=1,
+            tp_rank=0 if shared else c.tp_rank,
+            tp_size=1 if shared else c.tp_size,
+        )
+        d.state.CopyFrom(common_pb2.StateShape(elems=page_bytes))
+        return d
 
-    def _drop(self, s: HostSession, e: BaseException) -> None:
-        """Gives up a session the daemon no longer serves; the next call registers anew."""
-        if isinstance(e, KvtierError) and (e.session_lost or e.retryable):
-            with self._session_lock:
-                if self._session is s:
-                    self._session = None
-            s.abandon()
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid pool (SGLang registers each one by name); its session opens on first use."""
+        super_register = getattr(super(), "register_mem_host_pool_v2", None)
+        if super_register is not None:
+            super_register(host_pool, host_pool_name)
+        else:  # pragma: no cover - outside SGLang
+            self.registered_pools = {
+                **getattr(self, "registered_pools", {}),
+                host_pool_name: host_pool,
+            }
+        with self._hybrid_lock:
+            self._hybrid.pop(str(host_pool_name), None)
 
-    @contextlib.contextmanager
-    def _use(self) -> Iterator[HostSession | None]:
-        """The live session, its pool held mapped for the block; None when kvtierd cannot be
-        reached."""
-        with contextlib.ExitStack() as stack:
-            s = self._live_session()
-            if s is not None:
-                try:
-                    stack.enter_context(s.in_use())
-                except KvtierError as e:
-                    self._drop(s, e)
-                    s = None
-            yield s
-
-    def _bump(self, name: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self.counters[name] += n
-
-    def _fail(self, reason: str, e: BaseException) -> None:
-        self._bump(f"error:{reason}")
-        now = time.monotonic()
-        if now - self._logged.get(reason, -1e9) >= self.settings.log_interval_s:
-            self._logged[reason] = now
-            logger.warning("kvtier: %s failed (counted as a miss): %s", reason, e)
+    def _hybrid_pool(self, name: str) -> tuple[PoolLink, Any]:
+        with self._hybrid_lock:
+            found = self._hybrid.get(name)
+            if found is not None:
+                return found
+            pools = getattr(self, "registered_pools", {}) or {}
+            pool = next((p for n, p in pools.items() if str(n) == name), None)
+            if pool is None:
+                raise pages.UnsupportedPool(f"no host pool named {name!r} was registered")
+            size = pages.FlatPages.page_bytes_of(pool)
+            link = self._link(name, self.hybrid_descriptor(name, size), size)
+            self._hybrid[name] = (link, pool)
+            return link, pool
 
     # ---- keys ---------------------------------------------------------------------------
 
@@ -274,7 +259,7 @@ class KvtierStorage(HiCacheStorage):
         return self._key(prefix[-1]) if prefix else b""
 
     def _count(self, what: str, n: int, nbytes: int, seconds: float) -> None:
-        with self._stats_lock:
+        with self.report.lock:
             self.counters[f"{what}_pages"] += n
             if n and getattr(self.storage_config, "enable_storage_metrics", False):
                 self._pending[f"{what}_pgs"].append(n)
@@ -292,10 +277,13 @@ class KvtierStorage(HiCacheStorage):
             # MLA: every rank holds the same pages; one rank writes them.
             return [True] * n
         try:
-            segs = self._segments(host_indices, n)
-            return self._store(segs, [self._key(k) for k in keys], self._parent(extra_info))
+            return self._store(
+                self._kv_pages(host_indices, n),
+                [self._key(k) for k in keys],
+                self._parent(extra_info),
+            )
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
-            self._fail("set", e)
+            self.report.fail("set", e)
             return [False] * n
 
     def batch_get_v1(
@@ -305,197 +293,55 @@ class KvtierStorage(HiCacheStorage):
         if n == 0:
             return []
         try:
-            segs = self._segments(host_indices, n)
-            got = self._load(segs, [self._key(k) for k in keys], self._parent(extra_info))
+            got = self._load(
+                self._kv_pages(host_indices, n),
+                [self._key(k) for k in keys],
+                self._parent(extra_info),
+            )
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
-            self._fail("get", e)
+            self.report.fail("get", e)
             return [False] * n
         return [True] * got + [False] * (n - got)
 
-    def _segments(self, host_indices: Any, n: int) -> list[list[pages.Segment]]:
+    def _kv_pages(self, host_indices: Any, n: int) -> pages.KvPages:
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         segs = self.geometry.segments(ptrs, sizes)
         if len(segs) != n:
             raise pages.UnsupportedPool(f"{len(segs)} host pages for {n} keys")
-        return segs
+        return pages.KvPages(self.geometry, segs)
 
-    def _store(
-        self, segs: list[list[pages.Segment]], keys: list[bytes], parent: bytes
-    ) -> list[bool]:
-        """Writes pages into L2 (kvtierd writes them on to L3 per its policy)."""
-        n = len(keys)
-        with self._use() as s:
-            if s is None:
-                self._bump("set_unavailable", n)
-                return [False] * n
-            start = time.perf_counter()
-            ok, copied = self._store_in(s, segs, keys, parent)
+    def _store(self, kv: pages.KvPages, keys: list[bytes], parent: bytes) -> list[bool]:
+        if self._kv is None:
+            return [False] * len(keys)
+        start = time.perf_counter()
+        ok, copied = self._kv.store(kv, keys, parent)
         self._count(
             "backup", copied, copied * self.geometry.page_bytes, time.perf_counter() - start
         )
         return ok
 
-    def _store_in(
-        self, s: HostSession, segs: list[list[pages.Segment]], keys: list[bytes], parent: bytes
-    ) -> tuple[list[bool], int]:
-        """Reserve, copy, Commit; on any failure the reserved slots are aborted (never left to
-        the session's expiry) and the whole batch is False."""
-        n = len(keys)
-        ok = [False] * n
-        reserved: list[bytes] = []
-        copied = 0
-        try:
-            for i, (status, slot) in enumerate(s.reserve(keys, parent)):
-                if status == host_pb2.RESERVE_STATUS_PRESENT:
-                    ok[i] = True
-                elif status == host_pb2.RESERVE_STATUS_RESERVED:
-                    base = s.pool.address(slot, 0, self.geometry.page_bytes)
-                    reserved.append(keys[i])
-                    for seg in segs[i]:
-                        pages.store(seg, self.geometry, base)
-                    ok[i] = True
-                    copied += 1
-                else:
-                    # No room in L2 now; every later key is refused too.
-                    self._bump("set_no_space", n - i)
-                    break
-            if reserved:
-                s.commit(reserved)
-                reserved = []
-            if copied < sum(ok):
-                self._confirm_present(s, keys, ok)
-        except Exception as e:
-            self._fail("set", e)
-            if reserved:
-                try:
-                    s.abort(reserved)
-                except KvtierError:
-                    pass
-            self._drop(s, e)
-            return [False] * n, 0
-        return ok, copied
-
-    def _confirm_present(self, s: HostSession, keys: list[bytes], ok: list[bool]) -> None:
-        """Keys Reserve called present may still be in another client's hands, not yet
-        visible (and that client may give them up). Waits, up to timeout_s, until every key
-        this call reports stored is visible in L2 or L3; a key that never shows is False."""
-        n = len(keys)
-        want = max((i + 1 for i in range(n) if ok[i]), default=0)
-        deadline = time.monotonic() + self.settings.timeout_s
-        while True:
-            ready, storage = s.lookup(keys[:want], include_storage=True)
-            seen = ready + storage
-            if seen >= want:
-                return
-            if time.monotonic() >= deadline:
-                for i in range(seen, n):
-                    ok[i] = False
-                self._bump("set_not_visible", want - seen)
-                return
-            time.sleep(0.005)
-
-    def _load(self, segs: list[list[pages.Segment]], keys: list[bytes], parent: bytes) -> int:
-        """Copies the longest available prefix of ``keys`` into the host pool: L2 first, then
-        what kvtierd loads from L3. Returns how many pages arrived."""
-        with self._use() as s:
-            if s is None:
-                self._bump("get_unavailable", len(keys))
-                return 0
-            start = time.perf_counter()
-            try:
-                got = self._copy_out(s, s.acquire(keys), keys, segs, 0)
-                if got < len(keys):
-                    prev = keys[got - 1] if got else parent
-                    got += self._from_storage(s, keys, segs, got, prev)
-            except Exception as e:
-                self._fail("get", e)
-                self._drop(s, e)
-                return 0
+    def _load(self, kv: pages.KvPages, keys: list[bytes], parent: bytes) -> int:
+        if self._kv is None:
+            return 0
+        start = time.perf_counter()
+        got = self._kv.load(kv, keys, parent)
         self._count("prefetch", got, got * self.geometry.page_bytes, time.perf_counter() - start)
         return got
-
-    def _copy_out(
-        self,
-        s: HostSession,
-        slots: list[int],
-        keys: list[bytes],
-        segs: list[list[pages.Segment]],
-        first: int,
-    ) -> int:
-        """Copies pinned slots into pages ``first..``, then releases them. A failed Release
-        means the pins were dropped while copying: the bytes are void, so nothing counts."""
-        if not slots:
-            return 0
-        try:
-            for i, slot in enumerate(slots):
-                base = s.pool.address(slot, 0, self.geometry.page_bytes)
-                for seg in segs[first + i]:
-                    pages.load(seg, self.geometry, base)
-        finally:
-            # Pins are released even when a copy failed (else they last until the session
-            # does).
-            s.release(keys[first : first + len(slots)])
-        return len(slots)
-
-    def _from_storage(
-        self,
-        s: HostSession,
-        keys: list[bytes],
-        segs: list[list[pages.Segment]],
-        first: int,
-        parent: bytes,
-    ) -> int:
-        rid = uuid.uuid4().hex
-        # SGLang has already decided to load these pages (batch_exists, its own threshold):
-        # the daemon's threshold and load-or-recompute test are turned off for the call.
-        progress = s.prefetch(
-            rid,
-            keys[first:],
-            parent,
-            self.settings.prefetch_policy,
-            threshold_tokens=0,
-            recompute_tokens_per_second=1,
-            timeout=self.settings.prefetch_timeout_s,
-        )
-        if progress.state == "revoked":
-            # Nothing was allocated or pinned, and the prefetch is closed.
-            self._bump(f"prefetch_revoked:{progress.reason}")
-            return 0
-        try:
-            progress, slots = s.take_prefetch(rid)
-        except KvtierError:
-            try:
-                s.release_prefetch(rid)
-            except KvtierError:
-                pass
-            raise
-        if progress.state == "failed":
-            self._bump(f"prefetch_failed:{progress.reason}")
-        return self._copy_out(s, slots, keys, segs, first)
 
     # ---- lookups ------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Leading keys kvtierd holds in L2 or L3."""
-        if not keys:
+        if not keys or self._kv is None:
             return 0
-        with self._use() as s:
-            if s is None:
-                return 0
-            try:
-                ready, storage = s.lookup([self._key(k) for k in keys], include_storage=True)
-            except Exception as e:  # noqa: BLE001 - never into SGLang's thread
-                self._fail("exists", e)
-                self._drop(s, e)
-                return 0
-        return min(ready + storage, len(keys))
+        return self._kv.leading([self._key(k) for k in keys])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     # ---- the older, tensor-per-page interface ------------------------------------------
 
-    def _flat(self, tensors: list[Any]) -> list[list[pages.Segment]] | None:
+    def _flat(self, tensors: list[Any]) -> pages.KvPages | None:
         g = self.geometry
         if g is None:
             return None
@@ -504,7 +350,7 @@ class KvtierStorage(HiCacheStorage):
             if t is None or not t.is_contiguous() or t.numel() * t.element_size() != g.page_bytes:
                 return None
             out.append(g.flat_segments(t.data_ptr()))
-        return out
+        return pages.KvPages(g, out)
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
@@ -514,13 +360,13 @@ class KvtierStorage(HiCacheStorage):
         n = len(keys)
         targets = list(target_locations or [])
         try:
-            segs = self._flat(targets) if len(targets) == n else None
-            if segs is None:
-                self._fail("get", ValueError("targets are not flat host pool pages"))
+            kv = self._flat(targets) if len(targets) == n else None
+            if kv is None:
+                self.report.fail("get", ValueError("targets are not flat host pool pages"))
                 return [None] * n
-            got = self._load(segs, [self._key(k) for k in keys], b"")
+            got = self._load(kv, [self._key(k) for k in keys], b"")
         except Exception as e:  # noqa: BLE001
-            self._fail("get", e)
+            self.report.fail("get", e)
             return [None] * n
         return targets[:got] + [None] * (n - got)
 
@@ -540,15 +386,13 @@ class KvtierStorage(HiCacheStorage):
         if not self.is_writer:
             return True
         try:
-            segs = (
-                self._flat(list(values or [])) if values is not None and len(values) == n else None
-            )
-            if segs is None:
-                self._fail("set", ValueError("values are not flat host pool pages"))
+            kv = self._flat(list(values or [])) if values is not None and len(values) == n else None
+            if kv is None:
+                self.report.fail("set", ValueError("values are not flat host pool pages"))
                 return False
-            return all(self._store(segs, [self._key(k) for k in keys], b""))
+            return all(self._store(kv, [self._key(k) for k in keys], b""))
         except Exception as e:  # noqa: BLE001
-            self._fail("set", e)
+            self.report.fail("set", e)
             return False
 
     def set(
@@ -558,30 +402,94 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- hybrid pools (v2) ----------------------------------------------------------------
 
-    def _v2_unsupported(self) -> None:
-        self._fail(
-            "v2",
-            NotImplementedError(
-                "hybrid host pools (batch_*_v2) are not stored in kvtier yet; "
-                "every v2 call is a miss"
-            ),
-        )
-
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
     ) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+        """The usable KV prefix with every hybrid pool's page present as its hit policy asks
+        (SGLang's file backend's semantics): ``all_pages`` needs each page of the prefix,
+        ``trailing_pages`` only the last ``len(keys)`` pages before the cut, so the prefix
+        can end at any length where that window is present."""
+        from sglang.srt.mem_cache.hicache_storage import (
+            PoolHitPolicy,
+            PoolName,
+            PoolTransferResult,
+        )
 
-        self._v2_unsupported()
-        return PoolTransferResult.empty()
+        try:
+            kv = self.batch_exists(keys, extra_info)
+            hits: dict[Any, int] = {PoolName.KV: kv} if kv else {}
+            restorable = list(range(1, kv + 1))
+            kkeys = [self._key(k) for k in keys[:kv]]
+            for t in pool_transfers or []:
+                if not restorable:
+                    break
+                name = str(t.name)
+                if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                    # No verdict: the pool never gates the KV hit, and SGLang heals it from
+                    # the KV cut.
+                    self.report.bump("v2_block_groups_no_verdict")
+                    continue
+                link, _ = self._hybrid_pool(name)
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    boundary = link.leading(kkeys)
+                    allowed = set(range(1, boundary + 1))
+                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    window = max(1, len(t.keys) if t.keys else 1)
+                    allowed, run = set(), 0
+                    for p, here in enumerate(link.present(kkeys), start=1):
+                        run = run + 1 if here else 0
+                        if run >= min(window, p):
+                            allowed.add(p)
+                    boundary = max(allowed, default=0)
+                else:
+                    raise pages.UnsupportedPool(f"hit policy {t.hit_policy!r} of pool {name}")
+                if boundary:
+                    hits[t.name] = boundary
+                restorable = [p for p in restorable if p in allowed]
+            final = restorable[-1] if restorable else 0
+            return PoolTransferResult(final, hits, restorable)
+        except Exception as e:  # noqa: BLE001 - never into SGLang's thread
+            self.report.fail("exists_v2", e)
+            return PoolTransferResult.empty()
 
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        self._v2_unsupported()
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
+        return {t.name: self._v2(t, extra_info, load=True) for t in transfers}
 
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
-        self._v2_unsupported()
-        return {t.name: [False] * len(t.keys or []) for t in transfers}
+        return {t.name: self._v2(t, extra_info, load=False) for t in transfers}
+
+    def _v2(self, t: Any, extra_info: Any, load: bool) -> list[bool]:
+        keys = list(t.keys or [])
+        n = len(keys)
+        if n == 0:
+            return []
+        name = str(t.name)
+        if name == "kv":
+            if load:
+                return self.batch_get_v1(keys, t.host_indices, extra_info)
+            return self.batch_set_v1(keys, t.host_indices, extra_info)
+        what = "get_v2" if load else "set_v2"
+        try:
+            link, pool = self._hybrid_pool(name)
+            page_size = int(getattr(pool, "page_size", 1) or 1)
+            idx = t.host_indices
+            if idx is None or int(idx.numel()) != n * page_size:
+                got = 0 if idx is None else int(idx.numel())
+                raise pages.UnsupportedPool(
+                    f"pool {name}: {got} host indices for {n} keys of {page_size} slots each"
+                )
+            flat = pages.FlatPages(pool, idx[::page_size].tolist(), link.page_bytes)
+            kkeys, parent = [self._key(k) for k in keys], self._parent(extra_info)
+            if load:
+                got = link.load(flat, kkeys, parent)
+                self.report.bump(f"v2_get_pages:{name}", got)
+                return [True] * got + [False] * (n - got)
+            ok, copied = link.store(flat, kkeys, parent)
+            self.report.bump(f"v2_set_pages:{name}", copied)
+            return ok
+        except Exception as e:  # noqa: BLE001 - never into SGLang's thread
+            self.report.fail(what, e)
+            return [False] * n
 
     # ---- the rest -----------------------------------------------------------------------
 
@@ -599,16 +507,18 @@ class KvtierStorage(HiCacheStorage):
         except ImportError:  # pragma: no cover
             return None
         m = StorageMetrics()
-        with self._stats_lock:
+        with self.report.lock:
             for name, values in self._pending.items():
                 getattr(m, name).extend(values)
                 values.clear()
         return m
 
     def close(self) -> None:
-        """Ends the session (SGLang calls this when it detaches the backend)."""
-        with self._session_lock:
-            s, self._session = self._session, None
-        if s is not None:
-            s.close()
+        """Ends the sessions (SGLang calls this when it detaches the backend)."""
+        links = [self._kv] if self._kv is not None else []
+        with self._hybrid_lock:
+            links += [link for link, _ in self._hybrid.values()]
+            self._hybrid.clear()
+        for link in links:
+            link.close()
         self.client.close()

@@ -183,3 +183,47 @@ def load(seg: Segment, geometry: PageGeometry, slot_address: int) -> None:
         (g.layers, g.page_size, g.token_bytes),
         (g.page_size, g.layers, g.token_bytes),
     )
+
+
+@dataclass(frozen=True)
+class KvPages:
+    """A call's KV pages as segments of SGLang's pointer lists (zero-copy on SGLang's side)."""
+
+    geometry: PageGeometry
+    segs: list[list[Segment]]
+
+    def to_slot(self, i: int, base: int) -> None:
+        for seg in self.segs[i]:
+            store(seg, self.geometry, base)
+
+    def from_slot(self, i: int, base: int) -> None:
+        for seg in self.segs[i]:
+            load(seg, self.geometry, base)
+
+
+class FlatPages:
+    """A hybrid pool's pages (a Mamba state, an SWA or indexer cache) as the pool's own flat
+    data pages: ``get_data_page(index, flat=True)`` on the way out and
+    ``set_from_flat_data_page`` on the way in, the same bytes SGLang's file backend stores.
+    Every pool class has these two methods, whatever its internal layout."""
+
+    def __init__(self, pool: Any, indices: Sequence[int], page_bytes: int):
+        self.pool, self.indices, self.page_bytes = pool, list(indices), page_bytes
+
+    @staticmethod
+    def page_bytes_of(pool: Any) -> int:
+        page = pool.get_dummy_flat_data_page()
+        return int(page.numel()) * int(page.element_size())
+
+    def to_slot(self, i: int, base: int) -> None:
+        page = self.pool.get_data_page(self.indices[i], flat=True).contiguous()
+        size = int(page.numel()) * int(page.element_size())
+        if size != self.page_bytes:
+            raise UnsupportedPool(f"a data page has {size} bytes, expected {self.page_bytes}")
+        ctypes.memmove(base, page.data_ptr(), size)
+
+    def from_slot(self, i: int, base: int) -> None:
+        if _torch is None:  # pragma: no cover - SGLang always has torch
+            raise UnsupportedPool("hybrid pools need torch")
+        view = _torch.from_numpy(_bytes_at(base, self.page_bytes))
+        self.pool.set_from_flat_data_page(self.indices[i], view)

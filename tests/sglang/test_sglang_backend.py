@@ -147,7 +147,7 @@ def test_after_a_kvtierd_crash_pages_come_back_from_l3_and_the_client_reconnects
         want = w.fill(0, 12, seed=8)
         assert w.backend.batch_set_v1(ks, w.indices(0, 12)) == [True] * 12
         wait_for(lambda: len(d.l3_files()) >= 12, what="12 pages in the file L3")
-        old = inner(w.backend)._session
+        old = inner(w.backend)._kv._session
         d.kill()
         d.start()
         w.clear()
@@ -177,7 +177,7 @@ def test_a_damaged_stored_page_is_a_miss(tmp_path: Path):
             f.write_bytes(bytes(data))
         d.start()
         w.clear()
-        wait_for(lambda: inner(w.backend)._live_session(), what="reconnect")
+        wait_for(lambda: inner(w.backend)._kv.session(), what="reconnect")
         got = w.backend.batch_get_v1(ks, w.indices(8, 4))
         assert got == [False] * 4
     finally:
