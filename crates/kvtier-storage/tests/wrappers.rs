@@ -266,3 +266,21 @@ async fn flaky_fails_at_its_rate_and_never_serves_wrong_bytes() {
     let always = PageStore::new(Arc::new(Flaky::new(Arc::new(MemoryStore::new()), 1.0, 7)));
     assert!(always.exists(&ctx(), &fp, &keys[0]).await.is_err());
 }
+
+#[tokio::test]
+async fn a_faulted_store_fails_every_method_batched_ones_included() {
+    let faulty = Faulty::new(Arc::new(MemoryStore::new()));
+    faulty
+        .set("a", Bytes::from_static(b"h"), Bytes::from_static(b"b"))
+        .await
+        .unwrap();
+    let names = vec!["a".to_string()];
+    assert_eq!(faulty.exists_prefix(&names).await.unwrap(), 1);
+    faulty.set_fault(Some(Fault::Error));
+    let before = faulty.calls();
+    assert!(faulty.exists_prefix(&names).await.is_err());
+    assert!(faulty.exists("a").await.is_err());
+    assert!(faulty.get("a").await.is_err());
+    // One gated call each: the batched lookup is not split into per-name calls behind it.
+    assert_eq!(faulty.calls() - before, 3);
+}
