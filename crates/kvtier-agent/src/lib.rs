@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvtier_config::agent::AgentConfig;
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
@@ -67,7 +67,7 @@ fn setup<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) 
 }
 
 async fn bind_socket(path: &Path) -> Result<UnixListener, AgentError> {
-    use kvtier_client::serving::{BindError, bind_unix};
+    use kvtier_server::serving::{BindError, bind_unix};
     bind_unix(path).await.map_err(|e| match e {
         BindError::InUse(p) => AgentError::SocketInUse(p),
         BindError::Io { what, path, source } => AgentError::Setup { what, path, source },
@@ -82,17 +82,15 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let socket = cfg.socket_path();
     let uds = bind_socket(&socket).await?;
-    let metrics_listener = match cfg.metrics.listen.as_str() {
-        "" => None,
-        a => Some(
-            TcpListener::bind(a)
-                .await
-                .map_err(setup("binding metrics.listen", Path::new(a)))?,
-        ),
-    };
+    let metrics_listener = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
+        .await
+        .map_err(setup(
+            "binding metrics.listen",
+            Path::new(&cfg.metrics.listen),
+        ))?;
     let metrics_addr = metrics_listener
         .as_ref()
-        .and_then(kvtier_client::prometheus_http::local);
+        .and_then(kvtier_server::prometheus_http::local);
     let metrics = Metrics::new()?;
     let link = Arc::new(Link::new(&cfg));
     let (service, worker) = AgentService::new(
@@ -115,7 +113,7 @@ pub async fn run(
     ));
     if let Some(l) = metrics_listener {
         let (svc, metrics) = (service.clone(), metrics.clone());
-        tokio::spawn(kvtier_client::prometheus_http::serve(
+        tokio::spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || {
                 svc.refresh_gauges();

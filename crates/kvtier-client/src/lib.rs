@@ -3,9 +3,8 @@
 //!
 //! [`HostClient`] speaks `kvtier.v1.HostTier` over a Unix socket (or TCP), takes and returns
 //! domain types (page keys, layouts), builds the hash self-test itself at registration, and
-//! maps the session's pool ([`Session::pool`]) so pages are copied, never sent.
-//! [`prometheus_http`] is the `/metrics` endpoint kvtierd and kvtier-agent both serve;
-//! [`serving`] the rest of what both need to run as servers.
+//! maps the session's pool ([`Session::pool`]) so pages are copied, never sent. (What the
+//! servers themselves share lives in kvtier-server.)
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -17,9 +16,6 @@ use kvtier_shm::ShmPool;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 pub use kvtier_proto::v1::ReserveStatus;
-
-pub mod prometheus_http;
-pub mod serving;
 
 /// Errors of the clients.
 #[derive(Debug, thiserror::Error)]

@@ -68,9 +68,9 @@ pub enum DaemonError {
     Metrics(#[from] prometheus::Error),
 }
 
-impl From<kvtier_client::serving::BindError> for DaemonError {
-    fn from(e: kvtier_client::serving::BindError) -> Self {
-        use kvtier_client::serving::BindError;
+impl From<kvtier_server::serving::BindError> for DaemonError {
+    fn from(e: kvtier_server::serving::BindError) -> Self {
+        use kvtier_server::serving::BindError;
         match e {
             BindError::InUse(p) => DaemonError::SocketInUse(p),
             BindError::Io { what, path, source } => DaemonError::Setup { what, path, source },
@@ -106,7 +106,7 @@ const SEAL_BATCH: usize = 256;
 
 /// Binds a socket, replacing a stale socket file but never a live server's.
 async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
-    Ok(kvtier_client::serving::bind_unix(path).await?)
+    Ok(kvtier_server::serving::bind_unix(path).await?)
 }
 
 /// Runs the daemon until `shutdown` is cancelled, then drains in-flight requests, removes
@@ -127,17 +127,15 @@ pub async fn run(
                 .map_err(setup("binding server.tcp", Path::new(a)))?,
         ),
     };
-    let metrics_listener = match cfg.metrics.listen.as_str() {
-        "" => None,
-        a => Some(
-            TcpListener::bind(a)
-                .await
-                .map_err(setup("binding metrics.listen", Path::new(a)))?,
-        ),
-    };
+    let metrics_listener = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
+        .await
+        .map_err(setup(
+            "binding metrics.listen",
+            Path::new(&cfg.metrics.listen),
+        ))?;
     let metrics_addr = metrics_listener
         .as_ref()
-        .and_then(kvtier_client::prometheus_http::local);
+        .and_then(kvtier_server::prometheus_http::local);
 
     let state = Arc::new(Mutex::new(HostState::new(&cfg)));
     {
@@ -240,7 +238,7 @@ pub async fn run(
     });
     if let Some(l) = metrics_listener {
         let (metrics, state, l3) = (metrics.clone(), state.clone(), l3.clone());
-        tracker.spawn(kvtier_client::prometheus_http::serve(
+        tracker.spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || metrics.render(&state, l3.current().as_deref())),
             shutdown.clone(),

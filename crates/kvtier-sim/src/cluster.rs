@@ -80,7 +80,7 @@ pub fn serve_child_from_env() -> bool {
             "daemon" => {
                 let cfg = kvtier_config::daemon::DaemonConfig::load(&src)?;
                 // Warnings and errors of the children reach the simulation's stderr.
-                let _ = kvtier_client::serving::init_logging(&cfg.log.level);
+                let _ = kvtier_server::serving::init_logging(&cfg.log.level);
                 kvtier_daemon::run(cfg, stop, |r| {
                     let m = r.metrics.map(|a| a.to_string()).unwrap_or_default();
                     println!("ready socket={} metrics={m}", r.socket.display());
@@ -89,7 +89,7 @@ pub fn serve_child_from_env() -> bool {
             }
             "agent" => {
                 let cfg = kvtier_config::agent::AgentConfig::load(&src)?;
-                let _ = kvtier_client::serving::init_logging(&cfg.log.level);
+                let _ = kvtier_server::serving::init_logging(&cfg.log.level);
                 kvtier_agent::run(cfg, stop, |r| {
                     let m = r.metrics.map(|a| a.to_string()).unwrap_or_default();
                     println!("ready socket={} metrics={m}", r.socket.display());

@@ -56,3 +56,11 @@ pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToke
 pub fn local(listener: &TcpListener) -> Option<SocketAddr> {
     listener.local_addr().ok()
 }
+
+/// Binds the metrics listener for the config key `metrics.listen` (`None` when it is empty).
+pub async fn bind(listen: &str) -> std::io::Result<Option<TcpListener>> {
+    match listen {
+        "" => Ok(None),
+        a => TcpListener::bind(a).await.map(Some),
+    }
+}

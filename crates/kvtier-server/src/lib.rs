@@ -1,0 +1,15 @@
+//! kvtier-server: what kvtierd and kvtier-agent share to run as processes.
+//!
+//! - [`process`]: the command line both binaries take (`--config`, `--set`,
+//!   `--print-default-config`, `--check-config`) and the `main` flow around a server's `run`
+//!   (load and validate the configuration, start logging, a runtime, stop on SIGTERM/SIGINT),
+//!   and the one ready line scripts and tests wait for;
+//! - [`serving`]: binding a Unix socket without taking over a live one, the shutdown token,
+//!   logging from `log.level`;
+//! - [`prometheus_http`]: the `/metrics` endpoint, and binding its listener.
+//!
+//! kvtier-client stays a client library; server plumbing goes here.
+
+pub mod process;
+pub mod prometheus_http;
+pub mod serving;
