@@ -416,10 +416,11 @@ class KvtierStorage(HiCacheStorage):
         )
 
         try:
-            kv = self.batch_exists(keys, extra_info)
+            kkeys = [self._key(k) for k in keys]
+            kv = self._kv.leading(kkeys) if self._kv is not None else 0
+            kkeys = kkeys[:kv]
             hits: dict[Any, int] = {PoolName.KV: kv} if kv else {}
             restorable = list(range(1, kv + 1))
-            kkeys = [self._key(k) for k in keys[:kv]]
             for t in pool_transfers or []:
                 if not restorable:
                     break

@@ -297,26 +297,23 @@ impl HostTier for HostService {
             let now = Instant::now();
             let n = st.lookup(r.session_id, &keys, now)?;
             let fp = st.session_fingerprint(r.session_id)?;
-            let in_l2 = if asked {
-                st.ready_mask(r.session_id, &keys[n..], now)?
-            } else {
-                Vec::new()
-            };
-            let each_l2 = if r.each_key {
+            // Which keys are ready in L2, for L3's walk and for the key-by-key answer.
+            let in_l2 = if asked || r.each_key {
                 st.ready_mask(r.session_id, &keys, now)?
             } else {
                 Vec::new()
             };
-            Ok((keys, n, fp, in_l2, each_l2))
+            Ok((keys, n, fp, in_l2))
         })();
         let result = match l2 {
-            Ok((keys, n, fp, in_l2, each_l2)) => {
-                let present = match (&l3, asked && r.each_key) {
-                    (Some(l3), true) => {
+            Ok((keys, n, fp, in_l2)) => {
+                let present = match (&l3, r.each_key) {
+                    (_, false) => Vec::new(),
+                    (Some(l3), true) if asked => {
                         let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
-                        self.prefetcher.present(l3, &ctx, fp, &keys, &each_l2).await
+                        self.prefetcher.present(l3, &ctx, fp, &keys, &in_l2).await
                     }
-                    _ => each_l2,
+                    _ => in_l2.clone(),
                 };
                 let mut storage_pages = 0;
                 if asked
@@ -329,7 +326,7 @@ impl HostTier for HostService {
                     let ctx = kvtier_storage::OpCtx::timeout(l3.timeout);
                     match self
                         .prefetcher
-                        .reachable(&l3, &ctx, fp, &keys[n..], &in_l2)
+                        .reachable(&l3, &ctx, fp, &keys[n..], &in_l2[n..])
                         .await
                     {
                         Ok(m) => storage_pages = m as u32,
