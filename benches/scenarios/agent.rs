@@ -11,9 +11,8 @@
 use std::time::{Duration, Instant};
 
 use crate::{InProcessAgent, InProcessDaemon, compare};
+use kvtier_client::{AgentClient, PoolMemory};
 use kvtier_core::{DType, DevicePool, KvKind, Layout, LayoutSpec};
-use kvtier_proto::v1;
-use kvtier_proto::v1::agent_client::AgentClient;
 use kvtier_shm::ShmRegion;
 
 /// 8 layers, 8 KV heads of 128, bf16, 16-token pages: 512 KiB pages (1,000 pages = 500 MiB).
@@ -78,27 +77,20 @@ fn one(quick: bool, layers: u32, with_match: bool) {
         .build()
         .unwrap();
     let mut c = rt.block_on(async {
-        let ch = kvtier_client::connect(&a.ready.socket.display().to_string())
+        let mut c = AgentClient::connect(&a.ready.socket.display().to_string())
             .await
             .unwrap();
-        let mut c = AgentClient::new(ch);
-        c.register_pool(v1::RegisterPoolRequest {
-            layout: Some((&spec(layers)).into()),
-            num_token_slots: u64::from(2 * pages) * 16,
-            device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
-                path: pool_path.display().to_string(),
-            })),
-        })
+        c.register_pool(
+            &spec(layers),
+            u64::from(2 * pages) * 16,
+            PoolMemory::Cpu {
+                path: pool_path.clone(),
+            },
+        )
         .await
         .unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !c
-            .agent_stats(v1::AgentStatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .daemon_connected
-        {
+        while !c.stats().await.unwrap().daemon_connected {
             assert!(Instant::now() < deadline, "agent never reached kvtierd");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -144,13 +136,7 @@ fn one(quick: bool, layers: u32, with_match: bool) {
         let first: Vec<u32> = (0..pages).collect();
         let second: Vec<u32> = (pages..2 * pages).collect();
         rt.block_on(async {
-            c.insert(v1::InsertRequest {
-                tokens: tokens.clone(),
-                namespace: None,
-                device_pages: first.clone(),
-            })
-            .await
-            .unwrap();
+            c.insert(tokens.clone(), None, first.clone()).await.unwrap();
         });
         let t = Instant::now();
         std::hint::black_box(memcpy());
@@ -159,44 +145,21 @@ fn one(quick: bool, layers: u32, with_match: bool) {
         std::hint::black_box(memcpy_mt());
         base_mt.push(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        let ev = rt.block_on(async {
-            c.evict(v1::EvictRequest { pages })
-                .await
-                .unwrap()
-                .into_inner()
-        });
+        let ev = rt.block_on(async { c.evict(pages).await.unwrap() });
         backup_s.push(t.elapsed().as_secs_f64());
         assert_eq!((ev.pages.len(), ev.backed_up), (pages as usize, pages));
         let t = Instant::now();
         let lb = rt.block_on(async {
-            let m = c
-                .r#match(v1::MatchRequest {
-                    tokens: tokens.clone(),
-                    namespace: None,
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            let lb = c
-                .load_back(v1::LoadBackRequest {
-                    handle: m.handle,
-                    free_pages: second.clone(),
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            c.release(v1::AgentReleaseRequest { handle: m.handle })
-                .await
-                .unwrap();
+            let m = c.match_prefix(tokens.clone(), None).await.unwrap();
+            let lb = c.load_back(m.handle, second.clone()).await.unwrap();
+            c.release(m.handle).await.unwrap();
             lb
         });
         load_s.push(t.elapsed().as_secs_f64());
         assert_eq!(lb.loaded, pages);
         // Make room for the next round.
         rt.block_on(async {
-            c.evict(v1::EvictRequest { pages: 2 * pages })
-                .await
-                .unwrap();
+            c.evict(2 * pages).await.unwrap();
         });
     }
     let med = |mut v: Vec<f64>| {
@@ -259,13 +222,9 @@ fn one(quick: bool, layers: u32, with_match: bool) {
     // Match latency of a cached prefix: put one request on the device and match it.
     let tokens: Vec<u32> = (0..pages * 16).map(|i| 777 * 1_000_003 + i).collect();
     rt.block_on(async {
-        c.insert(v1::InsertRequest {
-            tokens: tokens.clone(),
-            namespace: None,
-            device_pages: (0..pages).collect(),
-        })
-        .await
-        .unwrap();
+        c.insert(tokens.clone(), None, (0..pages).collect())
+            .await
+            .unwrap();
     });
     let ch = rt.block_on(kvtier_client::connect(
         &a.ready.socket.display().to_string(),
@@ -288,18 +247,9 @@ fn one(quick: bool, layers: u32, with_match: bool) {
         },
         || {
             rt.block_on(async {
-                let m = c
-                    .r#match(v1::MatchRequest {
-                        tokens: tokens.clone(),
-                        namespace: None,
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
+                let m = c.match_prefix(tokens.clone(), None).await.unwrap();
                 assert_eq!(m.device_pages.len(), pages as usize);
-                c.release(v1::AgentReleaseRequest { handle: m.handle })
-                    .await
-                    .unwrap();
+                c.release(m.handle).await.unwrap();
             })
         },
     );

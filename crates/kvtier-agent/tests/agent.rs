@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use kvtier_client::{Handle, Loaded};
 use kvtier_proto::v1;
 
 /// Not a test: the entry point of the kvtierd child processes the tests start.
@@ -54,10 +55,7 @@ fn write_policies_back_up_exactly_what_they_should_when_they_should() {
         e.prefill_and_insert(&t, &[4, 5, 6, 7]).await;
         let m = e.do_match(&t).await;
         assert_eq!(m.device_pages, vec![4, 5, 6, 7]);
-        e.client
-            .release(v1::AgentReleaseRequest { handle: m.handle })
-            .await
-            .unwrap();
+        e.client.release(m.handle).await.unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(
             l2_pages(&sock, &spec, &ks).await,
@@ -66,10 +64,7 @@ fn write_policies_back_up_exactly_what_they_should_when_they_should() {
         );
         let m = e.do_match(&t).await;
         wait_l2(&sock, &spec, &ks, 4).await;
-        e.client
-            .release(v1::AgentReleaseRequest { handle: m.handle })
-            .await
-            .unwrap();
+        e.client.release(m.handle).await.unwrap();
         drop(e);
         drop(a);
 
@@ -87,12 +82,7 @@ fn write_policies_back_up_exactly_what_they_should_when_they_should() {
             0,
             "write_back wrote early"
         );
-        let ev = e
-            .client
-            .evict(v1::EvictRequest { pages: 4 })
-            .await
-            .unwrap()
-            .into_inner();
+        let ev = e.client.evict(4).await.unwrap();
         let mut freed = ev.pages.clone();
         freed.sort_unstable();
         assert_eq!((freed, ev.backed_up, ev.lost), (vec![8, 9, 10, 11], 4, 0));
@@ -110,13 +100,9 @@ fn write_policies_back_up_exactly_what_they_should_when_they_should() {
         assert_eq!((m.device_pages.len(), m.l2_pages), (0, 4));
         let lb = e
             .client
-            .load_back(v1::LoadBackRequest {
-                handle: m.handle,
-                free_pages: vec![20, 21, 22, 23, 24],
-            })
+            .load_back(m.handle, vec![20, 21, 22, 23, 24])
             .await
-            .unwrap()
-            .into_inner();
+            .unwrap();
         assert_eq!((lb.loaded, lb.unused_pages.clone()), (4, vec![24]));
         assert_eq!(lb.device_pages, vec![20, 21, 22, 23]);
         for (k, p) in ks.iter().zip(20..24) {
@@ -162,22 +148,15 @@ fn a_prefix_computed_by_one_worker_is_loaded_by_another_bit_identical() {
         assert_eq!((m.device_pages.len(), m.l2_pages, m.total_pages), (0, 6, 8));
         let lb = e2
             .client
-            .load_back(v1::LoadBackRequest {
-                handle: m.handle,
-                free_pages: vec![40, 41, 42, 43, 44, 45],
-            })
+            .load_back(m.handle, vec![40, 41, 42, 43, 44, 45])
             .await
-            .unwrap()
-            .into_inner();
+            .unwrap();
         assert_eq!(lb.loaded, 6);
         for (k, p) in ks.iter().zip(40..46) {
             assert!(e2.holds(p, k), "page {p} loaded by worker 2 differs");
         }
         // Now it is on worker 2's device: a new match finds it there, locked again.
-        e2.client
-            .release(v1::AgentReleaseRequest { handle: m.handle })
-            .await
-            .unwrap();
+        e2.client.release(m.handle).await.unwrap();
         let m = e2.do_match(&t).await;
         assert_eq!(m.device_pages, vec![40, 41, 42, 43, 44, 45]);
         // Inserting the full computed request on worker 2 reports the six as duplicates.
@@ -280,15 +259,8 @@ fn mla_ranks_share_one_copy_and_mha_ranks_do_not() {
 }
 
 /// Loads the handle's L2 pages into `free` device pages.
-async fn load_back(e: &mut Engine, handle: u64, free: Vec<u32>) -> v1::LoadBackResponse {
-    e.client
-        .load_back(v1::LoadBackRequest {
-            handle,
-            free_pages: free,
-        })
-        .await
-        .unwrap()
-        .into_inner()
+async fn load_back(e: &mut Engine, handle: Handle, free: Vec<u32>) -> Loaded {
+    e.client.load_back(handle, free).await.unwrap()
 }
 
 #[test]
@@ -305,12 +277,7 @@ fn a_dead_daemon_costs_misses_and_the_agent_reconnects() {
         e.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
         wait_l2(&d.join("kvtierd.sock"), &spec, &ks, 4).await;
         // Evict from the device: the pages are now in L2 only.
-        let ev = e
-            .client
-            .evict(v1::EvictRequest { pages: 4 })
-            .await
-            .unwrap()
-            .into_inner();
+        let ev = e.client.evict(4).await.unwrap();
         assert_eq!(ev.pages.len(), 4);
         // Sealed (checksummed and recorded beside the pool) before the crash, so the next
         // kvtierd may take them over.
@@ -466,7 +433,8 @@ fn bad_engine_input_is_refused_by_field() {
             ),
         ];
         for (req, field) in cases {
-            let err = e.client.insert(req).await.unwrap_err();
+            // The wire request as sent: the typed client could not even express some.
+            let err = e.client.raw().insert(req).await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::InvalidArgument);
             assert!(err.message().contains(field), "{field}: {}", err.message());
         }
@@ -475,48 +443,25 @@ fn bad_engine_input_is_refused_by_field() {
         assert!(m.device_pages.is_empty());
         // A page the tree holds is not free for load-back, and unknown handles are refused.
         e.prefill_and_insert(&t, &[0, 1, 2]).await;
-        let err = e
-            .client
-            .load_back(v1::LoadBackRequest {
-                handle: m.handle,
-                free_pages: vec![1],
-            })
-            .await
-            .unwrap_err();
-        assert!(err.message().contains("free_pages[0]"), "{}", err.message());
-        let err = e
-            .client
-            .release(v1::AgentReleaseRequest { handle: 999_999 })
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), tonic::Code::InvalidArgument);
-        assert!(err.message().contains("handle"), "{}", err.message());
+        let err = e.client.load_back(m.handle, vec![1]).await.unwrap_err();
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument));
+        assert!(err.to_string().contains("free_pages[0]"), "{err}");
+        let err = e.client.release(Handle(999_999)).await.unwrap_err();
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument));
+        assert!(err.to_string().contains("handle"), "{err}");
         // Inserting a page the tree already holds under another key is refused.
         let err = e
             .client
-            .insert(v1::InsertRequest {
-                tokens: tokens(51, 1),
-                namespace: None,
-                device_pages: vec![2],
-            })
+            .insert(tokens(51, 1), None, vec![2])
             .await
             .unwrap_err();
-        assert!(
-            err.message().contains("device_pages[0]"),
-            "{}",
-            err.message()
-        );
+        assert!(err.to_string().contains("device_pages[0]"), "{err}");
         // Partial trailing pages are never cached: 20 tokens are one full page.
         let r = e
             .client
-            .insert(v1::InsertRequest {
-                tokens: tokens(52, 2)[..20].to_vec(),
-                namespace: None,
-                device_pages: vec![5],
-            })
+            .insert(tokens(52, 2)[..20].to_vec(), None, vec![5])
             .await
-            .unwrap()
-            .into_inner();
+            .unwrap();
         assert_eq!(r.inserted, 1);
     });
 }
@@ -547,13 +492,9 @@ fn an_agent_killed_mid_backup_leaves_only_whole_pages() {
         let n = m.l2_pages;
         let lb = f
             .client
-            .load_back(v1::LoadBackRequest {
-                handle: m.handle,
-                free_pages: (0..n).collect(),
-            })
+            .load_back(m.handle, (0..n).collect())
             .await
-            .unwrap()
-            .into_inner();
+            .unwrap();
         assert_eq!(lb.loaded, n);
         for (k, p) in ks.iter().zip(0..n) {
             assert!(
@@ -567,5 +508,104 @@ fn an_agent_killed_mid_backup_leaves_only_whole_pages() {
                 .unwrap();
         let st = c.stats().await.unwrap();
         assert!(st.pools.iter().all(|p| p.writing_pages == 0), "{st:?}");
+    });
+}
+
+/// The typed client's batched calls, from several engine tasks at once: each prompt is
+/// matched, inserted and released as its own, and a namespace sees only its own pages.
+#[test]
+fn batched_calls_from_concurrent_tasks_keep_each_prompt_apart() {
+    let d = dir("batched");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=256"]);
+    rt().block_on(async {
+        let a = agent(&d, "w", &["cache.write_policy=write_through"]);
+        // 4 tasks × 4 prompts × 2 pages, each task on its own 8 device pages.
+        let e = Engine::start(&a, mha(0, 1), 64, "batched").await;
+        let salted = kvtier_core::Namespace {
+            cache_salt: "other-user".into(),
+            ..Default::default()
+        };
+        // The engine computes every page before inserting it.
+        for task in 0..4u32 {
+            for p in 0..4 {
+                let t = tokens(100 + task * 4 + p, 2);
+                for (i, k) in keys(&mha(0, 1), &t).iter().enumerate() {
+                    e.compute(task * 8 + p * 2 + i as u32, k);
+                }
+            }
+        }
+        let mut tasks = Vec::new();
+        for task in 0..4u32 {
+            let mut c = e.client.clone();
+            let salted = salted.clone();
+            let prompts: Vec<Vec<u32>> = (0..4).map(|p| tokens(100 + task * 4 + p, 2)).collect();
+            let pages: Vec<Vec<u32>> = (0..4)
+                .map(|p| vec![task * 8 + p * 2, task * 8 + p * 2 + 1])
+                .collect();
+            tasks.push(tokio::spawn(async move {
+                let inserts = prompts
+                    .iter()
+                    .zip(&pages)
+                    .map(|(t, p)| kvtier_client::Insert {
+                        tokens: t.clone(),
+                        namespace: None,
+                        device_pages: p.clone(),
+                    })
+                    .collect();
+                let ins = c.insert_batch(inserts).await.unwrap();
+                assert!(
+                    ins.iter()
+                        .all(|i| i.inserted == 2 && i.duplicate_pages.is_empty())
+                );
+                // The same prompts, then each under another cache salt: hits, then misses.
+                let mut asks: Vec<(Vec<u32>, Option<kvtier_core::Namespace>)> =
+                    prompts.iter().map(|t| (t.clone(), None)).collect();
+                asks.extend(prompts.iter().map(|t| (t.clone(), Some(salted.clone()))));
+                let ms = c.match_batch(asks).await.unwrap();
+                assert_eq!(ms.len(), 8);
+                for (m, p) in ms[..4].iter().zip(&pages) {
+                    assert_eq!(&m.device_pages, p);
+                    assert_eq!(m.total_pages, 2);
+                }
+                assert!(ms[4..].iter().all(|m| m.device_pages.is_empty()));
+                let handles: Vec<Handle> = ms.iter().map(|m| m.handle).collect();
+                c.release_batch(&handles).await.unwrap();
+                // Released handles are gone: a second release is refused by name.
+                let err = c.release(handles[0]).await.unwrap_err();
+                assert_eq!(err.code(), Some(tonic::Code::InvalidArgument));
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        // Once the write-through backups are done, no page is locked: every handle went.
+        let mut c = e.client.clone();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let st = loop {
+            let st = c.stats().await.unwrap();
+            let settled = st.backups_in_flight == 0 && st.locked_pages == 0;
+            if settled || std::time::Instant::now() > deadline {
+                break st;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(
+            (st.device_pages, st.locked_pages, st.open_handles),
+            (32, 0, 0)
+        );
+        // Every page holds what was computed into it: nothing was moved or mixed up.
+        let mut e = e;
+        for task in 0..4u32 {
+            for p in 0..4 {
+                let t = tokens(100 + task * 4 + p, 2);
+                let m = e.do_match(&t).await;
+                let ks = keys(&mha(0, 1), &t);
+                assert_eq!(m.device_pages, vec![task * 8 + p * 2, task * 8 + p * 2 + 1]);
+                for (&dp, k) in m.device_pages.iter().zip(&ks) {
+                    assert!(e.holds(dp, k), "task {task} prompt {p}: page {dp}");
+                }
+                e.client.release(m.handle).await.unwrap();
+            }
+        }
     });
 }

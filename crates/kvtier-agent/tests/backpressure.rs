@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvtier_client::{HostClient, Reserved};
-use kvtier_proto::v1;
 
 /// Not a test: the entry point of the kvtierd child processes the tests start.
 #[test]
@@ -104,12 +103,7 @@ fn a_slow_l3_slows_the_engine_and_loses_nothing() {
             "the inserts ran ahead of L3 ({inserting:?})"
         );
         // Evict everything: every page is in L2 or L3 afterwards, none lost.
-        let ev = e
-            .client
-            .evict(v1::EvictRequest { pages: 128 })
-            .await
-            .unwrap()
-            .into_inner();
+        let ev = e.client.evict(128).await.unwrap();
         assert_eq!((ev.pages.len(), ev.backed_up, ev.lost), (60, 60, 0));
         let mut c = HostClient::connect(&sock.display().to_string())
             .await
@@ -160,12 +154,7 @@ fn pages_l2_refuses_are_given_up_and_counted_by_reason() {
         e.wait_connected().await;
         e.prefill_and_insert(&tokens(501, 4), &[0, 1, 2, 3]).await;
         let t = Instant::now();
-        let ev = e
-            .client
-            .evict(v1::EvictRequest { pages: 4 })
-            .await
-            .unwrap()
-            .into_inner();
+        let ev = e.client.evict(4).await.unwrap();
         // The engine gets its pages back after waiting evict_wait for room that never came.
         assert_eq!((ev.pages.len(), ev.backed_up, ev.lost), (4, 0, 4));
         assert!(
@@ -183,12 +172,7 @@ fn pages_l2_refuses_are_given_up_and_counted_by_reason() {
         kvtierd.kill();
         e.prefill_and_insert(&tokens(502, 2), &[4, 5]).await;
         let t = Instant::now();
-        let ev = e
-            .client
-            .evict(v1::EvictRequest { pages: 2 })
-            .await
-            .unwrap()
-            .into_inner();
+        let ev = e.client.evict(2).await.unwrap();
         assert_eq!((ev.pages.len(), ev.lost), (2, 2));
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         let st = e.stats().await;

@@ -3,8 +3,15 @@
 //!
 //! [`HostClient`] speaks `kvtier.v1.HostTier` over a Unix socket (or TCP), takes and returns
 //! domain types (page keys, layouts), builds the hash self-test itself at registration, and
-//! maps the session's pool ([`Session::pool`]) so pages are copied, never sent. (What the
-//! servers themselves share lives in kvtier-server.)
+//! maps the session's pool ([`Session::pool`]) so pages are copied, never sent.
+//! [`AgentClient`] is the engine's side of `kvtier.v1.Agent` (match, load back, prefetch,
+//! insert, release, evict). (What the servers themselves share lives in kvtier-server.)
+
+mod agent;
+
+pub use agent::{
+    AgentClient, Evicted, Handle, Insert, Inserted, Loaded, Match, PoolInfo, PoolMemory,
+};
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -6,11 +6,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kvtier_client::{AgentClient, PoolMemory};
 use kvtier_core::{DevicePool, Layout, LayoutSpec, Namespace, PageHasher, PageKey};
 use kvtier_proto::v1;
-use kvtier_proto::v1::agent_client::AgentClient;
 use kvtier_shm::ShmRegion;
-use tonic::transport::Channel;
 
 use crate::kv::KvPool;
 use crate::workload::Request;
@@ -75,7 +74,7 @@ pub struct Worker {
     kv: KvPool,
     path: PathBuf,
     pages: u64,
-    client: Option<AgentClient<Channel>>,
+    client: Option<AgentClient>,
     free: Vec<u32>,
     hasher: PageHasher,
     prefetch: Option<v1::PrefetchPolicy>,
@@ -141,17 +140,16 @@ impl Worker {
     /// (Re)connects to the agent and registers the pool: the agent starts with an empty tree,
     /// so every page is free again.
     pub async fn connect(&mut self) -> Result<()> {
-        let ch = kvtier_client::connect(&self.socket.display().to_string())
+        let mut c = AgentClient::connect(&self.socket.display().to_string())
             .await
             .with_context(|| format!("connecting to the agent at {}", self.socket.display()))?;
-        let mut c = AgentClient::new(ch);
-        c.register_pool(v1::RegisterPoolRequest {
-            layout: Some((&self.spec).into()),
-            num_token_slots: self.pages * self.layout.page_size() as u64,
-            device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
-                path: self.path.display().to_string(),
-            })),
-        })
+        c.register_pool(
+            &self.spec,
+            self.pages * self.layout.page_size() as u64,
+            PoolMemory::Cpu {
+                path: self.path.clone(),
+            },
+        )
         .await
         .context("registering the KV pool")?;
         self.client = Some(c);
@@ -164,7 +162,7 @@ impl Worker {
         let deadline = Instant::now() + wait;
         loop {
             let c = self.client.as_mut().context("not connected")?;
-            let st = c.agent_stats(v1::AgentStatsRequest {}).await?.into_inner();
+            let st = c.stats().await?;
             if st.daemon_connected {
                 return Ok(true);
             }
@@ -202,12 +200,7 @@ impl Worker {
     /// all, each backed up to L2 first (or counted as lost).
     pub async fn drain(&mut self) -> Result<()> {
         let c = self.client.as_mut().context("not connected")?;
-        let ev = c
-            .evict(v1::EvictRequest {
-                pages: self.pages as u32,
-            })
-            .await?
-            .into_inner();
+        let ev = c.evict(self.pages as u32).await?;
         self.free.extend(ev.pages);
         Ok(())
     }
@@ -228,7 +221,7 @@ impl Worker {
     /// The agent's counters.
     pub async fn stats(&mut self) -> Result<v1::AgentStatsResponse> {
         let c = self.client.as_mut().context("not connected")?;
-        Ok(c.agent_stats(v1::AgentStatsRequest {}).await?.into_inner())
+        Ok(c.stats().await?)
     }
 
     /// Takes `n` free pages, asking the agent to evict when short. Pages whose backup is
@@ -248,12 +241,7 @@ impl Worker {
             let short = (n - self.free.len()) as u32;
             let c = self.client.as_mut().context("not connected")?;
             // Evict a little more than needed, so the next request does not evict at once.
-            let ev = c
-                .evict(v1::EvictRequest {
-                    pages: short.max(self.pages as u32 / 16),
-                })
-                .await?
-                .into_inner();
+            let ev = c.evict(short.max(self.pages as u32 / 16)).await?;
             let got = ev.pages.len();
             self.free.extend(ev.pages);
             if self.free.len() >= n {
@@ -294,13 +282,7 @@ impl Worker {
             ..Outcome::default()
         };
         let client = self.client.as_mut().context("not connected")?;
-        let m = client
-            .r#match(v1::MatchRequest {
-                tokens: req.input.clone(),
-                namespace: None,
-            })
-            .await?
-            .into_inner();
+        let m = client.match_prefix(req.input.clone(), None).await?;
         let handle = m.handle;
         let mut pages: Vec<u32> = m.device_pages.clone();
         pages.truncate(keys.len());
@@ -338,14 +320,7 @@ impl Worker {
             {
                 let client = self.client.as_mut().context("not connected")?;
                 waiting.get_or_insert_with(Instant::now);
-                let mut stream = client
-                    .prefetch(v1::AgentPrefetchRequest {
-                        handle,
-                        policy: policy as i32,
-                        hints: None,
-                    })
-                    .await?
-                    .into_inner();
+                let mut stream = client.prefetch(handle, policy, None).await?;
                 let mut last = None;
                 while let Some(p) = stream.message().await? {
                     out.storage_deadline = out
@@ -389,13 +364,7 @@ impl Worker {
             }
             let t = Instant::now();
             let client = self.client.as_mut().context("not connected")?;
-            let lb = client
-                .load_back(v1::LoadBackRequest {
-                    handle,
-                    free_pages: free.clone(),
-                })
-                .await?
-                .into_inner();
+            let lb = client.load_back(handle, free.clone()).await?;
             out.load_back_time += t.elapsed();
             if let Some(w) = waiting.take() {
                 out.storage_wait += w.elapsed();
@@ -448,16 +417,9 @@ impl Worker {
             tokio::time::sleep(left).await;
         }
         let client = self.client.as_mut().context("not connected")?;
-        let ins = client
-            .insert(v1::InsertRequest {
-                tokens: all,
-                namespace: None,
-                device_pages: pages,
-            })
-            .await?
-            .into_inner();
+        let ins = client.insert(all, None, pages).await?;
         self.free.extend(ins.duplicate_pages);
-        client.release(v1::AgentReleaseRequest { handle }).await?;
+        client.release(handle).await?;
         Ok(out)
     }
 }

@@ -8,11 +8,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvtier_client::{AgentClient, Inserted, Match, PoolMemory};
 use kvtier_core::{DType, DevicePool, KvKind, Layout, LayoutSpec, Namespace, PageHasher, PageKey};
 use kvtier_proto::v1;
-use kvtier_proto::v1::agent_client::AgentClient;
 use kvtier_shm::ShmRegion;
-use tonic::transport::Channel;
 
 /// Runs kvtierd in this process when the test binary was re-executed as a daemon (see
 /// [`daemon`]): the same `kvtier_daemon::run` the kvtierd binary calls, so these tests need no
@@ -293,7 +292,7 @@ pub struct Engine {
     pub pool: DevicePool,
     pub region: ShmRegion,
     pub path: PathBuf,
-    pub client: AgentClient<Channel>,
+    pub client: AgentClient,
 }
 
 impl Engine {
@@ -303,20 +302,14 @@ impl Engine {
         let path = PathBuf::from("/dev/shm")
             .join(format!("kvtier-agent-test-{}-{name}", std::process::id()));
         let region = ShmRegion::create(&path, pool.total_bytes()).unwrap();
-        let ch = kvtier_client::connect(&agent.socket.display().to_string())
+        let mut client = AgentClient::connect(&agent.socket.display().to_string())
             .await
             .unwrap();
-        let mut client = AgentClient::new(ch);
-        client
-            .register_pool(v1::RegisterPoolRequest {
-                layout: Some((&spec).into()),
-                num_token_slots: pages * 16,
-                device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
-                    path: path.display().to_string(),
-                })),
-            })
+        let info = client
+            .register_pool(&spec, pages * 16, PoolMemory::Cpu { path: path.clone() })
             .await
             .unwrap();
+        assert_eq!(u64::from(info.pages), pages);
         Engine {
             layout,
             pool,
@@ -369,39 +362,23 @@ impl Engine {
     }
 
     /// Computes a request's pages into `pages` and inserts them; returns the reply.
-    pub async fn prefill_and_insert(&mut self, toks: &[u32], pages: &[u32]) -> v1::InsertResponse {
+    pub async fn prefill_and_insert(&mut self, toks: &[u32], pages: &[u32]) -> Inserted {
         let ks = keys(self.layout.spec(), toks);
         for (k, &p) in ks.iter().zip(pages) {
             self.compute(p, k);
         }
         self.client
-            .insert(v1::InsertRequest {
-                tokens: toks.to_vec(),
-                namespace: None,
-                device_pages: pages.to_vec(),
-            })
+            .insert(toks.to_vec(), None, pages.to_vec())
             .await
             .unwrap()
-            .into_inner()
     }
 
-    pub async fn do_match(&mut self, toks: &[u32]) -> v1::MatchResponse {
-        self.client
-            .r#match(v1::MatchRequest {
-                tokens: toks.to_vec(),
-                namespace: None,
-            })
-            .await
-            .unwrap()
-            .into_inner()
+    pub async fn do_match(&mut self, toks: &[u32]) -> Match {
+        self.client.match_prefix(toks.to_vec(), None).await.unwrap()
     }
 
     pub async fn stats(&mut self) -> v1::AgentStatsResponse {
-        self.client
-            .agent_stats(v1::AgentStatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
+        self.client.stats().await.unwrap()
     }
 
     pub async fn wait_connected(&mut self) {

@@ -1,0 +1,356 @@
+//! [`AgentClient`]: the engine's side of `kvtier.v1.Agent`, in domain terms.
+//!
+//! An engine registers its device KV pool once, then per request: matches its prompt (the
+//! agent locks the cached device prefix under a handle), optionally prefetches L3 pages into
+//! L2, loads L2 pages back into free device pages it lends, inserts what it computed, and
+//! releases the handle. When it runs short of device pages it asks the agent to evict.
+
+use std::path::PathBuf;
+
+use kvtier_core::{LayoutSpec, Namespace};
+use kvtier_proto::v1;
+use kvtier_proto::v1::agent_client::AgentClient as RawAgentClient;
+use tonic::transport::Channel;
+
+use crate::{ClientError, connect};
+
+/// A match's lock on its device prefix: valid until [`AgentClient::release`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Handle(pub u64);
+
+/// Where the engine's KV pool lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PoolMemory {
+    /// A CPU pool: a file (in /dev/shm) the agent maps.
+    Cpu {
+        /// The file holding the pool's buffers.
+        path: PathBuf,
+    },
+    /// A CUDA pool: one IPC handle per buffer, on device `ordinal`.
+    Cuda {
+        /// The CUDA device.
+        ordinal: u32,
+        /// `cudaIpcMemHandle_t` bytes per buffer, in the layout's buffer order.
+        ipc_handles: Vec<Vec<u8>>,
+    },
+}
+
+impl From<PoolMemory> for v1::register_pool_request::Device {
+    fn from(p: PoolMemory) -> Self {
+        match p {
+            PoolMemory::Cpu { path } => Self::Cpu(v1::CpuPool {
+                path: path.display().to_string(),
+            }),
+            PoolMemory::Cuda {
+                ordinal,
+                ipc_handles,
+            } => Self::Cuda(v1::CudaPool {
+                device_ordinal: ordinal,
+                ipc_handles,
+            }),
+        }
+    }
+}
+
+/// The agent's answer to a pool registration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolInfo {
+    /// Device pages in the pool.
+    pub pages: u32,
+    /// Whether the agent has a kvtierd session now (it serves L1 alone while it has not).
+    pub daemon_connected: bool,
+}
+
+/// What the tiers hold of a prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Match {
+    /// Locks `device_pages` until released.
+    pub handle: Handle,
+    /// Device pages of the cached prefix, in order.
+    pub device_pages: Vec<u32>,
+    /// Pages after those that L2 holds (ready to load back).
+    pub l2_pages: u32,
+    /// Pages after those that L3 holds (prefetch them into L2 first).
+    pub l3_pages: u32,
+    /// Full pages in the prompt.
+    pub total_pages: u32,
+}
+
+impl From<v1::MatchResponse> for Match {
+    fn from(m: v1::MatchResponse) -> Self {
+        Self {
+            handle: Handle(m.handle),
+            device_pages: m.device_pages,
+            l2_pages: m.l2_pages,
+            l3_pages: m.l3_pages,
+            total_pages: m.total_pages,
+        }
+    }
+}
+
+/// The outcome of a load-back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Loaded {
+    /// Pages loaded, into the first lent pages; now locked under the handle.
+    pub loaded: u32,
+    /// The handle's whole device prefix after loading.
+    pub device_pages: Vec<u32>,
+    /// Lent pages the engine gets back unused.
+    pub unused_pages: Vec<u32>,
+}
+
+/// The outcome of an insert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Inserted {
+    /// Pages newly in the tree.
+    pub inserted: u32,
+    /// Pages the engine passed for positions the tree already had elsewhere: free these.
+    pub duplicate_pages: Vec<u32>,
+}
+
+/// The outcome of an eviction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    /// Device pages now free, in eviction order (may be fewer than asked).
+    pub pages: Vec<u32>,
+    /// Of those, with a copy in L2.
+    pub backed_up: u32,
+    /// Of those, given up without a copy (counted by reason in the agent's metrics).
+    pub lost: u32,
+}
+
+/// One prompt of a batched insert.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Insert {
+    /// The tokens, full pages of which are inserted.
+    pub tokens: Vec<u32>,
+    /// Their namespace (None: the default).
+    pub namespace: Option<Namespace>,
+    /// One device page per full page of tokens.
+    pub device_pages: Vec<u32>,
+}
+
+/// A client of a kvtier-agent.
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    inner: RawAgentClient<Channel>,
+}
+
+impl AgentClient {
+    /// Connects to the agent at a socket path or `http://` address.
+    pub async fn connect(target: &str) -> Result<Self, ClientError> {
+        Ok(Self {
+            inner: RawAgentClient::new(connect(target).await?).max_decoding_message_size(64 << 20),
+        })
+    }
+
+    /// The raw generated client, for requests the typed methods do not cover.
+    pub fn raw(&mut self) -> &mut RawAgentClient<Channel> {
+        &mut self.inner
+    }
+
+    /// Registers the engine's KV pool: `token_slots` token slots per buffer, laid out as
+    /// `spec`. The agent starts over with an empty tree (every device page is free).
+    pub async fn register_pool(
+        &mut self,
+        spec: &LayoutSpec,
+        token_slots: u64,
+        pool: PoolMemory,
+    ) -> Result<PoolInfo, ClientError> {
+        let r = self
+            .inner
+            .register_pool(v1::RegisterPoolRequest {
+                layout: Some(spec.into()),
+                num_token_slots: token_slots,
+                device: Some(pool.into()),
+            })
+            .await?
+            .into_inner();
+        Ok(PoolInfo {
+            pages: r.num_pages,
+            daemon_connected: r.daemon_connected,
+        })
+    }
+
+    /// Matches a prompt's full pages against every tier and locks the device prefix.
+    pub async fn match_prefix(
+        &mut self,
+        tokens: Vec<u32>,
+        namespace: Option<&Namespace>,
+    ) -> Result<Match, ClientError> {
+        let r = self
+            .inner
+            .r#match(match_request(tokens, namespace))
+            .await?
+            .into_inner();
+        Ok(r.into())
+    }
+
+    /// Matches several prompts in one call.
+    pub async fn match_batch(
+        &mut self,
+        prompts: Vec<(Vec<u32>, Option<Namespace>)>,
+    ) -> Result<Vec<Match>, ClientError> {
+        let n = prompts.len();
+        let requests = prompts
+            .into_iter()
+            .map(|(t, ns)| match_request(t, ns.as_ref()))
+            .collect();
+        let r = self
+            .inner
+            .match_batch(v1::MatchBatchRequest { requests })
+            .await?
+            .into_inner();
+        if r.responses.len() != n {
+            return Err(ClientError::Protocol(format!(
+                "{n} prompts matched, {} answers",
+                r.responses.len()
+            )));
+        }
+        Ok(r.responses.into_iter().map(Match::from).collect())
+    }
+
+    /// Loads the handle's L2 pages (after its device prefix) into `free_pages`, in order.
+    pub async fn load_back(
+        &mut self,
+        handle: Handle,
+        free_pages: Vec<u32>,
+    ) -> Result<Loaded, ClientError> {
+        let r = self
+            .inner
+            .load_back(v1::LoadBackRequest {
+                handle: handle.0,
+                free_pages,
+            })
+            .await?
+            .into_inner();
+        Ok(Loaded {
+            loaded: r.loaded,
+            device_pages: r.device_pages,
+            unused_pages: r.unused_pages,
+        })
+    }
+
+    /// Prefetches the handle's L3 pages into L2 under `policy` (unspecified: the daemon's
+    /// configuration); returns the progress stream, whose last message is final.
+    pub async fn prefetch(
+        &mut self,
+        handle: Handle,
+        policy: v1::PrefetchPolicy,
+        hints: Option<v1::PrefetchHints>,
+    ) -> Result<tonic::Streaming<v1::PrefetchProgress>, ClientError> {
+        Ok(self
+            .inner
+            .prefetch(v1::AgentPrefetchRequest {
+                handle: handle.0,
+                policy: policy as i32,
+                hints,
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Inserts computed pages: one device page per full page of `tokens`.
+    pub async fn insert(
+        &mut self,
+        tokens: Vec<u32>,
+        namespace: Option<&Namespace>,
+        device_pages: Vec<u32>,
+    ) -> Result<Inserted, ClientError> {
+        let r = self
+            .inner
+            .insert(insert_request(Insert {
+                tokens,
+                namespace: namespace.cloned(),
+                device_pages,
+            }))
+            .await?
+            .into_inner();
+        Ok(inserted(r))
+    }
+
+    /// Inserts several prompts in one call.
+    pub async fn insert_batch(
+        &mut self,
+        inserts: Vec<Insert>,
+    ) -> Result<Vec<Inserted>, ClientError> {
+        let n = inserts.len();
+        let requests = inserts.into_iter().map(insert_request).collect();
+        let r = self
+            .inner
+            .insert_batch(v1::InsertBatchRequest { requests })
+            .await?
+            .into_inner();
+        if r.responses.len() != n {
+            return Err(ClientError::Protocol(format!(
+                "{n} inserts sent, {} answers",
+                r.responses.len()
+            )));
+        }
+        Ok(r.responses.into_iter().map(inserted).collect())
+    }
+
+    /// Unlocks a match's pages.
+    pub async fn release(&mut self, handle: Handle) -> Result<(), ClientError> {
+        self.inner
+            .release(v1::AgentReleaseRequest { handle: handle.0 })
+            .await?;
+        Ok(())
+    }
+
+    /// Unlocks several matches' pages.
+    pub async fn release_batch(&mut self, handles: &[Handle]) -> Result<(), ClientError> {
+        self.inner
+            .release_batch(v1::ReleaseBatchRequest {
+                handles: handles.iter().map(|h| h.0).collect(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Frees up to `pages` device pages, least recently used first, each backed up to L2
+    /// first when the write policy keeps it.
+    pub async fn evict(&mut self, pages: u32) -> Result<Evicted, ClientError> {
+        let r = self
+            .inner
+            .evict(v1::EvictRequest { pages })
+            .await?
+            .into_inner();
+        Ok(Evicted {
+            pages: r.pages,
+            backed_up: r.backed_up,
+            lost: r.lost,
+        })
+    }
+
+    /// The agent's counters.
+    pub async fn stats(&mut self) -> Result<v1::AgentStatsResponse, ClientError> {
+        Ok(self
+            .inner
+            .agent_stats(v1::AgentStatsRequest {})
+            .await?
+            .into_inner())
+    }
+}
+
+fn match_request(tokens: Vec<u32>, namespace: Option<&Namespace>) -> v1::MatchRequest {
+    v1::MatchRequest {
+        tokens,
+        namespace: namespace.map(Into::into),
+    }
+}
+
+fn insert_request(i: Insert) -> v1::InsertRequest {
+    v1::InsertRequest {
+        tokens: i.tokens,
+        namespace: i.namespace.as_ref().map(Into::into),
+        device_pages: i.device_pages,
+    }
+}
+
+fn inserted(r: v1::InsertResponse) -> Inserted {
+    Inserted {
+        inserted: r.inserted,
+        duplicate_pages: r.duplicate_pages,
+    }
+}
