@@ -91,7 +91,8 @@ pub async fn run(
     let metrics_addr = metrics_listener
         .as_ref()
         .and_then(kvtier_server::prometheus_http::local);
-    let metrics = Metrics::new()?;
+    let registry = kvtier_server::metrics::MetricRegistry::new();
+    let metrics = Metrics::new(&registry)?;
     let link = Arc::new(Link::new(&cfg));
     let (service, worker) = AgentService::new(
         &cfg,
@@ -112,13 +113,11 @@ pub async fn run(
         shutdown.clone(),
     ));
     if let Some(l) = metrics_listener {
-        let (svc, metrics) = (service.clone(), metrics.clone());
+        let svc = service.clone();
+        registry.on_scrape(move || svc.refresh_gauges());
         tokio::spawn(kvtier_server::prometheus_http::serve(
             l,
-            Arc::new(move || {
-                svc.refresh_gauges();
-                metrics.render()
-            }),
+            Arc::new(move || registry.render()),
             shutdown.clone(),
         ));
     }

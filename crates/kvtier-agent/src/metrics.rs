@@ -1,15 +1,14 @@
-//! The agent's metrics and its Prometheus text endpoint. Names follow kvtierd's scheme
-//! (`kvtier_agent_<noun>_<unit>`, bounded labels); docs/metrics.md lists every one.
+//! The agent's metrics. Names follow kvtierd's scheme (`kvtier_agent_<noun>_<unit>`,
+//! bounded labels), are declared once, here, in the process's
+//! [`MetricRegistry`](kvtier_server::metrics::MetricRegistry), and docs/metrics.md lists
+//! every one (a test holds the two together).
 
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
-};
+use kvtier_server::metrics::{MetricRegistry, Result};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
 
 /// Every metric of the agent.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Metrics {
-    registry: Registry,
     /// `kvtier_agent_matches_total`.
     pub matches: IntCounter,
     /// `kvtier_agent_match_pages_total{tier}`: device, l2, l3, miss.
@@ -54,210 +53,102 @@ pub struct Metrics {
     pub daemon_connected: IntGauge,
 }
 
-/// Every metric name, for docs/metrics.md and the test that keeps both in step.
-pub const METRIC_NAMES: &[&str] = &[
-    "kvtier_agent_matches_total",
-    "kvtier_agent_match_pages_total",
-    "kvtier_agent_match_duration_seconds",
-    "kvtier_agent_load_back_pages_total",
-    "kvtier_agent_load_back_bytes_total",
-    "kvtier_agent_load_back_duration_seconds",
-    "kvtier_agent_backup_pages_total",
-    "kvtier_agent_backup_bytes_total",
-    "kvtier_agent_backup_duration_seconds",
-    "kvtier_agent_lost_pages_total",
-    "kvtier_agent_backup_waits_total",
-    "kvtier_agent_backup_wait_seconds",
-    "kvtier_agent_evicted_pages_total",
-    "kvtier_agent_inserted_pages_total",
-    "kvtier_agent_daemon_sessions_total",
-    "kvtier_agent_rechecked_pages_total",
-    "kvtier_agent_device_pages",
-    "kvtier_agent_locked_pages",
-    "kvtier_agent_open_handles",
-    "kvtier_agent_daemon_connected",
-];
-
-fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
-    if let Err(e) = r.register(Box::new(m.clone())) {
-        unreachable!("duplicate metric: {e}");
-    }
-    m
-}
-
 const SECONDS: [f64; 12] = [
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25, 1.0,
 ];
 
 impl Metrics {
-    /// Creates and registers every metric; known label values start at zero.
-    pub fn new() -> Result<Self, prometheus::Error> {
-        let r = Registry::new();
-        let hist = |name: &str, help: &str| {
-            Histogram::with_opts(HistogramOpts::new(name, help).buckets(SECONDS.to_vec()))
-        };
+    /// Declares every series in `r`; known label values start at zero.
+    pub fn new(r: &MetricRegistry) -> Result<Self> {
         let m = Self {
-            matches: reg(
-                &r,
-                IntCounter::new("kvtier_agent_matches_total", "Match calls")?,
-            ),
-            match_pages: reg(
-                &r,
-                IntCounterVec::new(
-                    Opts::new(
-                        "kvtier_agent_match_pages_total",
-                        "Matched request pages by where they were: device, l2, l3, miss",
-                    ),
-                    &["tier"],
-                )?,
-            ),
-            match_seconds: reg(
-                &r,
-                hist(
-                    "kvtier_agent_match_duration_seconds",
-                    "Time to serve a Match, kvtierd lookup included",
-                )?,
-            ),
-            load_back_pages: reg(
-                &r,
-                IntCounter::new(
-                    "kvtier_agent_load_back_pages_total",
-                    "Pages copied from L2 into the engine's pool",
-                )?,
-            ),
-            load_back_bytes: reg(
-                &r,
-                IntCounter::new(
-                    "kvtier_agent_load_back_bytes_total",
-                    "Bytes copied from L2 into the engine's pool",
-                )?,
-            ),
-            load_back_seconds: reg(
-                &r,
-                hist(
-                    "kvtier_agent_load_back_duration_seconds",
-                    "Time to serve a LoadBack (pin, copy, release, insert)",
-                )?,
-            ),
-            backup_pages: reg(
-                &r,
-                IntCounterVec::new(
-                    Opts::new(
-                        "kvtier_agent_backup_pages_total",
-                        "Device pages sent to L2 by policy and outcome: stored, present \
-                         (already in L2), failed (retried before eviction), deferred (the \
-                         early-backup queue was full; backed up before eviction)",
-                    ),
-                    &["policy", "outcome"],
-                )?,
-            ),
-            lost_pages: reg(
-                &r,
-                IntCounterVec::new(
-                    Opts::new(
-                        "kvtier_agent_lost_pages_total",
-                        "Device pages evicted without a copy in L2, by reason: \
-                         daemon_unreachable, l2_full, copy_failed, refused",
-                    ),
-                    &["reason"],
-                )?,
-            ),
-            backup_waits: reg(
-                &r,
-                IntCounterVec::new(
-                    Opts::new(
-                        "kvtier_agent_backup_waits_total",
-                        "Calls that waited for backups to L2 (backpressure), by where: insert \
-                         (room in the early-backup queue), evict (victims backed up first)",
-                    ),
-                    &["at"],
-                )?,
-            ),
-            backup_wait_seconds: reg(
-                &r,
-                HistogramVec::new(
-                    HistogramOpts::new(
-                        "kvtier_agent_backup_wait_seconds",
-                        "Time a call waited for backups to L2, by where: insert, evict",
-                    )
-                    .buckets(SECONDS.to_vec()),
-                    &["at"],
-                )?,
-            ),
-            backup_bytes: reg(
-                &r,
-                IntCounterVec::new(
-                    Opts::new(
-                        "kvtier_agent_backup_bytes_total",
-                        "Bytes copied from the engine's pool into L2, by policy",
-                    ),
-                    &["policy"],
-                )?,
-            ),
-            backup_seconds: reg(
-                &r,
-                HistogramVec::new(
-                    HistogramOpts::new(
-                        "kvtier_agent_backup_duration_seconds",
-                        "Time of one backup (reserve, copy, commit), by policy",
-                    )
-                    .buckets(SECONDS.to_vec()),
-                    &["policy"],
-                )?,
-            ),
-            evicted_pages: reg(
-                &r,
-                IntCounter::new(
-                    "kvtier_agent_evicted_pages_total",
-                    "Device pages given back to the engine by Evict",
-                )?,
-            ),
-            inserted_pages: reg(
-                &r,
-                IntCounter::new(
-                    "kvtier_agent_inserted_pages_total",
-                    "Device pages added to the tree by Insert and LoadBack",
-                )?,
-            ),
-            daemon_sessions: reg(
-                &r,
-                IntCounter::new(
-                    "kvtier_agent_daemon_sessions_total",
-                    "Sessions established with kvtierd (more than one: it restarted, or a \
-                     session expired)",
-                )?,
-            ),
-            rechecked_pages: reg(
-                &r,
-                IntCounter::new(
-                    "kvtier_agent_rechecked_pages_total",
-                    "Device pages believed in L2 whose mark a new kvtierd session cleared, to \
-                     be backed up or found there again before eviction",
-                )?,
-            ),
-            device_pages: reg(
-                &r,
-                IntGauge::new("kvtier_agent_device_pages", "Device pages in the tree")?,
-            ),
-            locked_pages: reg(
-                &r,
-                IntGauge::new(
-                    "kvtier_agent_locked_pages",
-                    "Device pages locked by open handles or backups in flight",
-                )?,
-            ),
-            open_handles: reg(
-                &r,
-                IntGauge::new("kvtier_agent_open_handles", "Handles not yet released")?,
-            ),
-            daemon_connected: reg(
-                &r,
-                IntGauge::new(
-                    "kvtier_agent_daemon_connected",
-                    "1 while the agent has a session with kvtierd",
-                )?,
-            ),
-            registry: r,
+            matches: r.counter("kvtier_agent_matches_total", "Match calls")?,
+            match_pages: r.counter_vec(
+                "kvtier_agent_match_pages_total",
+                "Matched request pages by where they were: device, l2, l3, miss",
+                &["tier"],
+            )?,
+            match_seconds: r.histogram(
+                "kvtier_agent_match_duration_seconds",
+                "Time to serve a Match, kvtierd lookup included",
+                &SECONDS,
+            )?,
+            load_back_pages: r.counter(
+                "kvtier_agent_load_back_pages_total",
+                "Pages copied from L2 into the engine's pool",
+            )?,
+            load_back_bytes: r.counter(
+                "kvtier_agent_load_back_bytes_total",
+                "Bytes copied from L2 into the engine's pool",
+            )?,
+            load_back_seconds: r.histogram(
+                "kvtier_agent_load_back_duration_seconds",
+                "Time to serve a LoadBack (pin, copy, release, insert)",
+                &SECONDS,
+            )?,
+            backup_pages: r.counter_vec(
+                "kvtier_agent_backup_pages_total",
+                "Device pages sent to L2 by policy and outcome: stored, present \
+                 (already in L2), failed (retried before eviction), deferred (the \
+                 early-backup queue was full; backed up before eviction)",
+                &["policy", "outcome"],
+            )?,
+            lost_pages: r.counter_vec(
+                "kvtier_agent_lost_pages_total",
+                "Device pages evicted without a copy in L2, by reason: \
+                 daemon_unreachable, l2_full, copy_failed, refused",
+                &["reason"],
+            )?,
+            backup_waits: r.counter_vec(
+                "kvtier_agent_backup_waits_total",
+                "Calls that waited for backups to L2 (backpressure), by where: insert \
+                 (room in the early-backup queue), evict (victims backed up first)",
+                &["at"],
+            )?,
+            backup_wait_seconds: r.histogram_vec(
+                "kvtier_agent_backup_wait_seconds",
+                "Time a call waited for backups to L2, by where: insert, evict",
+                &["at"],
+                &SECONDS,
+            )?,
+            backup_bytes: r.counter_vec(
+                "kvtier_agent_backup_bytes_total",
+                "Bytes copied from the engine's pool into L2, by policy",
+                &["policy"],
+            )?,
+            backup_seconds: r.histogram_vec(
+                "kvtier_agent_backup_duration_seconds",
+                "Time of one backup (reserve, copy, commit), by policy",
+                &["policy"],
+                &SECONDS,
+            )?,
+            evicted_pages: r.counter(
+                "kvtier_agent_evicted_pages_total",
+                "Device pages given back to the engine by Evict",
+            )?,
+            inserted_pages: r.counter(
+                "kvtier_agent_inserted_pages_total",
+                "Device pages added to the tree by Insert and LoadBack",
+            )?,
+            daemon_sessions: r.counter(
+                "kvtier_agent_daemon_sessions_total",
+                "Sessions established with kvtierd (more than one: it restarted, or a \
+                 session expired)",
+            )?,
+            rechecked_pages: r.counter(
+                "kvtier_agent_rechecked_pages_total",
+                "Device pages believed in L2 whose mark a new kvtierd session cleared, to \
+                 be backed up or found there again before eviction",
+            )?,
+            device_pages: r.gauge("kvtier_agent_device_pages", "Device pages in the tree")?,
+            locked_pages: r.gauge(
+                "kvtier_agent_locked_pages",
+                "Device pages locked by open handles or backups in flight",
+            )?,
+            open_handles: r.gauge("kvtier_agent_open_handles", "Handles not yet released")?,
+            daemon_connected: r.gauge(
+                "kvtier_agent_daemon_connected",
+                "1 while the agent has a session with kvtierd",
+            )?,
         };
         for tier in ["device", "l2", "l3", "miss"] {
             m.match_pages.with_label_values(&[tier]);
@@ -271,21 +162,6 @@ impl Metrics {
         }
         Ok(m)
     }
-
-    /// Renders the text format.
-    pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
-            tracing::error!("encoding metrics failed: {e}");
-        }
-        String::from_utf8(buf).unwrap_or_default()
-    }
-}
-
-impl std::fmt::Debug for Metrics {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Metrics")
-    }
 }
 
 #[cfg(test)]
@@ -293,29 +169,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_metric_is_registered_and_documented() {
-        let m = Metrics::new().unwrap();
-        m.backup_pages.with_label_values(&["x", "y"]).inc();
-        m.backup_bytes.with_label_values(&["x"]).inc();
-        m.backup_seconds.with_label_values(&["x"]).observe(0.0);
-        let text = m.render();
+    fn every_metric_is_declared_once_and_documented() {
+        let r = MetricRegistry::new();
+        Metrics::new(&r).unwrap();
         let doc = include_str!("../../../docs/metrics.md");
-        for name in METRIC_NAMES {
-            let row = doc
-                .lines()
-                .find(|l| l.starts_with(&format!("| `{name}` |")))
-                .unwrap_or_else(|| panic!("{name} not listed in docs/metrics.md"));
-            let documented = row.split('|').nth(2).unwrap_or_default().trim();
-            assert!(
-                text.contains(&format!("# TYPE {name} {documented}\n")),
-                "{name}: not exported, or documented as {documented:?}"
-            );
-        }
-        let exported = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
-        assert_eq!(
-            exported,
-            METRIC_NAMES.len(),
-            "METRIC_NAMES is missing a metric"
-        );
+        let wrong = r.check_documented(doc, |n| n.starts_with("kvtier_agent_"));
+        assert!(wrong.is_empty(), "{wrong:#?}");
+        assert!(r.declared().len() >= 20);
     }
 }

@@ -19,38 +19,23 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvtier_config::daemon::DaemonConfig;
-use kvtier_core::{LayoutFingerprint, PageKey, ReadWindow, WritePolicy};
-use kvtier_shm::ShmPool;
+use kvtier_core::{ReadWindow, WritePolicy};
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::retry::{RetryPolicy, Retrying};
 use kvtier_storage::rocks::{RocksConfig, RocksStore};
 use kvtier_storage::s3::{S3Config, S3Store};
-use kvtier_storage::wrappers::{
-    Breaker, BreakerConfig, BreakerState, Delayed, Flaky, Metered, StoreObserver,
-};
+use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Delayed, Flaky, Metered};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
-use crate::state::HostState;
+use crate::state::{HostState, Job};
+use kvtier_server::metrics::MetricRegistry;
 
-/// One page to write.
-#[derive(Debug)]
-pub struct Job {
-    /// Layout class.
-    pub fp: LayoutFingerprint,
-    /// Page key.
-    pub key: PageKey,
-    /// Slot holding the page (pinned until the job ends).
-    pub slot: u32,
-    /// The pool.
-    pub pool: Arc<ShmPool>,
-    /// Page bytes.
-    pub len: usize,
-}
+mod metrics;
+pub use metrics::L3Metrics;
 
 /// Counters of the writer.
 #[derive(Debug, Default)]
@@ -84,6 +69,8 @@ pub struct L3 {
     pub estimate: Mutex<LoadEstimate>,
     /// How many reads a prefetch keeps in flight, learnt from their latencies.
     pub read_window: Mutex<ReadWindow>,
+    /// The tier's series.
+    pub metrics: L3Metrics,
 }
 
 /// How long loading pages from the backend takes, learnt from finished prefetches: the time
@@ -185,7 +172,7 @@ impl L3 {
     pub fn new(
         store: Arc<dyn Store>,
         cfg: &DaemonConfig,
-        observer: Arc<dyn StoreObserver>,
+        metrics: L3Metrics,
     ) -> (Self, WriterParts) {
         let (tx, rx) = mpsc::channel(cfg.l3.queue_pages as usize);
         // backend ← (chaos delay, faults) ← metered (every real call measured) ← retries of
@@ -206,7 +193,7 @@ impl L3 {
         } else {
             store
         };
-        let metered: Arc<dyn Store> = Arc::new(Metered::new(store, observer));
+        let metered: Arc<dyn Store> = Arc::new(Metered::new(store, Arc::new(metrics.clone())));
         let retrying = Arc::new(Retrying::new(
             metered,
             RetryPolicy {
@@ -239,6 +226,7 @@ impl L3 {
                     cfg.prefetch.concurrency as usize,
                     cfg.prefetch.max_concurrency as usize,
                 )),
+                metrics,
             },
             WriterParts {
                 rx,
@@ -256,7 +244,7 @@ impl L3 {
     /// Queues pages for writing without waiting. Pages that do not fit stay unwritten in L2
     /// (unpinned, counted as deferred): the flusher writes them before their slots are
     /// reused.
-    pub fn enqueue(&self, jobs: Vec<Job>, state: &Mutex<HostState>, metrics: &Metrics) {
+    pub fn enqueue(&self, jobs: Vec<Job>, state: &Mutex<HostState>) {
         for job in jobs {
             match self.tx.try_send(job) {
                 Ok(()) => {
@@ -266,7 +254,7 @@ impl L3 {
                     mpsc::error::TrySendError::Full(job) | mpsc::error::TrySendError::Closed(job),
                 ) => {
                     self.counters.deferred.fetch_add(1, Ordering::Relaxed);
-                    metrics.l3_writes.with_label_values(&["deferred"]).inc();
+                    self.metrics.writes.with_label_values(&["deferred"]).inc();
                     crate::lock(state).finish_l3(&job.fp, &job.key, false);
                 }
             }
@@ -306,7 +294,6 @@ pub async fn run_writer(
     parts: WriterParts,
     l3: Arc<L3>,
     state: Arc<Mutex<HostState>>,
-    metrics: Metrics,
     stop: CancellationToken,
 ) {
     let WriterParts {
@@ -329,22 +316,19 @@ pub async fn run_writer(
             let Ok(permit) = slots.clone().acquire_owned().await else {
                 break;
             };
-            let (l3, state, metrics, stop) =
-                (l3.clone(), state.clone(), metrics.clone(), stop.clone());
+            let (l3, state, stop) = (l3.clone(), state.clone(), stop.clone());
             tokio::spawn(async move {
                 let t = Instant::now();
                 let r = write_one(&job, &l3.store, l3.timeout, &stop).await;
-                let c = &l3.counters;
+                let (c, metrics) = (&l3.counters, &l3.metrics);
                 let outcome = match &r {
                     Ok(true) => {
                         c.written.fetch_add(1, Ordering::Relaxed);
-                        metrics.l3_write_bytes.inc_by(job.len as u64);
+                        metrics.write_bytes.inc_by(job.len as u64);
                         let secs = t.elapsed().as_secs_f64();
-                        metrics.l3_write_seconds.observe(secs);
+                        metrics.write_seconds.observe(secs);
                         if secs > 0.0 {
-                            metrics
-                                .l3_write_bandwidth
-                                .observe(job.len as f64 / secs / 1e9);
+                            metrics.write_bandwidth.observe(job.len as f64 / secs / 1e9);
                         }
                         "written"
                     }
@@ -363,7 +347,7 @@ pub async fn run_writer(
                         "failed"
                     }
                 };
-                metrics.l3_writes.with_label_values(&[outcome]).inc();
+                metrics.writes.with_label_values(&[outcome]).inc();
                 crate::lock(&state).finish_l3(&job.fp, &job.key, r.is_ok());
                 c.queued.fetch_sub(1, Ordering::Relaxed);
                 drop(permit);
@@ -381,7 +365,6 @@ pub async fn run_writer(
 pub async fn run_flusher(
     l3: Arc<L3>,
     state: Arc<Mutex<HostState>>,
-    metrics: Metrics,
     batch: usize,
     stop: CancellationToken,
 ) {
@@ -397,7 +380,7 @@ pub async fn run_flusher(
             st.flush_jobs(batch)
         };
         if !jobs.is_empty() {
-            l3.enqueue(jobs, &state, &metrics);
+            l3.enqueue(jobs, &state);
         }
     }
 }
@@ -417,26 +400,29 @@ struct Attached {
 pub struct L3Slot {
     current: std::sync::RwLock<Option<Attached>>,
     state: Arc<Mutex<HostState>>,
-    metrics: Metrics,
+    metrics: L3Metrics,
     shutdown: CancellationToken,
     drain: Duration,
 }
 
 impl L3Slot {
-    /// An empty slot; `shutdown` stops whatever tier is attached.
+    /// An empty slot; `shutdown` stops whatever tier is attached. The tier's series are
+    /// declared in `registry` and follow whichever tier is attached.
     pub fn new(
         state: Arc<Mutex<HostState>>,
-        metrics: Metrics,
+        registry: &MetricRegistry,
         shutdown: CancellationToken,
         drain: Duration,
-    ) -> Self {
-        Self {
+    ) -> Result<Arc<Self>, prometheus::Error> {
+        let slot = Arc::new(Self {
             current: std::sync::RwLock::new(None),
             state,
-            metrics,
+            metrics: L3Metrics::new(registry)?,
             shutdown,
             drain,
-        }
+        });
+        slot.metrics.watch(registry, &slot);
+        Ok(slot)
     }
 
     /// The L2 → L3 write policy of the attached tier.
@@ -460,20 +446,18 @@ impl L3Slot {
             self.detach().await;
             return Ok(());
         };
-        let (l3, writer) = L3::new(store, cfg, Arc::new(self.metrics.clone()));
+        let (l3, writer) = L3::new(store, cfg, self.metrics.clone());
         let l3 = Arc::new(l3);
         let stop = self.shutdown.child_token();
         tokio::spawn(run_writer(
             writer,
             l3.clone(),
             self.state.clone(),
-            self.metrics.clone(),
             stop.clone(),
         ));
         tokio::spawn(run_flusher(
             l3.clone(),
             self.state.clone(),
-            self.metrics.clone(),
             cfg.l3.batch_pages as usize,
             stop.clone(),
         ));

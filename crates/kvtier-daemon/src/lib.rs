@@ -9,12 +9,12 @@
 
 pub mod admin;
 pub mod l3;
-pub mod metrics;
 pub mod prefetch;
 pub mod service;
 pub mod sglang;
 pub mod state;
 pub mod storage_service;
+pub mod wire;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,9 +28,9 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::metrics::Metrics;
 use crate::service::HostService;
 use crate::state::HostState;
+use kvtier_server::metrics::MetricRegistry;
 
 /// Where a started daemon can be reached.
 #[derive(Debug, Clone)]
@@ -144,13 +144,14 @@ pub async fn run(
         let counts = state::take_over_dead_pools(&cfg, &mut st);
         st.counters.takeover = counts;
     }
-    let metrics = Metrics::new()?;
-    let l3 = Arc::new(l3::L3Slot::new(
+    // Each component declares its own series here.
+    let metrics = MetricRegistry::new();
+    let l3 = l3::L3Slot::new(
         state.clone(),
-        metrics.clone(),
+        &metrics,
         shutdown.clone(),
         cfg.server.drain_timeout.0,
-    ));
+    )?;
     l3.attach(&cfg).await.map_err(|e| DaemonError::Setup {
         what: "opening the l3 backend",
         path: cfg.l3.backend.clone(),
@@ -160,10 +161,11 @@ pub async fn run(
         cfg.prefetch.clone(),
         state.clone(),
         l3.clone(),
-        metrics.clone(),
+        &metrics,
         shutdown.clone(),
         cfg.server.max_batch as usize,
-    ));
+    )?);
+    let sglang_metrics = sglang::SglangMetrics::new(&metrics)?;
     let service = HostService::new(
         state.clone(),
         metrics.clone(),
@@ -172,7 +174,7 @@ pub async fn run(
         l3.clone(),
         prefetcher,
         shutdown.clone(),
-    );
+    )?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<HostTierServer<HostService>>().await;
@@ -237,10 +239,10 @@ pub async fn run(
         )
     });
     if let Some(l) = metrics_listener {
-        let (metrics, state, l3) = (metrics.clone(), state.clone(), l3.clone());
+        let metrics = metrics.clone();
         tracker.spawn(kvtier_server::prometheus_http::serve(
             l,
-            Arc::new(move || metrics.render(&state, l3.current().as_deref())),
+            Arc::new(move || metrics.render()),
             shutdown.clone(),
         ));
     }
@@ -296,7 +298,7 @@ pub async fn run(
         let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
         let reg = bind_socket(&reg_path).await?;
         let grpc = bind_socket(&grpc_path).await?;
-        let pools = Arc::new(sglang::Pools::with_gauge(metrics.sglang_pools.clone()));
+        let pools = Arc::new(sglang::Pools::with_gauge(sglang_metrics.pools.clone()));
         tracker.spawn(sglang::serve_registrations(
             reg,
             pools.clone(),
@@ -304,11 +306,7 @@ pub async fn run(
         ));
         let memory = Arc::new(sglang::ObjectCache::new(
             cfg.sglang_rpc.memory_bytes.0,
-            Some(sglang::cache::CacheGauges {
-                bytes: metrics.sglang_memory_bytes.clone(),
-                objects: metrics.sglang_memory_objects.clone(),
-                evictions: metrics.sglang_memory_evictions.clone(),
-            }),
+            Some(sglang_metrics.cache.clone()),
         ));
         let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
             sglang::StorageService::new(
@@ -316,7 +314,7 @@ pub async fn run(
                 pools,
                 l3.clone(),
                 memory,
-                metrics.clone(),
+                sglang_metrics.clone(),
                 shutdown.clone(),
             ),
         )
@@ -398,4 +396,45 @@ pub async fn run(
     drop(state);
     tracing::info!("kvtierd stopped");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_declared_once_and_documented() {
+        let cfg = DaemonConfig::default();
+        let registry = MetricRegistry::new();
+        let state = Arc::new(Mutex::new(HostState::new(&cfg)));
+        let stop = CancellationToken::new();
+        let l3 = l3::L3Slot::new(state.clone(), &registry, stop.clone(), Duration::ZERO).unwrap();
+        let prefetcher = Arc::new(
+            prefetch::Prefetcher::new(
+                cfg.prefetch.clone(),
+                state.clone(),
+                l3.clone(),
+                &registry,
+                stop.clone(),
+                16,
+            )
+            .unwrap(),
+        );
+        HostService::new(
+            state,
+            registry.clone(),
+            16,
+            String::new(),
+            l3,
+            prefetcher,
+            stop,
+        )
+        .unwrap();
+        sglang::SglangMetrics::new(&registry).unwrap();
+        let doc = include_str!("../../../docs/metrics.md");
+        let wrong = registry.check_documented(doc, |n| !n.starts_with("kvtier_agent_"));
+        assert!(wrong.is_empty(), "{wrong:#?}");
+        // The scrape hooks run without an attached tier.
+        assert!(registry.render().contains("kvtier_l2_pools 0"));
+    }
 }

@@ -22,7 +22,6 @@
 //!
 //! [`ReadWindow`]: kvtier_core::ReadWindow
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -30,85 +29,44 @@ use std::time::{Duration, Instant};
 use futures::{Stream, StreamExt};
 use kvtier_config::daemon::{PrefetchConfig, StopPolicy};
 use kvtier_core::{LayoutFingerprint, PageKey};
-use kvtier_proto::v1::{self, PrefetchState};
-use kvtier_proto::{ApiError, page_keys};
+use kvtier_proto::ApiError;
+use kvtier_server::metrics::MetricRegistry;
 use kvtier_shm::ShmPool;
 use kvtier_storage::{Landed, MissReason, ObjectSink, OpCtx, PageStore};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::l3::{L3, L3Slot};
-use crate::metrics::Metrics;
-use crate::state::{HostState, Opened, PrefetchOpen};
+use crate::state::{HostState, Opened, Phase, PrefetchOpen, Progress, StopCause};
 
-/// Keys whose L3 read failed recently, per layout class.
-#[derive(Debug)]
-pub struct NegativeCache {
-    until: HashMap<(LayoutFingerprint, PageKey), Instant>,
-    ttl: Duration,
-    capacity: usize,
+mod metrics;
+mod negative;
+pub use metrics::PrefetchMetrics;
+pub use negative::NegativeCache;
+
+/// A prefetch's progress: its plan first, then each change, ending after a final phase.
+pub type ProgressStream = Pin<Box<dyn Stream<Item = Progress> + Send>>;
+
+/// What a session asks a prefetch to do (the Prefetch RPC, validated at the edge).
+#[derive(Debug, Clone)]
+pub struct PrefetchAsk {
+    /// The asking session.
+    pub session: u64,
+    /// Its name for the request (checked here: non-empty, at most 256 bytes).
+    pub request_id: String,
+    /// The request's page keys in prefix order.
+    pub keys: Vec<PageKey>,
+    /// The key before `keys[0]`, if any.
+    pub parent: Option<PageKey>,
+    /// Stop policy; `None` takes `prefetch.policy`.
+    pub policy: Option<StopPolicy>,
+    /// The deadline under the timeout policy; `None` takes one from the hit's size.
+    pub timeout: Option<Duration>,
+    /// Shortest hit worth fetching, in tokens; `None` takes `prefetch.threshold_tokens`.
+    pub threshold_tokens: Option<u64>,
+    /// The engine's prefill rate; `None` takes `prefetch.recompute_tokens_per_second`.
+    pub recompute_tokens_per_second: Option<u64>,
 }
-
-impl NegativeCache {
-    /// Remembers keys for `ttl`, at most `capacity` at once.
-    pub fn new(ttl: Duration, capacity: usize) -> Self {
-        Self {
-            until: HashMap::new(),
-            ttl,
-            capacity,
-        }
-    }
-
-    /// Remembers that `key` just failed.
-    pub fn insert(&mut self, fp: LayoutFingerprint, key: PageKey, now: Instant) {
-        if self.ttl.is_zero() {
-            return;
-        }
-        if self.until.len() >= self.capacity {
-            self.until.retain(|_, t| *t > now);
-            if self.until.len() >= self.capacity {
-                // Still full of live entries: forget them all rather than grow.
-                self.until.clear();
-            }
-        }
-        self.until.insert((fp, key), now + self.ttl);
-    }
-
-    /// The index of the first of `keys` remembered as failed (`keys.len()` if none).
-    pub fn first(&mut self, fp: LayoutFingerprint, keys: &[PageKey], now: Instant) -> usize {
-        if self.until.is_empty() {
-            return keys.len();
-        }
-        for (i, k) in keys.iter().enumerate() {
-            if let Some(&t) = self.until.get(&(fp, *k)) {
-                if t > now {
-                    return i;
-                }
-                self.until.remove(&(fp, *k));
-            }
-        }
-        keys.len()
-    }
-
-    /// Whether `key` is remembered as failed.
-    pub fn contains(&mut self, fp: LayoutFingerprint, key: &PageKey, now: Instant) -> bool {
-        self.first(fp, std::slice::from_ref(key), now) == 0
-    }
-
-    /// Keys remembered (some may have expired).
-    pub fn len(&self) -> usize {
-        self.until.len()
-    }
-
-    /// Whether nothing is remembered.
-    pub fn is_empty(&self) -> bool {
-        self.until.is_empty()
-    }
-}
-
-/// The stream a Prefetch call returns.
-pub type ProgressStream =
-    Pin<Box<dyn Stream<Item = Result<v1::PrefetchProgress, tonic::Status>> + Send>>;
 
 /// Plans, runs and hands over prefetches.
 #[derive(Debug)]
@@ -116,7 +74,7 @@ pub struct Prefetcher {
     cfg: PrefetchConfig,
     state: Arc<Mutex<HostState>>,
     l3: Arc<L3Slot>,
-    metrics: Metrics,
+    metrics: PrefetchMetrics,
     negative: Mutex<NegativeCache>,
     shutdown: CancellationToken,
     max_batch: usize,
@@ -136,17 +94,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
-    }
-}
-
-fn state_label(s: PrefetchState) -> &'static str {
-    match s {
-        PrefetchState::Completed => "completed",
-        PrefetchState::Partial => "partial",
-        PrefetchState::TimedOut => "timed_out",
-        PrefetchState::Revoked => "revoked",
-        PrefetchState::Failed => "failed",
-        PrefetchState::Running | PrefetchState::Unspecified => "running",
     }
 }
 
@@ -215,25 +162,26 @@ async fn fetch_one(
 }
 
 impl Prefetcher {
-    /// A prefetcher configured by `cfg`, over the daemon's state and storage tier.
+    /// A prefetcher configured by `cfg`, over the daemon's state and storage tier, with its
+    /// series declared in `registry`.
     pub fn new(
         cfg: PrefetchConfig,
         state: Arc<Mutex<HostState>>,
         l3: Arc<L3Slot>,
-        metrics: Metrics,
+        registry: &MetricRegistry,
         shutdown: CancellationToken,
         max_batch: usize,
-    ) -> Self {
+    ) -> Result<Self, prometheus::Error> {
         let negative = NegativeCache::new(cfg.negative_ttl.0, cfg.negative_capacity as usize);
-        Self {
+        Ok(Self {
             cfg,
+            metrics: PrefetchMetrics::new(registry, state.clone())?,
             state,
             l3,
-            metrics,
             negative: Mutex::new(negative),
             shutdown,
             max_batch,
-        }
+        })
     }
 
     /// How many leading `keys` are not remembered as failed.
@@ -315,7 +263,7 @@ impl Prefetcher {
     fn remember_failed(&self, fp: LayoutFingerprint, key: PageKey) {
         let mut n = lock(&self.negative);
         n.insert(fp, key, Instant::now());
-        self.metrics.prefetch_negative_keys.set(n.len() as i64);
+        self.metrics.negative_keys.set(n.len() as i64);
     }
 
     fn request_id(raw: &str) -> Result<String, ApiError> {
@@ -331,52 +279,24 @@ impl Prefetcher {
         Ok(raw.to_string())
     }
 
-    fn policy(&self, raw: i32) -> Result<StopPolicy, ApiError> {
-        match v1::PrefetchPolicy::try_from(raw) {
-            Ok(v1::PrefetchPolicy::Unspecified) => Ok(self.cfg.stop_policy()),
-            Ok(v1::PrefetchPolicy::BestEffort) => Ok(StopPolicy::BestEffort),
-            Ok(v1::PrefetchPolicy::WaitComplete) => Ok(StopPolicy::WaitComplete),
-            Ok(v1::PrefetchPolicy::Timeout) => Ok(StopPolicy::Timeout),
-            Err(_) => Err(ApiError::invalid(
-                "policy",
-                format!("{raw} is not a PrefetchPolicy"),
-            )),
-        }
-    }
-
     fn revoked(
         &self,
         request_id: String,
         policy: StopPolicy,
         l2: usize,
         reason: &'static str,
-    ) -> v1::PrefetchProgress {
+    ) -> Progress {
         self.metrics
-            .prefetch_requests
+            .requests
             .with_label_values(&["revoked", reason])
             .inc();
         tracing::debug!(request = %request_id, reason, "prefetch revoked");
-        let policy = match policy {
-            StopPolicy::BestEffort => v1::PrefetchPolicy::BestEffort,
-            StopPolicy::WaitComplete => v1::PrefetchPolicy::WaitComplete,
-            StopPolicy::Timeout => v1::PrefetchPolicy::Timeout,
-        };
-        v1::PrefetchProgress {
-            request_id,
-            state: PrefetchState::Revoked as i32,
-            reason: reason.to_string(),
-            policy: policy as i32,
-            l2_pages: l2 as u32,
-            ..v1::PrefetchProgress::default()
-        }
+        Progress::revoked(request_id, policy, l2, reason)
     }
 
     /// Plans a prefetch and starts it. Returns the progress stream: one final message when
     /// revoked, else progress until it is done.
-    pub async fn start(
-        self: &Arc<Self>,
-        req: v1::PrefetchRequest,
-    ) -> Result<ProgressStream, ApiError> {
+    pub async fn start(self: &Arc<Self>, req: PrefetchAsk) -> Result<ProgressStream, ApiError> {
         let started = Instant::now();
         if req.keys.len() > self.max_batch {
             return Err(ApiError::invalid(
@@ -388,42 +308,34 @@ impl Prefetcher {
                 ),
             ));
         }
-        let keys = page_keys("keys", &req.keys)?;
-        let parent = match req.parent.len() {
-            0 => None,
-            _ => Some(page_keys("parent", std::slice::from_ref(&req.parent))?[0]),
-        };
+        let (keys, parent, session) = (req.keys, req.parent, req.session);
         let request_id = Self::request_id(&req.request_id)?;
-        let policy = self.policy(req.policy)?;
-        let hints = req.hints.unwrap_or_default();
+        let policy = req.policy.unwrap_or_else(|| self.cfg.stop_policy());
         let (layout, l2, in_l2) = {
             let mut st = lock(&self.state);
             let (layout, l2) = st.prefetch_check(
-                req.session_id,
+                session,
                 &request_id,
                 &keys,
                 self.cfg.max_per_session as usize,
                 started,
             )?;
-            let in_l2 = st.ready_mask(req.session_id, &keys[l2..], started)?;
+            let in_l2 = st.ready_mask(session, &keys[l2..], started)?;
             (layout, l2, in_l2)
         };
         let fp = layout.fingerprint();
         let page_size = layout.page_size() as u64;
         let page_bytes = layout.page_bytes() as u64;
         let m = &self.metrics;
-        m.prefetch_pages
+        m.pages
             .with_label_values(&["requested"])
             .inc_by(keys.len() as u64);
-        m.prefetch_bytes
+        m.bytes
             .with_label_values(&["requested"])
             .inc_by(keys.len() as u64 * page_bytes);
-        m.prefetch_pages
-            .with_label_values(&["in_l2"])
-            .inc_by(l2 as u64);
-        let once = |p: v1::PrefetchProgress| -> ProgressStream {
-            Box::pin(futures::stream::once(async move { Ok(p) }))
-        };
+        m.pages.with_label_values(&["in_l2"]).inc_by(l2 as u64);
+        let once =
+            |p: Progress| -> ProgressStream { Box::pin(futures::stream::once(async move { p })) };
         if l2 == keys.len() {
             return Ok(once(self.revoked(request_id, policy, l2, "in_l2")));
         }
@@ -447,7 +359,7 @@ impl Prefetcher {
         if hit == 0 {
             return Ok(once(self.revoked(request_id, policy, l2, "miss")));
         }
-        let threshold = hints.threshold_tokens.unwrap_or(self.cfg.threshold_tokens);
+        let threshold = req.threshold_tokens.unwrap_or(self.cfg.threshold_tokens);
         if (hit as u64) * page_size < threshold {
             return Ok(once(self.revoked(
                 request_id,
@@ -456,10 +368,9 @@ impl Prefetcher {
                 "below_threshold",
             )));
         }
-        let rate = match hints.recompute_tokens_per_second {
-            0 => self.cfg.recompute_tokens_per_second,
-            r => r,
-        };
+        let rate = req
+            .recompute_tokens_per_second
+            .unwrap_or(self.cfg.recompute_tokens_per_second);
         if rate > 0 {
             let recompute = (hit as u64 * page_size) as f64 / rate as f64;
             let load = lock(&tier.estimate).seconds(hit as u64, page_bytes);
@@ -472,15 +383,15 @@ impl Prefetcher {
                 )));
             }
         }
-        let deadline = match (policy, hints.timeout_ms) {
-            (StopPolicy::Timeout, 0) => self.cfg.deadline_for(hit as u64 * page_size),
-            (StopPolicy::Timeout, ms) => Duration::from_millis(ms).min(self.cfg.timeout_max.0),
+        let deadline = match (policy, req.timeout) {
+            (StopPolicy::Timeout, None) => self.cfg.deadline_for(hit as u64 * page_size),
+            (StopPolicy::Timeout, Some(t)) => t.min(self.cfg.timeout_max.0),
             _ => self.cfg.timeout_max.0,
         };
         let cancel = self.shutdown.child_token();
         let min_pages = threshold.div_ceil(page_size.max(1)) as usize;
         let opened = lock(&self.state).prefetch_open(PrefetchOpen {
-            session: req.session_id,
+            session,
             request_id: request_id.clone(),
             keys,
             parent,
@@ -508,9 +419,9 @@ impl Prefetcher {
         };
         let there = in_place.iter().filter(|p| **p).count() as u64;
         let fetch = hit.len() as u64 - there;
-        m.prefetch_pages.with_label_values(&["in_l2"]).inc_by(there);
-        m.prefetch_pages.with_label_values(&["hit"]).inc_by(fetch);
-        m.prefetch_bytes
+        m.pages.with_label_values(&["in_l2"]).inc_by(there);
+        m.pages.with_label_values(&["hit"]).inc_by(fetch);
+        m.bytes
             .with_label_values(&["hit"])
             .inc_by(fetch * page_bytes);
         tracing::debug!(request = %request_id, l2, hit = hit.len(), ?deadline, "prefetch started");
@@ -594,11 +505,11 @@ impl Prefetcher {
                         self.remember_failed(fp, key);
                     }
                     tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
-                    break 'fetch (PrefetchState::Failed, why.label().to_string());
+                    break 'fetch (Phase::Failed, why.label().to_string());
                 }
                 let mut st = lock(&self.state);
                 if !st.prefetch_land(id) {
-                    break 'fetch (PrefetchState::Failed, "cancelled".to_string());
+                    break 'fetch (Phase::Failed, "cancelled".to_string());
                 }
                 if !in_place[landed] {
                     first_at.get_or_insert_with(Instant::now);
@@ -609,13 +520,13 @@ impl Prefetcher {
                 }
             }
             if landed == hit.len() {
-                break (PrefetchState::Completed, String::new());
+                break (Phase::Completed, String::new());
             }
             let joined = tokio::select! {
                 biased;
-                () = cancel.cancelled() => break (PrefetchState::Failed, "cancelled".to_string()),
+                () = cancel.cancelled() => break (Phase::Failed, "cancelled".to_string()),
                 j = reads.join_next() => j,
-                () = &mut sleep => break (PrefetchState::TimedOut, String::new()),
+                () = &mut sleep => break (Phase::TimedOut, String::new()),
             };
             match joined {
                 // A page whose read failed in a way that may pass (the store retried it
@@ -625,7 +536,7 @@ impl Prefetcher {
                     if e.is_retryable() && rereads[i] < PAGE_REREADS =>
                 {
                     rereads[i] += 1;
-                    self.metrics.prefetch_rereads.inc();
+                    self.metrics.rereads.inc();
                     spawn(&mut reads, i);
                     continue;
                 }
@@ -637,9 +548,9 @@ impl Prefetcher {
                 }
                 Some(Err(e)) => {
                     tracing::error!(prefetch = id, "a prefetch read task failed: {e}");
-                    break (PrefetchState::Failed, "failed".to_string());
+                    break (Phase::Failed, "failed".to_string());
                 }
-                None => break (PrefetchState::Failed, "failed".to_string()),
+                None => break (Phase::Failed, "failed".to_string()),
             }
             // Top up to the window (it may have grown; when it shrank, reads drain first).
             while next < fetch.len() && reads.len() < window() {
@@ -657,20 +568,16 @@ impl Prefetcher {
         let done = lock(&self.state).prefetch_finish(id, state, &reason);
         let Some(done) = done else { return };
         let m = &self.metrics;
-        let label = state_label(done.state);
-        m.prefetch_requests
-            .with_label_values(&[label, &done.reason])
-            .inc();
-        m.prefetch_pages
+        let label = done.state.label();
+        m.requests.with_label_values(&[label, &done.reason]).inc();
+        m.pages
             .with_label_values(&["landed"])
             .inc_by(done.landed as u64);
-        m.prefetch_bytes
-            .with_label_values(&["landed"])
-            .inc_by(done.bytes);
+        m.bytes.with_label_values(&["landed"]).inc_by(done.bytes);
         let secs = done.started.elapsed().as_secs_f64();
-        m.prefetch_seconds.observe(secs);
+        m.seconds.observe(secs);
         if done.landed > 0 && secs > 0.0 {
-            m.prefetch_bandwidth.observe(done.bytes as f64 / secs / 1e9);
+            m.bandwidth.observe(done.bytes as f64 / secs / 1e9);
         }
         if let Some(first) = first_at {
             // Only pages read from L3 tell how fast it loads.
@@ -686,17 +593,18 @@ impl Prefetcher {
     }
 
     /// Waits (per the prefetch's policy) until it is done, then pins its usable prefix for
-    /// the session.
+    /// the session. Returns its final progress and the slots of that prefix.
     pub async fn take(
         &self,
-        req: &v1::TakePrefetchRequest,
-    ) -> Result<v1::TakePrefetchResponse, ApiError> {
+        session: u64,
+        request_id: &str,
+    ) -> Result<(Progress, Vec<u32>), ApiError> {
         let t = Instant::now();
-        let request_id = Self::request_id(&req.request_id)?;
+        let request_id = Self::request_id(request_id)?;
         let (mut rx, _) =
-            lock(&self.state).prefetch_watch(req.session_id, &request_id, true, Instant::now())?;
+            lock(&self.state).prefetch_watch(session, &request_id, true, Instant::now())?;
         loop {
-            if rx.borrow_and_update().state != PrefetchState::Running as i32 {
+            if rx.borrow_and_update().phase.is_final() {
                 break;
             }
             tokio::select! {
@@ -706,36 +614,22 @@ impl Prefetcher {
                 }
             }
         }
-        self.metrics
-            .prefetch_wait_seconds
-            .observe(t.elapsed().as_secs_f64());
-        let (progress, slots) =
-            lock(&self.state).prefetch_take(req.session_id, &request_id, Instant::now())?;
-        Ok(v1::TakePrefetchResponse {
-            progress: Some(progress),
-            slots,
-        })
+        self.metrics.wait_seconds.observe(t.elapsed().as_secs_f64());
+        lock(&self.state).prefetch_take(session, &request_id, Instant::now())
     }
 
     /// The progress of an open prefetch.
-    pub fn status(
-        &self,
-        req: &v1::PrefetchStatusRequest,
-    ) -> Result<v1::PrefetchProgress, ApiError> {
-        let request_id = Self::request_id(&req.request_id)?;
-        lock(&self.state).prefetch_status(req.session_id, &request_id, Instant::now())
+    pub fn status(&self, session: u64, request_id: &str) -> Result<Progress, ApiError> {
+        let request_id = Self::request_id(request_id)?;
+        lock(&self.state).prefetch_status(session, &request_id, Instant::now())
     }
 
     /// Cancels a prefetch and drops its pins.
-    pub fn release(&self, req: &v1::ReleasePrefetchRequest) -> Result<(), ApiError> {
-        let request_id = Self::request_id(&req.request_id)?;
+    pub fn release(&self, session: u64, request_id: &str) -> Result<(), ApiError> {
+        let request_id = Self::request_id(request_id)?;
         let mut st = lock(&self.state);
-        st.touch(req.session_id, Instant::now())?;
-        if st.prefetch_drop(
-            req.session_id,
-            &request_id,
-            crate::state::StopCause::Released,
-        ) {
+        st.touch(session, Instant::now())?;
+        if st.prefetch_drop(session, &request_id, StopCause::Released) {
             Ok(())
         } else {
             Err(ApiError::NotFound(format!(
@@ -760,18 +654,15 @@ struct Task {
 
 /// Progress of one prefetch: `first` (its plan), then every change `rx` sees, ending after a
 /// final state (or when the prefetch is gone).
-fn progress_stream(
-    first: v1::PrefetchProgress,
-    rx: watch::Receiver<v1::PrefetchProgress>,
-) -> ProgressStream {
-    let head = futures::stream::once(async move { Ok(first) });
+fn progress_stream(first: Progress, rx: watch::Receiver<Progress>) -> ProgressStream {
+    let head = futures::stream::once(async move { first });
     let rest = futures::stream::unfold((rx, false), |(mut rx, done)| async move {
         if done || rx.changed().await.is_err() {
             return None;
         }
         let p = rx.borrow_and_update().clone();
-        let done = p.state != PrefetchState::Running as i32;
-        Some((Ok(p), (rx, done)))
+        let done = p.phase.is_final();
+        Some((p, (rx, done)))
     });
     Box::pin(head.chain(rest))
 }
@@ -779,31 +670,6 @@ fn progress_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn negative_cache_forgets_after_its_ttl_and_stays_bounded() {
-        let fp = LayoutFingerprint([1; 16]);
-        let keys: Vec<PageKey> = (0..4u8).map(|i| PageKey([i; 32])).collect();
-        let mut n = NegativeCache::new(Duration::from_millis(50), 2);
-        let t0 = Instant::now();
-        assert_eq!(n.first(fp, &keys, t0), 4);
-        n.insert(fp, keys[2], t0);
-        assert_eq!(n.first(fp, &keys, t0), 2);
-        // Another layout's key is a different key.
-        assert_eq!(n.first(LayoutFingerprint([2; 16]), &keys, t0), 4);
-        // Expired: usable again, and dropped.
-        assert_eq!(n.first(fp, &keys, t0 + Duration::from_millis(60)), 4);
-        assert!(n.is_empty());
-        n.insert(fp, keys[0], t0);
-        n.insert(fp, keys[1], t0);
-        n.insert(fp, keys[3], t0);
-        assert!(n.len() <= 2, "capacity exceeded: {}", n.len());
-        assert_eq!(n.first(fp, &keys[3..], t0), 0);
-        // A zero TTL turns it off.
-        let mut off = NegativeCache::new(Duration::ZERO, 2);
-        off.insert(fp, keys[0], t0);
-        assert_eq!(off.first(fp, &keys, t0), 4);
-    }
 
     #[test]
     fn a_closed_fence_keeps_late_reads_out_of_the_slot() {

@@ -13,9 +13,9 @@ use kvtier_proto::{ApiError, page_keys};
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
-use crate::metrics::Metrics;
-use crate::prefetch::{Prefetcher, ProgressStream};
-use crate::state::HostState;
+use crate::prefetch::Prefetcher;
+use crate::state::{HostState, L2Metrics};
+use kvtier_server::metrics::MetricRegistry;
 
 /// Shortest, default and longest interval between WatchMetrics snapshots.
 const WATCH_MIN_MS: u64 = 100;
@@ -26,6 +26,10 @@ const WATCH_MAX_MS: u64 = 60_000;
 type SnapshotStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
 
+/// The stream a Prefetch call returns.
+type WireProgressStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::PrefetchProgress, Status>> + Send>>;
+
 /// Most tokens a hash self-test may carry.
 const MAX_SELF_TEST_TOKENS: usize = 1 << 16;
 
@@ -33,7 +37,8 @@ const MAX_SELF_TEST_TOKENS: usize = 1 << 16;
 #[derive(Clone)]
 pub struct HostService {
     state: Arc<Mutex<HostState>>,
-    metrics: Metrics,
+    metrics: L2Metrics,
+    registry: MetricRegistry,
     max_batch: usize,
     started: Instant,
     metrics_address: String,
@@ -43,35 +48,37 @@ pub struct HostService {
 }
 
 impl HostService {
-    /// A service over `state`.
+    /// A service over `state`, with its series declared in `registry` (what WatchMetrics
+    /// streams).
     pub fn new(
         state: Arc<Mutex<HostState>>,
-        metrics: Metrics,
+        registry: MetricRegistry,
         max_batch: usize,
         metrics_address: String,
         l3: Arc<L3Slot>,
         prefetcher: Arc<Prefetcher>,
         shutdown: tokio_util::sync::CancellationToken,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            metrics: L2Metrics::new(&registry, state.clone())?,
             state,
-            metrics,
+            registry,
             max_batch,
             started: Instant::now(),
             metrics_address,
             l3,
             prefetcher,
             shutdown,
-        }
+        })
     }
 
     /// Hands L3 writes to the writer (never waits).
-    fn enqueue(&self, jobs: Vec<crate::l3::Job>) {
+    fn enqueue(&self, jobs: Vec<crate::state::Job>) {
         if jobs.is_empty() {
             return;
         }
         match self.l3.current() {
-            Some(l3) => l3.enqueue(jobs, &self.state, &self.metrics),
+            Some(l3) => l3.enqueue(jobs, &self.state),
             // Detached between the state's decision and now: unpin, nothing to write to.
             None => {
                 let mut st = self.state();
@@ -264,7 +271,11 @@ impl HostTier for HostService {
         self.observe("heartbeat", || {
             let mut st = self.state();
             let r = request.get_ref();
-            st.heartbeat(r.session_id, r.report, Instant::now())?;
+            st.heartbeat(
+                r.session_id,
+                r.report.map(crate::wire::report_in),
+                Instant::now(),
+            )?;
             Ok(v1::HeartbeatResponse {
                 ttl_ms: st.ttl().as_millis() as u64,
             })
@@ -494,7 +505,7 @@ impl HostTier for HostService {
                     pins: s.pins.values().map(|&n| u64::from(n)).sum(),
                     writing_pages: s.writing.len() as u32,
                     idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
-                    report: s.report,
+                    report: s.report.map(crate::wire::report_out),
                 })
                 .collect();
             let c = st.counters;
@@ -517,14 +528,21 @@ impl HostTier for HostService {
         })
     }
 
-    type PrefetchStream = ProgressStream;
+    type PrefetchStream = WireProgressStream;
 
     async fn prefetch(
         &self,
         request: Request<v1::PrefetchRequest>,
     ) -> Result<Response<Self::PrefetchStream>, Status> {
         let t = Instant::now();
-        let r = self.prefetcher.start(request.into_inner()).await;
+        let r = match crate::wire::prefetch_ask(request.into_inner()) {
+            Ok(ask) => self.prefetcher.start(ask).await,
+            Err(e) => Err(e),
+        };
+        let r = r.map(|s| {
+            use futures::StreamExt;
+            Box::pin(s.map(|p| Ok(crate::wire::progress(p)))) as WireProgressStream
+        });
         self.finish("prefetch", t, r)
     }
 
@@ -533,7 +551,9 @@ impl HostTier for HostService {
         request: Request<v1::PrefetchStatusRequest>,
     ) -> Result<Response<v1::PrefetchProgress>, Status> {
         self.observe("prefetch_status", || {
-            self.prefetcher.status(request.get_ref())
+            let r = request.get_ref();
+            let p = self.prefetcher.status(r.session_id, &r.request_id)?;
+            Ok(crate::wire::progress(p))
         })
     }
 
@@ -542,7 +562,15 @@ impl HostTier for HostService {
         request: Request<v1::TakePrefetchRequest>,
     ) -> Result<Response<v1::TakePrefetchResponse>, Status> {
         let t = Instant::now();
-        let r = self.prefetcher.take(request.get_ref()).await;
+        let req = request.get_ref();
+        let r = self
+            .prefetcher
+            .take(req.session_id, &req.request_id)
+            .await
+            .map(|(p, slots)| v1::TakePrefetchResponse {
+                progress: Some(crate::wire::progress(p)),
+                slots,
+            });
         if let Ok(resp) = &r {
             self.pages("acquired", resp.slots.len());
         }
@@ -554,7 +582,8 @@ impl HostTier for HostService {
         request: Request<v1::ReleasePrefetchRequest>,
     ) -> Result<Response<v1::ReleasePrefetchResponse>, Status> {
         self.observe("release_prefetch", || {
-            self.prefetcher.release(request.get_ref())?;
+            let r = request.get_ref();
+            self.prefetcher.release(r.session_id, &r.request_id)?;
             Ok(v1::ReleasePrefetchResponse {})
         })
     }
@@ -585,7 +614,7 @@ impl HostTier for HostService {
                         () = svc.shutdown.cancelled() => return None,
                         _ = tick.tick() => {}
                     }
-                    let families = svc.metrics.gather(&svc.state, svc.l3.current().as_deref());
+                    let families = svc.registry.gather();
                     let snap = v1::MetricsSnapshot {
                         seq: seq + 1,
                         unix_ms: std::time::SystemTime::now()
@@ -593,7 +622,7 @@ impl HostTier for HostService {
                             .map(|d| d.as_millis() as u64)
                             .unwrap_or_default(),
                         uptime_ms: svc.started.elapsed().as_millis() as u64,
-                        samples: crate::metrics::samples(&families),
+                        samples: crate::wire::samples(&families),
                     };
                     Some((Ok(snap), (svc, tick, seq + 1)))
                 });

@@ -13,15 +13,14 @@ use kvtier_core::host_index::{
 };
 use kvtier_core::{Layout, LayoutFingerprint, PageKey, PolicyKind, WritePolicy};
 use kvtier_proto::ApiError;
-use kvtier_proto::v1;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
-use crate::l3::Job;
-
+mod metrics;
 mod prefetch;
 mod survive;
 
-pub use prefetch::{Finished, Opened, PrefetchEntry, PrefetchOpen, StopCause};
+pub use metrics::L2Metrics;
+pub use prefetch::{Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Progress, StopCause};
 pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
 
 /// One pool class: the shared memory of one layout and its index.
@@ -53,7 +52,51 @@ pub struct Session {
     /// Pages it has reserved and not yet committed or aborted.
     pub writing: HashSet<PageKey>,
     /// The client's last report (agents send one with each heartbeat).
-    pub report: Option<v1::ClientReport>,
+    pub report: Option<ClientReport>,
+}
+
+/// One page for the L3 writer: chosen by the state (under the write policy, or by the
+/// flusher), pinned in its slot until the writer reports how the write went.
+#[derive(Debug)]
+pub struct Job {
+    /// Layout class.
+    pub fp: LayoutFingerprint,
+    /// Page key.
+    pub key: PageKey,
+    /// Slot holding the page (pinned until the job ends).
+    pub slot: u32,
+    /// The pool.
+    pub pool: Arc<ShmPool>,
+    /// Page bytes.
+    pub len: usize,
+}
+
+/// What an agent tells the daemon about its worker with each heartbeat: counters since
+/// it started, and gauges at the time of the heartbeat. Kept as sent and shown in Stats.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ClientReport {
+    /// Match calls.
+    pub matches: u64,
+    /// Pages matched on the device.
+    pub device_hit_pages: u64,
+    /// Pages matched in L2.
+    pub l2_hit_pages: u64,
+    /// Pages matched in L3.
+    pub l3_hit_pages: u64,
+    /// Pages matched nowhere.
+    pub miss_pages: u64,
+    /// Pages loaded back onto the device.
+    pub load_back_pages: u64,
+    /// Pages backed up to L2.
+    pub backup_pages: u64,
+    /// Pages evicted from the device without a copy in L2.
+    pub lost_pages: u64,
+    /// Pages evicted from the device.
+    pub evicted_pages: u64,
+    /// Pages on the device now.
+    pub device_pages: u32,
+    /// Pages locked on the device now.
+    pub locked_pages: u32,
 }
 
 /// Counters since start (exported as metrics and in Stats).
@@ -293,7 +336,7 @@ impl HostState {
     pub fn heartbeat(
         &mut self,
         id: u64,
-        report: Option<v1::ClientReport>,
+        report: Option<ClientReport>,
         now: Instant,
     ) -> Result<(), ApiError> {
         let s = self

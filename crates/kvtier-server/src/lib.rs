@@ -6,10 +6,13 @@
 //!   and the one ready line scripts and tests wait for;
 //! - [`serving`]: binding a Unix socket without taking over a live one, the shutdown token,
 //!   logging from `log.level`;
+//! - [`metrics`]: the registry each component declares its own series in, with scrape
+//!   hooks and the check that keeps docs/metrics.md true;
 //! - [`prometheus_http`]: the `/metrics` endpoint, and binding its listener.
 //!
 //! kvtier-client stays a client library; server plumbing goes here.
 
+pub mod metrics;
 pub mod process;
 pub mod prometheus_http;
 pub mod serving;

@@ -19,11 +19,13 @@
 
 mod authority;
 pub mod cache;
+mod metrics;
 pub mod service;
 
 pub use authority::incoming as grpc_incoming;
 
 pub use cache::ObjectCache;
+pub use metrics::SglangMetrics;
 pub use service::StorageService;
 
 use std::collections::{HashMap, HashSet};

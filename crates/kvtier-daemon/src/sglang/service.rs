@@ -36,9 +36,9 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use super::SglangMetrics;
 use super::{ObjectCache, Pool, Pools};
 use crate::l3::L3Slot;
-use crate::metrics::Metrics;
 
 /// Longest id accepted (SGLang's are ~70 bytes).
 pub const MAX_ID: usize = 1024;
@@ -127,7 +127,7 @@ struct Objects {
     memory: Arc<ObjectCache>,
     concurrency: usize,
     max_batch: usize,
-    metrics: Metrics,
+    metrics: SglangMetrics,
     stop: CancellationToken,
 }
 
@@ -139,7 +139,7 @@ impl StorageService {
         pools: Arc<Pools>,
         l3: Arc<L3Slot>,
         memory: Arc<ObjectCache>,
-        metrics: Metrics,
+        metrics: SglangMetrics,
         stop: CancellationToken,
     ) -> Self {
         Self {
@@ -159,22 +159,16 @@ impl StorageService {
 impl Objects {
     fn count(&self, op: &str, code: i32, bytes: u64) {
         self.metrics
-            .sglang_transfers
+            .transfers
             .with_label_values(&[op, outcome(code)])
             .inc();
         if code == code::OK && bytes > 0 {
-            self.metrics
-                .sglang_bytes
-                .with_label_values(&[op])
-                .inc_by(bytes);
+            self.metrics.bytes.with_label_values(&[op]).inc_by(bytes);
         }
     }
 
     fn served(&self, op: &str, tier: &str) {
-        self.metrics
-            .sglang_hits
-            .with_label_values(&[op, tier])
-            .inc();
+        self.metrics.hits.with_label_values(&[op, tier]).inc();
     }
 
     fn check_batch(&self, what: &str, n: usize) -> Result<(), Status> {
@@ -400,7 +394,7 @@ impl Objects {
 
     fn timed(&self, op: &str, started: Instant) {
         self.metrics
-            .sglang_seconds
+            .seconds
             .with_label_values(&[op])
             .observe(started.elapsed().as_secs_f64());
     }

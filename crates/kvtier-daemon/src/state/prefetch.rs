@@ -2,13 +2,12 @@
 //! and landed pages. The fetching itself is in [`crate::prefetch`].
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::StopPolicy;
 use kvtier_core::host_index::{OwnerId, Reserve};
 use kvtier_core::{Layout, LayoutFingerprint, PageKey};
 use kvtier_proto::ApiError;
-use kvtier_proto::v1::{self, PrefetchState};
 use kvtier_shm::ShmPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -17,6 +16,85 @@ use super::HostState;
 
 /// Index owners of prefetches have this bit set, so they never collide with session ids.
 const PREFETCH_OWNER: OwnerId = 1 << 63;
+
+/// Where a prefetch stands: running, or how it ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Pages are being fetched.
+    Running,
+    /// Every hit page landed.
+    Completed,
+    /// A best-effort take stopped it; what landed is usable.
+    Partial,
+    /// Its deadline came; what landed is usable.
+    TimedOut,
+    /// Nothing was allocated (see the reason).
+    Revoked,
+    /// It stopped at a page that could not be read, or was released (see the reason).
+    Failed,
+}
+
+impl Phase {
+    /// The metric label and log word for it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Completed => "completed",
+            Self::Partial => "partial",
+            Self::TimedOut => "timed_out",
+            Self::Revoked => "revoked",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// Whether it has ended (nothing will change any more).
+    pub fn is_final(self) -> bool {
+        self != Self::Running
+    }
+}
+
+/// Where one prefetch stands, as its session sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// The session's name for it.
+    pub request_id: String,
+    /// Running, or how it ended.
+    pub phase: Phase,
+    /// Why it ended that way (revoked, failed).
+    pub reason: String,
+    /// Its stop policy.
+    pub policy: StopPolicy,
+    /// Leading keys ready in L2 when it started (not fetched).
+    pub l2_pages: usize,
+    /// Keys after those being (or that were) fetched from L3.
+    pub hit_pages: usize,
+    /// Of the hit pages, the leading ones that landed.
+    pub landed_pages: usize,
+    /// Bytes of the landed pages.
+    pub landed_bytes: u64,
+    /// Since it started.
+    pub elapsed: Duration,
+    /// When the daemon stops it, from its start (zero: not planned).
+    pub deadline: Duration,
+}
+
+impl Progress {
+    /// A prefetch that allocated nothing, for `reason`.
+    pub fn revoked(request_id: String, policy: StopPolicy, l2: usize, reason: &str) -> Self {
+        Self {
+            request_id,
+            phase: Phase::Revoked,
+            reason: reason.to_string(),
+            policy,
+            l2_pages: l2,
+            hit_pages: 0,
+            landed_pages: 0,
+            landed_bytes: 0,
+            elapsed: Duration::ZERO,
+            deadline: Duration::ZERO,
+        }
+    }
+}
 
 /// Why a running prefetch was told to stop early.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +137,7 @@ pub struct PrefetchEntry {
     /// When the daemon stops it.
     pub deadline: Instant,
     /// Running, or how it ended.
-    pub state: PrefetchState,
+    pub state: Phase,
     /// Why it ended that way (failed / revoked).
     pub reason: String,
     /// Cancels its fetches.
@@ -67,31 +145,23 @@ pub struct PrefetchEntry {
     /// Set when something told it to stop early.
     pub stop: Option<StopCause>,
     /// Progress, for streams and waiters.
-    pub tx: watch::Sender<v1::PrefetchProgress>,
+    pub tx: watch::Sender<Progress>,
 }
 
 impl PrefetchEntry {
-    /// The wire view of where it stands.
-    pub fn progress(&self) -> v1::PrefetchProgress {
-        let policy = match self.policy {
-            StopPolicy::BestEffort => v1::PrefetchPolicy::BestEffort,
-            StopPolicy::WaitComplete => v1::PrefetchPolicy::WaitComplete,
-            StopPolicy::Timeout => v1::PrefetchPolicy::Timeout,
-        };
-        v1::PrefetchProgress {
+    /// Where it stands.
+    pub fn progress(&self) -> Progress {
+        Progress {
             request_id: self.request_id.clone(),
-            state: self.state as i32,
+            phase: self.state,
             reason: self.reason.clone(),
-            policy: policy as i32,
-            l2_pages: self.l2 as u32,
-            hit_pages: self.hit.len() as u32,
-            landed_pages: self.landed as u32,
+            policy: self.policy,
+            l2_pages: self.l2,
+            hit_pages: self.hit.len(),
+            landed_pages: self.landed,
             landed_bytes: self.landed as u64 * self.page_bytes,
-            elapsed_ms: self.started.elapsed().as_millis() as u64,
-            deadline_ms: self
-                .deadline
-                .saturating_duration_since(self.started)
-                .as_millis() as u64,
+            elapsed: self.started.elapsed(),
+            deadline: self.deadline.saturating_duration_since(self.started),
         }
     }
 
@@ -148,9 +218,9 @@ pub enum Opened {
         /// The pool to copy into.
         shm: Arc<ShmPool>,
         /// Its progress after this.
-        rx: watch::Receiver<v1::PrefetchProgress>,
+        rx: watch::Receiver<Progress>,
         /// Its progress now: the plan.
-        first: v1::PrefetchProgress,
+        first: Progress,
     },
     /// Nothing allocated, for this reason.
     Revoked(&'static str),
@@ -160,7 +230,7 @@ pub enum Opened {
 #[derive(Debug, Clone)]
 pub struct Finished {
     /// How it ended.
-    pub state: PrefetchState,
+    pub state: Phase,
     /// Why (failed).
     pub reason: String,
     /// Pages that landed.
@@ -300,7 +370,7 @@ impl HostState {
         self.next_prefetch += 1;
         let mut keys = o.keys;
         keys.truncate(l2 + run);
-        let mut entry = PrefetchEntry {
+        let entry = PrefetchEntry {
             session: o.session,
             request_id: o.request_id.clone(),
             fp,
@@ -313,14 +383,14 @@ impl HostState {
             page_bytes,
             started: o.started,
             deadline: o.deadline,
-            state: PrefetchState::Running,
+            state: Phase::Running,
             reason: String::new(),
             cancel: o.cancel,
             stop: None,
-            tx: watch::channel(v1::PrefetchProgress::default()).0,
+            tx: watch::channel(Progress::revoked(String::new(), o.policy, 0, "")).0,
         };
         let first = entry.progress();
-        entry.tx = watch::channel(first.clone()).0;
+        entry.tx.send_replace(first.clone());
         let rx = entry.tx.subscribe();
         self.prefetches.insert(id, entry);
         self.prefetch_names.insert((o.session, o.request_id), id);
@@ -378,12 +448,7 @@ impl HostState {
     /// Ends a prefetch's fetching: frees the slots of pages that did not land and records how
     /// it ended. A prefetch dropped meanwhile (released, session closed) also gives up its
     /// landed pages and is forgotten.
-    pub fn prefetch_finish(
-        &mut self,
-        id: u64,
-        state: PrefetchState,
-        reason: &str,
-    ) -> Option<Finished> {
+    pub fn prefetch_finish(&mut self, id: u64, state: Phase, reason: &str) -> Option<Finished> {
         let e = self.prefetches.get_mut(&id)?;
         let pool = self.pools.get_mut(&e.fp)?;
         let (mut rest, mut unpin) = (Vec::new(), Vec::new());
@@ -409,12 +474,12 @@ impl HostState {
         pool.prefetch_held -= (rest.len() + unpin.len()) as u32;
         let all = e.landed == e.hit.len();
         let (state, reason) = match e.stop {
-            Some(StopCause::Released) => (PrefetchState::Failed, "released".to_string()),
-            Some(StopCause::SessionClosed) => (PrefetchState::Failed, "session_closed".to_string()),
+            Some(StopCause::Released) => (Phase::Failed, "released".to_string()),
+            Some(StopCause::SessionClosed) => (Phase::Failed, "session_closed".to_string()),
             // Everything landed just as a take or the deadline came.
-            _ if all => (PrefetchState::Completed, String::new()),
-            Some(StopCause::Taken) if state == PrefetchState::Failed && reason == "cancelled" => {
-                (PrefetchState::Partial, String::new())
+            _ if all => (Phase::Completed, String::new()),
+            Some(StopCause::Taken) if state == Phase::Failed && reason == "cancelled" => {
+                (Phase::Partial, String::new())
             }
             _ => (state, reason.to_string()),
         };
@@ -470,7 +535,7 @@ impl HostState {
         let Some(e) = self.prefetches.get_mut(&id) else {
             return false;
         };
-        if e.state == PrefetchState::Running {
+        if e.state == Phase::Running {
             e.stop = Some(cause);
             e.cancel.cancel();
         } else {
@@ -487,14 +552,14 @@ impl HostState {
         request_id: &str,
         take: bool,
         now: Instant,
-    ) -> Result<(watch::Receiver<v1::PrefetchProgress>, StopPolicy), ApiError> {
+    ) -> Result<(watch::Receiver<Progress>, StopPolicy), ApiError> {
         self.touch(session, now)?;
         let e = self
             .prefetch_names
             .get(&(session, request_id.to_string()))
             .and_then(|id| self.prefetches.get_mut(id))
             .ok_or_else(|| unknown_prefetch(request_id))?;
-        if take && e.policy == StopPolicy::BestEffort && e.state == PrefetchState::Running {
+        if take && e.policy == StopPolicy::BestEffort && e.state == Phase::Running {
             e.stop = Some(StopCause::Taken);
             e.cancel.cancel();
         }
@@ -509,7 +574,7 @@ impl HostState {
         session: u64,
         request_id: &str,
         now: Instant,
-    ) -> Result<(v1::PrefetchProgress, Vec<u32>), ApiError> {
+    ) -> Result<(Progress, Vec<u32>), ApiError> {
         let name = (session, request_id.to_string());
         let id = *self
             .prefetch_names
@@ -519,7 +584,7 @@ impl HostState {
             .prefetches
             .get(&id)
             .ok_or_else(|| unknown_prefetch(request_id))?;
-        if e.state == PrefetchState::Running {
+        if e.state == Phase::Running {
             return Err(ApiError::FailedPrecondition(format!(
                 "prefetch {request_id:?} is still running"
             )));
@@ -560,7 +625,7 @@ impl HostState {
         session: u64,
         request_id: &str,
         now: Instant,
-    ) -> Result<v1::PrefetchProgress, ApiError> {
+    ) -> Result<Progress, ApiError> {
         self.touch(session, now)?;
         self.prefetch_names
             .get(&(session, request_id.to_string()))
@@ -574,7 +639,7 @@ impl HostState {
         let running = self
             .prefetches
             .values()
-            .filter(|e| e.state == PrefetchState::Running)
+            .filter(|e| e.state == Phase::Running)
             .count();
         let held = self
             .pools

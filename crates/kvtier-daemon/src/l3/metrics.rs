@@ -1,0 +1,175 @@
+//! The storage tier's metrics: the writer's outcomes, every backend call (through the
+//! [`StoreObserver`] the tier's `Metered` wrapper reports to), and gauges of the attached
+//! tier (holdings, queue, breaker, read window), refreshed at scrape time.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use kvtier_server::metrics::{GBPS_BUCKETS, IO_BUCKETS, MetricRegistry, Result, catch_up};
+use kvtier_storage::wrappers::StoreObserver;
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
+
+use super::{L3, L3Slot};
+
+/// Series of the storage tier.
+#[derive(Clone, Debug)]
+pub struct L3Metrics {
+    /// Pages sent to L3 by outcome.
+    pub writes: IntCounterVec,
+    /// Page bytes written.
+    pub write_bytes: IntCounter,
+    /// Time to write one page, retries included.
+    pub write_seconds: Histogram,
+    /// Backup bandwidth of each written page.
+    pub write_bandwidth: Histogram,
+    ops: IntCounterVec,
+    op_bytes: IntCounterVec,
+    op_seconds: HistogramVec,
+    queue: IntGauge,
+    objects: IntGauge,
+    bytes: IntGauge,
+    evictions: IntGauge,
+    breaker_open: IntGauge,
+    breaker_transitions: IntCounterVec,
+    retries: IntCounterVec,
+    read_window: IntGauge,
+}
+
+impl L3Metrics {
+    /// Declares the series in `r`, with known label values at zero.
+    pub fn new(r: &MetricRegistry) -> Result<Self> {
+        let m = Self {
+            writes: r.counter_vec(
+                "kvtier_l3_writes_total",
+                "Pages sent to L3 by outcome: written, present, failed, deferred",
+                &["outcome"],
+            )?,
+            write_bytes: r.counter("kvtier_l3_write_bytes_total", "Page bytes written to L3")?,
+            write_seconds: r.histogram(
+                "kvtier_l3_write_duration_seconds",
+                "Time to write one page to L3, retries included",
+                IO_BUCKETS,
+            )?,
+            queue: r.gauge(
+                "kvtier_l3_queue_pages",
+                "Pages queued or being written to L3",
+            )?,
+            objects: r.gauge("kvtier_l3_objects", "Pages held by L3")?,
+            bytes: r.gauge("kvtier_l3_bytes", "Bytes held by L3")?,
+            evictions: r.gauge(
+                "kvtier_l3_evicted_objects",
+                "Pages L3 evicted to honour its capacity since start",
+            )?,
+            breaker_open: r.gauge(
+                "kvtier_l3_breaker_open",
+                "1 while the L3 backend's circuit breaker is open or probing",
+            )?,
+            breaker_transitions: r.counter_vec(
+                "kvtier_l3_breaker_transitions_total",
+                "L3 circuit breaker transitions: to=open (sustained failure), half_open (a \
+                 probe let through), closed (a probe succeeded)",
+                &["to"],
+            )?,
+            retries: r.counter_vec(
+                "kvtier_l3_retries_total",
+                "Retries of L3 backend calls after a transient failure: outcome=retried \
+                 (attempts), saved (calls a retry turned into success)",
+                &["outcome"],
+            )?,
+            read_window: r.gauge(
+                "kvtier_l3_read_window",
+                "Reads a prefetch keeps in flight against L3 now, learnt from their latencies \
+                 (between prefetch.concurrency and prefetch.max_concurrency)",
+            )?,
+            ops: r.counter_vec(
+                "kvtier_l3_backend_ops_total",
+                "Calls to the L3 backend by operation and outcome (hit, miss, ok, or the error \
+                 reason)",
+                &["backend", "op", "outcome"],
+            )?,
+            op_bytes: r.counter_vec(
+                "kvtier_l3_backend_bytes_total",
+                "Bytes moved by L3 backend calls",
+                &["backend", "op"],
+            )?,
+            op_seconds: r.histogram_vec(
+                "kvtier_l3_backend_op_duration_seconds",
+                "Time of one L3 backend call",
+                &["backend", "op"],
+                IO_BUCKETS,
+            )?,
+            write_bandwidth: r.histogram(
+                "kvtier_l3_write_bandwidth_gigabytes_per_second",
+                "Backup (L2 to L3) bandwidth of each written page, in GB/s",
+                GBPS_BUCKETS,
+            )?,
+        };
+        for outcome in ["written", "present", "failed", "deferred"] {
+            m.writes.with_label_values(&[outcome]);
+        }
+        for to in ["open", "half_open", "closed"] {
+            m.breaker_transitions.with_label_values(&[to]);
+        }
+        for outcome in ["retried", "saved"] {
+            m.retries.with_label_values(&[outcome]);
+        }
+        Ok(m)
+    }
+
+    /// Refreshes the tier gauges from whatever tier `slot` holds at each scrape.
+    pub fn watch(&self, r: &MetricRegistry, slot: &Arc<L3Slot>) {
+        let (me, slot): (Self, Weak<L3Slot>) = (self.clone(), Arc::downgrade(slot));
+        r.on_scrape(move || {
+            if let Some(l3) = slot.upgrade().and_then(|s| s.current()) {
+                me.refresh(&l3);
+            }
+        });
+    }
+
+    fn refresh(&self, l3: &L3) {
+        let st = l3.store.store_stats();
+        self.objects.set(st.objects as i64);
+        self.bytes.set(st.bytes as i64);
+        self.evictions.set(st.evictions as i64);
+        self.breaker_open.set(i64::from(l3.breaker_open()));
+        let (b, r) = (l3.breaker.counts(), l3.retrying.counts());
+        for (to, n) in [
+            ("open", b.opened),
+            ("half_open", b.probes),
+            ("closed", b.closed),
+        ] {
+            catch_up(&self.breaker_transitions.with_label_values(&[to]), n);
+        }
+        catch_up(&self.retries.with_label_values(&["retried"]), r.retries);
+        catch_up(&self.retries.with_label_values(&["saved"]), r.saved);
+        let window = l3
+            .read_window
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .limit();
+        self.read_window.set(window as i64);
+        self.queue
+            .set(l3.counters.queued.load(Ordering::Relaxed) as i64);
+    }
+}
+
+impl StoreObserver for L3Metrics {
+    fn observe(
+        &self,
+        backend: &'static str,
+        op: &'static str,
+        outcome: &'static str,
+        bytes: u64,
+        seconds: f64,
+    ) {
+        self.ops.with_label_values(&[backend, op, outcome]).inc();
+        if bytes > 0 {
+            self.op_bytes
+                .with_label_values(&[backend, op])
+                .inc_by(bytes);
+        }
+        self.op_seconds
+            .with_label_values(&[backend, op])
+            .observe(seconds);
+    }
+}

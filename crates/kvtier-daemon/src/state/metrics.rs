@@ -1,0 +1,189 @@
+//! The host tier's (L2's) metrics: its RPCs and pages, and gauges that mirror the pools and
+//! sessions, refreshed from [`HostState`] at scrape time so they never drift. Counters the
+//! state keeps itself (session ends, losses, takeover, seals: the sweeper and sealer have no
+//! metrics handle) are brought up to its totals at scrape time too.
+
+use std::sync::{Arc, Mutex};
+
+use kvtier_server::metrics::{MetricRegistry, RPC_BUCKETS, Result, catch_up};
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
+
+use super::HostState;
+
+/// Series of the host tier.
+#[derive(Clone, Debug)]
+pub struct L2Metrics {
+    /// Host-tier RPCs by operation and outcome.
+    pub requests: IntCounterVec,
+    /// Time to serve a host-tier RPC, by operation.
+    pub request_seconds: HistogramVec,
+    /// Pages by operation.
+    pub pages: IntCounterVec,
+    /// Pages evicted from L2.
+    pub evictions: IntCounter,
+    /// Looked-up pages by where they were found.
+    pub lookup_pages: IntCounterVec,
+    expired_sessions: IntCounter,
+    dropped_pins: IntCounter,
+    dropped_reservations: IntCounter,
+    lost_pages: IntCounterVec,
+    takeover_pages: IntCounterVec,
+    takeover_pools: IntCounterVec,
+    sealed_pages: IntCounter,
+    pool_bytes: IntGaugeVec,
+    pool_pages: IntGaugeVec,
+    dirty_pages: IntGauge,
+    pinned_pages: IntGauge,
+    pins: IntGauge,
+    sessions: IntGauge,
+    pools: IntGauge,
+}
+
+impl L2Metrics {
+    /// Declares the series in `r`, with known label values at zero, and refreshes the
+    /// mirrored ones from `state` at each scrape.
+    pub fn new(r: &MetricRegistry, state: Arc<Mutex<HostState>>) -> Result<Self> {
+        let m = Self {
+            requests: r.counter_vec(
+                "kvtier_l2_requests_total",
+                "Host-tier RPCs by operation and outcome",
+                &["op", "outcome"],
+            )?,
+            request_seconds: r.histogram_vec(
+                "kvtier_l2_request_duration_seconds",
+                "Time to serve a host-tier RPC, by operation",
+                &["op"],
+                RPC_BUCKETS,
+            )?,
+            pages: r.counter_vec(
+                "kvtier_l2_pages_total",
+                "Pages by operation: reserved, deduplicated, no_space, committed, acquired, \
+                 released",
+                &["op"],
+            )?,
+            evictions: r.counter("kvtier_l2_evictions_total", "Pages evicted from L2")?,
+            expired_sessions: r.counter(
+                "kvtier_l2_expired_sessions_total",
+                "Sessions ended because their lease expired",
+            )?,
+            dropped_pins: r.counter(
+                "kvtier_l2_dropped_pins_total",
+                "Pins dropped because their session ended holding them",
+            )?,
+            dropped_reservations: r.counter(
+                "kvtier_l2_dropped_reservations_total",
+                "Reserved pages freed because their session ended before committing",
+            )?,
+            lost_pages: r.counter_vec(
+                "kvtier_l2_lost_pages_total",
+                "Pages evicted from L2 that L3 did not hold, by reason: no_l3, l3_down",
+                &["reason"],
+            )?,
+            takeover_pages: r.counter_vec(
+                "kvtier_l2_takeover_pages_total",
+                "Pages of a crashed kvtierd's pools found at start, by outcome: adopted \
+                 (verified and served), refused_checksum (bytes no longer match their sealed \
+                 record), no_room (the new pool was full)",
+                &["outcome"],
+            )?,
+            takeover_pools: r.counter_vec(
+                "kvtier_l2_takeover_pools_total",
+                "Pools of crashed kvtierd processes found at start: taken_over, or removed \
+                 (no or damaged slot table, foreign layout, takeover off)",
+                &["outcome"],
+            )?,
+            sealed_pages: r.counter(
+                "kvtier_l2_sealed_pages_total",
+                "Committed L2 pages checksummed and recorded beside their pool, so a kvtierd \
+                 started after a crash can take them over",
+            )?,
+            pool_bytes: r.gauge_vec(
+                "kvtier_l2_pool_bytes",
+                "Shared-memory pool bytes: total, used",
+                &["state"],
+            )?,
+            pool_pages: r.gauge_vec(
+                "kvtier_l2_pool_pages",
+                "Pool pages by state: ready, writing, free",
+                &["state"],
+            )?,
+            dirty_pages: r.gauge(
+                "kvtier_l2_dirty_pages",
+                "Pages clients wrote to L2 that L3 does not hold yet",
+            )?,
+            pinned_pages: r.gauge("kvtier_l2_pinned_pages", "Pages with at least one pin")?,
+            pins: r.gauge("kvtier_l2_pins", "Pins held, with multiplicity")?,
+            sessions: r.gauge("kvtier_l2_sessions", "Live client sessions")?,
+            pools: r.gauge("kvtier_l2_pools", "Pool classes (layouts) served")?,
+            lookup_pages: r.counter_vec(
+                "kvtier_lookup_pages_total",
+                "Looked-up pages by where they were found: l2, l3, miss (in neither), \
+                 unchecked (not in L2; L3 not asked)",
+                &["tier"],
+            )?,
+        };
+        for tier in ["l2", "l3", "miss", "unchecked"] {
+            m.lookup_pages.with_label_values(&[tier]);
+        }
+        for reason in ["no_l3", "l3_down"] {
+            m.lost_pages.with_label_values(&[reason]);
+        }
+        for outcome in ["adopted", "refused_checksum", "no_room"] {
+            m.takeover_pages.with_label_values(&[outcome]);
+        }
+        for outcome in ["taken_over", "removed"] {
+            m.takeover_pools.with_label_values(&[outcome]);
+        }
+        let me = m.clone();
+        r.on_scrape(move || me.refresh(&crate::lock(&state)));
+        Ok(m)
+    }
+
+    fn refresh(&self, st: &HostState) {
+        let t = st.totals();
+        let (total, used) = st.pool_bytes();
+        self.pool_bytes
+            .with_label_values(&["total"])
+            .set(total as i64);
+        self.pool_bytes
+            .with_label_values(&["used"])
+            .set(used as i64);
+        for (state, n) in [
+            ("ready", t.ready),
+            ("writing", t.writing),
+            ("free", t.capacity - t.ready - t.writing),
+        ] {
+            self.pool_pages
+                .with_label_values(&[state])
+                .set(i64::from(n));
+        }
+        self.pinned_pages.set(i64::from(t.pinned));
+        self.dirty_pages.set(i64::from(t.dirty));
+        self.pins.set(t.pins as i64);
+        self.sessions.set(st.sessions().count() as i64);
+        self.pools.set(st.pools().count() as i64);
+        let c = st.counters;
+        catch_up(&self.expired_sessions, c.expired_sessions);
+        catch_up(&self.dropped_pins, c.dropped_pins);
+        catch_up(&self.dropped_reservations, c.dropped_reservations);
+        catch_up(&self.lost_pages.with_label_values(&["no_l3"]), c.lost_no_l3);
+        catch_up(
+            &self.lost_pages.with_label_values(&["l3_down"]),
+            c.lost_l3_down,
+        );
+        catch_up(&self.sealed_pages, c.sealed_pages);
+        for (outcome, n) in [
+            ("adopted", c.takeover.adopted),
+            ("refused_checksum", c.takeover.refused_checksum),
+            ("no_room", c.takeover.no_room),
+        ] {
+            catch_up(&self.takeover_pages.with_label_values(&[outcome]), n);
+        }
+        for (outcome, n) in [
+            ("taken_over", c.takeover.pools),
+            ("removed", c.takeover.pools_removed),
+        ] {
+            catch_up(&self.takeover_pools.with_label_values(&[outcome]), n);
+        }
+    }
+}
