@@ -49,7 +49,7 @@ pub fn run(quick: bool) {
         &[
             "server.tcp=127.0.0.1:0",
             "l3.backend=memory",
-            "l3.memory_capacity_bytes=1GiB",
+            "l3.memory.capacity_bytes=1GiB",
         ],
     );
     let ready = daemon.ready.clone();

@@ -83,7 +83,7 @@ pub fn run(quick: bool) {
             "server.tcp=127.0.0.1:0",
             "l3.backend=memory",
             &format!(
-                "l3.memory_capacity_bytes={}",
+                "l3.memory.capacity_bytes={}",
                 2 * pages * rounds * page_bytes + (64 << 20)
             ),
             "l3.write_policy=write_back",

@@ -216,7 +216,7 @@ pub fn run(quick: bool) {
     let _ = std::fs::remove_dir_all(&root);
     let l3 = vec![
         "l3.backend=file".to_string(),
-        format!("l3.file_path={}", root.display()),
+        format!("l3.file.path={}", root.display()),
     ];
     let chains: Vec<Vec<PageKey>> = (0..rounds as u32).map(|r| chain(r + 1, pages)).collect();
     rt.block_on(populate(&l3, &chains));
@@ -323,11 +323,11 @@ pub fn run(quick: bool) {
     let cfg = c.config("prefetch", "bench");
     let l3 = vec![
         "l3.backend=s3".to_string(),
-        format!("l3.s3_endpoint={}", cfg.endpoint),
-        "l3.s3_bucket=prefetch".into(),
-        "l3.s3_prefix=bench".into(),
-        format!("l3.s3_access_key={}", cfg.access_key),
-        format!("l3.s3_secret_key={}", cfg.secret_key),
+        format!("l3.s3.endpoint={}", cfg.endpoint),
+        "l3.s3.bucket=prefetch".into(),
+        "l3.s3.prefix=bench".into(),
+        format!("l3.s3.access_key={}", cfg.access_key),
+        format!("l3.s3.secret_key={}", cfg.secret_key),
         "l3.timeout=60s".into(),
         "l3.concurrency=16".into(),
     ];

@@ -123,7 +123,7 @@ impl AgentService {
     ) -> (Self, BackupWorker) {
         let (tx, rx) = mpsc::unbounded_channel();
         let concurrency = cfg.cache.backup_concurrency as usize;
-        let eviction = cfg.eviction_policy();
+        let eviction = cfg.cache.eviction_policy;
         let shared = Shared {
             state: Mutex::new(State {
                 engine: None,

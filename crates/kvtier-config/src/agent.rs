@@ -140,7 +140,7 @@ pub struct DaemonLinkConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
     /// Eviction policy name.
-    pub eviction_policy: String,
+    pub eviction_policy: PolicyKind,
     /// When pages are backed up (the threshold is applied by [`AgentConfig::write_policy`]).
     pub write_policy: WritePolicy,
     /// Hits at which `write_through_selective` backs up.
@@ -194,7 +194,7 @@ impl Default for AgentConfig {
                 timeout: Dur(Duration::from_secs(5)),
             },
             cache: CacheConfig {
-                eviction_policy: "lru".into(),
+                eviction_policy: PolicyKind::Lru,
                 write_policy: WritePolicy::WriteThrough,
                 write_threshold: 2,
                 backup_concurrency: 4,
@@ -256,11 +256,6 @@ impl AgentConfig {
         }
     }
 
-    /// The eviction policy (validated).
-    pub fn eviction_policy(&self) -> PolicyKind {
-        self.cache.eviction_policy.parse().unwrap_or_default()
-    }
-
     /// The device → L2 write policy, with its threshold.
     pub fn write_policy(&self) -> WritePolicy {
         self.cache
@@ -288,7 +283,7 @@ impl AgentConfig {
                 },
             cache:
                 CacheConfig {
-                    eviction_policy,
+                    eviction_policy: _,
                     write_policy: _,
                     write_threshold,
                     backup_concurrency,
@@ -305,9 +300,6 @@ impl AgentConfig {
         if name.len() > 256 {
             return Err(ConfigError::invalid("daemon.name", "longer than 256 bytes"));
         }
-        eviction_policy
-            .parse::<PolicyKind>()
-            .map_err(|e| ConfigError::invalid("cache.eviction_policy", e.to_string()))?;
         let ranges: [(&str, u64, u64, u64); 5] = [
             ("server.max_tokens", *max_tokens, 1, 1 << 24),
             ("cache.write_threshold", *write_threshold, 1, 1_000_000),

@@ -3,9 +3,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvtier_core::{PolicyKind, WritePolicy};
+use kvtier_core::PolicyKind;
 use serde::{Deserialize, Serialize};
 
+pub use crate::l3::{
+    FileSection, L3Backend, L3Config, MemorySection, RemoteSection, RocksdbSection, S3Section,
+};
 use crate::{ByteSize, ConfigError, Dur, Secret, Sources};
 
 /// The complete, commented default configuration. `kvtierd --print-default-config` prints it,
@@ -78,10 +81,11 @@ dirty_fraction = 0.5
 take_over_after_crash = true
 
 [l3]
-# The storage tier behind L2: "file" (the embedded default: one file per page under
-# file_path), "rocksdb" (pages in a RocksDB database with blob files), "s3" (any
-# S3-compatible object store: AWS S3, MinIO, Ceph RGW), "remote" (another kvtierd's storage
-# tier, at remote_address), "memory" (a bounded in-process map, for trials), or "none".
+# The storage tier behind L2: "file" (the embedded default: one file per page, [l3.file]),
+# "rocksdb" (pages in a RocksDB database with blob files, [l3.rocksdb]), "s3" (any
+# S3-compatible object store: AWS S3, MinIO, Ceph RGW, [l3.s3]), "remote" (another kvtierd's
+# storage tier, [l3.remote]), "memory" (a bounded in-process map, for trials, [l3.memory]),
+# or "none". Each backend's own keys are in its section below; only the chosen one's are used.
 backend = "file"
 # When pages are written from L2 to L3. Under every policy an L2 slot is reused only after
 # L3 holds its page: pages not yet written are flushed (coldest first) as the pool runs short
@@ -121,45 +125,6 @@ breaker_min_calls = 20
 breaker_window = "10s"
 # How long the breaker stays open before one probe call is let through (10ms to 10m).
 breaker_cooldown = "1s"
-# file backend: directory of the pages. Empty: <data_dir>/l3.
-file_path = ""
-# file backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
-file_capacity_bytes = "0"
-# file backend: writes are refused while the filesystem has less free space than this.
-file_min_free_bytes = "1GiB"
-# file backend: pages older than this are misses and are deleted. 0s: never.
-file_ttl = "0s"
-# file backend: fsync each page before it becomes visible (durable across power loss).
-file_sync = false
-# memory backend: most bytes kept (oldest pages evicted first).
-memory_capacity_bytes = "1GiB"
-# remote backend: the kvtierd whose storage tier this one uses, as http://host:port (its
-# server.tcp) or a Unix socket path.
-remote_address = ""
-# s3 backend: endpoint URL for S3-compatible servers (MinIO, Ceph RGW), e.g.
-# "http://127.0.0.1:7480". Empty: AWS S3 (region from s3_region).
-s3_endpoint = ""
-# s3 backend: region. Empty: us-east-1.
-s3_region = ""
-# s3 backend: the bucket (it must exist).
-s3_bucket = ""
-# s3 backend: key prefix inside the bucket, e.g. "kvtier/prod". Empty: none.
-s3_prefix = ""
-# s3 backend: credentials. Empty: the standard AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
-# environment variables. Set the secret through KVTIER_L3_S3_SECRET_KEY rather than this file.
-s3_access_key = ""
-s3_secret_key = ""
-# s3 backend: virtual-hosted-style requests (bucket.host). false: path style, which MinIO and
-# Ceph RGW need.
-s3_virtual_hosted = false
-# s3 backend: retries of one request inside the S3 client (0 to 10); l3.timeout bounds each.
-s3_retries = 2
-# rocksdb backend: database directory. Empty: <data_dir>/rocksdb.
-rocksdb_path = ""
-# rocksdb backend: most bytes kept; least recently used pages are evicted above it. 0: no bound.
-rocksdb_capacity_bytes = "0"
-# rocksdb backend: sync the write-ahead log on every write.
-rocksdb_sync = false
 # Chaos drill: every L3 read (get) waits this long before it starts, to rehearse a slow
 # storage tier (prefetch policies, timeouts, metrics). 0s: off; keep it off in production.
 fault_get_delay = "0s"
@@ -169,6 +134,55 @@ fault_set_delay = "0s"
 # Chaos drill: each L3 call fails with this probability (0.0 to 1.0), to rehearse an unreliable
 # storage tier. 0: off; keep it off in production.
 fault_error_rate = 0.0
+
+[l3.file]
+# Directory of the pages. Empty: <data_dir>/l3.
+path = ""
+# Most bytes kept; least recently used pages are evicted above it. 0: no bound.
+capacity_bytes = "0"
+# Writes are refused while the filesystem has less free space than this.
+min_free_bytes = "1GiB"
+# Pages older than this are misses and are deleted. 0s: never.
+ttl = "0s"
+# fsync each page before it becomes visible (durable across power loss).
+sync = false
+
+[l3.rocksdb]
+# Database directory. Empty: <data_dir>/rocksdb.
+path = ""
+# Most bytes kept; least recently used pages are evicted above it. 0: no bound.
+capacity_bytes = "0"
+# Sync the write-ahead log on every write.
+sync = false
+
+[l3.s3]
+# Endpoint URL for S3-compatible servers (MinIO, Ceph RGW), e.g. "http://127.0.0.1:7480".
+# Empty: AWS S3 (region from region).
+endpoint = ""
+# Region. Empty: us-east-1.
+region = ""
+# The bucket (it must exist). Required with backend = "s3".
+bucket = ""
+# Key prefix inside the bucket, e.g. "kvtier/prod". Empty: none.
+prefix = ""
+# Credentials. Empty: the standard AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment
+# variables. Set the secret through KVTIER_L3_S3_SECRET_KEY rather than this file.
+access_key = ""
+secret_key = ""
+# Virtual-hosted-style requests (bucket.host). false: path style, which MinIO and Ceph RGW
+# need.
+virtual_hosted = false
+# Retries of one request inside the S3 client (0 to 10); l3.timeout bounds each.
+retries = 2
+
+[l3.remote]
+# The kvtierd whose storage tier this one uses, as http://host:port (its server.tcp) or a
+# Unix socket path. Required with backend = "remote".
+address = ""
+
+[l3.memory]
+# Most bytes kept (oldest pages evicted first). Above 0.
+capacity_bytes = "1GiB"
 
 [prefetch]
 # Loading pages from L3 into L2 ahead of a request (Prefetch RPC). The L3 hit is measured with
@@ -296,22 +310,44 @@ pub struct MetricsConfig {
     pub listen: String,
 }
 
+/// What backs an L2 pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum L2Backing {
+    /// A named file in `l2.shm_dir`.
+    #[default]
+    ShmFile,
+    /// An anonymous memfd, opened by clients through `/proc/<pid>/fd`.
+    Memfd,
+}
+
+/// Where SGLang's objects persist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SglangStore {
+    /// kvtierd's `[l3]` backend, in a namespace of their own.
+    #[default]
+    Shared,
+    /// kvtierd's memory only.
+    None,
+}
+
 /// `[l2]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct L2Config {
     /// tmpfs directory for pool files.
     pub shm_dir: PathBuf,
-    /// `shm_file` or `memfd`.
-    pub backing: String,
+    /// What backs each pool.
+    pub backing: L2Backing,
     /// Bytes per pool class.
     pub pool_bytes: ByteSize,
     /// Pages per pool class (overrides `pool_bytes` when above 0).
     pub pool_pages: u64,
     /// Most pool classes.
     pub max_pools: u32,
-    /// Eviction policy name.
-    pub eviction_policy: String,
+    /// Which page to evict first.
+    pub eviction_policy: PolicyKind,
     /// mlock the pools.
     pub mlock: bool,
     /// Transparent huge pages.
@@ -324,81 +360,6 @@ pub struct L2Config {
     pub take_over_after_crash: bool,
 }
 
-/// `[l3]`.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct L3Config {
-    /// `file`, `memory` or `none`.
-    pub backend: String,
-    /// When pages are written to L3 (the threshold is applied by
-    /// [`L3Config::write_policy`]).
-    pub write_policy: WritePolicy,
-    /// Hits at which `write_through_selective` writes a page.
-    pub write_threshold: u64,
-    /// Writer queue length in pages.
-    pub queue_pages: u32,
-    /// Pages per writer batch.
-    pub batch_pages: u32,
-    /// Concurrent backend writes.
-    pub concurrency: u32,
-    /// Per-call deadline.
-    pub timeout: Dur,
-    /// Retries of a failed backend call.
-    pub retries: u32,
-    /// First retry backoff.
-    pub retry_backoff: Dur,
-    /// Failure rate that opens the breaker.
-    pub breaker_failure_rate: f64,
-    /// Calls before the rate is judged.
-    pub breaker_min_calls: u32,
-    /// The rate's window.
-    pub breaker_window: Dur,
-    /// Breaker cooldown.
-    pub breaker_cooldown: Dur,
-    /// File backend directory (empty: `<data_dir>/l3`).
-    pub file_path: String,
-    /// File backend capacity (0: unbounded).
-    pub file_capacity_bytes: ByteSize,
-    /// File backend free-space guard.
-    pub file_min_free_bytes: ByteSize,
-    /// File backend TTL (0: none).
-    pub file_ttl: Dur,
-    /// File backend fsync.
-    pub file_sync: bool,
-    /// Memory backend capacity.
-    pub memory_capacity_bytes: ByteSize,
-    /// The remote kvtierd.
-    pub remote_address: String,
-    /// S3 endpoint (empty: AWS).
-    pub s3_endpoint: String,
-    /// S3 region.
-    pub s3_region: String,
-    /// S3 bucket.
-    pub s3_bucket: String,
-    /// S3 key prefix.
-    pub s3_prefix: String,
-    /// S3 access key id (empty: environment).
-    pub s3_access_key: String,
-    /// S3 secret key (empty: environment). Never printed.
-    pub s3_secret_key: Secret,
-    /// Virtual-hosted-style requests.
-    pub s3_virtual_hosted: bool,
-    /// S3 client retries.
-    pub s3_retries: u32,
-    /// RocksDB directory (empty: `<data_dir>/rocksdb`).
-    pub rocksdb_path: String,
-    /// RocksDB capacity (0: unbounded).
-    pub rocksdb_capacity_bytes: ByteSize,
-    /// RocksDB WAL sync.
-    pub rocksdb_sync: bool,
-    /// Chaos drill: delay before every L3 read (0: off).
-    pub fault_get_delay: Dur,
-    /// Chaos drill: delay before every L3 write (0: off).
-    pub fault_set_delay: Dur,
-    /// Chaos drill: probability that an L3 call fails (0: off).
-    pub fault_error_rate: f64,
-}
-
 /// `[sglang_rpc]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -409,9 +370,8 @@ pub struct SglangRpcConfig {
     pub mempool_socket: String,
     /// gRPC socket (empty: `<data_dir>/sglang-grpc.sock`).
     pub grpc_socket: String,
-    /// Where objects persist: `shared` (kvtierd's `[l3]` backend, in a namespace of their
-    /// own) or `none` (kvtierd's memory only).
-    pub l3: String,
+    /// Where objects persist.
+    pub l3: SglangStore,
     /// Bytes of recently put or got objects kept in kvtierd's memory for every SGLang
     /// instance on the node (0: off).
     pub memory_bytes: ByteSize,
@@ -427,7 +387,7 @@ impl Default for SglangRpcConfig {
             enable: false,
             mempool_socket: String::new(),
             grpc_socket: String::new(),
-            l3: "shared".into(),
+            l3: SglangStore::Shared,
             memory_bytes: ByteSize(1 << 30),
             concurrency: 16,
             max_batch: 65536,
@@ -439,8 +399,8 @@ impl Default for SglangRpcConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefetchConfig {
-    /// Default stop policy: `best_effort`, `wait_complete` or `timeout`.
-    pub policy: String,
+    /// Default stop policy.
+    pub policy: StopPolicy,
     /// Shortest L3 hit (tokens) worth fetching.
     pub threshold_tokens: u64,
     /// Engine prefill rate used to decide whether loading beats recomputing (0: off).
@@ -468,7 +428,8 @@ pub struct PrefetchConfig {
 }
 
 /// When a prefetch is finished.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StopPolicy {
     /// Take what landed whenever the client asks.
     BestEffort,
@@ -478,26 +439,7 @@ pub enum StopPolicy {
     Timeout,
 }
 
-impl std::str::FromStr for StopPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "best_effort" => Ok(Self::BestEffort),
-            "wait_complete" => Ok(Self::WaitComplete),
-            "timeout" => Ok(Self::Timeout),
-            _ => Err(format!(
-                "{s:?}: expected best_effort, wait_complete or timeout"
-            )),
-        }
-    }
-}
-
 impl PrefetchConfig {
-    /// The default stop policy (validated by [`DaemonConfig::validate`]).
-    pub fn stop_policy(&self) -> StopPolicy {
-        self.policy.parse().unwrap_or(StopPolicy::Timeout)
-    }
-
     /// The timeout policy's deadline for a prefetch of `tokens` tokens.
     pub fn deadline_for(&self, tokens: u64) -> Duration {
         let scaled = self.timeout_per_1k_tokens.0.mul_f64(tokens as f64 / 1024.0);
@@ -508,7 +450,7 @@ impl PrefetchConfig {
 impl Default for PrefetchConfig {
     fn default() -> Self {
         Self {
-            policy: "timeout".into(),
+            policy: StopPolicy::Timeout,
             threshold_tokens: 256,
             recompute_tokens_per_second: 20000,
             budget_fraction: 0.5,
@@ -522,54 +464,6 @@ impl Default for PrefetchConfig {
             negative_capacity: 65536,
             max_per_session: 1024,
         }
-    }
-}
-
-impl Default for L3Config {
-    fn default() -> Self {
-        Self {
-            backend: "file".into(),
-            write_policy: WritePolicy::WriteThrough,
-            write_threshold: 2,
-            queue_pages: 16384,
-            batch_pages: 128,
-            concurrency: 4,
-            timeout: Dur(Duration::from_secs(5)),
-            retries: 2,
-            retry_backoff: Dur(Duration::from_millis(2)),
-            breaker_failure_rate: 0.5,
-            breaker_min_calls: 20,
-            breaker_window: Dur(Duration::from_secs(10)),
-            breaker_cooldown: Dur(Duration::from_secs(1)),
-            file_path: String::new(),
-            file_capacity_bytes: ByteSize(0),
-            file_min_free_bytes: ByteSize(1 << 30),
-            file_ttl: Dur(Duration::ZERO),
-            file_sync: false,
-            memory_capacity_bytes: ByteSize(1 << 30),
-            remote_address: String::new(),
-            s3_endpoint: String::new(),
-            s3_region: String::new(),
-            s3_bucket: String::new(),
-            s3_prefix: String::new(),
-            s3_access_key: String::new(),
-            s3_secret_key: Secret::default(),
-            s3_virtual_hosted: false,
-            s3_retries: 2,
-            rocksdb_path: String::new(),
-            rocksdb_capacity_bytes: ByteSize(0),
-            rocksdb_sync: false,
-            fault_get_delay: Dur(Duration::ZERO),
-            fault_set_delay: Dur(Duration::ZERO),
-            fault_error_rate: 0.0,
-        }
-    }
-}
-
-impl L3Config {
-    /// The L2 → L3 write policy, with its threshold.
-    pub fn write_policy(&self) -> WritePolicy {
-        self.write_policy.with_threshold(self.write_threshold)
     }
 }
 
@@ -629,11 +523,11 @@ impl Default for L2Config {
     fn default() -> Self {
         Self {
             shm_dir: PathBuf::from("/dev/shm"),
-            backing: "shm_file".into(),
+            backing: L2Backing::ShmFile,
             pool_bytes: ByteSize(256 << 20),
             pool_pages: 0,
             max_pools: 8,
-            eviction_policy: "lru".into(),
+            eviction_policy: PolicyKind::Lru,
             mlock: false,
             huge_pages: false,
             reserve: true,
@@ -711,25 +605,20 @@ impl DaemonConfig {
 
     /// The file backend's directory.
     pub fn l3_file_path(&self) -> PathBuf {
-        if self.l3.file_path.is_empty() {
+        if self.l3.file.path.is_empty() {
             self.data_dir.join("l3")
         } else {
-            PathBuf::from(&self.l3.file_path)
+            PathBuf::from(&self.l3.file.path)
         }
     }
 
     /// The rocksdb backend's directory.
     pub fn l3_rocksdb_path(&self) -> PathBuf {
-        if self.l3.rocksdb_path.is_empty() {
+        if self.l3.rocksdb.path.is_empty() {
             self.data_dir.join("rocksdb")
         } else {
-            PathBuf::from(&self.l3.rocksdb_path)
+            PathBuf::from(&self.l3.rocksdb.path)
         }
-    }
-
-    /// The eviction policy (validated by [`Self::validate`]).
-    pub fn eviction_policy(&self) -> PolicyKind {
-        self.l2.eviction_policy.parse().unwrap_or_default()
     }
 
     /// Checks every key's bounds. Destructures exhaustively, so a new key cannot be added
@@ -749,57 +638,21 @@ impl DaemonConfig {
             l2:
                 L2Config {
                     shm_dir,
-                    backing,
+                    backing: _,
                     pool_bytes,
                     pool_pages,
                     max_pools,
-                    eviction_policy,
+                    eviction_policy: _,
                     mlock: _,
                     huge_pages: _,
                     reserve: _,
                     dirty_fraction,
                     take_over_after_crash: _,
                 },
-            l3:
-                L3Config {
-                    backend,
-                    write_policy: _,
-                    write_threshold,
-                    queue_pages,
-                    batch_pages,
-                    concurrency,
-                    timeout,
-                    retries,
-                    retry_backoff,
-                    breaker_failure_rate,
-                    breaker_min_calls,
-                    breaker_window,
-                    breaker_cooldown,
-                    file_path: _,
-                    file_capacity_bytes: _,
-                    file_min_free_bytes: _,
-                    file_ttl: _,
-                    file_sync: _,
-                    memory_capacity_bytes,
-                    remote_address,
-                    s3_endpoint,
-                    s3_region: _,
-                    s3_bucket,
-                    s3_prefix: _,
-                    s3_access_key: _,
-                    s3_secret_key: _,
-                    s3_virtual_hosted: _,
-                    s3_retries,
-                    rocksdb_path: _,
-                    rocksdb_capacity_bytes: _,
-                    rocksdb_sync: _,
-                    fault_get_delay,
-                    fault_set_delay,
-                    fault_error_rate,
-                },
+            l3,
             prefetch:
                 PrefetchConfig {
-                    policy: prefetch_policy,
+                    policy: _,
                     threshold_tokens,
                     recompute_tokens_per_second: _,
                     budget_fraction,
@@ -826,94 +679,8 @@ impl DaemonConfig {
             sessions: SessionsConfig { ttl },
             log: LogConfig { level },
         } = self;
-        let l2_backing = backing;
-        if !["file", "rocksdb", "s3", "remote", "memory", "none"].contains(&backend.as_str()) {
-            return Err(ConfigError::invalid(
-                "l3.backend",
-                format!("{backend:?}: expected file, rocksdb, s3, remote, memory or none"),
-            ));
-        }
-        if backend == "s3" && s3_bucket.is_empty() {
-            return Err(ConfigError::invalid(
-                "l3.s3_bucket",
-                "required with l3.backend = \"s3\"",
-            ));
-        }
-        let url = s3_endpoint.starts_with("http://") || s3_endpoint.starts_with("https://");
-        if !s3_endpoint.is_empty() && !url {
-            return Err(ConfigError::invalid(
-                "l3.s3_endpoint",
-                format!("{s3_endpoint:?} is not an http:// or https:// URL"),
-            ));
-        }
-        if *s3_retries > 10 {
-            return Err(ConfigError::invalid(
-                "l3.s3_retries",
-                format!("{s3_retries} is above 10"),
-            ));
-        }
-        if backend == "remote" && remote_address.is_empty() {
-            return Err(ConfigError::invalid(
-                "l3.remote_address",
-                "required with l3.backend = \"remote\" (http://host:port or a socket path)",
-            ));
-        }
-        let ranges: [(&str, u64, u64, u64); 6] = [
-            (
-                "l3.breaker_min_calls",
-                u64::from(*breaker_min_calls),
-                1,
-                100_000,
-            ),
-            ("l3.write_threshold", *write_threshold, 1, 1_000_000),
-            ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
-            ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
-            ("l3.concurrency", u64::from(*concurrency), 1, 256),
-            ("l3.retries", u64::from(*retries), 0, 10),
-        ];
-        crate::check_ranges(&ranges)?;
-        if timeout.0 < Duration::from_millis(1) || timeout.0 > Duration::from_secs(600) {
-            return Err(ConfigError::invalid(
-                "l3.timeout",
-                format!("{timeout} is outside 1ms..=10m"),
-            ));
-        }
-        if !(0.01..=1.0).contains(breaker_failure_rate) {
-            return Err(ConfigError::invalid(
-                "l3.breaker_failure_rate",
-                format!("{breaker_failure_rate} is outside 0.01..=1.0"),
-            ));
-        }
-        if breaker_window.0 < Duration::from_millis(100)
-            || breaker_window.0 > Duration::from_secs(600)
-        {
-            return Err(ConfigError::invalid(
-                "l3.breaker_window",
-                format!("{breaker_window} is outside 100ms..=10m"),
-            ));
-        }
-        if retry_backoff.0 < Duration::from_micros(100) || retry_backoff.0 > Duration::from_secs(10)
-        {
-            return Err(ConfigError::invalid(
-                "l3.retry_backoff",
-                format!("{retry_backoff} is outside 100us..=10s"),
-            ));
-        }
-        if breaker_cooldown.0 < Duration::from_millis(10)
-            || breaker_cooldown.0 > Duration::from_secs(600)
-        {
-            return Err(ConfigError::invalid(
-                "l3.breaker_cooldown",
-                format!("{breaker_cooldown} is outside 10ms..=10m"),
-            ));
-        }
-        if !["shared", "none"].contains(&sglang_l3.as_str()) {
-            return Err(ConfigError::invalid(
-                "sglang_rpc.l3",
-                format!("{sglang_l3:?}: expected shared or none"),
-            ));
-        }
-        if *sglang_enable && sglang_l3 == "none" && sglang_memory.0 == 0 {
+        l3.validate()?;
+        if *sglang_enable && *sglang_l3 == SglangStore::None && sglang_memory.0 == 0 {
             return Err(ConfigError::invalid(
                 "sglang_rpc.memory_bytes",
                 "must be above 0 with sglang_rpc.l3 = \"none\" (nothing would be stored)",
@@ -933,12 +700,6 @@ impl DaemonConfig {
                 1 << 20,
             ),
         ])?;
-        if backend == "memory" && memory_capacity_bytes.0 == 0 {
-            return Err(ConfigError::invalid(
-                "l3.memory_capacity_bytes",
-                "must be above 0",
-            ));
-        }
         if data_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("data_dir", "must not be empty"));
         }
@@ -971,12 +732,6 @@ impl DaemonConfig {
         if shm_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("l2.shm_dir", "must not be empty"));
         }
-        if l2_backing != "shm_file" && l2_backing != "memfd" {
-            return Err(ConfigError::invalid(
-                "l2.backing",
-                format!("{l2_backing:?}: expected \"shm_file\" or \"memfd\""),
-            ));
-        }
         if *pool_pages == 0 && pool_bytes.0 == 0 {
             return Err(ConfigError::invalid(
                 "l2.pool_bytes",
@@ -995,22 +750,11 @@ impl DaemonConfig {
                 format!("{max_pools} is outside 1..=1024"),
             ));
         }
-        eviction_policy
-            .parse::<PolicyKind>()
-            .map_err(|e| ConfigError::invalid("l2.eviction_policy", e.to_string()))?;
         if ttl.0 < Duration::from_millis(100) || ttl.0 > Duration::from_secs(3600) {
             return Err(ConfigError::invalid(
                 "sessions.ttl",
                 format!("{ttl} is outside 100ms..=1h"),
             ));
-        }
-        for (key, d) in [
-            ("l3.fault_get_delay", fault_get_delay),
-            ("l3.fault_set_delay", fault_set_delay),
-        ] {
-            if d.0 > Duration::from_secs(600) {
-                return Err(ConfigError::invalid(key, format!("{d} is above 10m")));
-            }
         }
         if !(0.05..=1.0).contains(dirty_fraction) {
             return Err(ConfigError::invalid(
@@ -1018,15 +762,6 @@ impl DaemonConfig {
                 format!("{dirty_fraction} is outside 0.05..=1.0"),
             ));
         }
-        if !(0.0..=1.0).contains(fault_error_rate) {
-            return Err(ConfigError::invalid(
-                "l3.fault_error_rate",
-                format!("{fault_error_rate} is outside 0.0..=1.0"),
-            ));
-        }
-        prefetch_policy
-            .parse::<StopPolicy>()
-            .map_err(|e| ConfigError::invalid("prefetch.policy", e))?;
         if !(0.0..=1.0).contains(budget_fraction) {
             return Err(ConfigError::invalid(
                 "prefetch.budget_fraction",
@@ -1108,22 +843,22 @@ mod tests {
     #[test]
     fn overrides_apply_to_a_running_config() {
         let base = DaemonConfig::load(&Sources {
-            sets: vec!["l3.backend=none".into(), "l3.s3_secret_key=s".into()],
+            sets: vec!["l3.backend=none".into(), "l3.s3.secret_key=s".into()],
             ..Sources::default()
         })
         .unwrap();
         let c = base
             .with_overrides(&[
                 "l3.backend=memory".into(),
-                "l3.memory_capacity_bytes=2MiB".into(),
+                "l3.memory.capacity_bytes=2MiB".into(),
             ])
             .unwrap();
         assert_eq!(
-            (c.l3.backend.as_str(), c.l3.memory_capacity_bytes),
-            ("memory", ByteSize(2 << 20))
+            (c.l3.backend, c.l3.memory.capacity_bytes),
+            (L3Backend::Memory, ByteSize(2 << 20))
         );
         assert_eq!(
-            c.l3.s3_secret_key.expose(),
+            c.l3.s3.secret_key.expose(),
             "s",
             "secrets survive the round trip"
         );
@@ -1133,6 +868,45 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("l3.backend"), "{e}");
+        // Every enum-valued setting names the key and the words it takes.
+        for (set, key, word) in [
+            ("l3.backend=tape", "l3.backend", "rocksdb"),
+            ("l2.backing=tape", "l2.backing", "memfd"),
+            ("l2.eviction_policy=random", "l2.eviction_policy", "slru"),
+            (
+                "prefetch.policy=eventually",
+                "prefetch.policy",
+                "wait_complete",
+            ),
+            ("sglang_rpc.l3=s3", "sglang_rpc.l3", "shared"),
+            ("l3.write_policy=sometimes", "l3.write_policy", "write_back"),
+        ] {
+            let e = base.with_overrides(&[set.into()]).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(word), "{set}: {e}");
+        }
+        // A backend's section is checked, and what it requires is required when it is used.
+        let e = base
+            .with_overrides(&["l3.backend=s3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("l3.s3.bucket"), "{e}");
+        let e = base
+            .with_overrides(&["l3.backend=remote".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("l3.remote.address"), "{e}");
+        let s3 = base
+            .with_overrides(&["l3.backend=s3".into(), "l3.s3.bucket=kv".into()])
+            .unwrap();
+        assert_eq!(
+            (s3.l3.backend, s3.l3.s3.bucket.as_str()),
+            (L3Backend::S3, "kv")
+        );
+        let e = base
+            .with_overrides(&["l3.s3.colour=red".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("l3.s3.colour"), "{e}");
     }
 
     #[test]
@@ -1142,7 +916,7 @@ mod tests {
             ..Sources::default()
         };
         let c = DaemonConfig::load(&src).unwrap();
-        assert_eq!(c.l3.s3_secret_key.expose(), "hunter2");
+        assert_eq!(c.l3.s3.secret_key.expose(), "hunter2");
         assert!(!format!("{c:?}").contains("hunter2"));
     }
 
@@ -1172,7 +946,7 @@ mod tests {
         };
         let c = DaemonConfig::load(&src).unwrap();
         assert_eq!(c.l2.pool_bytes, ByteSize(1 << 30)); // file over default
-        assert_eq!(c.l2.eviction_policy, "lfu"); // file
+        assert_eq!(c.l2.eviction_policy, PolicyKind::Lfu); // file
         assert_eq!(c.l2.max_pools, 7); // flag over env over file
         assert_eq!(c.data_dir, PathBuf::from("/var/lib/kvtier")); // env over default
         assert_eq!(
@@ -1193,7 +967,7 @@ mod tests {
         assert_eq!(p.deadline_for(0), Duration::from_secs(2));
         assert_eq!(p.deadline_for(10 * 1024), Duration::from_secs(3));
         assert_eq!(p.deadline_for(10_000_000), Duration::from_secs(30));
-        assert_eq!(p.stop_policy(), StopPolicy::Timeout);
+        assert_eq!(p.policy, StopPolicy::Timeout);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 
 pub mod agent;
 pub mod daemon;
+pub mod l3;
 mod units;
 
 pub use units::{ByteSize, Dur, Secret};
@@ -94,48 +95,55 @@ fn typed(key: &str, default: &Value, raw: &str) -> Result<Value, ConfigError> {
     })
 }
 
-/// Sets `section.key` (or top-level `key`) in `table`, typed by `schema`.
+/// Sets `section.key`, `section.sub.key` (or top-level `key`) in `table`, typed by `schema`.
 fn set_path(table: &mut Table, schema: &Table, path: &str, raw: &str) -> Result<(), ConfigError> {
     let parts: Vec<&str> = path.split('.').collect();
     let unknown = || ConfigError::invalid(path, "no such key");
-    match parts.as_slice() {
-        [key] => {
-            let def = schema.get(*key).ok_or_else(unknown)?;
-            table.insert((*key).to_string(), typed(path, def, raw)?);
-        }
-        [section, key] => {
-            let def = schema
-                .get(*section)
-                .and_then(Value::as_table)
-                .and_then(|t| t.get(*key))
-                .ok_or_else(unknown)?;
-            let v = typed(path, def, raw)?;
-            let t = table
-                .entry((*section).to_string())
-                .or_insert_with(|| Value::Table(Table::new()));
-            match t {
-                Value::Table(t) => {
-                    t.insert((*key).to_string(), v);
-                }
-                _ => return Err(ConfigError::invalid(*section, "must be a table")),
+    let (key, sections) = parts.split_last().ok_or_else(unknown)?;
+    let (mut table, mut schema) = (table, schema);
+    for (i, section) in sections.iter().enumerate() {
+        schema = schema
+            .get(*section)
+            .and_then(Value::as_table)
+            .ok_or_else(unknown)?;
+        let t = table
+            .entry((*section).to_string())
+            .or_insert_with(|| Value::Table(Table::new()));
+        table = match t {
+            Value::Table(t) => t,
+            _ => {
+                return Err(ConfigError::invalid(
+                    parts[..=i].join("."),
+                    "must be a table",
+                ));
             }
-        }
-        _ => return Err(unknown()),
+        };
     }
+    let def = schema.get(*key).ok_or_else(unknown)?;
+    if def.is_table() {
+        return Err(ConfigError::invalid(path, "is a section, not a key"));
+    }
+    table.insert((*key).to_string(), typed(path, def, raw)?);
     Ok(())
 }
 
-/// Maps `KVTIER_L2_POOL_BYTES` to `l2.pool_bytes` using the schema's sections.
+/// Maps `KVTIER_L2_POOL_BYTES` to `l2.pool_bytes` (and `KVTIER_L3_S3_SECRET_KEY` to
+/// `l3.s3.secret_key`) using the schema's sections: the longest section name that prefixes
+/// what is left, then the key.
 fn env_path(schema: &Table, var: &str, prefix: &str) -> Option<String> {
     let rest = var.strip_prefix(prefix)?.to_ascii_lowercase();
-    if schema.get(&rest).is_some_and(|v| !v.is_table()) {
-        return Some(rest);
+    key_path(schema, &rest)
+}
+
+fn key_path(schema: &Table, rest: &str) -> Option<String> {
+    if schema.get(rest).is_some_and(|v| !v.is_table()) {
+        return Some(rest.to_string());
     }
-    let (section, key) = rest.split_once('_')?;
-    schema
-        .get(section)
-        .is_some_and(Value::is_table)
-        .then(|| format!("{section}.{key}"))
+    schema.iter().find_map(|(name, v)| {
+        let sub = v.as_table()?;
+        let tail = rest.strip_prefix(name.as_str())?.strip_prefix('_')?;
+        Some(format!("{name}.{}", key_path(sub, tail)?))
+    })
 }
 
 /// Checks `(key, value, low, high)` bounds (inclusive); the error names the first key out

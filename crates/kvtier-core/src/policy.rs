@@ -223,6 +223,23 @@ impl FromStr for PolicyKind {
     }
 }
 
+impl serde::Serialize for PolicyKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PolicyKind {
+    /// A configured word; a bad one fails naming the choices.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let word = String::deserialize(d)?;
+        word.parse().map_err(|e: Error| match e {
+            Error::InvalidField { reason, .. } => serde::de::Error::custom(reason),
+            other => serde::de::Error::custom(other),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -75,7 +75,7 @@ pub enum BackendAction {
     /// Print the attached backend and its counters.
     Status,
     /// Attach a backend (replacing the attached one after draining it), e.g.
-    /// `kvtierctl backend attach backend=file file_path=/data/l3`.
+    /// `kvtierctl backend attach backend=file file.path=/data/l3`.
     Attach {
         /// l3 settings as KEY=VALUE, keys as in the [l3] section of kvtierd.toml.
         #[arg(required = true)]

@@ -20,12 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvtier_config::daemon::DaemonConfig;
 use kvtier_core::{ReadWindow, WritePolicy};
-use kvtier_storage::file::{FileConfig, FileStore};
-use kvtier_storage::memory::MemoryStore;
-use kvtier_storage::remote::RemoteStore;
 use kvtier_storage::retry::{RetryPolicy, Retrying};
-use kvtier_storage::rocks::{RocksConfig, RocksStore};
-use kvtier_storage::s3::{S3Config, S3Store};
 use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState, Delayed, Flaky, Metered};
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
@@ -34,7 +29,9 @@ use tokio_util::sync::CancellationToken;
 use crate::state::{HostState, Job};
 use kvtier_server::metrics::MetricRegistry;
 
+mod factory;
 mod metrics;
+pub use factory::open_backend;
 pub use metrics::L3Metrics;
 
 /// Counters of the writer.
@@ -116,47 +113,6 @@ impl std::fmt::Debug for L3 {
             .field("backend", &self.store.store().kind())
             .finish()
     }
-}
-
-/// Opens the configured backend, or `None` for `l3.backend = "none"`.
-pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, StorageError> {
-    let l3 = &cfg.l3;
-    Ok(match l3.backend.as_str() {
-        "none" => None,
-        "memory" => Some(Arc::new(MemoryStore::with_capacity(
-            l3.memory_capacity_bytes.0,
-        ))),
-        "remote" => Some(Arc::new(RemoteStore::connect(&l3.remote_address)?)),
-        "s3" => Some(Arc::new(S3Store::new(&S3Config {
-            endpoint: l3.s3_endpoint.clone(),
-            region: l3.s3_region.clone(),
-            bucket: l3.s3_bucket.clone(),
-            prefix: l3.s3_prefix.clone(),
-            access_key: l3.s3_access_key.clone(),
-            secret_key: l3.s3_secret_key.expose().to_string(),
-            virtual_hosted: l3.s3_virtual_hosted,
-            request_timeout: l3.timeout.0,
-            retries: l3.s3_retries as usize,
-        })?)),
-        "rocksdb" => Some(
-            RocksStore::open(RocksConfig {
-                path: cfg.l3_rocksdb_path(),
-                capacity_bytes: l3.rocksdb_capacity_bytes.0,
-                sync: l3.rocksdb_sync,
-            })
-            .await?,
-        ),
-        _ => Some(
-            FileStore::open(FileConfig {
-                root: cfg.l3_file_path(),
-                capacity_bytes: l3.file_capacity_bytes.0,
-                min_free_bytes: l3.file_min_free_bytes.0,
-                ttl: (!l3.file_ttl.0.is_zero()).then_some(l3.file_ttl.0),
-                sync: l3.file_sync,
-            })
-            .await?,
-        ),
-    })
 }
 
 /// What the writer task needs.

@@ -154,7 +154,7 @@ pub async fn run(
     )?;
     l3.attach(&cfg).await.map_err(|e| DaemonError::Setup {
         what: "opening the l3 backend",
-        path: cfg.l3.backend.clone(),
+        path: cfg.l3.backend.to_string(),
         source: std::io::Error::other(e.to_string()),
     })?;
     let prefetcher = Arc::new(prefetch::Prefetcher::new(

@@ -310,7 +310,7 @@ impl Prefetcher {
         }
         let (keys, parent, session) = (req.keys, req.parent, req.session);
         let request_id = Self::request_id(&req.request_id)?;
-        let policy = req.policy.unwrap_or_else(|| self.cfg.stop_policy());
+        let policy = req.policy.unwrap_or(self.cfg.policy);
         let (layout, l2, in_l2) = {
             let mut st = lock(&self.state);
             let (layout, l2) = st.prefetch_check(

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_config::daemon::DaemonConfig;
+use kvtier_config::daemon::{DaemonConfig, L2Backing, L3Backend};
 use kvtier_core::host_index::{
     HostIndex, HostIndexStats, L3Mark, L3Mode, OwnerId, PageState, Reserve,
 };
@@ -198,11 +198,10 @@ impl HostState {
             sessions: HashMap::new(),
             next_session: 1,
             ttl: cfg.sessions.ttl.0,
-            policy: cfg.eviction_policy(),
-            backing: if cfg.l2.backing == "memfd" {
-                Backing::Memfd
-            } else {
-                Backing::ShmFile
+            policy: cfg.l2.eviction_policy,
+            backing: match cfg.l2.backing {
+                L2Backing::Memfd => Backing::Memfd,
+                L2Backing::ShmFile => Backing::ShmFile,
             },
             shm_dir: cfg.l2.shm_dir.clone(),
             pool_bytes: cfg.l2.pool_bytes.0,
@@ -214,7 +213,7 @@ impl HostState {
             dirty_fraction: cfg.l2.dirty_fraction,
             take_over: cfg.l2.take_over_after_crash,
             instance: survive::instance_id(&cfg.socket_path()),
-            write: (cfg.l3.backend != "none").then(|| cfg.l3.write_policy()),
+            write: (cfg.l3.backend != L3Backend::None).then(|| cfg.l3.write_policy()),
             l3_down: false,
             prefetches: HashMap::new(),
             prefetch_names: HashMap::new(),

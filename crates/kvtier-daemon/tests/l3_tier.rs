@@ -269,7 +269,7 @@ fn remote_backend_from_config_and_a_dead_peer_costs_only_misses() {
         &[
             "l2.pool_pages=32",
             "l3.backend=remote",
-            &format!("l3.remote_address={}", a.target()),
+            &format!("l3.remote.address={}", a.target()),
             "l3.timeout=500ms",
             "l3.breaker_min_calls=2",
             "l3.retries=0",
@@ -320,11 +320,11 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
     let cfg = ceph.config("kvtierd", "node-1");
     let settings = [
         "l3.backend=s3".to_string(),
-        format!("l3.s3_endpoint={}", cfg.endpoint),
-        "l3.s3_bucket=kvtierd".into(),
-        "l3.s3_prefix=node-1".into(),
-        format!("l3.s3_access_key={}", cfg.access_key),
-        format!("l3.s3_secret_key={}", cfg.secret_key),
+        format!("l3.s3.endpoint={}", cfg.endpoint),
+        "l3.s3.bucket=kvtierd".into(),
+        "l3.s3.prefix=node-1".into(),
+        format!("l3.s3.access_key={}", cfg.access_key),
+        format!("l3.s3.secret_key={}", cfg.secret_key),
         "l3.timeout=10s".into(),
         "l2.pool_pages=32".into(),
         "prefetch.budget_fraction=1.0".into(),
@@ -423,7 +423,7 @@ fn backend_attach_swap_and_detach_at_runtime() {
         let out = ctl(BackendAction::Attach {
             settings: vec![
                 "backend=file".into(),
-                format!("file_path={}", swapped.display()),
+                format!("file.path={}", swapped.display()),
             ],
         })
         .unwrap();

@@ -63,7 +63,7 @@ class AdminServicer:
     def AttachBackend(self, request, context):
         """Opens a storage backend and makes it the L3 tier, replacing (after draining its queued
         writes) any attached one. Settings are l3 keys without the "l3." prefix, e.g.
-        ["backend=file", "file_path=/data/kvtier"]; unset keys keep their running values.
+        ["backend=file", "file.path=/data/kvtier"]; unset keys keep their running values.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

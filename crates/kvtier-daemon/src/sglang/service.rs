@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use kvtier_config::daemon::SglangRpcConfig;
+use kvtier_config::daemon::{SglangRpcConfig, SglangStore};
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_proto::sglang;
 use kvtier_storage::{Landed, MissReason, ObjectSink, OpCtx};
@@ -145,7 +145,7 @@ impl StorageService {
         Self {
             inner: Arc::new(Objects {
                 pools,
-                l3: (cfg.l3 == "shared").then_some(l3),
+                l3: (cfg.l3 == SglangStore::Shared).then_some(l3),
                 memory,
                 concurrency: cfg.concurrency.max(1) as usize,
                 max_batch: cfg.max_batch as usize,

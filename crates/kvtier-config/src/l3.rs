@@ -1,0 +1,431 @@
+//! `[l3]` of `kvtierd.toml`: the storage tier. Keys every backend shares (write policy,
+//! writer, deadlines, retries, breaker, chaos drills) sit in `[l3]`; each backend's own keys
+//! in its own section (`[l3.file]`, `[l3.rocksdb]`, `[l3.s3]`, `[l3.remote]`,
+//! `[l3.memory]`), which checks itself. `l3.backend` names one of them; a word that names
+//! none fails at parse, with the choices.
+//!
+//! Adding a backend: a variant of [`L3Backend`], a section type here (with its `validate`),
+//! its block in the commented default file, and one arm in kvtierd's backend factory
+//! (`crates/kvtier-daemon/src/l3/factory.rs`, an exhaustive match, so a missing arm does not
+//! compile).
+
+use std::time::Duration;
+
+use kvtier_core::WritePolicy;
+use serde::{Deserialize, Serialize};
+
+use crate::{ByteSize, ConfigError, Dur, Secret};
+
+/// Which storage tier backs L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum L3Backend {
+    /// One file per page (`[l3.file]`): the embedded default.
+    #[default]
+    File,
+    /// Pages in a RocksDB database with blob files (`[l3.rocksdb]`).
+    Rocksdb,
+    /// An S3-compatible object store (`[l3.s3]`).
+    S3,
+    /// Another kvtierd's storage tier (`[l3.remote]`).
+    Remote,
+    /// A bounded in-process map, for trials (`[l3.memory]`).
+    Memory,
+    /// No storage tier.
+    None,
+}
+
+impl L3Backend {
+    /// The configured word.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::File => "file",
+            Self::Rocksdb => "rocksdb",
+            Self::S3 => "s3",
+            Self::Remote => "remote",
+            Self::Memory => "memory",
+            Self::None => "none",
+        }
+    }
+}
+
+impl std::fmt::Display for L3Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `[l3]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct L3Config {
+    /// The backend.
+    pub backend: L3Backend,
+    /// When pages are written to L3 (the threshold is applied by
+    /// [`L3Config::write_policy`]).
+    pub write_policy: WritePolicy,
+    /// Hits at which `write_through_selective` writes a page.
+    pub write_threshold: u64,
+    /// Writer queue length in pages.
+    pub queue_pages: u32,
+    /// Pages per writer batch.
+    pub batch_pages: u32,
+    /// Concurrent backend writes.
+    pub concurrency: u32,
+    /// Per-call deadline.
+    pub timeout: Dur,
+    /// Retries of a failed backend call.
+    pub retries: u32,
+    /// First retry backoff.
+    pub retry_backoff: Dur,
+    /// Failure rate that opens the breaker.
+    pub breaker_failure_rate: f64,
+    /// Calls before the rate is judged.
+    pub breaker_min_calls: u32,
+    /// The rate's window.
+    pub breaker_window: Dur,
+    /// Breaker cooldown.
+    pub breaker_cooldown: Dur,
+    /// Chaos drill: delay before every L3 read (0: off).
+    pub fault_get_delay: Dur,
+    /// Chaos drill: delay before every L3 write (0: off).
+    pub fault_set_delay: Dur,
+    /// Chaos drill: probability that an L3 call fails (0: off).
+    pub fault_error_rate: f64,
+    /// `[l3.file]`.
+    pub file: FileSection,
+    /// `[l3.rocksdb]`.
+    pub rocksdb: RocksdbSection,
+    /// `[l3.s3]`.
+    pub s3: S3Section,
+    /// `[l3.remote]`.
+    pub remote: RemoteSection,
+    /// `[l3.memory]`.
+    pub memory: MemorySection,
+}
+
+/// `[l3.file]`: one file per page.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FileSection {
+    /// Directory of the pages (empty: `<data_dir>/l3`).
+    pub path: String,
+    /// Most bytes kept (0: unbounded).
+    pub capacity_bytes: ByteSize,
+    /// Free-space guard.
+    pub min_free_bytes: ByteSize,
+    /// Pages older than this are misses (0: never).
+    pub ttl: Dur,
+    /// fsync each page before it becomes visible.
+    pub sync: bool,
+}
+
+/// `[l3.rocksdb]`: pages in a RocksDB database.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RocksdbSection {
+    /// Database directory (empty: `<data_dir>/rocksdb`).
+    pub path: String,
+    /// Most bytes kept (0: unbounded).
+    pub capacity_bytes: ByteSize,
+    /// Sync the write-ahead log on every write.
+    pub sync: bool,
+}
+
+/// `[l3.s3]`: an S3-compatible object store.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct S3Section {
+    /// Endpoint URL (empty: AWS).
+    pub endpoint: String,
+    /// Region (empty: us-east-1).
+    pub region: String,
+    /// The bucket.
+    pub bucket: String,
+    /// Key prefix inside the bucket.
+    pub prefix: String,
+    /// Access key id (empty: environment).
+    pub access_key: String,
+    /// Secret key (empty: environment). Never printed.
+    pub secret_key: Secret,
+    /// Virtual-hosted-style requests.
+    pub virtual_hosted: bool,
+    /// Retries inside the S3 client.
+    pub retries: u32,
+}
+
+/// `[l3.remote]`: another kvtierd's storage tier.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteSection {
+    /// `http://host:port` (its `server.tcp`) or a Unix socket path.
+    pub address: String,
+}
+
+/// `[l3.memory]`: a bounded in-process map.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemorySection {
+    /// Most bytes kept (oldest pages evicted first).
+    pub capacity_bytes: ByteSize,
+}
+
+impl Default for FileSection {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            capacity_bytes: ByteSize(0),
+            min_free_bytes: ByteSize(1 << 30),
+            ttl: Dur(Duration::ZERO),
+            sync: false,
+        }
+    }
+}
+
+impl Default for RocksdbSection {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            capacity_bytes: ByteSize(0),
+            sync: false,
+        }
+    }
+}
+
+impl Default for S3Section {
+    fn default() -> Self {
+        Self {
+            endpoint: String::new(),
+            region: String::new(),
+            bucket: String::new(),
+            prefix: String::new(),
+            access_key: String::new(),
+            secret_key: Secret::default(),
+            virtual_hosted: false,
+            retries: 2,
+        }
+    }
+}
+
+impl Default for MemorySection {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: ByteSize(1 << 30),
+        }
+    }
+}
+
+impl Default for L3Config {
+    fn default() -> Self {
+        Self {
+            backend: L3Backend::File,
+            write_policy: WritePolicy::WriteThrough,
+            write_threshold: 2,
+            queue_pages: 16384,
+            batch_pages: 128,
+            concurrency: 4,
+            timeout: Dur(Duration::from_secs(5)),
+            retries: 2,
+            retry_backoff: Dur(Duration::from_millis(2)),
+            breaker_failure_rate: 0.5,
+            breaker_min_calls: 20,
+            breaker_window: Dur(Duration::from_secs(10)),
+            breaker_cooldown: Dur(Duration::from_secs(1)),
+            fault_get_delay: Dur(Duration::ZERO),
+            fault_set_delay: Dur(Duration::ZERO),
+            fault_error_rate: 0.0,
+            file: FileSection::default(),
+            rocksdb: RocksdbSection::default(),
+            s3: S3Section::default(),
+            remote: RemoteSection::default(),
+            memory: MemorySection::default(),
+        }
+    }
+}
+
+fn within(key: &str, d: Dur, lo: Duration, hi: Duration, range: &str) -> Result<(), ConfigError> {
+    if d.0 < lo || d.0 > hi {
+        return Err(ConfigError::invalid(key, format!("{d} is outside {range}")));
+    }
+    Ok(())
+}
+
+impl L3Config {
+    /// The L2 → L3 write policy, with its threshold.
+    pub fn write_policy(&self) -> WritePolicy {
+        self.write_policy.with_threshold(self.write_threshold)
+    }
+
+    /// Checks every key's bounds; each backend section checks its own, and what it requires
+    /// only when it is the one in use. Destructures exhaustively, so a new key cannot be
+    /// added without deciding its validation.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let Self {
+            backend,
+            write_policy: _,
+            write_threshold,
+            queue_pages,
+            batch_pages,
+            concurrency,
+            timeout,
+            retries,
+            retry_backoff,
+            breaker_failure_rate,
+            breaker_min_calls,
+            breaker_window,
+            breaker_cooldown,
+            fault_get_delay,
+            fault_set_delay,
+            fault_error_rate,
+            file,
+            rocksdb,
+            s3,
+            remote,
+            memory,
+        } = self;
+        crate::check_ranges(&[
+            (
+                "l3.breaker_min_calls",
+                u64::from(*breaker_min_calls),
+                1,
+                100_000,
+            ),
+            ("l3.write_threshold", *write_threshold, 1, 1_000_000),
+            ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
+            ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
+            ("l3.concurrency", u64::from(*concurrency), 1, 256),
+            ("l3.retries", u64::from(*retries), 0, 10),
+        ])?;
+        let ms = Duration::from_millis;
+        let s = Duration::from_secs;
+        within("l3.timeout", *timeout, ms(1), s(600), "1ms..=10m")?;
+        if !(0.01..=1.0).contains(breaker_failure_rate) {
+            return Err(ConfigError::invalid(
+                "l3.breaker_failure_rate",
+                format!("{breaker_failure_rate} is outside 0.01..=1.0"),
+            ));
+        }
+        within(
+            "l3.breaker_window",
+            *breaker_window,
+            ms(100),
+            s(600),
+            "100ms..=10m",
+        )?;
+        within(
+            "l3.retry_backoff",
+            *retry_backoff,
+            Duration::from_micros(100),
+            s(10),
+            "100us..=10s",
+        )?;
+        within(
+            "l3.breaker_cooldown",
+            *breaker_cooldown,
+            ms(10),
+            s(600),
+            "10ms..=10m",
+        )?;
+        for (key, d) in [
+            ("l3.fault_get_delay", fault_get_delay),
+            ("l3.fault_set_delay", fault_set_delay),
+        ] {
+            within(key, *d, Duration::ZERO, s(600), "0s..=10m")?;
+        }
+        if !(0.0..=1.0).contains(fault_error_rate) {
+            return Err(ConfigError::invalid(
+                "l3.fault_error_rate",
+                format!("{fault_error_rate} is outside 0.0..=1.0"),
+            ));
+        }
+        file.validate(*backend == L3Backend::File)?;
+        rocksdb.validate(*backend == L3Backend::Rocksdb)?;
+        s3.validate(*backend == L3Backend::S3)?;
+        remote.validate(*backend == L3Backend::Remote)?;
+        memory.validate(*backend == L3Backend::Memory)?;
+        Ok(())
+    }
+}
+
+impl FileSection {
+    fn validate(&self, _active: bool) -> Result<(), ConfigError> {
+        let Self {
+            path: _,
+            capacity_bytes: _,
+            min_free_bytes: _,
+            ttl,
+            sync: _,
+        } = self;
+        within(
+            "l3.file.ttl",
+            *ttl,
+            Duration::ZERO,
+            Duration::from_secs(10 * 365 * 86400),
+            "0s..=3650d",
+        )
+    }
+}
+
+impl RocksdbSection {
+    fn validate(&self, _active: bool) -> Result<(), ConfigError> {
+        let Self {
+            path: _,
+            capacity_bytes: _,
+            sync: _,
+        } = self;
+        Ok(())
+    }
+}
+
+impl S3Section {
+    fn validate(&self, active: bool) -> Result<(), ConfigError> {
+        let Self {
+            endpoint,
+            region: _,
+            bucket,
+            prefix: _,
+            access_key: _,
+            secret_key: _,
+            virtual_hosted: _,
+            retries,
+        } = self;
+        if active && bucket.is_empty() {
+            return Err(ConfigError::invalid(
+                "l3.s3.bucket",
+                "required with l3.backend = \"s3\"",
+            ));
+        }
+        let url = endpoint.starts_with("http://") || endpoint.starts_with("https://");
+        if !endpoint.is_empty() && !url {
+            return Err(ConfigError::invalid(
+                "l3.s3.endpoint",
+                format!("{endpoint:?} is not an http:// or https:// URL"),
+            ));
+        }
+        crate::check_ranges(&[("l3.s3.retries", u64::from(*retries), 0, 10)])
+    }
+}
+
+impl RemoteSection {
+    fn validate(&self, active: bool) -> Result<(), ConfigError> {
+        if active && self.address.is_empty() {
+            return Err(ConfigError::invalid(
+                "l3.remote.address",
+                "required with l3.backend = \"remote\" (http://host:port or a socket path)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl MemorySection {
+    fn validate(&self, active: bool) -> Result<(), ConfigError> {
+        if active && self.capacity_bytes.0 == 0 {
+            return Err(ConfigError::invalid(
+                "l3.memory.capacity_bytes",
+                "must be above 0",
+            ));
+        }
+        Ok(())
+    }
+}

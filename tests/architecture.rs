@@ -1,0 +1,102 @@
+//! docs/ARCHITECTURE.md's crate table against the Cargo manifests: every workspace crate has
+//! a row, and the row's "depends on" column names exactly the crate's dependencies among our
+//! own crates (and only dependencies the manifest has). The test crate, which has only
+//! dev-dependencies, is held to those.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// Our crates' short names as the table writes them (`kvtier-core` → `core`).
+fn short(name: &str) -> &str {
+    name.strip_prefix("kvtier-").unwrap_or(name)
+}
+
+struct Manifest {
+    name: String,
+    deps: BTreeSet<String>,
+}
+
+fn manifests(root: &Path) -> Vec<Manifest> {
+    let mut dirs: Vec<_> = std::fs::read_dir(root.join("crates"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    dirs.push(root.join("benches"));
+    dirs.push(root.join("tests"));
+    dirs.sort();
+    dirs.into_iter()
+        .filter(|d| d.join("Cargo.toml").exists())
+        .map(|d| {
+            let text = std::fs::read_to_string(d.join("Cargo.toml")).unwrap();
+            let t: toml::Table = toml::from_str(&text).unwrap();
+            let name = t["package"]["name"].as_str().unwrap().to_string();
+            let section = |s: &str| -> BTreeSet<String> {
+                t.get(s)
+                    .and_then(toml::Value::as_table)
+                    .map(|d| d.keys().cloned().collect())
+                    .unwrap_or_default()
+            };
+            let mut deps = section("dependencies");
+            if deps.is_empty() {
+                deps = section("dev-dependencies");
+            }
+            Manifest { name, deps }
+        })
+        .collect()
+}
+
+#[test]
+fn the_crate_table_matches_the_manifests() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let doc = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).unwrap();
+    let crates = manifests(root);
+    let ours: BTreeSet<&str> = crates.iter().map(|m| short(&m.name)).collect();
+    let mut wrong = Vec::new();
+    for m in &crates {
+        let Some(row) = doc
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{}`", m.name)))
+        else {
+            wrong.push(format!("{} has no row in the crate table", m.name));
+            continue;
+        };
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let listed: BTreeSet<&str> = cells[3]
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        let internal: BTreeSet<&str> = m
+            .deps
+            .iter()
+            .map(|d| short(d))
+            .filter(|d| ours.contains(d))
+            .collect();
+        let listed_internal: BTreeSet<&str> = listed
+            .iter()
+            .copied()
+            .filter(|d| ours.contains(d))
+            .collect();
+        if listed_internal != internal {
+            wrong.push(format!(
+                "{}: the table says it depends on {listed_internal:?} of our crates; Cargo.toml \
+                 says {internal:?}",
+                m.name
+            ));
+        }
+        for ext in listed.iter().filter(|d| !ours.contains(*d)) {
+            if !m.deps.contains(*ext) {
+                wrong.push(format!(
+                    "{}: the table names {ext}, which Cargo.toml does not depend on",
+                    m.name
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "docs/ARCHITECTURE.md is stale:\n{}",
+        wrong.join("\n")
+    );
+}
