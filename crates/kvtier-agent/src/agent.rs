@@ -5,6 +5,10 @@
 //! The state sits behind one mutex, held for the few microseconds a tree operation takes and
 //! never across an await: copies and daemon calls happen outside it, with the pages they read
 //! locked in the tree (so eviction cannot hand them back to the engine mid-copy).
+//!
+//! Size: the `Agent` service's handlers and the state they share under one lock, which is why
+//! they live together; backups (`backup.rs`), the kvtierd link (`link.rs`) and metrics are
+//! already apart, and pool registration is the next concept to move out if this grows.
 
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;

@@ -1,4 +1,7 @@
 //! `kvtierd.toml`: the node daemon's configuration.
+//!
+//! Size: about 240 of its lines are the commented default file (`DEFAULT_TOML`), which has to
+//! be one text; `[l3]` lives in `l3.rs`, and the rest is the structs, `validate` and tests.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -261,6 +264,9 @@ ttl = "10s"
 # Log filter, as RUST_LOG: error, warn, info, debug, trace, or per-module directives.
 level = "info"
 "#;
+
+/// What [`DaemonConfig::to_redacted_toml`] shows instead of a secret.
+pub const REDACTED: &str = "<redacted>";
 
 /// The daemon's configuration, as read. Use [`DaemonConfig::load`]; it validates.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -569,6 +575,18 @@ impl DaemonConfig {
             env: Vec::new(),
             sets: sets.to_vec(),
         })
+    }
+
+    /// This configuration as `kvtierd.toml` text, with every secret (`server.admin_token`,
+    /// `l3.s3.secret_key`) shown as `"<redacted>"` when set: what an operator may print.
+    pub fn to_redacted_toml(&self) -> Result<String, ConfigError> {
+        let mut c = self.clone();
+        for secret in [&mut c.server.admin_token, &mut c.l3.s3.secret_key] {
+            if !secret.expose().is_empty() {
+                *secret = Secret(REDACTED.to_string());
+            }
+        }
+        toml::to_string(&c).map_err(|e| ConfigError::invalid("<running config>", e.to_string()))
     }
 
     /// Loads from the given sources (see the crate docs for the order) and validates.
@@ -907,6 +925,36 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("l3.s3.colour"), "{e}");
+    }
+
+    #[test]
+    fn the_dump_is_a_loadable_config_without_its_secrets() {
+        let c = DaemonConfig::load(&Sources {
+            sets: vec![
+                "server.admin_token=hunter2".into(),
+                "l3.s3.secret_key=swordfish".into(),
+                "l2.max_pools=3".into(),
+            ],
+            ..Sources::default()
+        })
+        .unwrap();
+        let text = c.to_redacted_toml().unwrap();
+        assert!(
+            !text.contains("hunter2") && !text.contains("swordfish"),
+            "{text}"
+        );
+        let back = DaemonConfig::load(&Sources {
+            file: Some(("dump".into(), text)),
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(back.l2, c.l2);
+        assert_eq!(back.server.admin_token.expose(), REDACTED);
+        let plain = DaemonConfig::default().to_redacted_toml().unwrap();
+        assert!(
+            !plain.contains(REDACTED),
+            "an unset secret is shown as unset"
+        );
     }
 
     #[test]

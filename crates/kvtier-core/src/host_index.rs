@@ -31,6 +31,10 @@
 //!
 //! Entries are stored densely by slot (slots are dense `0..capacity`); a hash map takes a key
 //! to its slot. The index never touches page bytes.
+//!
+//! Size: one data structure of about 830 lines, whose invariants (slot states, pins, owners,
+//! the L3 mode and eviction order) cross every method, plus its unit tests; the model-based
+//! property test is `tests/host_index_model.rs`.
 
 use std::collections::{BTreeSet, HashMap};
 

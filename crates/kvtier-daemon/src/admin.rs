@@ -1,4 +1,5 @@
-//! `kvtier.v1.Admin`: attach, detach and swap the storage tier while the daemon runs.
+//! `kvtier.v1.Admin`: attach, detach and swap the storage tier while the daemon runs, and show
+//! the configuration it runs with.
 
 use std::sync::{Arc, Mutex};
 
@@ -90,6 +91,17 @@ impl Admin for AdminService {
         tracing::info!(backend = %cfg.l3.backend, "storage tier changed by admin request");
         self.set_running(cfg);
         Ok(Response::new(self.status()))
+    }
+
+    async fn running_config(
+        &self,
+        _request: Request<v1::RunningConfigRequest>,
+    ) -> Result<Response<v1::RunningConfigResponse>, Status> {
+        let toml = self
+            .running()
+            .to_redacted_toml()
+            .map_err(|e| Status::from(ApiError::Internal(e.to_string())))?;
+        Ok(Response::new(v1::RunningConfigResponse { toml }))
     }
 
     async fn detach_backend(

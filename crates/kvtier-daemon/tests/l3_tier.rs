@@ -394,7 +394,14 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
 #[test]
 fn backend_attach_swap_and_detach_at_runtime() {
     use kvtier_ctl::{BackendAction, BackendArgs};
-    let d = Daemon::start("admin", &["l2.pool_pages=64", "l3.backend=none"]);
+    let d = Daemon::start(
+        "admin",
+        &[
+            "l2.pool_pages=64",
+            "l3.backend=none",
+            "server.admin_token=hunter2",
+        ],
+    );
     // kvtierctl runs its own runtime: call it from a plain thread.
     let ctl = |action: BackendAction| {
         let socket = d.target();
@@ -428,6 +435,26 @@ fn backend_attach_swap_and_detach_at_runtime() {
         })
         .unwrap();
         assert!(out.contains("l3 backend file"), "{out}");
+        // The running configuration shows the swap, and no secret.
+        let socket = d.target();
+        let dump =
+            std::thread::spawn(move || kvtier_ctl::config(&kvtier_ctl::StatusArgs { socket }))
+                .join()
+                .unwrap()
+                .unwrap();
+        let running = kvtier_config::daemon::DaemonConfig::load(&kvtier_config::Sources {
+            file: Some(("dump".into(), dump.clone())),
+            ..kvtier_config::Sources::default()
+        })
+        .unwrap();
+        assert_eq!(
+            running.l3.backend,
+            kvtier_config::daemon::L3Backend::File,
+            "{dump}"
+        );
+        assert_eq!(running.l3_file_path(), swapped);
+        assert_eq!(running.l2.pool_pages, 64);
+        assert!(!dump.contains("hunter2"), "{dump}");
         store(&mut c, &s, &chain(21, 4)).await;
         wait_objects(&mut c, 4).await;
         let files = |p: &std::path::Path| {

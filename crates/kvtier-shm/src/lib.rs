@@ -15,6 +15,9 @@
 //! host pool received over a socket). Such a file can shrink under the mapping; where it
 //! cannot be sealed against that, [`ShmRegion::read_guarded`] / [`ShmRegion::write_guarded`]
 //! copy with SIGBUS absorbed inside the copy (module `guard`).
+//!
+//! Size: about 720 lines of code (the pool and its unsafe mapping, kept in one file so every
+//! `unsafe` block and its SAFETY note can be reviewed together) and its unit tests.
 
 use std::fs::{File, OpenOptions};
 use std::io;

@@ -6,6 +6,10 @@
 //! generated chat sessions). Requests are spread over the workers round-robin; every page a
 //! worker receives (device hit, L2 load-back, L3 prefetch) is compared with the deterministic
 //! KV of [`kv`]. [`run`] returns a [`Report`].
+//!
+//! Size: the simulation's driver (the run loop, the per-page check, the audit and the report)
+//! in one place, because each step reads the counters the others write; workloads, the engine
+//! and the embedded cluster are in their own modules.
 
 /// A name unique to this simulation within the machine (process id, a counter and the
 /// clock), for its directories and shared-memory files: several simulations may run at once.

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvtier.v1 import host_pb2 as kvtier_dot_v1_dot_host__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvtier/v1/admin.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/host.proto\"\x16\n\x14\x42\x61\x63kendStatusRequest\"b\n\x15\x42\x61\x63kendStatusResponse\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x14\n\x0c\x62reaker_open\x18\x02 \x01(\x08\x12!\n\x05stats\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.L3Stats\"(\n\x14\x41ttachBackendRequest\x12\x10\n\x08settings\x18\x01 \x03(\t\"\x16\n\x14\x44\x65tachBackendRequest2\x83\x02\n\x05\x41\x64min\x12R\n\rBackendStatus\x12\x1f.kvtier.v1.BackendStatusRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rAttachBackend\x12\x1f.kvtier.v1.AttachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rDetachBackend\x12\x1f.kvtier.v1.DetachBackendRequest\x1a .kvtier.v1.BackendStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvtier/v1/admin.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/host.proto\"\x16\n\x14\x42\x61\x63kendStatusRequest\"b\n\x15\x42\x61\x63kendStatusResponse\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x14\n\x0c\x62reaker_open\x18\x02 \x01(\x08\x12!\n\x05stats\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.L3Stats\"(\n\x14\x41ttachBackendRequest\x12\x10\n\x08settings\x18\x01 \x03(\t\"\x16\n\x14\x44\x65tachBackendRequest\"\x16\n\x14RunningConfigRequest\"%\n\x15RunningConfigResponse\x12\x0c\n\x04toml\x18\x01 \x01(\t2\xd7\x02\n\x05\x41\x64min\x12R\n\rBackendStatus\x12\x1f.kvtier.v1.BackendStatusRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rAttachBackend\x12\x1f.kvtier.v1.AttachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rDetachBackend\x12\x1f.kvtier.v1.DetachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rRunningConfig\x12\x1f.kvtier.v1.RunningConfigRequest\x1a .kvtier.v1.RunningConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,6 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHBACKENDREQUEST']._serialized_end=222
   _globals['_DETACHBACKENDREQUEST']._serialized_start=224
   _globals['_DETACHBACKENDREQUEST']._serialized_end=246
-  _globals['_ADMIN']._serialized_start=249
-  _globals['_ADMIN']._serialized_end=508
+  _globals['_RUNNINGCONFIGREQUEST']._serialized_start=248
+  _globals['_RUNNINGCONFIGREQUEST']._serialized_end=270
+  _globals['_RUNNINGCONFIGRESPONSE']._serialized_start=272
+  _globals['_RUNNINGCONFIGRESPONSE']._serialized_end=309
+  _globals['_ADMIN']._serialized_start=312
+  _globals['_ADMIN']._serialized_end=655
 # @@protoc_insertion_point(module_scope)

@@ -30,3 +30,13 @@ class AttachBackendRequest(_message.Message):
 class DetachBackendRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RunningConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunningConfigResponse(_message.Message):
+    __slots__ = ("toml",)
+    TOML_FIELD_NUMBER: _ClassVar[int]
+    toml: str
+    def __init__(self, toml: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,11 @@ class AdminStub:
                 request_serializer=kvtier_dot_v1_dot_admin__pb2.DetachBackendRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_admin__pb2.BackendStatusResponse.FromString,
                 _registered_method=True)
+        self.RunningConfig = channel.unary_unary(
+                '/kvtier.v1.Admin/RunningConfig',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -76,6 +81,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunningConfig(self, request, context):
+        """The configuration kvtierd runs with now (its file, environment and flags, plus any
+        backend attached since), as kvtierd.toml text. Secrets are shown as "<redacted>".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DetachBackend,
                     request_deserializer=kvtier_dot_v1_dot_admin__pb2.DetachBackendRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_admin__pb2.BackendStatusResponse.SerializeToString,
+            ),
+            'RunningConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunningConfig,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Admin:
             '/kvtier.v1.Admin/DetachBackend',
             kvtier_dot_v1_dot_admin__pb2.DetachBackendRequest.SerializeToString,
             kvtier_dot_v1_dot_admin__pb2.BackendStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunningConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Admin/RunningConfig',
+            kvtier_dot_v1_dot_admin__pb2.RunningConfigRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.RunningConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
