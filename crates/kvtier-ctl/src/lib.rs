@@ -358,24 +358,16 @@ pub fn status(a: StatusArgs) -> Result<String> {
 /// `kvtierctl backend`.
 pub fn backend(a: BackendArgs) -> Result<String> {
     use kvtier_proto::v1;
-    use kvtier_proto::v1::admin_client::AdminClient;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let r = rt
-        .block_on(async {
-            let mut c = AdminClient::new(kvtier_client::connect(&a.socket).await?);
-            let r = match a.action {
-                BackendAction::Status => c.backend_status(v1::BackendStatusRequest {}).await,
-                BackendAction::Attach { settings } => {
-                    c.attach_backend(v1::AttachBackendRequest { settings })
-                        .await
-                }
-                BackendAction::Detach => c.detach_backend(v1::DetachBackendRequest {}).await,
-            };
-            anyhow::Ok(r.map_err(kvtier_client::ClientError::from)?.into_inner())
-        })
-        .with_context(|| format!("asking kvtierd at {}", a.socket))?;
+    let r = admin(&a.socket, |mut c| async move {
+        match a.action {
+            BackendAction::Status => c.backend_status(v1::BackendStatusRequest {}).await,
+            BackendAction::Attach { settings } => {
+                c.attach_backend(v1::AttachBackendRequest { settings })
+                    .await
+            }
+            BackendAction::Detach => c.detach_backend(v1::DetachBackendRequest {}).await,
+        }
+    })?;
     let mut out = String::new();
     match (r.attached, r.stats) {
         (true, Some(s)) => {
@@ -411,20 +403,29 @@ pub fn backend(a: BackendArgs) -> Result<String> {
 
 /// `kvtierctl config`: the running configuration, as kvtierd.toml text.
 pub fn config(a: &StatusArgs) -> Result<String> {
-    use kvtier_proto::v1;
-    use kvtier_proto::v1::admin_client::AdminClient;
+    let r = admin(&a.socket, |mut c| async move {
+        c.running_config(kvtier_proto::v1::RunningConfigRequest {})
+            .await
+    })?;
+    Ok(r.toml)
+}
+
+/// Makes one `Admin` call on kvtierd at `socket`, on a runtime of its own.
+fn admin<T, F, Fut>(socket: &str, call: F) -> Result<T>
+where
+    F: FnOnce(kvtier_proto::v1::admin_client::AdminClient<tonic::transport::Channel>) -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+{
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let mut c = AdminClient::new(kvtier_client::connect(&a.socket).await?);
-        let r = c
-            .running_config(v1::RunningConfigRequest {})
-            .await
-            .map_err(kvtier_client::ClientError::from)?;
-        anyhow::Ok(r.into_inner().toml)
+        let c =
+            kvtier_proto::v1::admin_client::AdminClient::new(kvtier_client::connect(socket).await?);
+        let r = call(c).await.map_err(kvtier_client::ClientError::from)?;
+        anyhow::Ok(r.into_inner())
     })
-    .with_context(|| format!("asking kvtierd at {}", a.socket))
+    .with_context(|| format!("asking kvtierd at {socket}"))
 }
 
 /// `kvtierctl watch`: streams snapshots and writes one view per snapshot to `out` (clearing
