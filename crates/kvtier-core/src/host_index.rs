@@ -38,6 +38,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+mod operator;
+pub use operator::Cleared;
+
 /// What eviction may do with pages the storage tier below (L3) does not hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum L3Mode {
@@ -679,18 +682,18 @@ impl HostIndex {
         Ok(())
     }
 
-    /// Frees every page `owner` is still writing (its session ended). Returns how many.
-    pub fn abort_owner(&mut self, owner: OwnerId) -> usize {
-        let slots: Vec<u32> = self
-            .entries
+    /// The slots whose entries satisfy `pred`, in slot order.
+    fn slots_where(&self, pred: impl Fn(&Entry) -> bool) -> Vec<u32> {
+        self.entries
             .iter()
             .enumerate()
-            .filter_map(|(s, e)| {
-                e.as_ref()
-                    .filter(|e| e.state == PageState::Writing && e.owner == owner)
-                    .map(|_| s as u32)
-            })
-            .collect();
+            .filter_map(|(s, e)| e.as_ref().filter(|e| pred(e)).map(|_| s as u32))
+            .collect()
+    }
+
+    /// Frees every page `owner` is still writing (its session ended). Returns how many.
+    pub fn abort_owner(&mut self, owner: OwnerId) -> usize {
+        let slots = self.slots_where(|e| e.state == PageState::Writing && e.owner == owner);
         for &s in &slots {
             self.remove(s);
         }

@@ -6,6 +6,8 @@
 //! - `layout`: the geometry and fingerprint a layout descriptor validates to.
 //! - `status`: pools, sessions, usage and counters of a running kvtierd.
 //! - `backend`: show, attach, swap or detach a running kvtierd's storage tier.
+//! - `clear`, `flush`, `drain` ([`tiers`]): clear a tier (after confirmation), write
+//!   everything L3 lacks, or drain the daemon before a stop.
 //! - `watch`: a live, refreshing view of a running kvtierd built on its `WatchMetrics`
 //!   stream (tiers, hit rates, prefetch and backup rates and bandwidth, queues, breaker).
 //!
@@ -17,6 +19,9 @@ use std::fmt::Write as _;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use kvtier_core::{DType, KvKind, Layout, LayoutSpec, Namespace, PageHasher};
+
+pub mod tiers;
+pub use tiers::{ClearArgs, DrainArgs, FlushArgs, TierArg};
 
 /// Command line of kvtierctl.
 #[derive(Debug, Parser)]
@@ -41,6 +46,13 @@ pub enum Command {
     /// Print the configuration a running kvtierd uses now, as kvtierd.toml (secrets
     /// redacted): its file, environment and flags, plus any backend attached since.
     Config(StatusArgs),
+    /// Remove what a tier (l2 or l3) holds, after showing what would go and asking.
+    Clear(ClearArgs),
+    /// Write every page L2 holds that L3 lacks, and wait until they landed.
+    Flush(FlushArgs),
+    /// Drain kvtierd before a stop: refuse new sessions, writes and prefetches, write
+    /// everything L3 lacks, and wait until stopping loses nothing.
+    Drain(DrainArgs),
     /// A live view of a running kvtierd: tiers, hit rates, prefetch and backup throughput,
     /// queues and breaker state, refreshed every interval until Ctrl-C.
     Watch(WatchArgs),
@@ -167,6 +179,9 @@ pub fn run(cli: Cli) -> Result<String> {
         Command::Status(a) => status(a),
         Command::Backend(a) => backend(a),
         Command::Config(a) => config(&a),
+        Command::Clear(a) => tiers::clear(&a, &mut tiers::ask_terminal),
+        Command::Flush(a) => tiers::flush(&a),
+        Command::Drain(a) => tiers::drain(&a, &mut std::io::stderr()),
         Command::Watch(a) => {
             let stdout = std::io::stdout();
             let redraw = !a.plain && std::io::IsTerminal::is_terminal(&stdout);
@@ -411,7 +426,7 @@ pub fn config(a: &StatusArgs) -> Result<String> {
 }
 
 /// Makes one `Admin` call on kvtierd at `socket`, on a runtime of its own.
-fn admin<T, F, Fut>(socket: &str, call: F) -> Result<T>
+pub(crate) fn admin<T, F, Fut>(socket: &str, call: F) -> Result<T>
 where
     F: FnOnce(kvtier_proto::v1::admin_client::AdminClient<tonic::transport::Channel>) -> Fut,
     Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,

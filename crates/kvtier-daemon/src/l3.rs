@@ -197,6 +197,11 @@ impl L3 {
         self.breaker.state() != BreakerState::Closed
     }
 
+    /// Pages the writer queue has room for now.
+    pub fn room(&self) -> usize {
+        self.tx.capacity()
+    }
+
     /// Queues pages for writing without waiting. Pages that do not fit stay unwritten in L2
     /// (unpinned, counted as deferred): the flusher writes them before their slots are
     /// reused.
@@ -211,7 +216,7 @@ impl L3 {
                 ) => {
                     self.counters.deferred.fetch_add(1, Ordering::Relaxed);
                     self.metrics.writes.with_label_values(&["deferred"]).inc();
-                    crate::lock(state).finish_l3(&job.fp, &job.key, false);
+                    crate::lock(state).finish_l3(&job, false);
                 }
             }
         }
@@ -304,7 +309,7 @@ pub async fn run_writer(
                     }
                 };
                 metrics.writes.with_label_values(&[outcome]).inc();
-                crate::lock(&state).finish_l3(&job.fp, &job.key, r.is_ok());
+                crate::lock(&state).finish_l3(&job, r.is_ok());
                 c.queued.fetch_sub(1, Ordering::Relaxed);
                 drop(permit);
             });
@@ -316,8 +321,9 @@ pub async fn run_writer(
 
 /// Keeps enough cold pages in L3 that reserves find evictable slots, under every write
 /// policy, and tells the state whether L3 is down. Every 20 ms: the breaker's state goes to
-/// [`HostState::set_l3_down`]; each pool with fewer than a quarter of its slots free gets its
-/// coldest unwritten pages queued (none while L3 is down).
+/// [`HostState::set_l3_down`]; each pool with fewer than a quarter of its slots free (every
+/// pool while a flush or drain runs) gets its coldest unwritten pages queued (none while L3
+/// is down).
 pub async fn run_flusher(
     l3: Arc<L3>,
     state: Arc<Mutex<HostState>>,
@@ -333,7 +339,9 @@ pub async fn run_flusher(
         let jobs = {
             let mut st = crate::lock(&state);
             st.set_l3_down(l3.breaker_open());
-            st.flush_jobs(batch)
+            // No more than the queue takes: a flush of the whole pool waits its turn in L2
+            // rather than being counted as deferred.
+            st.flush_jobs(batch.min(l3.room()))
         };
         if !jobs.is_empty() {
             l3.enqueue(jobs, &state);

@@ -194,7 +194,20 @@ pub async fn run(
     )
     .max_decoding_message_size(2 * kvtier_storage::remote::CHUNK)
     .max_encoding_message_size(2 * kvtier_storage::remote::CHUNK);
-    let admin = admin::AdminService::new(l3.clone(), cfg.clone());
+    // kvtierd's memory of SGLang objects, when it serves SGLang (the admin clears it with L2).
+    let sglang_memory = cfg.sglang_rpc.enable.then(|| {
+        Arc::new(sglang::ObjectCache::new(
+            cfg.sglang_rpc.memory_bytes.0,
+            Some(sglang_metrics.cache.clone()),
+        ))
+    });
+    let admin = admin::AdminService::new(
+        l3.clone(),
+        state.clone(),
+        sglang_memory.clone(),
+        health.clone(),
+        cfg.clone(),
+    );
     let admin_token = cfg.server.admin_token.expose().to_string();
     let router = || {
         tonic::transport::Server::builder()
@@ -304,10 +317,12 @@ pub async fn run(
             pools.clone(),
             shutdown.clone(),
         ));
-        let memory = Arc::new(sglang::ObjectCache::new(
-            cfg.sglang_rpc.memory_bytes.0,
-            Some(sglang_metrics.cache.clone()),
-        ));
+        let memory = sglang_memory.clone().unwrap_or_else(|| {
+            Arc::new(sglang::ObjectCache::new(
+                cfg.sglang_rpc.memory_bytes.0,
+                Some(sglang_metrics.cache.clone()),
+            ))
+        });
         let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
             sglang::StorageService::new(
                 &cfg.sglang_rpc,

@@ -83,7 +83,7 @@ impl HostService {
             None => {
                 let mut st = self.state();
                 for j in jobs {
-                    st.finish_l3(&j.fp, &j.key, false);
+                    st.finish_l3(&j, false);
                 }
             }
         }

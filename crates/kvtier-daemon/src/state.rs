@@ -16,10 +16,12 @@ use kvtier_proto::ApiError;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
 mod metrics;
+mod operator;
 mod prefetch;
 mod survive;
 
 pub use metrics::L2Metrics;
+pub use operator::{ClearedL2, DrainReport, FlushWait};
 pub use prefetch::{Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Progress, StopCause};
 pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
 
@@ -69,6 +71,9 @@ pub struct Job {
     pub pool: Arc<ShmPool>,
     /// Page bytes.
     pub len: usize,
+    /// The L3 generation it was queued in: a write queued before L3 was cleared does not
+    /// mark its page held when it lands (the clear may have removed it).
+    pub epoch: u64,
 }
 
 /// What an agent tells the daemon about its worker with each heartbeat: counters since
@@ -130,6 +135,10 @@ pub struct Counters {
     pub lost_no_l3: u64,
     /// Pages evicted from L2 that L3 did not hold, because L3 was down (breaker open).
     pub lost_l3_down: u64,
+    /// Pages an operator cleared from L2 (`kvtierctl clear l2`).
+    pub cleared_pages: u64,
+    /// Of those, pages L3 did not hold.
+    pub lost_cleared: u64,
     /// Committed pages whose slot records were sealed (they would survive a crash).
     pub sealed_pages: u64,
     /// What the start-up takeover of dead kvtierd pools did.
@@ -176,6 +185,15 @@ pub struct HostState {
     /// Whether the attached tier is failing (its breaker open): eviction may then give up
     /// pages L3 does not hold.
     l3_down: bool,
+    /// L3's generation: advanced when L3 is cleared, so writes and loads from before the
+    /// clear do not mark pages held.
+    l3_epoch: u64,
+    /// Draining (`kvtierctl drain`): no new sessions, writes or prefetches; every page L3
+    /// lacks is written.
+    draining: bool,
+    /// Flushes in progress (`kvtierctl flush`): while any is, every page L3 lacks is written,
+    /// not only those of pools running short of free slots.
+    flushes: u32,
     prefetches: HashMap<u64, PrefetchEntry>,
     prefetch_names: HashMap<(u64, String), u64>,
     next_prefetch: u64,
@@ -215,6 +233,9 @@ impl HostState {
             instance: survive::instance_id(&cfg.socket_path()),
             write: (cfg.l3.backend != L3Backend::None).then(|| cfg.l3.write_policy()),
             l3_down: false,
+            l3_epoch: 0,
+            draining: false,
+            flushes: 0,
             prefetches: HashMap::new(),
             prefetch_names: HashMap::new(),
             next_prefetch: 1,
@@ -223,7 +244,7 @@ impl HostState {
         }
     }
 
-    fn jobs(pool: &Pool, queued: Vec<(PageKey, u32)>) -> Vec<Job> {
+    fn jobs(pool: &Pool, queued: Vec<(PageKey, u32)>, epoch: u64) -> Vec<Job> {
         queued
             .into_iter()
             .map(|(key, slot)| Job {
@@ -232,6 +253,7 @@ impl HostState {
                 slot,
                 pool: pool.shm.clone(),
                 len: pool.layout.page_bytes(),
+                epoch,
             })
             .collect()
     }
@@ -296,28 +318,34 @@ impl HostState {
         }
     }
 
-    /// Ends an L3 write: unpins the page, marks it persisted if the write landed.
-    pub fn finish_l3(&mut self, fp: &LayoutFingerprint, key: &PageKey, landed: bool) {
-        if let Some(p) = self.pools.get_mut(fp) {
-            p.index.finish_l3(key, landed);
+    /// Ends an L3 write queued in L3 generation `epoch`: unpins the page, and marks it
+    /// persisted if the write landed and L3 was not cleared since.
+    pub fn finish_l3(&mut self, job: &Job, landed: bool) {
+        let landed = landed && job.epoch == self.l3_epoch;
+        if let Some(p) = self.pools.get_mut(&job.fp) {
+            p.index.finish_l3(&job.key, landed);
         }
     }
 
-    /// The coldest pages L3 does not hold yet, of every pool running short of free slots:
-    /// under every write policy, what must be written before those slots can be reused.
+    /// The coldest pages L3 does not hold yet, at most `batch` per pool, of every pool
+    /// running short of free slots (of every pool while a flush or drain runs): under every
+    /// write policy, what must be written before those slots can be reused.
     pub fn flush_jobs(&mut self, batch: usize) -> Vec<Job> {
         let mut out = Vec::new();
         if self.write.is_none() || self.l3_down {
             return out;
         }
+        let all = self.draining || self.flushes > 0;
+        let epoch = self.l3_epoch;
         for pool in self.pools.values_mut() {
             let s = pool.index.stats();
             // Short of free slots, or half way to the dirty limit (where writers would wait).
-            if pool.index.free_slots() < s.capacity / 4 + 1
+            if all
+                || pool.index.free_slots() < s.capacity / 4 + 1
                 || s.dirty > pool.index.dirty_limit() / 2
             {
                 let queued = pool.index.flush_candidates(batch);
-                out.extend(Self::jobs(pool, queued));
+                out.extend(Self::jobs(pool, queued, epoch));
             }
         }
         out
@@ -456,6 +484,7 @@ impl HostState {
         layout: &Layout,
         now: Instant,
     ) -> Result<Registered, ApiError> {
+        self.admitting("new sessions")?;
         let pool = self.pool_for(layout)?;
         let reg = Registered {
             session_id: 0,
@@ -603,6 +632,7 @@ impl HostState {
         keys: &[PageKey],
         now: Instant,
     ) -> Result<(Vec<Reserve>, usize), ApiError> {
+        self.admitting("new pages")?;
         let (session, pool) = self.session_pool(id, now)?;
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (out, evicted) = pool.index.reserve(id as OwnerId, parent, keys);
@@ -640,7 +670,7 @@ impl HostState {
         keys: &[PageKey],
         now: Instant,
     ) -> Result<Vec<Job>, ApiError> {
-        let write = self.write;
+        let (write, epoch) = (self.write, self.l3_epoch);
         let (session, pool) = self.session_pool(id, now)?;
         pool.index.commit(id as OwnerId, keys)?;
         pool.committed(keys);
@@ -650,7 +680,7 @@ impl HostState {
         let jobs = match write {
             Some(p) if p.on_store() => {
                 let queued = pool.index.queue_for_l3(keys);
-                Self::jobs(pool, queued)
+                Self::jobs(pool, queued, epoch)
             }
             _ => Vec::new(),
         };
@@ -677,7 +707,7 @@ impl HostState {
         keys: &[PageKey],
         now: Instant,
     ) -> Result<(Vec<u32>, Vec<Job>), ApiError> {
-        let write = self.write;
+        let (write, epoch) = (self.write, self.l3_epoch);
         let (session, pool) = self.session_pool(id, now)?;
         let slots = pool.index.acquire(keys);
         let hit = &keys[..slots.len()];
@@ -696,7 +726,7 @@ impl HostState {
                     .copied()
                     .collect();
                 let queued = pool.index.queue_for_l3(&hot);
-                Self::jobs(pool, queued)
+                Self::jobs(pool, queued, epoch)
             }
             None => Vec::new(),
         };

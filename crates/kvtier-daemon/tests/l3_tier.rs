@@ -24,26 +24,6 @@ async fn wait_objects(c: &mut HostClient, n: u64) {
     }
 }
 
-/// Files under the file backend's directory.
-fn files(dir: &std::path::Path) -> usize {
-    fn walk(p: &std::path::Path) -> usize {
-        std::fs::read_dir(p)
-            .map(|rd| {
-                rd.flatten()
-                    .map(|e| {
-                        if e.path().is_dir() {
-                            walk(&e.path())
-                        } else {
-                            1
-                        }
-                    })
-                    .sum()
-            })
-            .unwrap_or(0)
-    }
-    walk(&dir.join("l3/objects"))
-}
-
 #[test]
 fn write_through_writes_every_committed_page() {
     let d = Daemon::start("wt", &["l2.pool_pages=64", "l3.write_policy=write_through"]);
@@ -57,7 +37,7 @@ fn write_through_writes_every_committed_page() {
             (st.backend.as_str(), st.written_pages, st.failed_pages),
             ("file", 16, 0)
         );
-        assert_eq!(files(&d.dir), 16);
+        assert_eq!(l3_files(&d.dir), 16);
         // Another layout's pages are written under their own fingerprint.
         let s2 = c.register("w2", &layout("other")).await.unwrap();
         store(&mut c, &s2, &chain(2, 4)).await;
@@ -113,7 +93,7 @@ fn write_through_selective_writes_only_hot_pages() {
         // Give a wrong write time to happen, then check nothing else was written.
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(l3_objects(&mut c).await, 4);
-        assert_eq!(files(&d.dir), 4);
+        assert_eq!(l3_files(&d.dir), 4);
     });
 }
 

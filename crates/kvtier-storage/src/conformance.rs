@@ -361,6 +361,52 @@ pub async fn pages_into(store: Arc<dyn Store>) {
     ps.delete(&ctx, &fp, &key2).await.unwrap();
 }
 
+/// `clear` removes every object and the store works after it; a store that cannot clear
+/// (remote) refuses with `Invalid` and keeps everything.
+pub async fn clear(store: &dyn Store) {
+    let names: Vec<String> = (900..905).map(name).chain(["ab/cd".to_string()]).collect();
+    for (i, n) in names.iter().enumerate() {
+        store
+            .set(n, Bytes::new(), bytes(i as u32, 300))
+            .await
+            .unwrap();
+    }
+    match store.clear().await {
+        Ok(n) => {
+            assert!(
+                n >= names.len() as u64,
+                "clear reported {n} objects removed"
+            );
+            for n in &names {
+                assert!(!store.exists(n).await.unwrap(), "{n} survived a clear");
+                assert!(
+                    store.get(n).await.unwrap().is_none(),
+                    "{n} readable after a clear"
+                );
+            }
+            let st = store.stats();
+            assert_eq!((st.objects, st.bytes), (0, 0), "stats after a clear");
+            store
+                .set(&names[0], Bytes::new(), bytes(1, 10))
+                .await
+                .unwrap();
+            assert!(store.exists(&names[0]).await.unwrap(), "set after a clear");
+            assert_eq!(store.clear().await.unwrap(), 1, "second clear");
+        }
+        Err(crate::StorageError::Invalid(why)) => {
+            assert!(!why.is_empty());
+            for n in &names {
+                assert!(
+                    store.exists(n).await.unwrap(),
+                    "a refused clear removed {n}"
+                );
+                store.delete(n).await.unwrap();
+            }
+        }
+        Err(e) => panic!("clear failed: {e}"),
+    }
+}
+
 /// Every check, in order, on a fresh empty store.
 pub async fn run_all(store: Arc<dyn Store>) {
     round_trip(store.as_ref()).await;
@@ -369,5 +415,6 @@ pub async fn run_all(store: Arc<dyn Store>) {
     bad_names(store.as_ref()).await;
     concurrent_sets_are_atomic(store.clone()).await;
     pages(store.clone()).await;
-    pages_into(store).await;
+    pages_into(store.clone()).await;
+    clear(store.as_ref()).await;
 }

@@ -173,15 +173,8 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
             }
             continue;
         }
-        let Ok(rel) = path.strip_prefix(objects) else {
+        let Some(name) = object_name(objects, &path) else {
             continue;
-        };
-        // objects/<dir>/<fan>/<file> → name <dir>/<file>
-        let parts: Vec<&str> = rel.iter().filter_map(|s| s.to_str()).collect();
-        let name = match parts.as_slice() {
-            [dir, _fan, file] => format!("{dir}/{file}"),
-            [_fan, file] => (*file).to_string(),
-            _ => continue,
         };
         let at = meta
             .modified()
@@ -195,6 +188,50 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
         }
     }
     n
+}
+
+/// Deletes every object file under `dir` (temp files of writes in flight are left: they
+/// become objects after the clear) and takes it out of the index; returns how many.
+fn clear_dir(objects: &Path, dir: &Path, index: &Mutex<Index>) -> Result<u64, StorageError> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(io("list", dir)(e)),
+    };
+    let mut n = 0;
+    for e in rd {
+        let e = e.map_err(io("list", dir))?;
+        let path = e.path();
+        let ty = e.file_type().map_err(io("stat", &path))?;
+        if ty.is_dir() {
+            n += clear_dir(objects, &path, index)?;
+            continue;
+        }
+        if is_temp(&e.file_name()) {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => n += 1,
+            Err(err) if err.kind() == ErrorKind::NotFound => {}
+            Err(err) => return Err(io("delete", &path)(err)),
+        }
+        if let Some(name) = object_name(objects, &path) {
+            lock(index).remove(&name);
+        }
+    }
+    Ok(n)
+}
+
+/// The object name of file `path` under `objects` (`objects/<dir>/<fan>/<file>` is
+/// `<dir>/<file>`).
+fn object_name(objects: &Path, path: &Path) -> Option<String> {
+    let rel = path.strip_prefix(objects).ok()?;
+    let parts: Vec<&str> = rel.iter().filter_map(|s| s.to_str()).collect();
+    match parts.as_slice() {
+        [dir, _fan, file] => Some(format!("{dir}/{file}")),
+        [_fan, file] => Some((*file).to_string()),
+        _ => None,
+    }
 }
 
 #[async_trait]
@@ -392,6 +429,11 @@ impl Store for FileStore {
                 Err(io("delete", &path)(e))
             }
         }
+    }
+
+    async fn clear(&self) -> Result<u64, StorageError> {
+        let (objects, index) = (self.objects.clone(), self.index.clone());
+        blocking("file", move || clear_dir(&objects, &objects, &index)).await
     }
 
     fn stats(&self) -> StoreStats {

@@ -188,6 +188,11 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Removes the object if present.
     async fn delete(&self, name: &str) -> Result<(), StorageError>;
 
+    /// Removes every object of this store (its directory, database, or bucket prefix) and
+    /// returns how many it removed. Sets that run concurrently may land either side of it.
+    /// No default: a backend that cannot enumerate its objects says so with an error.
+    async fn clear(&self) -> Result<u64, StorageError>;
+
     /// How many of `names`, from the first, exist (stops at the first absent one). Backends
     /// with a batch API override this; the default asks one by one.
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {

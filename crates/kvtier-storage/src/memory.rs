@@ -118,6 +118,15 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    async fn clear(&self) -> Result<u64, StorageError> {
+        let mut g = self.lock();
+        let n = g.objects.len() as u64;
+        g.objects.clear();
+        g.order.clear();
+        g.bytes = 0;
+        Ok(n)
+    }
+
     fn stats(&self) -> StoreStats {
         let g = self.lock();
         StoreStats {

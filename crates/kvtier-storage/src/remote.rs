@@ -180,6 +180,15 @@ impl Store for RemoteStore {
         Ok(())
     }
 
+    async fn clear(&self) -> Result<u64, StorageError> {
+        // The peer's tier is shared by every node that uses it: clearing it is the peer
+        // operator's call, through the peer's own admin socket.
+        Err(StorageError::Invalid(format!(
+            "remote: the tier belongs to the kvtierd at {}; clear it there (kvtierctl clear l3 on that node)",
+            self.target
+        )))
+    }
+
     fn stats(&self) -> StoreStats {
         // The remote daemon reports its own tier; nothing is held here.
         StoreStats::default()

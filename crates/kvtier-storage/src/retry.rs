@@ -161,6 +161,11 @@ impl Store for Retrying {
     async fn delete(&self, name: &str) -> Result<(), StorageError> {
         self.call(|| self.inner.delete(name)).await
     }
+    async fn clear(&self) -> Result<u64, StorageError> {
+        // Long-running and idempotent, but not retried: a clear that failed part-way is
+        // reported, and the operator runs it again.
+        self.inner.clear().await
+    }
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
         self.call(|| self.inner.exists_prefix(names)).await
     }

@@ -144,6 +144,17 @@ impl RocksStore {
         }
         db.write_opt(b, &write_opts(sync)).map_err(err("delete"))
     }
+
+    /// Takes deleted `names` out of the capacity index; returns how many there were.
+    fn forget(index: &Mutex<Index>, names: &mut Vec<String>) -> u64 {
+        let mut g = lock(index);
+        for n in names.iter() {
+            g.remove(n);
+        }
+        let n = names.len() as u64;
+        names.clear();
+        n
+    }
 }
 
 #[async_trait]
@@ -221,6 +232,30 @@ impl Store for RocksStore {
         blocking("rocksdb", move || {
             lock(&index).remove(&name);
             Self::remove_batch(&db, std::slice::from_ref(&name), sync)
+        })
+        .await
+    }
+
+    async fn clear(&self) -> Result<u64, StorageError> {
+        let (db, index, sync) = (self.db.clone(), self.index.clone(), self.cfg.sync);
+        blocking("rocksdb", move || {
+            // The sizes family names every object; delete in batches as the scan goes.
+            let cf = sizes_cf(&db)?;
+            let mut names = Vec::with_capacity(1024);
+            let mut n = 0u64;
+            for item in db.iterator_cf(cf, IteratorMode::Start) {
+                let (k, _) = item.map_err(err("scan sizes"))?;
+                if let Ok(name) = std::str::from_utf8(&k) {
+                    names.push(name.to_string());
+                }
+                if names.len() == 1024 {
+                    Self::remove_batch(&db, &names, sync)?;
+                    n += Self::forget(&index, &mut names);
+                }
+            }
+            Self::remove_batch(&db, &names, sync)?;
+            n += Self::forget(&index, &mut names);
+            Ok(n)
         })
         .await
     }

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
-use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
+use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
 
 use crate::{StorageError, Store, StoreStats, check_name};
 
@@ -183,6 +183,27 @@ impl Store for S3Store {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(backend("delete", &e)),
         }
+    }
+
+    async fn clear(&self) -> Result<u64, StorageError> {
+        // Everything under the prefix (the whole bucket without one), listed and deleted in
+        // the store's bulk batches.
+        let prefix = (!self.prefix.is_empty()).then(|| Path::from(self.prefix.as_str()));
+        let listed = self
+            .store
+            .list(prefix.as_ref())
+            .map_ok(|meta| meta.location)
+            .boxed();
+        let mut deleted = self.store.delete_stream(listed);
+        let mut n = 0u64;
+        while let Some(r) = deleted.next().await {
+            match r {
+                Ok(_) => n += 1,
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(backend("clear", &e)),
+            }
+        }
+        Ok(n)
     }
 
     fn stats(&self) -> StoreStats {

@@ -298,6 +298,16 @@ impl Store for Breaker {
     async fn delete(&self, name: &str) -> Result<(), StorageError> {
         self.call(self.inner.delete(name)).await
     }
+    async fn clear(&self) -> Result<u64, StorageError> {
+        // Not under the call deadline (a clear walks the whole store), but refused while the
+        // breaker is open.
+        if self.state() != BreakerState::Closed {
+            return Err(StorageError::Unavailable(
+                "l3 circuit breaker is open".into(),
+            ));
+        }
+        self.inner.clear().await
+    }
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
         self.call(self.inner.exists_prefix(names)).await
     }
@@ -395,6 +405,10 @@ impl Store for Faulty {
         self.gate("delete").await?;
         self.inner.delete(name).await
     }
+    async fn clear(&self) -> Result<u64, StorageError> {
+        self.gate("clear").await?;
+        self.inner.clear().await
+    }
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
         self.gate("exists").await?;
         self.inner.exists_prefix(names).await
@@ -471,6 +485,9 @@ impl Store for Delayed {
     async fn delete(&self, name: &str) -> Result<(), StorageError> {
         self.inner.delete(name).await
     }
+    async fn clear(&self) -> Result<u64, StorageError> {
+        self.inner.clear().await
+    }
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
         self.inner.exists_prefix(names).await
     }
@@ -540,6 +557,9 @@ impl Store for Flaky {
     }
     async fn delete(&self, name: &str) -> Result<(), StorageError> {
         self.inner.delete(name).await
+    }
+    async fn clear(&self) -> Result<u64, StorageError> {
+        self.inner.clear().await
     }
     async fn exists_prefix(&self, names: &[String]) -> Result<usize, StorageError> {
         self.roll("exists")?;
@@ -670,6 +690,12 @@ impl Store for Metered {
         let t = Instant::now();
         let r = self.inner.delete(name).await;
         self.record("delete", t, &r, "ok", 0);
+        r
+    }
+    async fn clear(&self) -> Result<u64, StorageError> {
+        let t = Instant::now();
+        let r = self.inner.clear().await;
+        self.record("clear", t, &r, "ok", 0);
         r
     }
     fn stats(&self) -> StoreStats {

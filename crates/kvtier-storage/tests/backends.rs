@@ -180,6 +180,9 @@ async fn deadlines_and_cancellation_become_misses() {
         async fn delete(&self, _: &str) -> Result<(), StorageError> {
             std::future::pending().await
         }
+        async fn clear(&self) -> Result<u64, StorageError> {
+            std::future::pending().await
+        }
         fn stats(&self) -> kvtier_storage::StoreStats {
             Default::default()
         }

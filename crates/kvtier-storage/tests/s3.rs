@@ -12,7 +12,7 @@ use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_storage::s3::S3Store;
 use kvtier_storage::wrappers::{Breaker, BreakerConfig, BreakerState};
-use kvtier_storage::{Fetch, OpCtx, PageStore, conformance};
+use kvtier_storage::{Fetch, OpCtx, PageStore, Store, conformance};
 
 #[path = "ceph/mod.rs"]
 mod ceph;
@@ -25,7 +25,23 @@ async fn s3_on_ceph_rgw_conforms_and_survives_an_outage() {
 
     // The conformance suite, under a key prefix.
     let store = Arc::new(S3Store::new(&ceph.config("kvtier-test", "conformance")).unwrap());
-    conformance::run_all(store).await;
+    conformance::run_all(store.clone()).await;
+    // A clear removes its own prefix and nothing beside it.
+    let other = Arc::new(S3Store::new(&ceph.config("kvtier-test", "other")).unwrap());
+    other
+        .set("ab/cd", Bytes::new(), Bytes::from_static(b"kept"))
+        .await
+        .unwrap();
+    store
+        .set("ab/cd", Bytes::new(), Bytes::from_static(b"gone"))
+        .await
+        .unwrap();
+    assert_eq!(store.clear().await.unwrap(), 1);
+    assert!(
+        other.exists("ab/cd").await.unwrap(),
+        "a clear crossed its prefix"
+    );
+    other.delete("ab/cd").await.unwrap();
 
     // An outage.
     // Outage settings: no client retries, a short request timeout, so the breaker sees

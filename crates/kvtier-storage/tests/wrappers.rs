@@ -281,6 +281,12 @@ async fn a_faulted_store_fails_every_method_batched_ones_included() {
     assert!(faulty.exists_prefix(&names).await.is_err());
     assert!(faulty.exists("a").await.is_err());
     assert!(faulty.get("a").await.is_err());
+    assert!(faulty.clear().await.is_err());
     // One gated call each: the batched lookup is not split into per-name calls behind it.
-    assert_eq!(faulty.calls() - before, 3);
+    assert_eq!(faulty.calls() - before, 4);
+    faulty.set_fault(None);
+    assert!(
+        faulty.exists("a").await.unwrap(),
+        "a failed clear removed nothing"
+    );
 }

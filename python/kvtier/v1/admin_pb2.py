@@ -22,28 +22,43 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from kvtier.v1 import common_pb2 as kvtier_dot_v1_dot_common__pb2
 from kvtier.v1 import host_pb2 as kvtier_dot_v1_dot_host__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvtier/v1/admin.proto\x12\tkvtier.v1\x1a\x14kvtier/v1/host.proto\"\x16\n\x14\x42\x61\x63kendStatusRequest\"b\n\x15\x42\x61\x63kendStatusResponse\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x14\n\x0c\x62reaker_open\x18\x02 \x01(\x08\x12!\n\x05stats\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.L3Stats\"(\n\x14\x41ttachBackendRequest\x12\x10\n\x08settings\x18\x01 \x03(\t\"\x16\n\x14\x44\x65tachBackendRequest\"\x16\n\x14RunningConfigRequest\"%\n\x15RunningConfigResponse\x12\x0c\n\x04toml\x18\x01 \x01(\t2\xd7\x02\n\x05\x41\x64min\x12R\n\rBackendStatus\x12\x1f.kvtier.v1.BackendStatusRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rAttachBackend\x12\x1f.kvtier.v1.AttachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rDetachBackend\x12\x1f.kvtier.v1.DetachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rRunningConfig\x12\x1f.kvtier.v1.RunningConfigRequest\x1a .kvtier.v1.RunningConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvtier/v1/admin.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\x1a\x14kvtier/v1/host.proto\">\n\x0c\x43learRequest\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"R\n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\x12\x11\n\tunwritten\x18\x02 \x01(\x04\x12\x0c\n\x04kept\x18\x03 \x01(\x04\x12\x0f\n\x07rewrite\x18\x04 \x01(\x04\"\x1f\n\x0c\x46lushRequest\x12\x0f\n\x07wait_ms\x18\x01 \x01(\r\"J\n\rFlushResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\r\n\x05pages\x18\x02 \x01(\x04\x12\x0c\n\x04left\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"6\n\x0c\x44rainRequest\x12&\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x16.kvtier.v1.DrainAction\"\xa0\x01\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0csafe_to_stop\x18\x02 \x01(\x08\x12\x17\n\x0funwritten_pages\x18\x03 \x01(\x04\x12\x15\n\rqueued_writes\x18\x04 \x01(\x04\x12\x15\n\rwriting_pages\x18\x05 \x01(\x04\x12\x10\n\x08sessions\x18\x06 \x01(\x04\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\x16\n\x14\x42\x61\x63kendStatusRequest\"b\n\x15\x42\x61\x63kendStatusResponse\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x14\n\x0c\x62reaker_open\x18\x02 \x01(\x08\x12!\n\x05stats\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.L3Stats\"(\n\x14\x41ttachBackendRequest\x12\x10\n\x08settings\x18\x01 \x03(\t\"\x16\n\x14\x44\x65tachBackendRequest\"\x16\n\x14RunningConfigRequest\"%\n\x15RunningConfigResponse\x12\x0c\n\x04toml\x18\x01 \x01(\t*u\n\x0b\x44rainAction\x12\x1c\n\x18\x44RAIN_ACTION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAIN_ACTION_START\x10\x01\x12\x17\n\x13\x44RAIN_ACTION_STATUS\x10\x02\x12\x17\n\x13\x44RAIN_ACTION_CANCEL\x10\x03\x32\x8b\x04\n\x05\x41\x64min\x12R\n\rBackendStatus\x12\x1f.kvtier.v1.BackendStatusRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rAttachBackend\x12\x1f.kvtier.v1.AttachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rDetachBackend\x12\x1f.kvtier.v1.DetachBackendRequest\x1a .kvtier.v1.BackendStatusResponse\x12R\n\rRunningConfig\x12\x1f.kvtier.v1.RunningConfigRequest\x1a .kvtier.v1.RunningConfigResponse\x12:\n\x05\x43lear\x12\x17.kvtier.v1.ClearRequest\x1a\x18.kvtier.v1.ClearResponse\x12:\n\x05\x46lush\x12\x17.kvtier.v1.FlushRequest\x1a\x18.kvtier.v1.FlushResponse\x12:\n\x05\x44rain\x12\x17.kvtier.v1.DrainRequest\x1a\x18.kvtier.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKENDSTATUSREQUEST']._serialized_start=58
-  _globals['_BACKENDSTATUSREQUEST']._serialized_end=80
-  _globals['_BACKENDSTATUSRESPONSE']._serialized_start=82
-  _globals['_BACKENDSTATUSRESPONSE']._serialized_end=180
-  _globals['_ATTACHBACKENDREQUEST']._serialized_start=182
-  _globals['_ATTACHBACKENDREQUEST']._serialized_end=222
-  _globals['_DETACHBACKENDREQUEST']._serialized_start=224
-  _globals['_DETACHBACKENDREQUEST']._serialized_end=246
-  _globals['_RUNNINGCONFIGREQUEST']._serialized_start=248
-  _globals['_RUNNINGCONFIGREQUEST']._serialized_end=270
-  _globals['_RUNNINGCONFIGRESPONSE']._serialized_start=272
-  _globals['_RUNNINGCONFIGRESPONSE']._serialized_end=309
-  _globals['_ADMIN']._serialized_start=312
-  _globals['_ADMIN']._serialized_end=655
+  _globals['_DRAINACTION']._serialized_start=811
+  _globals['_DRAINACTION']._serialized_end=928
+  _globals['_CLEARREQUEST']._serialized_start=82
+  _globals['_CLEARREQUEST']._serialized_end=144
+  _globals['_CLEARRESPONSE']._serialized_start=146
+  _globals['_CLEARRESPONSE']._serialized_end=228
+  _globals['_FLUSHREQUEST']._serialized_start=230
+  _globals['_FLUSHREQUEST']._serialized_end=261
+  _globals['_FLUSHRESPONSE']._serialized_start=263
+  _globals['_FLUSHRESPONSE']._serialized_end=337
+  _globals['_DRAINREQUEST']._serialized_start=339
+  _globals['_DRAINREQUEST']._serialized_end=393
+  _globals['_DRAINRESPONSE']._serialized_start=396
+  _globals['_DRAINRESPONSE']._serialized_end=556
+  _globals['_BACKENDSTATUSREQUEST']._serialized_start=558
+  _globals['_BACKENDSTATUSREQUEST']._serialized_end=580
+  _globals['_BACKENDSTATUSRESPONSE']._serialized_start=582
+  _globals['_BACKENDSTATUSRESPONSE']._serialized_end=680
+  _globals['_ATTACHBACKENDREQUEST']._serialized_start=682
+  _globals['_ATTACHBACKENDREQUEST']._serialized_end=722
+  _globals['_DETACHBACKENDREQUEST']._serialized_start=724
+  _globals['_DETACHBACKENDREQUEST']._serialized_end=746
+  _globals['_RUNNINGCONFIGREQUEST']._serialized_start=748
+  _globals['_RUNNINGCONFIGREQUEST']._serialized_end=770
+  _globals['_RUNNINGCONFIGRESPONSE']._serialized_start=772
+  _globals['_RUNNINGCONFIGRESPONSE']._serialized_end=809
+  _globals['_ADMIN']._serialized_start=931
+  _globals['_ADMIN']._serialized_end=1454
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,21 @@ class AdminStub:
                 request_serializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigResponse.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/kvtier.v1.Admin/Clear',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.ClearRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.ClearResponse.FromString,
+                _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/kvtier.v1.Admin/Flush',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.FlushResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvtier.v1.Admin/Drain',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -89,6 +104,37 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Removes what a tier holds. L2: every page not in use at this moment (being written by a
+        client, pinned by a reader, or queued for L3) leaves the pools, and kvtierd's memory of
+        SGLang objects is emptied; pages L3 did not hold are counted in
+        kvtier_l2_lost_pages_total{reason="cleared"}. With dry_run, L2 only counts. L3: every
+        object of the attached backend is deleted (not for remote, whose tier belongs to
+        another kvtierd), and L2 forgets which of its pages L3 held, so each is written again
+        before it leaves L2. Writes running concurrently may land either side of a clear.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flush(self, request, context):
+        """Writes every page L2 holds that L3 lacks (under every write policy) and waits, up to
+        wait_ms, until each landed. Pages stored meanwhile are not waited for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Drains the daemon before a stop: no new sessions, page reservations or prefetches
+        (refused with UNAVAILABLE; reads of what L2 holds go on), every page L3 lacks is
+        written, and the health service reports NOT_SERVING. STATUS says whether a stop now
+        loses nothing; CANCEL admits again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +157,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RunningConfig,
                     request_deserializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_admin__pb2.RunningConfigResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.ClearRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.ClearResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.FlushRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.FlushResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +282,87 @@ class Admin:
             '/kvtier.v1.Admin/RunningConfig',
             kvtier_dot_v1_dot_admin__pb2.RunningConfigRequest.SerializeToString,
             kvtier_dot_v1_dot_admin__pb2.RunningConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Admin/Clear',
+            kvtier_dot_v1_dot_admin__pb2.ClearRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.ClearResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Admin/Flush',
+            kvtier_dot_v1_dot_admin__pb2.FlushRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Admin/Drain',
+            kvtier_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

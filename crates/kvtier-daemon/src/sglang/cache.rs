@@ -204,6 +204,19 @@ impl ObjectCache {
         self.report(bytes, objects, 0);
     }
 
+    /// Forgets every object (an operator's clear); returns how many there were.
+    pub fn clear(&self) -> usize {
+        let gone = {
+            let mut g = self.lock();
+            let inner = &mut *g;
+            inner.order.clear();
+            inner.bytes = 0;
+            std::mem::take(&mut inner.map)
+        };
+        self.report(0, 0, 0);
+        gone.len()
+    }
+
     /// Bytes and objects held now.
     pub fn usage(&self) -> (u64, usize) {
         let g = self.lock();

@@ -30,6 +30,8 @@ pub struct L2Metrics {
     takeover_pages: IntCounterVec,
     takeover_pools: IntCounterVec,
     sealed_pages: IntCounter,
+    cleared_pages: IntCounter,
+    draining: IntGauge,
     pool_bytes: IntGaugeVec,
     pool_pages: IntGaugeVec,
     dirty_pages: IntGauge,
@@ -76,7 +78,8 @@ impl L2Metrics {
             )?,
             lost_pages: r.counter_vec(
                 "kvtier_l2_lost_pages_total",
-                "Pages evicted from L2 that L3 did not hold, by reason: no_l3, l3_down",
+                "Pages that left L2 while L3 did not hold them, by reason: no_l3, l3_down \
+                 (evicted), cleared (an operator's clear)",
                 &["reason"],
             )?,
             takeover_pages: r.counter_vec(
@@ -96,6 +99,15 @@ impl L2Metrics {
                 "kvtier_l2_sealed_pages_total",
                 "Committed L2 pages checksummed and recorded beside their pool, so a kvtierd \
                  started after a crash can take them over",
+            )?,
+            cleared_pages: r.counter(
+                "kvtier_l2_cleared_pages_total",
+                "L2 pages removed by an operator's clear (kvtierctl clear l2)",
+            )?,
+            draining: r.gauge(
+                "kvtier_l2_draining",
+                "1 while kvtierd drains (kvtierctl drain): no new sessions, writes or \
+                 prefetches",
             )?,
             pool_bytes: r.gauge_vec(
                 "kvtier_l2_pool_bytes",
@@ -125,7 +137,7 @@ impl L2Metrics {
         for tier in ["l2", "l3", "miss", "unchecked"] {
             m.lookup_pages.with_label_values(&[tier]);
         }
-        for reason in ["no_l3", "l3_down"] {
+        for reason in ["no_l3", "l3_down", "cleared"] {
             m.lost_pages.with_label_values(&[reason]);
         }
         for outcome in ["adopted", "refused_checksum", "no_room"] {
@@ -171,6 +183,12 @@ impl L2Metrics {
             &self.lost_pages.with_label_values(&["l3_down"]),
             c.lost_l3_down,
         );
+        catch_up(
+            &self.lost_pages.with_label_values(&["cleared"]),
+            c.lost_cleared,
+        );
+        catch_up(&self.cleared_pages, c.cleared_pages);
+        self.draining.set(i64::from(st.draining()));
         catch_up(&self.sealed_pages, c.sealed_pages);
         for (outcome, n) in [
             ("adopted", c.takeover.adopted),

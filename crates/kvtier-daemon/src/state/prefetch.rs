@@ -136,6 +136,9 @@ pub struct PrefetchEntry {
     pub started: Instant,
     /// When the daemon stops it.
     pub deadline: Instant,
+    /// The L3 generation it read from: pages it lands after L3 was cleared are not marked
+    /// held by L3.
+    pub epoch: u64,
     /// Running, or how it ended.
     pub state: Phase,
     /// Why it ended that way (failed / revoked).
@@ -253,6 +256,7 @@ impl HostState {
         max_per_session: usize,
         now: Instant,
     ) -> Result<(Layout, usize), ApiError> {
+        self.admitting("new prefetches")?;
         let (_, pool) = self.session_pool(session, now)?;
         let l2 = pool.index.lookup(keys);
         let layout = pool.layout.clone();
@@ -383,6 +387,7 @@ impl HostState {
             page_bytes,
             started: o.started,
             deadline: o.deadline,
+            epoch: self.l3_epoch,
             state: Phase::Running,
             reason: String::new(),
             cancel: o.cancel,
@@ -422,9 +427,10 @@ impl HostState {
         let Some(pool) = self.pools.get_mut(&e.fp) else {
             return false;
         };
+        let held = e.epoch == self.l3_epoch;
         match pool
             .index
-            .commit_pinned(PrefetchEntry::owner(id), &[key], true)
+            .commit_pinned(PrefetchEntry::owner(id), &[key], held)
         {
             Ok(_) => {
                 pool.committed(&[key]);

@@ -137,6 +137,27 @@ impl Drop for Daemon {
     }
 }
 
+/// Object files under the file backend's directory (temp files of writes in flight left
+/// out).
+pub fn l3_files(dir: &Path) -> usize {
+    fn walk(p: &Path) -> usize {
+        std::fs::read_dir(p)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| {
+                        if e.path().is_dir() {
+                            walk(&e.path())
+                        } else {
+                            usize::from(!e.file_name().to_string_lossy().starts_with('.'))
+                        }
+                    })
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+    walk(&dir.join("l3/objects"))
+}
+
 /// A single-threaded runtime for a test's client side.
 pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()

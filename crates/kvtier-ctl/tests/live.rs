@@ -1,6 +1,6 @@
-//! `kvtierctl watch` against a live kvtierd: the real binary draws views of the daemon's
+//! The real kvtierctl binary against a live kvtierd. `watch` draws views of the daemon's
 //! metrics stream, stops on Ctrl-C (SIGINT) with success, and fails with a clear message when
-//! the daemon goes away.
+//! the daemon goes away; `clear`, `drain` and `flush` run as an operator types them.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{BufRead, BufReader};
@@ -184,4 +184,48 @@ fn watch_refuses_a_bad_interval_and_a_missing_daemon() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("interval_ms"), "{err}");
+}
+
+/// The real binary: a clear with stdin not a terminal and no `--yes` is refused before
+/// anything is removed; with `--yes` it clears; `drain --status` and `--cancel` report.
+#[test]
+fn clear_needs_a_terminal_or_yes_and_drain_reports() {
+    let d = Daemon::start("clear");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtierctl"))
+            .args(args)
+            .arg("--socket")
+            .arg(&d.socket)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, _, err) = run(&["clear", "l2"]);
+    assert!(!ok);
+    assert!(err.contains("pass --yes"), "{err}");
+    let (ok, out, _) = run(&["clear", "l2", "--dry-run"]);
+    assert!(ok && out.starts_with("This removes 0 pages"), "{out}");
+    let (ok, out, err) = run(&["clear", "l2", "--yes"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("cleared l2: 0 pages removed"), "{out}");
+    let (ok, out, err) = run(&["clear", "l3", "--yes"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("cleared l3: "), "{out}");
+    let (ok, out, _) = run(&["drain", "--status"]);
+    assert!(ok && out.starts_with("not draining"), "{out}");
+    let (ok, out, err) = run(&["drain", "--wait-secs", "10"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("drained: safe to stop"), "{out}");
+    let (ok, out, _) = run(&["drain", "--cancel"]);
+    assert!(ok && out.contains("cancelled"), "{out}");
+    let (ok, out, err) = run(&["flush", "--wait-secs", "5"]);
+    assert!(ok, "{err}");
+    assert_eq!(out, "flushed: 0 pages are in L3\n");
+    let (ok, _, err) = run(&["flush", "--wait-secs", "0"]);
+    assert!(!ok && err.contains("wait-secs"), "{err}");
 }
