@@ -198,6 +198,22 @@ fn check_room(dir: &Path, need: u64) -> Result<(), ShmError> {
 
 /// Allocates the file's blocks (tmpfs and memfd: its pages) now. A filesystem that cannot
 /// (EOPNOTSUPP) keeps the file sparse.
+/// Maps `len` bytes of a file another process created, shared. When its memory is allocated
+/// already (a reserved kvtierd pool, an engine's host pool), the mapping is populated
+/// (`MAP_POPULATE`): this process's page tables are built once, here, rather than by a fault
+/// on the first touch of every 4 KiB on the data path. A file allocated lazily is mapped
+/// lazily, so mapping it costs no memory.
+fn map_existing(file: &File, path: &Path, len: usize) -> Result<MmapRaw, ShmError> {
+    let meta = file.metadata().map_err(io_err("stat", path))?;
+    let allocated = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
+    let mut opts = MmapOptions::new();
+    opts.len(len);
+    if allocated >= len as u64 {
+        opts.populate();
+    }
+    opts.map_raw(file).map_err(io_err("mmap", path))
+}
+
 fn reserve(file: &File, path: &Path, len: u64) -> Result<(), ShmError> {
     let Ok(n) = libc::off_t::try_from(len) else {
         return Err(ShmError::Shape(format!("{len} bytes do not fit in off_t")));
@@ -281,6 +297,7 @@ impl ShmPool {
     }
 
     /// Maps an existing pool created by another process. Its size must be `slots × stride`.
+    /// Populated when its memory is allocated already ([`map_existing`]).
     pub fn open(path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
         let len = total_len(slots, stride)?;
         let file = OpenOptions::new()
@@ -295,10 +312,7 @@ impl ShmPool {
                 path.display()
             )));
         }
-        let map = MmapOptions::new()
-            .len(len)
-            .map_raw(&file)
-            .map_err(io_err("mmap", path))?;
+        let map = map_existing(&file, path, len)?;
         Ok(Self {
             map,
             _file: file,
@@ -637,10 +651,7 @@ impl ShmRegion {
         if len == 0 {
             return Err(ShmError::Shape("a region needs at least one byte".into()));
         }
-        let map = MmapOptions::new()
-            .len(len)
-            .map_raw(&file)
-            .map_err(io_err("mmap", path))?;
+        let map = map_existing(&file, path, len)?;
         Ok(Self {
             map,
             _file: file,
@@ -778,6 +789,50 @@ mod tests {
         assert!(e.contains("expected 12000"), "{e}");
         assert!(ShmRegion::create(&path, 0).is_err());
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Resident bytes of this process's mapping starting at `addr` (from /proc/self/smaps).
+    fn resident(addr: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut lines = smaps.lines();
+        while let Some(l) = lines.next() {
+            let start = l
+                .split('-')
+                .next()
+                .and_then(|h| usize::from_str_radix(h, 16).ok());
+            if start == Some(addr) {
+                for l in lines.by_ref() {
+                    if let Some(kb) = l.strip_prefix("Rss:") {
+                        return kb
+                            .trim()
+                            .trim_end_matches("kB")
+                            .trim()
+                            .parse::<u64>()
+                            .unwrap()
+                            * 1024;
+                    }
+                }
+            }
+        }
+        panic!("no mapping at {addr:#x}");
+    }
+
+    #[test]
+    fn a_reserved_pool_is_mapped_populated_and_a_lazy_one_lazily() {
+        for (reserve, name) in [(true, "populated"), (false, "lazy")] {
+            let mut sp = spec(&tmp(), Backing::Memfd, name);
+            sp.reserve = reserve;
+            sp.slots = 64;
+            let owner = ShmPool::create(&sp).unwrap();
+            let client = ShmPool::open(owner.path(), 64, 8192).unwrap();
+            let addr = client.slot_ptr(0).unwrap().as_ptr() as usize;
+            let rss = resident(addr);
+            if reserve {
+                assert_eq!(rss, 64 * 8192, "the page tables are built at open");
+            } else {
+                assert_eq!(rss, 0, "a lazy pool costs nothing to map");
+            }
+        }
     }
 
     #[test]
