@@ -8,6 +8,8 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+pub mod goals;
+
 /// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
 pub mod scenarios {
     pub mod agent;
@@ -94,6 +96,9 @@ pub struct Row {
     pub baseline_value: f64,
     /// kvtier's speed as a fraction of the baseline's (1.0 = as fast); none for reports.
     pub ratio: Option<f64>,
+    /// The baseline's relative spread over its repeats ((max − min) / median), when it was
+    /// measured more than once.
+    pub noise: Option<f64>,
 }
 
 static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
@@ -158,7 +163,15 @@ pub fn record(
         baseline: baseline.to_string(),
         baseline_value,
         ratio,
+        noise: None,
     });
+}
+
+/// Sets the noise of the row recorded last (its baseline's spread over repeats).
+fn set_noise(noise: f64) {
+    if let Some(r) = rows().last_mut() {
+        r.noise = Some(noise);
+    }
 }
 
 /// Every row recorded so far.
@@ -166,16 +179,29 @@ pub fn recorded() -> Vec<Row> {
     rows().clone()
 }
 
-/// The rows as a table.
+/// The rows as a table, each with its goal and, where it misses it by more than the run's
+/// noise, `MISS`.
 pub fn table(rows: &[Row]) -> String {
+    let noise = goals::run_noise(rows);
     let mut s = format!(
-        "{:<11} {:<44} {:>11} {:<8} {:>11}  {:<22} {:>6}\n",
-        "scenario", "figure", "value", "unit", "baseline", "baseline is", "ratio"
+        "{:<11} {:<44} {:>11} {:<8} {:>11}  {:<22} {:>6}  {:<8}\n",
+        "scenario", "figure", "value", "unit", "baseline", "baseline is", "ratio", "goal"
     );
     for r in rows {
         let what: String = r.baseline.chars().take(22).collect();
+        let (goal, mark) = match goals::goal(r) {
+            Some(g) => (
+                g.to_string(),
+                if goals::met(r, g, noise) {
+                    ""
+                } else {
+                    "  MISS"
+                },
+            ),
+            None => ("-".to_string(), ""),
+        };
         s.push_str(&format!(
-            "{:<11} {:<44} {:>11.3} {:<8} {:>11.3}  {:<22} {:>6}\n",
+            "{:<11} {:<44} {:>11.3} {:<8} {:>11.3}  {:<22} {:>6}  {:<8}{mark}\n",
             r.scenario,
             r.figure,
             r.value,
@@ -183,9 +209,14 @@ pub fn table(rows: &[Row]) -> String {
             r.baseline_value,
             what,
             r.ratio
-                .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
+                .map_or_else(|| "-".to_string(), |x| format!("{x:.3}")),
+            goal,
         ));
     }
+    s.push_str(&format!(
+        "run noise (median spread of repeated baselines): {:.1}%\n",
+        noise * 100.0
+    ));
     s
 }
 
@@ -210,6 +241,8 @@ pub struct Comparison {
     pub baseline_s: f64,
     /// Bytes (or items) one run processes, for throughput figures.
     pub units: u64,
+    /// The baseline's relative spread over its rounds ((max − min) / median).
+    pub baseline_noise: f64,
 }
 
 impl Comparison {
@@ -230,6 +263,7 @@ impl Comparison {
             per(self.baseline_s),
             Some(self.ratio()),
         );
+        set_noise(self.baseline_noise);
         format!(
             "{:<44} {:>10.3} {unit}  baseline {:>10.3} {unit}  ratio {:>5.3}",
             self.name,
@@ -269,9 +303,16 @@ where
         black_box(subject());
         s.push(t.elapsed().as_secs_f64());
     }
+    let spread = |v: &[f64]| {
+        let (lo, hi) = v
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        (hi - lo) / median(v.to_vec())
+    };
     Comparison {
         name: name.to_string(),
         subject_s: median(s),
+        baseline_noise: spread(&b),
         baseline_s: median(b),
         units,
     }

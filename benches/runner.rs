@@ -1,7 +1,9 @@
 //! `kvtier-bench`: every scenario in one run, each figure with the baseline measured in the
 //! same run and their ratio, as a table (and `--json`). `--quick` runs small versions
 //! (under a minute here); `--no-s3` skips the scenarios that need a local Ceph;
-//! `--only a,b` runs the named scenarios.
+//! `--only a,b` runs the named scenarios. Each row shows its goal (benches/goals.rs) and
+//! `MISS` where it falls short by more than the run's noise; `--check` then exits with
+//! status 1, listing those rows.
 #![allow(missing_docs)]
 
 use kvtier_bench::scenarios;
@@ -19,6 +21,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");
+    let check = args.iter().any(|a| a == "--check");
     kvtier_bench::commentary_to_stderr(json);
     let no_s3 = args.iter().any(|a| a == "--no-s3");
     let only: Vec<String> = args
@@ -64,5 +67,16 @@ fn main() {
         }
     } else {
         print!("\n{}", kvtier_bench::table(&rows));
+    }
+    if check {
+        let misses = kvtier_bench::goals::misses(&rows);
+        if !misses.is_empty() {
+            eprintln!("{} rows miss their goal:", misses.len());
+            for m in &misses {
+                eprintln!("  {m}");
+            }
+            std::process::exit(1);
+        }
+        eprintln!("every row with a goal meets it");
     }
 }

@@ -36,6 +36,8 @@ pub fn run(quick: bool) {
         "bytes/page",
         "evict p50 (ns)"
     );
+    // The L2 index's eviction p50 at the smallest and the largest size.
+    let mut evict_p50: Vec<(usize, u128)> = Vec::new();
     for &pages in sizes {
         let keys = chains(pages);
         let n = keys.iter().map(Vec::len).sum::<usize>();
@@ -70,6 +72,7 @@ pub fn run(quick: bool) {
             0.0,
             None,
         );
+        evict_p50.push((n, lat[500]));
         crate::record(
             &format!("L2 HostIndex, {n} pages: evict p50"),
             lat[500] as f64,
@@ -117,6 +120,16 @@ pub fn run(quick: bool) {
             "-",
             0.0,
             None,
+        );
+    }
+    if let (Some(&(small, a)), Some(&(large, b))) = (evict_p50.first(), evict_p50.last()) {
+        crate::record(
+            &format!("L2 HostIndex evict p50, {large} vs {small} pages"),
+            b as f64,
+            "ns",
+            &format!("{small} pages"),
+            a as f64,
+            Some(a as f64 / b.max(1) as f64),
         );
     }
 }

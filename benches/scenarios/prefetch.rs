@@ -52,6 +52,8 @@ async fn populate(l3: &[String], chains: &[Vec<PageKey>]) {
     let total: usize = chains.iter().map(Vec::len).sum();
     let mut sets: Vec<String> = l3.to_vec();
     sets.push(format!("l2.pool_pages={}", total + 8));
+    // Every page is stored at once, before any write to L3 lands: no dirty limit.
+    sets.push("l2.dirty_fraction=1.0".into());
     sets.push("l3.queue_pages=65536".into());
     let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
     let d = InProcessDaemon::start("prefetch-src", &sets);
