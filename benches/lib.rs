@@ -279,6 +279,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The relative spread of repeated measurements: (max − min) / median.
+fn spread(v: &[f64]) -> f64 {
+    let (lo, hi) = v
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    (hi - lo) / median(v.to_vec())
+}
+
 /// Times `subject` and `baseline` alternately, `rounds` times each after one warm-up, and
 /// returns their medians.
 pub fn compare<A, B, RA, RB>(
@@ -303,12 +311,6 @@ where
         black_box(subject());
         s.push(t.elapsed().as_secs_f64());
     }
-    let spread = |v: &[f64]| {
-        let (lo, hi) = v
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-        (hi - lo) / median(v.to_vec())
-    };
     Comparison {
         name: name.to_string(),
         subject_s: median(s),

@@ -17,10 +17,7 @@ use kvtier_core::{DType, KvKind, Layout, LayoutSpec, Namespace, PageHasher};
 use kvtier_storage::Store;
 use kvtier_storage::remote::RemoteStore;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use crate::median;
 
 /// Mooncake's put and get bytes/s, from the script the environment names.
 fn mooncake(pages: usize, page_bytes: usize, rounds: usize) -> Option<(f64, f64)> {
@@ -176,8 +173,7 @@ pub fn run(quick: bool) {
         crate::say!("Mooncake Store not measured (run benches/peers/run for the comparison)");
     }
     let gb = |x: f64| x / 1e9;
-    let spread = memcpy.iter().copied().fold(f64::MIN, f64::max)
-        - memcpy.iter().copied().fold(f64::MAX, f64::min);
+    let noise = crate::spread(&memcpy);
     let (put, floor) = (median(shm_put.clone()), median(memcpy));
     crate::record(
         &format!("put, kvtierd shared memory vs memcpy, {pages} x 2 MiB"),
@@ -187,7 +183,7 @@ pub fn run(quick: bool) {
         gb(floor),
         Some(put / floor),
     );
-    crate::set_noise(spread / floor);
+    crate::set_noise(noise);
     crate::say!(
         "put, kvtierd shared memory            {:>8.3} GB/s   memcpy {:>8.3} GB/s   (its copies alone {:>8.3} GB/s)",
         gb(put),

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::InProcessDaemon;
+use crate::{InProcessDaemon, median};
 use futures::StreamExt;
 use kvtier_client::{HostClient, PrefetchOptions, Reserved, outcome};
 use kvtier_core::{DType, KvKind, Layout, LayoutSpec, Namespace, PageHasher, PageKey};
@@ -95,11 +95,6 @@ struct Row {
     pages: usize,
     prefetch: Vec<f64>,
     raw: Vec<f64>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 impl Row {

@@ -40,6 +40,18 @@ async fn drain(d: &Daemon, cancel: bool, wait_secs: u64) -> (anyhow::Result<Stri
     .await
 }
 
+/// `kvtierctl flush`, waiting up to a minute.
+async fn flush(d: &Daemon) -> anyhow::Result<String> {
+    let socket = d.target();
+    ctl(move || {
+        kvtier_ctl::tiers::flush(&FlushArgs {
+            socket,
+            wait_secs: 60,
+        })
+    })
+    .await
+}
+
 /// A client that stores chains `seeds` one after another until the daemon refuses a
 /// reservation (it drains). Returns the keys it committed, and the refusal if there was one.
 async fn writer(target: String, seeds: Vec<u32>) -> (Vec<PageKey>, Option<tonic::Code>) {
@@ -103,15 +115,7 @@ fn flush_writes_what_l3_lacked_while_writers_keep_storing() {
                 ))
             })
             .collect();
-        let socket = d.target();
-        let out = ctl(move || {
-            kvtier_ctl::tiers::flush(&FlushArgs {
-                socket,
-                wait_secs: 60,
-            })
-        })
-        .await
-        .unwrap();
+        let out = flush(&d).await.unwrap();
         for t in second {
             assert_eq!(t.await.unwrap().1, None);
         }
@@ -320,7 +324,7 @@ fn clear_asks_first_and_never_frees_a_page_in_use() {
         let e = ctl(move || {
             kvtier_ctl::tiers::clear(&a, &mut |q| {
                 asked = q.to_string();
-                Ok(false)
+                Ok("no".to_string())
             })
             .map(|_| asked.clone())
             .map_err(|e| (e, asked))
@@ -332,7 +336,7 @@ fn clear_asks_first_and_never_frees_a_page_in_use() {
         assert!(e.1.contains("Type 'clear l3'"), "{}", e.1);
         assert_eq!(l3_files(&d.dir), 32);
         let a = args(TierArg::L3, false, false);
-        let out = ctl(move || kvtier_ctl::tiers::clear(&a, &mut |_| Ok(true)))
+        let out = ctl(move || kvtier_ctl::tiers::clear(&a, &mut |_| Ok("clear l3\n".into())))
             .await
             .unwrap();
         assert_eq!(
@@ -341,15 +345,7 @@ fn clear_asks_first_and_never_frees_a_page_in_use() {
         );
         assert_eq!(l3_files(&d.dir), 0);
         // L2 forgot L3 held them: a flush writes them all again.
-        let socket = d.target();
-        let out = ctl(move || {
-            kvtier_ctl::tiers::flush(&FlushArgs {
-                socket,
-                wait_secs: 60,
-            })
-        })
-        .await
-        .unwrap();
+        let out = flush(&d).await.unwrap();
         assert_eq!(out, "flushed: 32 pages are in L3\n");
         assert_eq!(l3_files(&d.dir), 32);
 

@@ -2,7 +2,7 @@
 //! what L3 held after L3 was cleared, and count what is not in L3 yet. Kept apart from the
 //! per-page life cycle in the parent module.
 
-use super::{HostIndex, L3Mark, PageState};
+use super::{Entry, HostIndex, L3Mark, PageState};
 use crate::keys::PageKey;
 
 /// What [`HostIndex::clear`] removes (or would remove).
@@ -17,21 +17,31 @@ pub struct Cleared {
     pub kept: u32,
 }
 
+/// Ready and not held by L3: what a flush or a drain still has to write.
+fn unwritten(e: &Entry) -> bool {
+    e.state == PageState::Ready && e.l3 != L3Mark::Persisted
+}
+
+/// Ready and pinned by nobody: what a clear removes.
+fn idle(e: &Entry) -> bool {
+    e.state == PageState::Ready && e.pins == 0
+}
+
 impl HostIndex {
     /// What [`Self::clear`] would remove now, without removing it.
     pub fn clearable(&self) -> Cleared {
-        let mut c = Cleared::default();
-        for e in self.entries.iter().flatten() {
-            if e.state == PageState::Ready && e.pins == 0 {
-                c.pages += 1;
-                if e.l3 != L3Mark::Persisted {
-                    c.unwritten += 1;
-                }
-            } else {
-                c.kept += 1;
-            }
+        self.count_clear(&self.slots_where(idle))
+    }
+
+    fn count_clear(&self, slots: &[u32]) -> Cleared {
+        Cleared {
+            pages: slots.len() as u32,
+            unwritten: slots
+                .iter()
+                .filter(|&&s| self.entry(s).l3 != L3Mark::Persisted)
+                .count() as u32,
+            kept: (self.map.len() - slots.len()) as u32,
         }
-        c
     }
 
     /// Removes every ready, unpinned page, whatever the eviction order and L3 mode. Pages in
@@ -39,8 +49,8 @@ impl HostIndex {
     /// writing is disturbed. Returns the counts and the freed slots (whose crash records
     /// the caller invalidates). Not counted as evictions.
     pub fn clear(&mut self) -> (Cleared, Vec<u32>) {
-        let counts = self.clearable();
-        let slots = self.slots_where(|e| e.state == PageState::Ready && e.pins == 0);
+        let slots = self.slots_where(idle);
+        let counts = self.count_clear(&slots);
         for &s in &slots {
             self.remove(s);
         }
@@ -65,19 +75,14 @@ impl HostIndex {
         self.entries
             .iter()
             .flatten()
-            .filter(|e| e.state == PageState::Ready && e.l3 != L3Mark::Persisted)
+            .filter(|e| unwritten(e))
             .count() as u32
     }
 
     /// Of `keys`, those still ready here and not held by L3 (what a flush that began with
     /// them still waits for).
     pub fn still_unwritten(&self, keys: &mut Vec<PageKey>) {
-        keys.retain(|k| {
-            self.map.get(k).is_some_and(|&s| {
-                let e = self.entry(s);
-                e.state == PageState::Ready && e.l3 != L3Mark::Persisted
-            })
-        });
+        keys.retain(|k| self.map.get(k).is_some_and(|&s| unwritten(self.entry(s))));
     }
 
     /// Keys of the ready pages L3 does not hold (the set a flush waits for).
@@ -85,7 +90,7 @@ impl HostIndex {
         self.entries
             .iter()
             .flatten()
-            .filter(|e| e.state == PageState::Ready && e.l3 != L3Mark::Persisted)
+            .filter(|e| unwritten(e))
             .map(|e| e.key)
             .collect()
     }
