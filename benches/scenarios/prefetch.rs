@@ -244,7 +244,7 @@ pub fn run(quick: bool) {
         let t = Instant::now();
         let mut x = 0u32;
         for _ in 0..50 {
-            x ^= crc32c::crc32c(&buf);
+            x ^= kvtier_core::checksum::crc32c(&buf);
         }
         crate::say!(
             "diag   crc32c one core: {:.3} GB/s ({x:x})",

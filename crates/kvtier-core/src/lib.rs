@@ -13,10 +13,13 @@
 //! - [`write_policy`]: when a tier copies pages to the tier below (`write_through`,
 //!   `write_through_selective`, `write_back`), one type for the agent and the daemon.
 //!
+//! - [`checksum`]: CRC32C, the checksum of stored pages and records, in one place.
+//!
 //! Everything that decides *which* page goes *where* lives here, so it can be tested
 //! exhaustively without processes, sockets or devices; the crates that move bytes never decide
 //! policy.
 
+pub mod checksum;
 pub mod host_index;
 pub mod keys;
 pub mod layout;

@@ -420,7 +420,7 @@ impl ShmPool {
         while done < len {
             let n = buf.len().min(len - done);
             self.read(slot, done, &mut buf[..n])?;
-            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            crc = kvtier_core::checksum::crc32c_append(crc, &buf[..n]);
             done += n;
         }
         Ok(crc)

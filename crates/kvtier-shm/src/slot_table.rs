@@ -83,7 +83,9 @@ fn table_len(slots: u32) -> usize {
 }
 
 fn crc(parts: &[&[u8]]) -> u32 {
-    parts.iter().fold(0, |c, p| crc32c::crc32c_append(c, p))
+    parts
+        .iter()
+        .fold(0, |c, p| kvtier_core::checksum::crc32c_append(c, p))
 }
 
 impl SlotTable {

@@ -234,6 +234,55 @@ fn object_name(objects: &Path, path: &Path) -> Option<String> {
     }
 }
 
+/// Why the rest of an object did not reach its sink.
+enum RestError {
+    Io(std::io::Error),
+    Sink(String),
+}
+
+/// Reads the `total` bytes after the head of `f` into `sink`: straight into the sink's memory
+/// where it lends it (one copy, page cache to destination), else through one reused,
+/// cache-sized buffer per thread (no page-sized allocation, and its page faults, per read).
+/// Returns how many bytes went.
+fn read_rest(f: &mut std::fs::File, total: u64, sink: &dyn ObjectSink) -> Result<u64, RestError> {
+    use std::io::Read as _;
+    let mut off = 0u64;
+    let mut failed = None;
+    while off < total {
+        let n = (total - off).min(READ_CHUNK as u64) as usize;
+        let lent = sink.fill_at(off, n, &mut |dst| {
+            f.read_exact(dst).map_err(|e| {
+                let why = e.to_string();
+                failed = Some(e);
+                why
+            })
+        });
+        match lent {
+            Some(Ok(())) => off += n as u64,
+            Some(Err(why)) => {
+                return Err(failed.take().map_or(RestError::Sink(why), RestError::Io));
+            }
+            None => break,
+        }
+    }
+    if off == total {
+        return Ok(off);
+    }
+    CHUNK.with_borrow_mut(|buf| {
+        buf.resize(READ_CHUNK, 0);
+        loop {
+            let n = match f.read(buf) {
+                Ok(0) => return Ok(off),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(RestError::Io(e)),
+            };
+            sink.write_at(off, &buf[..n]).map_err(RestError::Sink)?;
+            off += n as u64;
+        }
+    })
+}
+
 #[async_trait]
 impl Store for FileStore {
     fn kind(&self) -> &'static str {
@@ -296,22 +345,10 @@ impl Store for FileStore {
             let head_len = split.min(meta.len() as usize);
             let mut head = vec![0u8; head_len];
             std::io::Read::read_exact(&mut f, &mut head).map_err(io("read", &path))?;
-            // The rest goes to the sink through one reused, cache-sized buffer per thread:
-            // no page-sized allocation (and its page faults) per read.
-            let rest = CHUNK.with_borrow_mut(|buf| {
-                buf.resize(READ_CHUNK, 0);
-                let mut off = 0u64;
-                loop {
-                    let n = match std::io::Read::read(&mut f, buf) {
-                        Ok(0) => return Ok(off),
-                        Ok(n) => n,
-                        Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                        Err(e) => return Err(io("read", &path)(e)),
-                    };
-                    sink.write_at(off, &buf[..n])
-                        .map_err(StorageError::Invalid)?;
-                    off += n as u64;
-                }
+            let total = meta.len() - head_len as u64;
+            let rest = read_rest(&mut f, total, sink.as_ref()).map_err(|e| match e {
+                RestError::Io(e) => io("read", &path)(e),
+                RestError::Sink(why) => StorageError::Invalid(why),
             })?;
             lock(&index).touch(&name_owned, now_ns());
             Ok(Some((Bytes::from(head), rest)))
@@ -445,5 +482,97 @@ impl Store for FileStore {
             evictions: g.evictions,
             delete_failures: g.delete_failures,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::Fill;
+
+    /// A sink over a heap buffer that lends it (`lend`) or not, and refuses bytes past `limit`.
+    struct Sink {
+        buf: Mutex<Vec<u8>>,
+        lend: bool,
+        limit: usize,
+        lent: AtomicU64,
+    }
+
+    impl Sink {
+        fn new(lend: bool, limit: usize) -> Self {
+            Self {
+                buf: Mutex::new(Vec::new()),
+                lend,
+                limit,
+                lent: AtomicU64::new(0),
+            }
+        }
+    }
+
+    impl ObjectSink for Sink {
+        fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+            self.put(offset, bytes.len(), &mut |d| {
+                d.copy_from_slice(bytes);
+                Ok(())
+            })
+        }
+
+        fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
+            self.lend.then(|| {
+                self.lent.fetch_add(1, Ordering::Relaxed);
+                self.put(offset, len, fill)
+            })
+        }
+    }
+
+    impl Sink {
+        fn put(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
+            let end = offset as usize + len;
+            if end > self.limit {
+                return Err(format!("{end} bytes do not fit"));
+            }
+            let mut b = self.buf.lock().unwrap();
+            assert_eq!(b.len(), offset as usize, "pieces arrive in order");
+            b.resize(end, 0);
+            fill(&mut b[offset as usize..end])
+        }
+    }
+
+    /// Sinks that lend their memory receive the same bytes as sinks that do not, in pieces of
+    /// at most one chunk; a file shorter than its size said is a read error, a refusing sink a
+    /// sink error, neither a short success.
+    #[test]
+    fn rest_reaches_lending_and_plain_sinks_alike() {
+        let dir = std::env::temp_dir().join(format!("kvtier-file-rest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("obj");
+        let data: Vec<u8> = (0..READ_CHUNK * 3 + 1234)
+            .map(|i| (i * 7 + i / 5000) as u8)
+            .collect();
+        std::fs::write(&path, &data).unwrap();
+        for (lend, pieces) in [(true, 4), (false, 0)] {
+            let sink = Sink::new(lend, usize::MAX);
+            let mut f = std::fs::File::open(&path).unwrap();
+            let n = read_rest(&mut f, data.len() as u64, &sink).ok().unwrap();
+            assert_eq!(n, data.len() as u64);
+            assert_eq!(*sink.buf.lock().unwrap(), data, "lend: {lend}");
+            assert_eq!(
+                sink.lent.load(Ordering::Relaxed),
+                pieces,
+                "one piece per chunk"
+            );
+        }
+        // The file is shorter than the caller was told: an I/O error.
+        let mut f = std::fs::File::open(&path).unwrap();
+        let short = read_rest(&mut f, data.len() as u64 + 10, &Sink::new(true, usize::MAX));
+        assert!(matches!(short, Err(RestError::Io(_))));
+        // The sink refuses part-way: its reason comes back.
+        let mut f = std::fs::File::open(&path).unwrap();
+        match read_rest(&mut f, data.len() as u64, &Sink::new(true, READ_CHUNK + 5)) {
+            Err(RestError::Sink(why)) => assert!(why.contains("do not fit"), "{why}"),
+            _ => panic!("a refusing sink must stop the read"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

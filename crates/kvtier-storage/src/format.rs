@@ -40,37 +40,10 @@ pub fn header(fp: &LayoutFingerprint, key: &PageKey, payload: &[u8]) -> Bytes {
     h.put_slice(&fp.0);
     h.put_slice(&key.0);
     h.put_u64_le(payload.len() as u64);
-    h.put_u32_le(crc32c::crc32c(payload));
-    let crc = crc32c::crc32c(&h);
+    h.put_u32_le(kvtier_core::checksum::crc32c(payload));
+    let crc = kvtier_core::checksum::crc32c(&h);
     h.put_u32_le(crc);
     h.freeze()
-}
-
-/// Checks a stored object and returns its payload, or why it is not the expected page.
-pub fn verify(
-    object: &Bytes,
-    fp: &LayoutFingerprint,
-    key: &PageKey,
-    expected_len: Option<usize>,
-) -> Result<Bytes, String> {
-    if object.len() < HEADER_LEN {
-        return Err(format!(
-            "object of {} bytes is shorter than a header",
-            object.len()
-        ));
-    }
-    let payload = object.slice(HEADER_LEN..);
-    let crc = verify_head(
-        &object[..HEADER_LEN],
-        fp,
-        key,
-        expected_len,
-        payload.len() as u64,
-    )?;
-    if crc != crc32c::crc32c(&payload) {
-        return Err("payload checksum mismatch".into());
-    }
-    Ok(payload)
 }
 
 /// Checks a header read apart from its payload (of `payload_len` bytes): every field against
@@ -94,7 +67,7 @@ pub fn verify_head(
     if &h[0..4] != MAGIC {
         return Err("bad magic".into());
     }
-    if u32_at(68) != crc32c::crc32c(&h[..68]) {
+    if u32_at(68) != kvtier_core::checksum::crc32c(&h[..68]) {
         return Err("header checksum mismatch".into());
     }
     if u16_at(4) != VERSION || usize::from(u16_at(6)) != HEADER_LEN {
@@ -125,6 +98,34 @@ pub fn verify_head(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_core::checksum::crc32c;
+
+    /// A whole object checked the way `PageStore` checks one read in pieces.
+    fn verify(
+        object: &Bytes,
+        fp: &LayoutFingerprint,
+        key: &PageKey,
+        expected_len: Option<usize>,
+    ) -> Result<Bytes, String> {
+        if object.len() < HEADER_LEN {
+            return Err(format!(
+                "object of {} bytes is shorter than a header",
+                object.len()
+            ));
+        }
+        let payload = object.slice(HEADER_LEN..);
+        let crc = verify_head(
+            &object[..HEADER_LEN],
+            fp,
+            key,
+            expected_len,
+            payload.len() as u64,
+        )?;
+        if crc != crc32c(&payload) {
+            return Err("payload checksum mismatch".into());
+        }
+        Ok(payload)
+    }
 
     fn obj(fp: &LayoutFingerprint, key: &PageKey, payload: &[u8]) -> Bytes {
         let mut b = BytesMut::new();

@@ -220,20 +220,41 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
             return Ok(None);
         };
         let at = split.min(obj.len());
-        let rest = &obj[at..];
-        sink.write_at(0, rest).map_err(StorageError::Invalid)?;
-        Ok(Some((obj.slice(..at), rest.len() as u64)))
+        let rest = obj.slice(at..);
+        let len = rest.len() as u64;
+        sink.take(rest).map_err(StorageError::Invalid)?;
+        Ok(Some((obj.slice(..at), len)))
     }
 
     /// Current statistics.
     fn stats(&self) -> StoreStats;
 }
 
+/// What a backend hands [`ObjectSink::fill_at`]: fills the destination it is given, all of it.
+pub type Fill<'a> = &'a mut dyn FnMut(&mut [u8]) -> Result<(), String>;
+
 /// Where [`Store::read_into`] puts the bytes after the split: a slot of a shared-memory pool,
 /// for instance. Called from whatever thread the backend reads on.
+///
+/// A backend delivers the rest in one of three ways, whichever costs it least: `take` when it
+/// already holds the whole rest in memory (no copy where the sink can keep the bytes),
+/// `fill_at` to read straight into the sink's memory (no intermediate buffer), or `write_at`
+/// chunk by chunk from a buffer of its own. Offsets start at 0 and only increase.
 pub trait ObjectSink: Send + Sync {
     /// Stores `bytes` at `offset`; an error (no room, revoked) stops the read.
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String>;
+
+    /// Takes the whole rest at once; the default copies it in with `write_at(0, ..)`.
+    fn take(&self, rest: Bytes) -> Result<(), String> {
+        self.write_at(0, &rest)
+    }
+
+    /// Hands the sink's own `len` bytes at `offset` to `fill`, which must fill all of them,
+    /// and returns its result; `None` when the sink's memory cannot be handed out (shared
+    /// memory that Rust must not reference, say), and the backend uses `write_at` instead.
+    fn fill_at(&self, _offset: u64, _len: usize, _fill: Fill<'_>) -> Option<Result<(), String>> {
+        None
+    }
 }
 
 /// Checks an object name against the contract.

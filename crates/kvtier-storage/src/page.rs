@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 
-use crate::format::{HEADER_LEN, header, object_name, verify, verify_head};
-use crate::{ObjectSink, OpCtx, StorageError, Store, StoreStats};
+use crate::format::{HEADER_LEN, header, object_name, verify_head};
+use crate::{Fill, ObjectSink, OpCtx, StorageError, Store, StoreStats};
+use kvtier_core::checksum::crc32c_append;
 
 /// Why a page was not served.
 #[derive(Debug)]
@@ -88,20 +89,141 @@ struct Checksummed {
     crc: std::sync::Mutex<(u32, u64)>,
 }
 
+impl Checksummed {
+    fn state(&self) -> std::sync::MutexGuard<'_, (u32, u64)> {
+        match self.crc.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+}
+
+fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
+    if offset == at.1 {
+        Ok(())
+    } else {
+        Err(format!("chunk at {offset}, expected {}", at.1))
+    }
+}
+
 impl ObjectSink for Checksummed {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
         {
-            let mut g = match self.crc.lock() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-            if offset != g.1 {
-                return Err(format!("chunk at {offset}, expected {}", g.1));
-            }
-            g.0 = crc32c::crc32c_append(g.0, bytes);
+            let mut g = self.state();
+            in_order(&g, offset)?;
+            g.0 = crc32c_append(g.0, bytes);
             g.1 += bytes.len() as u64;
         }
         self.inner.write_at(offset, bytes)
+    }
+
+    fn take(&self, rest: Bytes) -> Result<(), String> {
+        {
+            let mut g = self.state();
+            in_order(&g, 0)?;
+            g.0 = crc32c_append(g.0, &rest);
+            g.1 += rest.len() as u64;
+        }
+        self.inner.take(rest)
+    }
+
+    /// Checksums each piece right after the backend filled it, while it is still in cache.
+    fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
+        let mut g = self.state();
+        if let Err(e) = in_order(&g, offset) {
+            return Some(Err(e));
+        }
+        let mut crc = g.0;
+        let r = self.inner.fill_at(offset, len, &mut |dst| {
+            fill(dst)?;
+            crc = crc32c_append(crc, dst);
+            Ok(())
+        })?;
+        if r.is_ok() {
+            *g = (crc, g.1 + len as u64);
+        }
+        Some(r)
+    }
+}
+
+/// The destination of [`PageStore::get`]: the payload in memory of its own, sized up front
+/// when the length is known so the backend can read straight into it.
+struct HeapSink(std::sync::Mutex<HeapBuf>);
+
+enum HeapBuf {
+    /// Filled in place or appended to; `filled` bytes are payload.
+    Owned { buf: Vec<u8>, filled: usize },
+    /// Handed over whole by a backend that had it in memory.
+    Taken(Bytes),
+}
+
+impl HeapSink {
+    fn new(expected_len: Option<usize>) -> Self {
+        let buf = expected_len.map_or_else(Vec::new, |n| vec![0; n]);
+        Self(std::sync::Mutex::new(HeapBuf::Owned { buf, filled: 0 }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeapBuf> {
+        match self.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// The payload received so far (the whole of it after a hit); leaves the sink empty, so a
+    /// late write from a read that outlived its caller lands nowhere that matters.
+    fn take_bytes(&self) -> Bytes {
+        let empty = HeapBuf::Owned {
+            buf: Vec::new(),
+            filled: 0,
+        };
+        match std::mem::replace(&mut *self.lock(), empty) {
+            HeapBuf::Owned { mut buf, filled } => {
+                buf.truncate(filled);
+                Bytes::from(buf)
+            }
+            HeapBuf::Taken(b) => b,
+        }
+    }
+}
+
+impl ObjectSink for HeapSink {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        self.fill_at(offset, bytes.len(), &mut |dst| {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        })
+        .unwrap_or_else(|| Err("heap sink refused to lend".into()))
+    }
+
+    fn take(&self, rest: Bytes) -> Result<(), String> {
+        let mut g = self.lock();
+        match &*g {
+            HeapBuf::Owned { filled: 0, .. } => {
+                *g = HeapBuf::Taken(rest);
+                Ok(())
+            }
+            _ => Err("bytes handed over after others".into()),
+        }
+    }
+
+    fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
+        let mut g = self.lock();
+        let HeapBuf::Owned { buf, filled } = &mut *g else {
+            return Some(Err("bytes arrived after a whole object".into()));
+        };
+        if offset != *filled as u64 {
+            return Some(Err(format!("chunk at {offset}, expected {filled}")));
+        }
+        let end = *filled + len;
+        if buf.len() < end {
+            buf.resize(end, 0);
+        }
+        let r = fill(&mut buf[*filled..end]);
+        if r.is_ok() {
+            *filled = end;
+        }
+        Some(r)
     }
 }
 
@@ -174,31 +296,15 @@ impl PageStore {
         key: &PageKey,
         expected_len: Option<usize>,
     ) -> Fetch {
-        let name = object_name(fp, key);
-        let c = &self.counters;
-        match ctx.run(self.store.get(&name)).await {
-            Ok(Some(obj)) => match verify(&obj, fp, key, expected_len) {
-                Ok(payload) => {
-                    bump(&c.hits);
-                    Fetch::Hit(payload)
-                }
-                Err(why) => {
-                    bump(&c.corrupt);
-                    tracing::warn!(backend = self.store.kind(), object = %name, "deleting a bad object: {why}");
-                    if let Err(e) = ctx.run(self.store.delete(&name)).await {
-                        tracing::warn!(backend = self.store.kind(), object = %name, "could not delete a bad object: {e}");
-                    }
-                    Fetch::Miss(MissReason::Corrupt(why))
-                }
-            },
-            Ok(None) => {
-                bump(&c.absent);
-                Fetch::Miss(MissReason::Absent)
-            }
-            Err(e) => {
-                bump(&c.failed);
-                Fetch::Miss(e.into())
-            }
+        // One read-and-verify path for both: the file backend reads straight into the buffer
+        // and checksums each piece while it is in cache; in-memory backends hand theirs over.
+        let sink = Arc::new(HeapSink::new(expected_len));
+        match self
+            .get_into(ctx, fp, key, expected_len, sink.clone())
+            .await
+        {
+            Landed::Hit(_) => Fetch::Hit(sink.take_bytes()),
+            Landed::Miss(why) => Fetch::Miss(why),
         }
     }
 

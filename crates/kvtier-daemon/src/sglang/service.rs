@@ -31,7 +31,7 @@ use futures::StreamExt;
 use kvtier_config::daemon::{SglangRpcConfig, SglangStore};
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_proto::sglang;
-use kvtier_storage::{Landed, MissReason, ObjectSink, OpCtx};
+use kvtier_storage::{Fill, Landed, MissReason, ObjectSink, OpCtx};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -95,13 +95,24 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl ObjectSink for BufferSink {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        self.fill(offset, bytes.len(), &mut |dst| {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        })
+    }
+
+    /// The file backend reads straight into the buffer.
+    fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
+        Some(self.fill(offset, len, fill))
+    }
+}
+
+impl BufferSink {
+    fn fill(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
         let mut b = lock(&self.buf);
         let start = usize::try_from(offset).map_err(|e| e.to_string())?;
-        match start.checked_add(bytes.len()) {
-            Some(end) if end <= b.len() => {
-                b[start..end].copy_from_slice(bytes);
-                Ok(())
-            }
+        match start.checked_add(len) {
+            Some(end) if end <= b.len() => fill(&mut b[start..end]),
             _ => {
                 self.overflow.store(true, Ordering::Relaxed);
                 Err("the object is longer than the transfer asked for".into())

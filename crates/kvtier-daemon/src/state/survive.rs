@@ -226,7 +226,7 @@ impl HostState {
                 };
                 let ok = rec.len as usize == page_bytes
                     && old.read(slot, 0, &mut buf).is_ok()
-                    && crc32c::crc32c(&buf) == rec.crc;
+                    && kvtier_core::checksum::crc32c(&buf) == rec.crc;
                 if !ok {
                     counts.refused_checksum += 1;
                 } else if let Some(new) = pool.index.adopt(key, rec.parent.map(PageKey)) {
