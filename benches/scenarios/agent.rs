@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::{InProcessAgent, InProcessDaemon, compare};
 use kvtier_client::{AgentClient, PoolMemory};
-use kvtier_core::{DType, DevicePool, KvKind, Layout, LayoutSpec};
+use kvtier_core::{DType, DevicePool, KvKind, Layout, LayoutSpec, Namespace, PageHasher};
 use kvtier_shm::ShmRegion;
 
 /// 8 layers, 8 KV heads of 128, bf16, 16-token pages: 512 KiB pages (1,000 pages = 500 MiB).
@@ -231,20 +231,21 @@ fn one(quick: bool, layers: u32, with_match: bool) {
     ));
     let mut health = tonic_health::pb::health_client::HealthClient::new(ch.unwrap());
     let n = if quick { 50 } else { 200 };
+    let mut empty = || {
+        rt.block_on(async {
+            health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .unwrap()
+        })
+    };
     let m = compare(
         &format!("match of a {pages}-page cached prefix"),
         1,
         n,
-        || {
-            rt.block_on(async {
-                health
-                    .check(tonic_health::pb::HealthCheckRequest {
-                        service: String::new(),
-                    })
-                    .await
-                    .unwrap()
-            })
-        },
+        &mut empty,
         || {
             rt.block_on(async {
                 let m = c.match_prefix(tokens.clone(), None).await.unwrap();
@@ -267,6 +268,33 @@ fn one(quick: bool, layers: u32, with_match: bool) {
         m.subject_s * 1e6,
         m.baseline_s * 1e6,
         m.ratio()
+    );
+    // What no match+release can go below: its two calls' transport (two empty calls) and
+    // the prefix's page keys (the SHA-256 chain, shared with SGLang, over every page).
+    let hasher = PageHasher::new(16, &Namespace::default()).unwrap();
+    let floor = compare(
+        "floor",
+        1,
+        n,
+        || {
+            empty();
+            empty();
+            hasher.keys(&tokens).len()
+        },
+        || {
+            rt.block_on(async {
+                let m = c.match_prefix(tokens.clone(), None).await.unwrap();
+                c.release(m.handle).await.unwrap();
+            })
+        },
+    );
+    crate::record(
+        &format!("match+release of {pages} pages vs floor (2 empty RPCs + keys)"),
+        floor.subject_s * 1e6,
+        "µs",
+        "2 empty RPCs + SHA-256 keys",
+        floor.baseline_s * 1e6,
+        Some(floor.ratio()),
     );
     drop(c);
     a.stop();

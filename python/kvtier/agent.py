@@ -9,6 +9,7 @@ Calls take and return plain Python values; the wire messages stay inside this mo
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,12 @@ from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 
 
 @dataclass(frozen=True)
+def packed(tokens: Sequence[int]) -> bytes:
+    """Tokens as the wire's `packed_tokens`: little-endian u32s, which the agent decodes with
+    a copy where the varint `tokens` field costs a loop over every token."""
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
 class Match:
     """A request's cached prefix: device pages (locked for ``handle`` until release), then
     how many more pages L2 and, after those, L3 hold."""
@@ -108,13 +115,16 @@ class AgentClient:
         return PoolInfo(r.layout, r.num_pages, r.daemon_connected)
 
     def match(self, tokens: Sequence[int], namespace: Namespace = Namespace()) -> Match:
-        req = agent_pb2.MatchRequest(tokens=tokens, namespace=namespace_pb(namespace))
+        req = agent_pb2.MatchRequest(
+            packed_tokens=packed(tokens), namespace=namespace_pb(namespace)
+        )
         return Match.of(_call(self.stub.Match, req, self.timeout))
 
     def match_batch(self, requests: Sequence[tuple[Sequence[int], Namespace]]) -> list[Match]:
         req = agent_pb2.MatchBatchRequest(
             requests=[
-                agent_pb2.MatchRequest(tokens=t, namespace=namespace_pb(ns)) for t, ns in requests
+                agent_pb2.MatchRequest(packed_tokens=packed(t), namespace=namespace_pb(ns))
+                for t, ns in requests
             ]
         )
         r = _call(self.stub.MatchBatch, req, self.timeout)
@@ -150,7 +160,9 @@ class AgentClient:
         namespace: Namespace = Namespace(),
     ) -> Inserted:
         req = agent_pb2.InsertRequest(
-            tokens=tokens, device_pages=device_pages, namespace=namespace_pb(namespace)
+            packed_tokens=packed(tokens),
+            device_pages=device_pages,
+            namespace=namespace_pb(namespace),
         )
         r = _call(self.stub.Insert, req, self.timeout)
         return Inserted(r.inserted, list(r.duplicate_pages))

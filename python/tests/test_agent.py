@@ -5,13 +5,14 @@ refused by name."""
 from __future__ import annotations
 
 import os
+import struct
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kvtier.agent import AgentClient
+from kvtier.agent import AgentClient, packed
 from kvtier.host import KvtierError
 from kvtier.v1 import common_pb2
 
@@ -105,3 +106,12 @@ def test_bad_input_is_refused_by_name(engine) -> None:
     with pytest.raises(ValueError, match="exactly one"):
         c.register_pool(layout(), SLOTS)
     assert os.path.exists(engine[1].path)
+
+
+def test_packed_tokens_are_little_endian_u32s_and_refuse_what_does_not_fit():
+    assert packed([1, 0x01020304, 2**32 - 1]) == bytes([1, 0, 0, 0, 4, 3, 2, 1, 255, 255, 255, 255])
+    assert packed([]) == b""
+    with pytest.raises(struct.error):
+        packed([2**32])
+    with pytest.raises(struct.error):
+        packed([-1])

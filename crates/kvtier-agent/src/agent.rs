@@ -33,6 +33,38 @@ use crate::backup::{BackupWorker, Counters};
 use crate::link::{Link, Linked, is_link_error};
 use crate::metrics::Metrics;
 
+/// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
+/// (little-endian u32s). Both set, or a packed length that is not a multiple of 4, is refused.
+fn request_tokens<'a>(
+    tokens: &'a [u32],
+    packed: &[u8],
+) -> Result<std::borrow::Cow<'a, [u32]>, ApiError> {
+    if packed.is_empty() {
+        return Ok(std::borrow::Cow::Borrowed(tokens));
+    }
+    if !tokens.is_empty() {
+        return Err(ApiError::invalid(
+            "packed_tokens",
+            "set with tokens; send the prompt in one of the two",
+        ));
+    }
+    if !packed.len().is_multiple_of(4) {
+        return Err(ApiError::invalid(
+            "packed_tokens",
+            format!(
+                "{} bytes is not a whole number of 4-byte tokens",
+                packed.len()
+            ),
+        ));
+    }
+    Ok(std::borrow::Cow::Owned(
+        packed
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    ))
+}
+
 /// The engine's pool as registered.
 #[derive(Debug)]
 pub(crate) struct Engine {
@@ -365,7 +397,8 @@ impl AgentService {
     async fn do_match(&self, req: v1::MatchRequest) -> Result<v1::MatchResponse, ApiError> {
         let t = Instant::now();
         let page_size = self.page_size()?;
-        let keys = self.keys(&req.tokens, req.namespace, page_size)?;
+        let tokens = request_tokens(&req.tokens, &req.packed_tokens)?;
+        let keys = self.keys(&tokens, req.namespace, page_size)?;
         let (handle, device, selective) = {
             let mut st = lock(&self.shared.state);
             st.engine()?;
@@ -562,7 +595,8 @@ impl AgentService {
 
     async fn insert(&self, req: v1::InsertRequest) -> Result<v1::InsertResponse, ApiError> {
         let page_size = self.page_size()?;
-        let keys = self.keys(&req.tokens, req.namespace, page_size)?;
+        let tokens = request_tokens(&req.tokens, &req.packed_tokens)?;
+        let keys = self.keys(&tokens, req.namespace, page_size)?;
         if req.device_pages.len() != keys.len() {
             return Err(ApiError::invalid(
                 "device_pages",
@@ -571,7 +605,7 @@ impl AgentService {
                      give one device page per full page",
                     req.device_pages.len(),
                     keys.len(),
-                    req.tokens.len()
+                    tokens.len()
                 ),
             ));
         }

@@ -132,7 +132,7 @@ pub async fn run(
     });
     let stop = shutdown.clone();
     let mut server = tokio::spawn(
-        tonic::transport::Server::builder()
+        kvtier_server::serving::grpc_server()
             .add_service(kvtier_proto::v1::agent_server::AgentServer::new(service))
             .add_service(health_service)
             .serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {

@@ -376,6 +376,7 @@ fn bad_engine_input_is_refused_by_field() {
             .r#match(v1::MatchRequest {
                 tokens: tokens(1, 1),
                 namespace: None,
+                packed_tokens: Vec::new(),
             })
             .await
             .unwrap_err();
@@ -412,6 +413,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: t.clone(),
                     namespace: None,
                     device_pages: vec![0, 1],
+                    packed_tokens: Vec::new(),
                 },
                 "device_pages",
             ),
@@ -419,7 +421,26 @@ fn bad_engine_input_is_refused_by_field() {
                 v1::InsertRequest {
                     tokens: t.clone(),
                     namespace: None,
+                    device_pages: vec![0, 1, 2],
+                    packed_tokens: vec![1, 0, 0, 0],
+                },
+                "packed_tokens",
+            ),
+            (
+                v1::InsertRequest {
+                    tokens: Vec::new(),
+                    namespace: None,
+                    device_pages: vec![0, 1, 2],
+                    packed_tokens: vec![1; 50 * 4 + 3],
+                },
+                "packed_tokens",
+            ),
+            (
+                v1::InsertRequest {
+                    tokens: t.clone(),
+                    namespace: None,
                     device_pages: vec![0, 1, 16],
+                    packed_tokens: Vec::new(),
                 },
                 "device_pages[2]",
             ),
@@ -428,6 +449,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: t.clone(),
                     namespace: None,
                     device_pages: vec![0, 1, 1],
+                    packed_tokens: Vec::new(),
                 },
                 "device_pages[2]",
             ),
@@ -443,6 +465,20 @@ fn bad_engine_input_is_refused_by_field() {
         assert!(m.device_pages.is_empty());
         // A page the tree holds is not free for load-back, and unknown handles are refused.
         e.prefill_and_insert(&t, &[0, 1, 2]).await;
+        // The typed client sends packed tokens; the varint field names the same prefix.
+        let varint = e
+            .client
+            .raw()
+            .r#match(v1::MatchRequest {
+                tokens: t.clone(),
+                namespace: None,
+                packed_tokens: Vec::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(varint.device_pages, vec![0, 1, 2]);
+        e.client.release(Handle(varint.handle)).await.unwrap();
         let err = e.client.load_back(m.handle, vec![1]).await.unwrap_err();
         assert_eq!(err.code(), Some(tonic::Code::InvalidArgument));
         assert!(err.to_string().contains("free_pages[0]"), "{err}");

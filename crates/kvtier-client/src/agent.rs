@@ -333,18 +333,26 @@ impl AgentClient {
     }
 }
 
+/// Tokens as the wire's `packed_tokens`: little-endian u32s, a copy to encode and decode
+/// where the varint `tokens` field costs a loop over every token.
+fn packed(tokens: &[u32]) -> Vec<u8> {
+    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+}
+
 fn match_request(tokens: Vec<u32>, namespace: Option<&Namespace>) -> v1::MatchRequest {
     v1::MatchRequest {
-        tokens,
+        tokens: Vec::new(),
         namespace: namespace.map(Into::into),
+        packed_tokens: packed(&tokens),
     }
 }
 
 fn insert_request(i: Insert) -> v1::InsertRequest {
     v1::InsertRequest {
-        tokens: i.tokens,
+        tokens: Vec::new(),
         namespace: i.namespace.as_ref().map(Into::into),
         device_pages: i.device_pages,
+        packed_tokens: packed(&i.tokens),
     }
 }
 

@@ -210,11 +210,7 @@ pub async fn run(
     );
     let admin_token = cfg.server.admin_token.expose().to_string();
     let router = || {
-        tonic::transport::Server::builder()
-            .initial_stream_window_size(kvtier_client::STREAM_WINDOW)
-            .initial_connection_window_size(kvtier_client::CONNECTION_WINDOW)
-            .max_frame_size(kvtier_client::MAX_FRAME)
-            .tcp_nodelay(true)
+        kvtier_server::serving::grpc_server()
             .add_service(HostTierServer::new(service.clone()))
             .add_service(health_service.clone())
             .add_service(reflection.clone())
@@ -337,7 +333,7 @@ pub async fn run(
         .max_encoding_message_size(512 << 20);
         let stop = shutdown.clone();
         tracker.spawn(
-            tonic::transport::Server::builder()
+            kvtier_server::serving::grpc_server()
                 .add_service(svc)
                 // Through the relay that makes grpcio's `:authority` acceptable to h2.
                 .serve_with_incoming_shutdown(

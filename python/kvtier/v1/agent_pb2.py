@@ -26,7 +26,7 @@ from kvtier.v1 import common_pb2 as kvtier_dot_v1_dot_common__pb2
 from kvtier.v1 import host_pb2 as kvtier_dot_v1_dot_host__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvtier/v1/agent.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\x1a\x14kvtier/v1/host.proto\"\x17\n\x07\x43puPool\x12\x0c\n\x04path\x18\x01 \x01(\t\"7\n\x08\x43udaPool\x12\x16\n\x0e\x64\x65vice_ordinal\x18\x01 \x01(\r\x12\x13\n\x0bipc_handles\x18\x02 \x03(\x0c\"\xad\x01\n\x13RegisterPoolRequest\x12+\n\x06layout\x18\x01 \x01(\x0b\x32\x1b.kvtier.v1.LayoutDescriptor\x12\x17\n\x0fnum_token_slots\x18\x02 \x01(\x04\x12!\n\x03\x63pu\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.CpuPoolH\x00\x12#\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x13.kvtier.v1.CudaPoolH\x00\x42\x08\n\x06\x64\x65vice\"j\n\x14RegisterPoolResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.LayoutInfo\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x18\n\x10\x64\x61\x65mon_connected\x18\x03 \x01(\x08\"G\n\x0cMatchRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\'\n\tnamespace\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.Namespace\"n\n\rMatchResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x14\n\x0c\x64\x65vice_pages\x18\x02 \x03(\r\x12\x10\n\x08l2_pages\x18\x03 \x01(\r\x12\x10\n\x08l3_pages\x18\x04 \x01(\r\x12\x13\n\x0btotal_pages\x18\x05 \x01(\r\">\n\x11MatchBatchRequest\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.MatchRequest\"A\n\x12MatchBatchResponse\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.kvtier.v1.MatchResponse\"5\n\x0fLoadBackRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x12\n\nfree_pages\x18\x02 \x03(\r\"N\n\x10LoadBackResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65vice_pages\x18\x02 \x03(\r\x12\x14\n\x0cunused_pages\x18\x03 \x03(\r\"z\n\x14\x41gentPrefetchRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12)\n\x06policy\x18\x02 \x01(\x0e\x32\x19.kvtier.v1.PrefetchPolicy\x12\'\n\x05hints\x18\x03 \x01(\x0b\x32\x18.kvtier.v1.PrefetchHints\"^\n\rInsertRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\'\n\tnamespace\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.Namespace\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\";\n\x0eInsertResponse\x12\x17\n\x0f\x64uplicate_pages\x18\x01 \x03(\r\x12\x10\n\x08inserted\x18\x02 \x01(\r\"@\n\x12InsertBatchRequest\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.kvtier.v1.InsertRequest\"C\n\x13InsertBatchResponse\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.kvtier.v1.InsertResponse\"%\n\x13\x41gentReleaseRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\"&\n\x13ReleaseBatchRequest\x12\x0f\n\x07handles\x18\x01 \x03(\x04\"\x16\n\x14\x41gentReleaseResponse\"\x1d\n\x0c\x45victRequest\x12\r\n\x05pages\x18\x01 \x01(\r\"?\n\rEvictResponse\x12\r\n\x05pages\x18\x01 \x03(\r\x12\x11\n\tbacked_up\x18\x02 \x01(\r\x12\x0c\n\x04lost\x18\x03 \x01(\r\"\x13\n\x11\x41gentStatsRequest\"\xad\x03\n\x12\x41gentStatsResponse\x12\x17\n\x0fpool_registered\x18\x01 \x01(\x08\x12\x18\n\x10\x64\x61\x65mon_connected\x18\x02 \x01(\x08\x12\x14\n\x0cwrite_policy\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x65vice_pages\x18\x04 \x01(\r\x12\x17\n\x0f\x65victable_pages\x18\x05 \x01(\r\x12\x14\n\x0clocked_pages\x18\x06 \x01(\r\x12\x17\n\x0fhost_only_pages\x18\x07 \x01(\r\x12\x14\n\x0copen_handles\x18\x08 \x01(\r\x12\x17\n\x0f\x62\x61\x63ked_up_pages\x18\t \x01(\x04\x12\x12\n\nlost_pages\x18\n \x01(\x04\x12\x19\n\x11\x62\x61\x63kups_in_flight\x18\x0b \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\x12,\n\x0elost_by_reason\x18\r \x03(\x0b\x32\x14.kvtier.v1.LostPages\x12\x14\n\x0c\x62\x61\x63kup_waits\x18\x0e \x01(\x04\x12\x1b\n\x13\x62\x61\x63kup_wait_seconds\x18\x0f \x01(\x01\x12\x18\n\x10\x62\x61\x63kups_deferred\x18\x10 \x01(\x04\"*\n\tLostPages\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x04\x32\xa1\x06\n\x05\x41gent\x12O\n\x0cRegisterPool\x12\x1e.kvtier.v1.RegisterPoolRequest\x1a\x1f.kvtier.v1.RegisterPoolResponse\x12:\n\x05Match\x12\x17.kvtier.v1.MatchRequest\x1a\x18.kvtier.v1.MatchResponse\x12I\n\nMatchBatch\x12\x1c.kvtier.v1.MatchBatchRequest\x1a\x1d.kvtier.v1.MatchBatchResponse\x12\x43\n\x08LoadBack\x12\x1a.kvtier.v1.LoadBackRequest\x1a\x1b.kvtier.v1.LoadBackResponse\x12J\n\x08Prefetch\x12\x1f.kvtier.v1.AgentPrefetchRequest\x1a\x1b.kvtier.v1.PrefetchProgress0\x01\x12=\n\x06Insert\x12\x18.kvtier.v1.InsertRequest\x1a\x19.kvtier.v1.InsertResponse\x12L\n\x0bInsertBatch\x12\x1d.kvtier.v1.InsertBatchRequest\x1a\x1e.kvtier.v1.InsertBatchResponse\x12J\n\x07Release\x12\x1e.kvtier.v1.AgentReleaseRequest\x1a\x1f.kvtier.v1.AgentReleaseResponse\x12O\n\x0cReleaseBatch\x12\x1e.kvtier.v1.ReleaseBatchRequest\x1a\x1f.kvtier.v1.AgentReleaseResponse\x12:\n\x05\x45vict\x12\x17.kvtier.v1.EvictRequest\x1a\x18.kvtier.v1.EvictResponse\x12I\n\nAgentStats\x12\x1c.kvtier.v1.AgentStatsRequest\x1a\x1d.kvtier.v1.AgentStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvtier/v1/agent.proto\x12\tkvtier.v1\x1a\x16kvtier/v1/common.proto\x1a\x14kvtier/v1/host.proto\"\x17\n\x07\x43puPool\x12\x0c\n\x04path\x18\x01 \x01(\t\"7\n\x08\x43udaPool\x12\x16\n\x0e\x64\x65vice_ordinal\x18\x01 \x01(\r\x12\x13\n\x0bipc_handles\x18\x02 \x03(\x0c\"\xad\x01\n\x13RegisterPoolRequest\x12+\n\x06layout\x18\x01 \x01(\x0b\x32\x1b.kvtier.v1.LayoutDescriptor\x12\x17\n\x0fnum_token_slots\x18\x02 \x01(\x04\x12!\n\x03\x63pu\x18\x03 \x01(\x0b\x32\x12.kvtier.v1.CpuPoolH\x00\x12#\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x13.kvtier.v1.CudaPoolH\x00\x42\x08\n\x06\x64\x65vice\"j\n\x14RegisterPoolResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvtier.v1.LayoutInfo\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x18\n\x10\x64\x61\x65mon_connected\x18\x03 \x01(\x08\"^\n\x0cMatchRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\'\n\tnamespace\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.Namespace\x12\x15\n\rpacked_tokens\x18\x03 \x01(\x0c\"n\n\rMatchResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x14\n\x0c\x64\x65vice_pages\x18\x02 \x03(\r\x12\x10\n\x08l2_pages\x18\x03 \x01(\r\x12\x10\n\x08l3_pages\x18\x04 \x01(\r\x12\x13\n\x0btotal_pages\x18\x05 \x01(\r\">\n\x11MatchBatchRequest\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.kvtier.v1.MatchRequest\"A\n\x12MatchBatchResponse\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.kvtier.v1.MatchResponse\"5\n\x0fLoadBackRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x12\n\nfree_pages\x18\x02 \x03(\r\"N\n\x10LoadBackResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65vice_pages\x18\x02 \x03(\r\x12\x14\n\x0cunused_pages\x18\x03 \x03(\r\"z\n\x14\x41gentPrefetchRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12)\n\x06policy\x18\x02 \x01(\x0e\x32\x19.kvtier.v1.PrefetchPolicy\x12\'\n\x05hints\x18\x03 \x01(\x0b\x32\x18.kvtier.v1.PrefetchHints\"u\n\rInsertRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\'\n\tnamespace\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.Namespace\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\x12\x15\n\rpacked_tokens\x18\x04 \x01(\x0c\";\n\x0eInsertResponse\x12\x17\n\x0f\x64uplicate_pages\x18\x01 \x03(\r\x12\x10\n\x08inserted\x18\x02 \x01(\r\"@\n\x12InsertBatchRequest\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.kvtier.v1.InsertRequest\"C\n\x13InsertBatchResponse\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.kvtier.v1.InsertResponse\"%\n\x13\x41gentReleaseRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\"&\n\x13ReleaseBatchRequest\x12\x0f\n\x07handles\x18\x01 \x03(\x04\"\x16\n\x14\x41gentReleaseResponse\"\x1d\n\x0c\x45victRequest\x12\r\n\x05pages\x18\x01 \x01(\r\"?\n\rEvictResponse\x12\r\n\x05pages\x18\x01 \x03(\r\x12\x11\n\tbacked_up\x18\x02 \x01(\r\x12\x0c\n\x04lost\x18\x03 \x01(\r\"\x13\n\x11\x41gentStatsRequest\"\xad\x03\n\x12\x41gentStatsResponse\x12\x17\n\x0fpool_registered\x18\x01 \x01(\x08\x12\x18\n\x10\x64\x61\x65mon_connected\x18\x02 \x01(\x08\x12\x14\n\x0cwrite_policy\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x65vice_pages\x18\x04 \x01(\r\x12\x17\n\x0f\x65victable_pages\x18\x05 \x01(\r\x12\x14\n\x0clocked_pages\x18\x06 \x01(\r\x12\x17\n\x0fhost_only_pages\x18\x07 \x01(\r\x12\x14\n\x0copen_handles\x18\x08 \x01(\r\x12\x17\n\x0f\x62\x61\x63ked_up_pages\x18\t \x01(\x04\x12\x12\n\nlost_pages\x18\n \x01(\x04\x12\x19\n\x11\x62\x61\x63kups_in_flight\x18\x0b \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\x12,\n\x0elost_by_reason\x18\r \x03(\x0b\x32\x14.kvtier.v1.LostPages\x12\x14\n\x0c\x62\x61\x63kup_waits\x18\x0e \x01(\x04\x12\x1b\n\x13\x62\x61\x63kup_wait_seconds\x18\x0f \x01(\x01\x12\x18\n\x10\x62\x61\x63kups_deferred\x18\x10 \x01(\x04\"*\n\tLostPages\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x04\x32\xa1\x06\n\x05\x41gent\x12O\n\x0cRegisterPool\x12\x1e.kvtier.v1.RegisterPoolRequest\x1a\x1f.kvtier.v1.RegisterPoolResponse\x12:\n\x05Match\x12\x17.kvtier.v1.MatchRequest\x1a\x18.kvtier.v1.MatchResponse\x12I\n\nMatchBatch\x12\x1c.kvtier.v1.MatchBatchRequest\x1a\x1d.kvtier.v1.MatchBatchResponse\x12\x43\n\x08LoadBack\x12\x1a.kvtier.v1.LoadBackRequest\x1a\x1b.kvtier.v1.LoadBackResponse\x12J\n\x08Prefetch\x12\x1f.kvtier.v1.AgentPrefetchRequest\x1a\x1b.kvtier.v1.PrefetchProgress0\x01\x12=\n\x06Insert\x12\x18.kvtier.v1.InsertRequest\x1a\x19.kvtier.v1.InsertResponse\x12L\n\x0bInsertBatch\x12\x1d.kvtier.v1.InsertBatchRequest\x1a\x1e.kvtier.v1.InsertBatchResponse\x12J\n\x07Release\x12\x1e.kvtier.v1.AgentReleaseRequest\x1a\x1f.kvtier.v1.AgentReleaseResponse\x12O\n\x0cReleaseBatch\x12\x1e.kvtier.v1.ReleaseBatchRequest\x1a\x1f.kvtier.v1.AgentReleaseResponse\x12:\n\x05\x45vict\x12\x17.kvtier.v1.EvictRequest\x1a\x18.kvtier.v1.EvictResponse\x12I\n\nAgentStats\x12\x1c.kvtier.v1.AgentStatsRequest\x1a\x1d.kvtier.v1.AgentStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,43 +42,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERPOOLRESPONSE']._serialized_start=340
   _globals['_REGISTERPOOLRESPONSE']._serialized_end=446
   _globals['_MATCHREQUEST']._serialized_start=448
-  _globals['_MATCHREQUEST']._serialized_end=519
-  _globals['_MATCHRESPONSE']._serialized_start=521
-  _globals['_MATCHRESPONSE']._serialized_end=631
-  _globals['_MATCHBATCHREQUEST']._serialized_start=633
-  _globals['_MATCHBATCHREQUEST']._serialized_end=695
-  _globals['_MATCHBATCHRESPONSE']._serialized_start=697
-  _globals['_MATCHBATCHRESPONSE']._serialized_end=762
-  _globals['_LOADBACKREQUEST']._serialized_start=764
-  _globals['_LOADBACKREQUEST']._serialized_end=817
-  _globals['_LOADBACKRESPONSE']._serialized_start=819
-  _globals['_LOADBACKRESPONSE']._serialized_end=897
-  _globals['_AGENTPREFETCHREQUEST']._serialized_start=899
-  _globals['_AGENTPREFETCHREQUEST']._serialized_end=1021
-  _globals['_INSERTREQUEST']._serialized_start=1023
-  _globals['_INSERTREQUEST']._serialized_end=1117
-  _globals['_INSERTRESPONSE']._serialized_start=1119
-  _globals['_INSERTRESPONSE']._serialized_end=1178
-  _globals['_INSERTBATCHREQUEST']._serialized_start=1180
-  _globals['_INSERTBATCHREQUEST']._serialized_end=1244
-  _globals['_INSERTBATCHRESPONSE']._serialized_start=1246
-  _globals['_INSERTBATCHRESPONSE']._serialized_end=1313
-  _globals['_AGENTRELEASEREQUEST']._serialized_start=1315
-  _globals['_AGENTRELEASEREQUEST']._serialized_end=1352
-  _globals['_RELEASEBATCHREQUEST']._serialized_start=1354
-  _globals['_RELEASEBATCHREQUEST']._serialized_end=1392
-  _globals['_AGENTRELEASERESPONSE']._serialized_start=1394
-  _globals['_AGENTRELEASERESPONSE']._serialized_end=1416
-  _globals['_EVICTREQUEST']._serialized_start=1418
-  _globals['_EVICTREQUEST']._serialized_end=1447
-  _globals['_EVICTRESPONSE']._serialized_start=1449
-  _globals['_EVICTRESPONSE']._serialized_end=1512
-  _globals['_AGENTSTATSREQUEST']._serialized_start=1514
-  _globals['_AGENTSTATSREQUEST']._serialized_end=1533
-  _globals['_AGENTSTATSRESPONSE']._serialized_start=1536
-  _globals['_AGENTSTATSRESPONSE']._serialized_end=1965
-  _globals['_LOSTPAGES']._serialized_start=1967
-  _globals['_LOSTPAGES']._serialized_end=2009
-  _globals['_AGENT']._serialized_start=2012
-  _globals['_AGENT']._serialized_end=2813
+  _globals['_MATCHREQUEST']._serialized_end=542
+  _globals['_MATCHRESPONSE']._serialized_start=544
+  _globals['_MATCHRESPONSE']._serialized_end=654
+  _globals['_MATCHBATCHREQUEST']._serialized_start=656
+  _globals['_MATCHBATCHREQUEST']._serialized_end=718
+  _globals['_MATCHBATCHRESPONSE']._serialized_start=720
+  _globals['_MATCHBATCHRESPONSE']._serialized_end=785
+  _globals['_LOADBACKREQUEST']._serialized_start=787
+  _globals['_LOADBACKREQUEST']._serialized_end=840
+  _globals['_LOADBACKRESPONSE']._serialized_start=842
+  _globals['_LOADBACKRESPONSE']._serialized_end=920
+  _globals['_AGENTPREFETCHREQUEST']._serialized_start=922
+  _globals['_AGENTPREFETCHREQUEST']._serialized_end=1044
+  _globals['_INSERTREQUEST']._serialized_start=1046
+  _globals['_INSERTREQUEST']._serialized_end=1163
+  _globals['_INSERTRESPONSE']._serialized_start=1165
+  _globals['_INSERTRESPONSE']._serialized_end=1224
+  _globals['_INSERTBATCHREQUEST']._serialized_start=1226
+  _globals['_INSERTBATCHREQUEST']._serialized_end=1290
+  _globals['_INSERTBATCHRESPONSE']._serialized_start=1292
+  _globals['_INSERTBATCHRESPONSE']._serialized_end=1359
+  _globals['_AGENTRELEASEREQUEST']._serialized_start=1361
+  _globals['_AGENTRELEASEREQUEST']._serialized_end=1398
+  _globals['_RELEASEBATCHREQUEST']._serialized_start=1400
+  _globals['_RELEASEBATCHREQUEST']._serialized_end=1438
+  _globals['_AGENTRELEASERESPONSE']._serialized_start=1440
+  _globals['_AGENTRELEASERESPONSE']._serialized_end=1462
+  _globals['_EVICTREQUEST']._serialized_start=1464
+  _globals['_EVICTREQUEST']._serialized_end=1493
+  _globals['_EVICTRESPONSE']._serialized_start=1495
+  _globals['_EVICTRESPONSE']._serialized_end=1558
+  _globals['_AGENTSTATSREQUEST']._serialized_start=1560
+  _globals['_AGENTSTATSREQUEST']._serialized_end=1579
+  _globals['_AGENTSTATSRESPONSE']._serialized_start=1582
+  _globals['_AGENTSTATSRESPONSE']._serialized_end=2011
+  _globals['_LOSTPAGES']._serialized_start=2013
+  _globals['_LOSTPAGES']._serialized_end=2055
+  _globals['_AGENT']._serialized_start=2058
+  _globals['_AGENT']._serialized_end=2859
 # @@protoc_insertion_point(module_scope)

@@ -45,12 +45,14 @@ class RegisterPoolResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., num_pages: _Optional[int] = ..., daemon_connected: _Optional[bool] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("tokens", "namespace")
+    __slots__ = ("tokens", "namespace", "packed_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     namespace: _common_pb2.Namespace
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ...) -> None: ...
+    packed_tokens: bytes
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., packed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("handle", "device_pages", "l2_pages", "l3_pages", "total_pages")
@@ -107,14 +109,16 @@ class AgentPrefetchRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., policy: _Optional[_Union[_host_pb2.PrefetchPolicy, str]] = ..., hints: _Optional[_Union[_host_pb2.PrefetchHints, _Mapping]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
-    __slots__ = ("tokens", "namespace", "device_pages")
+    __slots__ = ("tokens", "namespace", "device_pages", "packed_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     namespace: _common_pb2.Namespace
     device_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_tokens: bytes
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., device_pages: _Optional[_Iterable[int]] = ..., packed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("duplicate_pages", "inserted")
