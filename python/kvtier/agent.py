@@ -25,13 +25,13 @@ from kvtier.keys import Namespace
 from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 
 
-@dataclass(frozen=True)
 def packed(tokens: Sequence[int]) -> bytes:
     """Tokens as the wire's `packed_tokens`: little-endian u32s, which the agent decodes with
     a copy where the varint `tokens` field costs a loop over every token."""
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
+@dataclass(frozen=True)
 class Match:
     """A request's cached prefix: device pages (locked for ``handle`` until release), then
     how many more pages L2 and, after those, L3 hold."""
