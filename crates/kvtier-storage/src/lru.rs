@@ -92,9 +92,10 @@ impl Index {
     }
 }
 
-/// Locks an index, riding over a poisoned lock (its updates are single statements).
-pub(crate) fn lock(index: &Mutex<Index>) -> std::sync::MutexGuard<'_, Index> {
-    match index.lock() {
+/// Locks an index (or a sink's state), riding over a poisoned lock (their updates are
+/// single statements).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
     }

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 
 use crate::format::{HEADER_LEN, header, object_name, verify_head};
+use crate::lru::lock;
 use crate::{Fill, ObjectSink, OpCtx, StorageError, Store, StoreStats};
 use kvtier_core::checksum::crc32c_append;
 
@@ -89,15 +90,6 @@ struct Checksummed {
     crc: std::sync::Mutex<(u32, u64)>,
 }
 
-impl Checksummed {
-    fn state(&self) -> std::sync::MutexGuard<'_, (u32, u64)> {
-        match self.crc.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
-    }
-}
-
 fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
     if offset == at.1 {
         Ok(())
@@ -109,7 +101,7 @@ fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
 impl ObjectSink for Checksummed {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
         {
-            let mut g = self.state();
+            let mut g = lock(&self.crc);
             in_order(&g, offset)?;
             g.0 = crc32c_append(g.0, bytes);
             g.1 += bytes.len() as u64;
@@ -119,7 +111,7 @@ impl ObjectSink for Checksummed {
 
     fn take(&self, rest: Bytes) -> Result<(), String> {
         {
-            let mut g = self.state();
+            let mut g = lock(&self.crc);
             in_order(&g, 0)?;
             g.0 = crc32c_append(g.0, &rest);
             g.1 += rest.len() as u64;
@@ -129,7 +121,7 @@ impl ObjectSink for Checksummed {
 
     /// Checksums each piece right after the backend filled it, while it is still in cache.
     fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
-        let mut g = self.state();
+        let mut g = lock(&self.crc);
         if let Err(e) = in_order(&g, offset) {
             return Some(Err(e));
         }
@@ -163,13 +155,6 @@ impl HeapSink {
         Self(std::sync::Mutex::new(HeapBuf::Owned { buf, filled: 0 }))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HeapBuf> {
-        match self.0.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
-    }
-
     /// The payload received so far (the whole of it after a hit); leaves the sink empty, so a
     /// late write from a read that outlived its caller lands nowhere that matters.
     fn take_bytes(&self) -> Bytes {
@@ -177,7 +162,7 @@ impl HeapSink {
             buf: Vec::new(),
             filled: 0,
         };
-        match std::mem::replace(&mut *self.lock(), empty) {
+        match std::mem::replace(&mut *lock(&self.0), empty) {
             HeapBuf::Owned { mut buf, filled } => {
                 buf.truncate(filled);
                 Bytes::from(buf)
@@ -187,17 +172,36 @@ impl HeapSink {
     }
 }
 
+impl HeapSink {
+    /// Fills the next `len` bytes, growing the buffer when the object is longer than expected.
+    fn put(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
+        let mut g = lock(&self.0);
+        let HeapBuf::Owned { buf, filled } = &mut *g else {
+            return Err("bytes arrived after a whole object".into());
+        };
+        if offset != *filled as u64 {
+            return Err(format!("chunk at {offset}, expected {filled}"));
+        }
+        let end = *filled + len;
+        if buf.len() < end {
+            buf.resize(end, 0);
+        }
+        fill(&mut buf[*filled..end])?;
+        *filled = end;
+        Ok(())
+    }
+}
+
 impl ObjectSink for HeapSink {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
-        self.fill_at(offset, bytes.len(), &mut |dst| {
+        self.put(offset, bytes.len(), &mut |dst| {
             dst.copy_from_slice(bytes);
             Ok(())
         })
-        .unwrap_or_else(|| Err("heap sink refused to lend".into()))
     }
 
     fn take(&self, rest: Bytes) -> Result<(), String> {
-        let mut g = self.lock();
+        let mut g = lock(&self.0);
         match &*g {
             HeapBuf::Owned { filled: 0, .. } => {
                 *g = HeapBuf::Taken(rest);
@@ -208,22 +212,7 @@ impl ObjectSink for HeapSink {
     }
 
     fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
-        let mut g = self.lock();
-        let HeapBuf::Owned { buf, filled } = &mut *g else {
-            return Some(Err("bytes arrived after a whole object".into()));
-        };
-        if offset != *filled as u64 {
-            return Some(Err(format!("chunk at {offset}, expected {filled}")));
-        }
-        let end = *filled + len;
-        if buf.len() < end {
-            buf.resize(end, 0);
-        }
-        let r = fill(&mut buf[*filled..end]);
-        if r.is_ok() {
-            *filled = end;
-        }
-        Some(r)
+        Some(self.put(offset, len, fill))
     }
 }
 
@@ -330,10 +319,7 @@ impl PageStore {
             .await;
         match r {
             Ok(Some((head, len))) => {
-                let (crc, seen) = match sum.crc.lock() {
-                    Ok(g) => *g,
-                    Err(p) => *p.into_inner(),
-                };
+                let (crc, seen) = *lock(&sum.crc);
                 let check = verify_head(&head, fp, key, expected_len, len).and_then(|want| {
                     if seen != len {
                         Err(format!("{seen} of {len} payload bytes arrived"))
