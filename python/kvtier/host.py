@@ -235,7 +235,8 @@ class HostSession:
     """A registered session: its id, lease, layout as the daemon derived it, and its pool."""
 
     client: DaemonClient
-    session_id: int
+    # Opaque (24 bytes: the daemon run's epoch and 16 random bytes); send it back as is.
+    session_id: bytes
     ttl_s: float
     info: common_pb2.LayoutInfo
     pool: SlotPool
@@ -274,6 +275,14 @@ class HostSession:
     @property
     def page_bytes(self) -> int:
         return self.info.page_bytes
+
+    @property
+    def label(self) -> str:
+        """The session as kvtierd's logs and ``kvtierctl status`` show it: the run's epoch and
+        the first 8 hex digits of the nonce (never the whole id, which is the session's
+        secret)."""
+        epoch = int.from_bytes(self.session_id[:8], "little")
+        return f"{epoch:x}-{self.session_id[8:12].hex()}"
 
     def _t(self, timeout: float | None) -> float:
         return self.client.timeout if timeout is None else timeout
@@ -430,7 +439,7 @@ class HostSession:
                         return
 
         self._heartbeats = threading.Thread(
-            target=run, name=f"kvtier-heartbeat-{self.session_id}", daemon=True
+            target=run, name=f"kvtier-heartbeat-{self.label}", daemon=True
         )
         self._heartbeats.start()
 

@@ -120,9 +120,9 @@ class PoolLink:
             self._session = s
             self.report.bump("sessions")
             logger.info(
-                "kvtier: %s session %d on %s (pool %s)",
+                "kvtier: %s session %s on %s (pool %s)",
                 self.label,
-                s.session_id,
+                s.label,
                 self.client.address,
                 s.pool.path,
             )

@@ -30,6 +30,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tonic::{Request, Response, Status};
 
 use crate::backup::{BackupWorker, Counters};
+use crate::handle_ids::HandleIds;
 use crate::link::{Link, Linked, is_link_error};
 use crate::metrics::Metrics;
 
@@ -88,7 +89,7 @@ pub(crate) struct State {
     /// Which device pages the tree holds (to refuse an engine handing out one twice).
     pub(crate) in_tree: Vec<bool>,
     handles: HashMap<u64, Handle>,
-    next_handle: u64,
+    handle_ids: HandleIds,
     /// The kvtierd session generation backup marks belong to (see [`Link`]).
     pub(crate) link_generation: u64,
 }
@@ -166,7 +167,7 @@ impl AgentService {
                 tree: RadixTree::new(eviction),
                 in_tree: Vec::new(),
                 handles: HashMap::new(),
-                next_handle: 1,
+                handle_ids: HandleIds::new(),
                 link_generation: 0,
             }),
             link,
@@ -199,6 +200,11 @@ impl AgentService {
         let s = &self.shared;
         let mut st = lock(&s.state);
         let (_, marked) = st.tree.forget_backups();
+        // Prefetches opened under the old session are gone with it: a load-back pins its
+        // pages directly instead of asking the new session for a prefetch it never opened.
+        for h in st.handles.values_mut() {
+            h.prefetch = None;
+        }
         st.link_generation = generation;
         s.metrics.daemon_sessions.inc();
         s.metrics.rechecked_pages.inc_by(marked as u64);
@@ -411,8 +417,7 @@ impl AgentService {
                     .tree
                     .view(m.device_node)
                     .is_ok_and(|v| !v.backed_up && self.shared.policy.on_hit(v.meta.hits));
-            let h = st.next_handle;
-            st.next_handle += 1;
+            let h = st.handle_ids.next();
             st.handles.insert(
                 h,
                 Handle {

@@ -9,6 +9,7 @@
 
 pub mod agent;
 pub mod backup;
+mod handle_ids;
 pub mod link;
 pub mod metrics;
 

@@ -22,7 +22,7 @@ pub struct Linked {
     /// A client to clone per call.
     pub client: HostClient,
     /// The session.
-    pub session: u64,
+    pub session: kvtier_core::SessionId,
     /// kvtierd's pool for this layout, mapped here.
     pub pool: Arc<ShmPool>,
     /// Session lease.
@@ -188,7 +188,7 @@ impl Link {
         let mut cur = write(&self.current);
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, linked)) {
             tracing::warn!(
-                session = linked.session,
+                session = %linked.session,
                 "kvtierd link lost: {why}; serving L1 only until it is back"
             );
             *cur = None;
@@ -227,7 +227,7 @@ impl Link {
                                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                                 + 1;
                             linked.generation = generation;
-                            tracing::info!(session = linked.session, generation, address = %self.address, "registered with kvtierd");
+                            tracing::info!(session = %linked.session, generation, address = %self.address, "registered with kvtierd");
                             let hook = read(&self.on_linked).clone();
                             if let Some(hook) = hook {
                                 hook(generation);

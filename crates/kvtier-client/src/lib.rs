@@ -16,7 +16,7 @@ pub use agent::{
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvtier_core::{Layout, LayoutSpec, Namespace, PageHasher, PageKey};
+use kvtier_core::{Layout, LayoutSpec, Namespace, PageHasher, PageKey, SessionId};
 use kvtier_proto::v1;
 use kvtier_proto::v1::host_tier_client::HostTierClient;
 use kvtier_shm::ShmPool;
@@ -154,7 +154,7 @@ pub struct HostClient {
 #[derive(Debug)]
 pub struct Session {
     /// Session id.
-    pub id: u64,
+    pub id: SessionId,
     /// Lease time.
     pub ttl: Duration,
     /// The validated layout.
@@ -231,7 +231,9 @@ impl HostClient {
         let pool_path = PathBuf::from(&r.pool_path);
         let pool = ShmPool::open(&pool_path, r.pool_slots, stride)?;
         Ok(Session {
-            id: r.session_id,
+            id: SessionId::from_bytes(&r.session_id).map_err(|e| {
+                ClientError::Protocol(format!("kvtierd answered a bad session id: {e}"))
+            })?,
             ttl: Duration::from_millis(r.ttl_ms),
             layout,
             pool,
@@ -240,7 +242,7 @@ impl HostClient {
     }
 
     /// Keeps a session alive.
-    pub async fn heartbeat(&mut self, session: u64) -> Result<(), ClientError> {
+    pub async fn heartbeat(&mut self, session: SessionId) -> Result<(), ClientError> {
         self.heartbeat_with(session, None).await
     }
 
@@ -248,12 +250,12 @@ impl HostClient {
     /// in the daemon's Stats).
     pub async fn heartbeat_with(
         &mut self,
-        session: u64,
+        session: SessionId,
         report: Option<v1::ClientReport>,
     ) -> Result<(), ClientError> {
         self.inner
             .heartbeat(v1::HeartbeatRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 report,
             })
             .await?;
@@ -261,24 +263,28 @@ impl HostClient {
     }
 
     /// Ends a session.
-    pub async fn close(&mut self, session: u64) -> Result<(), ClientError> {
+    pub async fn close(&mut self, session: SessionId) -> Result<(), ClientError> {
         self.inner
             .close(v1::CloseRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
             })
             .await?;
         Ok(())
     }
 
     /// Leading keys ready in L2.
-    pub async fn lookup(&mut self, session: u64, keys: &[PageKey]) -> Result<usize, ClientError> {
+    pub async fn lookup(
+        &mut self,
+        session: SessionId,
+        keys: &[PageKey],
+    ) -> Result<usize, ClientError> {
         Ok(self.lookup_tiers(session, keys, false).await?.0)
     }
 
     /// Leading keys ready in L2, and (with `storage`) how many after those L3 holds.
     pub async fn lookup_tiers(
         &mut self,
-        session: u64,
+        session: SessionId,
         keys: &[PageKey],
         storage: bool,
     ) -> Result<(usize, usize), ClientError> {
@@ -289,7 +295,7 @@ impl HostClient {
     /// Key by key, whether each is ready in L2 or (with `storage`) held by L3.
     pub async fn lookup_each(
         &mut self,
-        session: u64,
+        session: SessionId,
         keys: &[PageKey],
         storage: bool,
     ) -> Result<Vec<bool>, ClientError> {
@@ -306,7 +312,7 @@ impl HostClient {
 
     async fn lookup_raw(
         &mut self,
-        session: u64,
+        session: SessionId,
         keys: &[PageKey],
         include_storage: bool,
         each_key: bool,
@@ -314,7 +320,7 @@ impl HostClient {
         Ok(self
             .inner
             .lookup(v1::LookupRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 keys: raw(keys),
                 include_storage,
                 each_key,
@@ -326,14 +332,14 @@ impl HostClient {
     /// Reserves slots for the keys not yet stored.
     pub async fn reserve(
         &mut self,
-        session: u64,
+        session: SessionId,
         parent: Option<&PageKey>,
         keys: &[PageKey],
     ) -> Result<Vec<Reserved>, ClientError> {
         let r = self
             .inner
             .reserve(v1::ReserveRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 keys: raw(keys),
                 parent: parent.map(|p| p.0.to_vec()).unwrap_or_default(),
             })
@@ -362,10 +368,14 @@ impl HostClient {
     }
 
     /// Makes reserved pages visible.
-    pub async fn commit(&mut self, session: u64, keys: &[PageKey]) -> Result<(), ClientError> {
+    pub async fn commit(
+        &mut self,
+        session: SessionId,
+        keys: &[PageKey],
+    ) -> Result<(), ClientError> {
         self.inner
             .commit(v1::CommitRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 keys: raw(keys),
             })
             .await?;
@@ -373,10 +383,10 @@ impl HostClient {
     }
 
     /// Drops reservations.
-    pub async fn abort(&mut self, session: u64, keys: &[PageKey]) -> Result<(), ClientError> {
+    pub async fn abort(&mut self, session: SessionId, keys: &[PageKey]) -> Result<(), ClientError> {
         self.inner
             .abort(v1::AbortRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 keys: raw(keys),
             })
             .await?;
@@ -386,13 +396,13 @@ impl HostClient {
     /// Pins the longest ready prefix; returns its slots.
     pub async fn acquire(
         &mut self,
-        session: u64,
+        session: SessionId,
         keys: &[PageKey],
     ) -> Result<Vec<u32>, ClientError> {
         let r = self
             .inner
             .acquire(v1::AcquireRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 keys: raw(keys),
             })
             .await?
@@ -404,10 +414,14 @@ impl HostClient {
     }
 
     /// Drops pins. If this fails, bytes read under those pins must be discarded.
-    pub async fn release(&mut self, session: u64, keys: &[PageKey]) -> Result<(), ClientError> {
+    pub async fn release(
+        &mut self,
+        session: SessionId,
+        keys: &[PageKey],
+    ) -> Result<(), ClientError> {
         self.inner
             .release(v1::ReleaseRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 keys: raw(keys),
             })
             .await?;
@@ -424,7 +438,7 @@ impl HostClient {
     /// is final).
     pub async fn prefetch(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
         keys: &[PageKey],
         opts: PrefetchOptions,
@@ -432,7 +446,7 @@ impl HostClient {
         Ok(self
             .inner
             .prefetch(v1::PrefetchRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 request_id: request_id.to_string(),
                 keys: raw(keys),
                 parent: opts.parent.map(|p| p.0.to_vec()).unwrap_or_default(),
@@ -446,13 +460,13 @@ impl HostClient {
     /// The progress of an open prefetch.
     pub async fn prefetch_status(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
     ) -> Result<v1::PrefetchProgress, ClientError> {
         Ok(self
             .inner
             .prefetch_status(v1::PrefetchStatusRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 request_id: request_id.to_string(),
             })
             .await?
@@ -463,13 +477,13 @@ impl HostClient {
     /// returns its final progress and the slots (copy them, then `release` those keys).
     pub async fn take_prefetch(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
     ) -> Result<(v1::PrefetchProgress, Vec<u32>), ClientError> {
         let r = self
             .inner
             .take_prefetch(v1::TakePrefetchRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 request_id: request_id.to_string(),
             })
             .await?
@@ -483,12 +497,12 @@ impl HostClient {
     /// Cancels a prefetch and drops its pins.
     pub async fn release_prefetch(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
     ) -> Result<(), ClientError> {
         self.inner
             .release_prefetch(v1::ReleasePrefetchRequest {
-                session_id: session,
+                session_id: session.to_bytes().to_vec(),
                 request_id: request_id.to_string(),
             })
             .await?;

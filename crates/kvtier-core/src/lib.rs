@@ -14,6 +14,7 @@
 //!   `write_through_selective`, `write_back`), one type for the agent and the daemon.
 //!
 //! - [`checksum`]: CRC32C, the checksum of stored pages and records, in one place.
+//! - [`ids`]: session ids (random, stamped with the issuing kvtierd run) and their wire form.
 //!
 //! Everything that decides *which* page goes *where* lives here, so it can be tested
 //! exhaustively without processes, sockets or devices; the crates that move bytes never decide
@@ -21,6 +22,7 @@
 
 pub mod checksum;
 pub mod host_index;
+pub mod ids;
 pub mod keys;
 pub mod layout;
 pub mod policy;
@@ -29,6 +31,7 @@ pub mod read_window;
 pub mod slots;
 pub mod write_policy;
 
+pub use ids::{Epoch, SessionId};
 pub use keys::{Namespace, PageHasher, PageKey};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
 pub use policy::{EvictionPolicy, PolicyKind};

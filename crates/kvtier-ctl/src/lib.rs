@@ -335,8 +335,8 @@ pub fn status(a: StatusArgs) -> Result<String> {
     for c in &s.sessions {
         writeln!(
             out,
-            "  {:>6} {:<24} pool {}  pins {}  writing {}  idle {} ms",
-            c.session_id,
+            "  {:<21} {:<24} pool {}  pins {}  writing {}  idle {} ms",
+            c.session_label,
             c.name,
             &hex(&c.fingerprint)[..8],
             c.pins,

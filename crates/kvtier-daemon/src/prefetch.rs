@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use kvtier_config::daemon::{PrefetchConfig, StopPolicy};
-use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_core::{LayoutFingerprint, PageKey, SessionId};
 use kvtier_proto::ApiError;
 use kvtier_server::metrics::MetricRegistry;
 use kvtier_shm::ShmPool;
@@ -51,7 +51,7 @@ pub type ProgressStream = Pin<Box<dyn Stream<Item = Progress> + Send>>;
 #[derive(Debug, Clone)]
 pub struct PrefetchAsk {
     /// The asking session.
-    pub session: u64,
+    pub session: SessionId,
     /// Its name for the request (checked here: non-empty, at most 256 bytes).
     pub request_id: String,
     /// The request's page keys in prefix order.
@@ -596,7 +596,7 @@ impl Prefetcher {
     /// the session. Returns its final progress and the slots of that prefix.
     pub async fn take(
         &self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
     ) -> Result<(Progress, Vec<u32>), ApiError> {
         let t = Instant::now();
@@ -619,13 +619,13 @@ impl Prefetcher {
     }
 
     /// The progress of an open prefetch.
-    pub fn status(&self, session: u64, request_id: &str) -> Result<Progress, ApiError> {
+    pub fn status(&self, session: SessionId, request_id: &str) -> Result<Progress, ApiError> {
         let request_id = Self::request_id(request_id)?;
         lock(&self.state).prefetch_status(session, &request_id, Instant::now())
     }
 
     /// Cancels a prefetch and drops its pins.
-    pub fn release(&self, session: u64, request_id: &str) -> Result<(), ApiError> {
+    pub fn release(&self, session: SessionId, request_id: &str) -> Result<(), ApiError> {
         let request_id = Self::request_id(request_id)?;
         let mut st = lock(&self.state);
         st.touch(session, Instant::now())?;

@@ -9,7 +9,7 @@ use kvtier_core::host_index::Reserve;
 use kvtier_core::{Layout, Namespace, PageHasher, PageKey};
 use kvtier_proto::v1::host_tier_server::HostTier;
 use kvtier_proto::v1::{self, ReserveStatus};
-use kvtier_proto::{ApiError, page_keys};
+use kvtier_proto::{ApiError, page_keys, session_id};
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
@@ -188,9 +188,9 @@ impl HostService {
         let reg = st.register(name.clone(), &layout, Instant::now())?;
         let ttl = st.ttl();
         drop(st);
-        tracing::info!(session = reg.session_id, client = %name, fingerprint = %layout.fingerprint(), "session registered");
+        tracing::info!(session = %reg.session_id, client = %name, fingerprint = %layout.fingerprint(), "session registered");
         Ok(v1::RegisterResponse {
-            session_id: reg.session_id,
+            session_id: reg.session_id.to_bytes().to_vec(),
             ttl_ms: ttl.as_millis() as u64,
             layout: Some(info),
             pool_path: reg.pool_path.display().to_string(),
@@ -272,7 +272,7 @@ impl HostTier for HostService {
             let mut st = self.state();
             let r = request.get_ref();
             st.heartbeat(
-                r.session_id,
+                session_id(&r.session_id)?,
                 r.report.map(crate::wire::report_in),
                 Instant::now(),
             )?;
@@ -287,9 +287,9 @@ impl HostTier for HostService {
         request: Request<v1::CloseRequest>,
     ) -> Result<Response<v1::CloseResponse>, Status> {
         self.observe("close", || {
-            let id = request.get_ref().session_id;
+            let id = session_id(&request.get_ref().session_id)?;
             self.state().close(id)?;
-            tracing::info!(session = id, "session closed");
+            tracing::info!(session = %id, "session closed");
             Ok(v1::CloseResponse {})
         })
     }
@@ -306,11 +306,12 @@ impl HostTier for HostService {
             let keys = self.keys(&r.keys)?;
             let mut st = self.state();
             let now = Instant::now();
-            let n = st.lookup(r.session_id, &keys, now)?;
-            let fp = st.session_fingerprint(r.session_id)?;
+            let id = session_id(&r.session_id)?;
+            let n = st.lookup(id, &keys, now)?;
+            let fp = st.session_fingerprint(id)?;
             // Which keys are ready in L2, for L3's walk and for the key-by-key answer.
             let in_l2 = if asked || r.each_key {
-                st.ready_mask(r.session_id, &keys, now)?
+                st.ready_mask(id, &keys, now)?
             } else {
                 Vec::new()
             };
@@ -383,7 +384,7 @@ impl HostTier for HostService {
             };
             let (out, evicted) =
                 self.state()
-                    .reserve(r.session_id, parent, &keys, Instant::now())?;
+                    .reserve(session_id(&r.session_id)?, parent, &keys, Instant::now())?;
             self.metrics.evictions.inc_by(evicted as u64);
             let mut resp = v1::ReserveResponse {
                 status: Vec::with_capacity(out.len()),
@@ -422,7 +423,9 @@ impl HostTier for HostService {
         self.observe("commit", || {
             let r = request.get_ref();
             let keys = self.keys(&r.keys)?;
-            let jobs = self.state().commit(r.session_id, &keys, Instant::now())?;
+            let jobs = self
+                .state()
+                .commit(session_id(&r.session_id)?, &keys, Instant::now())?;
             self.enqueue(jobs);
             self.pages("committed", keys.len());
             Ok(v1::CommitResponse {})
@@ -436,7 +439,8 @@ impl HostTier for HostService {
         self.observe("abort", || {
             let r = request.get_ref();
             let keys = self.keys(&r.keys)?;
-            self.state().abort(r.session_id, &keys, Instant::now())?;
+            self.state()
+                .abort(session_id(&r.session_id)?, &keys, Instant::now())?;
             self.pages("aborted", keys.len());
             Ok(v1::AbortResponse {})
         })
@@ -449,7 +453,9 @@ impl HostTier for HostService {
         self.observe("acquire", || {
             let r = request.get_ref();
             let keys = self.keys(&r.keys)?;
-            let (slots, jobs) = self.state().acquire(r.session_id, &keys, Instant::now())?;
+            let (slots, jobs) =
+                self.state()
+                    .acquire(session_id(&r.session_id)?, &keys, Instant::now())?;
             self.enqueue(jobs);
             self.pages("acquired", slots.len());
             Ok(v1::AcquireResponse { slots })
@@ -463,7 +469,8 @@ impl HostTier for HostService {
         self.observe("release", || {
             let r = request.get_ref();
             let keys = self.keys(&r.keys)?;
-            self.state().release(r.session_id, &keys, Instant::now())?;
+            self.state()
+                .release(session_id(&r.session_id)?, &keys, Instant::now())?;
             self.pages("released", keys.len());
             Ok(v1::ReleaseResponse {})
         })
@@ -498,8 +505,8 @@ impl HostTier for HostService {
                 .collect();
             let sessions = st
                 .sessions()
-                .map(|(&id, s)| v1::SessionInfo {
-                    session_id: id,
+                .map(|(id, s)| v1::SessionInfo {
+                    session_label: id.to_string(),
                     name: s.name.clone(),
                     fingerprint: s.fingerprint.0.to_vec(),
                     pins: s.pins.values().map(|&n| u64::from(n)).sum(),
@@ -552,7 +559,9 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::PrefetchProgress>, Status> {
         self.observe("prefetch_status", || {
             let r = request.get_ref();
-            let p = self.prefetcher.status(r.session_id, &r.request_id)?;
+            let p = self
+                .prefetcher
+                .status(session_id(&r.session_id)?, &r.request_id)?;
             Ok(crate::wire::progress(p))
         })
     }
@@ -563,14 +572,14 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::TakePrefetchResponse>, Status> {
         let t = Instant::now();
         let req = request.get_ref();
-        let r = self
-            .prefetcher
-            .take(req.session_id, &req.request_id)
-            .await
-            .map(|(p, slots)| v1::TakePrefetchResponse {
-                progress: Some(crate::wire::progress(p)),
-                slots,
-            });
+        let r = match session_id(&req.session_id) {
+            Ok(id) => self.prefetcher.take(id, &req.request_id).await,
+            Err(e) => Err(e),
+        }
+        .map(|(p, slots)| v1::TakePrefetchResponse {
+            progress: Some(crate::wire::progress(p)),
+            slots,
+        });
         if let Ok(resp) = &r {
             self.pages("acquired", resp.slots.len());
         }
@@ -583,7 +592,8 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::ReleasePrefetchResponse>, Status> {
         self.observe("release_prefetch", || {
             let r = request.get_ref();
-            self.prefetcher.release(r.session_id, &r.request_id)?;
+            self.prefetcher
+                .release(session_id(&r.session_id)?, &r.request_id)?;
             Ok(v1::ReleasePrefetchResponse {})
         })
     }

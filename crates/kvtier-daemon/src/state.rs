@@ -11,7 +11,7 @@ use kvtier_config::daemon::{DaemonConfig, L2Backing, L3Backend};
 use kvtier_core::host_index::{
     HostIndex, HostIndexStats, L3Mark, L3Mode, OwnerId, PageState, Reserve,
 };
-use kvtier_core::{Layout, LayoutFingerprint, PageKey, PolicyKind, WritePolicy};
+use kvtier_core::{Epoch, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, WritePolicy};
 use kvtier_proto::ApiError;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
@@ -55,6 +55,8 @@ pub struct Session {
     pub writing: HashSet<PageKey>,
     /// The client's last report (agents send one with each heartbeat).
     pub report: Option<ClientReport>,
+    /// Who owns its reservations in the index.
+    owner: OwnerId,
 }
 
 /// One page for the L3 writer: chosen by the state (under the write policy, or by the
@@ -149,7 +151,7 @@ pub struct Counters {
 #[derive(Debug, Clone)]
 pub struct Registered {
     /// The new session.
-    pub session_id: u64,
+    pub session_id: SessionId,
     /// Its pool's path, slots and stride.
     pub pool_path: PathBuf,
     /// Slots in the pool.
@@ -162,8 +164,11 @@ pub struct Registered {
 #[derive(Debug)]
 pub struct HostState {
     pools: HashMap<LayoutFingerprint, Pool>,
-    sessions: HashMap<u64, Session>,
-    next_session: u64,
+    sessions: HashMap<SessionId, Session>,
+    /// This run's start: every session id it issues carries it.
+    epoch: Epoch,
+    /// Index owner of the next session (internal; never on the wire).
+    next_owner: OwnerId,
     ttl: Duration,
     policy: PolicyKind,
     backing: Backing,
@@ -195,14 +200,20 @@ pub struct HostState {
     /// not only those of pools running short of free slots.
     flushes: u32,
     prefetches: HashMap<u64, PrefetchEntry>,
-    prefetch_names: HashMap<(u64, String), u64>,
+    prefetch_names: HashMap<(SessionId, String), u64>,
     next_prefetch: u64,
     prefetch_budget: f64,
     /// Counters since start.
     pub counters: Counters,
 }
 
-fn unknown_session(id: u64) -> ApiError {
+fn unknown_session(id: SessionId, epoch: Epoch) -> ApiError {
+    if id.epoch() != epoch {
+        return ApiError::NotFound(format!(
+            "session {id} was issued by another kvtierd run (epoch {}; this run's is {epoch}); register again",
+            id.epoch()
+        ));
+    }
     ApiError::NotFound(format!(
         "session {id} is unknown or expired; register again"
     ))
@@ -214,7 +225,8 @@ impl HostState {
         Self {
             pools: HashMap::new(),
             sessions: HashMap::new(),
-            next_session: 1,
+            epoch: crate::ids::epoch_now(),
+            next_owner: 1,
             ttl: cfg.sessions.ttl.0,
             policy: cfg.l2.eviction_policy,
             backing: match cfg.l2.backing {
@@ -352,24 +364,24 @@ impl HostState {
     }
 
     /// The layout class of a session.
-    pub fn session_fingerprint(&self, id: u64) -> Result<LayoutFingerprint, ApiError> {
+    pub fn session_fingerprint(&self, id: SessionId) -> Result<LayoutFingerprint, ApiError> {
         self.sessions
             .get(&id)
             .map(|s| s.fingerprint)
-            .ok_or_else(|| unknown_session(id))
+            .ok_or_else(|| unknown_session(id, self.epoch))
     }
 
     /// Marks a session alive and keeps the report its heartbeat carried.
     pub fn heartbeat(
         &mut self,
-        id: u64,
+        id: SessionId,
         report: Option<ClientReport>,
         now: Instant,
     ) -> Result<(), ApiError> {
         let s = self
             .sessions
             .get_mut(&id)
-            .ok_or_else(|| unknown_session(id))?;
+            .ok_or_else(|| unknown_session(id, self.epoch))?;
         s.last_seen = now;
         if report.is_some() {
             s.report = report;
@@ -388,7 +400,7 @@ impl HostState {
     }
 
     /// Live sessions.
-    pub fn sessions(&self) -> impl Iterator<Item = (&u64, &Session)> {
+    pub fn sessions(&self) -> impl Iterator<Item = (&SessionId, &Session)> {
         self.sessions.iter()
     }
 
@@ -485,15 +497,23 @@ impl HostState {
         now: Instant,
     ) -> Result<Registered, ApiError> {
         self.admitting("new sessions")?;
+        // Random, so no client can name another's session; a draw that repeats a live id
+        // (2^-128) is drawn again rather than trusted.
+        let id = loop {
+            let id = SessionId::new(self.epoch, crate::ids::random()?);
+            if !self.sessions.contains_key(&id) {
+                break id;
+            }
+        };
         let pool = self.pool_for(layout)?;
         let reg = Registered {
-            session_id: 0,
+            session_id: id,
             pool_path: pool.shm.path().to_path_buf(),
             slots: pool.shm.slots(),
             stride: pool.shm.stride(),
         };
-        let id = self.next_session;
-        self.next_session += 1;
+        let owner = self.next_owner;
+        self.next_owner += 1;
         self.sessions.insert(
             id,
             Session {
@@ -503,20 +523,18 @@ impl HostState {
                 pins: HashMap::new(),
                 writing: HashSet::new(),
                 report: None,
+                owner,
             },
         );
-        Ok(Registered {
-            session_id: id,
-            ..reg
-        })
+        Ok(reg)
     }
 
     /// Marks a session alive; every request does this.
-    pub fn touch(&mut self, id: u64, now: Instant) -> Result<(), ApiError> {
+    pub fn touch(&mut self, id: SessionId, now: Instant) -> Result<(), ApiError> {
         let s = self
             .sessions
             .get_mut(&id)
-            .ok_or_else(|| unknown_session(id))?;
+            .ok_or_else(|| unknown_session(id, self.epoch))?;
         s.last_seen = now;
         Ok(())
     }
@@ -524,13 +542,13 @@ impl HostState {
     /// The session and its pool, marked alive.
     fn session_pool(
         &mut self,
-        id: u64,
+        id: SessionId,
         now: Instant,
     ) -> Result<(&mut Session, &mut Pool), ApiError> {
         let s = self
             .sessions
             .get_mut(&id)
-            .ok_or_else(|| unknown_session(id))?;
+            .ok_or_else(|| unknown_session(id, self.epoch))?;
         s.last_seen = now;
         let pool = self
             .pools
@@ -540,9 +558,9 @@ impl HostState {
     }
 
     /// Ends a session: drops its pins and frees what it was writing.
-    pub fn close(&mut self, id: u64) -> Result<(), ApiError> {
+    pub fn close(&mut self, id: SessionId) -> Result<(), ApiError> {
         if !self.sessions.contains_key(&id) {
-            return Err(unknown_session(id));
+            return Err(unknown_session(id, self.epoch));
         }
         let open: Vec<String> = self
             .prefetch_names
@@ -556,7 +574,7 @@ impl HostState {
         let s = self
             .sessions
             .remove(&id)
-            .ok_or_else(|| unknown_session(id))?;
+            .ok_or_else(|| unknown_session(id, self.epoch))?;
         let Some(pool) = self.pools.get_mut(&s.fingerprint) else {
             return Ok(());
         };
@@ -569,11 +587,11 @@ impl HostState {
         self.counters.dropped_pins += pins.len() as u64;
         self.counters.dropped_reservations += writing.len() as u64;
         if let Err(e) = pool.index.release(&pins) {
-            tracing::error!(session = id, "session pins disagree with the index: {e}");
+            tracing::error!(session = %id, "session pins disagree with the index: {e}");
         }
-        if let Err(e) = pool.index.abort(id as OwnerId, &writing) {
+        if let Err(e) = pool.index.abort(s.owner, &writing) {
             tracing::error!(
-                session = id,
+                session = %id,
                 "session reservations disagree with the index: {e}"
             );
         }
@@ -581,9 +599,9 @@ impl HostState {
     }
 
     /// Ends every session idle for longer than the TTL. Returns their ids.
-    pub fn expire(&mut self, now: Instant) -> Vec<u64> {
+    pub fn expire(&mut self, now: Instant) -> Vec<SessionId> {
         let ttl = self.ttl;
-        let dead: Vec<u64> = self
+        let dead: Vec<SessionId> = self
             .sessions
             .iter()
             .filter(|(_, s)| now.saturating_duration_since(s.last_seen) > ttl)
@@ -595,7 +613,7 @@ impl HostState {
                 .get(&id)
                 .map(|s| s.name.clone())
                 .unwrap_or_default();
-            tracing::warn!(session = id, client = %name, "session lease expired; dropping its pins and reservations");
+            tracing::warn!(session = %id, client = %name, "session lease expired; dropping its pins and reservations");
             // The session exists: it was just listed.
             let _ = self.close(id);
             self.counters.expired_sessions += 1;
@@ -604,7 +622,12 @@ impl HostState {
     }
 
     /// Leading keys ready in the session's pool.
-    pub fn lookup(&mut self, id: u64, keys: &[PageKey], now: Instant) -> Result<usize, ApiError> {
+    pub fn lookup(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<usize, ApiError> {
         let (_, pool) = self.session_pool(id, now)?;
         Ok(pool.index.lookup(keys))
     }
@@ -613,7 +636,7 @@ impl HostState {
     /// whose prefix left it for L3).
     pub fn ready_mask(
         &mut self,
-        id: u64,
+        id: SessionId,
         keys: &[PageKey],
         now: Instant,
     ) -> Result<Vec<bool>, ApiError> {
@@ -627,7 +650,7 @@ impl HostState {
     /// Reserves slots for the keys not present.
     pub fn reserve(
         &mut self,
-        id: u64,
+        id: SessionId,
         parent: Option<PageKey>,
         keys: &[PageKey],
         now: Instant,
@@ -635,7 +658,7 @@ impl HostState {
         self.admitting("new pages")?;
         let (session, pool) = self.session_pool(id, now)?;
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
-        let (out, evicted) = pool.index.reserve(id as OwnerId, parent, keys);
+        let (out, evicted) = pool.index.reserve(session.owner, parent, keys);
         pool.handed_out(out.iter().filter_map(|r| match r {
             Reserve::Reserved(s) => Some(*s),
             _ => None,
@@ -666,13 +689,13 @@ impl HostState {
     /// Makes reserved pages visible. Returns the L3 writes write-through asks for.
     pub fn commit(
         &mut self,
-        id: u64,
+        id: SessionId,
         keys: &[PageKey],
         now: Instant,
     ) -> Result<Vec<Job>, ApiError> {
         let (write, epoch) = (self.write, self.l3_epoch);
         let (session, pool) = self.session_pool(id, now)?;
-        pool.index.commit(id as OwnerId, keys)?;
+        pool.index.commit(session.owner, keys)?;
         pool.committed(keys);
         for k in keys {
             session.writing.remove(k);
@@ -690,9 +713,9 @@ impl HostState {
     }
 
     /// Frees reserved pages.
-    pub fn abort(&mut self, id: u64, keys: &[PageKey], now: Instant) -> Result<(), ApiError> {
+    pub fn abort(&mut self, id: SessionId, keys: &[PageKey], now: Instant) -> Result<(), ApiError> {
         let (session, pool) = self.session_pool(id, now)?;
-        pool.index.abort(id as OwnerId, keys)?;
+        pool.index.abort(session.owner, keys)?;
         for k in keys {
             session.writing.remove(k);
         }
@@ -703,7 +726,7 @@ impl HostState {
     /// write-through-selective asks for (pages whose hit count reached the threshold).
     pub fn acquire(
         &mut self,
-        id: u64,
+        id: SessionId,
         keys: &[PageKey],
         now: Instant,
     ) -> Result<(Vec<u32>, Vec<Job>), ApiError> {
@@ -736,7 +759,12 @@ impl HostState {
     }
 
     /// Drops the session's pins on `keys`. All-or-nothing.
-    pub fn release(&mut self, id: u64, keys: &[PageKey], now: Instant) -> Result<(), ApiError> {
+    pub fn release(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<(), ApiError> {
         let (session, pool) = self.session_pool(id, now)?;
         let mut want: HashMap<PageKey, u32> = HashMap::new();
         for (i, k) in keys.iter().enumerate() {

@@ -19,7 +19,7 @@ pub fn prefetch_ask(req: v1::PrefetchRequest) -> Result<PrefetchAsk, ApiError> {
     };
     let hints = req.hints.unwrap_or_default();
     Ok(PrefetchAsk {
-        session: req.session_id,
+        session: kvtier_proto::session_id(&req.session_id)?,
         request_id: req.request_id,
         keys,
         parent,

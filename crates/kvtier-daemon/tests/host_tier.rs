@@ -245,7 +245,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         use tonic::Code::{FailedPrecondition, InvalidArgument, NotFound};
         check(
             raw.lookup(v1::LookupRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
                 include_storage: false,
                 each_key: false,
@@ -256,7 +256,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.reserve(v1::ReserveRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
                 parent: vec![],
             })
@@ -266,7 +266,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.reserve(v1::ReserveRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: vec![],
                 parent: vec![1; 5],
             })
@@ -276,7 +276,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.commit(v1::CommitRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
             })
             .await,
@@ -285,7 +285,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.acquire(v1::AcquireRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
             })
             .await,
@@ -294,7 +294,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.release(v1::ReleaseRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: short,
             })
             .await,
@@ -304,7 +304,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         let many: Vec<Vec<u8>> = chain(21, 17).iter().map(|k| k.0.to_vec()).collect();
         check(
             raw.lookup(v1::LookupRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: many,
                 include_storage: false,
                 each_key: false,
@@ -317,7 +317,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         let k0 = vec![keys[0].0.to_vec()];
         check(
             raw.commit(v1::CommitRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: k0.clone(),
             })
             .await,
@@ -326,24 +326,52 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.release(v1::ReleaseRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 keys: k0.clone(),
             })
             .await,
             InvalidArgument,
             "not pinned",
         );
+        // A forged id of this run (right epoch, guessed nonce), an id of another run, and
+        // bytes that are no id at all.
+        let mut forged = s.id.to_bytes().to_vec();
+        forged[8] ^= 1;
         check(
             raw.lookup(v1::LookupRequest {
-                session_id: 999,
-                keys: k0,
+                session_id: forged,
+                keys: k0.clone(),
                 include_storage: false,
                 each_key: false,
             })
             .await,
             NotFound,
-            "session 999",
+            "unknown or expired",
         );
+        let mut earlier = s.id.to_bytes().to_vec();
+        earlier[0] ^= 1;
+        check(
+            raw.acquire(v1::AcquireRequest {
+                session_id: earlier,
+                keys: k0.clone(),
+            })
+            .await,
+            NotFound,
+            "another kvtierd run",
+        );
+        for bad in [vec![], vec![0u8; 8]] {
+            check(
+                raw.lookup(v1::LookupRequest {
+                    session_id: bad,
+                    keys: k0.clone(),
+                    include_storage: false,
+                    each_key: false,
+                })
+                .await,
+                InvalidArgument,
+                "session_id",
+            );
+        }
         // Registration: a contradictory layout, a wrong hash self-test, a wrong expectation.
         let mut bad_layout = v1::LayoutDescriptor::from(&layout("m"));
         bad_layout.kind = Some(v1::layout_descriptor::Kind::Mha(v1::MhaShape {

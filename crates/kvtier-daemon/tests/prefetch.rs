@@ -352,7 +352,7 @@ fn revoked_prefetches_allocate_nothing() {
         let mut raw = c.raw().clone();
         let e = raw
             .prefetch(v1::PrefetchRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 request_id: "x".into(),
                 keys: vec![vec![1, 2, 3]],
                 ..Default::default()
@@ -363,7 +363,7 @@ fn revoked_prefetches_allocate_nothing() {
         assert!(e.message().contains("keys[0]"), "{}", e.message());
         let e = raw
             .prefetch(v1::PrefetchRequest {
-                session_id: s.id,
+                session_id: s.id.to_bytes().to_vec(),
                 request_id: "x".into(),
                 keys: vec![chain(13, 1)[0].0.to_vec()],
                 policy: 42,

@@ -33,7 +33,7 @@ fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
     // No L3: what survives can only have come from the pool.
     let sets = [shm_dir.as_str(), "l2.pool_pages=256", "l3.backend=none"];
     let d = Daemon::start_in(dir.clone(), &sets);
-    let (kept, torn, half) = rt().block_on(async {
+    let (kept, torn, half, old) = rt().block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
         let s = c.register("engine", &layout("m")).await.unwrap();
         // Three sequences committed by three sessions at once.
@@ -73,7 +73,7 @@ fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
         let slots = c.acquire(s.id, &[torn]).await.unwrap();
         s.pool.write(slots[0], 100, &[0xA5; 64]).unwrap();
         drop(alive);
-        (chains, torn, half[0])
+        (chains, torn, half[0], s.id)
     });
     let pool_before = pool_file(&shm);
     let dir = d.kill();
@@ -105,6 +105,14 @@ fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
     rt().block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
         let s = c.register("engine", &layout("m")).await.unwrap();
+        // A client that outlived the crash still holds its old session id. The new run
+        // refuses it by name, though it has issued a session since (counted ids restarted
+        // at 1 and matched: the stale client then wrote through its mapping of the dead pool
+        // while the new run committed and sealed slots nobody had written).
+        assert_ne!(old, s.id);
+        let e = c.reserve(old, None, &chain(600, 1)).await.unwrap_err();
+        assert_eq!(e.code(), Some(tonic::Code::NotFound), "{e}");
+        assert!(e.to_string().contains("another kvtierd run"), "{e}");
         let len = s.layout.page_bytes();
         let mut buf = vec![0u8; len];
         for (i, keys) in kept.iter().enumerate() {

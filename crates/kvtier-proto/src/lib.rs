@@ -21,6 +21,7 @@ pub mod v1 {
 /// The encoded `FileDescriptorSet` of every kvtier proto, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kvtier_descriptor");
 
+use kvtier_core::SessionId;
 use kvtier_core::keys::{KEY_LEN, Namespace, PageKey};
 use kvtier_core::layout::{DType, KvKind, Layout, LayoutSpec};
 
@@ -270,6 +271,11 @@ pub fn page_keys(field: &str, raw: &[impl AsRef<[u8]>]) -> Result<Vec<PageKey>, 
             })
         })
         .collect()
+}
+
+/// Parses a request's `session_id` (the bytes Register returned).
+pub fn session_id(raw: &[u8]) -> Result<SessionId, ApiError> {
+    Ok(SessionId::from_bytes(raw)?)
 }
 
 impl TryFrom<v1::PageKeys> for Vec<PageKey> {

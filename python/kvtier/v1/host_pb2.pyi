@@ -76,13 +76,13 @@ class PrefetchRequest(_message.Message):
     PARENT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     policy: PrefetchPolicy
     hints: PrefetchHints
-    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., hints: _Optional[_Union[PrefetchHints, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., hints: _Optional[_Union[PrefetchHints, _Mapping]] = ...) -> None: ...
 
 class PrefetchProgress(_message.Message):
     __slots__ = ("request_id", "state", "reason", "policy", "l2_pages", "hit_pages", "landed_pages", "landed_bytes", "elapsed_ms", "deadline_ms")
@@ -112,17 +112,17 @@ class PrefetchStatusRequest(_message.Message):
     __slots__ = ("session_id", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     request_id: str
-    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TakePrefetchRequest(_message.Message):
     __slots__ = ("session_id", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     request_id: str
-    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TakePrefetchResponse(_message.Message):
     __slots__ = ("progress", "slots")
@@ -136,9 +136,9 @@ class ReleasePrefetchRequest(_message.Message):
     __slots__ = ("session_id", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     request_id: str
-    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleasePrefetchResponse(_message.Message):
     __slots__ = ()
@@ -216,21 +216,21 @@ class RegisterResponse(_message.Message):
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     ttl_ms: int
     layout: _common_pb2.LayoutInfo
     pool_path: str
     pool_slots: int
     slot_stride: int
-    def __init__(self, session_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., pool_path: _Optional[str] = ..., pool_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., pool_path: _Optional[str] = ..., pool_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "report")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     report: ClientReport
-    def __init__(self, session_id: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
 
 class ClientReport(_message.Message):
     __slots__ = ("matches", "device_hit_pages", "l2_hit_pages", "l3_hit_pages", "miss_pages", "load_back_pages", "backup_pages", "lost_pages", "evicted_pages", "device_pages", "locked_pages")
@@ -267,8 +267,8 @@ class HeartbeatResponse(_message.Message):
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
-    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
 
 class CloseResponse(_message.Message):
     __slots__ = ()
@@ -280,11 +280,11 @@ class LookupRequest(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STORAGE_FIELD_NUMBER: _ClassVar[int]
     EACH_KEY_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     include_storage: bool
     each_key: bool
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., include_storage: _Optional[bool] = ..., each_key: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., include_storage: _Optional[bool] = ..., each_key: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("ready_pages", "storage_pages", "present")
@@ -301,10 +301,10 @@ class ReserveRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("status", "slots")
@@ -318,9 +318,9 @@ class CommitRequest(_message.Message):
     __slots__ = ("session_id", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()
@@ -330,9 +330,9 @@ class AbortRequest(_message.Message):
     __slots__ = ("session_id", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -342,9 +342,9 @@ class AcquireRequest(_message.Message):
     __slots__ = ("session_id", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("slots",)
@@ -356,9 +356,9 @@ class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -397,22 +397,22 @@ class PoolStats(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., model_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., ready_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pins: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., huge_pages: _Optional[bool] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "name", "fingerprint", "pins", "writing_pages", "idle_ms", "report")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("session_label", "name", "fingerprint", "pins", "writing_pages", "idle_ms", "report")
+    SESSION_LABEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     WRITING_PAGES_FIELD_NUMBER: _ClassVar[int]
     IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_label: str
     name: str
     fingerprint: bytes
     pins: int
     writing_pages: int
     idle_ms: int
     report: ClientReport
-    def __init__(self, session_id: _Optional[int] = ..., name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., pins: _Optional[int] = ..., writing_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_label: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., pins: _Optional[int] = ..., writing_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "uptime_ms", "pools", "sessions", "reserve_calls", "commit_calls", "acquire_calls", "dedup_pages", "expired_sessions", "metrics_address", "l3")

@@ -33,6 +33,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
+use kvtier_proto::ApiError;
 use kvtier_shm::ShmRegion;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -120,46 +121,21 @@ pub struct Pools {
 struct Registry {
     live: HashMap<u32, Arc<Pool>>,
     issued: HashSet<u32>,
-    draws: u64,
 }
 
 impl Registry {
     /// A random id in 1..=i32::MAX (transfers carry it as an int32) never issued before by
     /// this process. Random rather than counted so that ids do not repeat across restarts
     /// either (as far as 31 bits allow).
-    fn fresh_id(&mut self) -> u32 {
+    fn fresh_id(&mut self) -> Result<u32, ApiError> {
         loop {
-            self.draws += 1;
             // Transfers carry the id in an int32 field: 31 bits.
-            let id = random_u32(self.draws) & 0x7FFF_FFFF;
+            let id = u32::from_le_bytes(crate::ids::random()?) & 0x7FFF_FFFF;
             if id != 0 && self.issued.insert(id) {
-                return id;
+                return Ok(id);
             }
         }
     }
-}
-
-/// 32 random bits from the kernel; should /dev/urandom be unreadable, a per-process random
-/// hash of the draw count and the clock.
-fn random_u32(draw: u64) -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::io::Read;
-    let mut b = [0u8; 4];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .is_ok()
-    {
-        return u32::from_le_bytes(b);
-    }
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(draw);
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish() as u32
 }
 
 impl Pools {
@@ -193,14 +169,14 @@ impl Pools {
         }
     }
 
-    fn add(&self, pool: Pool) -> u32 {
+    fn add(&self, pool: Pool) -> Result<u32, ApiError> {
         let mut m = self.lock();
-        let id = m.fresh_id();
+        let id = m.fresh_id()?;
         m.live.insert(id, Arc::new(pool));
         if let Some(g) = &self.gauge {
             g.set(m.live.len() as i64);
         }
-        id
+        Ok(id)
     }
 
     fn remove(&self, id: u32) {
@@ -310,7 +286,9 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
     let bytes = region.len();
     let pool = Pool::new(region);
     let sealed = pool.sealed();
-    let id = pools.add(pool);
+    let id = pools
+        .add(pool)
+        .map_err(|e| RegisterError::Pool(e.to_string()))?;
     tracing::info!(
         pool = id,
         name = %name,
@@ -456,13 +434,13 @@ mod tests {
     #[test]
     fn pool_ids_are_non_zero_int32_and_never_repeat() {
         let mut r = Registry::default();
-        let ids: Vec<u32> = (0..20_000).map(|_| r.fresh_id()).collect();
+        let ids: Vec<u32> = (0..20_000).map(|_| r.fresh_id().unwrap()).collect();
         assert!(ids.iter().all(|&id| (1..=i32::MAX as u32).contains(&id)));
         let distinct: HashSet<u32> = ids.iter().copied().collect();
         assert_eq!(distinct.len(), ids.len());
         // Not a counter: two registries (two kvtierd runs) start from different ids.
         let mut again = Registry::default();
-        assert_ne!(again.fresh_id(), ids[0]);
+        assert_ne!(again.fresh_id().unwrap(), ids[0]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

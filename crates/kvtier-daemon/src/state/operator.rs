@@ -165,7 +165,7 @@ mod tests {
 
     use super::*;
 
-    fn state() -> (HostState, u64) {
+    fn state() -> (HostState, kvtier_core::SessionId) {
         let mut cfg = DaemonConfig::default();
         cfg.l2.backing = L2Backing::Memfd;
         cfg.l2.pool_pages = 16;

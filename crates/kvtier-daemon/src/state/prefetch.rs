@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::StopPolicy;
 use kvtier_core::host_index::{OwnerId, Reserve};
-use kvtier_core::{Layout, LayoutFingerprint, PageKey};
+use kvtier_core::{Layout, LayoutFingerprint, PageKey, SessionId};
 use kvtier_proto::ApiError;
 use kvtier_shm::ShmPool;
 use tokio::sync::watch;
@@ -111,7 +111,7 @@ pub enum StopCause {
 #[derive(Debug)]
 pub struct PrefetchEntry {
     /// The session that asked.
-    pub session: u64,
+    pub session: SessionId,
     /// The session's name for it.
     pub request_id: String,
     /// The pool class.
@@ -182,7 +182,7 @@ impl PrefetchEntry {
 #[derive(Debug)]
 pub struct PrefetchOpen {
     /// The asking session.
-    pub session: u64,
+    pub session: SessionId,
     /// Its name for the request.
     pub request_id: String,
     /// The request's keys.
@@ -250,7 +250,7 @@ impl HostState {
     /// leading `keys` are ready in L2.
     pub fn prefetch_check(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
         keys: &[PageKey],
         max_per_session: usize,
@@ -510,7 +510,7 @@ impl HostState {
     }
 
     /// Unpins a finished prefetch's landed pages and forgets it.
-    fn prefetch_forget(&mut self, session: u64, request_id: &str) {
+    fn prefetch_forget(&mut self, session: SessionId, request_id: &str) {
         let Some(id) = self
             .prefetch_names
             .remove(&(session, request_id.to_string()))
@@ -534,7 +534,12 @@ impl HostState {
 
     /// Stops a prefetch for `cause` (release, session end) and drops its pins: at once when it
     /// is done, else when its fetching has stopped. `false` when there is no such prefetch.
-    pub fn prefetch_drop(&mut self, session: u64, request_id: &str, cause: StopCause) -> bool {
+    pub fn prefetch_drop(
+        &mut self,
+        session: SessionId,
+        request_id: &str,
+        cause: StopCause,
+    ) -> bool {
         let Some(&id) = self.prefetch_names.get(&(session, request_id.to_string())) else {
             return false;
         };
@@ -554,7 +559,7 @@ impl HostState {
     /// to stop here when `take` is set.
     pub fn prefetch_watch(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
         take: bool,
         now: Instant,
@@ -577,7 +582,7 @@ impl HostState {
     /// the usable prefix.
     pub fn prefetch_take(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
         now: Instant,
     ) -> Result<(Progress, Vec<u32>), ApiError> {
@@ -628,7 +633,7 @@ impl HostState {
     /// The progress of an open prefetch.
     pub fn prefetch_status(
         &mut self,
-        session: u64,
+        session: SessionId,
         request_id: &str,
         now: Instant,
     ) -> Result<Progress, ApiError> {
