@@ -56,6 +56,18 @@ class KvtierError(Exception):
         return self.code == grpc.StatusCode.NOT_FOUND
 
 
+def _packed(keys: Sequence[bytes]) -> bytes:
+    """Keys as one ``packed_keys`` field (32 bytes each, back to back). A key of another length
+    is refused here, naming it: joined, it would shift every key after it."""
+    for i, k in enumerate(keys):
+        if len(k) != 32:
+            raise KvtierError(
+                f"keys[{i}]: a page key is 32 bytes, got {len(k)}",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+    return b"".join(keys)
+
+
 def _call(fn, request, timeout: float):
     try:
         return fn(request, timeout=timeout)
@@ -294,7 +306,9 @@ class HostSession:
         r = _call(
             self.client.host.Lookup,
             host_pb2.LookupRequest(
-                session_id=self.session_id, keys=keys, include_storage=include_storage
+                session_id=self.session_id,
+                packed_keys=_packed(keys),
+                include_storage=include_storage,
             ),
             self._t(timeout),
         )
@@ -309,7 +323,7 @@ class HostSession:
             self.client.host.Lookup,
             host_pb2.LookupRequest(
                 session_id=self.session_id,
-                keys=keys,
+                packed_keys=_packed(keys),
                 include_storage=include_storage,
                 each_key=True,
             ),
@@ -325,7 +339,9 @@ class HostSession:
         """(status, slot) per key; status is a ``host_pb2.ReserveStatus`` value."""
         r = _call(
             self.client.host.Reserve,
-            host_pb2.ReserveRequest(session_id=self.session_id, keys=keys, parent=parent),
+            host_pb2.ReserveRequest(
+                session_id=self.session_id, packed_keys=_packed(keys), parent=parent
+            ),
             self._t(timeout),
         )
         if len(r.status) != len(keys) or len(r.slots) != len(keys):
@@ -335,14 +351,14 @@ class HostSession:
     def commit(self, keys: Sequence[bytes], timeout: float | None = None) -> None:
         _call(
             self.client.host.Commit,
-            host_pb2.CommitRequest(session_id=self.session_id, keys=keys),
+            host_pb2.CommitRequest(session_id=self.session_id, packed_keys=_packed(keys)),
             self._t(timeout),
         )
 
     def abort(self, keys: Sequence[bytes], timeout: float | None = None) -> None:
         _call(
             self.client.host.Abort,
-            host_pb2.AbortRequest(session_id=self.session_id, keys=keys),
+            host_pb2.AbortRequest(session_id=self.session_id, packed_keys=_packed(keys)),
             self._t(timeout),
         )
 
@@ -350,7 +366,7 @@ class HostSession:
         """Pins the longest ready prefix of ``keys``; its slots."""
         r = _call(
             self.client.host.Acquire,
-            host_pb2.AcquireRequest(session_id=self.session_id, keys=keys),
+            host_pb2.AcquireRequest(session_id=self.session_id, packed_keys=_packed(keys)),
             self._t(timeout),
         )
         return list(r.slots)
@@ -359,7 +375,7 @@ class HostSession:
         """Drops pins. Raises when they were already dropped: bytes copied under them are void."""
         _call(
             self.client.host.Release,
-            host_pb2.ReleaseRequest(session_id=self.session_id, keys=keys),
+            host_pb2.ReleaseRequest(session_id=self.session_id, packed_keys=_packed(keys)),
             self._t(timeout),
         )
 
@@ -384,7 +400,7 @@ class HostSession:
         req = host_pb2.PrefetchRequest(
             session_id=self.session_id,
             request_id=request_id,
-            keys=keys,
+            packed_keys=_packed(keys),
             parent=parent,
             policy=POLICIES[policy],
             hints=hints,

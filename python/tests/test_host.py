@@ -54,6 +54,11 @@ def test_a_page_written_through_the_pool_reads_back(client: DaemonClient) -> Non
         s.release(keys)
         with pytest.raises(KvtierError):
             s.pool.address(s.pool.slots, 0, 1)
+        # Keys travel packed; one of the wrong length is refused by name before it could
+        # shift the keys after it, and nothing stored changes.
+        with pytest.raises(KvtierError, match=r"keys\[1\]: a page key is 32 bytes, got 31"):
+            s.acquire([keys[0], keys[1][:31], keys[2]])
+        assert s.lookup(keys) == (3, 0)
     finally:
         s.close()
 

@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kvtier_core::{Layout, LayoutSpec, Namespace, PageHasher, PageKey, SessionId};
-use kvtier_proto::v1;
 use kvtier_proto::v1::host_tier_client::HostTierClient;
+use kvtier_proto::{pack_keys, v1};
 use kvtier_shm::ShmPool;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -321,7 +321,8 @@ impl HostClient {
             .inner
             .lookup(v1::LookupRequest {
                 session_id: session.to_bytes().to_vec(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
                 include_storage,
                 each_key,
             })
@@ -340,7 +341,8 @@ impl HostClient {
             .inner
             .reserve(v1::ReserveRequest {
                 session_id: session.to_bytes().to_vec(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
                 parent: parent.map(|p| p.0.to_vec()).unwrap_or_default(),
             })
             .await?
@@ -376,7 +378,8 @@ impl HostClient {
         self.inner
             .commit(v1::CommitRequest {
                 session_id: session.to_bytes().to_vec(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
             })
             .await?;
         Ok(())
@@ -387,7 +390,8 @@ impl HostClient {
         self.inner
             .abort(v1::AbortRequest {
                 session_id: session.to_bytes().to_vec(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
             })
             .await?;
         Ok(())
@@ -403,7 +407,8 @@ impl HostClient {
             .inner
             .acquire(v1::AcquireRequest {
                 session_id: session.to_bytes().to_vec(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
             })
             .await?
             .into_inner();
@@ -422,7 +427,8 @@ impl HostClient {
         self.inner
             .release(v1::ReleaseRequest {
                 session_id: session.to_bytes().to_vec(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
             })
             .await?;
         Ok(())
@@ -448,7 +454,8 @@ impl HostClient {
             .prefetch(v1::PrefetchRequest {
                 session_id: session.to_bytes().to_vec(),
                 request_id: request_id.to_string(),
-                keys: raw(keys),
+                keys: Vec::new(),
+                packed_keys: pack_keys(keys),
                 parent: opts.parent.map(|p| p.0.to_vec()).unwrap_or_default(),
                 policy: opts.policy as i32,
                 hints: Some(opts.hints),

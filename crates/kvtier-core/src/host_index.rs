@@ -36,7 +36,7 @@
 //! the L3 mode and eviction order) cross every method, plus its unit tests; the model-based
 //! property test is `tests/host_index_model.rs`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 mod operator;
 pub use operator::Cleared;
@@ -70,6 +70,7 @@ enum Class {
 type Slot = (Class, Rank, u32);
 
 use crate::Error;
+use crate::key_map::{KeyMap, key_map_with_capacity};
 use crate::keys::PageKey;
 use crate::policy::{EntryMeta, EvictionPolicy, PolicyKind, Rank};
 use crate::slots::SlotAllocator;
@@ -182,7 +183,7 @@ pub struct HostIndexStats {
 
 /// The index of one pool class.
 pub struct HostIndex {
-    map: HashMap<PageKey, u32>,
+    map: KeyMap<u32>,
     entries: Vec<Option<Entry>>,
     alloc: SlotAllocator,
     policy: Box<dyn EvictionPolicy>,
@@ -216,7 +217,7 @@ impl HostIndex {
     /// An empty index over `capacity` slots, evicting by `policy`.
     pub fn new(capacity: u32, policy: PolicyKind) -> Self {
         Self {
-            map: HashMap::with_capacity(capacity as usize),
+            map: key_map_with_capacity(capacity as usize),
             entries: vec![None; capacity as usize],
             alloc: SlotAllocator::new(capacity),
             policy: policy.build(),
@@ -741,26 +742,38 @@ impl HostIndex {
 
     /// Drops one pin from each key. All-or-nothing: a key that is not pinned changes nothing.
     pub fn release(&mut self, keys: &[PageKey]) -> Result<(), Error> {
-        let mut want: HashMap<u32, u32> = HashMap::new();
+        // Unpin in place, undoing on the first key that cannot be released (a repeated key
+        // needs as many pins as it appears), so no map of counts is built per call.
+        let mut done = Vec::with_capacity(keys.len());
+        let mut failed = None;
         for (i, k) in keys.iter().enumerate() {
-            let s = *self
-                .map
-                .get(k)
-                .ok_or_else(|| bad_key("keys", i, k, "not in the pool"))?;
-            let n = want.entry(s).or_insert(0);
-            *n += 1;
-            if self.entry(s).pins < *n {
-                return Err(bad_key("keys", i, k, "not pinned"));
-            }
-        }
-        for (s, n) in want {
+            let Some(&s) = self.map.get(k) else {
+                failed = Some(bad_key("keys", i, k, "not in the pool"));
+                break;
+            };
             let e = self.entry_mut(s);
-            e.pins -= n;
-            let unpinned = e.pins == 0;
-            self.stats.pins -= u64::from(n);
-            if unpinned {
+            if e.pins == 0 {
+                failed = Some(bad_key("keys", i, k, "not pinned"));
+                break;
+            }
+            e.pins -= 1;
+            if e.pins == 0 {
                 self.stats.pinned -= 1;
             }
+            done.push(s);
+        }
+        if let Some(err) = failed {
+            for s in done {
+                let e = self.entry_mut(s);
+                e.pins += 1;
+                if e.pins == 1 {
+                    self.stats.pinned += 1;
+                }
+            }
+            return Err(err);
+        }
+        self.stats.pins -= done.len() as u64;
+        for s in done {
             self.refresh(s);
         }
         Ok(())
@@ -774,7 +787,7 @@ impl HostIndex {
             unwritten_evictions: self.stats.unwritten_evictions,
             ..HostIndexStats::default()
         };
-        let mut children: HashMap<PageKey, u32> = HashMap::new();
+        let mut children: KeyMap<u32> = KeyMap::default();
         for (slot, e) in self.entries.iter().enumerate() {
             let Some(e) = e else {
                 if self.alloc.is_allocated(slot as u32) {
@@ -850,6 +863,25 @@ mod tests {
 
     fn keys(r: std::ops::Range<u8>) -> Vec<PageKey> {
         r.map(key).collect()
+    }
+
+    #[test]
+    fn a_release_naming_a_key_twice_needs_two_pins_and_fails_whole() {
+        let mut ix = HostIndex::new(8, PolicyKind::Lru);
+        let ks = keys(1..3);
+        ix.reserve(1, None, &ks);
+        ix.commit(1, &ks).unwrap();
+        ix.acquire(&ks);
+        ix.acquire(&ks[..1]);
+        // keys[0] has two pins, keys[1] one: releasing keys[1] twice fails, changing nothing.
+        let twice = [ks[0], ks[1], ks[1]];
+        assert!(ix.release(&twice).is_err());
+        assert_eq!((ix.stats().pins, ix.stats().pinned), (3, 2));
+        ix.validate().unwrap();
+        ix.release(&[ks[0], ks[0], ks[1]]).unwrap();
+        assert_eq!((ix.stats().pins, ix.stats().pinned), (0, 0));
+        ix.validate().unwrap();
+        assert!(ix.release(&ks[..1]).is_err());
     }
 
     #[test]

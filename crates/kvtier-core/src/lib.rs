@@ -1,7 +1,8 @@
 //! kvtier-core: the pure, synchronous heart of kvtier. No I/O, no async, no unsafe.
 //!
 //! - [`keys`]: page keys, the SHA-256 chain that content-addresses token prefixes (SGLang's
-//!   chain in the default namespace, seeded per namespace otherwise).
+//!   chain in the default namespace, seeded per namespace otherwise); [`key_map`]: hash maps
+//!   keyed by them, with a seeded hasher that does not re-hash a digest through SipHash.
 //! - [`layout`]: page geometry on the device (layer-first) and host (page-first), and the
 //!   layout fingerprint that keeps pages of different models and shapes apart.
 //! - [`policy`]: the seven eviction policies, each a small type behind [`policy::EvictionPolicy`],
@@ -23,6 +24,7 @@
 pub mod checksum;
 pub mod host_index;
 pub mod ids;
+pub mod key_map;
 pub mod keys;
 pub mod layout;
 pub mod policy;
@@ -32,6 +34,7 @@ pub mod slots;
 pub mod write_policy;
 
 pub use ids::{Epoch, SessionId};
+pub use key_map::{KeyMap, KeySet};
 pub use keys::{Namespace, PageHasher, PageKey};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
 pub use policy::{EvictionPolicy, PolicyKind};

@@ -11,6 +11,7 @@ pub mod admin;
 pub mod ids;
 pub mod l3;
 pub mod prefetch;
+pub mod sealer;
 pub mod service;
 pub mod sglang;
 pub mod state;
@@ -99,11 +100,6 @@ fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Daem
     let path = path.display().to_string();
     move |source| DaemonError::Setup { what, path, source }
 }
-
-/// How often the sealer looks for committed pages to seal.
-const SEAL_PERIOD: Duration = Duration::from_millis(20);
-/// Pages the sealer checksums per round trip to a blocking thread.
-const SEAL_BATCH: usize = 256;
 
 /// Binds a socket, replacing a stale socket file but never a live server's.
 async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
@@ -257,34 +253,11 @@ pub async fn run(
         ));
     }
     // Sealer: checksums committed pages off the state lock and seals their slot records,
-    // so the pools survive a crash.
+    // so the pools survive a crash (its own low-priority thread: `sealer.rs`).
     if lock(&state).seals_enabled() {
-        let state = state.clone();
-        let stop = shutdown.clone();
-        tracker.spawn(async move {
-            let mut tick = tokio::time::interval(SEAL_PERIOD);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
-                loop {
-                    let jobs = lock(&state).seal_jobs(SEAL_BATCH);
-                    if jobs.is_empty() {
-                        break;
-                    }
-                    let done = tokio::task::spawn_blocking(move || {
-                        jobs.into_iter()
-                            .filter_map(state::SealJob::checksum)
-                            .collect()
-                    })
-                    .await
-                    .unwrap_or_default();
-                    lock(&state).seal(done);
-                }
-            }
-        });
+        let sealer = sealer::start(state.clone(), shutdown.clone())
+            .map_err(setup("start the sealer thread", Path::new("")))?;
+        tracker.spawn(sealer);
     }
     // Lease sweeper: ends sessions that stopped heartbeating.
     {

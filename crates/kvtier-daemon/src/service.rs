@@ -9,7 +9,7 @@ use kvtier_core::host_index::Reserve;
 use kvtier_core::{Layout, Namespace, PageHasher, PageKey};
 use kvtier_proto::v1::host_tier_server::HostTier;
 use kvtier_proto::v1::{self, ReserveStatus};
-use kvtier_proto::{ApiError, page_keys, session_id};
+use kvtier_proto::{ApiError, page_keys, request_key_count, request_keys, session_id};
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
@@ -93,18 +93,23 @@ impl HostService {
         crate::lock(&self.state)
     }
 
-    fn keys(&self, raw: &[Vec<u8>]) -> Result<Vec<PageKey>, ApiError> {
-        if raw.len() > self.max_batch {
+    fn keys(&self, raw: &[Vec<u8>], packed: &[u8]) -> Result<Vec<PageKey>, ApiError> {
+        let n = request_key_count(raw, packed);
+        if n > self.max_batch {
+            let field = if packed.is_empty() {
+                "keys"
+            } else {
+                "packed_keys"
+            };
             return Err(ApiError::invalid(
-                "keys",
+                field,
                 format!(
-                    "{} keys exceed the batch limit of {} (server.max_batch)",
-                    raw.len(),
+                    "{n} keys exceed the batch limit of {} (server.max_batch)",
                     self.max_batch
                 ),
             ));
         }
-        page_keys("keys", raw)
+        request_keys(raw, packed)
     }
 
     /// Runs one handler body, recording its outcome and latency.
@@ -303,7 +308,7 @@ impl HostTier for HostService {
         let l3 = self.l3.current();
         let asked = r.include_storage && l3.is_some();
         let l2 = (|| {
-            let keys = self.keys(&r.keys)?;
+            let keys = self.keys(&r.keys, &r.packed_keys)?;
             let mut st = self.state();
             let now = Instant::now();
             let id = session_id(&r.session_id)?;
@@ -377,7 +382,7 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::ReserveResponse>, Status> {
         self.observe("reserve", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys)?;
+            let keys = self.keys(&r.keys, &r.packed_keys)?;
             let parent = match r.parent.len() {
                 0 => None,
                 _ => Some(page_keys("parent", std::slice::from_ref(&r.parent))?[0]),
@@ -422,7 +427,7 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::CommitResponse>, Status> {
         self.observe("commit", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys)?;
+            let keys = self.keys(&r.keys, &r.packed_keys)?;
             let jobs = self
                 .state()
                 .commit(session_id(&r.session_id)?, &keys, Instant::now())?;
@@ -438,7 +443,7 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::AbortResponse>, Status> {
         self.observe("abort", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys)?;
+            let keys = self.keys(&r.keys, &r.packed_keys)?;
             self.state()
                 .abort(session_id(&r.session_id)?, &keys, Instant::now())?;
             self.pages("aborted", keys.len());
@@ -452,7 +457,7 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::AcquireResponse>, Status> {
         self.observe("acquire", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys)?;
+            let keys = self.keys(&r.keys, &r.packed_keys)?;
             let (slots, jobs) =
                 self.state()
                     .acquire(session_id(&r.session_id)?, &keys, Instant::now())?;
@@ -468,7 +473,7 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
         self.observe("release", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys)?;
+            let keys = self.keys(&r.keys, &r.packed_keys)?;
             self.state()
                 .release(session_id(&r.session_id)?, &keys, Instant::now())?;
             self.pages("released", keys.len());

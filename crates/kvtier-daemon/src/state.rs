@@ -2,7 +2,7 @@
 //! sessions that own pins and reservations. Synchronous; the service holds it behind a mutex
 //! for the few microseconds each batch takes, and never across an await.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +11,9 @@ use kvtier_config::daemon::{DaemonConfig, L2Backing, L3Backend};
 use kvtier_core::host_index::{
     HostIndex, HostIndexStats, L3Mark, L3Mode, OwnerId, PageState, Reserve,
 };
-use kvtier_core::{Epoch, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, WritePolicy};
+use kvtier_core::{
+    Epoch, KeyMap, KeySet, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, WritePolicy,
+};
 use kvtier_proto::ApiError;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
@@ -50,9 +52,9 @@ pub struct Session {
     /// Last request or heartbeat.
     pub last_seen: Instant,
     /// Pins it holds, with multiplicity.
-    pub pins: HashMap<PageKey, u32>,
+    pub pins: KeyMap<u32>,
     /// Pages it has reserved and not yet committed or aborted.
-    pub writing: HashSet<PageKey>,
+    pub writing: KeySet,
     /// The client's last report (agents send one with each heartbeat).
     pub report: Option<ClientReport>,
     /// Who owns its reservations in the index.
@@ -520,8 +522,8 @@ impl HostState {
                 name,
                 fingerprint: layout.fingerprint(),
                 last_seen: now,
-                pins: HashMap::new(),
-                writing: HashSet::new(),
+                pins: KeyMap::default(),
+                writing: KeySet::default(),
                 report: None,
                 owner,
             },
@@ -766,7 +768,7 @@ impl HostState {
         now: Instant,
     ) -> Result<(), ApiError> {
         let (session, pool) = self.session_pool(id, now)?;
-        let mut want: HashMap<PageKey, u32> = HashMap::new();
+        let mut want: KeyMap<u32> = KeyMap::default();
         for (i, k) in keys.iter().enumerate() {
             let n = want.entry(*k).or_insert(0);
             *n += 1;

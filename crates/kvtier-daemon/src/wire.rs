@@ -5,14 +5,14 @@
 use std::time::Duration;
 
 use kvtier_config::daemon::StopPolicy;
-use kvtier_proto::{ApiError, page_keys, v1};
+use kvtier_proto::{ApiError, page_keys, request_keys, v1};
 
 use crate::prefetch::PrefetchAsk;
 use crate::state::{ClientReport, Phase, Progress};
 
 /// A Prefetch request as the prefetcher takes it.
 pub fn prefetch_ask(req: v1::PrefetchRequest) -> Result<PrefetchAsk, ApiError> {
-    let keys = page_keys("keys", &req.keys)?;
+    let keys = request_keys(&req.keys, &req.packed_keys)?;
     let parent = match req.parent.len() {
         0 => None,
         _ => Some(page_keys("parent", std::slice::from_ref(&req.parent))?[0]),

@@ -245,6 +245,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         use tonic::Code::{FailedPrecondition, InvalidArgument, NotFound};
         check(
             raw.lookup(v1::LookupRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
                 include_storage: false,
@@ -256,6 +257,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.reserve(v1::ReserveRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
                 parent: vec![],
@@ -264,8 +266,32 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
             InvalidArgument,
             "keys[1]",
         );
+        // Packed keys: a length that is not a whole number of keys, and both forms at once.
+        let mut packed = kvtier_proto::pack_keys(&keys[..2]);
+        packed.pop();
+        check(
+            raw.acquire(v1::AcquireRequest {
+                session_id: s.id.to_bytes().to_vec(),
+                keys: vec![],
+                packed_keys: packed,
+            })
+            .await,
+            InvalidArgument,
+            "packed_keys: 63 bytes",
+        );
+        check(
+            raw.commit(v1::CommitRequest {
+                session_id: s.id.to_bytes().to_vec(),
+                keys: vec![keys[0].0.to_vec()],
+                packed_keys: kvtier_proto::pack_keys(&keys[..1]),
+            })
+            .await,
+            InvalidArgument,
+            "not both",
+        );
         check(
             raw.reserve(v1::ReserveRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: vec![],
                 parent: vec![1; 5],
@@ -276,6 +302,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.commit(v1::CommitRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
             })
@@ -285,6 +312,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.acquire(v1::AcquireRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
             })
@@ -294,6 +322,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.release(v1::ReleaseRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: short,
             })
@@ -304,6 +333,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         let many: Vec<Vec<u8>> = chain(21, 17).iter().map(|k| k.0.to_vec()).collect();
         check(
             raw.lookup(v1::LookupRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: many,
                 include_storage: false,
@@ -317,6 +347,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         let k0 = vec![keys[0].0.to_vec()];
         check(
             raw.commit(v1::CommitRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: k0.clone(),
             })
@@ -326,6 +357,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         );
         check(
             raw.release(v1::ReleaseRequest {
+                packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: k0.clone(),
             })
@@ -339,6 +371,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         forged[8] ^= 1;
         check(
             raw.lookup(v1::LookupRequest {
+                packed_keys: Vec::new(),
                 session_id: forged,
                 keys: k0.clone(),
                 include_storage: false,
@@ -352,6 +385,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         earlier[0] ^= 1;
         check(
             raw.acquire(v1::AcquireRequest {
+                packed_keys: Vec::new(),
                 session_id: earlier,
                 keys: k0.clone(),
             })
@@ -362,6 +396,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
         for bad in [vec![], vec![0u8; 8]] {
             check(
                 raw.lookup(v1::LookupRequest {
+                    packed_keys: Vec::new(),
                     session_id: bad,
                     keys: k0.clone(),
                     include_storage: false,

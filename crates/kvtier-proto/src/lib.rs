@@ -273,6 +273,55 @@ pub fn page_keys(field: &str, raw: &[impl AsRef<[u8]>]) -> Result<Vec<PageKey>, 
         .collect()
 }
 
+/// A request's page keys: from `keys` (one field per key), or from `packed_keys` (the keys
+/// back to back, [`KEY_LEN`] bytes each), never both. Errors name the field.
+pub fn request_keys(keys: &[impl AsRef<[u8]>], packed: &[u8]) -> Result<Vec<PageKey>, ApiError> {
+    if packed.is_empty() {
+        return page_keys("keys", keys);
+    }
+    if !keys.is_empty() {
+        return Err(ApiError::invalid(
+            "packed_keys",
+            format!(
+                "{} keys given in keys as well; give keys or packed_keys, not both",
+                keys.len()
+            ),
+        ));
+    }
+    if !packed.len().is_multiple_of(KEY_LEN) {
+        return Err(ApiError::invalid(
+            "packed_keys",
+            format!(
+                "{} bytes is not a whole number of {KEY_LEN}-byte page keys",
+                packed.len()
+            ),
+        ));
+    }
+    Ok(packed
+        .chunks_exact(KEY_LEN)
+        .map(|c| {
+            let mut k = [0u8; KEY_LEN];
+            k.copy_from_slice(c);
+            PageKey(k)
+        })
+        .collect())
+}
+
+/// How many keys a request carries in `keys` or `packed_keys` (to check a batch limit before
+/// parsing them).
+pub fn request_key_count(keys: &[impl AsRef<[u8]>], packed: &[u8]) -> usize {
+    keys.len() + packed.len() / KEY_LEN
+}
+
+/// Keys as a `packed_keys` field.
+pub fn pack_keys(keys: &[PageKey]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(keys.len() * KEY_LEN);
+    for k in keys {
+        out.extend_from_slice(&k.0);
+    }
+    out
+}
+
 /// Parses a request's `session_id` (the bytes Register returned).
 pub fn session_id(raw: &[u8]) -> Result<SessionId, ApiError> {
     Ok(SessionId::from_bytes(raw)?)
@@ -365,6 +414,29 @@ mod tests {
         let bad = vec![vec![1u8; 32], vec![2u8; 31]];
         let e = page_keys("keys", &bad).unwrap_err().to_string();
         assert!(e.starts_with("keys[1]:") && e.contains("31"), "{e}");
+    }
+
+    #[test]
+    fn packed_keys_round_trip_and_are_checked() {
+        let keys = vec![PageKey([1; 32]), PageKey([2; 32]), PageKey([3; 32])];
+        let packed = pack_keys(&keys);
+        let none: [Vec<u8>; 0] = [];
+        assert_eq!(request_keys(&none, &packed).unwrap(), keys);
+        assert_eq!(request_key_count(&none, &packed), 3);
+        let e = request_keys(&none, &packed[..95]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("packed_keys:") && e.contains("95 bytes"),
+            "{e}"
+        );
+        let e = request_keys(&[vec![1u8; 32]], &packed)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("packed_keys:") && e.contains("not both"),
+            "{e}"
+        );
+        // Neither given: no keys, as with an empty repeated field.
+        assert!(request_keys(&none, &[]).unwrap().is_empty());
     }
 
     #[test]

@@ -69,20 +69,22 @@ class PrefetchHints(_message.Message):
     def __init__(self, timeout_ms: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., recompute_tokens_per_second: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("session_id", "request_id", "keys", "parent", "policy", "hints")
+    __slots__ = ("session_id", "request_id", "keys", "parent", "policy", "hints", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     policy: PrefetchPolicy
     hints: PrefetchHints
-    def __init__(self, session_id: _Optional[bytes] = ..., request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., hints: _Optional[_Union[PrefetchHints, _Mapping]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., hints: _Optional[_Union[PrefetchHints, _Mapping]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class PrefetchProgress(_message.Message):
     __slots__ = ("request_id", "state", "reason", "policy", "l2_pages", "hit_pages", "landed_pages", "landed_bytes", "elapsed_ms", "deadline_ms")
@@ -275,16 +277,18 @@ class CloseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "include_storage", "each_key")
+    __slots__ = ("session_id", "keys", "include_storage", "each_key", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STORAGE_FIELD_NUMBER: _ClassVar[int]
     EACH_KEY_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     include_storage: bool
     each_key: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., include_storage: _Optional[bool] = ..., each_key: _Optional[bool] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., include_storage: _Optional[bool] = ..., each_key: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("ready_pages", "storage_pages", "present")
@@ -297,14 +301,16 @@ class LookupResponse(_message.Message):
     def __init__(self, ready_pages: _Optional[int] = ..., storage_pages: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "parent")
+    __slots__ = ("session_id", "keys", "parent", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("status", "slots")
@@ -315,36 +321,42 @@ class ReserveResponse(_message.Message):
     def __init__(self, status: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("slots",)
@@ -353,12 +365,14 @@ class AcquireResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
