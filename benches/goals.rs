@@ -50,7 +50,14 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "L2 HostIndex, * pages: bytes/page",
         Goal::ValueAtMost(128.0),
     ),
-    ("index", "L2 HostIndex evict p50", Goal::RatioAtLeast(0.5)),
+    ("index", "L2 HostIndex evict p50, ", Goal::RatioAtLeast(0.5)),
+    // ... and, where that is out of reach, near its floor: the small index's evict plus the
+    // one random memory load removing a key from a hash index of the large one costs.
+    (
+        "index",
+        "L2 HostIndex evict p50 at * vs its floor",
+        Goal::RatioAtLeast(0.8),
+    ),
     // P2: the file backend near raw file I/O.
     (
         "l3_file",

@@ -131,5 +131,47 @@ pub fn run(quick: bool) {
             a as f64,
             Some(a as f64 / b.max(1) as f64),
         );
+        // The floor: removing a key from any hash index reads one cell at a random place in
+        // a table of this size, one dependent memory load that no cache holds at 10M pages.
+        let table = (large * 4 / 3 + 1).next_power_of_two() * 8;
+        let load = dependent_load_ns(table);
+        crate::record(
+            &format!("one dependent load in a {} MiB table", table >> 20),
+            load,
+            "ns",
+            "-",
+            0.0,
+            None,
+        );
+        let floor = a as f64 + load;
+        crate::record(
+            &format!("L2 HostIndex evict p50 at {large} pages vs its floor"),
+            b as f64,
+            "ns",
+            &format!("{small}-page evict + 1 load"),
+            floor,
+            Some(floor / b.max(1) as f64),
+        );
     }
+}
+
+/// Nanoseconds per load in a chain of dependent loads through a random cycle over `bytes`
+/// of memory (Sattolo's shuffle, so every load waits for the one before).
+fn dependent_load_ns(bytes: usize) -> f64 {
+    let n = (bytes / 8).max(2);
+    let mut next: Vec<u64> = (0..n as u64).collect();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        next.swap(i, (x % i as u64) as usize);
+    }
+    let (mut p, k) = (0usize, 1_000_000);
+    let t = Instant::now();
+    for _ in 0..k {
+        p = next[p] as usize;
+    }
+    std::hint::black_box(p);
+    t.elapsed().as_nanos() as f64 / k as f64
 }

@@ -5,10 +5,13 @@
 //! lookups and readers), the writer copies the bytes into the slot, and [`HostIndex::commit`]
 //! makes them `Ready`. Nothing is ever visible before it is fully written.
 //!
-//! Each entry remembers its parent key (the page before it in its sequence) and how many of its
-//! children are resident. Only ready, unpinned pages are eviction candidates, ordered by the
-//! configured [`EvictionPolicy`] inside classes that depend on the storage tier below
-//! ([`L3Mode`]), so every eviction is `O(log n)`:
+//! Each entry links to its parent (the page before it in its sequence, if that page was
+//! indexed when this one was created) and counts its resident children. Links name a slot and
+//! the slot's generation, which changes whenever the slot is freed, so a link to a page that
+//! has since left (even if its key came back in another slot) is dead: a child counts toward
+//! exactly the parent it was created under. Only ready, unpinned pages are eviction
+//! candidates, ordered by the configured [`EvictionPolicy`] inside classes that depend on the
+//! storage tier below ([`L3Mode`]):
 //!
 //! - no L3 ([`L3Mode::Absent`]): leaves only, so a prefix is never evicted from under a page
 //!   that needs it;
@@ -29,17 +32,22 @@
 //! backpressure) while the rest of the pool keeps clean pages that readers hit and
 //! prefetches ([`HostIndex::reserve_clean`]) can still make room among.
 //!
-//! Entries are stored densely by slot (slots are dense `0..capacity`); a hash map takes a key
-//! to its slot. The index never touches page bytes.
+//! Memory: an index is sized for tens of millions of pages. Entries sit in one array by slot
+//! (slots are dense `0..capacity`) and hold their key; the key table ([`KeyTable`]) stores
+//! only slot numbers; the eviction and flush orders ([`order`]) group the pages one operation
+//! touched under one ordered-map entry. An entry's rank is not stored: it is recomputed from
+//! the entry's metadata, which never changes while the entry is filed (see `touch`). The
+//! index never touches page bytes.
 //!
-//! Size: one data structure of about 830 lines, whose invariants (slot states, pins, owners,
-//! the L3 mode and eviction order) cross every method, plus its unit tests; the model-based
-//! property test is `tests/host_index_model.rs`.
-
-use std::collections::BTreeSet;
+//! Size: one data structure of about 850 lines, whose invariants (slot states, pins, owners,
+//! links, the L3 mode and eviction order) cross every method, plus its unit tests; the
+//! model-based property test is `tests/host_index_model.rs`.
 
 mod operator;
+mod order;
 pub use operator::Cleared;
+
+use order::Order;
 
 /// What eviction may do with pages the storage tier below (L3) does not hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,11 +74,8 @@ enum Class {
     Unwritten,
 }
 
-/// Where a candidate sits in the eviction order.
-type Slot = (Class, Rank, u32);
-
 use crate::Error;
-use crate::key_map::{KeyMap, key_map_with_capacity};
+use crate::key_map::KeyTable;
 use crate::keys::PageKey;
 use crate::policy::{EntryMeta, EvictionPolicy, PolicyKind, Rank};
 use crate::slots::SlotAllocator;
@@ -99,52 +104,73 @@ pub enum Reserve {
     NoSpace,
 }
 
+/// A link to one incarnation of a slot: dead once the slot's generation moves on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Link {
+    slot: u32,
+    generation: u32,
+}
+
+/// No link (`slot` is never a real slot: capacities are below `u32::MAX`).
+const NO_LINK: Link = Link {
+    slot: u32::MAX,
+    generation: 0,
+};
+
+/// One indexed page. 88 bytes; see the module docs for what is not stored here.
 #[derive(Clone, Debug)]
 struct Entry {
     key: PageKey,
-    parent: Option<PageKey>,
-    state: PageState,
     owner: OwnerId,
+    last_access: u64,
+    created: u64,
+    /// Pins that reached the page (saturating).
+    hits: u32,
     pins: u32,
+    /// Resident children linked to this incarnation.
     children: u32,
-    meta: EntryMeta,
+    parent: Link,
+    state: PageState,
     l3: L3Mark,
     /// Written by a client and not yet held by L3 (counted in `stats.dirty`).
     dirty: bool,
-    /// Class and rank under which the entry sits in `candidates`.
-    rank: Option<(Class, Rank)>,
-    /// Rank under which the entry sits in `flushable`.
-    flush_rank: Option<Rank>,
+    /// The class under which the entry is filed in `candidates`, at its current rank.
+    filed: Option<Class>,
+    /// Filed in `flushable`, at its current rank.
+    flush_filed: bool,
 }
 
 impl Entry {
     /// A new, unpinned entry created at tick `now`, not known to L3.
-    fn new(
-        key: PageKey,
-        parent: Option<PageKey>,
-        state: PageState,
-        owner: OwnerId,
-        now: u64,
-        dirty: bool,
-    ) -> Self {
+    fn new(key: PageKey, parent: Link, state: PageState, owner: OwnerId, now: u64) -> Self {
         Self {
             key,
-            parent,
-            state,
             owner,
+            last_access: now,
+            created: now,
+            hits: 0,
             pins: 0,
             children: 0,
-            meta: EntryMeta {
-                last_access: now,
-                created: now,
-                hits: 0,
-                priority: 0,
-            },
+            parent,
+            state,
             l3: L3Mark::None,
-            dirty,
-            rank: None,
-            flush_rank: None,
+            dirty: false,
+            filed: None,
+            flush_filed: false,
         }
+    }
+
+    fn meta(&self) -> EntryMeta {
+        EntryMeta {
+            last_access: self.last_access,
+            created: self.created,
+            hits: u64::from(self.hits),
+            priority: 0,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.state == PageState::Ready && self.pins == 0
     }
 }
 
@@ -183,13 +209,16 @@ pub struct HostIndexStats {
 
 /// The index of one pool class.
 pub struct HostIndex {
-    map: KeyMap<u32>,
+    table: KeyTable,
     entries: Vec<Option<Entry>>,
+    /// Per slot: bumped each time the slot is freed (see [`Link`]).
+    generations: Vec<u32>,
     alloc: SlotAllocator,
     policy: Box<dyn EvictionPolicy>,
-    candidates: BTreeSet<Slot>,
-    /// Ready, unpinned pages not yet in L3, coldest first (flushing order).
-    flushable: BTreeSet<(Rank, u32)>,
+    candidates: Order<(Class, Rank)>,
+    /// Ready, unpinned pages not yet in L3, coldest first (flushing order). Empty while
+    /// there is no L3 (nothing would read it).
+    flushable: Order<Rank>,
     l3_mode: L3Mode,
     /// Most dirty pages while L3 is attached.
     dirty_limit: u32,
@@ -213,16 +242,26 @@ fn bad_key(field: &'static str, i: usize, key: &PageKey, why: &str) -> Error {
     }
 }
 
+/// The key in an occupied slot (what the key table hashes and compares).
+fn key_at(entries: &[Option<Entry>], slot: u32) -> PageKey {
+    match &entries[slot as usize] {
+        Some(e) => e.key,
+        None => unreachable!("the key table names empty slot {slot}"),
+    }
+}
+
 impl HostIndex {
     /// An empty index over `capacity` slots, evicting by `policy`.
     pub fn new(capacity: u32, policy: PolicyKind) -> Self {
+        let capacity = capacity.min(u32::MAX - 1);
         Self {
-            map: key_map_with_capacity(capacity as usize),
+            table: KeyTable::with_capacity(capacity as usize),
             entries: vec![None; capacity as usize],
+            generations: vec![0; capacity as usize],
             alloc: SlotAllocator::new(capacity),
             policy: policy.build(),
-            candidates: BTreeSet::new(),
-            flushable: BTreeSet::new(),
+            candidates: Order::new(capacity),
+            flushable: Order::new(capacity),
             l3_mode: L3Mode::Absent,
             dirty_limit: capacity,
             clock: 0,
@@ -262,9 +301,29 @@ impl HostIndex {
         }
     }
 
+    /// The slot holding `key`.
+    fn slot_of(&self, key: &PageKey) -> Option<u32> {
+        let entries = &self.entries;
+        self.table.get(key, |s| key_at(entries, s))
+    }
+
+    /// A link to the page now in `slot`.
+    fn link_to(&self, slot: u32) -> Link {
+        Link {
+            slot,
+            generation: self.generations[slot as usize],
+        }
+    }
+
+    /// The slot a link names, if that incarnation is still there.
+    fn live(&self, link: Link) -> Option<u32> {
+        (link != NO_LINK && self.generations.get(link.slot as usize) == Some(&link.generation))
+            .then_some(link.slot)
+    }
+
     /// The eviction class of an entry, if it is a candidate at all.
     fn class(&self, e: &Entry) -> Option<Class> {
-        if e.state != PageState::Ready || e.pins > 0 {
+        if !e.idle() {
             return None;
         }
         let leaf = e.children == 0;
@@ -280,31 +339,56 @@ impl HostIndex {
         }
     }
 
+    /// Whether an entry belongs in the flush order.
+    fn flushes(&self, e: &Entry) -> bool {
+        self.l3_mode != L3Mode::Absent && e.idle() && e.l3 == L3Mark::None
+    }
+
+    /// Takes the entry out of both orders (at its current rank).
+    fn unfile(&mut self, slot: u32) {
+        let e = self.entry(slot);
+        let (filed, flush) = (e.filed, e.flush_filed);
+        if filed.is_none() && !flush {
+            return;
+        }
+        let rank = self.policy.rank(&e.meta());
+        if let Some(c) = filed {
+            self.candidates.remove((c, rank), slot);
+        }
+        if flush {
+            self.flushable.remove(rank, slot);
+        }
+        let e = self.entry_mut(slot);
+        e.filed = None;
+        e.flush_filed = false;
+    }
+
+    /// Files the entry where its state says it belongs, moving it if it is filed elsewhere.
+    /// Its metadata must not have changed since it was filed (see [`Self::touch`]).
     fn refresh(&mut self, slot: u32) {
         let e = self.entry(slot);
-        let idle = e.state == PageState::Ready && e.pins == 0;
-        let rank = self.policy.rank(&e.meta);
-        let want = self.class(e).map(|c| (c, rank));
-        let want_flush = (idle && e.l3 == L3Mark::None).then_some(rank);
-        let (old, old_flush) = (e.rank, e.flush_rank);
-        if old != want {
-            if let Some((c, r)) = old {
-                self.candidates.remove(&(c, r, slot));
-            }
-            if let Some((c, r)) = want {
-                self.candidates.insert((c, r, slot));
-            }
-            self.entry_mut(slot).rank = want;
+        let (want, want_flush) = (self.class(e), self.flushes(e));
+        if (want, want_flush) == (e.filed, e.flush_filed) {
+            return;
         }
-        if old_flush != want_flush {
-            if let Some(r) = old_flush {
-                self.flushable.remove(&(r, slot));
-            }
-            if let Some(r) = want_flush {
-                self.flushable.insert((r, slot));
-            }
-            self.entry_mut(slot).flush_rank = want_flush;
+        self.unfile(slot);
+        let rank = self.policy.rank(&self.entry(slot).meta());
+        if let Some(c) = want {
+            self.candidates.insert((c, rank), slot);
         }
+        if want_flush {
+            self.flushable.insert(rank, slot);
+        }
+        let e = self.entry_mut(slot);
+        e.filed = want;
+        e.flush_filed = want_flush;
+    }
+
+    /// Changes an entry, metadata included: out of the orders, changed, filed again.
+    fn touch(&mut self, slot: u32, f: impl FnOnce(&mut Entry)) {
+        self.unfile(slot);
+        f(self.entry_mut(slot));
+        self.refresh(slot);
     }
 
     /// Sets what eviction may do with pages L3 does not hold ([`L3Mode::Absent`] at first).
@@ -314,7 +398,7 @@ impl HostIndex {
         let refile = (self.l3_mode == L3Mode::Absent) != (mode == L3Mode::Absent);
         self.l3_mode = mode;
         if refile {
-            let slots: Vec<u32> = self.map.values().copied().collect();
+            let slots: Vec<u32> = self.table.slots().collect();
             for s in slots {
                 self.refresh(s);
             }
@@ -351,7 +435,7 @@ impl HostIndex {
     pub fn queue_for_l3(&mut self, keys: &[PageKey]) -> Vec<(PageKey, u32)> {
         let mut out = Vec::new();
         for k in keys {
-            let Some(&s) = self.map.get(k) else { continue };
+            let Some(s) = self.slot_of(k) else { continue };
             let e = self.entry_mut(s);
             if e.state != PageState::Ready || e.l3 != L3Mark::None {
                 continue;
@@ -370,13 +454,13 @@ impl HostIndex {
     }
 
     /// The coldest `n` pages not yet in L3, queued and pinned for writing (the flush that
-    /// keeps evictable slots available under every write policy).
+    /// keeps evictable slots available under every write policy). None without L3.
     pub fn flush_candidates(&mut self, n: usize) -> Vec<(PageKey, u32)> {
         let keys: Vec<PageKey> = self
             .flushable
             .iter()
             .take(n)
-            .map(|&(_, s)| self.entry(s).key)
+            .map(|(_, s)| self.entry(s).key)
             .collect();
         self.queue_for_l3(&keys)
     }
@@ -385,7 +469,7 @@ impl HostIndex {
     /// persisted (`landed`) or not (to be tried again later). The page may have been
     /// re-created meanwhile only if it was unpinned, which a queued page never is.
     pub fn finish_l3(&mut self, key: &PageKey, landed: bool) {
-        let Some(&s) = self.map.get(key) else { return };
+        let Some(s) = self.slot_of(key) else { return };
         let e = self.entry_mut(s);
         if e.l3 != L3Mark::Queued {
             return;
@@ -409,7 +493,7 @@ impl HostIndex {
 
     /// Records that L3 already holds `key` (found there, or loaded from there).
     pub fn mark_persisted(&mut self, key: &PageKey) {
-        if let Some(&s) = self.map.get(key)
+        if let Some(s) = self.slot_of(key)
             && self.entry(s).l3 == L3Mark::None
         {
             self.entry_mut(s).l3 = L3Mark::Persisted;
@@ -420,19 +504,19 @@ impl HostIndex {
 
     /// Hit count and L3 mark of `key`.
     pub fn l3_info(&self, key: &PageKey) -> Option<(u64, L3Mark)> {
-        self.map.get(key).map(|&s| {
+        self.slot_of(key).map(|s| {
             let e = self.entry(s);
-            (e.meta.hits, e.l3)
+            (u64::from(e.hits), e.l3)
         })
     }
 
-    /// Pages ready and not yet in L3 (what write-back still has to write).
+    /// Pages ready and not yet in L3 (what write-back still has to write); 0 without L3.
     pub fn unpersisted(&self) -> usize {
         self.flushable.len()
     }
 
-    fn adjust_children(&mut self, parent: Option<PageKey>, delta: i32) {
-        if let Some(slot) = parent.and_then(|p| self.map.get(&p).copied()) {
+    fn adjust_children(&mut self, parent: Link, delta: i32) {
+        if let Some(slot) = self.live(parent) {
             let e = self.entry_mut(slot);
             e.children = e.children.saturating_add_signed(delta);
             self.refresh(slot);
@@ -441,17 +525,16 @@ impl HostIndex {
 
     /// Removes an entry whatever its state, freeing its slot.
     fn remove(&mut self, slot: u32) -> Entry {
+        self.unfile(slot);
+        let key = self.entry(slot).key;
+        let entries = &self.entries;
+        self.table.remove(&key, |s| key_at(entries, s));
         let e = match self.entries[slot as usize].take() {
             Some(e) => e,
             None => unreachable!("removing empty slot {slot}"),
         };
-        if let Some((c, r)) = e.rank {
-            self.candidates.remove(&(c, r, slot));
-        }
-        if let Some(r) = e.flush_rank {
-            self.flushable.remove(&(r, slot));
-        }
-        self.map.remove(&e.key);
+        let g = &mut self.generations[slot as usize];
+        *g = g.wrapping_add(1);
         match e.state {
             PageState::Ready => self.stats.ready -= 1,
             PageState::Writing => self.stats.writing -= 1,
@@ -468,7 +551,7 @@ impl HostIndex {
 
     /// Evicts the lowest-ranked candidate the mode allows; returns its key.
     fn evict_one(&mut self) -> Option<PageKey> {
-        let &(class, _, slot) = self.candidates.first()?;
+        let ((class, _), slot) = self.candidates.first()?;
         if class == Class::Unwritten && self.l3_mode != L3Mode::Down {
             return None;
         }
@@ -489,17 +572,25 @@ impl HostIndex {
     pub fn lookup(&self, keys: &[PageKey]) -> usize {
         keys.iter()
             .take_while(|k| {
-                self.map
-                    .get(k)
-                    .is_some_and(|&s| self.entry(s).state == PageState::Ready)
+                self.slot_of(k)
+                    .is_some_and(|s| self.entry(s).state == PageState::Ready)
             })
             .count()
     }
 
-    /// The key of the page before `key` in its sequence, as it was reserved, if `key` is
-    /// indexed and has one.
+    /// The key of the page before `key` in its sequence, if `key` is indexed and that page
+    /// was indexed when `key` was created and still is (the same incarnation).
     pub fn parent(&self, key: &PageKey) -> Option<PageKey> {
-        self.map.get(key).and_then(|&s| self.entry(s).parent)
+        let s = self.slot_of(key)?;
+        self.live(self.entry(s).parent).map(|p| self.entry(p).key)
+    }
+
+    /// Places a new entry in a free `slot` and indexes its key.
+    fn place(&mut self, slot: u32, e: Entry) {
+        let key = e.key;
+        self.entries[slot as usize] = Some(e);
+        let entries = &self.entries;
+        self.table.insert(&key, slot, |s| key_at(entries, s));
     }
 
     /// Indexes a page taken over from a dead daemon's pool: ready, unpinned, under `parent`
@@ -508,23 +599,27 @@ impl HostIndex {
     /// slot the caller must fill before anyone can read it (adoption runs before the daemon
     /// serves), or `None` when `key` is indexed already or no slot is free.
     pub fn adopt(&mut self, key: PageKey, parent: Option<PageKey>) -> Option<u32> {
-        if self.map.contains_key(&key) {
+        if self.slot_of(&key).is_some() {
             return None;
         }
         let slot = self.alloc.alloc()?;
         let now = self.tick();
-        self.entries[slot as usize] = Some(Entry::new(key, parent, PageState::Ready, 0, now, true));
-        self.map.insert(key, slot);
+        let link = parent
+            .and_then(|p| self.slot_of(&p))
+            .map_or(NO_LINK, |p| self.link_to(p));
+        let mut e = Entry::new(key, link, PageState::Ready, 0, now);
+        e.dirty = true;
+        self.place(slot, e);
         self.stats.ready += 1;
         self.stats.dirty += 1;
-        self.adjust_children(parent, 1);
+        self.adjust_children(link, 1);
         self.refresh(slot);
         Some(slot)
     }
 
     /// The slot and state of `key`, if indexed.
     pub fn get(&self, key: &PageKey) -> Option<(u32, PageState)> {
-        self.map.get(key).map(|&s| (s, self.entry(s).state))
+        self.slot_of(key).map(|s| (s, self.entry(s).state))
     }
 
     /// Reserves slots for a client to write the keys not already indexed, in order.
@@ -565,18 +660,23 @@ impl HostIndex {
         let now = self.tick();
         let mut out = Vec::with_capacity(keys.len());
         let mut evicted = Vec::new();
-        let mut parent = parent;
+        // Taken before any eviction below, so a parent evicted to make room (with L3
+        // attached, interior pages may go) leaves a dead link, never one to its slot's reuse.
+        let mut parent = parent
+            .and_then(|p| self.slot_of(&p))
+            .map_or(NO_LINK, |p| self.link_to(p));
         for key in keys {
-            if self.map.contains_key(key) {
+            if let Some(s) = self.slot_of(key) {
                 out.push(Reserve::Present);
-                parent = Some(*key);
+                parent = self.link_to(s);
                 continue;
             }
             if throttled && self.stats.dirty >= self.dirty_limit {
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;
             }
-            // Count the child before allocating, so eviction cannot take its own parent.
+            // Count the child before allocating, so eviction cannot take its own parent
+            // while there is no L3.
             self.adjust_children(parent, 1);
             let slot = loop {
                 if let Some(s) = self.alloc.alloc() {
@@ -592,21 +692,15 @@ impl HostIndex {
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;
             };
-            self.entries[slot as usize] = Some(Entry::new(
-                *key,
-                parent,
-                PageState::Writing,
-                owner,
-                now,
-                dirty,
-            ));
-            self.map.insert(*key, slot);
+            let mut e = Entry::new(*key, parent, PageState::Writing, owner, now);
+            e.dirty = dirty;
+            self.place(slot, e);
             self.stats.writing += 1;
             if dirty {
                 self.stats.dirty += 1;
             }
             out.push(Reserve::Reserved(slot));
-            parent = Some(*key);
+            parent = self.link_to(slot);
         }
         (out, evicted)
     }
@@ -615,8 +709,8 @@ impl HostIndex {
     fn check_writing(&self, owner: OwnerId, keys: &[PageKey]) -> Result<Vec<u32>, Error> {
         keys.iter()
             .enumerate()
-            .map(|(i, k)| match self.map.get(k) {
-                Some(&s)
+            .map(|(i, k)| match self.slot_of(k) {
+                Some(s)
                     if self.entry(s).state == PageState::Writing
                         && self.entry(s).owner == owner =>
                 {
@@ -634,12 +728,12 @@ impl HostIndex {
         let slots = self.check_writing(owner, keys)?;
         let now = self.tick();
         for s in slots {
-            let e = self.entry_mut(s);
-            e.state = PageState::Ready;
-            e.meta.last_access = now;
+            self.touch(s, |e| {
+                e.state = PageState::Ready;
+                e.last_access = now;
+            });
             self.stats.writing -= 1;
             self.stats.ready += 1;
-            self.refresh(s);
         }
         Ok(())
     }
@@ -656,19 +750,21 @@ impl HostIndex {
         let slots = self.check_writing(owner, keys)?;
         let now = self.tick();
         for &s in &slots {
-            let e = self.entry_mut(s);
-            e.state = PageState::Ready;
-            e.meta.last_access = now;
-            e.pins += 1;
             if persisted {
-                e.l3 = L3Mark::Persisted;
                 self.clean(s);
             }
+            self.touch(s, |e| {
+                e.state = PageState::Ready;
+                e.last_access = now;
+                e.pins += 1;
+                if persisted {
+                    e.l3 = L3Mark::Persisted;
+                }
+            });
             self.stats.writing -= 1;
             self.stats.ready += 1;
             self.stats.pinned += 1;
             self.stats.pins += 1;
-            self.refresh(s);
         }
         Ok(slots)
     }
@@ -704,21 +800,23 @@ impl HostIndex {
     /// Pins the longest ready prefix of `keys` and returns its slots, in order. Pinned pages
     /// are never evicted.
     pub fn acquire(&mut self, keys: &[PageKey]) -> Vec<u32> {
-        let n = self.lookup(keys);
+        let mut slots = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.slot_of(k) {
+                Some(s) if self.entry(s).state == PageState::Ready => slots.push(s),
+                _ => break,
+            }
+        }
         let now = self.tick();
-        keys[..n]
-            .iter()
-            .map(|k| {
-                let s = self.map[k];
-                self.pin(s, now);
-                s
-            })
-            .collect()
+        for &s in &slots {
+            self.pin(s, now);
+        }
+        slots
     }
 
     /// Pins `key` if it is ready (as [`Self::acquire`] does for one key) and returns its slot.
     pub fn acquire_one(&mut self, key: &PageKey) -> Option<u32> {
-        let &s = self.map.get(key)?;
+        let s = self.slot_of(key)?;
         if self.entry(s).state != PageState::Ready {
             return None;
         }
@@ -728,26 +826,26 @@ impl HostIndex {
     }
 
     fn pin(&mut self, s: u32, now: u64) {
-        let e = self.entry_mut(s);
-        if e.pins == 0 {
+        if self.entry(s).pins == 0 {
             self.stats.pinned += 1;
         }
-        let e = self.entry_mut(s);
-        e.pins += 1;
-        e.meta.last_access = now;
-        e.meta.hits += 1;
         self.stats.pins += 1;
-        self.refresh(s);
+        self.touch(s, |e| {
+            e.pins += 1;
+            e.last_access = now;
+            e.hits = e.hits.saturating_add(1);
+        });
     }
 
     /// Drops one pin from each key. All-or-nothing: a key that is not pinned changes nothing.
     pub fn release(&mut self, keys: &[PageKey]) -> Result<(), Error> {
         // Unpin in place, undoing on the first key that cannot be released (a repeated key
-        // needs as many pins as it appears), so no map of counts is built per call.
+        // needs as many pins as it appears), so no map of counts is built per call. A pinned
+        // entry is filed nowhere, so changing its pins needs no unfiling.
         let mut done = Vec::with_capacity(keys.len());
         let mut failed = None;
         for (i, k) in keys.iter().enumerate() {
-            let Some(&s) = self.map.get(k) else {
+            let Some(s) = self.slot_of(k) else {
                 failed = Some(bad_key("keys", i, k, "not in the pool"));
                 break;
             };
@@ -779,7 +877,7 @@ impl HostIndex {
         Ok(())
     }
 
-    /// Checks every count and the candidate set against the entries. `O(n)`; for tests.
+    /// Checks every count, link and order against the entries. `O(n)`; for tests.
     pub fn validate(&self) -> Result<(), String> {
         let mut s = HostIndexStats {
             capacity: self.stats.capacity,
@@ -787,7 +885,8 @@ impl HostIndex {
             unwritten_evictions: self.stats.unwritten_evictions,
             ..HostIndexStats::default()
         };
-        let mut children: KeyMap<u32> = KeyMap::default();
+        let mut children = vec![0u32; self.entries.len()];
+        let (mut filed, mut flush_filed) = (0, 0);
         for (slot, e) in self.entries.iter().enumerate() {
             let Some(e) = e else {
                 if self.alloc.is_allocated(slot as u32) {
@@ -795,8 +894,7 @@ impl HostIndex {
                 }
                 continue;
             };
-            if self.map.get(&e.key) != Some(&(slot as u32)) || !self.alloc.is_allocated(slot as u32)
-            {
+            if self.slot_of(&e.key) != Some(slot as u32) || !self.alloc.is_allocated(slot as u32) {
                 return Err(format!("slot {slot} is not mapped or not allocated"));
             }
             match e.state {
@@ -813,41 +911,48 @@ impl HostIndex {
                 s.pinned += 1;
                 s.pins += u64::from(e.pins);
             }
-            if let Some(p) = e.parent.filter(|p| self.map.contains_key(p)) {
-                *children.entry(p).or_insert(0) += 1;
+            if let Some(p) = self.live(e.parent) {
+                if p as usize == slot || self.entries[p as usize].is_none() {
+                    return Err(format!(
+                        "slot {slot}: live link to slot {p}, which is not a parent"
+                    ));
+                }
+                children[p as usize] += 1;
             }
-            let idle = e.state == PageState::Ready && e.pins == 0;
-            let rank = self.policy.rank(&e.meta);
-            let want = self.class(e).map(|c| (c, rank));
-            let filed = want.is_some_and(|(c, r)| self.candidates.contains(&(c, r, slot as u32)));
-            if want != e.rank || want.is_some() != filed {
-                return Err(format!("slot {slot}: candidate set is stale"));
-            }
-            let want_flush = idle && e.l3 == L3Mark::None;
-            if want_flush != e.flush_rank.is_some()
-                || want_flush != self.flushable.contains(&(rank, slot as u32))
+            let rank = self.policy.rank(&e.meta());
+            let want = self.class(e);
+            if want != e.filed
+                || want.is_some_and(|c| !self.candidates.contains((c, rank), slot as u32))
             {
-                return Err(format!("slot {slot}: flushable set is stale"));
+                return Err(format!("slot {slot}: candidate order is stale"));
             }
+            let want_flush = self.flushes(e);
+            if want_flush != e.flush_filed
+                || (want_flush && !self.flushable.contains(rank, slot as u32))
+            {
+                return Err(format!("slot {slot}: flush order is stale"));
+            }
+            filed += usize::from(e.filed.is_some());
+            flush_filed += usize::from(e.flush_filed);
             if e.l3 == L3Mark::Queued && e.pins == 0 {
                 return Err(format!("slot {slot}: queued for L3 but not pinned"));
             }
         }
-        for e in self.entries.iter().flatten() {
-            // Children that arrived before their parent are not counted (see module docs), so
-            // the kept count may be below the walked one but never above it.
-            if e.children > children.get(&e.key).copied().unwrap_or(0) {
-                return Err(format!("{:?} counts more children than exist", e.key));
+        for (slot, e) in self.entries.iter().enumerate() {
+            if let Some(e) = e
+                && e.children != children[slot]
+            {
+                return Err(format!(
+                    "slot {slot} counts {} children, {} link to it",
+                    e.children, children[slot]
+                ));
             }
         }
-        if s != self.stats || self.map.len() as u32 != s.ready + s.writing {
+        if s != self.stats || self.table.len() as u32 != s.ready + s.writing {
             return Err(format!("stats walked {s:?} but kept {:?}", self.stats));
         }
-        let live = self.entries.iter().flatten();
-        if self.candidates.len() != live.clone().filter(|e| e.rank.is_some()).count()
-            || self.flushable.len() != live.filter(|e| e.flush_rank.is_some()).count()
-        {
-            return Err("candidate or flushable set holds removed entries".into());
+        if self.candidates.len() != filed || self.flushable.len() != flush_filed {
+            return Err("candidate or flush order holds removed entries".into());
         }
         Ok(())
     }
@@ -904,6 +1009,35 @@ mod tests {
         assert_eq!(ix.lookup(&ks), 3);
         assert_eq!(ix.acquire(&ks).len(), 3);
         ix.validate().unwrap();
+    }
+
+    #[test]
+    fn a_child_counts_toward_the_parent_it_was_created_under_only() {
+        let (a0, a1, b) = (key(1), key(2), key(3));
+        let mut ix = HostIndex::new(8, PolicyKind::Lru);
+        ix.set_l3_mode(L3Mode::Up);
+        ix.reserve(1, None, &[a0, a1]);
+        ix.commit(1, &[a0, a1]).unwrap();
+        assert_eq!(ix.parent(&a1), Some(a0));
+        for (k, _) in ix.queue_for_l3(&[a0, a1]) {
+            ix.finish_l3(&k, true);
+        }
+        // With L3 up an interior page may leave while its (pinned) child stays.
+        assert_eq!(ix.acquire(&[a0, a1]).len(), 2);
+        ix.release(&[a0]).unwrap();
+        assert_eq!(ix.evict(1), vec![a0]);
+        assert_eq!(ix.parent(&a1), None, "the link died with its parent");
+        // a0 comes back in another incarnation, with a child of its own.
+        ix.set_l3_mode(L3Mode::Absent);
+        ix.reserve(1, None, &[a0, b]);
+        ix.commit(1, &[a0, b]).unwrap();
+        assert_eq!((ix.parent(&b), ix.parent(&a1)), (Some(a0), None));
+        ix.release(&[a1]).unwrap();
+        ix.validate().unwrap();
+        // The old child leaving must not uncount the new one: a0 stays until b is gone.
+        assert_eq!(ix.evict(1), vec![a1]);
+        ix.validate().unwrap();
+        assert_eq!(ix.evict(2), vec![b, a0]);
     }
 
     #[test]

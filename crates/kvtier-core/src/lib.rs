@@ -34,7 +34,7 @@ pub mod slots;
 pub mod write_policy;
 
 pub use ids::{Epoch, SessionId};
-pub use key_map::{KeyMap, KeySet};
+pub use key_map::{KeyMap, KeySet, KeyTable};
 pub use keys::{Namespace, PageHasher, PageKey};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
 pub use policy::{EvictionPolicy, PolicyKind};

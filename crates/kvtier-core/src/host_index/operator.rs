@@ -40,7 +40,7 @@ impl HostIndex {
                 .iter()
                 .filter(|&&s| self.entry(s).l3 != L3Mark::Persisted)
                 .count() as u32,
-            kept: (self.map.len() - slots.len()) as u32,
+            kept: (self.table.len() - slots.len()) as u32,
         }
     }
 
@@ -82,7 +82,7 @@ impl HostIndex {
     /// Of `keys`, those still ready here and not held by L3 (what a flush that began with
     /// them still waits for).
     pub fn still_unwritten(&self, keys: &mut Vec<PageKey>) {
-        keys.retain(|k| self.map.get(k).is_some_and(|&s| unwritten(self.entry(s))));
+        keys.retain(|k| self.slot_of(k).is_some_and(|s| unwritten(self.entry(s))));
     }
 
     /// Keys of the ready pages L3 does not hold (the set a flush waits for).
