@@ -253,7 +253,7 @@ pub async fn run(
         ));
     }
     // Sealer: checksums committed pages off the state lock and seals their slot records,
-    // so the pools survive a crash (its own low-priority thread: `sealer.rs`).
+    // so the pools survive a crash (on its own thread: `sealer.rs`).
     if lock(&state).seals_enabled() {
         let sealer = sealer::start(state.clone(), shutdown.clone())
             .map_err(setup("start the sealer thread", Path::new("")))?;

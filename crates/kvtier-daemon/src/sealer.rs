@@ -2,13 +2,16 @@
 //! crash of its kvtierd (`state/survive.rs`).
 //!
 //! Checksumming is background work whose size is the commit rate (every committed byte is
-//! read once), and it must not compete with the calls engines wait on. So the checksums run on
-//! their own thread at a lower CPU priority (nice +[`NICE`]): on a busy node the request
-//! threads win every contended core, and the sealer catches up when they idle. That thread
-//! never takes the state lock (a low-priority holder preempted mid-section would stall every
-//! request behind it); the task that takes jobs and seals them runs on the runtime. A page not
-//! sealed yet when the daemon dies is only not taken over (L3, or a recompute, serves it); it
-//! is never served unverified.
+//! read once). It runs on its own thread, so it never holds a runtime worker that a request
+//! could use, nor the blocking pool the L3 reads use. The thread never takes the state lock;
+//! the task that takes jobs and seals them runs on the runtime.
+//!
+//! The thread runs at normal priority. A lower one (nice +10) was tried: on a saturated node
+//! the sealer then fell seconds behind the commits, and a daemon killed at that moment left
+//! thousands of computed pages unsealed, so its successor could not take them over (the
+//! `l2_survives_a_daemon_crash` simulation, under the full test suite's load, lost 5,700).
+//! The crash window must not grow with load. A page not sealed yet when the daemon dies is
+//! only not taken over (L3, or a recompute, serves it); it is never served unverified.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -23,12 +26,10 @@ use crate::state::{HostState, SealJob};
 pub const PERIOD: Duration = Duration::from_millis(20);
 /// Pages checksummed per hand-off to the checksum thread.
 pub const BATCH: usize = 256;
-/// How much lower than the request threads the checksums run (`setpriority`; +19 is lowest).
-pub const NICE: i32 = 10;
 
 type Work = (Vec<SealJob>, oneshot::Sender<Vec<(SealJob, u32)>>);
 
-/// Starts the low-priority checksum thread and returns the task that takes and seals jobs
+/// Starts the checksum thread and returns the task that takes and seals jobs
 /// until `stop` is cancelled (it stops and joins the thread before it ends). Fails only when
 /// the thread cannot be started.
 pub fn start(
@@ -39,13 +40,6 @@ pub fn start(
     let thread = std::thread::Builder::new()
         .name("kvtierd-sealer".into())
         .spawn(move || {
-            // Lowering one's own priority is always allowed; if the OS refuses anyway,
-            // checksum at normal priority rather than not at all.
-            if let Err(e) =
-                rustix::process::setpriority_process(Some(rustix::thread::gettid()), NICE)
-            {
-                tracing::warn!(error = %e, "the sealer's checksums run at normal priority");
-            }
             while let Ok((jobs, reply)) = rx.recv() {
                 let done = jobs.into_iter().filter_map(SealJob::checksum).collect();
                 let _ = reply.send(done);
