@@ -39,7 +39,7 @@
 //! the entry's metadata, which never changes while the entry is filed (see `touch`). The
 //! index never touches page bytes.
 //!
-//! Size: one data structure of about 850 lines, whose invariants (slot states, pins, owners,
+//! Size: one data structure of about 950 lines, whose invariants (slot states, pins, owners,
 //! links, the L3 mode and eviction order) cross every method, plus its unit tests; the
 //! model-based property test is `tests/host_index_model.rs`.
 
@@ -117,7 +117,8 @@ const NO_LINK: Link = Link {
     generation: 0,
 };
 
-/// One indexed page. 88 bytes; see the module docs for what is not stored here.
+/// One indexed page. 88 bytes (checked below); see the module docs for what is not stored
+/// here.
 #[derive(Clone, Debug)]
 struct Entry {
     key: PageKey,
@@ -139,6 +140,8 @@ struct Entry {
     /// Filed in `flushable`, at its current rank.
     flush_filed: bool,
 }
+
+const _: () = assert!(std::mem::size_of::<Option<Entry>>() <= 88);
 
 impl Entry {
     /// A new, unpinned entry created at tick `now`, not known to L3.
@@ -441,12 +444,7 @@ impl HostIndex {
                 continue;
             }
             e.l3 = L3Mark::Queued;
-            if e.pins == 0 {
-                self.stats.pinned += 1;
-            }
-            let e = self.entry_mut(s);
-            e.pins += 1;
-            self.stats.pins += 1;
+            self.add_pin(s);
             self.refresh(s);
             out.push((*k, s));
         }
@@ -589,8 +587,7 @@ impl HostIndex {
     fn place(&mut self, slot: u32, e: Entry) {
         let key = e.key;
         self.entries[slot as usize] = Some(e);
-        let entries = &self.entries;
-        self.table.insert(&key, slot, |s| key_at(entries, s));
+        self.table.insert(&key, slot);
     }
 
     /// Indexes a page taken over from a dead daemon's pool: ready, unpinned, under `parent`
@@ -753,18 +750,16 @@ impl HostIndex {
             if persisted {
                 self.clean(s);
             }
+            self.add_pin(s);
             self.touch(s, |e| {
                 e.state = PageState::Ready;
                 e.last_access = now;
-                e.pins += 1;
                 if persisted {
                     e.l3 = L3Mark::Persisted;
                 }
             });
             self.stats.writing -= 1;
             self.stats.ready += 1;
-            self.stats.pinned += 1;
-            self.stats.pins += 1;
         }
         Ok(slots)
     }
@@ -825,13 +820,20 @@ impl HostIndex {
         Some(s)
     }
 
-    fn pin(&mut self, s: u32, now: u64) {
-        if self.entry(s).pins == 0 {
+    /// Adds one pin to the entry in `slot`, counted in the stats. Re-filing is the caller's
+    /// (unfiling needs only the entry's filed marks and metadata, which this leaves alone).
+    fn add_pin(&mut self, slot: u32) {
+        let e = self.entry_mut(slot);
+        e.pins += 1;
+        if e.pins == 1 {
             self.stats.pinned += 1;
         }
         self.stats.pins += 1;
+    }
+
+    fn pin(&mut self, s: u32, now: u64) {
+        self.add_pin(s);
         self.touch(s, |e| {
-            e.pins += 1;
             e.last_access = now;
             e.hits = e.hits.saturating_add(1);
         });

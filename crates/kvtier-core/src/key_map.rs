@@ -110,8 +110,9 @@ impl Hasher for KeyHasher {
 }
 
 /// Slot numbers found by page key, where each slot's key lives in the caller's own array
-/// (the L2 index's entries). Every method takes `key_of`, which gives the key stored for a
-/// slot.
+/// (the L2 index's entries). Lookups and removals take `key_of`, which gives the key stored
+/// for a slot (compared when a cell's tag matches); inserts need no key but the new one, since
+/// a cell's tag alone places it.
 ///
 /// An open-addressing table of 8-byte cells, each a slot number and a 32-bit tag from the
 /// key's hash, probed linearly from a home cell that the tag picks, at most 3/4 full, deleted
@@ -200,7 +201,7 @@ impl KeyTable {
     }
 
     /// Records that `slot` (below `u32::MAX`) holds `key`, which must not be in the table.
-    pub fn insert(&mut self, key: &PageKey, slot: u32, _key_of: impl Fn(u32) -> PageKey) {
+    pub fn insert(&mut self, key: &PageKey, slot: u32) {
         assert!(slot < u32::MAX, "slot {slot} out of range");
         if (self.len + 1) * 4 > self.cells.len() * 3 {
             let grown = vec![0; self.cells.len() * 2];
@@ -299,7 +300,7 @@ mod tests {
         let of = |s: u32| keys[s as usize];
         let mut t = KeyTable::with_capacity(4);
         for s in 0..5000 {
-            t.insert(&keys[s as usize], s, of);
+            t.insert(&keys[s as usize], s);
         }
         assert_eq!(t.len(), 5000);
         assert!((0..5000u32).all(|s| t.get(&keys[s as usize], of) == Some(s)));
@@ -329,7 +330,7 @@ mod tests {
             x ^= x << 17;
             let s = (x % 400) as u32;
             if model.insert(s) {
-                t.insert(&keys[s as usize], s, of);
+                t.insert(&keys[s as usize], s);
             } else {
                 assert_eq!(t.remove(&keys[s as usize], of), Some(s));
                 model.remove(&s);

@@ -288,7 +288,8 @@ pub fn request_keys(keys: &[impl AsRef<[u8]>], packed: &[u8]) -> Result<Vec<Page
             ),
         ));
     }
-    if !packed.len().is_multiple_of(KEY_LEN) {
+    let (whole, rest) = packed.as_chunks::<KEY_LEN>();
+    if !rest.is_empty() {
         return Err(ApiError::invalid(
             "packed_keys",
             format!(
@@ -297,14 +298,7 @@ pub fn request_keys(keys: &[impl AsRef<[u8]>], packed: &[u8]) -> Result<Vec<Page
             ),
         ));
     }
-    Ok(packed
-        .chunks_exact(KEY_LEN)
-        .map(|c| {
-            let mut k = [0u8; KEY_LEN];
-            k.copy_from_slice(c);
-            PageKey(k)
-        })
-        .collect())
+    Ok(whole.iter().copied().map(PageKey).collect())
 }
 
 /// How many keys a request carries in `keys` or `packed_keys` (to check a batch limit before
