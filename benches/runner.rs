@@ -14,6 +14,8 @@ static GLOBAL: kvtier_bench::CountingAlloc = kvtier_bench::CountingAlloc;
 type Scenario = (&'static str, fn(bool), bool);
 
 fn main() {
+    // As kvtierd and kvtier-agent do (the in-process daemons run on this allocator).
+    kvtier_shm::malloc::keep_page_buffers_in_heap();
     // Child servers of the end-to-end scenario are this binary re-executed.
     if kvtier_sim::cluster::serve_child_from_env() {
         return;

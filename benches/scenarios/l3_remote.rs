@@ -48,6 +48,7 @@ pub fn run(quick: bool) {
         "remote",
         &[
             "server.tcp=127.0.0.1:0",
+            "server.tcp_insecure=true",
             "l3.backend=memory",
             "l3.memory.capacity_bytes=1GiB",
         ],

@@ -99,10 +99,11 @@ pub fn run(quick: bool) {
         },
     );
     crate::say!("{}", get.line("MiB/s", f64::from(1 << 20)));
-    // Diagnostics for the get gap: the same objects through the bare backend (no framing, no
-    // checksum), the raw client on kvtier's objects, and on raw objects of kvtier's size. On this
-    // shared machine these swing widely between runs (0.34-1.08); use the full run, not
-    // `--quick`, before drawing conclusions. The gap is not located yet.
+    // Diagnostics for the get path: the same objects through the bare backend (no framing, no
+    // checksum), the raw client on kvtier's objects, and on raw objects of kvtier's size. They
+    // found the old gap (0.35-0.6): RGW's beast frontend without `tcp_nodelay=1` held the last
+    // segment of every object whose size is not a whole number of segments (Nagle), 3-7 ms a
+    // get; `--sizes` shows it per size. `scripts/ceph-s3` now sets it.
     let bare = compare(
         "get: S3Store alone vs object_store get",
         total,
@@ -160,4 +161,34 @@ pub fn run(quick: bool) {
         || rt.block_on(raw_get_all(&raw, &odd_paths)),
     );
     crate::say!("{}", shape.line("MiB/s", f64::from(1 << 20)));
+    // `--sizes`: latency of one raw get by object size and name, to tell the server's cost of
+    // an object's shape from kvtier's.
+    if std::env::args().any(|a| a == "--sizes") {
+        let name = kvtier_storage::format::object_name(&fp, &keys[0]);
+        for size in [
+            (2 << 20) - 4096,
+            (2 << 20) - 72,
+            2 << 20,
+            (2 << 20) + 72,
+            (2 << 20) + 4096,
+            4 << 20,
+        ] {
+            for path in [
+                Path::from("sizes/a"),
+                Path::from(format!("kvtier/sizes/{name}")),
+            ] {
+                let body = Bytes::from(vec![5u8; size]);
+                rt.block_on(async {
+                    raw.put(&path, PutPayload::from(body)).await.unwrap();
+                    raw.get(&path).await.unwrap().bytes().await.unwrap();
+                    let n = 20;
+                    let t = std::time::Instant::now();
+                    for _ in 0..n {
+                        raw.get(&path).await.unwrap().bytes().await.unwrap();
+                    }
+                    crate::say!("raw get {size} B at {path}: {:?} each", t.elapsed() / n);
+                });
+            }
+        }
+    }
 }

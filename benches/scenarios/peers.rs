@@ -82,6 +82,7 @@ pub fn run(quick: bool) {
             &format!("l2.pool_pages={}", 4 * pages * rounds + 16),
             "l2.dirty_fraction=1.0",
             "server.tcp=127.0.0.1:0",
+            "server.tcp_insecure=true",
             "l3.backend=memory",
             &format!(
                 "l3.memory.capacity_bytes={}",

@@ -4,6 +4,8 @@ use kvtier_config::agent::AgentConfig;
 use kvtier_server::process;
 
 fn main() -> anyhow::Result<()> {
+    // Page buffers from the heap, not a fresh mmap each (kvtier_shm::malloc).
+    kvtier_shm::malloc::keep_page_buffers_in_heap();
     process::main::<AgentConfig, _, _, _>(
         "kvtier-agent",
         "kvtier-agent — the per-worker L1 agent of kvtier (the engine's prefix cache).",

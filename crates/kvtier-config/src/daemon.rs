@@ -32,7 +32,22 @@ data_dir = "kvtier-data"
 # Unix domain socket of the gRPC control plane. Empty: <data_dir>/kvtierd.sock.
 socket = ""
 # Optional TCP address for clients on other hosts, e.g. "0.0.0.0:50051". Empty: off.
+# Over TCP every call but the grpc.health.v1 checks must present server.token, and the
+# listener needs TLS (tls_cert and tls_key) unless tcp_insecure is set.
 tcp = ""
+# TLS of the TCP listener: PEM certificate chain and PEM private key files.
+tls_cert = ""
+tls_key = ""
+# PEM CA bundle. Set: TCP clients must present a certificate it signed (mutual TLS).
+tls_client_ca = ""
+# Bearer token every call over TCP must present as "authorization: Bearer <token>"
+# (required with TLS). Set it through KVTIER_SERVER_TOKEN or token_file, not this file.
+token = ""
+# A file holding the token (surrounding whitespace ignored), instead of token.
+token_file = ""
+# Serve TCP without TLS. Refused unless tcp is a loopback address (127.0.0.1, [::1]): for
+# tests and single-host setups. The token is then optional (checked when set).
+tcp_insecure = false
 # Most page keys accepted in one request (1 to 1048576).
 max_batch = 65536
 # On shutdown, how long in-flight requests and open connections get to finish before they
@@ -179,9 +194,18 @@ virtual_hosted = false
 retries = 2
 
 [l3.remote]
-# The kvtierd whose storage tier this one uses, as http://host:port (its server.tcp) or a
-# Unix socket path. Required with backend = "remote".
+# The kvtierd whose storage tier this one uses: https://host:port (its server.tcp with TLS),
+# http://host:port (a peer with server.tcp_insecure, loopback only) or a Unix socket path.
+# Required with backend = "remote".
 address = ""
+# PEM CA bundle the peer's certificate chains to. Required with https.
+tls_ca = ""
+# PEM client certificate and key, for a peer that sets server.tls_client_ca.
+tls_cert = ""
+tls_key = ""
+# The peer's server.token. Set it through KVTIER_L3_REMOTE_TOKEN or token_file.
+token = ""
+token_file = ""
 
 [l3.memory]
 # Most bytes kept (oldest pages evicted first). Above 0.
@@ -306,6 +330,26 @@ pub struct ServerConfig {
     pub drain_timeout: Dur,
     /// Token for admin calls over TCP. Never printed.
     pub admin_token: Secret,
+    /// PEM certificate chain of the TCP listener.
+    pub tls_cert: String,
+    /// PEM private key of the TCP listener.
+    pub tls_key: String,
+    /// PEM CA bundle that TCP clients' certificates must chain to; empty: no client certs.
+    pub tls_client_ca: String,
+    /// Bearer token of every call over TCP. Never printed.
+    pub token: Secret,
+    /// File holding the token.
+    pub token_file: String,
+    /// TCP without TLS, on loopback only.
+    pub tcp_insecure: bool,
+}
+
+impl ServerConfig {
+    /// The bearer token every TCP call must present: `token`, or the contents of
+    /// `token_file`; `None` when neither is set.
+    pub fn tcp_token(&self) -> Result<Option<String>, ConfigError> {
+        crate::tls::resolve_token(&self.token, &self.token_file, "server.token")
+    }
 }
 
 /// `[metrics]`.
@@ -513,6 +557,12 @@ impl Default for ServerConfig {
             max_batch: 65536,
             drain_timeout: Dur(Duration::from_secs(10)),
             admin_token: Secret::default(),
+            tls_cert: String::new(),
+            tls_key: String::new(),
+            tls_client_ca: String::new(),
+            token: Secret::default(),
+            token_file: String::new(),
+            tcp_insecure: false,
         }
     }
 }
@@ -581,7 +631,12 @@ impl DaemonConfig {
     /// `l3.s3.secret_key`) shown as `"<redacted>"` when set: what an operator may print.
     pub fn to_redacted_toml(&self) -> Result<String, ConfigError> {
         let mut c = self.clone();
-        for secret in [&mut c.server.admin_token, &mut c.l3.s3.secret_key] {
+        for secret in [
+            &mut c.server.admin_token,
+            &mut c.server.token,
+            &mut c.l3.s3.secret_key,
+            &mut c.l3.remote.token,
+        ] {
             if !secret.expose().is_empty() {
                 *secret = Secret(REDACTED.to_string());
             }
@@ -651,6 +706,12 @@ impl DaemonConfig {
                     max_batch,
                     drain_timeout,
                     admin_token: _,
+                    tls_cert,
+                    tls_key,
+                    tls_client_ca,
+                    token,
+                    token_file,
+                    tcp_insecure,
                 },
             metrics: MetricsConfig { listen },
             l2:
@@ -721,12 +782,15 @@ impl DaemonConfig {
         if data_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("data_dir", "must not be empty"));
         }
-        if !tcp.is_empty() && tcp.parse::<std::net::SocketAddr>().is_err() {
-            return Err(ConfigError::invalid(
-                "server.tcp",
-                format!("{tcp:?} is not an address such as 0.0.0.0:50051"),
-            ));
-        }
+        crate::tls::check_server(&crate::tls::ServerTls {
+            tcp,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            token,
+            token_file,
+            tcp_insecure: *tcp_insecure,
+        })?;
         if *max_batch == 0 || *max_batch > MAX_BATCH_LIMIT {
             return Err(ConfigError::invalid(
                 "server.max_batch",

@@ -158,8 +158,25 @@ pub struct S3Section {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RemoteSection {
-    /// `http://host:port` (its `server.tcp`) or a Unix socket path.
+    /// `https://host:port` / `http://host:port` (its `server.tcp`) or a Unix socket path.
     pub address: String,
+    /// PEM CA bundle the peer's certificate chains to (https only).
+    pub tls_ca: String,
+    /// PEM client certificate, for a peer that requires one.
+    pub tls_cert: String,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: String,
+    /// The peer's `server.token`. Never printed.
+    pub token: crate::Secret,
+    /// File holding the token.
+    pub token_file: String,
+}
+
+impl RemoteSection {
+    /// The bearer token to present: `token` or the contents of `token_file`.
+    pub fn bearer_token(&self) -> Result<Option<String>, ConfigError> {
+        crate::tls::resolve_token(&self.token, &self.token_file, "l3.remote.token")
+    }
 }
 
 /// `[l3.memory]`: a bounded in-process map.
@@ -411,10 +428,26 @@ impl RemoteSection {
         if active && self.address.is_empty() {
             return Err(ConfigError::invalid(
                 "l3.remote.address",
-                "required with l3.backend = \"remote\" (http://host:port or a socket path)",
+                "required with l3.backend = \"remote\" (https://host:port, http://host:port or a \
+                 socket path)",
             ));
         }
-        Ok(())
+        if !active {
+            return Ok(());
+        }
+        if !self.token.expose().is_empty() && !self.token_file.is_empty() {
+            return Err(ConfigError::invalid(
+                "l3.remote.token",
+                "set l3.remote.token or l3.remote.token_file, not both",
+            ));
+        }
+        crate::tls::check_client(
+            "l3.remote",
+            &self.address,
+            &self.tls_ca,
+            &self.tls_cert,
+            &self.tls_key,
+        )
     }
 }
 

@@ -292,7 +292,11 @@ pub fn status(a: StatusArgs) -> Result<String> {
     let (health, s) = rt
         .block_on(async {
             let health = kvtier_client::health(&a.socket).await;
-            let mut c = kvtier_client::HostClient::connect(&a.socket).await?;
+            let mut c = kvtier_client::HostClient::connect_with(
+                &a.socket,
+                &kvtier_client::TcpSecurity::from_env()?,
+            )
+            .await?;
             anyhow::Ok((health, c.stats().await?))
         })
         .with_context(|| format!("asking kvtierd at {}", a.socket))?;
@@ -428,15 +432,17 @@ pub fn config(a: &StatusArgs) -> Result<String> {
 /// Makes one `Admin` call on kvtierd at `socket`, on a runtime of its own.
 pub(crate) fn admin<T, F, Fut>(socket: &str, call: F) -> Result<T>
 where
-    F: FnOnce(kvtier_proto::v1::admin_client::AdminClient<tonic::transport::Channel>) -> Fut,
+    F: FnOnce(kvtier_proto::v1::admin_client::AdminClient<kvtier_client::AuthChannel>) -> Fut,
     Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
 {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let c =
-            kvtier_proto::v1::admin_client::AdminClient::new(kvtier_client::connect(socket).await?);
+        let sec = kvtier_client::TcpSecurity::from_env()?;
+        let c = kvtier_proto::v1::admin_client::AdminClient::new(
+            kvtier_client::connect_with(socket, &sec).await?,
+        );
         let r = call(c).await.map_err(kvtier_client::ClientError::from)?;
         anyhow::Ok(r.into_inner())
     })
@@ -452,9 +458,12 @@ pub fn watch(a: &WatchArgs, redraw: bool, out: &mut dyn std::io::Write) -> Resul
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let mut c = kvtier_client::HostClient::connect(&a.socket)
-            .await
-            .with_context(|| format!("connecting to kvtierd at {}", a.socket))?;
+        let mut c = kvtier_client::HostClient::connect_with(
+            &a.socket,
+            &kvtier_client::TcpSecurity::from_env()?,
+        )
+        .await
+        .with_context(|| format!("connecting to kvtierd at {}", a.socket))?;
         let mut stream = c
             .watch_metrics(std::time::Duration::from_millis(a.interval_ms))
             .await

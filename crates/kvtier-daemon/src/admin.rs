@@ -401,7 +401,9 @@ pub fn require_token(token: String) -> impl Fn(Request<()>) -> Result<Request<()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
+            .is_some_and(|t| {
+                kvtier_server::serving::constant_time_eq(t.as_bytes(), token.as_bytes())
+            });
         if ok {
             Ok(req)
         } else {
@@ -410,10 +412,6 @@ pub fn require_token(token: String) -> impl Fn(Request<()>) -> Result<Request<()
             ))
         }
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

@@ -101,6 +101,32 @@ fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Daem
     move |source| DaemonError::Setup { what, path, source }
 }
 
+/// The TCP listener's TLS settings (`server.tls_*`), read from their files.
+fn server_tls(
+    cfg: &DaemonConfig,
+) -> Result<Option<tonic::transport::ServerTlsConfig>, DaemonError> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let s = &cfg.server;
+    if s.tls_cert.is_empty() {
+        return Ok(None);
+    }
+    kvtier_client::install_crypto_provider();
+    let read =
+        |what: &'static str, path: &str| std::fs::read(path).map_err(setup(what, Path::new(path)));
+    let identity = Identity::from_pem(
+        read("reading server.tls_cert", &s.tls_cert)?,
+        read("reading server.tls_key", &s.tls_key)?,
+    );
+    let mut tls = ServerTlsConfig::new().identity(identity);
+    if !s.tls_client_ca.is_empty() {
+        tls = tls.client_ca_root(Certificate::from_pem(read(
+            "reading server.tls_client_ca",
+            &s.tls_client_ca,
+        )?));
+    }
+    Ok(Some(tls))
+}
+
 /// Binds a socket, replacing a stale socket file but never a live server's.
 async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
     Ok(kvtier_server::serving::bind_unix(path).await?)
@@ -189,8 +215,8 @@ pub async fn run(
     let objects = kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
         storage_service::ObjectStorageService::new(l3.clone()),
     )
-    .max_decoding_message_size(2 * kvtier_storage::remote::CHUNK)
-    .max_encoding_message_size(2 * kvtier_storage::remote::CHUNK);
+    .max_decoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096)
+    .max_encoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096);
     // kvtierd's memory of SGLang objects, when it serves SGLang (the admin clears it with L2).
     let sglang_memory = cfg.sglang_rpc.enable.then(|| {
         Arc::new(sglang::ObjectCache::new(
@@ -227,23 +253,48 @@ pub async fn run(
         tracker.spawn(server)
     };
     let tcp_addr = tcp.as_ref().and_then(|l| l.local_addr().ok());
-    let tcp_task = tcp.map(|l| {
-        let stop = shutdown.clone();
-        // Nagle's algorithm with delayed ACKs adds ~40 ms to small responses: off.
-        let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
-        // Admin over TCP only with a token.
-        let admin_tcp = (!admin_token.is_empty()).then(|| {
-            kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
-                admin.clone(),
-                admin::require_token(admin_token.clone()),
+    // Declared whether or not TCP is on, so the series always exists (0 without TCP).
+    let denials = kvtier_server::serving::RequireBearer::new(&[], &metrics)?;
+    let tcp_task = match tcp {
+        None => None,
+        Some(l) => {
+            let stop = shutdown.clone();
+            // Nagle's algorithm with delayed ACKs adds ~40 ms to small responses: off.
+            let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+            // Admin over TCP only with its own token (which also passes the call check).
+            let admin_tcp = (!admin_token.is_empty()).then(|| {
+                kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
+                    admin.clone(),
+                    admin::require_token(admin_token.clone()),
+                )
+            });
+            let token = cfg.server.tcp_token().map_err(|e| DaemonError::Setup {
+                what: "reading the token of",
+                path: "server.token".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            let mut server = kvtier_server::serving::grpc_server();
+            if let Some(tls) = server_tls(&cfg)? {
+                server = server.tls_config(tls)?;
+            }
+            let check = token.map(|t| denials.with_tokens(&[&t, &admin_token]));
+            let mut layered = server.layer(tower::util::option_layer(check));
+            Some(
+                tracker.spawn(
+                    layered
+                        .add_service(HostTierServer::new(service.clone()))
+                        .add_service(health_service.clone())
+                        .add_service(reflection.clone())
+                        .add_service(objects.clone())
+                        .add_optional_service(admin_tcp)
+                        .serve_with_incoming_shutdown(
+                            incoming,
+                            async move { stop.cancelled().await },
+                        ),
+                ),
             )
-        });
-        tracker.spawn(
-            router()
-                .add_optional_service(admin_tcp)
-                .serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
-        )
-    });
+        }
+    };
     if let Some(l) = metrics_listener {
         let metrics = metrics.clone();
         tracker.spawn(kvtier_server::prometheus_http::serve(
@@ -416,6 +467,7 @@ mod tests {
         )
         .unwrap();
         sglang::SglangMetrics::new(&registry).unwrap();
+        kvtier_server::serving::RequireBearer::new(&["t"], &registry).unwrap();
         let doc = include_str!("../../../docs/metrics.md");
         let wrong = registry.check_documented(doc, |n| !n.starts_with("kvtier_agent_"));
         assert!(wrong.is_empty(), "{wrong:#?}");

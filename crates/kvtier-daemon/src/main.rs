@@ -4,6 +4,8 @@ use kvtier_config::daemon::DaemonConfig;
 use kvtier_server::process;
 
 fn main() -> anyhow::Result<()> {
+    // Page buffers from the heap, not a fresh mmap each (kvtier_shm::malloc).
+    kvtier_shm::malloc::keep_page_buffers_in_heap();
     process::main::<DaemonConfig, _, _, _>(
         "kvtierd",
         "kvtierd — the kvtier node daemon (shared host tier and storage tiers).",

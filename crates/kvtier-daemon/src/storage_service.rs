@@ -1,6 +1,7 @@
 //! `kvtier.v1.ObjectStorage`: this daemon's storage tier, served to other kvtierds (their
-//! `remote` L3 backend). Objects stream in 1 MiB chunks; a set becomes visible only when the
-//! whole object arrived with the announced length.
+//! `remote` L3 backend). Objects stream in chunks of up to the size the client asks for
+//! (`PAGE_CHUNK` from kvtier's own client, so a page is one message); a set becomes visible
+//! only when the whole object arrived with the announced length.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use bytes::BytesMut;
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
 use kvtier_proto::v1::object_storage_server::ObjectStorage;
-use kvtier_storage::remote::{CHUNK, MAX_OBJECT};
+use kvtier_storage::remote::{CHUNK, MAX_CHUNK, MAX_OBJECT};
 use kvtier_storage::{StorageError, Store, check_name};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
@@ -60,6 +61,12 @@ impl ObjectStorage for ObjectStorageService {
     ) -> Result<Response<Self::GetStream>, Status> {
         let n = &request.get_ref().name;
         name(n)?;
+        let chunk = match request.get_ref().max_chunk {
+            0 => CHUNK,
+            c => usize::try_from(c)
+                .unwrap_or(MAX_CHUNK)
+                .clamp(64 << 10, MAX_CHUNK),
+        };
         let obj = self
             .store()?
             .get(n)
@@ -73,12 +80,12 @@ impl ObjectStorage for ObjectStorageService {
                 data: b,
             })],
             Some(b) => (0..b.len())
-                .step_by(CHUNK)
+                .step_by(chunk)
                 .map(|at| {
                     Ok(v1::ObjectChunk {
                         found: true,
                         total_len: b.len() as u64,
-                        data: b.slice(at..(at + CHUNK).min(b.len())),
+                        data: b.slice(at..(at + chunk).min(b.len())),
                     })
                 })
                 .collect(),
@@ -107,24 +114,43 @@ impl ObjectStorage for ObjectStorageService {
             .into());
         }
         let total = first.total_len as usize;
-        let mut buf = BytesMut::with_capacity(total);
-        buf.extend_from_slice(&first.data);
-        while buf.len() <= total {
+        // Up to two messages (a page's header and body) go to the backend as they came;
+        // more are joined into one buffer.
+        let mut parts = vec![first.data];
+        let mut got = parts[0].len();
+        while got <= total {
             match stream.message().await? {
-                Some(c) => buf.extend_from_slice(&c.data),
+                Some(c) => {
+                    got += c.data.len();
+                    parts.push(c.data);
+                }
                 None => break,
             }
         }
-        if buf.len() != total {
+        if got != total {
             // Cut short or overlong: nothing is stored.
             return Err(ApiError::invalid(
                 "data",
-                format!("received {} bytes of an announced {total}", buf.len()),
+                format!("received {got} bytes of an announced {total}"),
             )
             .into());
         }
+        let (head, body) = match parts.len() {
+            1 => (bytes::Bytes::new(), parts.remove(0)),
+            2 => {
+                let body = parts.remove(1);
+                (parts.remove(0), body)
+            }
+            _ => {
+                let mut buf = BytesMut::with_capacity(total);
+                for p in &parts {
+                    buf.extend_from_slice(p);
+                }
+                (bytes::Bytes::new(), buf.freeze())
+            }
+        };
         self.store()?
-            .set(&first.name, bytes::Bytes::new(), buf.freeze())
+            .set(&first.name, head, body)
             .await
             .map_err(|e| Status::from(api(e)))?;
         Ok(Response::new(v1::SetObjectResponse {}))

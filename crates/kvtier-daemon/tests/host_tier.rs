@@ -587,7 +587,14 @@ mod tonic_reflection_client {
 
 #[test]
 fn tcp_listener_serves_the_same_service() {
-    let d = Daemon::start("tcp", &["l2.pool_pages=8", "server.tcp=127.0.0.1:0"]);
+    let d = Daemon::start(
+        "tcp",
+        &[
+            "l2.pool_pages=8",
+            "server.tcp=127.0.0.1:0",
+            "server.tcp_insecure=true",
+        ],
+    );
     assert!(!d.tcp.is_empty());
     rt().block_on(async {
         let target = format!("http://{}", d.tcp);

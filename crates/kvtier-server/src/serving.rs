@@ -91,3 +91,131 @@ pub fn grpc_server() -> tonic::transport::Server {
         .max_frame_size(kvtier_client::MAX_FRAME)
         .tcp_nodelay(true)
 }
+
+/// A layer for TCP servers: every call must present `authorization: Bearer <token>` with one
+/// of the accepted tokens, except `grpc.health.v1` checks (probes carry no secrets and learn
+/// nothing but "serving"). A refused call gets `Unauthenticated` and is counted.
+#[derive(Clone)]
+pub struct RequireBearer {
+    tokens: std::sync::Arc<Vec<String>>,
+    denied: prometheus::IntCounter,
+}
+
+impl std::fmt::Debug for RequireBearer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequireBearer")
+            .field("tokens", &self.tokens.len())
+            .finish()
+    }
+}
+
+impl RequireBearer {
+    /// Accepts any of `tokens` (empty ones are ignored); counts refusals in
+    /// `kvtier_server_denied_calls_total`, declared in `metrics`.
+    pub fn new(
+        tokens: &[&str],
+        metrics: &crate::metrics::MetricRegistry,
+    ) -> Result<Self, prometheus::Error> {
+        let denied = metrics.counter(
+            "kvtier_server_denied_calls_total",
+            "calls over TCP refused for a missing or wrong bearer token",
+        )?;
+        Ok(Self {
+            tokens: token_list(tokens),
+            denied,
+        })
+    }
+
+    /// The same check and counter, accepting `tokens` instead.
+    pub fn with_tokens(&self, tokens: &[&str]) -> Self {
+        Self {
+            tokens: token_list(tokens),
+            denied: self.denied.clone(),
+        }
+    }
+
+    fn allows(&self, headers: &tonic::codegen::http::HeaderMap) -> bool {
+        let Some(given) = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+        else {
+            return false;
+        };
+        // Every token is compared, in time independent of where they differ.
+        self.tokens.iter().fold(false, |ok, t| {
+            ok | constant_time_eq(given.as_bytes(), t.as_bytes())
+        })
+    }
+}
+
+/// The non-empty tokens.
+fn token_list(tokens: &[&str]) -> std::sync::Arc<Vec<String>> {
+    std::sync::Arc::new(
+        tokens
+            .iter()
+            .filter(|t| !t.is_empty())
+            .map(|t| (*t).to_string())
+            .collect(),
+    )
+}
+
+/// Equality in time that does not depend on where the inputs differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl<S> tower::Layer<S> for RequireBearer {
+    type Service = RequireBearerService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        RequireBearerService {
+            inner,
+            auth: self.clone(),
+        }
+    }
+}
+
+/// The service [`RequireBearer`] wraps around a server's routes.
+#[derive(Clone, Debug)]
+pub struct RequireBearerService<S> {
+    inner: S,
+    auth: RequireBearer,
+}
+
+impl<S, B> tower::Service<tonic::codegen::http::Request<B>> for RequireBearerService<S>
+where
+    S: tower::Service<
+            tonic::codegen::http::Request<B>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+        >,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        if req.uri().path().starts_with("/grpc.health.v1.Health/")
+            || self.auth.allows(req.headers())
+        {
+            return Box::pin(self.inner.call(req));
+        }
+        self.auth.denied.inc();
+        tracing::warn!(
+            path = req.uri().path(),
+            "refused a TCP call without a valid token"
+        );
+        let status = tonic::Status::unauthenticated(
+            "calls over TCP need \"authorization: Bearer <server.token>\"",
+        );
+        Box::pin(std::future::ready(Ok(status.into_http())))
+    }
+}

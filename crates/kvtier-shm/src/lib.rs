@@ -16,6 +16,9 @@
 //! cannot be sealed against that, [`ShmRegion::read_guarded`] / [`ShmRegion::write_guarded`]
 //! copy with SIGBUS absorbed inside the copy (module `guard`).
 //!
+//! [`malloc`] fixes the C allocator's mmap threshold for processes that move pages through
+//! heap buffers.
+//!
 //! Size: about 720 lines of code (the pool and its unsafe mapping, kept in one file so every
 //! `unsafe` block and its SAFETY note can be reviewed together) and its unit tests.
 
@@ -28,6 +31,7 @@ use std::ptr::NonNull;
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 mod guard;
+pub mod malloc;
 mod slot_table;
 
 pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_path};

@@ -1,17 +1,27 @@
 //! `remote`: another kvtierd's storage tier, over its `kvtier.v1.ObjectStorage` byte-streaming
-//! service. Objects travel in chunks of [`CHUNK`] bytes; HTTP/2 flow-control windows are
-//! widened so a 2 MiB page does not stall on the 64 KiB default.
+//! service. A page travels as one message of up to [`PAGE_CHUNK`] bytes (larger objects in
+//! several); HTTP/2 flow-control windows are widened so a 2 MiB page does not stall on the
+//! 64 KiB default, and frames are 256 KiB ([`kvtier_client::MAX_FRAME`]).
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use kvtier_client::{AuthChannel, TcpSecurity};
 use kvtier_proto::v1;
 use kvtier_proto::v1::object_storage_client::ObjectStorageClient;
-use tonic::transport::Channel;
 
 use crate::{StorageError, Store, StoreStats, check_name};
 
-/// Bytes per streamed message.
+/// Bytes per streamed get message when the client does not say (kvtier ≤ 0.1 clients).
 pub const CHUNK: usize = 1 << 20;
+
+/// The chunk size kvtier sends and asks for: a page up to 8 MiB arrives as one message,
+/// which the receiver keeps as it came instead of copying it into a second buffer. A set
+/// sends the page's header and body as separate messages, which the server hands to its
+/// backend as they are.
+pub const PAGE_CHUNK: usize = 8 << 20;
+
+/// The largest message a server sends or accepts, whatever a client asks for.
+pub const MAX_CHUNK: usize = 16 << 20;
 
 /// Largest object accepted in either direction (a 1 GiB page plus its header).
 pub const MAX_OBJECT: u64 = (1 << 30) + 4096;
@@ -19,7 +29,7 @@ pub const MAX_OBJECT: u64 = (1 << 30) + 4096;
 /// The remote backend.
 #[derive(Debug, Clone)]
 pub struct RemoteStore {
-    client: ObjectStorageClient<Channel>,
+    client: ObjectStorageClient<AuthChannel>,
     target: String,
 }
 
@@ -40,19 +50,26 @@ fn status(op: &'static str) -> impl FnOnce(tonic::Status) -> StorageError {
 }
 
 impl RemoteStore {
-    /// A store backed by the kvtierd at `target` (`http://host:port` or a Unix socket path).
-    /// Connects on first use, so a peer that is down now only makes calls fail (misses).
-    /// Call it inside a tokio runtime (the channel's worker task is spawned there).
+    /// A store backed by the kvtierd at `target` (`http://host:port` or a Unix socket path),
+    /// presenting nothing. Connects on first use, so a peer that is down now only makes calls
+    /// fail (misses). Call it inside a tokio runtime (the channel's worker task is spawned
+    /// there).
     pub fn connect(target: &str) -> Result<Self, StorageError> {
-        let channel = kvtier_client::connect_lazy(target).map_err(|e| StorageError::Backend {
-            backend: "remote",
-            message: e.to_string(),
-            retryable: true,
-        })?;
+        Self::connect_with(target, &TcpSecurity::default())
+    }
+
+    /// Like [`RemoteStore::connect`], with TLS (for `https://` targets) and a bearer token.
+    pub fn connect_with(target: &str, sec: &TcpSecurity) -> Result<Self, StorageError> {
+        let channel =
+            kvtier_client::connect_lazy_with(target, sec).map_err(|e| StorageError::Backend {
+                backend: "remote",
+                message: e.to_string(),
+                retryable: !matches!(e, kvtier_client::ClientError::Security(_)),
+            })?;
         Ok(Self {
             client: ObjectStorageClient::new(channel)
-                .max_decoding_message_size(2 * CHUNK)
-                .max_encoding_message_size(2 * CHUNK),
+                .max_decoding_message_size(PAGE_CHUNK + 4096)
+                .max_encoding_message_size(PAGE_CHUNK + 4096),
             target: target.to_string(),
         })
     }
@@ -76,6 +93,7 @@ impl Store for RemoteStore {
             .clone()
             .get(v1::GetObjectRequest {
                 name: name.to_string(),
+                max_chunk: PAGE_CHUNK as u64,
             })
             .await
             .map_err(status("get"))?
@@ -93,6 +111,18 @@ impl Store for RemoteStore {
                 )));
             }
             if buf.is_empty() {
+                if chunk.data.len() as u64 == want {
+                    // The whole object in one message: keep it as it came, once the stream
+                    // has ended cleanly (a trailing error or chunk means it is not the object).
+                    return match stream.message().await.map_err(status("get"))? {
+                        None => Ok(Some(chunk.data)),
+                        Some(_) => Err(StorageError::Backend {
+                            backend: "remote",
+                            message: format!("get {name}: more than the announced {want} bytes"),
+                            retryable: true,
+                        }),
+                    };
+                }
                 buf.reserve(want as usize);
             }
             buf.extend_from_slice(&chunk.data);
@@ -123,8 +153,8 @@ impl Store for RemoteStore {
             .iter()
             .flat_map(|part| {
                 (0..part.len())
-                    .step_by(CHUNK)
-                    .map(|at| part.slice(at..(at + CHUNK).min(part.len())))
+                    .step_by(PAGE_CHUNK)
+                    .map(|at| part.slice(at..(at + PAGE_CHUNK).min(part.len())))
             })
             .map(|data| v1::SetObjectChunk {
                 name: String::new(),

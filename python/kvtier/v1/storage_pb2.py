@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvtier/v1/storage.proto\x12\tkvtier.v1\" \n\x10GetObjectRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"=\n\x0bObjectChunk\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x11\n\ttotal_len\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"?\n\x0eSetObjectChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttotal_len\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x13\n\x11SetObjectResponse\"\x1e\n\rExistsRequest\x12\r\n\x05names\x18\x01 \x03(\t\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07leading\x18\x01 \x01(\r\"#\n\x13\x44\x65leteObjectRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteObjectResponse2\x99\x02\n\rObjectStorage\x12<\n\x03Get\x12\x1b.kvtier.v1.GetObjectRequest\x1a\x16.kvtier.v1.ObjectChunk0\x01\x12@\n\x03Set\x12\x19.kvtier.v1.SetObjectChunk\x1a\x1c.kvtier.v1.SetObjectResponse(\x01\x12=\n\x06\x45xists\x12\x18.kvtier.v1.ExistsRequest\x1a\x19.kvtier.v1.ExistsResponse\x12I\n\x06\x44\x65lete\x12\x1e.kvtier.v1.DeleteObjectRequest\x1a\x1f.kvtier.v1.DeleteObjectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvtier/v1/storage.proto\x12\tkvtier.v1\"3\n\x10GetObjectRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmax_chunk\x18\x02 \x01(\x04\"=\n\x0bObjectChunk\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x11\n\ttotal_len\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"?\n\x0eSetObjectChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttotal_len\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x13\n\x11SetObjectResponse\"\x1e\n\rExistsRequest\x12\r\n\x05names\x18\x01 \x03(\t\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07leading\x18\x01 \x01(\r\"#\n\x13\x44\x65leteObjectRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteObjectResponse2\x99\x02\n\rObjectStorage\x12<\n\x03Get\x12\x1b.kvtier.v1.GetObjectRequest\x1a\x16.kvtier.v1.ObjectChunk0\x01\x12@\n\x03Set\x12\x19.kvtier.v1.SetObjectChunk\x1a\x1c.kvtier.v1.SetObjectResponse(\x01\x12=\n\x06\x45xists\x12\x18.kvtier.v1.ExistsRequest\x1a\x19.kvtier.v1.ExistsResponse\x12I\n\x06\x44\x65lete\x12\x1e.kvtier.v1.DeleteObjectRequest\x1a\x1f.kvtier.v1.DeleteObjectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.storage_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETOBJECTREQUEST']._serialized_start=38
-  _globals['_GETOBJECTREQUEST']._serialized_end=70
-  _globals['_OBJECTCHUNK']._serialized_start=72
-  _globals['_OBJECTCHUNK']._serialized_end=133
-  _globals['_SETOBJECTCHUNK']._serialized_start=135
-  _globals['_SETOBJECTCHUNK']._serialized_end=198
-  _globals['_SETOBJECTRESPONSE']._serialized_start=200
-  _globals['_SETOBJECTRESPONSE']._serialized_end=219
-  _globals['_EXISTSREQUEST']._serialized_start=221
-  _globals['_EXISTSREQUEST']._serialized_end=251
-  _globals['_EXISTSRESPONSE']._serialized_start=253
-  _globals['_EXISTSRESPONSE']._serialized_end=286
-  _globals['_DELETEOBJECTREQUEST']._serialized_start=288
-  _globals['_DELETEOBJECTREQUEST']._serialized_end=323
-  _globals['_DELETEOBJECTRESPONSE']._serialized_start=325
-  _globals['_DELETEOBJECTRESPONSE']._serialized_end=347
-  _globals['_OBJECTSTORAGE']._serialized_start=350
-  _globals['_OBJECTSTORAGE']._serialized_end=631
+  _globals['_GETOBJECTREQUEST']._serialized_end=89
+  _globals['_OBJECTCHUNK']._serialized_start=91
+  _globals['_OBJECTCHUNK']._serialized_end=152
+  _globals['_SETOBJECTCHUNK']._serialized_start=154
+  _globals['_SETOBJECTCHUNK']._serialized_end=217
+  _globals['_SETOBJECTRESPONSE']._serialized_start=219
+  _globals['_SETOBJECTRESPONSE']._serialized_end=238
+  _globals['_EXISTSREQUEST']._serialized_start=240
+  _globals['_EXISTSREQUEST']._serialized_end=270
+  _globals['_EXISTSRESPONSE']._serialized_start=272
+  _globals['_EXISTSRESPONSE']._serialized_end=305
+  _globals['_DELETEOBJECTREQUEST']._serialized_start=307
+  _globals['_DELETEOBJECTREQUEST']._serialized_end=342
+  _globals['_DELETEOBJECTRESPONSE']._serialized_start=344
+  _globals['_DELETEOBJECTRESPONSE']._serialized_end=366
+  _globals['_OBJECTSTORAGE']._serialized_start=369
+  _globals['_OBJECTSTORAGE']._serialized_end=650
 # @@protoc_insertion_point(module_scope)

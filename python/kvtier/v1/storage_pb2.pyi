@@ -7,10 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetObjectRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "max_chunk")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    max_chunk: int
+    def __init__(self, name: _Optional[str] = ..., max_chunk: _Optional[int] = ...) -> None: ...
 
 class ObjectChunk(_message.Message):
     __slots__ = ("found", "total_len", "data")

@@ -19,7 +19,16 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
         L3Backend::Memory => Some(Arc::new(MemoryStore::with_capacity(
             l3.memory.capacity_bytes.0,
         ))),
-        L3Backend::Remote => Some(Arc::new(RemoteStore::connect(&l3.remote.address)?)),
+        L3Backend::Remote => {
+            let r = &l3.remote;
+            let token = r
+                .bearer_token()
+                .map_err(|e| StorageError::Invalid(e.to_string()))?;
+            let sec =
+                kvtier_client::TcpSecurity::from_files(token, &r.tls_ca, &r.tls_cert, &r.tls_key)
+                    .map_err(|e| StorageError::Invalid(format!("l3.remote: {e}")))?;
+            Some(Arc::new(RemoteStore::connect_with(&r.address, &sec)?))
+        }
         L3Backend::S3 => {
             let s3 = &l3.s3;
             Some(Arc::new(S3Store::new(&S3Config {

@@ -1,0 +1,227 @@
+//! The rules for kvtier's TCP endpoints, in one place: who must use TLS, where a token comes
+//! from, and which combinations of keys make sense. The daemon's `[server]` and the remote
+//! backend's `[l3.remote]` both check through here.
+
+use crate::{ConfigError, Secret};
+
+/// A bearer token: `token`, or the trimmed contents of `token_file`; `None` when neither is
+/// set. `key` names the token key in errors (its `_file` sibling is named after it).
+pub fn resolve_token(
+    token: &Secret,
+    token_file: &str,
+    key: &str,
+) -> Result<Option<String>, ConfigError> {
+    let file_key = format!("{key}_file");
+    let t = match (token.expose().is_empty(), token_file.is_empty()) {
+        (true, true) => return Ok(None),
+        (false, false) => {
+            return Err(ConfigError::invalid(
+                key,
+                format!("set {key} or {file_key}, not both"),
+            ));
+        }
+        (false, true) => token.expose().to_string(),
+        (true, false) => std::fs::read_to_string(token_file)
+            .map_err(|e| ConfigError::invalid(&file_key, format!("reading {token_file:?}: {e}")))?
+            .trim()
+            .to_string(),
+    };
+    let from = if token_file.is_empty() {
+        key.to_string()
+    } else {
+        file_key
+    };
+    if t.is_empty() {
+        return Err(ConfigError::invalid(&from, "the token is empty"));
+    }
+    if !t.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::invalid(
+            &from,
+            "a token is printable ASCII without spaces (it travels in an HTTP header)",
+        ));
+    }
+    Ok(Some(t))
+}
+
+/// The `[server]` keys about TCP, borrowed for [`check_server`].
+#[derive(Debug)]
+pub struct ServerTls<'a> {
+    /// `server.tcp`.
+    pub tcp: &'a str,
+    /// `server.tls_cert`.
+    pub tls_cert: &'a str,
+    /// `server.tls_key`.
+    pub tls_key: &'a str,
+    /// `server.tls_client_ca`.
+    pub tls_client_ca: &'a str,
+    /// `server.token`.
+    pub token: &'a Secret,
+    /// `server.token_file`.
+    pub token_file: &'a str,
+    /// `server.tcp_insecure`.
+    pub tcp_insecure: bool,
+}
+
+/// TCP needs TLS and a token, or an explicit `tcp_insecure` on a loopback address.
+pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
+    if s.tls_cert.is_empty() != s.tls_key.is_empty() {
+        return Err(ConfigError::invalid(
+            if s.tls_cert.is_empty() {
+                "server.tls_cert"
+            } else {
+                "server.tls_key"
+            },
+            "server.tls_cert and server.tls_key go together",
+        ));
+    }
+    let tls = !s.tls_cert.is_empty();
+    if !s.tls_client_ca.is_empty() && !tls {
+        return Err(ConfigError::invalid(
+            "server.tls_client_ca",
+            "client certificates need TLS: set server.tls_cert and server.tls_key",
+        ));
+    }
+    if !s.token.expose().is_empty() && !s.token_file.is_empty() {
+        return Err(ConfigError::invalid(
+            "server.token",
+            "set server.token or server.token_file, not both",
+        ));
+    }
+    if s.tcp.is_empty() {
+        return Ok(());
+    }
+    let Ok(addr) = s.tcp.parse::<std::net::SocketAddr>() else {
+        return Err(ConfigError::invalid(
+            "server.tcp",
+            format!("{:?} is not an address such as 0.0.0.0:50051", s.tcp),
+        ));
+    };
+    if tls && s.tcp_insecure {
+        return Err(ConfigError::invalid(
+            "server.tcp_insecure",
+            "is true, but server.tls_cert is set too: choose one",
+        ));
+    }
+    if !tls && !s.tcp_insecure {
+        return Err(ConfigError::invalid(
+            "server.tcp",
+            "TCP needs TLS (server.tls_cert and server.tls_key) and server.token; or, on a \
+             loopback address only, server.tcp_insecure = true",
+        ));
+    }
+    if s.tcp_insecure && !addr.ip().is_loopback() {
+        return Err(ConfigError::invalid(
+            "server.tcp_insecure",
+            format!(
+                "only on a loopback address, and server.tcp is {addr}: use TLS \
+                 (server.tls_cert, server.tls_key, server.token) to listen there"
+            ),
+        ));
+    }
+    if tls && s.token.expose().is_empty() && s.token_file.is_empty() {
+        return Err(ConfigError::invalid(
+            "server.token",
+            "TCP with TLS needs a token (server.token, KVTIER_SERVER_TOKEN or server.token_file)",
+        ));
+    }
+    Ok(())
+}
+
+/// The client-side keys of a TCP target (`[l3.remote]`), checked against its address.
+pub fn check_client(
+    section: &str,
+    address: &str,
+    tls_ca: &str,
+    tls_cert: &str,
+    tls_key: &str,
+) -> Result<(), ConfigError> {
+    if tls_cert.is_empty() != tls_key.is_empty() {
+        return Err(ConfigError::invalid(
+            format!("{section}.tls_cert"),
+            format!("{section}.tls_cert and {section}.tls_key go together"),
+        ));
+    }
+    let https = address.starts_with("https://");
+    if https && tls_ca.is_empty() {
+        return Err(ConfigError::invalid(
+            format!("{section}.tls_ca"),
+            format!("{address} is https: name the PEM CA bundle its certificate chains to"),
+        ));
+    }
+    if !https && (!tls_ca.is_empty() || !tls_cert.is_empty()) {
+        return Err(ConfigError::invalid(
+            format!("{section}.address"),
+            format!("TLS keys are set, so the address must be https://host:port, not {address:?}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server<'a>(tcp: &'a str, cert: &'a str, token: &'a Secret, insecure: bool) -> ServerTls<'a> {
+        ServerTls {
+            tcp,
+            tls_cert: cert,
+            tls_key: cert,
+            tls_client_ca: "",
+            token,
+            token_file: "",
+            tcp_insecure: insecure,
+        }
+    }
+
+    #[test]
+    fn tcp_needs_tls_and_a_token_or_insecure_loopback() {
+        let none = Secret::default();
+        let tok = Secret("abc".into());
+        let err = |s: ServerTls<'_>| check_server(&s).unwrap_err().to_string();
+        assert!(check_server(&server("", "", &none, false)).is_ok());
+        assert!(err(server("0.0.0.0:1", "", &none, false)).contains("server.tcp"));
+        assert!(err(server("0.0.0.0:1", "", &none, true)).contains("loopback"));
+        assert!(check_server(&server("127.0.0.1:0", "", &none, true)).is_ok());
+        assert!(check_server(&server("[::1]:0", "", &tok, true)).is_ok());
+        assert!(err(server("0.0.0.0:1", "c.pem", &none, false)).contains("server.token"));
+        assert!(check_server(&server("0.0.0.0:1", "c.pem", &tok, false)).is_ok());
+        assert!(err(server("0.0.0.0:1", "c.pem", &tok, true)).contains("tcp_insecure"));
+    }
+
+    #[test]
+    fn a_token_comes_from_one_place_and_is_header_safe() {
+        let dir = std::env::temp_dir().join(format!("kvtier-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("t");
+        std::fs::write(&f, "  s3cret\n").unwrap();
+        let f = f.to_str().unwrap();
+        let none = Secret::default();
+        assert_eq!(resolve_token(&none, "", "server.token").unwrap(), None);
+        assert_eq!(
+            resolve_token(&none, f, "server.token").unwrap().as_deref(),
+            Some("s3cret")
+        );
+        let both = resolve_token(&Secret("x".into()), f, "server.token").unwrap_err();
+        assert!(both.to_string().contains("not both"), "{both}");
+        let bad = resolve_token(&Secret("a b".into()), "", "server.token").unwrap_err();
+        assert!(bad.to_string().contains("server.token"), "{bad}");
+        let missing = resolve_token(&none, "/nonexistent/t", "l3.remote.token").unwrap_err();
+        assert!(
+            missing.to_string().contains("l3.remote.token_file"),
+            "{missing}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn client_keys_match_the_address() {
+        assert!(check_client("l3.remote", "http://h:1", "", "", "").is_ok());
+        assert!(check_client("l3.remote", "https://h:1", "ca.pem", "", "").is_ok());
+        let e = check_client("l3.remote", "https://h:1", "", "", "").unwrap_err();
+        assert!(e.to_string().contains("l3.remote.tls_ca"), "{e}");
+        let e = check_client("l3.remote", "http://h:1", "ca.pem", "", "").unwrap_err();
+        assert!(e.to_string().contains("https"), "{e}");
+        let e = check_client("l3.remote", "https://h:1", "ca.pem", "c", "").unwrap_err();
+        assert!(e.to_string().contains("tls_key"), "{e}");
+    }
+}
