@@ -34,7 +34,8 @@ pub struct ClearArgs {
     /// Which tier: l2 or l3.
     #[arg(value_enum)]
     pub tier: TierArg,
-    /// The daemon's control socket (or http://host:port with server.admin_token).
+    /// The daemon's control socket, or https://host:port (KVTIER_TOKEN = its admin token,
+    /// KVTIER_TLS_CA = the CA of its certificate).
     #[arg(long, default_value = "kvtier-data/kvtierd.sock")]
     pub socket: String,
     /// Do not ask; clear at once.
@@ -48,7 +49,8 @@ pub struct ClearArgs {
 /// Flags of `kvtierctl flush`.
 #[derive(Debug, Args)]
 pub struct FlushArgs {
-    /// The daemon's control socket (or http://host:port with server.admin_token).
+    /// The daemon's control socket, or https://host:port (KVTIER_TOKEN = its admin token,
+    /// KVTIER_TLS_CA = the CA of its certificate).
     #[arg(long, default_value = "kvtier-data/kvtierd.sock")]
     pub socket: String,
     /// How long to wait for the pages to land in L3, in seconds (1 to 3600).
@@ -59,7 +61,8 @@ pub struct FlushArgs {
 /// Flags of `kvtierctl drain`.
 #[derive(Debug, Args)]
 pub struct DrainArgs {
-    /// The daemon's control socket (or http://host:port with server.admin_token).
+    /// The daemon's control socket, or https://host:port (KVTIER_TOKEN = its admin token,
+    /// KVTIER_TLS_CA = the CA of its certificate).
     #[arg(long, default_value = "kvtier-data/kvtierd.sock")]
     pub socket: String,
     /// Only report where a drain stands.
