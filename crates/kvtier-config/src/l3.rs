@@ -435,12 +435,7 @@ impl RemoteSection {
         if !active {
             return Ok(());
         }
-        if !self.token.expose().is_empty() && !self.token_file.is_empty() {
-            return Err(ConfigError::invalid(
-                "l3.remote.token",
-                "set l3.remote.token or l3.remote.token_file, not both",
-            ));
-        }
+        crate::tls::one_token_source(&self.token, &self.token_file, "l3.remote.token")?;
         crate::tls::check_client(
             "l3.remote",
             &self.address,

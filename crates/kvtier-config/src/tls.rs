@@ -11,16 +11,11 @@ pub fn resolve_token(
     token_file: &str,
     key: &str,
 ) -> Result<Option<String>, ConfigError> {
+    one_token_source(token, token_file, key)?;
     let file_key = format!("{key}_file");
     let t = match (token.expose().is_empty(), token_file.is_empty()) {
         (true, true) => return Ok(None),
-        (false, false) => {
-            return Err(ConfigError::invalid(
-                key,
-                format!("set {key} or {file_key}, not both"),
-            ));
-        }
-        (false, true) => token.expose().to_string(),
+        (false, _) => token.expose().to_string(),
         (true, false) => std::fs::read_to_string(token_file)
             .map_err(|e| ConfigError::invalid(&file_key, format!("reading {token_file:?}: {e}")))?
             .trim()
@@ -41,6 +36,17 @@ pub fn resolve_token(
         ));
     }
     Ok(Some(t))
+}
+
+/// A token comes from `key` or `<key>_file`, not both.
+pub fn one_token_source(token: &Secret, token_file: &str, key: &str) -> Result<(), ConfigError> {
+    if !token.expose().is_empty() && !token_file.is_empty() {
+        return Err(ConfigError::invalid(
+            key,
+            format!("set {key} or {key}_file, not both"),
+        ));
+    }
+    Ok(())
 }
 
 /// The `[server]` keys about TCP, borrowed for [`check_server`].
@@ -81,12 +87,7 @@ pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
             "client certificates need TLS: set server.tls_cert and server.tls_key",
         ));
     }
-    if !s.token.expose().is_empty() && !s.token_file.is_empty() {
-        return Err(ConfigError::invalid(
-            "server.token",
-            "set server.token or server.token_file, not both",
-        ));
-    }
+    one_token_source(s.token, s.token_file, "server.token")?;
     if s.tcp.is_empty() {
         return Ok(());
     }
