@@ -17,8 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvtier_config::agent::AgentConfig;
-use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use kvtier_server::peers::{GatedListener, PeerGate};
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::AgentService;
@@ -67,9 +66,9 @@ fn setup<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) 
     }
 }
 
-async fn bind_socket(path: &Path) -> Result<UnixListener, AgentError> {
-    use kvtier_server::serving::{BindError, bind_unix};
-    bind_unix(path).await.map_err(|e| match e {
+async fn bind_socket(gate: &PeerGate, path: &Path) -> Result<GatedListener, AgentError> {
+    use kvtier_server::serving::BindError;
+    gate.bind(path, "agent").await.map_err(|e| match e {
         BindError::InUse(p) => AgentError::SocketInUse(p),
         BindError::Io { what, path, source } => AgentError::Setup { what, path, source },
     })
@@ -82,7 +81,9 @@ pub async fn run(
     ready: impl FnOnce(Ready) + Send,
 ) -> Result<(), AgentError> {
     let socket = cfg.socket_path();
-    let uds = bind_socket(&socket).await?;
+    let registry = kvtier_server::metrics::MetricRegistry::new();
+    let gate = PeerGate::new(&cfg.server.unix, &registry)?;
+    let uds = bind_socket(&gate, &socket).await?;
     let metrics_listener = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
         .await
         .map_err(setup(
@@ -92,7 +93,6 @@ pub async fn run(
     let metrics_addr = metrics_listener
         .as_ref()
         .and_then(kvtier_server::prometheus_http::local);
-    let registry = kvtier_server::metrics::MetricRegistry::new();
     let metrics = Metrics::new(&registry)?;
     let link = Arc::new(Link::new(&cfg));
     let (service, worker) = AgentService::new(
@@ -136,7 +136,7 @@ pub async fn run(
         kvtier_server::serving::grpc_server()
             .add_service(kvtier_proto::v1::agent_server::AgentServer::new(service))
             .add_service(health_service)
-            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {
+            .serve_with_incoming_shutdown(uds.incoming(), async move {
                 stop.cancelled().await;
             }),
     );

@@ -131,7 +131,14 @@ fn a_prefix_computed_by_one_worker_is_loaded_by_another_bit_identical() {
     let spec = mha(0, 1);
     rt().block_on(async {
         let a1 = agent(&d, "w1", &[]);
-        let a2 = agent(&d, "w2", &[]);
+        let a2 = agent(&d, "w2", &["server.unix.mode=0660"]);
+        // The engine sockets carry [server.unix]'s mode (the peer check is kvtier-server's,
+        // shared with kvtierd and tested in kvtier-daemon's unix_access.rs).
+        for (a, want) in [(&a1, 0o600), (&a2, 0o660)] {
+            use std::os::unix::fs::PermissionsExt as _;
+            let m = std::fs::metadata(&a.socket).unwrap().permissions().mode();
+            assert_eq!(m & 0o777, want, "{}", a.socket.display());
+        }
         let mut e1 = Engine::start(&a1, spec.clone(), 64, "w1").await;
         let mut e2 = Engine::start(&a2, spec.clone(), 64, "w2").await;
         e1.wait_connected().await;

@@ -6,12 +6,14 @@ use std::time::Duration;
 use kvtier_core::{PolicyKind, WritePolicy};
 use serde::{Deserialize, Serialize};
 
+use crate::unix::UnixAccess;
 use crate::{ConfigError, Dur, Env, Sources};
 
 /// The complete, commented default configuration. `kvtier-agent --print-default-config`
 /// prints it, `deploy/kvtier-agent.toml` is a copy, and a test checks it parses to
 /// [`AgentConfig::default`].
-pub const DEFAULT_TOML: &str = r#"# kvtier-agent configuration (one agent per inference worker).
+pub const DEFAULT_TOML: &str = concat!(
+    r#"# kvtier-agent configuration (one agent per inference worker).
 #
 # Every key is optional: the value shown is the default. Layering, lowest to highest:
 # these defaults < this file < KVTIER_AGENT_<SECTION>_<KEY> environment variables
@@ -30,7 +32,9 @@ max_tokens = 1048576
 # On shutdown, how long open engine connections get to finish before they are closed
 # (10ms to 10m).
 drain_timeout = "2s"
-
+"#,
+    crate::unix_default_toml!(),
+    r#"
 [daemon]
 # The node's kvtierd (L2 and L3): its socket path, or http://host:port. Empty:
 # <data_dir>/kvtierd.sock. While it is unreachable the agent serves from L1 alone.
@@ -85,7 +89,8 @@ listen = "127.0.0.1:9465"
 [log]
 # Log filter, as RUST_LOG: error, warn, info, debug, trace, or per-module directives.
 level = "info"
-"#;
+"#
+);
 
 /// The agent's configuration, as read. Use [`AgentConfig::load`]; it validates.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -117,6 +122,8 @@ pub struct AgentServerConfig {
     pub max_tokens: u64,
     /// Grace period for open connections at shutdown.
     pub drain_timeout: Dur,
+    /// Who may use the engine socket.
+    pub unix: UnixAccess,
 }
 
 /// `[daemon]`.
@@ -185,6 +192,7 @@ impl Default for AgentConfig {
                 socket: String::new(),
                 max_tokens: 1 << 20,
                 drain_timeout: Dur(Duration::from_secs(2)),
+                unix: UnixAccess::default(),
             },
             daemon: DaemonLinkConfig {
                 address: String::new(),
@@ -272,6 +280,7 @@ impl AgentConfig {
                     socket: _,
                     max_tokens,
                     drain_timeout,
+                    unix,
                 },
             daemon:
                 DaemonLinkConfig {
@@ -297,6 +306,7 @@ impl AgentConfig {
         if data_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("data_dir", "must not be empty"));
         }
+        unix.validate("server.unix")?;
         if name.len() > 256 {
             return Err(ConfigError::invalid("daemon.name", "longer than 256 bytes"));
         }

@@ -12,11 +12,13 @@ use serde::{Deserialize, Serialize};
 pub use crate::l3::{
     FileSection, L3Backend, L3Config, MemorySection, RemoteSection, RocksdbSection, S3Section,
 };
+use crate::unix::UnixAccess;
 use crate::{ByteSize, ConfigError, Dur, Secret, Sources};
 
 /// The complete, commented default configuration. `kvtierd --print-default-config` prints it,
 /// `deploy/kvtierd.toml` is a copy, and a test checks it parses to [`DaemonConfig::default`].
-pub const DEFAULT_TOML: &str = r#"# kvtierd configuration.
+pub const DEFAULT_TOML: &str = concat!(
+    r#"# kvtierd configuration.
 #
 # Every key is optional: the value shown is the default. Layering, lowest to highest:
 # these defaults < this file < KVTIER_<SECTION>_<KEY> environment variables (KVTIER_<KEY> for
@@ -57,7 +59,9 @@ drain_timeout = "10s"
 # "authorization: Bearer <token>". Empty: admin calls only on the Unix socket. Set it through
 # KVTIER_SERVER_ADMIN_TOKEN rather than this file.
 admin_token = ""
-
+"#,
+    crate::unix_default_toml!(),
+    r#"
 [metrics]
 # Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
 # Empty: off.
@@ -287,7 +291,8 @@ ttl = "10s"
 [log]
 # Log filter, as RUST_LOG: error, warn, info, debug, trace, or per-module directives.
 level = "info"
-"#;
+"#
+);
 
 /// What [`DaemonConfig::to_redacted_toml`] shows instead of a secret.
 pub const REDACTED: &str = "<redacted>";
@@ -342,6 +347,8 @@ pub struct ServerConfig {
     pub token_file: String,
     /// TCP without TLS, on loopback only.
     pub tcp_insecure: bool,
+    /// Who may use the Unix sockets.
+    pub unix: UnixAccess,
 }
 
 impl ServerConfig {
@@ -563,6 +570,7 @@ impl Default for ServerConfig {
             token: Secret::default(),
             token_file: String::new(),
             tcp_insecure: false,
+            unix: UnixAccess::default(),
         }
     }
 }
@@ -712,6 +720,7 @@ impl DaemonConfig {
                     token,
                     token_file,
                     tcp_insecure,
+                    unix,
                 },
             metrics: MetricsConfig { listen },
             l2:
@@ -759,6 +768,7 @@ impl DaemonConfig {
             log: LogConfig { level },
         } = self;
         l3.validate()?;
+        unix.validate("server.unix")?;
         if *sglang_enable && *sglang_l3 == SglangStore::None && sglang_memory.0 == 0 {
             return Err(ConfigError::invalid(
                 "sglang_rpc.memory_bytes",
@@ -920,6 +930,42 @@ mod tests {
             DaemonConfig::load(&Sources::default()).unwrap(),
             DaemonConfig::default()
         );
+    }
+
+    #[test]
+    fn socket_access_comes_from_file_env_and_flags_and_bad_values_name_their_key() {
+        let c = DaemonConfig::load(&Sources {
+            file: Some((
+                "t.toml".into(),
+                "[server.unix]\nmode = \"0660\"\ngid = 50\n".into(),
+            )),
+            env: env(&[("KVTIER_SERVER_UNIX_ALLOW_UIDS", "1000, 1001")]),
+            sets: vec!["server.unix.allow_gids=7".into()],
+        })
+        .unwrap();
+        let u = &c.server.unix;
+        assert_eq!(
+            (u.mode.bits(), u.group(), u.owner()),
+            (0o660, Some(50), None)
+        );
+        assert_eq!(
+            (&u.allow_uids[..], &u.allow_gids[..]),
+            (&[1000, 1001][..], &[7][..])
+        );
+        for (set, key) in [
+            ("server.unix.mode=0400", "server.unix.mode"),
+            ("server.unix.mode=rw", "server.unix.mode"),
+            ("server.unix.uid=-5", "server.unix.uid"),
+            ("server.unix.allow_uids=alice", "server.unix.allow_uids"),
+        ] {
+            let e = DaemonConfig::load(&Sources {
+                sets: vec![set.into()],
+                ..Sources::default()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(key), "{set}: {e}");
+        }
     }
 
     #[test]

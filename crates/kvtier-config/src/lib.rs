@@ -15,6 +15,7 @@ pub mod daemon;
 pub mod l3;
 pub mod tls;
 mod units;
+pub mod unix;
 
 pub use units::{ByteSize, Dur, Secret};
 
@@ -91,6 +92,17 @@ fn typed(key: &str, default: &Value, raw: &str) -> Result<Value, ConfigError> {
             raw.trim()
                 .parse()
                 .map_err(|_| ConfigError::invalid(key, format!("{raw:?} is not a number")))?,
+        ),
+        // Lists: comma-separated items, integers where they parse (`1000,1001`).
+        Value::Array(_) => Value::Array(
+            raw.split(',')
+                .map(str::trim)
+                .filter(|item| !item.is_empty())
+                .map(|item| {
+                    item.parse()
+                        .map_or_else(|_| Value::String(item.to_string()), Value::Integer)
+                })
+                .collect(),
         ),
         _ => return Err(ConfigError::invalid(key, "cannot be set from a string")),
     })

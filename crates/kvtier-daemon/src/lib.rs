@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::DaemonConfig;
 use kvtier_proto::v1::host_tier_server::HostTierServer;
-use tokio::net::{TcpListener, UnixListener};
-use tokio_stream::wrappers::UnixListenerStream;
+use kvtier_server::peers::{GatedListener, PeerGate};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -127,9 +127,14 @@ fn server_tls(
     Ok(Some(tls))
 }
 
-/// Binds a socket, replacing a stale socket file but never a live server's.
-async fn bind_socket(path: &Path) -> Result<UnixListener, DaemonError> {
-    Ok(kvtier_server::serving::bind_unix(path).await?)
+/// Binds a socket, replacing a stale socket file but never a live server's, with
+/// `[server.unix]`'s file mode, owner and peer allow-list.
+async fn bind_socket(
+    gate: &PeerGate,
+    path: &Path,
+    name: &'static str,
+) -> Result<GatedListener, DaemonError> {
+    Ok(gate.bind(path, name).await?)
 }
 
 /// Runs the daemon until `shutdown` is cancelled, then drains in-flight requests, removes
@@ -141,7 +146,10 @@ pub async fn run(
 ) -> Result<(), DaemonError> {
     let socket = cfg.socket_path();
     std::fs::create_dir_all(&cfg.data_dir).map_err(setup("creating data_dir", &cfg.data_dir))?;
-    let uds = bind_socket(&socket).await?;
+    // Each component declares its own series here.
+    let metrics = MetricRegistry::new();
+    let gate = PeerGate::new(&cfg.server.unix, &metrics)?;
+    let uds = bind_socket(&gate, &socket, "control").await?;
     let tcp = match cfg.server.tcp.as_str() {
         "" => None,
         a => Some(
@@ -167,8 +175,6 @@ pub async fn run(
         let counts = state::take_over_dead_pools(&cfg, &mut st);
         st.counters.takeover = counts;
     }
-    // Each component declares its own series here.
-    let metrics = MetricRegistry::new();
     let l3 = l3::L3Slot::new(
         state.clone(),
         &metrics,
@@ -247,7 +253,7 @@ pub async fn run(
             .add_service(kvtier_proto::v1::admin_server::AdminServer::new(
                 admin.clone(),
             ))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), async move {
+            .serve_with_incoming_shutdown(uds.incoming(), async move {
                 stop.cancelled().await;
             });
         tracker.spawn(server)
@@ -330,8 +336,8 @@ pub async fn run(
     // SGLang's HiCache RPC storage protocol, when enabled.
     let sglang_sockets = if cfg.sglang_rpc.enable {
         let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
-        let reg = bind_socket(&reg_path).await?;
-        let grpc = bind_socket(&grpc_path).await?;
+        let reg = bind_socket(&gate, &reg_path, "sglang_mempool").await?;
+        let grpc = bind_socket(&gate, &grpc_path, "sglang_grpc").await?;
         let pools = Arc::new(sglang::Pools::with_gauge(sglang_metrics.pools.clone()));
         tracker.spawn(sglang::serve_registrations(
             reg,
@@ -468,6 +474,7 @@ mod tests {
         .unwrap();
         sglang::SglangMetrics::new(&registry).unwrap();
         kvtier_server::serving::RequireBearer::new(&["t"], &registry).unwrap();
+        PeerGate::new(&cfg.server.unix, &registry).unwrap();
         let doc = include_str!("../../../docs/metrics.md");
         let wrong = registry.check_documented(doc, |n| !n.starts_with("kvtier_agent_"));
         assert!(wrong.is_empty(), "{wrong:#?}");

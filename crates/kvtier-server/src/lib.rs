@@ -8,11 +8,14 @@
 //!   logging from `log.level`;
 //! - [`metrics`]: the registry each component declares its own series in, with scrape
 //!   hooks and the check that keeps docs/metrics.md true;
-//! - [`prometheus_http`]: the `/metrics` endpoint, and binding its listener.
+//! - [`prometheus_http`]: the `/metrics` endpoint, and binding its listener;
+//! - [`peers`]: who may use a Unix socket: its file mode and owner, and the peer-credential
+//!   allow-list checked on every connection (`[server.unix]`).
 //!
 //! kvtier-client stays a client library; server plumbing goes here.
 
 pub mod metrics;
+pub mod peers;
 pub mod process;
 pub mod prometheus_http;
 pub mod serving;

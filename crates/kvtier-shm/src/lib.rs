@@ -17,7 +17,7 @@
 //! copy with SIGBUS absorbed inside the copy (module `guard`).
 //!
 //! [`malloc`] fixes the C allocator's mmap threshold for processes that move pages through
-//! heap buffers.
+//! heap buffers; [`peer`] reads a socket peer's supplementary groups (raw `getsockopt`).
 //!
 //! Size: about 720 lines of code (the pool and its unsafe mapping, kept in one file so every
 //! `unsafe` block and its SAFETY note can be reviewed together) and its unit tests.
@@ -32,6 +32,7 @@ use memmap2::{Advice, MmapOptions, MmapRaw};
 
 mod guard;
 pub mod malloc;
+pub mod peer;
 mod slot_table;
 
 pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_path};

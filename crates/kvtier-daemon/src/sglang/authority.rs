@@ -18,9 +18,9 @@
 
 use std::io;
 
+use kvtier_server::peers::GatedListener;
 use loona_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
-use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -193,7 +193,7 @@ fn frame_head(len: usize, kind: u8, flags: u8, stream: [u8; 4]) -> [u8; 9] {
 /// Accepts connections on `listener` until `stop`; each is relayed to the returned
 /// receiver's pipe end (hand it to tonic's `serve_with_incoming_shutdown`).
 pub fn incoming(
-    listener: UnixListener,
+    listener: GatedListener,
     stop: CancellationToken,
 ) -> tokio_stream::wrappers::ReceiverStream<io::Result<DuplexStream>> {
     let (tx, rx) = mpsc::channel(64);
@@ -202,7 +202,7 @@ pub fn incoming(
             let client = tokio::select! {
                 () = stop.cancelled() => return,
                 r = listener.accept() => match r {
-                    Ok((s, _)) => s,
+                    Ok(s) => s,
                     Err(e) => {
                         tracing::warn!("sglang grpc accept failed: {e}");
                         continue;

@@ -34,9 +34,10 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
 use kvtier_proto::ApiError;
+use kvtier_server::peers::GatedListener;
 use kvtier_shm::ShmRegion;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
 /// The preamble's magic, as SGLang sends it.
@@ -343,7 +344,7 @@ pub fn register_pool(
 
 /// Accepts registrations on `listener` until `stop`.
 pub async fn serve_registrations(
-    listener: UnixListener,
+    listener: GatedListener,
     pools: Arc<Pools>,
     stop: CancellationToken,
 ) {
@@ -351,7 +352,7 @@ pub async fn serve_registrations(
         let stream = tokio::select! {
             () = stop.cancelled() => return,
             r = listener.accept() => match r {
-                Ok((s, _)) => s,
+                Ok(s) => s,
                 Err(e) => {
                     tracing::warn!("sglang registration accept failed: {e}");
                     continue;
@@ -449,7 +450,12 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("mempool.sock");
-        let listener = UnixListener::bind(&path).unwrap();
+        let gate = kvtier_server::peers::PeerGate::new(
+            &kvtier_config::unix::UnixAccess::default(),
+            &kvtier_server::metrics::MetricRegistry::new(),
+        )
+        .unwrap();
+        let listener = gate.bind(&path, "sglang_mempool").await.unwrap();
         let pools = Arc::new(Pools::default());
         let stop = CancellationToken::new();
         tokio::spawn(serve_registrations(listener, pools.clone(), stop.clone()));
