@@ -5,9 +5,11 @@
 //! domain types (page keys, layouts), builds the hash self-test itself at registration, and
 //! maps the session's pool ([`Session::pool`]) so pages are copied, never sent.
 //! [`AgentClient`] is the engine's side of `kvtier.v1.Agent` (match, load back, prefetch,
-//! insert, release, evict). (What the servers themselves share lives in kvtier-server.)
+//! insert, release, evict). [`raw`] calls any method with pre-encoded bytes (fuzzers, wire
+//! debugging). (What the servers themselves share lives in kvtier-server.)
 
 mod agent;
+pub mod raw;
 mod secure;
 
 pub use agent::{

@@ -9,11 +9,13 @@
 //! - [`metrics`]: the registry each component declares its own series in, with scrape
 //!   hooks and the check that keeps docs/metrics.md true;
 //! - [`prometheus_http`]: the `/metrics` endpoint, and binding its listener;
+//! - [`malformed`]: requests that do not decode get `InvalidArgument`, not `Internal`;
 //! - [`peers`]: who may use a Unix socket: its file mode and owner, and the peer-credential
 //!   allow-list checked on every connection (`[server.unix]`).
 //!
 //! kvtier-client stays a client library; server plumbing goes here.
 
+pub mod malformed;
 pub mod metrics;
 pub mod peers;
 pub mod process;

@@ -83,13 +83,20 @@ pub fn init_logging(level: &str) -> Result<(), String> {
 /// A gRPC server builder with kvtier's HTTP/2 settings, for every server kvtier runs: windows
 /// wide enough that a request or page larger than the 64 KiB default (a 1,000-page Match
 /// carries 80 KB of tokens) does not wait a round trip for a window update, and large frames
-/// for streamed pages. The same numbers as kvtier-client's endpoints.
-pub fn grpc_server() -> tonic::transport::Server {
+/// for streamed pages. The same numbers as kvtier-client's endpoints. Requests that are not
+/// their method's message get `InvalidArgument` ([`crate::malformed`]).
+pub fn grpc_server() -> tonic::transport::Server<
+    tower::layer::util::Stack<
+        crate::malformed::MalformedIsInvalidArgument,
+        tower::layer::util::Identity,
+    >,
+> {
     tonic::transport::Server::builder()
         .initial_stream_window_size(kvtier_client::STREAM_WINDOW)
         .initial_connection_window_size(kvtier_client::CONNECTION_WINDOW)
         .max_frame_size(kvtier_client::MAX_FRAME)
         .tcp_nodelay(true)
+        .layer(crate::malformed::MalformedIsInvalidArgument)
 }
 
 /// A layer for TCP servers: every call must present `authorization: Bearer <token>` with one

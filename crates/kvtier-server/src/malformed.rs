@@ -1,0 +1,84 @@
+//! Bytes that are not the method's protobuf message are the caller's mistake: tonic answers
+//! them with `Internal` ("failed to decode Protobuf message: <message>.<field>: ..."), which
+//! reads as a server fault. This layer, on every kvtier server, turns that answer into
+//! `InvalidArgument` with the same text, which names the field.
+
+use tonic::codegen::http::{HeaderValue, Request, Response};
+
+/// What tonic's decode refusal's `grpc-message` starts with (percent-encoded, as sent).
+const DECODE_FAILURE: &[u8] = b"failed%20to%20decode%20Protobuf%20message";
+
+/// The layer; see the module docs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MalformedIsInvalidArgument;
+
+impl<S> tower::Layer<S> for MalformedIsInvalidArgument {
+    type Service = MalformedService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        MalformedService { inner }
+    }
+}
+
+/// The service [`MalformedIsInvalidArgument`] wraps around a server's routes.
+#[derive(Clone, Debug)]
+pub struct MalformedService<S> {
+    inner: S,
+}
+
+/// Rewrites a trailers-only decode refusal (`grpc-status: 13` in the headers) to 3.
+fn rewrite<B>(mut resp: Response<B>) -> Response<B> {
+    let h = resp.headers();
+    let decode_failure = h.get("grpc-status").is_some_and(|v| v.as_bytes() == b"13")
+        && h.get("grpc-message")
+            .is_some_and(|v| v.as_bytes().starts_with(DECODE_FAILURE));
+    if decode_failure {
+        resp.headers_mut()
+            .insert("grpc-status", HeaderValue::from_static("3"));
+    }
+    resp
+}
+
+impl<S, B, RB> tower::Service<Request<B>> for MalformedService<S>
+where
+    S: tower::Service<Request<B>, Response = Response<RB>>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<RB>;
+    type Error = S::Error;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let fut = self.inner.call(req);
+        Box::pin(async move { fut.await.map(rewrite) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resp(status: &'static str, msg: &'static str) -> Response<()> {
+        let mut r = Response::new(());
+        r.headers_mut()
+            .insert("grpc-status", HeaderValue::from_static(status));
+        r.headers_mut()
+            .insert("grpc-message", HeaderValue::from_static(msg));
+        r
+    }
+
+    #[test]
+    fn only_decode_refusals_change() {
+        let code = |r: Response<()>| r.headers()["grpc-status"].as_bytes().to_vec();
+        let decode = "failed%20to%20decode%20Protobuf%20message:%20LookupRequest.keys";
+        assert_eq!(code(rewrite(resp("13", decode))), b"3");
+        assert_eq!(code(rewrite(resp("13", "state%20lock%20poisoned"))), b"13");
+        assert_eq!(code(rewrite(resp("5", decode))), b"5");
+    }
+}
