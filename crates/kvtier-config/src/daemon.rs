@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::l3::{
     FileSection, L3Backend, L3Config, MemorySection, RemoteSection, RocksdbSection, S3Section,
 };
+use crate::tenants::{TenantConfig, Tenants};
 use crate::unix::UnixAccess;
 use crate::{ByteSize, ConfigError, Dur, Secret, Sources};
 
@@ -287,7 +288,9 @@ max_batch = 65536
 # A client that has not sent a heartbeat for this long is considered dead: its pins are
 # dropped and the pages it was writing are freed (100ms to 1h).
 ttl = "10s"
-
+"#,
+    crate::tenants_default_toml!(),
+    r#"
 [log]
 # Log filter, as RUST_LOG: error, warn, info, debug, trace, or per-module directives.
 level = "info"
@@ -317,6 +320,8 @@ pub struct DaemonConfig {
     pub sglang_rpc: SglangRpcConfig,
     /// Client sessions.
     pub sessions: SessionsConfig,
+    /// Named tenants (file only).
+    pub tenants: std::collections::BTreeMap<String, TenantConfig>,
     /// Logging.
     pub log: LogConfig,
 }
@@ -349,6 +354,13 @@ pub struct ServerConfig {
     pub tcp_insecure: bool,
     /// Who may use the Unix sockets.
     pub unix: UnixAccess,
+}
+
+impl DaemonConfig {
+    /// The named tenants, tokens read (validation has checked they resolve).
+    pub fn tenants(&self) -> Result<Tenants, ConfigError> {
+        Tenants::resolve(&self.tenants)
+    }
 }
 
 impl ServerConfig {
@@ -551,6 +563,7 @@ impl Default for DaemonConfig {
             prefetch: PrefetchConfig::default(),
             sglang_rpc: SglangRpcConfig::default(),
             sessions: SessionsConfig::default(),
+            tenants: std::collections::BTreeMap::new(),
             log: LogConfig::default(),
         }
     }
@@ -765,8 +778,10 @@ impl DaemonConfig {
                     max_batch: sglang_max_batch,
                 },
             sessions: SessionsConfig { ttl },
+            tenants,
             log: LogConfig { level },
         } = self;
+        Tenants::resolve(tenants)?;
         l3.validate()?;
         unix.validate("server.unix")?;
         if *sglang_enable && *sglang_l3 == SglangStore::None && sglang_memory.0 == 0 {

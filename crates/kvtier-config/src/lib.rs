@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod daemon;
 pub mod l3;
+pub mod tenants;
 pub mod tls;
 mod units;
 pub mod unix;

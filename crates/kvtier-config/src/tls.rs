@@ -38,6 +38,11 @@ pub fn resolve_token(
     Ok(Some(t))
 }
 
+/// Equality in time that does not depend on where the inputs differ (for tokens).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// A token comes from `key` or `<key>_file`, not both.
 pub fn one_token_source(token: &Secret, token_file: &str, key: &str) -> Result<(), ConfigError> {
     if !token.expose().is_empty() && !token_file.is_empty() {

@@ -24,11 +24,12 @@ mode = "0600"
 # -1: leave them as created (the server's own uid and gid).
 uid = -1
 gid = -1
-# Peers admitted, checked on every connection with SO_PEERCRED and SO_PEERGROUPS: a peer whose
-# uid is listed, or one of whose groups (primary or supplementary) is listed, is served; every
-# other is closed at once, logged, and counted in kvtier_server_denied_connections_total. The server's own uid is always admitted.
-# Root (uid 0) is not admitted unless listed or the server runs as root. Environment and
-# --set take comma-separated lists, e.g. KVTIER_SERVER_UNIX_ALLOW_UIDS=1000,1001.
+# Peers admitted, checked on every connection with SO_PEERCRED and SO_PEERGROUPS: a peer
+# whose uid is listed, or one of whose groups (primary or supplementary) is listed, is
+# served; every other is closed at once, logged, and counted in
+# kvtier_server_denied_connections_total. The server's own uid is always admitted. Root
+# (uid 0) is not admitted unless listed or the server runs as root. Environment and --set
+# take comma-separated lists, e.g. KVTIER_SERVER_UNIX_ALLOW_UIDS=1000,1001.
 allow_uids = []
 allow_gids = []
 "#

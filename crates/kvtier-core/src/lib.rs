@@ -31,6 +31,7 @@ pub mod policy;
 pub mod radix;
 pub mod read_window;
 pub mod slots;
+pub mod tenant;
 pub mod write_policy;
 
 pub use ids::{Epoch, SessionId};
@@ -40,6 +41,7 @@ pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, L
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use radix::RadixTree;
 pub use read_window::ReadWindow;
+pub use tenant::TenantScope;
 pub use write_policy::WritePolicy;
 
 /// Errors of the core crate: every one names the input that was wrong.

@@ -339,13 +339,18 @@ pub fn status(a: StatusArgs) -> Result<String> {
     for c in &s.sessions {
         writeln!(
             out,
-            "  {:<21} {:<24} pool {}  pins {}  writing {}  idle {} ms",
+            "  {:<21} {:<24} pool {}  pins {}  writing {}  idle {} ms{}",
             c.session_label,
             c.name,
             &hex(&c.fingerprint)[..8],
             c.pins,
             c.writing_pages,
-            c.idle_ms
+            c.idle_ms,
+            if c.tenant.is_empty() {
+                String::new()
+            } else {
+                format!("  tenant {}", c.tenant)
+            }
         )?;
         if let Some(r) = &c.report {
             writeln!(

@@ -145,6 +145,11 @@ pub async fn run(
     ready: impl FnOnce(Ready) + Send,
 ) -> Result<(), DaemonError> {
     let socket = cfg.socket_path();
+    let tenants = cfg.tenants().map_err(|e| DaemonError::Setup {
+        what: "reading the tokens of",
+        path: "[tenants]".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
     std::fs::create_dir_all(&cfg.data_dir).map_err(setup("creating data_dir", &cfg.data_dir))?;
     // Each component declares its own series here.
     let metrics = MetricRegistry::new();
@@ -203,7 +208,8 @@ pub async fn run(
         l3.clone(),
         prefetcher,
         shutdown.clone(),
-    )?;
+    )?
+    .with_tenants(tenants.clone());
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<HostTierServer<HostService>>().await;
@@ -283,7 +289,12 @@ pub async fn run(
             if let Some(tls) = server_tls(&cfg)? {
                 server = server.tls_config(tls)?;
             }
-            let check = token.map(|t| denials.with_tokens(&[&t, &admin_token]));
+            // server.token, the admin token and every tenant's token pass the call check.
+            let check = token.map(|t| {
+                let mut accepted: Vec<&str> = vec![&t, &admin_token];
+                accepted.extend(tenants.tokens());
+                denials.with_tokens(&accepted)
+            });
             let mut layered = server.layer(tower::util::option_layer(check));
             Some(
                 tracker.spawn(

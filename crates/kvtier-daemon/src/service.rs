@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use kvtier_core::SessionId;
 use kvtier_core::host_index::Reserve;
 use kvtier_core::{Layout, Namespace, PageHasher, PageKey};
 use kvtier_proto::v1::host_tier_server::HostTier;
@@ -13,8 +14,9 @@ use kvtier_proto::{ApiError, page_keys, request_key_count, request_keys, session
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
-use crate::prefetch::Prefetcher;
+use crate::prefetch::{PrefetchAsk, Prefetcher};
 use crate::state::{HostState, L2Metrics};
+use kvtier_config::tenants::Tenants;
 use kvtier_server::metrics::MetricRegistry;
 
 /// Shortest, default and longest interval between WatchMetrics snapshots.
@@ -45,6 +47,8 @@ pub struct HostService {
     l3: Arc<L3Slot>,
     prefetcher: Arc<Prefetcher>,
     shutdown: tokio_util::sync::CancellationToken,
+    /// Who is which tenant (empty: tenancy off).
+    tenants: Arc<Tenants>,
 }
 
 impl HostService {
@@ -69,7 +73,14 @@ impl HostService {
             l3,
             prefetcher,
             shutdown,
+            tenants: Arc::new(Tenants::default()),
         })
+    }
+
+    /// Binds sessions to `tenants` at registration and scopes their keys (`[tenants]`).
+    pub fn with_tenants(mut self, tenants: Tenants) -> Self {
+        self.tenants = Arc::new(tenants);
+        self
     }
 
     /// Hands L3 writes to the writer (never waits).
@@ -136,6 +147,7 @@ impl HostService {
             Err(ApiError::NotFound(_)) => "not_found",
             Err(ApiError::FailedPrecondition(_)) => "failed_precondition",
             Err(ApiError::ResourceExhausted(_)) => "resource_exhausted",
+            Err(ApiError::PermissionDenied(_)) => "permission_denied",
             Err(ApiError::Unavailable(_)) => "unavailable",
             Err(ApiError::Internal(_)) => "internal",
         };
@@ -157,7 +169,69 @@ impl HostService {
         self.metrics.pages.with_label_values(&[op]).inc_by(n as u64);
     }
 
-    fn register_inner(&self, req: v1::RegisterRequest) -> Result<v1::RegisterResponse, ApiError> {
+    /// The tenant a registering caller is: by its Unix-socket peer uid (or gid), or by the
+    /// bearer token it sent over TCP; `""` when tenancy is off or nothing matches.
+    fn caller_tenant<T>(&self, req: &Request<T>) -> String {
+        if !self.tenants.any() {
+            return String::new();
+        }
+        if let Some(cred) = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|i| i.peer_cred)
+        {
+            return self.tenants.of_peer(cred.uid(), cred.gid()).to_string();
+        }
+        req.metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|t| self.tenants.of_token(t).to_string())
+            .unwrap_or_default()
+    }
+
+    /// `keys` (or `packed`) of session `sid`, checked against the batch limit and mapped into
+    /// the session's tenant scope: the keys the index and L3 know them by.
+    fn session_keys(
+        &self,
+        sid: SessionId,
+        raw: &[Vec<u8>],
+        packed: &[u8],
+    ) -> Result<Vec<PageKey>, ApiError> {
+        let mut keys = self.keys(raw, packed)?;
+        if self.tenants.any()
+            && let Some(scope) = self.state().session_scope(sid)?
+        {
+            scope.apply_all(&mut keys);
+        }
+        Ok(keys)
+    }
+
+    /// A single key (a parent) of session `sid`, scoped like [`Self::session_keys`].
+    fn session_key(&self, sid: SessionId, field: &str, raw: &[u8]) -> Result<PageKey, ApiError> {
+        let key = page_keys(field, std::slice::from_ref(&raw.to_vec()))?[0];
+        Ok(match self.state().session_scope(sid)? {
+            Some(scope) => scope.apply(&key),
+            None => key,
+        })
+    }
+
+    /// A prefetch's keys and parent in its session's tenant scope.
+    fn scope_ask(&self, mut ask: PrefetchAsk) -> Result<PrefetchAsk, ApiError> {
+        if self.tenants.any()
+            && let Some(scope) = self.state().session_scope(ask.session)?
+        {
+            scope.apply_all(&mut ask.keys);
+            ask.parent = ask.parent.map(|p| scope.apply(&p));
+        }
+        Ok(ask)
+    }
+
+    fn register_inner(
+        &self,
+        req: v1::RegisterRequest,
+        tenant: String,
+    ) -> Result<v1::RegisterResponse, ApiError> {
         let layout = Layout::try_from(
             req.layout
                 .ok_or_else(|| ApiError::invalid("layout", "required"))?,
@@ -183,17 +257,24 @@ impl HostService {
                 )));
             }
         }
-        check_self_test(&layout, req.hash_self_test)?;
+        let ns = check_self_test(&layout, req.hash_self_test)?;
+        if self.tenants.any() && !ns.tenant.is_empty() && ns.tenant != tenant {
+            return Err(ApiError::PermissionDenied(format!(
+                "hash_self_test.namespace.tenant is {:?}, but this caller is tenant {tenant:?} \
+                 (by its peer uid or token, [tenants] in kvtierd's config)",
+                ns.tenant
+            )));
+        }
         let name = if req.name.is_empty() {
             "unnamed".to_string()
         } else {
             req.name
         };
         let mut st = self.state();
-        let reg = st.register(name.clone(), &layout, Instant::now())?;
+        let reg = st.register(name.clone(), &tenant, &layout, Instant::now())?;
         let ttl = st.ttl();
         drop(st);
-        tracing::info!(session = %reg.session_id, client = %name, fingerprint = %layout.fingerprint(), "session registered");
+        tracing::info!(session = %reg.session_id, client = %name, tenant = %tenant, fingerprint = %layout.fingerprint(), "session registered");
         Ok(v1::RegisterResponse {
             session_id: reg.session_id.to_bytes().to_vec(),
             ttl_ms: ttl.as_millis() as u64,
@@ -201,12 +282,13 @@ impl HostService {
             pool_path: reg.pool_path.display().to_string(),
             pool_slots: reg.slots,
             slot_stride: reg.stride as u64,
+            tenant,
         })
     }
 }
 
 /// Recomputes the client's self-test keys; refuses a client whose hashing differs.
-fn check_self_test(layout: &Layout, t: Option<v1::HashSelfTest>) -> Result<(), ApiError> {
+fn check_self_test(layout: &Layout, t: Option<v1::HashSelfTest>) -> Result<Namespace, ApiError> {
     let t = t.ok_or_else(|| {
         ApiError::invalid(
             "hash_self_test",
@@ -257,7 +339,7 @@ fn check_self_test(layout: &Layout, t: Option<v1::HashSelfTest>) -> Result<(), A
             ours[i].to_hex()
         )));
     }
-    Ok(())
+    Ok(ns)
 }
 
 #[tonic::async_trait]
@@ -266,7 +348,10 @@ impl HostTier for HostService {
         &self,
         request: Request<v1::RegisterRequest>,
     ) -> Result<Response<v1::RegisterResponse>, Status> {
-        self.observe("register", || self.register_inner(request.into_inner()))
+        let tenant = self.caller_tenant(&request);
+        self.observe("register", || {
+            self.register_inner(request.into_inner(), tenant)
+        })
     }
 
     async fn heartbeat(
@@ -308,10 +393,10 @@ impl HostTier for HostService {
         let l3 = self.l3.current();
         let asked = r.include_storage && l3.is_some();
         let l2 = (|| {
-            let keys = self.keys(&r.keys, &r.packed_keys)?;
+            let id = session_id(&r.session_id)?;
+            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
             let mut st = self.state();
             let now = Instant::now();
-            let id = session_id(&r.session_id)?;
             let n = st.lookup(id, &keys, now)?;
             let fp = st.session_fingerprint(id)?;
             // Which keys are ready in L2, for L3's walk and for the key-by-key answer.
@@ -382,14 +467,13 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::ReserveResponse>, Status> {
         self.observe("reserve", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys, &r.packed_keys)?;
+            let id = session_id(&r.session_id)?;
+            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
             let parent = match r.parent.len() {
                 0 => None,
-                _ => Some(page_keys("parent", std::slice::from_ref(&r.parent))?[0]),
+                _ => Some(self.session_key(id, "parent", &r.parent)?),
             };
-            let (out, evicted) =
-                self.state()
-                    .reserve(session_id(&r.session_id)?, parent, &keys, Instant::now())?;
+            let (out, evicted) = self.state().reserve(id, parent, &keys, Instant::now())?;
             self.metrics.evictions.inc_by(evicted as u64);
             let mut resp = v1::ReserveResponse {
                 status: Vec::with_capacity(out.len()),
@@ -427,10 +511,9 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::CommitResponse>, Status> {
         self.observe("commit", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys, &r.packed_keys)?;
-            let jobs = self
-                .state()
-                .commit(session_id(&r.session_id)?, &keys, Instant::now())?;
+            let id = session_id(&r.session_id)?;
+            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let jobs = self.state().commit(id, &keys, Instant::now())?;
             self.enqueue(jobs);
             self.pages("committed", keys.len());
             Ok(v1::CommitResponse {})
@@ -443,9 +526,9 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::AbortResponse>, Status> {
         self.observe("abort", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys, &r.packed_keys)?;
-            self.state()
-                .abort(session_id(&r.session_id)?, &keys, Instant::now())?;
+            let id = session_id(&r.session_id)?;
+            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            self.state().abort(id, &keys, Instant::now())?;
             self.pages("aborted", keys.len());
             Ok(v1::AbortResponse {})
         })
@@ -457,10 +540,9 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::AcquireResponse>, Status> {
         self.observe("acquire", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys, &r.packed_keys)?;
-            let (slots, jobs) =
-                self.state()
-                    .acquire(session_id(&r.session_id)?, &keys, Instant::now())?;
+            let id = session_id(&r.session_id)?;
+            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (slots, jobs) = self.state().acquire(id, &keys, Instant::now())?;
             self.enqueue(jobs);
             self.pages("acquired", slots.len());
             Ok(v1::AcquireResponse { slots })
@@ -473,9 +555,9 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::ReleaseResponse>, Status> {
         self.observe("release", || {
             let r = request.get_ref();
-            let keys = self.keys(&r.keys, &r.packed_keys)?;
-            self.state()
-                .release(session_id(&r.session_id)?, &keys, Instant::now())?;
+            let id = session_id(&r.session_id)?;
+            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            self.state().release(id, &keys, Instant::now())?;
             self.pages("released", keys.len());
             Ok(v1::ReleaseResponse {})
         })
@@ -518,6 +600,7 @@ impl HostTier for HostService {
                     writing_pages: s.writing.len() as u32,
                     idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
                     report: s.report.map(crate::wire::report_out),
+                    tenant: s.tenant.clone(),
                 })
                 .collect();
             let c = st.counters;
@@ -547,7 +630,9 @@ impl HostTier for HostService {
         request: Request<v1::PrefetchRequest>,
     ) -> Result<Response<Self::PrefetchStream>, Status> {
         let t = Instant::now();
-        let r = match crate::wire::prefetch_ask(request.into_inner()) {
+        let r = match crate::wire::prefetch_ask(request.into_inner())
+            .and_then(|ask| self.scope_ask(ask))
+        {
             Ok(ask) => self.prefetcher.start(ask).await,
             Err(e) => Err(e),
         };

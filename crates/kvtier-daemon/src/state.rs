@@ -57,6 +57,10 @@ pub struct Session {
     pub writing: KeySet,
     /// The client's last report (agents send one with each heartbeat).
     pub report: Option<ClientReport>,
+    /// The tenant it was bound to at registration (`""`: the default tenant).
+    pub tenant: String,
+    /// Its tenant's key mapping (`None` for the default tenant).
+    scope: Option<kvtier_core::TenantScope>,
     /// Who owns its reservations in the index.
     owner: OwnerId,
 }
@@ -495,6 +499,7 @@ impl HostState {
     pub fn register(
         &mut self,
         name: String,
+        tenant: &str,
         layout: &Layout,
         now: Instant,
     ) -> Result<Registered, ApiError> {
@@ -525,10 +530,23 @@ impl HostState {
                 pins: KeyMap::default(),
                 writing: KeySet::default(),
                 report: None,
+                tenant: tenant.to_string(),
+                scope: kvtier_core::TenantScope::new(tenant),
                 owner,
             },
         );
         Ok(reg)
+    }
+
+    /// The key mapping of a session's tenant (`None`: keys are used as given).
+    pub fn session_scope(
+        &self,
+        id: SessionId,
+    ) -> Result<Option<kvtier_core::TenantScope>, ApiError> {
+        self.sessions
+            .get(&id)
+            .map(|s| s.scope.clone())
+            .ok_or_else(|| unknown_session(id, self.epoch))
     }
 
     /// Marks a session alive; every request does this.

@@ -47,6 +47,9 @@ pub enum ApiError {
     /// A configured limit was reached (`RESOURCE_EXHAUSTED`).
     #[error("{0}")]
     ResourceExhausted(String),
+    /// The caller may not do this, e.g. register for another tenant (`PERMISSION_DENIED`).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The service cannot answer now; retry later (`UNAVAILABLE`).
     #[error("{0}")]
     Unavailable(String),
@@ -103,6 +106,7 @@ impl From<ApiError> for tonic::Status {
             ApiError::NotFound(_) => tonic::Status::not_found(msg),
             ApiError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             ApiError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),
+            ApiError::PermissionDenied(_) => tonic::Status::permission_denied(msg),
             ApiError::Unavailable(_) => tonic::Status::unavailable(msg),
             ApiError::Internal(_) => tonic::Status::internal(msg),
         }

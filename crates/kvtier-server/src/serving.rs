@@ -167,10 +167,7 @@ fn token_list(tokens: &[&str]) -> std::sync::Arc<Vec<String>> {
     )
 }
 
-/// Equality in time that does not depend on where the inputs differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+pub use kvtier_config::tls::constant_time_eq;
 
 impl<S> tower::Layer<S> for RequireBearer {
     type Service = RequireBearerService<S>;

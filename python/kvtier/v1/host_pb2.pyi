@@ -211,20 +211,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.LayoutDescriptor, _Mapping]] = ..., hash_self_test: _Optional[_Union[_common_pb2.HashSelfTest, _Mapping]] = ..., expected_layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "ttl_ms", "layout", "pool_path", "pool_slots", "slot_stride")
+    __slots__ = ("session_id", "ttl_ms", "layout", "pool_path", "pool_slots", "slot_stride", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     ttl_ms: int
     layout: _common_pb2.LayoutInfo
     pool_path: str
     pool_slots: int
     slot_stride: int
-    def __init__(self, session_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., pool_path: _Optional[str] = ..., pool_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., pool_path: _Optional[str] = ..., pool_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "report")
@@ -411,7 +413,7 @@ class PoolStats(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., model_id: _Optional[str] = ..., pool_path: _Optional[str] = ..., slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., ready_pages: _Optional[int] = ..., writing_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pins: _Optional[int] = ..., evictions: _Optional[int] = ..., mlocked: _Optional[bool] = ..., huge_pages: _Optional[bool] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_label", "name", "fingerprint", "pins", "writing_pages", "idle_ms", "report")
+    __slots__ = ("session_label", "name", "fingerprint", "pins", "writing_pages", "idle_ms", "report", "tenant")
     SESSION_LABEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +421,7 @@ class SessionInfo(_message.Message):
     WRITING_PAGES_FIELD_NUMBER: _ClassVar[int]
     IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_label: str
     name: str
     fingerprint: bytes
@@ -426,7 +429,8 @@ class SessionInfo(_message.Message):
     writing_pages: int
     idle_ms: int
     report: ClientReport
-    def __init__(self, session_label: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., pins: _Optional[int] = ..., writing_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_label: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., pins: _Optional[int] = ..., writing_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "uptime_ms", "pools", "sessions", "reserve_calls", "commit_calls", "acquire_calls", "dedup_pages", "expired_sessions", "metrics_address", "l3")

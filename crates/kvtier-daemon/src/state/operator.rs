@@ -188,7 +188,7 @@ mod tests {
         })
         .unwrap();
         let id = st
-            .register("t".into(), &layout, Instant::now())
+            .register("t".into(), "", &layout, Instant::now())
             .unwrap()
             .session_id;
         (st, id)

@@ -61,6 +61,11 @@ impl Daemon {
     pub fn start_in(dir: PathBuf, sets: &[&str]) -> Daemon {
         std::fs::create_dir_all(&dir).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtierd"));
+        // A config file a test put in the directory (for what only files set: [tenants]).
+        let file = dir.join("kvtierd.toml");
+        if file.exists() {
+            cmd.arg("--config").arg(&file);
+        }
         cmd.arg("--set")
             .arg(format!("data_dir={}", dir.display()))
             .args(["--set", "metrics.listen=127.0.0.1:0"])
