@@ -97,7 +97,6 @@ fn any_raw() -> impl Strategy<Value = String> {
 #[derive(Debug, Clone)]
 struct Case {
     src: Sources,
-    env_prefix: &'static str,
 }
 
 fn case(keys: Vec<(String, Value)>, env_prefix: &'static str) -> impl Strategy<Value = Case> {
@@ -130,7 +129,6 @@ fn case(keys: Vec<(String, Value)>, env_prefix: &'static str) -> impl Strategy<V
                     .map(|(i, raw)| format!("{}={raw}", path(i)))
                     .collect(),
             },
-            env_prefix,
         }
     })
 }
@@ -163,7 +161,6 @@ fn names_its_cause(e: &ConfigError, c: &Case, schema: &[(String, Value)]) -> boo
                 .any(|(p, _)| p == bare || bare.starts_with(&format!("{p}.")))
                 || c.src.env.iter().any(|(v, _)| v == key)
                 || c.src.sets.iter().any(|s| s == key)
-                || key.starts_with(c.env_prefix)
                 || bare == "server.colour"
         }
     }

@@ -5,16 +5,16 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvtier_core::SessionId;
 use kvtier_core::host_index::Reserve;
 use kvtier_core::{Layout, Namespace, PageHasher, PageKey};
+use kvtier_core::{SessionId, TenantScope};
 use kvtier_proto::v1::host_tier_server::HostTier;
 use kvtier_proto::v1::{self, ReserveStatus};
 use kvtier_proto::{ApiError, page_keys, request_key_count, request_keys, session_id};
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
-use crate::prefetch::{PrefetchAsk, Prefetcher};
+use crate::prefetch::Prefetcher;
 use crate::state::{HostState, L2Metrics};
 use kvtier_config::tenants::Tenants;
 use kvtier_server::metrics::MetricRegistry;
@@ -190,6 +190,15 @@ impl HostService {
             .unwrap_or_default()
     }
 
+    /// The key mapping of session `sid`'s tenant; `None` (without touching the state) when
+    /// tenancy is off, and for the default tenant.
+    fn scope(&self, sid: SessionId) -> Result<Option<TenantScope>, ApiError> {
+        if !self.tenants.any() {
+            return Ok(None);
+        }
+        self.state().session_scope(sid)
+    }
+
     /// `keys` (or `packed`) of session `sid`, checked against the batch limit and mapped into
     /// the session's tenant scope: the keys the index and L3 know them by.
     fn session_keys(
@@ -197,34 +206,13 @@ impl HostService {
         sid: SessionId,
         raw: &[Vec<u8>],
         packed: &[u8],
-    ) -> Result<Vec<PageKey>, ApiError> {
+    ) -> Result<(Vec<PageKey>, Option<TenantScope>), ApiError> {
         let mut keys = self.keys(raw, packed)?;
-        if self.tenants.any()
-            && let Some(scope) = self.state().session_scope(sid)?
-        {
+        let scope = self.scope(sid)?;
+        if let Some(scope) = &scope {
             scope.apply_all(&mut keys);
         }
-        Ok(keys)
-    }
-
-    /// A single key (a parent) of session `sid`, scoped like [`Self::session_keys`].
-    fn session_key(&self, sid: SessionId, field: &str, raw: &[u8]) -> Result<PageKey, ApiError> {
-        let key = page_keys(field, std::slice::from_ref(&raw.to_vec()))?[0];
-        Ok(match self.state().session_scope(sid)? {
-            Some(scope) => scope.apply(&key),
-            None => key,
-        })
-    }
-
-    /// A prefetch's keys and parent in its session's tenant scope.
-    fn scope_ask(&self, mut ask: PrefetchAsk) -> Result<PrefetchAsk, ApiError> {
-        if self.tenants.any()
-            && let Some(scope) = self.state().session_scope(ask.session)?
-        {
-            scope.apply_all(&mut ask.keys);
-            ask.parent = ask.parent.map(|p| scope.apply(&p));
-        }
-        Ok(ask)
+        Ok((keys, scope))
     }
 
     fn register_inner(
@@ -394,7 +382,7 @@ impl HostTier for HostService {
         let asked = r.include_storage && l3.is_some();
         let l2 = (|| {
             let id = session_id(&r.session_id)?;
-            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
             let mut st = self.state();
             let now = Instant::now();
             let n = st.lookup(id, &keys, now)?;
@@ -468,10 +456,13 @@ impl HostTier for HostService {
         self.observe("reserve", || {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
-            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (keys, scope) = self.session_keys(id, &r.keys, &r.packed_keys)?;
             let parent = match r.parent.len() {
                 0 => None,
-                _ => Some(self.session_key(id, "parent", &r.parent)?),
+                _ => {
+                    let p = PageKey::from_slice("parent", &r.parent)?;
+                    Some(scope.map_or(p, |s| s.apply(&p)))
+                }
             };
             let (out, evicted) = self.state().reserve(id, parent, &keys, Instant::now())?;
             self.metrics.evictions.inc_by(evicted as u64);
@@ -512,7 +503,7 @@ impl HostTier for HostService {
         self.observe("commit", || {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
-            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
             let jobs = self.state().commit(id, &keys, Instant::now())?;
             self.enqueue(jobs);
             self.pages("committed", keys.len());
@@ -527,7 +518,7 @@ impl HostTier for HostService {
         self.observe("abort", || {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
-            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
             self.state().abort(id, &keys, Instant::now())?;
             self.pages("aborted", keys.len());
             Ok(v1::AbortResponse {})
@@ -541,7 +532,7 @@ impl HostTier for HostService {
         self.observe("acquire", || {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
-            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
             let (slots, jobs) = self.state().acquire(id, &keys, Instant::now())?;
             self.enqueue(jobs);
             self.pages("acquired", slots.len());
@@ -556,7 +547,7 @@ impl HostTier for HostService {
         self.observe("release", || {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
-            let keys = self.session_keys(id, &r.keys, &r.packed_keys)?;
+            let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
             self.state().release(id, &keys, Instant::now())?;
             self.pages("released", keys.len());
             Ok(v1::ReleaseResponse {})
@@ -630,9 +621,15 @@ impl HostTier for HostService {
         request: Request<v1::PrefetchRequest>,
     ) -> Result<Response<Self::PrefetchStream>, Status> {
         let t = Instant::now();
-        let r = match crate::wire::prefetch_ask(request.into_inner())
-            .and_then(|ask| self.scope_ask(ask))
-        {
+        let ask = crate::wire::prefetch_ask(request.into_inner()).and_then(|mut ask| {
+            // The keys and the parent in the session's tenant scope.
+            if let Some(scope) = self.scope(ask.session)? {
+                scope.apply_all(&mut ask.keys);
+                ask.parent = ask.parent.map(|p| scope.apply(&p));
+            }
+            Ok(ask)
+        });
+        let r = match ask {
             Ok(ask) => self.prefetcher.start(ask).await,
             Err(e) => Err(e),
         };

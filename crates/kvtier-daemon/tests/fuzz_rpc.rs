@@ -299,17 +299,17 @@ fn every_method_survives_mutated_requests_sent_at_once() {
     let rt = rt();
     let spec = layout("fuzz");
     let keys = chain(21, 12);
-    let (pages, sid) = rt.block_on(async {
+    let (pages, sid, closing) = rt.block_on(async {
         let mut c = HostClient::connect(&d.target()).await.unwrap();
         let s = c.register("owner", &spec).await.unwrap();
         let pages = store(&mut c, &s, &keys).await;
         let closing = c.register("closed-by-the-fuzzer", &spec).await.unwrap();
         (
             pages,
-            (s.id.to_bytes().to_vec(), closing.id.to_bytes().to_vec()),
+            s.id.to_bytes().to_vec(),
+            closing.id.to_bytes().to_vec(),
         )
     });
-    let (sid, closing) = sid;
     let raw_keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
     let table = methods(&sid, &closing, &raw_keys, &spec);
     mutate::run_batches(&rt, &d.target(), &table, 24, 200);

@@ -117,11 +117,10 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
         );
 
         // The other two store the same keys with their own bytes, at once: three copies.
-        let (wg, wu) = tokio::join!(
+        tokio::join!(
             write(&mut g, &sg, &keys, &bg),
             write(&mut u, &su, &keys, &bu)
         );
-        let _ = (wg, wu);
         assert_eq!(read(&mut a, &sa, &keys).await, ba);
         assert_eq!(read(&mut g, &sg, &keys).await, bg);
         assert_eq!(read(&mut u, &su, &keys).await, bu);

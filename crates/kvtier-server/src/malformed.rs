@@ -3,26 +3,18 @@
 //! reads as a server fault. This layer, on every kvtier server, turns that answer into
 //! `InvalidArgument` with the same text, which names the field.
 
-use tonic::codegen::http::{HeaderValue, Request, Response};
+use tonic::codegen::http::{HeaderValue, Response};
 
 /// What tonic's decode refusal's `grpc-message` starts with (percent-encoded, as sent).
 const DECODE_FAILURE: &[u8] = b"failed%20to%20decode%20Protobuf%20message";
 
 /// The layer; see the module docs.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MalformedIsInvalidArgument;
+pub type MalformedIsInvalidArgument =
+    tower::util::MapResponseLayer<fn(Response<tonic::body::Body>) -> Response<tonic::body::Body>>;
 
-impl<S> tower::Layer<S> for MalformedIsInvalidArgument {
-    type Service = MalformedService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        MalformedService { inner }
-    }
-}
-
-/// The service [`MalformedIsInvalidArgument`] wraps around a server's routes.
-#[derive(Clone, Debug)]
-pub struct MalformedService<S> {
-    inner: S,
+/// The layer every kvtier server carries.
+pub fn layer() -> MalformedIsInvalidArgument {
+    tower::util::MapResponseLayer::new(rewrite::<tonic::body::Body>)
 }
 
 /// Rewrites a trailers-only decode refusal (`grpc-status: 13` in the headers) to 3.
@@ -36,28 +28,6 @@ fn rewrite<B>(mut resp: Response<B>) -> Response<B> {
             .insert("grpc-status", HeaderValue::from_static("3"));
     }
     resp
-}
-
-impl<S, B, RB> tower::Service<Request<B>> for MalformedService<S>
-where
-    S: tower::Service<Request<B>, Response = Response<RB>>,
-    S::Future: Send + 'static,
-{
-    type Response = Response<RB>;
-    type Error = S::Error;
-    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let fut = self.inner.call(req);
-        Box::pin(async move { fut.await.map(rewrite) })
-    }
 }
 
 #[cfg(test)]

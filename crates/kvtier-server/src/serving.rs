@@ -96,7 +96,7 @@ pub fn grpc_server() -> tonic::transport::Server<
         .initial_connection_window_size(kvtier_client::CONNECTION_WINDOW)
         .max_frame_size(kvtier_client::MAX_FRAME)
         .tcp_nodelay(true)
-        .layer(crate::malformed::MalformedIsInvalidArgument)
+        .layer(crate::malformed::layer())
 }
 
 /// A layer for TCP servers: every call must present `authorization: Bearer <token>` with one
