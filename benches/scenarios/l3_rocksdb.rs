@@ -27,13 +27,9 @@ pub fn run(quick: bool) {
         let f = FileStore::open(FileConfig::new(dir.join("file")))
             .await
             .unwrap();
-        let r = RocksStore::open(RocksConfig {
-            path: dir.join("rocks"),
-            capacity_bytes: 0,
-            sync: false,
-        })
-        .await
-        .unwrap();
+        let r = RocksStore::open(RocksConfig::new(dir.join("rocks")))
+            .await
+            .unwrap();
         (PageStore::new(f), PageStore::new(r))
     });
     let fp = LayoutFingerprint([9; 16]);

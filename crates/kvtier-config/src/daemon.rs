@@ -781,8 +781,19 @@ impl DaemonConfig {
             tenants,
             log: LogConfig { level },
         } = self;
-        Tenants::resolve(tenants)?;
+        let resolved = Tenants::resolve(tenants)?;
         l3.validate()?;
+        if let Some(name) = resolved.l3_quota()
+            && !matches!(l3.backend, L3Backend::File | L3Backend::Rocksdb)
+        {
+            return Err(ConfigError::invalid(
+                format!("tenants.{name}.l3_bytes"),
+                format!(
+                    "L3 quotas are kept by the file and rocksdb backends; l3.backend is {:?}",
+                    l3.backend.name()
+                ),
+            ));
+        }
         unix.validate("server.unix")?;
         if *sglang_enable && *sglang_l3 == SglangStore::None && sglang_memory.0 == 0 {
             return Err(ConfigError::invalid(

@@ -24,11 +24,15 @@ macro_rules! tenants_default_toml {
 #   uids = [1001]           # Unix-socket peers with these uids ...
 #   gids = [2001]           # ... or these primary gids are acme
 #   token_file = "/etc/kvtier/acme.token"   # TCP callers presenting this token are acme
+#   l2_pages = 100000       # most pages acme holds in each L2 pool (one per layout); 0: none
+#   l3_bytes = "200GiB"     # most bytes acme holds in L3 (file and rocksdb backends); 0: none
 # A session belongs to the tenant it matches when it registers (no match: the default
 # tenant). Its page keys are scoped to its tenant in L2 and L3, so equal prompts of two
 # tenants never share or read each other's pages; a client whose hash self-test names
 # another tenant (namespace.tenant) is refused with PERMISSION_DENIED. Tenant tokens are
 # accepted by the TCP listener like server.token. Names: 1 to 64 of A-Z a-z 0-9 _ . -
+# A tenant at a quota evicts its own least recently used pages, never another tenant's;
+# usage and quotas are in `kvtierctl status` and kvtier_tenant_* metrics.
 "#
     };
 }
@@ -45,6 +49,21 @@ pub struct TenantConfig {
     pub token: Secret,
     /// A file holding the token, instead of `token`.
     pub token_file: String,
+    /// Most pages the tenant may hold in each L2 pool (one pool per layout); 0: no quota.
+    pub l2_pages: u32,
+    /// Most bytes the tenant may hold in L3 (file and rocksdb backends); 0: no quota.
+    pub l3_bytes: crate::ByteSize,
+}
+
+/// One tenant's quotas (`None`: unbounded, usage still counted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantQuota {
+    /// The tenant (`""`: the default tenant, which has no quota).
+    pub name: String,
+    /// Most pages per L2 pool.
+    pub l2_pages: Option<u32>,
+    /// Most L3 bytes.
+    pub l3_bytes: Option<u64>,
 }
 
 /// The tenants, by name, with their tokens read.
@@ -53,6 +72,7 @@ pub struct Tenants {
     by_uid: BTreeMap<u32, String>,
     by_gid: BTreeMap<u32, String>,
     by_token: Vec<(String, String)>,
+    quotas: Vec<TenantQuota>,
 }
 
 impl Tenants {
@@ -85,6 +105,11 @@ impl Tenants {
                     }
                 }
             }
+            t.quotas.push(TenantQuota {
+                name: name.clone(),
+                l2_pages: (c.l2_pages > 0).then_some(c.l2_pages),
+                l3_bytes: (c.l3_bytes.0 > 0).then_some(c.l3_bytes.0),
+            });
             if let Some(tok) = crate::tls::resolve_token(&c.token, &c.token_file, &key("token"))? {
                 if let Some((other, _)) = t.by_token.iter().find(|(_, x)| *x == tok) {
                     return Err(ConfigError::invalid(
@@ -95,7 +120,33 @@ impl Tenants {
                 t.by_token.push((name.clone(), tok));
             }
         }
+        if t.any() {
+            t.quotas.insert(
+                0,
+                TenantQuota {
+                    name: String::new(),
+                    l2_pages: None,
+                    l3_bytes: None,
+                },
+            );
+        } else {
+            t.quotas.clear();
+        }
         Ok(t)
+    }
+
+    /// Every tenant while tenancy is on, the default tenant `""` first, with its quotas;
+    /// empty while it is off.
+    pub fn quotas(&self) -> &[TenantQuota] {
+        &self.quotas
+    }
+
+    /// The first tenant with an L3 byte quota, if any (for the backend check).
+    pub fn l3_quota(&self) -> Option<&str> {
+        self.quotas
+            .iter()
+            .find(|q| q.l3_bytes.is_some())
+            .map(|q| q.name.as_str())
     }
 
     /// Whether any tenant is named (without, tenancy is off and namespaces are free labels).
@@ -139,6 +190,7 @@ mod tests {
             gids: gids.to_vec(),
             token: Secret(token.to_string()),
             token_file: String::new(),
+            ..TenantConfig::default()
         }
     }
 
@@ -170,5 +222,56 @@ mod tests {
         m.insert("bad name".to_string(), table(&[], &[], ""));
         let e = Tenants::resolve(&m).unwrap_err().to_string();
         assert!(e.contains("tenants.bad name"), "{e}");
+    }
+
+    #[test]
+    fn quotas_list_every_tenant_and_an_l3_quota_needs_an_indexed_backend() {
+        let mut m = BTreeMap::new();
+        m.insert("acme".to_string(), table(&[1001], &[], ""));
+        m.get_mut("acme").unwrap().l2_pages = 64;
+        m.get_mut("acme").unwrap().l3_bytes = crate::ByteSize(1 << 20);
+        m.insert("globex".to_string(), table(&[1002], &[], ""));
+        let t = Tenants::resolve(&m).unwrap();
+        let q: Vec<_> = t
+            .quotas()
+            .iter()
+            .map(|q| (q.name.as_str(), q.l2_pages, q.l3_bytes))
+            .collect();
+        assert_eq!(
+            q,
+            [
+                ("", None, None),
+                ("acme", Some(64), Some(1 << 20)),
+                ("globex", None, None)
+            ]
+        );
+        assert_eq!(t.l3_quota(), Some("acme"));
+        assert!(
+            Tenants::resolve(&BTreeMap::new())
+                .unwrap()
+                .quotas()
+                .is_empty()
+        );
+
+        let toml = r#"
+[l3]
+backend = "s3"
+[l3.s3]
+bucket = "b"
+[tenants.acme]
+uids = [1001]
+l3_bytes = "1MiB"
+"#;
+        let src = crate::Sources {
+            file: Some(("kvtierd.toml".to_string(), toml.to_string())),
+            ..crate::Sources::default()
+        };
+        let e = crate::daemon::DaemonConfig::load(&src)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tenants.acme.l3_bytes") && e.contains("s3"),
+            "{e}"
+        );
     }
 }

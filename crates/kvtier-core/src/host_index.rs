@@ -45,7 +45,9 @@
 
 mod operator;
 mod order;
+mod quota;
 pub use operator::Cleared;
+pub use quota::TenantUse;
 
 use order::Order;
 
@@ -225,6 +227,8 @@ pub struct HostIndex {
     l3_mode: L3Mode,
     /// Most dirty pages while L3 is attached.
     dirty_limit: u32,
+    /// Tracked tenants: their page counts, quotas and own eviction orders.
+    quotas: quota::Quotas,
     clock: u64,
     stats: HostIndexStats,
 }
@@ -267,6 +271,7 @@ impl HostIndex {
             flushable: Order::new(capacity),
             l3_mode: L3Mode::Absent,
             dirty_limit: capacity,
+            quotas: quota::Quotas::default(),
             clock: 0,
             stats: HostIndexStats {
                 capacity,
@@ -354,9 +359,10 @@ impl HostIndex {
         if filed.is_none() && !flush {
             return;
         }
-        let rank = self.policy.rank(&e.meta());
+        let (rank, key) = (self.policy.rank(&e.meta()), e.key);
         if let Some(c) = filed {
             self.candidates.remove((c, rank), slot);
+            self.quotas.unfile(&key, (c, rank), slot);
         }
         if flush {
             self.flushable.remove(rank, slot);
@@ -375,9 +381,11 @@ impl HostIndex {
             return;
         }
         self.unfile(slot);
-        let rank = self.policy.rank(&self.entry(slot).meta());
+        let e = self.entry(slot);
+        let (rank, key) = (self.policy.rank(&e.meta()), e.key);
         if let Some(c) = want {
             self.candidates.insert((c, rank), slot);
+            self.quotas.file(&key, (c, rank), slot);
         }
         if want_flush {
             self.flushable.insert(rank, slot);
@@ -531,6 +539,7 @@ impl HostIndex {
             Some(e) => e,
             None => unreachable!("removing empty slot {slot}"),
         };
+        self.quotas.removed(&e.key);
         let g = &mut self.generations[slot as usize];
         *g = g.wrapping_add(1);
         match e.state {
@@ -553,12 +562,17 @@ impl HostIndex {
         if class == Class::Unwritten && self.l3_mode != L3Mode::Down {
             return None;
         }
+        Some(self.evict_slot(slot))
+    }
+
+    /// Evicts the candidate in `slot`, counting it; returns its key.
+    fn evict_slot(&mut self, slot: u32) -> PageKey {
         self.stats.evictions += 1;
         let e = self.remove(slot);
         if e.l3 != L3Mark::Persisted {
             self.stats.unwritten_evictions += 1;
         }
-        Some(e.key)
+        e.key
     }
 
     /// Evicts up to `n` pages by policy and [`L3Mode`]. Returns their keys.
@@ -588,6 +602,7 @@ impl HostIndex {
         let key = e.key;
         self.entries[slot as usize] = Some(e);
         self.table.insert(&key, slot);
+        self.quotas.placed(&key);
     }
 
     /// Indexes a page taken over from a dead daemon's pool: ready, unpinned, under `parent`
@@ -675,16 +690,32 @@ impl HostIndex {
             // Count the child before allocating, so eviction cannot take its own parent
             // while there is no L3.
             self.adjust_children(parent, 1);
-            let slot = loop {
-                if let Some(s) = self.alloc.alloc() {
-                    break Some(s);
-                }
-                match self.evict_one() {
+            // A tenant at its quota makes room among its own pages, never another's.
+            let mut room = true;
+            while self.quotas.at_quota(key) {
+                let tag = crate::TenantTag::of(key);
+                let own = self.evict_own(tag);
+                self.quotas.counted(tag, own.is_some());
+                match own {
                     Some(k) => evicted.push(k),
-                    None => break None,
+                    None => {
+                        room = false;
+                        break;
+                    }
                 }
-            };
-            let Some(slot) = slot else {
+            }
+            let slot = room.then(|| {
+                loop {
+                    if let Some(s) = self.alloc.alloc() {
+                        break Some(s);
+                    }
+                    match self.evict_one() {
+                        Some(k) => evicted.push(k),
+                        None => break None,
+                    }
+                }
+            });
+            let Some(slot) = slot.flatten() else {
                 self.adjust_children(parent, -1);
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;
@@ -956,7 +987,7 @@ impl HostIndex {
         if self.candidates.len() != filed || self.flushable.len() != flush_filed {
             return Err("candidate or flush order holds removed entries".into());
         }
-        Ok(())
+        self.validate_quotas()
     }
 }
 

@@ -41,7 +41,7 @@ pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, L
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use radix::RadixTree;
 pub use read_window::ReadWindow;
-pub use tenant::TenantScope;
+pub use tenant::{TenantScope, TenantTag};
 pub use write_policy::WritePolicy;
 
 /// Errors of the core crate: every one names the input that was wrong.

@@ -371,6 +371,35 @@ pub fn status(a: StatusArgs) -> Result<String> {
             )?;
         }
     }
+    if !s.tenants.is_empty() {
+        writeln!(out, "tenants: {}", s.tenants.len())?;
+    }
+    for t in &s.tenants {
+        let quota = |q: u64, unit: &dyn Fn(u64) -> String| {
+            if q == 0 {
+                "no quota".to_string()
+            } else {
+                format!("quota {}", unit(q))
+            }
+        };
+        writeln!(
+            out,
+            "  {:<24} l2 {} pages ({} per pool, evicted {}, refused {})  l3 {} in {} objects ({}, evicted {})",
+            if t.tenant.is_empty() {
+                "(default)"
+            } else {
+                &t.tenant
+            },
+            t.l2_pages,
+            quota(u64::from(t.l2_quota_pages), &|q| q.to_string()),
+            t.l2_quota_evictions,
+            t.l2_quota_refusals,
+            mib(t.l3_bytes),
+            t.l3_objects,
+            quota(t.l3_quota_bytes, &mib),
+            t.l3_quota_evictions,
+        )?;
+    }
     writeln!(
         out,
         "counters: reserve {}  commit {}  acquire {}  dedup pages {}  expired sessions {}",

@@ -174,6 +174,7 @@ pub async fn run(
         .and_then(kvtier_server::prometheus_http::local);
 
     let state = Arc::new(Mutex::new(HostState::new(&cfg)));
+    lock(&state).set_tenants(tenants.quotas());
     {
         // Before serving: the pools of a kvtierd that crashed are taken over (or removed).
         let mut st = lock(&state);

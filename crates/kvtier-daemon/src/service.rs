@@ -190,13 +190,13 @@ impl HostService {
             .unwrap_or_default()
     }
 
-    /// The key mapping of session `sid`'s tenant; `None` (without touching the state) when
-    /// tenancy is off, and for the default tenant.
+    /// The key mapping of session `sid`'s tenant (the default tenant's too); `None`
+    /// (without touching the state) when tenancy is off.
     fn scope(&self, sid: SessionId) -> Result<Option<TenantScope>, ApiError> {
         if !self.tenants.any() {
             return Ok(None);
         }
-        self.state().session_scope(sid)
+        self.state().session_scope(sid).map(Some)
     }
 
     /// `keys` (or `packed`) of session `sid`, checked against the batch limit and mapped into
@@ -213,6 +213,36 @@ impl HostService {
             scope.apply_all(&mut keys);
         }
         Ok((keys, scope))
+    }
+
+    /// Every tenant's use of L2 and L3, for Stats.
+    fn tenant_usage(&self, st: &HostState) -> Vec<v1::TenantUsage> {
+        let l3 = self
+            .l3
+            .current()
+            .map(|l3| l3.store.store_stats().tenants)
+            .unwrap_or_default();
+        st.tenant_usage()
+            .into_iter()
+            .map(|(tenant, tag, u)| {
+                let b = l3
+                    .iter()
+                    .find(|t| t.tag == tag)
+                    .cloned()
+                    .unwrap_or_default();
+                v1::TenantUsage {
+                    tenant,
+                    l2_pages: u.pages,
+                    l2_quota_pages: u.quota.unwrap_or(0),
+                    l2_quota_evictions: u.quota_evictions,
+                    l2_quota_refusals: u.quota_refusals,
+                    l3_objects: b.objects,
+                    l3_bytes: b.bytes,
+                    l3_quota_bytes: b.quota,
+                    l3_quota_evictions: b.evictions,
+                }
+            })
+            .collect()
     }
 
     fn register_inner(
@@ -610,6 +640,7 @@ impl HostTier for HostService {
                     .l3
                     .current()
                     .map(|l3| crate::l3::wire_stats(&l3, st.write_policy())),
+                tenants: self.tenant_usage(&st),
             })
         })
     }

@@ -8,11 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::{DaemonConfig, L2Backing, L3Backend};
+use kvtier_config::tenants::TenantQuota;
 use kvtier_core::host_index::{
-    HostIndex, HostIndexStats, L3Mark, L3Mode, OwnerId, PageState, Reserve,
+    HostIndex, HostIndexStats, L3Mark, L3Mode, OwnerId, PageState, Reserve, TenantUse,
 };
 use kvtier_core::{
-    Epoch, KeyMap, KeySet, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, WritePolicy,
+    Epoch, KeyMap, KeySet, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, TenantScope,
+    TenantTag, WritePolicy,
 };
 use kvtier_proto::ApiError;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
@@ -59,8 +61,8 @@ pub struct Session {
     pub report: Option<ClientReport>,
     /// The tenant it was bound to at registration (`""`: the default tenant).
     pub tenant: String,
-    /// Its tenant's key mapping (`None` for the default tenant).
-    scope: Option<kvtier_core::TenantScope>,
+    /// Its tenant's key mapping (used while tenancy is on).
+    scope: TenantScope,
     /// Who owns its reservations in the index.
     owner: OwnerId,
 }
@@ -209,6 +211,8 @@ pub struct HostState {
     prefetch_names: HashMap<(SessionId, String), u64>,
     next_prefetch: u64,
     prefetch_budget: f64,
+    /// Tenants tracked in every pool, with their L2 page quotas (empty: tenancy is off).
+    tenants: Vec<(String, TenantTag, Option<u32>)>,
     /// Counters since start.
     pub counters: Counters,
 }
@@ -258,8 +262,55 @@ impl HostState {
             prefetch_names: HashMap::new(),
             next_prefetch: 1,
             prefetch_budget: cfg.prefetch.budget_fraction,
+            tenants: Vec::new(),
             counters: Counters::default(),
         }
+    }
+
+    /// Tracks `tenants` (`[tenants]`, resolved) in every pool, now and to come: their pages
+    /// are counted and held to their L2 quotas.
+    pub fn set_tenants(&mut self, tenants: &[TenantQuota]) {
+        self.tenants = tenants
+            .iter()
+            .map(|q| (q.name.clone(), TenantScope::new(&q.name).tag(), q.l2_pages))
+            .collect();
+        for p in self.pools.values_mut() {
+            for (_, tag, quota) in &self.tenants {
+                p.index.set_tenant_quota(*tag, *quota);
+            }
+        }
+    }
+
+    /// Tag and name of every tracked tenant (the default tenant is `""`).
+    pub fn tenant_names(&self) -> Vec<(TenantTag, String)> {
+        self.tenants
+            .iter()
+            .map(|(n, t, _)| (*t, n.clone()))
+            .collect()
+    }
+
+    /// Per tracked tenant, in `[tenants]` order (the default tenant first): its name and
+    /// its L2 use summed over the pools (the quota is per pool).
+    pub fn tenant_usage(&self) -> Vec<(String, TenantTag, TenantUse)> {
+        self.tenants
+            .iter()
+            .map(|(name, tag, quota)| {
+                let mut sum = TenantUse {
+                    quota: *quota,
+                    ..TenantUse::default()
+                };
+                for u in self
+                    .pools
+                    .values()
+                    .filter_map(|p| p.index.tenant_usage(*tag))
+                {
+                    sum.pages += u.pages;
+                    sum.quota_evictions += u.quota_evictions;
+                    sum.quota_refusals += u.quota_refusals;
+                }
+                (name.clone(), *tag, sum)
+            })
+            .collect()
     }
 
     fn jobs(pool: &Pool, queued: Vec<(PageKey, u32)>, epoch: u64) -> Vec<Job> {
@@ -476,6 +527,9 @@ impl HostState {
                 None
             };
             let mut index = HostIndex::new(slots, self.policy);
+            for (_, tag, quota) in &self.tenants {
+                index.set_tenant_quota(*tag, *quota);
+            }
             index.set_l3_mode(self.l3_mode());
             index.set_dirty_limit(((f64::from(slots) * self.dirty_fraction) as u32).max(1));
             self.pools.insert(
@@ -531,18 +585,15 @@ impl HostState {
                 writing: KeySet::default(),
                 report: None,
                 tenant: tenant.to_string(),
-                scope: kvtier_core::TenantScope::new(tenant),
+                scope: TenantScope::new(tenant),
                 owner,
             },
         );
         Ok(reg)
     }
 
-    /// The key mapping of a session's tenant (`None`: keys are used as given).
-    pub fn session_scope(
-        &self,
-        id: SessionId,
-    ) -> Result<Option<kvtier_core::TenantScope>, ApiError> {
+    /// The key mapping of a session's tenant.
+    pub fn session_scope(&self, id: SessionId) -> Result<TenantScope, ApiError> {
         self.sessions
             .get(&id)
             .map(|s| s.scope.clone())

@@ -55,28 +55,32 @@ async fn read(
     out
 }
 
-#[test]
-fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
-    let uid = rustix::process::geteuid().as_raw();
-    let name = "tenants";
+/// A kvtierd whose config file is `toml`, with an insecure loopback TCP listener and a pool
+/// of 64 pages.
+fn start(name: &str, toml: &str) -> Daemon {
     let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("kvtierd.toml"),
-        format!(
-            "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n\n\
-             [tenants.local]\nuids = [{uid}]\n"
-        ),
-    )
-    .unwrap();
-    let d = Daemon::start_in(
+    std::fs::write(dir.join("kvtierd.toml"), toml).unwrap();
+    Daemon::start_in(
         dir,
         &[
             "server.tcp=127.0.0.1:0",
             "server.tcp_insecure=true",
             "l2.pool_pages=64",
         ],
+    )
+}
+
+#[test]
+fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
+    let uid = rustix::process::geteuid().as_raw();
+    let d = start(
+        "tenants",
+        &format!(
+            "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n\n\
+             [tenants.local]\nuids = [{uid}]\n"
+        ),
     );
     let tcp = format!("http://{}", d.tcp);
     let spec = layout("tenants");
@@ -148,6 +152,15 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
         let mut n = HostClient::connect(&tcp).await.unwrap();
         let sn = n.register("no-tenant", &spec).await.unwrap();
         assert_eq!(n.lookup_tiers(sn.id, &keys, true).await.unwrap(), (0, 0));
+        // Nor by naming the keys acme's are stored under (the scope is a public function):
+        // the default tenant's keys are scoped too, so they never land on another's.
+        let mut forged = keys.clone();
+        kvtier_core::TenantScope::new("acme").apply_all(&mut forged);
+        assert_eq!(
+            n.lookup_tiers(sn.id, &forged, true).await.unwrap(),
+            (0, 0),
+            "the default tenant reads acme's pages by their scoped keys"
+        );
 
         // kvtierctl's view: each session with its tenant.
         let stats = u.stats().await.unwrap();
@@ -204,4 +217,139 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
             .await
             .unwrap();
     });
+}
+
+/// Writes the pages `keys` through `store` (which waits for room) on a connection of its own.
+async fn store_on(tcp: String, tok: &'static str, name: String, keys: Vec<kvtier_core::PageKey>) {
+    let mut c = HostClient::connect_with(&tcp, &token(tok)).await.unwrap();
+    let s = c.register(&name, &layout("quota")).await.unwrap();
+    store(&mut c, &s, &keys).await;
+}
+
+#[test]
+fn a_tenant_at_its_quotas_evicts_only_its_own_pages_in_l2_and_l3() {
+    let spec = layout("quota");
+    let obj = kvtier_core::Layout::new(spec.clone()).unwrap().page_bytes() as u64 + 72;
+    let d = start(
+        "tenant-quota",
+        &format!(
+            "[tenants.acme]\ntoken = \"tok-acme\"\nl2_pages = 8\nl3_bytes = {}\n\n\
+             [tenants.globex]\ntoken = \"tok-globex\"\n",
+            10 * obj
+        ),
+    );
+    let tcp = format!("http://{}", d.tcp);
+    // Acme writes 4 sequences of 8 pages and globex 2, all at once, each on its own
+    // connection: 48 pages into a pool of 64, so only acme's quota can evict anything.
+    let acme: Vec<Vec<_>> = (10..14).map(|s| chain(s, 8)).collect();
+    let globex: Vec<Vec<_>> = (20..22).map(|s| chain(s, 8)).collect();
+    rt().block_on(async {
+        let mut tasks = Vec::new();
+        for (i, k) in acme.iter().enumerate() {
+            let f = store_on(tcp.clone(), "tok-acme", format!("acme-{i}"), k.clone());
+            tasks.push(tokio::spawn(f));
+        }
+        for (i, k) in globex.iter().enumerate() {
+            let f = store_on(tcp.clone(), "tok-globex", format!("globex-{i}"), k.clone());
+            tasks.push(tokio::spawn(f));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    let usage = |t: &str| -> v1::TenantUsage {
+        rt().block_on(async {
+            let mut c = HostClient::connect(&d.target()).await.unwrap();
+            let s = c.stats().await.unwrap();
+            s.tenants.into_iter().find(|u| u.tenant == t).unwrap()
+        })
+    };
+    // L3 settles once the writer has written (and the quota trimmed) every page.
+    eventually(
+        "acme's L3 objects within quota",
+        Duration::from_secs(30),
+        || {
+            let a = usage("acme");
+            a.l3_bytes <= 10 * obj && a.l3_quota_evictions >= 22 && usage("globex").l3_objects == 16
+        },
+    );
+    let a = usage("acme");
+    assert!(a.l2_pages <= 8, "acme holds {} L2 pages", a.l2_pages);
+    assert!(a.l2_quota_evictions >= 24, "{a:?}");
+    assert_eq!((a.l2_quota_pages, a.l3_quota_bytes), (8, 10 * obj));
+    let g = usage("globex");
+    assert_eq!((g.l2_pages, g.l2_quota_evictions), (16, 0), "{g:?}");
+    assert_eq!(
+        (g.l3_objects, g.l3_bytes, g.l3_quota_evictions),
+        (16, 16 * obj, 0)
+    );
+    assert_eq!(usage("").l2_pages, 0);
+    // Every globex page is still in L2, byte for byte.
+    rt().block_on(async {
+        let mut c = HostClient::connect_with(&tcp, &token("tok-globex"))
+            .await
+            .unwrap();
+        let s = c.register("globex-reader", &spec).await.unwrap();
+        for k in &globex {
+            let want: Vec<_> = k
+                .iter()
+                .map(|k| page_bytes(k, s.layout.page_bytes()))
+                .collect();
+            assert_eq!(read(&mut c, &s, k).await, want);
+        }
+    });
+    // The operator's views: kvtierctl status and the metrics.
+    let out = kvtier_ctl::status(kvtier_ctl::StatusArgs { socket: d.target() }).unwrap();
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("acme"))
+        .unwrap();
+    assert!(
+        line.contains("quota 8 per pool") && line.contains("MiB"),
+        "{out}"
+    );
+    assert!(out.contains("(default)") && out.contains("globex"), "{out}");
+    let m = d.metrics();
+    let documented: Vec<&str> = include_str!("../../../docs/metrics.md")
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .filter(|n| n.starts_with("kvtier_tenant_"))
+        .collect();
+    assert_eq!(documented.len(), 6, "{documented:?}");
+    for name in documented {
+        assert!(
+            m.contains(&format!("{name}{{")),
+            "{name} missing from /metrics"
+        );
+    }
+    assert_eq!(
+        metric(&m, "kvtier_tenant_l3_quota_bytes{tenant=\"acme\"}"),
+        (10 * obj) as f64
+    );
+    assert!(metric(&m, "kvtier_tenant_l2_pages{tenant=\"acme\"}") <= 8.0);
+    assert_eq!(
+        metric(&m, "kvtier_tenant_l2_pages{tenant=\"globex\"}"),
+        16.0
+    );
+    assert_eq!(
+        metric(&m, "kvtier_tenant_l2_quota_pages{tenant=\"acme\"}"),
+        8.0
+    );
+    assert!(
+        metric(
+            &m,
+            "kvtier_tenant_l2_quota_pages_total{outcome=\"evicted\",tenant=\"acme\"}"
+        ) >= 24.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "kvtier_tenant_l3_bytes{tenant=\"globex\"}"),
+        (16 * obj) as f64
+    );
+    assert!(
+        metric(
+            &m,
+            "kvtier_tenant_l3_quota_evictions_total{tenant=\"acme\"}"
+        ) >= 22.0
+    );
 }

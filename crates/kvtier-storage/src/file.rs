@@ -37,6 +37,10 @@ pub struct FileConfig {
     pub root: PathBuf,
     /// Most bytes kept (0: unbounded); least recently used objects are evicted above it.
     pub capacity_bytes: u64,
+    /// Tenants to track, by the tag their objects' keys start with, each with its most
+    /// bytes (0: counted only). A tenant past its quota evicts its own least recently used
+    /// objects (`kvtier_core::tenant`).
+    pub tenant_quotas: Vec<(kvtier_core::TenantTag, u64)>,
     /// Writes are refused while the filesystem has less free space than this.
     pub min_free_bytes: u64,
     /// Objects older than this are misses and are deleted (None: no expiry).
@@ -51,6 +55,7 @@ impl FileConfig {
         Self {
             root: root.into(),
             capacity_bytes: 0,
+            tenant_quotas: Vec::new(),
             min_free_bytes: 0,
             ttl: None,
             sync: false,
@@ -103,7 +108,7 @@ impl FileStore {
         }
         let store = Arc::new(Self {
             objects,
-            index: Arc::default(),
+            index: Arc::new(Mutex::new(Index::with_quotas(&cfg.tenant_quotas))),
             seq: AtomicU64::new(0),
             cfg,
         });
@@ -382,6 +387,7 @@ impl Store for FileStore {
         let size = (head.len() + body.len()) as u64;
         let cap = self.cfg.capacity_bytes;
         check_fits(size, cap)?;
+        lock(&self.index).check_quota(name, size)?;
         let min_free = self.cfg.min_free_bytes;
         let sync = self.cfg.sync;
         let path = self.path_of(name);
@@ -481,6 +487,7 @@ impl Store for FileStore {
             capacity: self.cfg.capacity_bytes,
             evictions: g.evictions,
             delete_failures: g.delete_failures,
+            tenants: g.tenants(),
         }
     }
 }

@@ -28,6 +28,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
+pub use lru::TenantBytes;
 pub use page::{Fetch, Landed, MissReason, PageStore, PageStoreStats};
 
 /// Why a storage operation failed. Absence is not an error: `get` returns `Ok(None)`.
@@ -155,6 +156,9 @@ pub struct StoreStats {
     pub evictions: u64,
     /// Objects it failed to delete (left on disk, forgotten by the index).
     pub delete_failures: u64,
+    /// Per tenant it tracks (`tenant_quotas` of the file and RocksDB backends): what it
+    /// holds, its byte quota and the evictions that quota made. Empty for the others.
+    pub tenants: Vec<TenantBytes>,
 }
 
 /// A backend: named, opaque objects.

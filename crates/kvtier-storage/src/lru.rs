@@ -3,6 +3,8 @@
 //! runs on, and the hand-off of blocking I/O to tokio's blocking pool.
 
 use std::collections::{BTreeSet, HashMap};
+
+use kvtier_core::TenantTag;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -40,7 +42,30 @@ pub(crate) async fn blocking<T: Send + 'static>(
     }
 }
 
-/// Object sizes and last-access times, ordered for eviction.
+/// What one tenant holds in a backend, and its quota (see [`crate::StoreStats::tenants`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantBytes {
+    /// The tenant, by the tag its objects' keys start with.
+    pub tag: TenantTag,
+    /// Its objects.
+    pub objects: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Most bytes it may hold (0: no quota, counted only).
+    pub quota: u64,
+    /// Its own objects evicted to keep it within its quota.
+    pub evictions: u64,
+}
+
+/// One tracked tenant: its usage and its own LRU order.
+#[derive(Debug, Default)]
+struct Group {
+    usage: TenantBytes,
+    lru: BTreeSet<(u64, String)>,
+}
+
+/// Object sizes and last-access times, ordered for eviction; per tracked tenant too, so a
+/// tenant past its byte quota evicts its own least recently used objects, never another's.
 #[derive(Debug, Default)]
 pub(crate) struct Index {
     /// name → (bytes, last access in ns since the epoch)
@@ -49,22 +74,88 @@ pub(crate) struct Index {
     pub(crate) bytes: u64,
     pub(crate) evictions: u64,
     pub(crate) delete_failures: u64,
+    groups: HashMap<TenantTag, Group>,
 }
 
 impl Index {
+    /// An empty index that tracks the tenants of `quotas` (tag, most bytes; 0: unbounded).
+    pub(crate) fn with_quotas(quotas: &[(TenantTag, u64)]) -> Self {
+        let mut ix = Self::default();
+        for &(tag, quota) in quotas {
+            let usage = TenantBytes {
+                tag,
+                quota,
+                ..TenantBytes::default()
+            };
+            ix.groups.insert(
+                tag,
+                Group {
+                    usage,
+                    lru: BTreeSet::new(),
+                },
+            );
+        }
+        ix
+    }
+
+    fn group(&mut self, name: &str) -> Option<&mut Group> {
+        if self.groups.is_empty() {
+            return None;
+        }
+        self.groups.get_mut(&TenantTag::of_object_name(name)?)
+    }
+
+    /// Refuses an object larger than its tenant's whole quota.
+    pub(crate) fn check_quota(&self, name: &str, size: u64) -> Result<(), StorageError> {
+        let Some(g) = TenantTag::of_object_name(name).and_then(|t| self.groups.get(&t)) else {
+            return Ok(());
+        };
+        if g.usage.quota > 0 && size > g.usage.quota {
+            return Err(StorageError::NoSpace(format!(
+                "object of {size} bytes exceeds the quota of tenant tag {} ({} bytes)",
+                g.usage.tag.to_hex(),
+                g.usage.quota
+            )));
+        }
+        Ok(())
+    }
+
+    /// Per tracked tenant: what it holds and its quota, by tag.
+    pub(crate) fn tenants(&self) -> Vec<TenantBytes> {
+        let mut v: Vec<TenantBytes> = self.groups.values().map(|g| g.usage.clone()).collect();
+        v.sort_by_key(|t| t.tag);
+        v
+    }
+
     pub(crate) fn insert(&mut self, name: &str, size: u64, at: u64) {
-        if let Some((old_size, old_at)) = self.entries.insert(name.to_string(), (size, at)) {
+        let old = self.entries.insert(name.to_string(), (size, at));
+        if let Some((old_size, old_at)) = old {
             self.bytes -= old_size;
             self.lru.remove(&(old_at, name.to_string()));
         }
         self.bytes += size;
         self.lru.insert((at, name.to_string()));
+        if let Some(g) = self.group(name) {
+            if let Some((old_size, old_at)) = old {
+                g.usage.bytes -= old_size;
+                g.usage.objects -= 1;
+                g.lru.remove(&(old_at, name.to_string()));
+            }
+            g.usage.bytes += size;
+            g.usage.objects += 1;
+            g.lru.insert((at, name.to_string()));
+        }
     }
 
     pub(crate) fn remove(&mut self, name: &str) {
         if let Some((size, at)) = self.entries.remove(name) {
             self.bytes -= size;
             self.lru.remove(&(at, name.to_string()));
+            if let Some(g) = self.group(name) {
+                g.usage.bytes -= size;
+                g.usage.objects -= 1;
+                g.lru.remove(&(at, name.to_string()));
+            }
         }
     }
 
@@ -74,12 +165,30 @@ impl Index {
             e.1 = at;
             self.lru.remove(&(old, name.to_string()));
             self.lru.insert((at, name.to_string()));
+            if let Some(g) = self.group(name) {
+                g.lru.remove(&(old, name.to_string()));
+                g.lru.insert((at, name.to_string()));
+            }
         }
     }
 
-    /// Takes least recently used objects out until `bytes <= capacity`, sparing `keep`.
+    /// Takes least recently used objects out, sparing `keep`: first those of `keep`'s tenant
+    /// while it is past its quota, then any until `bytes <= capacity`.
     pub(crate) fn victims(&mut self, capacity: u64, keep: &str) -> Vec<String> {
         let mut out = Vec::new();
+        let tag = TenantTag::of_object_name(keep);
+        while let Some(g) = tag.and_then(|t| self.groups.get_mut(&t))
+            && g.usage.quota > 0
+            && g.usage.bytes > g.usage.quota
+        {
+            let Some(first) = g.lru.iter().find(|(_, n)| n != keep).cloned() else {
+                break;
+            };
+            g.usage.evictions += 1;
+            self.remove(&first.1);
+            self.evictions += 1;
+            out.push(first.1);
+        }
         while capacity > 0 && self.bytes > capacity {
             let Some(first) = self.lru.iter().find(|(_, n)| n != keep).cloned() else {
                 break;

@@ -135,6 +135,7 @@ impl Store for MemoryStore {
             capacity: self.capacity,
             evictions: g.evictions,
             delete_failures: 0,
+            tenants: Vec::new(),
         }
     }
 }

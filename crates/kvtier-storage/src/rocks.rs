@@ -43,6 +43,10 @@ pub struct RocksConfig {
     pub path: PathBuf,
     /// Most bytes kept (0: unbounded).
     pub capacity_bytes: u64,
+    /// Tenants to track, by the tag their objects' keys start with, each with its most
+    /// bytes (0: counted only). A tenant past its quota evicts its own least recently used
+    /// objects (`kvtier_core::tenant`).
+    pub tenant_quotas: Vec<(kvtier_core::TenantTag, u64)>,
     /// Sync the write-ahead log on every write.
     pub sync: bool,
 }
@@ -53,6 +57,7 @@ impl RocksConfig {
         Self {
             path: path.into(),
             capacity_bytes: 0,
+            tenant_quotas: Vec::new(),
             sync: false,
         }
     }
@@ -126,7 +131,7 @@ impl RocksStore {
         })
         .await?;
         let db = Arc::new(db);
-        let index = Arc::new(Mutex::new(Index::default()));
+        let index = Arc::new(Mutex::new(Index::with_quotas(&cfg.tenant_quotas)));
         {
             let (db, index) = (db.clone(), index.clone());
             blocking("rocksdb", move || {
@@ -196,6 +201,7 @@ impl Store for RocksStore {
         let size = (head.len() + body.len()) as u64;
         let cap = self.cfg.capacity_bytes;
         check_fits(size, cap)?;
+        lock(&self.index).check_quota(name, size)?;
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
         let sync = self.cfg.sync;
         blocking("rocksdb", move || {
@@ -283,6 +289,7 @@ impl Store for RocksStore {
             capacity: self.cfg.capacity_bytes,
             evictions: g.evictions,
             delete_failures: g.delete_failures,
+            tenants: g.tenants(),
         }
     }
 }

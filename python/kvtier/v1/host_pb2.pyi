@@ -433,7 +433,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_label: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., pins: _Optional[int] = ..., writing_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_ms", "pools", "sessions", "reserve_calls", "commit_calls", "acquire_calls", "dedup_pages", "expired_sessions", "metrics_address", "l3")
+    __slots__ = ("version", "uptime_ms", "pools", "sessions", "reserve_calls", "commit_calls", "acquire_calls", "dedup_pages", "expired_sessions", "metrics_address", "l3", "tenants")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +445,7 @@ class StatsResponse(_message.Message):
     EXPIRED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     L3_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_ms: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
@@ -456,7 +457,30 @@ class StatsResponse(_message.Message):
     expired_sessions: int
     metrics_address: str
     l3: L3Stats
-    def __init__(self, version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., reserve_calls: _Optional[int] = ..., commit_calls: _Optional[int] = ..., acquire_calls: _Optional[int] = ..., dedup_pages: _Optional[int] = ..., expired_sessions: _Optional[int] = ..., metrics_address: _Optional[str] = ..., l3: _Optional[_Union[L3Stats, _Mapping]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., reserve_calls: _Optional[int] = ..., commit_calls: _Optional[int] = ..., acquire_calls: _Optional[int] = ..., dedup_pages: _Optional[int] = ..., expired_sessions: _Optional[int] = ..., metrics_address: _Optional[str] = ..., l3: _Optional[_Union[L3Stats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "l2_pages", "l2_quota_pages", "l2_quota_evictions", "l2_quota_refusals", "l3_objects", "l3_bytes", "l3_quota_bytes", "l3_quota_evictions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L2_QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L2_QUOTA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    L2_QUOTA_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    L3_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    L3_BYTES_FIELD_NUMBER: _ClassVar[int]
+    L3_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    L3_QUOTA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    l2_pages: int
+    l2_quota_pages: int
+    l2_quota_evictions: int
+    l2_quota_refusals: int
+    l3_objects: int
+    l3_bytes: int
+    l3_quota_bytes: int
+    l3_quota_evictions: int
+    def __init__(self, tenant: _Optional[str] = ..., l2_pages: _Optional[int] = ..., l2_quota_pages: _Optional[int] = ..., l2_quota_evictions: _Optional[int] = ..., l2_quota_refusals: _Optional[int] = ..., l3_objects: _Optional[int] = ..., l3_bytes: _Optional[int] = ..., l3_quota_bytes: _Optional[int] = ..., l3_quota_evictions: _Optional[int] = ...) -> None: ...
 
 class L3Stats(_message.Message):
     __slots__ = ("backend", "write_policy", "objects", "bytes", "capacity_bytes", "written_pages", "skipped_pages", "failed_pages", "deferred_pages", "queued_pages", "evictions")

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use kvtier_config::daemon::{DaemonConfig, L3Backend};
+use kvtier_core::TenantScope;
 use kvtier_storage::file::{FileConfig, FileStore};
 use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::remote::RemoteStore;
@@ -14,6 +15,16 @@ use kvtier_storage::{StorageError, Store};
 /// Opens the configured backend, or `None` for `l3.backend = "none"`.
 pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, StorageError> {
     let l3 = &cfg.l3;
+    // Every tenant is tracked (usage for status and metrics); those with l3_bytes are held
+    // to it. Validation refuses l3_bytes for backends without an object index.
+    let tenants = cfg
+        .tenants()
+        .map_err(|e| StorageError::Invalid(e.to_string()))?;
+    let tenant_quotas: Vec<_> = tenants
+        .quotas()
+        .iter()
+        .map(|q| (TenantScope::new(&q.name).tag(), q.l3_bytes.unwrap_or(0)))
+        .collect();
     Ok(match l3.backend {
         L3Backend::None => None,
         L3Backend::Memory => Some(Arc::new(MemoryStore::with_capacity(
@@ -47,6 +58,7 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
             RocksStore::open(RocksConfig {
                 path: cfg.l3_rocksdb_path(),
                 capacity_bytes: l3.rocksdb.capacity_bytes.0,
+                tenant_quotas,
                 sync: l3.rocksdb.sync,
             })
             .await?,
@@ -55,6 +67,7 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
             FileStore::open(FileConfig {
                 root: cfg.l3_file_path(),
                 capacity_bytes: l3.file.capacity_bytes.0,
+                tenant_quotas,
                 min_free_bytes: l3.file.min_free_bytes.0,
                 ttl: (!l3.file.ttl.0.is_zero()).then_some(l3.file.ttl.0),
                 sync: l3.file.sync,

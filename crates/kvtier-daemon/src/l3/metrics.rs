@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 
 use kvtier_server::metrics::{GBPS_BUCKETS, IO_BUCKETS, MetricRegistry, Result, catch_up};
 use kvtier_storage::wrappers::StoreObserver;
-use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::{L3, L3Slot};
 
@@ -33,6 +33,9 @@ pub struct L3Metrics {
     breaker_transitions: IntCounterVec,
     retries: IntCounterVec,
     read_window: IntGauge,
+    tenant_bytes: IntGaugeVec,
+    tenant_quota_bytes: IntGaugeVec,
+    tenant_quota_evictions: IntCounterVec,
 }
 
 impl L3Metrics {
@@ -103,6 +106,21 @@ impl L3Metrics {
                 "Backup (L2 to L3) bandwidth of each written page, in GB/s",
                 GBPS_BUCKETS,
             )?,
+            tenant_bytes: r.gauge_vec(
+                "kvtier_tenant_l3_bytes",
+                "Bytes each tenant holds in L3 (file and rocksdb backends; tenancy on)",
+                &["tenant"],
+            )?,
+            tenant_quota_bytes: r.gauge_vec(
+                "kvtier_tenant_l3_quota_bytes",
+                "Most bytes each tenant may hold in L3 (0: no quota)",
+                &["tenant"],
+            )?,
+            tenant_quota_evictions: r.counter_vec(
+                "kvtier_tenant_l3_quota_evictions_total",
+                "A tenant's own L3 objects evicted to keep it within its quota",
+                &["tenant"],
+            )?,
         };
         for outcome in ["written", "present", "failed", "deferred"] {
             m.writes.with_label_values(&[outcome]);
@@ -120,10 +138,36 @@ impl L3Metrics {
     pub fn watch(&self, r: &MetricRegistry, slot: &Arc<L3Slot>) {
         let (me, slot): (Self, Weak<L3Slot>) = (self.clone(), Arc::downgrade(slot));
         r.on_scrape(move || {
-            if let Some(l3) = slot.upgrade().and_then(|s| s.current()) {
+            let Some(slot) = slot.upgrade() else { return };
+            if let Some(l3) = slot.current() {
                 me.refresh(&l3);
+                let names = crate::lock(&slot.state).tenant_names();
+                me.refresh_tenants(&l3, &names);
             }
         });
+    }
+
+    /// Per tracked tenant (`names`: tag and name), from the backend's own accounting.
+    fn refresh_tenants(&self, l3: &L3, names: &[(kvtier_core::TenantTag, String)]) {
+        let held = l3.store.store_stats().tenants;
+        for (tag, name) in names {
+            let t = held
+                .iter()
+                .find(|t| t.tag == *tag)
+                .cloned()
+                .unwrap_or_default();
+            let label = [name.as_str()];
+            self.tenant_bytes
+                .with_label_values(&label)
+                .set(t.bytes as i64);
+            self.tenant_quota_bytes
+                .with_label_values(&label)
+                .set(t.quota as i64);
+            catch_up(
+                &self.tenant_quota_evictions.with_label_values(&label),
+                t.evictions,
+            );
+        }
     }
 
     fn refresh(&self, l3: &L3) {

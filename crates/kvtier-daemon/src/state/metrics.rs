@@ -39,6 +39,9 @@ pub struct L2Metrics {
     pins: IntGauge,
     sessions: IntGauge,
     pools: IntGauge,
+    tenant_pages: IntGaugeVec,
+    tenant_quota_pages: IntGaugeVec,
+    tenant_quota: IntCounterVec,
 }
 
 impl L2Metrics {
@@ -133,6 +136,23 @@ impl L2Metrics {
                  unchecked (not in L2; L3 not asked)",
                 &["tier"],
             )?,
+            tenant_pages: r.gauge_vec(
+                "kvtier_tenant_l2_pages",
+                "Pages each tenant holds in L2, all pools (tenancy on; the default tenant is \
+                 \"\")",
+                &["tenant"],
+            )?,
+            tenant_quota_pages: r.gauge_vec(
+                "kvtier_tenant_l2_quota_pages",
+                "Most pages each tenant may hold in each L2 pool (0: no quota)",
+                &["tenant"],
+            )?,
+            tenant_quota: r.counter_vec(
+                "kvtier_tenant_l2_quota_pages_total",
+                "What a tenant at its L2 quota did, by outcome: evicted (its own page made \
+                 room), refused (none of its own pages could leave)",
+                &["tenant", "outcome"],
+            )?,
         };
         for tier in ["l2", "l3", "miss", "unchecked"] {
             m.lookup_pages.with_label_values(&[tier]);
@@ -174,6 +194,21 @@ impl L2Metrics {
         self.pins.set(t.pins as i64);
         self.sessions.set(st.sessions().count() as i64);
         self.pools.set(st.pools().count() as i64);
+        for (name, _, u) in st.tenant_usage() {
+            let label = [name.as_str()];
+            self.tenant_pages
+                .with_label_values(&label)
+                .set(i64::from(u.pages));
+            self.tenant_quota_pages
+                .with_label_values(&label)
+                .set(i64::from(u.quota.unwrap_or(0)));
+            for (outcome, n) in [
+                ("evicted", u.quota_evictions),
+                ("refused", u.quota_refusals),
+            ] {
+                catch_up(&self.tenant_quota.with_label_values(&[&name, outcome]), n);
+            }
+        }
         let c = st.counters;
         catch_up(&self.expired_sessions, c.expired_sessions);
         catch_up(&self.dropped_pins, c.dropped_pins);
