@@ -41,6 +41,9 @@ pub enum Command {
     Layout(LayoutArgs),
     /// Show a running kvtierd's pools, sessions, usage and counters.
     Status(StatusArgs),
+    /// Ask a kvtierd or kvtier-agent's grpc.health.v1 service; exit 0 only when it is
+    /// SERVING (a container health check or Kubernetes exec probe).
+    Health(StatusArgs),
     /// Show, attach, swap or detach a running kvtierd's storage tier (L3).
     Backend(BackendArgs),
     /// Print the configuration a running kvtierd uses now, as kvtierd.toml (secrets
@@ -177,6 +180,7 @@ pub fn run(cli: Cli) -> Result<String> {
         Command::Keys(a) => keys(a),
         Command::Layout(a) => layout(a),
         Command::Status(a) => status(a),
+        Command::Health(a) => health(&a),
         Command::Backend(a) => backend(a),
         Command::Config(a) => config(&a),
         Command::Clear(a) => tiers::clear(&a, &mut tiers::ask_terminal),
@@ -282,6 +286,23 @@ fn hex(b: &[u8]) -> String {
 
 fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
+}
+
+/// `kvtierctl health`: the overall status of the server's grpc.health.v1 service; an
+/// error (so a non-zero exit) unless it is SERVING. TCP targets use `KVTIER_TOKEN` and the TLS
+/// variables like every command.
+pub fn health(a: &StatusArgs) -> Result<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let sec = kvtier_client::TcpSecurity::from_env()?;
+    let status = rt
+        .block_on(kvtier_client::health_with(&a.socket, &sec))
+        .with_context(|| format!("asking {} for its health", a.socket))?;
+    if status != "SERVING" {
+        bail!("{} is {status}", a.socket);
+    }
+    Ok(format!("{status}\n"))
 }
 
 /// `kvtierctl status`.

@@ -521,6 +521,11 @@ fn health_reflection_status_metrics_and_clean_shutdown() {
         "{status}"
     );
     assert!(status.contains("status-client"), "{status}");
+    // kvtierctl health: the health check of the container image and the Kubernetes probes.
+    let args = |socket: String| kvtier_ctl::StatusArgs { socket };
+    assert_eq!(kvtier_ctl::health(&args(d.target())).unwrap(), "SERVING\n");
+    let gone = d.dir.join("no-such.sock").display().to_string();
+    assert!(kvtier_ctl::health(&args(gone)).is_err());
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtierd"))
         .arg("--print-default-config")
         .output()
