@@ -28,8 +28,8 @@ class Kvtierd:
     """kvtierd with `--set` overrides; its file L3 is <data_dir>/l3. `start()` again after
     `kill()` or `stop()` restarts it on the same directory."""
 
-    def __init__(self, data_dir: Path, *sets: str):
-        self.data_dir, self.sets = data_dir, sets
+    def __init__(self, data_dir: Path, *sets: str, config: Path | None = None):
+        self.data_dir, self.sets, self.config = data_dir, sets, config
         self.socket = str(data_dir / "kvtierd.sock")
         self.start()
 
@@ -49,6 +49,8 @@ class Kvtierd:
         ]
         for s in self.sets:
             args += ["--set", s]
+        if self.config is not None:
+            args += ["--config", str(self.config)]
         # kvtierd reads KVTIER_* variables as configuration: none of the caller's leak in.
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)

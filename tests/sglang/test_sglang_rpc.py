@@ -8,7 +8,10 @@ KVTIERD_BIN to use another.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,8 +27,8 @@ OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE = 0, 3, 5, 9,
 class Kvtierd(KvtierdProcess):
     """A kvtierd process on its own data directory, with [sglang_rpc] enabled."""
 
-    def __init__(self, data_dir: Path, *sets: str):
-        super().__init__(data_dir, "sglang_rpc.enable=true", *sets)
+    def __init__(self, data_dir: Path, *sets: str, config: Path | None = None):
+        super().__init__(data_dir, "sglang_rpc.enable=true", *sets, config=config)
         self.mempool = str(data_dir / "sglang-mempool.sock")
         self.grpc = str(data_dir / "sglang-grpc.sock")
 
@@ -402,3 +405,59 @@ def test_a_layer_first_batch_of_a_deep_model_fits_in_one_request(daemon):
     assert c.batch_get(transfers) == [OK] * len(ids)
     assert c.pool.read(0, len(blob)) == blob
     c.close()
+
+
+# Run in a child process whose primary gid is 65534 (tenant globex): the relay binds each
+# gRPC connection to its peer's tenant, so this is how a second tenant's SGLang looks.
+GLOBEX_CLIENT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import hicache_rpc as rpc
+c = rpc.Client(sys.argv[2], sys.argv[3], rpc.HostPool(1 << 20), "globex")
+seen = c.exist(["shared", "acme-only"])
+c.pool.write(0, bytes([7]) * 4096)
+put = c.batch_put([c.transfer("shared", [(0, 4096)]), c.transfer("globex-only", [(0, 4096)])])
+c.pool.write(0, bytes(4096))
+got = c.batch_get([c.transfer("shared", [(0, 4096)])])
+print(json.dumps({"seen": seen, "put": put, "got": got, "bytes": c.pool.read(0, 4096).hex()}))
+c.close()
+"""
+
+
+def test_tenants_bound_by_peer_never_share_objects(tmp_path):
+    conf = tmp_path / "kvtierd.toml"
+    conf.write_text("[tenants.acme]\ngids = [0]\n\n[tenants.globex]\ngids = [65534]\n")
+    d = Kvtierd(tmp_path / "kvtierd", config=conf)
+    try:
+        a = connect(d, name="acme")
+        a.pool.write(0, pattern(70, 4096))
+        assert a.batch_put(
+            [a.transfer("shared", [(0, 4096)]), a.transfer("acme-only", [(0, 4096)])]
+        ) == [OK, OK]
+        r = subprocess.run(
+            ["setpriv", "--regid", "65534", "--clear-groups", sys.executable, "-c", GLOBEX_CLIENT]
+            + [str(Path(__file__).parent), d.mempool, d.grpc],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        g = json.loads(r.stdout)
+        # Globex sees none of acme's objects, stores its own under the same id, reads it back.
+        assert g["seen"] == [False, False]
+        assert g["put"] == [OK, OK] and g["got"] == [OK]
+        assert bytes.fromhex(g["bytes"]) == bytes([7]) * 4096
+        # Acme still reads its own bytes under the shared id and never sees globex's.
+        a.pool.write(0, bytes(4096))
+        assert a.batch_get([a.transfer("shared", [(0, 4096)])]) == [OK]
+        assert a.pool.read(0, 4096) == pattern(70, 4096)
+        assert a.exist(["globex-only"]) == [False]
+        # A client cannot claim another tenant: the relay drops the header it sends.
+        req = rpc.pb2.ExistRequest(id=[b"globex-only"])
+        claimed = a.stub.Exist(req, metadata=[("kvtier-peer-tenant", "globex")], timeout=30)
+        assert list(claimed.results) == [False]
+        # L3 holds four objects: each tenant's two.
+        assert len(d.l3_files()) == 4
+        a.close()
+    finally:
+        d.stop()

@@ -380,7 +380,7 @@ pub async fn run(
                 .add_service(svc)
                 // Through the relay that makes grpcio's `:authority` acceptable to h2.
                 .serve_with_incoming_shutdown(
-                    sglang::grpc_incoming(grpc, shutdown.clone()),
+                    sglang::grpc_incoming(grpc, shutdown.clone(), Arc::new(tenants.clone())),
                     async move { stop.cancelled().await },
                 ),
         );

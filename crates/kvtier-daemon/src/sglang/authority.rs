@@ -12,12 +12,21 @@
 //! follows). Padding and priority fields of HEADERS frames are dropped (priority is
 //! advisory). Frames from tonic go back unchanged.
 //!
+//! The relay also binds each connection to its tenant (`[tenants]`), which SGLang's protocol
+//! has no field for: while tenancy is on, every request's header block gets
+//! [`TENANT_HEADER`] with the tenant of the connection's peer (by its `SO_PEERCRED` uid or
+//! gid, read at accept), and any such header the client sent is dropped, so no client can
+//! claim another tenant. The storage service scopes object ids by it.
+//!
 //! The payloads are small here — a transfer names offsets; the bytes move through the
 //! registered memfd — so the extra copy costs little. A peer that breaks the framing loses
 //! its connection, nothing else.
 
 use std::io;
 
+use std::sync::Arc;
+
+use kvtier_config::tenants::Tenants;
 use kvtier_server::peers::GatedListener;
 use loona_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
@@ -44,6 +53,20 @@ fn bad(why: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, why.into())
 }
 
+/// The request header naming the connection's tenant, set by the relay only.
+pub(crate) const TENANT_HEADER: &str = "kvtier-peer-tenant";
+
+/// Drops any tenant header the client sent and, when `tenant` is given (tenancy on), adds
+/// the relay's own to a request's header block (one with `:path`; trailers get none).
+pub(crate) fn bind_tenant(headers: &mut Vec<(Vec<u8>, Vec<u8>)>, tenant: Option<&str>) {
+    headers.retain(|(n, _)| !n.eq_ignore_ascii_case(TENANT_HEADER.as_bytes()));
+    if let Some(t) = tenant
+        && headers.iter().any(|(n, _)| n.as_slice() == b":path")
+    {
+        headers.push((TENANT_HEADER.as_bytes().to_vec(), t.as_bytes().to_vec()));
+    }
+}
+
 /// Whether HTTP would take `v` as an authority.
 fn valid_authority(v: &[u8]) -> bool {
     tonic::codegen::http::uri::Authority::try_from(v).is_ok()
@@ -62,7 +85,7 @@ pub(crate) fn fix_authority(headers: &mut [(Vec<u8>, Vec<u8>)]) -> bool {
 }
 
 /// Relays the client → server direction, header blocks rewritten.
-async fn client_to_server<R, W>(mut from: R, mut to: W) -> io::Result<()>
+async fn client_to_server<R, W>(mut from: R, mut to: W, tenant: Option<String>) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -117,6 +140,7 @@ where
                 if fix_authority(&mut headers) {
                     tracing::trace!("sglang grpc: :authority rewritten to localhost");
                 }
+                bind_tenant(&mut headers, tenant.as_deref());
                 let out = encoder.encode(headers.iter().map(|(n, v)| (&n[..], &v[..])));
                 write_block(&mut to, &out, flags & END_STREAM, stream).await?;
             }
@@ -191,10 +215,12 @@ fn frame_head(len: usize, kind: u8, flags: u8, stream: [u8; 4]) -> [u8; 9] {
 }
 
 /// Accepts connections on `listener` until `stop`; each is relayed to the returned
-/// receiver's pipe end (hand it to tonic's `serve_with_incoming_shutdown`).
+/// receiver's pipe end (hand it to tonic's `serve_with_incoming_shutdown`), bound to its
+/// peer's tenant while `tenants` names any.
 pub fn incoming(
     listener: GatedListener,
     stop: CancellationToken,
+    tenants: Arc<Tenants>,
 ) -> tokio_stream::wrappers::ReceiverStream<io::Result<DuplexStream>> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
@@ -208,6 +234,17 @@ pub fn incoming(
                         continue;
                     }
                 },
+            };
+            let tenant = if tenants.any() {
+                match client.peer_cred() {
+                    Ok(c) => Some(tenants.of_peer(c.uid(), c.gid()).to_string()),
+                    Err(e) => {
+                        tracing::warn!("sglang grpc: no peer credentials, connection closed: {e}");
+                        continue;
+                    }
+                }
+            } else {
+                None
             };
             let (ours, theirs) = tokio::io::duplex(PIPE);
             if tx.send(Ok(theirs)).await.is_err() {
@@ -224,7 +261,7 @@ pub fn incoming(
                 });
                 // ... and requests until the client stops sending or tonic has closed.
                 tokio::select! {
-                    r = client_to_server(cr, sw) => {
+                    r = client_to_server(cr, sw, tenant) => {
                         if let Err(e) = r {
                             tracing::debug!("sglang grpc connection ended: {e}");
                         }
@@ -240,6 +277,35 @@ pub fn incoming(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_relay_names_the_tenant_and_drops_a_claimed_one() {
+        let req = || {
+            vec![
+                (b":path".to_vec(), b"/x/Exist".to_vec()),
+                (b"Kvtier-Peer-Tenant".to_vec(), b"acme".to_vec()),
+            ]
+        };
+        let mut h = req();
+        bind_tenant(&mut h, Some("globex"));
+        assert_eq!(
+            h[1..],
+            [(b"kvtier-peer-tenant".to_vec(), b"globex".to_vec())]
+        );
+        let mut h = req();
+        bind_tenant(&mut h, Some(""));
+        assert_eq!(h[1..], [(b"kvtier-peer-tenant".to_vec(), b"".to_vec())]);
+        let mut h = req();
+        bind_tenant(&mut h, None);
+        assert_eq!(
+            h.len(),
+            1,
+            "a claimed tenant is dropped even with tenancy off"
+        );
+        let mut trailers = vec![(b"grpc-status".to_vec(), b"0".to_vec())];
+        bind_tenant(&mut trailers, Some("globex"));
+        assert_eq!(trailers.len(), 1);
+    }
 
     #[test]
     fn only_an_invalid_authority_is_replaced() {
@@ -296,7 +362,7 @@ mod tests {
         input.extend_from_slice(b"xyz");
 
         let mut out = Vec::new();
-        client_to_server(&input[..], &mut out).await.unwrap();
+        client_to_server(&input[..], &mut out, None).await.unwrap();
         assert_eq!(&out[..24], PREFACE);
         let mut rest = &out[24..];
         let mut block = Vec::new();
@@ -329,12 +395,16 @@ mod tests {
         input.extend_from_slice(&frame_head(1, CONTINUATION, END_HEADERS, [0, 0, 0, 1]));
         input.push(0);
         let mut out = Vec::new();
-        assert!(client_to_server(&input[..], &mut out).await.is_err());
+        assert!(client_to_server(&input[..], &mut out, None).await.is_err());
         // A header block that does not decode.
         let mut input = PREFACE.to_vec();
         input.extend_from_slice(&frame_head(1, HEADERS, END_HEADERS, [0, 0, 0, 1]));
         input.push(0xff);
-        assert!(client_to_server(&input[..], &mut Vec::new()).await.is_err());
+        assert!(
+            client_to_server(&input[..], &mut Vec::new(), None)
+                .await
+                .is_err()
+        );
         // A HEADERS frame claiming 16 MiB is refused before anything is allocated for it.
         let mut input = PREFACE.to_vec();
         input.extend_from_slice(&frame_head(
@@ -343,6 +413,10 @@ mod tests {
             END_HEADERS,
             [0, 0, 0, 1],
         ));
-        assert!(client_to_server(&input[..], &mut Vec::new()).await.is_err());
+        assert!(
+            client_to_server(&input[..], &mut Vec::new(), None)
+                .await
+                .is_err()
+        );
     }
 }

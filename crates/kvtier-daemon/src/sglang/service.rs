@@ -29,7 +29,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use futures::StreamExt;
 use kvtier_config::daemon::{SglangRpcConfig, SglangStore};
-use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_core::{LayoutFingerprint, PageKey, TenantScope};
 use kvtier_proto::sglang;
 use kvtier_storage::{Fill, Landed, MissReason, ObjectSink, OpCtx};
 use sha2::{Digest, Sha256};
@@ -53,8 +53,18 @@ fn namespace() -> LayoutFingerprint {
     LayoutFingerprint(fp)
 }
 
-fn object_key(id: &[u8]) -> PageKey {
-    PageKey(Sha256::digest(id).into())
+/// The key of object `id`: SHA-256 of the id, mapped into the connection's tenant scope
+/// while tenancy is on (so equal ids of two tenants are two objects, in memory and in L3).
+fn object_key(scope: Option<&TenantScope>, id: &[u8]) -> PageKey {
+    let k = PageKey(Sha256::digest(id).into());
+    scope.map_or(k, |s| s.apply(&k))
+}
+
+/// The tenant scope the relay bound the request's connection to (`authority::TENANT_HEADER`;
+/// absent while tenancy is off).
+fn request_scope<T>(request: &Request<T>) -> Option<TenantScope> {
+    let tenant = request.metadata().get(super::authority::TENANT_HEADER)?;
+    Some(TenantScope::new(tenant.to_str().unwrap_or_default()))
 }
 
 /// gRPC status codes SGLang reads in result slots.
@@ -267,7 +277,7 @@ impl Objects {
         code::OK
     }
 
-    async fn put_one(&self, t: &sglang::Transfer) -> i32 {
+    async fn put_one(&self, scope: Option<&TenantScope>, t: &sglang::Transfer) -> i32 {
         let (pool, ranges, total) = match self.ranges(t) {
             Ok(r) => r,
             Err(c) => return c,
@@ -283,7 +293,7 @@ impl Objects {
             at += len;
         }
         let data = Bytes::from(buf);
-        let key = object_key(&t.id);
+        let key = object_key(scope, &t.id);
         let in_memory = self.memory.insert(key.0, data.clone());
         let code = match self.l3.as_ref().map(|s| s.current()) {
             // Memory is the only copy (`sglang_rpc.l3 = "none"`).
@@ -315,12 +325,12 @@ impl Objects {
         code
     }
 
-    async fn get_one(&self, t: &sglang::Transfer) -> i32 {
+    async fn get_one(&self, scope: Option<&TenantScope>, t: &sglang::Transfer) -> i32 {
         let (pool, ranges, total) = match self.ranges(t) {
             Ok(r) => r,
             Err(c) => return c,
         };
-        let key = object_key(&t.id);
+        let key = object_key(scope, &t.id);
         let wrong_length = |len: usize| {
             tracing::warn!(
                 id = %String::from_utf8_lossy(&t.id),
@@ -379,11 +389,11 @@ impl Objects {
         c
     }
 
-    async fn exists_one(&self, id: &[u8]) -> bool {
+    async fn exists_one(&self, scope: Option<&TenantScope>, id: &[u8]) -> bool {
         if id.is_empty() || id.len() > MAX_ID {
             return false;
         }
-        let key = object_key(id);
+        let key = object_key(scope, id);
         if self.memory.contains(&key.0) {
             self.served("exist", "memory");
             return true;
@@ -418,13 +428,14 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::ExistRequest>,
     ) -> Result<Response<sglang::ExistResponse>, Status> {
         let started = Instant::now();
+        let scope = request_scope(&request);
         let ids = request.into_inner().id;
         let this = &self.inner;
         this.check_batch("Exist", ids.len())?;
         let results: Vec<bool> = futures::stream::iter(ids)
             .map(|id| {
-                let this = this.clone();
-                async move { this.exists_one(&id).await }
+                let (this, scope) = (this.clone(), scope.clone());
+                async move { this.exists_one(scope.as_ref(), &id).await }
             })
             .buffered(this.concurrency)
             .collect()
@@ -441,14 +452,15 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::BatchPutRequest>,
     ) -> Result<Response<sglang::BatchPutResponse>, Status> {
         let started = Instant::now();
+        let scope = request_scope(&request);
         let puts = request.into_inner().puts;
         let this = &self.inner;
         this.check_batch("BatchPut", puts.len())?;
         let results: Vec<i32> = futures::stream::iter(puts)
             .map(|t| {
-                let this = this.clone();
+                let (this, scope) = (this.clone(), scope.clone());
                 async move {
-                    let c = this.put_one(&t).await;
+                    let c = this.put_one(scope.as_ref(), &t).await;
                     this.count("put", c, Objects::bytes_of(&t));
                     c
                 }
@@ -465,14 +477,15 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::BatchGetRequest>,
     ) -> Result<Response<sglang::BatchGetResponse>, Status> {
         let started = Instant::now();
+        let scope = request_scope(&request);
         let gets = request.into_inner().gets;
         let this = &self.inner;
         this.check_batch("BatchGet", gets.len())?;
         let results: Vec<i32> = futures::stream::iter(gets)
             .map(|t| {
-                let this = this.clone();
+                let (this, scope) = (this.clone(), scope.clone());
                 async move {
-                    let c = this.get_one(&t).await;
+                    let c = this.get_one(scope.as_ref(), &t).await;
                     this.count("get", c, Objects::bytes_of(&t));
                     c
                 }
