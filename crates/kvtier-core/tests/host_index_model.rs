@@ -1,20 +1,23 @@
 //! The L2 host index against a reference model, over random operation sequences by two
 //! writers, under every eviction policy, in a pool small enough to evict and run out of space.
+//! Each chain's keys carry their own tenant tag (their first byte): chain 0's tenant may have a
+//! page quota, chain 1's is counted without one.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 
 use kvtier_core::host_index::{HostIndex, L3Mark, L3Mode, PageState, Reserve};
-use kvtier_core::{PageKey, PolicyKind};
+use kvtier_core::{PageKey, PolicyKind, TenantTag};
 use proptest::prelude::*;
 
 const CAPACITY: u32 = 6;
 
-/// Page `i` of chain `c`: chains share nothing, pages of a chain are a prefix sequence.
+/// Page `i` of chain `c`: chains share nothing, pages of a chain are a prefix sequence. The
+/// first 8 bytes (the tenant tag) depend on the chain only.
 fn key(c: u8, i: u8) -> PageKey {
     let mut k = [0u8; 32];
     k[0] = c;
-    k[1] = i;
+    k[8] = i;
     PageKey(k)
 }
 
@@ -164,8 +167,15 @@ fn queue(m: &mut Model, queued: &[(PageKey, u32)]) {
     }
 }
 
-fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, ops: &[Op]) {
+/// The tenant of chain `c`'s pages.
+fn tenant(c: u8) -> TenantTag {
+    TenantTag::of(&key(c, 0))
+}
+
+fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, quota: Option<u32>, ops: &[Op]) {
     let mut ix = HostIndex::new(CAPACITY, kind);
+    ix.set_tenant_quota(tenant(0), quota);
+    ix.set_tenant_quota(tenant(1), None);
     let mut mode = if l3 { L3Mode::Up } else { L3Mode::Absent };
     ix.set_l3_mode(mode);
     ix.set_dirty_limit(dirty_limit);
@@ -181,6 +191,7 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, ops: &[Op]) {
             } => {
                 let keys = chain(*c, *len);
                 let dirty_before = ix.stats().dirty;
+                let quota_before = ix.tenant_usage(tenant(0)).unwrap();
                 let (out, evicted) = if *clean {
                     ix.reserve_clean(*owner, None, &keys)
                 } else {
@@ -234,6 +245,24 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, ops: &[Op]) {
                     parent = m.entries.get(k).map(|e| e.instance);
                 }
                 unwritten += check_evicted(&mut m, &after, mode);
+                // A tenant at its quota makes room among its own pages only, and never
+                // reserves past it.
+                let q = ix.tenant_usage(tenant(0)).unwrap();
+                let own = evicted.iter().filter(|k| k.0[0] == 0).count() as u64;
+                let by_quota = q.quota_evictions - quota_before.quota_evictions;
+                assert!(
+                    by_quota <= own,
+                    "a quota eviction took another tenant's page"
+                );
+                if *c != 0 {
+                    assert_eq!(by_quota, 0, "another tenant's write evicted by quota");
+                } else if let Some(limit) = quota {
+                    assert!(
+                        q.pages <= limit.max(quota_before.pages),
+                        "reserved past the quota: {} pages, quota {limit}",
+                        q.pages
+                    );
+                }
             }
             Op::Commit { owner, chain: c } | Op::Abort { owner, chain: c } => {
                 let mine: Vec<PageKey> = chain(*c, 4)
@@ -422,6 +451,9 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, ops: &[Op]) {
             "pages evicted without L3 holding them"
         );
         assert_eq!(s.dirty, count(&|e| e.dirty), "dirty pages");
+        let of = |c: u8| m.entries.keys().filter(|k| k.0[0] == c).count() as u32;
+        assert_eq!(ix.tenant_usage(tenant(0)).unwrap().pages, of(0));
+        assert_eq!(ix.tenant_usage(tenant(1)).unwrap().pages, of(1));
     }
 }
 
@@ -433,8 +465,24 @@ proptest! {
         kind in prop::sample::select(PolicyKind::ALL.to_vec()),
         l3 in any::<bool>(),
         dirty_limit in 1..=CAPACITY,
+        quota in prop::option::of(1u32..4),
         ops in prop::collection::vec(op(), 1..60),
     ) {
-        run(kind, l3, dirty_limit, &ops);
+        run(kind, l3, dirty_limit, quota, &ops);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Chain 0's tenant always held to a small quota, so sequences reach it often.
+    #[test]
+    fn a_quota_takes_only_its_tenants_pages(
+        kind in prop::sample::select(PolicyKind::ALL.to_vec()),
+        l3 in any::<bool>(),
+        quota in 1u32..3,
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        run(kind, l3, CAPACITY, Some(quota), &ops);
     }
 }
