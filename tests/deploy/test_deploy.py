@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -131,7 +132,7 @@ def test_the_image_config_files_are_accepted(tmp_path):
 
 
 def test_the_dockerfile_passes_hadolint():
-    hadolint = shutil.which("hadolint") or str(Path(os.sys.executable).parent / "hadolint")
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     r = subprocess.run(
         [
             hadolint,

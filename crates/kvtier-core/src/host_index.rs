@@ -575,6 +575,17 @@ impl HostIndex {
         e.key
     }
 
+    /// A free slot, evicting by policy (keys pushed to `evicted`) until one is; `None` when
+    /// nothing more may leave.
+    fn alloc_evicting(&mut self, evicted: &mut Vec<PageKey>) -> Option<u32> {
+        loop {
+            if let Some(s) = self.alloc.alloc() {
+                return Some(s);
+            }
+            evicted.push(self.evict_one()?);
+        }
+    }
+
     /// Evicts up to `n` pages by policy and [`L3Mode`]. Returns their keys.
     pub fn evict(&mut self, n: usize) -> Vec<PageKey> {
         std::iter::from_fn(|| self.evict_one()).take(n).collect()
@@ -690,32 +701,14 @@ impl HostIndex {
             // Count the child before allocating, so eviction cannot take its own parent
             // while there is no L3.
             self.adjust_children(parent, 1);
-            // A tenant at its quota makes room among its own pages, never another's.
-            let mut room = true;
-            while self.quotas.at_quota(key) {
-                let tag = crate::TenantTag::of(key);
-                let own = self.evict_own(tag);
-                self.quotas.counted(tag, own.is_some());
-                match own {
-                    Some(k) => evicted.push(k),
-                    None => {
-                        room = false;
-                        break;
-                    }
-                }
-            }
-            let slot = room.then(|| {
-                loop {
-                    if let Some(s) = self.alloc.alloc() {
-                        break Some(s);
-                    }
-                    match self.evict_one() {
-                        Some(k) => evicted.push(k),
-                        None => break None,
-                    }
-                }
-            });
-            let Some(slot) = slot.flatten() else {
+            // A tenant at its quota makes room among its own pages, never another's; then
+            // a free slot, evicting by policy if there is none.
+            let slot = if self.quota_room(key, &mut evicted) {
+                self.alloc_evicting(&mut evicted)
+            } else {
+                None
+            };
+            let Some(slot) = slot else {
                 self.adjust_children(parent, -1);
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;

@@ -150,8 +150,24 @@ impl HostIndex {
         Ok(())
     }
 
+    /// Whether a new page of `key`'s tenant fits its quota, after evicting the tenant's own
+    /// coldest pages (keys pushed to `evicted`) while it is at it. Counts each eviction, or
+    /// the refusal when none of its pages may leave.
+    pub(super) fn quota_room(&mut self, key: &PageKey, evicted: &mut Vec<PageKey>) -> bool {
+        let tag = TenantTag::of(key);
+        while self.quotas.at_quota(key) {
+            let own = self.evict_own(tag);
+            self.quotas.counted(tag, own.is_some());
+            match own {
+                Some(k) => evicted.push(k),
+                None => return false,
+            }
+        }
+        true
+    }
+
     /// Evicts the coldest page of tenant `tag` the [`L3Mode`] lets go; its key.
-    pub(super) fn evict_own(&mut self, tag: TenantTag) -> Option<PageKey> {
+    fn evict_own(&mut self, tag: TenantTag) -> Option<PageKey> {
         let ((class, _), slot) = self.quotas.first(tag)?;
         if class == Class::Unwritten && self.l3_mode != L3Mode::Down {
             return None;

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use kvtier_server::metrics::{GBPS_BUCKETS, IO_BUCKETS, MetricRegistry, Result, catch_up};
+use kvtier_storage::TenantBytes;
 use kvtier_storage::wrappers::StoreObserver;
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
@@ -140,16 +141,15 @@ impl L3Metrics {
         r.on_scrape(move || {
             let Some(slot) = slot.upgrade() else { return };
             if let Some(l3) = slot.current() {
-                me.refresh(&l3);
+                let held = me.refresh(&l3);
                 let names = crate::lock(&slot.state).tenant_names();
-                me.refresh_tenants(&l3, &names);
+                me.refresh_tenants(&held, &names);
             }
         });
     }
 
     /// Per tracked tenant (`names`: tag and name), from the backend's own accounting.
-    fn refresh_tenants(&self, l3: &L3, names: &[(kvtier_core::TenantTag, String)]) {
-        let held = l3.store.store_stats().tenants;
+    fn refresh_tenants(&self, held: &[TenantBytes], names: &[(kvtier_core::TenantTag, String)]) {
         for (tag, name) in names {
             let t = held
                 .iter()
@@ -170,7 +170,8 @@ impl L3Metrics {
         }
     }
 
-    fn refresh(&self, l3: &L3) {
+    /// Refreshes the tier gauges; returns what the backend holds per tenant.
+    fn refresh(&self, l3: &L3) -> Vec<TenantBytes> {
         let st = l3.store.store_stats();
         self.objects.set(st.objects as i64);
         self.bytes.set(st.bytes as i64);
@@ -194,6 +195,7 @@ impl L3Metrics {
         self.read_window.set(window as i64);
         self.queue
             .set(l3.counters.queued.load(Ordering::Relaxed) as i64);
+        st.tenants
     }
 }
 
