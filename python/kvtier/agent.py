@@ -4,7 +4,12 @@ says the protocol).
 The agent is the engine's prefix cache (L1) over the engine's own KV pool: the engine
 registers its pool, matches a request's tokens, lends free pages for load-back, inserts
 what it computed, releases the request's handle and asks for pages back when it runs short.
-Calls take and return plain Python values; the wire messages stay inside this module.
+
+An engine that keeps its own prefix cache (vLLM) registers with ``engine_cache=True``
+instead: the agent keeps no tree, and the engine asks what L2 and L3 hold of a prompt
+(``lookup_pages``), loads those pages into pages it names (``load_pages``) and saves the
+pages it computed (``save_pages``). Calls take and return plain Python values; the wire
+messages stay inside this module.
 """
 
 from __future__ import annotations
@@ -76,6 +81,27 @@ class Evicted:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """Of a prompt's ``total_pages`` full pages, after the engine's own: how many L2 holds,
+    then how many after those L3 holds."""
+
+    l2_pages: int
+    l3_pages: int
+    total_pages: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A save's pages: copied into L2, already there, below write_through_selective's
+    threshold, not saved (L2 refused or unreachable; counted by the agent)."""
+
+    stored: int
+    present: int
+    skipped: int
+    failed: int
+
+
+@dataclass(frozen=True)
 class PoolInfo:
     """What the agent derived from the registered pool."""
 
@@ -99,10 +125,14 @@ class AgentClient:
         cpu_path: str | None = None,
         cuda_ordinal: int | None = None,
         cuda_ipc_handles: Sequence[bytes] = (),
+        engine_cache: bool = False,
     ) -> PoolInfo:
         """Registers the engine's KV pool: a CPU shared-memory file of layer-first buffers
-        (``cpu_path``), or CUDA IPC handles, one per buffer, on device ``cuda_ordinal``."""
-        req = agent_pb2.RegisterPoolRequest(layout=layout, num_token_slots=num_token_slots)
+        (``cpu_path``), or CUDA IPC handles, one per buffer, on device ``cuda_ordinal``.
+        ``engine_cache``: the engine keeps its own prefix cache (see the module doc)."""
+        req = agent_pb2.RegisterPoolRequest(
+            layout=layout, num_token_slots=num_token_slots, engine_cache=engine_cache
+        )
         if (cpu_path is None) == (cuda_ordinal is None):
             raise ValueError("register_pool: give exactly one of cpu_path and cuda_ordinal")
         if cpu_path is not None:
@@ -176,6 +206,64 @@ class AgentClient:
     def evict(self, pages: int) -> Evicted:
         r = _call(self.stub.Evict, agent_pb2.EvictRequest(pages=pages), self.timeout)
         return Evicted(list(r.pages), r.backed_up, r.lost)
+
+    def lookup_pages(
+        self, tokens: Sequence[int], namespace: Namespace = Namespace(), start_page: int = 0
+    ) -> Lookup:
+        """Engine-cache mode: what L2 and L3 hold of the prompt after its first
+        ``start_page`` pages (the engine's own)."""
+        req = agent_pb2.PagesLookupRequest(
+            packed_tokens=packed(tokens), namespace=namespace_pb(namespace), start_page=start_page
+        )
+        r = _call(self.stub.Lookup, req, self.timeout)
+        return Lookup(r.l2_pages, r.l3_pages, r.total_pages)
+
+    def load_pages(
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        start_page: int,
+        device_pages: Sequence[int],
+        policy: str | None = None,
+        timeout_ms: int = 0,
+        timeout: float | None = None,
+    ) -> int:
+        """Engine-cache mode: loads pages ``start_page..`` of the prompt into
+        ``device_pages`` in order; returns how many leading ones hold their page (the rest
+        the engine computes). ``policy``: how to wait for pages from L3 (None: the
+        daemon's)."""
+        req = agent_pb2.LoadPagesRequest(
+            packed_tokens=packed(tokens),
+            namespace=namespace_pb(namespace),
+            start_page=start_page,
+            device_pages=device_pages,
+            hints=host_pb2.PrefetchHints(timeout_ms=timeout_ms),
+        )
+        if policy is not None:
+            if policy not in POLICIES:
+                raise ValueError(f"prefetch policy {policy!r} is not one of {', '.join(POLICIES)}")
+            req.policy = POLICIES[policy]
+        return _call(self.stub.Load, req, timeout or self.timeout).loaded
+
+    def save_pages(
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        start_page: int,
+        device_pages: Sequence[int],
+        timeout: float | None = None,
+    ) -> Saved:
+        """Engine-cache mode: saves the computed pages ``start_page..`` of the prompt, held
+        in ``device_pages``, into L2 per the agent's write policy. On return the agent reads
+        none of the pages any more."""
+        req = agent_pb2.SavePagesRequest(
+            packed_tokens=packed(tokens),
+            namespace=namespace_pb(namespace),
+            start_page=start_page,
+            device_pages=device_pages,
+        )
+        r = _call(self.stub.Save, req, timeout or self.timeout)
+        return Saved(r.stored, r.present, r.skipped, r.failed)
 
     def stats(self) -> agent_pb2.AgentStatsResponse:
         return _call(self.stub.AgentStats, agent_pb2.AgentStatsRequest(), self.timeout)

@@ -23,12 +23,13 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier import sglang_pages as pages
 from kvtier.host import DTYPES, POLICIES, DaemonClient
 from kvtier.keys import Namespace
+from kvtier.settings import fill
 from kvtier.sglang_link import PoolLink, Reporter
 from kvtier.v1 import common_pb2
 
@@ -66,28 +67,8 @@ class Settings:
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Settings:
-        extra = dict(extra or {})
-        known = {f.name: f for f in fields(Settings)}
         s = Settings()
-        unknown = sorted(k for k in extra if k not in known and k not in SGLANG_KEYS)
-        if unknown:
-            logger.warning(
-                "kvtier: ignoring unknown extra_config keys %s; kvtier's keys are %s",
-                unknown,
-                sorted(known),
-            )
-        for name in known:
-            if name not in extra:
-                continue
-            v = extra[name]
-            want = type(getattr(s, name))
-            if want is float and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if not isinstance(v, want) or isinstance(v, bool):
-                raise ValueError(
-                    f"kvtier extra_config key {name!r}: expected a {want.__name__}, got {v!r}"
-                )
-            setattr(s, name, v)
+        fill(s, dict(extra or {}), "extra_config", ignore=SGLANG_KEYS, strict=False)
         if s.prefetch_policy not in POLICIES:
             raise ValueError(
                 f"kvtier extra_config key 'prefetch_policy': {s.prefetch_policy!r} is not one "

@@ -36,7 +36,7 @@ use crate::metrics::Metrics;
 
 /// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
 /// (little-endian u32s). Both set, or a packed length that is not a multiple of 4, is refused.
-fn request_tokens<'a>(
+pub(crate) fn request_tokens<'a>(
     tokens: &'a [u32],
     packed: &[u8],
 ) -> Result<std::borrow::Cow<'a, [u32]>, ApiError> {
@@ -70,7 +70,9 @@ fn request_tokens<'a>(
 #[derive(Debug)]
 pub(crate) struct Engine {
     pub(crate) device: Arc<dyn Device>,
-    pool: DevicePool,
+    pub(crate) pool: DevicePool,
+    /// The engine keeps its own prefix cache over the pool (`engine_cache.rs`).
+    pub(crate) engine_cache: bool,
 }
 
 /// An open request: the tree node whose prefix it locks, its keys and device prefix.
@@ -92,13 +94,42 @@ pub(crate) struct State {
     handle_ids: HandleIds,
     /// The kvtierd session generation backup marks belong to (see [`Link`]).
     pub(crate) link_generation: u64,
+    /// Engine-cache mode: how often each page has been looked up, for
+    /// write_through_selective (bounded; see `engine_cache.rs`).
+    pub(crate) lookups: HashMap<PageKey, u64>,
 }
 
 impl State {
-    pub(crate) fn engine(&self) -> Result<&Engine, ApiError> {
+    fn registered(&self) -> Result<&Engine, ApiError> {
         self.engine.as_ref().ok_or_else(|| {
             ApiError::invalid("pool", "no KV pool is registered; call RegisterPool first")
         })
+    }
+
+    /// The registered pool, in the mode where the agent keeps the prefix tree.
+    pub(crate) fn engine(&self) -> Result<&Engine, ApiError> {
+        let e = self.registered()?;
+        if e.engine_cache {
+            return Err(ApiError::FailedPrecondition(
+                "the pool was registered with engine_cache (the engine keeps its own prefix \
+                 cache): use Lookup, Load and Save"
+                    .into(),
+            ));
+        }
+        Ok(e)
+    }
+
+    /// The registered pool, in engine-cache mode.
+    pub(crate) fn cache_engine(&self) -> Result<&Engine, ApiError> {
+        let e = self.registered()?;
+        if !e.engine_cache {
+            return Err(ApiError::FailedPrecondition(
+                "the pool was registered without engine_cache (the agent keeps the prefix \
+                 tree): use Match, LoadBack, Insert and Release"
+                    .into(),
+            ));
+        }
+        Ok(e)
     }
 }
 
@@ -125,6 +156,8 @@ pub(crate) struct Shared {
     pub(crate) evict_wait: Duration,
     pub(crate) counters: Counters,
     metrics_address: String,
+    /// Names this agent's own prefetches for Load (`l<n>`).
+    pub(crate) load_ids: std::sync::atomic::AtomicU64,
 }
 
 /// The `kvtier.v1.Agent` service.
@@ -138,6 +171,38 @@ pub(crate) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
         Ok(g) => g,
         Err(p) => p.into_inner(),
     }
+}
+
+/// Checks pages an engine names: each inside its pool of `n` pages, none twice, none that
+/// `taken` says is not the engine's to lend.
+pub(crate) fn check_page_list(
+    n: usize,
+    field: &str,
+    pages: &[u32],
+    taken: impl Fn(u32) -> bool,
+) -> Result<(), ApiError> {
+    let mut seen = HashSet::with_capacity(pages.len());
+    for (i, &p) in pages.iter().enumerate() {
+        if p as usize >= n {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                format!("page {p} is outside the engine's pool of {n} pages"),
+            ));
+        }
+        if !seen.insert(p) {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                format!("page {p} appears twice"),
+            ));
+        }
+        if taken(p) {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                format!("page {p} holds a cached page; it is not free"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn device_error(field: &str, e: DeviceError) -> ApiError {
@@ -169,6 +234,7 @@ impl AgentService {
                 handles: HashMap::new(),
                 handle_ids: HandleIds::new(),
                 link_generation: 0,
+                lookups: HashMap::new(),
             }),
             link,
             metrics,
@@ -184,6 +250,7 @@ impl AgentService {
             evict_wait: cfg.cache.evict_wait.0,
             counters: Counters::default(),
             metrics_address,
+            load_ids: std::sync::atomic::AtomicU64::new(0),
         };
         (
             Self {
@@ -243,7 +310,7 @@ impl AgentService {
             .set(i64::from(s.link.current().is_some()));
     }
 
-    fn keys(
+    pub(crate) fn keys(
         &self,
         tokens: &[u32],
         ns: Option<v1::Namespace>,
@@ -270,28 +337,7 @@ impl AgentService {
     /// Checks engine-lent pages: in range, distinct, and (when `free`) not held by the tree.
     fn check_pages(st: &State, field: &str, pages: &[u32], free: bool) -> Result<(), ApiError> {
         let n = st.engine()?.pool.num_pages();
-        let mut seen = HashSet::with_capacity(pages.len());
-        for (i, &p) in pages.iter().enumerate() {
-            if p as usize >= n {
-                return Err(ApiError::invalid(
-                    format!("{field}[{i}]"),
-                    format!("page {p} is outside the engine's pool of {n} pages"),
-                ));
-            }
-            if !seen.insert(p) {
-                return Err(ApiError::invalid(
-                    format!("{field}[{i}]"),
-                    format!("page {p} appears twice"),
-                ));
-            }
-            if free && st.in_tree[p as usize] {
-                return Err(ApiError::invalid(
-                    format!("{field}[{i}]"),
-                    format!("page {p} holds a cached page; it is not free"),
-                ));
-            }
-        }
-        Ok(())
+        check_page_list(n, field, pages, |p| free && st.in_tree[p as usize])
     }
 
     fn register_pool(
@@ -339,16 +385,29 @@ impl AgentService {
             }
             None => return Err(ApiError::invalid("device", "required: cpu or cuda")),
         };
+        if req.engine_cache && self.shared.policy == WritePolicy::WriteBack {
+            return Err(ApiError::FailedPrecondition(
+                "engine_cache with write_policy write_back: the engine never says when it \
+                 evicts a page, so a page saved only then would never be saved; set \
+                 write_policy to write_through or write_through_selective"
+                    .into(),
+            ));
+        }
         let num_pages = pool.num_pages();
         {
             let mut st = lock(&self.shared.state);
-            st.engine = Some(Engine { device, pool });
+            st.engine = Some(Engine {
+                device,
+                pool,
+                engine_cache: req.engine_cache,
+            });
+            st.lookups.clear();
             st.tree = RadixTree::new(self.shared.eviction);
             st.in_tree = vec![false; num_pages];
             st.handles.clear();
         }
         self.shared.link.want(layout.spec().clone());
-        tracing::info!(model = %layout.spec().model_id, fingerprint = %layout.fingerprint(), num_pages, "engine pool registered");
+        tracing::info!(model = %layout.spec().model_id, fingerprint = %layout.fingerprint(), num_pages, engine_cache = req.engine_cache, "engine pool registered");
         Ok(v1::RegisterPoolResponse {
             layout: Some(v1::LayoutInfo::from(&layout)),
             num_pages: num_pages as u32,
@@ -358,7 +417,7 @@ impl AgentService {
 
     /// Runs a daemon call with the link's deadline; a failure that means the link is gone
     /// marks it broken.
-    async fn call<T>(
+    pub(crate) async fn call<T>(
         &self,
         linked: &Arc<Linked>,
         fut: impl Future<Output = Result<T, ClientError>>,
@@ -368,7 +427,7 @@ impl AgentService {
 
     /// [`Self::call`] for a call about one prefetch: `NotFound` then means the prefetch is
     /// gone (revoked before it held anything, or released), not that the session is.
-    async fn call_prefetch<T>(
+    pub(crate) async fn call_prefetch<T>(
         &self,
         linked: &Arc<Linked>,
         fut: impl Future<Output = Result<T, ClientError>>,
@@ -659,6 +718,7 @@ impl AgentService {
     async fn release(&self, handle: u64) -> Result<(), ApiError> {
         let h = {
             let mut st = lock(&self.shared.state);
+            st.engine()?;
             let h = st.handles.remove(&handle).ok_or_else(|| {
                 ApiError::invalid("handle", format!("{handle} is unknown or already released"))
             })?;
@@ -866,5 +926,26 @@ impl agent_server::Agent for AgentService {
         _request: Request<v1::AgentStatsRequest>,
     ) -> Result<Response<v1::AgentStatsResponse>, Status> {
         Ok(Response::new(self.stats()))
+    }
+
+    async fn lookup(
+        &self,
+        request: Request<v1::PagesLookupRequest>,
+    ) -> Result<Response<v1::PagesLookupResponse>, Status> {
+        to_status(self.lookup_pages(request.into_inner()).await)
+    }
+
+    async fn load(
+        &self,
+        request: Request<v1::LoadPagesRequest>,
+    ) -> Result<Response<v1::LoadPagesResponse>, Status> {
+        to_status(self.load_pages(request.into_inner()).await)
+    }
+
+    async fn save(
+        &self,
+        request: Request<v1::SavePagesRequest>,
+    ) -> Result<Response<v1::SavePagesResponse>, Status> {
+        to_status(self.save_pages(request.into_inner()).await)
     }
 }

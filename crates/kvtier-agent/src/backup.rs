@@ -224,7 +224,7 @@ impl AgentService {
         s.backup_done.notify_waiters();
     }
 
-    fn count_backup(&self, outcome: &str, pages: usize) {
+    pub(crate) fn count_backup(&self, outcome: &str, pages: usize) {
         if pages == 0 {
             return;
         }
@@ -240,7 +240,7 @@ impl AgentService {
         }
     }
 
-    fn count_lost(&self, why: Loss, pages: u64) {
+    pub(crate) fn count_lost(&self, why: Loss, pages: u64) {
         if pages == 0 {
             return;
         }
@@ -364,7 +364,7 @@ impl AgentService {
     }
 
     /// A daemon call for a backup: a failure is the [`Loss`] it would cause.
-    async fn call_for_backup<T>(
+    pub(crate) async fn call_for_backup<T>(
         &self,
         linked: &Arc<Linked>,
         fut: impl Future<Output = Result<T, ClientError>>,
@@ -386,7 +386,7 @@ impl AgentService {
 
     /// Reserve, copy, commit. Returns how many leading pages L2 now holds and how many of
     /// those this call copied.
-    async fn store(
+    pub(crate) async fn store(
         &self,
         linked: &Arc<Linked>,
         device: &Arc<dyn Device>,

@@ -9,6 +9,7 @@
 
 pub mod agent;
 pub mod backup;
+pub mod engine_cache;
 mod handle_ids;
 pub mod link;
 pub mod metrics;

@@ -34,6 +34,8 @@ pub struct Metrics {
     pub backup_bytes: IntCounterVec,
     /// `kvtier_agent_backup_duration_seconds{policy}`.
     pub backup_seconds: HistogramVec,
+    /// `kvtier_agent_load_failed_pages_total{reason}`: engine-cache Load pages not loaded.
+    pub load_failed_pages: IntCounterVec,
     /// `kvtier_agent_evicted_pages_total`.
     pub evicted_pages: IntCounter,
     /// `kvtier_agent_inserted_pages_total`.
@@ -121,6 +123,12 @@ impl Metrics {
                 &["policy"],
                 &SECONDS,
             )?,
+            load_failed_pages: r.counter_vec(
+                "kvtier_agent_load_failed_pages_total",
+                "Pages a Load was asked for and did not load (the engine computes them), \
+                 by reason: missing, daemon_unreachable, copy_failed",
+                &["reason"],
+            )?,
             evicted_pages: r.counter(
                 "kvtier_agent_evicted_pages_total",
                 "Device pages given back to the engine by Evict",
@@ -155,6 +163,9 @@ impl Metrics {
         }
         for reason in crate::backup::Loss::ALL {
             m.lost_pages.with_label_values(&[reason.label()]);
+        }
+        for reason in crate::engine_cache::LoadFailure::ALL {
+            m.load_failed_pages.with_label_values(&[reason.label()]);
         }
         for at in ["insert", "evict"] {
             m.backup_waits.with_label_values(&[at]);

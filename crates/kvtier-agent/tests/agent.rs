@@ -397,6 +397,7 @@ fn bad_engine_input_is_refused_by_field() {
                 device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
                     path: "/nonexistent/pool".into(),
                 })),
+                engine_cache: false,
             })
             .await
             .unwrap_err();
@@ -407,6 +408,7 @@ fn bad_engine_input_is_refused_by_field() {
                 layout: Some((&mha(0, 1)).into()),
                 num_token_slots: 1000,
                 device: None,
+                engine_cache: false,
             })
             .await
             .unwrap_err();

@@ -53,6 +53,7 @@ fn methods(
                 device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
                     path: "/dev/shm/kvtier-fuzz-no-such-pool".into(),
                 })),
+                engine_cache: false,
             }
             .encode_to_vec(),
         ),
@@ -115,6 +116,38 @@ fn methods(
             "/kvtier.v1.Agent/AgentStats",
             Unary,
             v1::AgentStatsRequest {}.encode_to_vec(),
+        ),
+        (
+            "/kvtier.v1.Agent/Lookup",
+            Unary,
+            v1::PagesLookupRequest {
+                packed_tokens: packed(toks),
+                namespace: None,
+                start_page: 1,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "/kvtier.v1.Agent/Load",
+            Unary,
+            v1::LoadPagesRequest {
+                packed_tokens: packed(toks),
+                start_page: 1,
+                device_pages: (50..53).collect(),
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "/kvtier.v1.Agent/Save",
+            Unary,
+            v1::SavePagesRequest {
+                packed_tokens: packed(fresh),
+                start_page: 0,
+                device_pages: (40..40 + (fresh.len() / 16) as u32).collect(),
+                ..Default::default()
+            }
+            .encode_to_vec(),
         ),
     ];
     seeds

@@ -157,12 +157,35 @@ impl AgentClient {
         token_slots: u64,
         pool: PoolMemory,
     ) -> Result<PoolInfo, ClientError> {
+        self.register(spec, token_slots, pool, false).await
+    }
+
+    /// Registers a pool whose prefix cache the engine keeps itself (vLLM): the agent keeps
+    /// no tree, and the engine uses [`Self::lookup_pages`], [`Self::load_pages`] and
+    /// [`Self::save_pages`].
+    pub async fn register_engine_cache(
+        &mut self,
+        spec: &LayoutSpec,
+        token_slots: u64,
+        pool: PoolMemory,
+    ) -> Result<PoolInfo, ClientError> {
+        self.register(spec, token_slots, pool, true).await
+    }
+
+    async fn register(
+        &mut self,
+        spec: &LayoutSpec,
+        token_slots: u64,
+        pool: PoolMemory,
+        engine_cache: bool,
+    ) -> Result<PoolInfo, ClientError> {
         let r = self
             .inner
             .register_pool(v1::RegisterPoolRequest {
                 layout: Some(spec.into()),
                 num_token_slots: token_slots,
                 device: Some(pool.into()),
+                engine_cache,
             })
             .await?
             .into_inner();
@@ -321,6 +344,71 @@ impl AgentClient {
             backed_up: r.backed_up,
             lost: r.lost,
         })
+    }
+
+    /// Engine-cache mode: pages of the prompt after its first `start_page` that L2 holds,
+    /// then L3 (and the prompt's full pages).
+    pub async fn lookup_pages(
+        &mut self,
+        tokens: &[u32],
+        namespace: Option<&Namespace>,
+        start_page: u32,
+    ) -> Result<v1::PagesLookupResponse, ClientError> {
+        Ok(self
+            .inner
+            .lookup(v1::PagesLookupRequest {
+                packed_tokens: packed(tokens),
+                namespace: namespace.map(Into::into),
+                start_page,
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// Engine-cache mode: loads pages `start_page..` of the prompt into `device_pages`, in
+    /// order; returns how many leading ones were loaded (the rest the engine computes).
+    pub async fn load_pages(
+        &mut self,
+        tokens: &[u32],
+        namespace: Option<&Namespace>,
+        start_page: u32,
+        device_pages: Vec<u32>,
+        policy: v1::PrefetchPolicy,
+    ) -> Result<u32, ClientError> {
+        Ok(self
+            .inner
+            .load(v1::LoadPagesRequest {
+                packed_tokens: packed(tokens),
+                namespace: namespace.map(Into::into),
+                start_page,
+                device_pages,
+                policy: policy as i32,
+                hints: None,
+            })
+            .await?
+            .into_inner()
+            .loaded)
+    }
+
+    /// Engine-cache mode: saves the computed pages `start_page..` of the prompt, held in
+    /// `device_pages`, into L2 per the write policy; the pages are free to reuse on return.
+    pub async fn save_pages(
+        &mut self,
+        tokens: &[u32],
+        namespace: Option<&Namespace>,
+        start_page: u32,
+        device_pages: Vec<u32>,
+    ) -> Result<v1::SavePagesResponse, ClientError> {
+        Ok(self
+            .inner
+            .save(v1::SavePagesRequest {
+                packed_tokens: packed(tokens),
+                namespace: namespace.map(Into::into),
+                start_page,
+                device_pages,
+            })
+            .await?
+            .into_inner())
     }
 
     /// The agent's counters.

@@ -23,16 +23,18 @@ class CudaPool(_message.Message):
     def __init__(self, device_ordinal: _Optional[int] = ..., ipc_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("layout", "num_token_slots", "cpu", "cuda")
+    __slots__ = ("layout", "num_token_slots", "cpu", "cuda", "engine_cache")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CACHE_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.LayoutDescriptor
     num_token_slots: int
     cpu: CpuPool
     cuda: CudaPool
-    def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutDescriptor, _Mapping]] = ..., num_token_slots: _Optional[int] = ..., cpu: _Optional[_Union[CpuPool, _Mapping]] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ...) -> None: ...
+    engine_cache: bool
+    def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutDescriptor, _Mapping]] = ..., num_token_slots: _Optional[int] = ..., cpu: _Optional[_Union[CpuPool, _Mapping]] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ..., engine_cache: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("layout", "num_pages", "daemon_connected")
@@ -219,3 +221,69 @@ class LostPages(_message.Message):
     reason: str
     pages: int
     def __init__(self, reason: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class PagesLookupRequest(_message.Message):
+    __slots__ = ("packed_tokens", "namespace", "start_page")
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    START_PAGE_FIELD_NUMBER: _ClassVar[int]
+    packed_tokens: bytes
+    namespace: _common_pb2.Namespace
+    start_page: int
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ...) -> None: ...
+
+class PagesLookupResponse(_message.Message):
+    __slots__ = ("l2_pages", "l3_pages", "total_pages")
+    L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L3_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    l2_pages: int
+    l3_pages: int
+    total_pages: int
+    def __init__(self, l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+
+class LoadPagesRequest(_message.Message):
+    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "policy", "hints")
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    START_PAGE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    packed_tokens: bytes
+    namespace: _common_pb2.Namespace
+    start_page: int
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    policy: _host_pb2.PrefetchPolicy
+    hints: _host_pb2.PrefetchHints
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., policy: _Optional[_Union[_host_pb2.PrefetchPolicy, str]] = ..., hints: _Optional[_Union[_host_pb2.PrefetchHints, _Mapping]] = ...) -> None: ...
+
+class LoadPagesResponse(_message.Message):
+    __slots__ = ("loaded",)
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    loaded: int
+    def __init__(self, loaded: _Optional[int] = ...) -> None: ...
+
+class SavePagesRequest(_message.Message):
+    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages")
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    START_PAGE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    packed_tokens: bytes
+    namespace: _common_pb2.Namespace
+    start_page: int
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SavePagesResponse(_message.Message):
+    __slots__ = ("stored", "present", "skipped", "failed")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    present: int
+    skipped: int
+    failed: int
+    def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...

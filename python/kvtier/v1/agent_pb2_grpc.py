@@ -90,6 +90,21 @@ class AgentStub:
                 request_serializer=kvtier_dot_v1_dot_agent__pb2.AgentStatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_agent__pb2.AgentStatsResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvtier.v1.Agent/Lookup',
+                request_serializer=kvtier_dot_v1_dot_agent__pb2.PagesLookupRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_agent__pb2.PagesLookupResponse.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvtier.v1.Agent/Load',
+                request_serializer=kvtier_dot_v1_dot_agent__pb2.LoadPagesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_agent__pb2.LoadPagesResponse.FromString,
+                _registered_method=True)
+        self.Save = channel.unary_unary(
+                '/kvtier.v1.Agent/Save',
+                request_serializer=kvtier_dot_v1_dot_agent__pb2.SavePagesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_agent__pb2.SavePagesResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -165,6 +180,25 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """Engine-cache mode (RegisterPoolRequest.engine_cache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Save(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +256,21 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.AgentStats,
                     request_deserializer=kvtier_dot_v1_dot_agent__pb2.AgentStatsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_agent__pb2.AgentStatsResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvtier_dot_v1_dot_agent__pb2.PagesLookupRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_agent__pb2.PagesLookupResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvtier_dot_v1_dot_agent__pb2.LoadPagesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_agent__pb2.LoadPagesResponse.SerializeToString,
+            ),
+            'Save': grpc.unary_unary_rpc_method_handler(
+                    servicer.Save,
+                    request_deserializer=kvtier_dot_v1_dot_agent__pb2.SavePagesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_agent__pb2.SavePagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +570,87 @@ class Agent:
             '/kvtier.v1.Agent/AgentStats',
             kvtier_dot_v1_dot_agent__pb2.AgentStatsRequest.SerializeToString,
             kvtier_dot_v1_dot_agent__pb2.AgentStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Agent/Lookup',
+            kvtier_dot_v1_dot_agent__pb2.PagesLookupRequest.SerializeToString,
+            kvtier_dot_v1_dot_agent__pb2.PagesLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Agent/Load',
+            kvtier_dot_v1_dot_agent__pb2.LoadPagesRequest.SerializeToString,
+            kvtier_dot_v1_dot_agent__pb2.LoadPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Save(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Agent/Save',
+            kvtier_dot_v1_dot_agent__pb2.SavePagesRequest.SerializeToString,
+            kvtier_dot_v1_dot_agent__pb2.SavePagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

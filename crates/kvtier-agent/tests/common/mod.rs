@@ -297,6 +297,21 @@ pub struct Engine {
 
 impl Engine {
     pub async fn start(agent: &Proc, spec: LayoutSpec, pages: u64, name: &str) -> Engine {
+        Self::open(agent, spec, pages, name, false).await
+    }
+
+    /// An engine that keeps its own prefix cache (the agent in engine-cache mode).
+    pub async fn start_cache(agent: &Proc, spec: LayoutSpec, pages: u64, name: &str) -> Engine {
+        Self::open(agent, spec, pages, name, true).await
+    }
+
+    async fn open(
+        agent: &Proc,
+        spec: LayoutSpec,
+        pages: u64,
+        name: &str,
+        engine_cache: bool,
+    ) -> Engine {
         let layout = Layout::new(spec.clone()).unwrap();
         let pool = DevicePool::new(layout.clone(), pages * 16).unwrap();
         let path = PathBuf::from("/dev/shm")
@@ -305,10 +320,13 @@ impl Engine {
         let mut client = AgentClient::connect(&agent.socket.display().to_string())
             .await
             .unwrap();
-        let info = client
-            .register_pool(&spec, pages * 16, PoolMemory::Cpu { path: path.clone() })
-            .await
-            .unwrap();
+        let mem = PoolMemory::Cpu { path: path.clone() };
+        let info = if engine_cache {
+            client.register_engine_cache(&spec, pages * 16, mem).await
+        } else {
+            client.register_pool(&spec, pages * 16, mem).await
+        }
+        .unwrap();
         assert_eq!(u64::from(info.pages), pages);
         Engine {
             layout,

@@ -1,0 +1,369 @@
+//! The agent in engine-cache mode (the engine keeps its own prefix cache: vLLM), end to end
+//! with real processes: kvtierd, agents, and this test as the engines. Pages are a pure
+//! function of their keys, so every load is checked byte for byte.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvtier_proto::v1;
+use kvtier_proto::v1::PrefetchPolicy;
+
+/// Not a test: the entry point of the kvtierd child processes the tests start.
+#[test]
+#[ignore = "entry point of test daemons"]
+fn daemon_entry() {
+    assert!(daemon_child(), "run by the tests, not by hand");
+}
+
+fn code(e: kvtier_client::ClientError) -> (tonic::Code, String) {
+    match e {
+        kvtier_client::ClientError::Status(s) => (s.code(), s.message().to_string()),
+        e => panic!("not a status: {e}"),
+    }
+}
+
+#[test]
+fn pages_saved_by_one_worker_load_into_anothers_pages_byte_exact_under_load() {
+    let d = dir("ec-two");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=512", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a1 = agent(&d, "ec1", &[]);
+        let a2 = agent(&d, "ec2", &[]);
+        let mut e1 = Engine::start_cache(&a1, spec.clone(), 256, "ec1").await;
+        let mut e2 = Engine::start_cache(&a2, spec.clone(), 256, "ec2").await;
+        e1.wait_connected().await;
+        e2.wait_connected().await;
+        // 16 prompts of 8 pages; each pair shares its first 4 pages. Worker 1 "computes"
+        // each into its own pages and saves them from 16 tasks at once.
+        let prompts: Vec<Vec<u32>> = (0..16u32)
+            .map(|i| {
+                let mut t = tokens(100 + i / 2, 4);
+                t.extend(tokens(200 + i, 4));
+                t
+            })
+            .collect();
+        let mut tasks = Vec::new();
+        for (i, t) in prompts.iter().enumerate() {
+            let ks = keys(&spec, t);
+            let pages: Vec<u32> = (0..8).map(|j| (i * 8 + j) as u32).collect();
+            for (k, &p) in ks.iter().zip(&pages) {
+                e1.compute(p, k);
+            }
+            let mut c = e1.client.clone();
+            let t = t.clone();
+            tasks.push(tokio::spawn(async move {
+                c.save_pages(&t, None, 0, pages).await.unwrap()
+            }));
+        }
+        let (mut stored, mut present) = (0, 0);
+        for t in tasks {
+            let r = t.await.unwrap();
+            assert_eq!((r.failed, r.skipped), (0, 0), "{r:?}");
+            assert_eq!(r.stored + r.present, 8, "{r:?}");
+            stored += r.stored;
+            present += r.present;
+        }
+        // 8 shared prefixes of 4 pages + 16 tails of 4: each distinct page copied once.
+        assert_eq!((stored, stored + present), (8 * 4 + 16 * 4, 128));
+        // Worker 1 reuses its pages at once (the engine's allocator): L2 holds copies.
+        for p in 0..128 {
+            e1.wipe(p);
+        }
+        // Worker 2 has each prompt's first page itself (its own prefix cache), and asks for
+        // the rest; then loads it into scattered pages of its own, from 16 tasks at once.
+        let mut tasks = Vec::new();
+        for (i, t) in prompts.iter().enumerate() {
+            let mut c = e2.client.clone();
+            let t = t.clone();
+            let pages: Vec<u32> = (0..7).map(|j| (255 - (i * 7 + j)) as u32).collect();
+            tasks.push(tokio::spawn(async move {
+                let l = c.lookup_pages(&t, None, 1).await.unwrap();
+                assert_eq!((l.l2_pages, l.l3_pages, l.total_pages), (7, 0, 8));
+                let n = c
+                    .load_pages(&t, None, 1, pages.clone(), PrefetchPolicy::Unspecified)
+                    .await
+                    .unwrap();
+                (t, pages, n)
+            }));
+        }
+        for t in tasks {
+            let (t, pages, n) = t.await.unwrap();
+            assert_eq!(n, 7);
+            let ks = keys(&spec, &t);
+            for (k, &p) in ks[1..].iter().zip(&pages) {
+                assert!(e2.holds(p, k), "page {p} differs from what was saved");
+            }
+        }
+        // A prompt nobody saved: a miss, nothing loaded, counted as missing.
+        let fresh = tokens(999, 3);
+        let l = e2.client.lookup_pages(&fresh, None, 0).await.unwrap();
+        assert_eq!((l.l2_pages, l.l3_pages), (0, 0));
+        let n = e2
+            .client
+            .load_pages(&fresh, None, 0, vec![0, 1, 2], PrefetchPolicy::Unspecified)
+            .await
+            .unwrap();
+        assert_eq!(n, 0);
+        let page = a2.metrics_page();
+        assert_eq!(
+            metric(&page, "kvtier_agent_load_back_pages_total"),
+            16.0 * 7.0
+        );
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_load_failed_pages_total{reason=\"missing\"}"
+            ),
+            3.0
+        );
+        assert_eq!(
+            metric(&page, "kvtier_agent_match_pages_total{tier=\"device\"}"),
+            16.0
+        );
+        let page = a1.metrics_page();
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_backup_pages_total{outcome=\"stored\",policy=\"write_through\"}"
+            ),
+            f64::from(stored)
+        );
+    });
+}
+
+#[test]
+fn modes_refuse_each_others_calls_and_bad_spans_are_named() {
+    let d = dir("ec-bad");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=64", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "ecb", &[]);
+        let mut tree = Engine::start(&a, spec.clone(), 16, "ecb-tree").await;
+        let t = tokens(5, 3);
+        let e = tree.client.lookup_pages(&t, None, 0).await.unwrap_err();
+        let (c, m) = code(e);
+        assert_eq!(c, tonic::Code::FailedPrecondition);
+        assert!(m.contains("Match"), "{m}");
+        drop(tree);
+        let mut e = Engine::start_cache(&a, spec.clone(), 16, "ecb").await;
+        let err = e.client.match_prefix(t.clone(), None).await.unwrap_err();
+        let (c, m) = code(err);
+        assert_eq!(c, tonic::Code::FailedPrecondition);
+        assert!(m.contains("Lookup, Load and Save"), "{m}");
+        let err = e
+            .client
+            .release(kvtier_client::Handle(1))
+            .await
+            .unwrap_err();
+        assert_eq!(code(err).0, tonic::Code::FailedPrecondition);
+        let cases: Vec<(u32, Vec<u32>, &str)> = vec![
+            (4, vec![], "start_page"),
+            (1, vec![0, 1, 2], "device_pages"),
+            (0, vec![3, 3], "device_pages[1]"),
+            (0, vec![16], "device_pages[0]"),
+        ];
+        for (start, pages, field) in cases {
+            for save in [false, true] {
+                let err = if save {
+                    e.client
+                        .save_pages(&t, None, start, pages.clone())
+                        .await
+                        .unwrap_err()
+                } else {
+                    e.client
+                        .load_pages(&t, None, start, pages.clone(), PrefetchPolicy::Unspecified)
+                        .await
+                        .unwrap_err()
+                };
+                let (c, m) = code(err);
+                assert_eq!(c, tonic::Code::InvalidArgument, "{m}");
+                assert!(m.starts_with(field), "{field}: {m}");
+            }
+        }
+        let err = e
+            .client
+            .raw()
+            .load(v1::LoadPagesRequest {
+                packed_tokens: vec![1, 2, 3],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(err.message().contains("packed_tokens"), "{}", err.message());
+        let err = e
+            .client
+            .raw()
+            .load(v1::LoadPagesRequest {
+                policy: 99,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(err.message().contains("policy"), "{}", err.message());
+        // The agent serves on after all of it.
+        assert!(e.stats().await.pool_registered);
+    });
+    // write_back needs eviction callbacks the engine never gives: refused at registration.
+    let a = agent(&d, "ecwb", &["cache.write_policy=write_back"]);
+    rt().block_on(async {
+        let mut c = kvtier_client::AgentClient::connect(&a.socket.display().to_string())
+            .await
+            .unwrap();
+        let path = std::path::PathBuf::from("/dev/shm")
+            .join(format!("kvtier-agent-test-{}-ecwb", std::process::id()));
+        let layout = kvtier_core::Layout::new(spec.clone()).unwrap();
+        let pool = kvtier_core::DevicePool::new(layout, 16 * 16).unwrap();
+        let _region = kvtier_shm::ShmRegion::create(&path, pool.total_bytes()).unwrap();
+        let err = c
+            .register_engine_cache(
+                &spec,
+                16 * 16,
+                kvtier_client::PoolMemory::Cpu { path: path.clone() },
+            )
+            .await
+            .unwrap_err();
+        let (code, m) = code(err);
+        assert_eq!(code, tonic::Code::FailedPrecondition);
+        assert!(m.contains("write_back"), "{m}");
+        let _ = std::fs::remove_file(path);
+    });
+}
+
+#[test]
+fn selective_saves_what_was_asked_for_again_and_l3_pages_load_through_a_prefetch() {
+    let d = dir("ec-sel");
+    // A small L2 in front of the file L3: saved pages go on to L3 and are evicted from L2
+    // (prefetches may hold half of it, 8 pages: enough for the 6 loaded back).
+    let _kvtierd = daemon(&d, &["l2.pool_pages=16", "prefetch.timeout_max=5s"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(
+            &d,
+            "ecs",
+            &[
+                "cache.write_policy=write_through_selective",
+                "cache.write_threshold=2",
+            ],
+        );
+        let mut e = Engine::start_cache(&a, spec.clone(), 64, "ecs").await;
+        e.wait_connected().await;
+        let t = tokens(7, 6);
+        let ks = keys(&spec, &t);
+        for (k, p) in ks.iter().zip(0..) {
+            e.compute(p, k);
+        }
+        // Never asked for before: not saved, counted as skipped.
+        let r = e.client.save_pages(&t, None, 0, (0..6).collect()).await.unwrap();
+        assert_eq!((r.stored, r.skipped), (0, 6), "{r:?}");
+        // Asked for twice (the first four pages by a shorter prompt): those four reach the
+        // threshold, the last two do not.
+        e.client.lookup_pages(&t, None, 0).await.unwrap();
+        e.client.lookup_pages(&t[..64], None, 0).await.unwrap();
+        let r = e.client.save_pages(&t, None, 0, (0..6).collect()).await.unwrap();
+        assert_eq!((r.stored, r.present, r.skipped, r.failed), (4, 0, 2, 0), "{r:?}");
+        e.client.lookup_pages(&t, None, 0).await.unwrap();
+        let r = e.client.save_pages(&t, None, 4, vec![4, 5]).await.unwrap();
+        assert_eq!((r.stored, r.skipped), (2, 0), "{r:?}");
+        // Push them out of the 16-page L2 with other prompts, saved as write_through would.
+        for i in 0..6u32 {
+            let o = tokens(50 + i, 4);
+            for (k, p) in keys(&spec, &o).iter().zip(10..) {
+                e.compute(p, k);
+            }
+            for _ in 0..2 {
+                e.client.lookup_pages(&o, None, 0).await.unwrap();
+            }
+            let r = e.client.save_pages(&o, None, 0, (10..14).collect()).await.unwrap();
+            assert_eq!(r.stored + r.present, 4, "{r:?}");
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let l = loop {
+            let l = e.client.lookup_pages(&t, None, 0).await.unwrap();
+            if l.l2_pages == 0 && l.l3_pages == 6 {
+                break l;
+            }
+            assert!(std::time::Instant::now() < deadline, "never in L3 only: {l:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(l.total_pages, 6);
+        let pages: Vec<u32> = (30..36).collect();
+        let n = e
+            .client
+            .load_pages(&t, None, 0, pages.clone(), PrefetchPolicy::WaitComplete)
+            .await
+            .unwrap();
+        assert_eq!(n, 6);
+        for (k, &p) in ks.iter().zip(&pages) {
+            assert!(e.holds(p, k), "page {p} from L3 differs");
+        }
+        let page = a.metrics_page();
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_backup_pages_total{outcome=\"skipped\",policy=\"write_through_selective\"}"
+            ),
+            8.0
+        );
+    });
+}
+
+#[test]
+fn a_dead_daemon_makes_loads_miss_and_saves_fail_counted_never_hang() {
+    let d = dir("ec-dead");
+    let mut kvtierd = daemon(&d, &["l2.pool_pages=64", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "ecd", &["cache.evict_wait=300ms"]);
+        let mut e = Engine::start_cache(&a, spec.clone(), 32, "ecd").await;
+        e.wait_connected().await;
+        let t = tokens(9, 4);
+        for (k, p) in keys(&spec, &t).iter().zip(0..) {
+            e.compute(p, k);
+        }
+        let r = e
+            .client
+            .save_pages(&t, None, 0, (0..4).collect())
+            .await
+            .unwrap();
+        assert_eq!(r.stored, 4);
+        kvtierd.kill();
+        let started = std::time::Instant::now();
+        let n = e
+            .client
+            .load_pages(&t, None, 0, (10..14).collect(), PrefetchPolicy::Unspecified)
+            .await
+            .unwrap();
+        assert_eq!(n, 0);
+        let other = tokens(10, 2);
+        let r = e
+            .client
+            .save_pages(&other, None, 0, vec![20, 21])
+            .await
+            .unwrap();
+        assert_eq!((r.stored, r.failed), (0, 2), "{r:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        let page = a.metrics_page();
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_lost_pages_total{reason=\"daemon_unreachable\"}"
+            ),
+            2.0
+        );
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_load_failed_pages_total{reason=\"daemon_unreachable\"}"
+            ),
+            4.0
+        );
+    });
+}

@@ -1,0 +1,262 @@
+"""kvtier.vllm.KvtierConnector inside vLLM's own scheduler, against real kvtierd and
+kvtier-agent processes, one vLLM worker process per agent (vllm_engine.py says what is
+vLLM's and what is not).
+
+The prompts share prefixes the way chat traffic does and all go in at once, so the scheduler
+batches them, chunks their prefills and saves and loads concurrently. Every test checks that
+no block vLLM counts as computed differs from recomputing it, and that a worker's outputs
+are the same with the cache as without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
+from kvtierd_proc import ROOT, Kvtierd  # noqa: E402
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+
+
+def agent_bin() -> str:
+    if os.environ.get("KVTIER_AGENT_BIN"):
+        return os.environ["KVTIER_AGENT_BIN"]
+    target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
+    return str(Path(target) / "debug" / "kvtier-agent")
+
+
+class Agent:
+    def __init__(self, d: Path, name: str, daemon_socket: str, *sets: str):
+        self.socket = str(d / f"{name}.sock")
+        args = [agent_bin()]
+        for s in (
+            f"data_dir={d}",
+            f"server.socket={self.socket}",
+            f"daemon.address={daemon_socket}",
+            f"daemon.name={name}",
+            "daemon.reconnect_min=20ms",
+            "metrics.listen=127.0.0.1:0",
+            "log.level=warn",
+            "cache.evict_wait=500ms",
+            *sets,
+        ):
+            args += ["--set", s]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        assert "kvtier-agent ready" in line, line
+        self.metrics = line.split("metrics=")[1].split()[0]
+
+    def metric(self, series: str) -> float:
+        import urllib.request
+
+        page = urllib.request.urlopen(self.metrics, timeout=5).read().decode()
+        for line in page.splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{series} not exported")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(15)
+
+
+def flag(agent: Agent, **extra) -> str:
+    """The --kv-transfer-config flag, as docs/vllm.md gives it."""
+    return json.dumps(
+        {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"agent": agent.socket, **extra},
+        }
+    )
+
+
+def prompts(seed: int, prefixes: int = 4, each: int = 3) -> list[dict]:
+    """Conversations: each of `prefixes` system prompts (5 to 9 pages) followed by `each`
+    user turns of 20 to 60 tokens; some carry a cache_salt of their own."""
+    rng = random.Random(seed)
+    out = []
+    for p in range(prefixes):
+        rng_p = random.Random(1000 + p)  # the same prefixes in every run
+        system = [rng_p.randrange(1000) for _ in range(16 * rng_p.randrange(5, 10))]
+        for i in range(each):
+            turn = [rng.randrange(1000) for _ in range(rng.randrange(20, 60))]
+            out.append(
+                {
+                    "id": f"s{seed}-p{p}-{i}",
+                    "tokens": system + turn,
+                    "max_tokens": rng.randrange(4, 24),
+                    "salt": "team-b" if p == 3 else None,
+                }
+            )
+    return out
+
+
+def run_worker(tmp: Path, name: str, kv_flag: str, ps: list[dict], kill: str | None = None):
+    (tmp / f"{name}.prompts.json").write_text(json.dumps(ps))
+    out = tmp / f"{name}.out.json"
+    cmd = [
+        sys.executable,
+        str(ENGINE),
+        "--kv-transfer-config",
+        kv_flag,
+        "--prompts",
+        str(tmp / f"{name}.prompts.json"),
+        "--out",
+        str(out),
+    ]
+    if kill:
+        cmd += ["--kill", kill]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def same_prompts_again(ps: list[dict], suffix_seed: int) -> list[dict]:
+    """The same conversations continued: each prompt plus another turn."""
+    rng = random.Random(suffix_seed)
+    return [
+        dict(
+            p, id=p["id"] + "-again", tokens=p["tokens"] + [rng.randrange(1000) for _ in range(30)]
+        )
+        for p in ps
+    ]
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    d = Kvtierd(tmp_path / "daemon", "l2.pool_pages=512")
+    agents: list[Agent] = []
+
+    def agent(name: str, *sets: str) -> Agent:
+        a = Agent(tmp_path, name, d.socket, *sets)
+        agents.append(a)
+        return a
+
+    yield d, agent
+    for a in agents:
+        a.stop()
+    d.stop()
+
+
+def test_a_second_worker_loads_the_prefixes_the_first_computed(tmp_path, node):
+    d, agent = node
+    a1, a2 = agent("w1"), agent("w2")
+    ps = prompts(1)
+    r1 = run_worker(tmp_path, "w1", flag(a1), ps)
+    assert r1["wrong_blocks"] == 0
+    assert r1["load_error_blocks"] == 0
+    assert r1["scheduler"]["external_tokens"] == 0  # nothing cached yet
+    # Worker 2, its own agent, never saw these: the same conversations one turn later.
+    ps2 = same_prompts_again(ps, 2)
+    r2 = run_worker(tmp_path, "w2", flag(a2), ps2)
+    assert r2["wrong_blocks"] == 0
+    assert r2["load_error_blocks"] == 0
+    # At least the first conversation of each system prompt loads all of its earlier turn
+    # from kvtier (its siblings may find some of it in worker 2's own prefix cache by then).
+    ext = r2["scheduler"]["external_tokens"]
+    firsts = [p for p in ps if p["id"].endswith("-0")]
+    assert ext >= sum(16 * (len(p["tokens"]) // 16) for p in firsts), r2
+    assert r2["worker"]["loaded_pages"] * 16 == ext
+    assert a2.metric("kvtier_agent_load_back_pages_total") * 16 == ext
+    assert a2.metric('kvtier_agent_load_failed_pages_total{reason="missing"}') == 0
+    # The outputs are what worker 2 computes without any cache.
+    solo = run_worker(tmp_path, "solo", flag(agent("w3"), tenant="nobody-else"), ps2)
+    assert solo["scheduler"]["external_tokens"] == 0
+    assert r2["outputs"] == solo["outputs"]
+    # Salted prompts (p3) never share pages with unsalted ones: a worker whose prompts are
+    # the salted ones without the salt finds nothing of theirs.
+    unsalted = [dict(p, id=p["id"] + "-nosalt", salt=None) for p in ps if p["salt"]]
+    r3 = run_worker(tmp_path, "w4", flag(agent("w4")), unsalted)
+    assert r3["scheduler"]["external_tokens"] == 0
+
+
+def test_a_corrupt_l3_page_is_recomputed_never_loaded(tmp_path):
+    l3 = tmp_path / "shared-l3"
+    d1 = Kvtierd(tmp_path / "d1", "l2.pool_pages=512", f"l3.file.path={l3}")
+    a1 = Agent(tmp_path, "c1", d1.socket)
+    ps = prompts(3, prefixes=3, each=2)
+    r1 = run_worker(tmp_path, "c1", flag(a1), ps)
+    assert r1["wrong_blocks"] == 0
+    # Let the writes to L3 land, then stop the node.
+    deadline = time.time() + 30
+    while sum(1 for f in l3.rglob("*") if f.is_file()) < 10 and time.time() < deadline:
+        time.sleep(0.1)
+    a1.stop()
+    d1.stop()
+    files = sorted(f for f in l3.rglob("*") if f.is_file())
+    assert files, "nothing reached L3"
+    for f in files[::2]:
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0xFF
+        f.write_bytes(bytes(b))
+    # A fresh node (empty L2) over the same L3: every hit comes from L3.
+    d2 = Kvtierd(tmp_path / "d2", "l2.pool_pages=512", f"l3.file.path={l3}")
+    a2 = Agent(tmp_path, "c2", d2.socket)
+    try:
+        ps2 = same_prompts_again(ps, 4)
+        r2 = run_worker(tmp_path, "c2", flag(a2), ps2)
+        assert r2["wrong_blocks"] == 0
+        assert r2["load_error_blocks"] > 0, r2
+        assert a2.metric('kvtier_agent_load_failed_pages_total{reason="missing"}') > 0
+        a3 = Agent(tmp_path, "c3", d2.socket)
+        try:
+            solo = run_worker(tmp_path, "c3", flag(a3, tenant="alone"), ps2)
+        finally:
+            a3.stop()
+        assert r2["outputs"] == solo["outputs"]
+    finally:
+        a2.stop()
+        d2.stop()
+
+
+def test_kvtierd_down_or_the_agent_killed_costs_recompute_only(tmp_path, node):
+    d, agent = node
+    a1 = agent("f1")
+    ps = prompts(5, prefixes=3, each=2)
+    r1 = run_worker(tmp_path, "f1", flag(a1), ps)
+    assert r1["wrong_blocks"] == 0
+    ps2 = same_prompts_again(ps, 6)
+    # The agent killed while worker 2 runs (before its third step): every later call
+    # fails, and the engine goes on computing.
+    a2 = agent("f2")
+    r2 = run_worker(tmp_path, "f2", flag(a2), ps2, kill=f"{a2.proc.pid}@3")
+    assert r2["wrong_blocks"] == 0
+    a3 = agent("f3")
+    solo = run_worker(tmp_path, "f3", flag(a3, tenant="alone"), ps2)
+    assert r2["outputs"] == solo["outputs"]
+    # kvtierd down: the agent answers misses, loads load nothing, saves fail, counted.
+    a4 = agent("f4")
+    d.kill()
+    r4 = run_worker(tmp_path, "f4", flag(a4), ps2)
+    assert r4["wrong_blocks"] == 0
+    assert r4["scheduler"]["external_tokens"] == 0
+    assert r4["outputs"] == solo["outputs"]
+    assert a4.metric('kvtier_agent_lost_pages_total{reason="daemon_unreachable"}') > 0
+
+
+def test_settings_errors_name_the_key():
+    from kvtier.vllm import Settings
+
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        Settings.parse({"agnet": "x"})
+    with pytest.raises(ValueError, match="load_policy"):
+        Settings.parse({"load_policy": "eventually"})
+    with pytest.raises(ValueError, match=r"extra_config.staging_pages: expected a int"):
+        Settings.parse({"staging_pages": "many"})
+    assert Settings.parse({"agent": "/run/a-{rank}.sock"}).agent_socket(3) == "/run/a-3.sock"
