@@ -38,7 +38,6 @@ import logging
 import mmap
 import os
 import tempfile
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,7 +201,6 @@ class KvtierConnector(KVConnectorBase_V1):
         self._staging: _Staging | None = None
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
-        self._registered = threading.Event()
         self.counts = Counts()
 
     # ------------------------------------------------------------------ scheduler side
@@ -354,7 +352,6 @@ class KvtierConnector(KVConnectorBase_V1):
             cpu_path=self._staging.path,
             engine_cache=True,
         )
-        self._registered.set()
 
     def _call(self, fn):
         """An agent call; after an agent restart (the pool unknown to it) registers again

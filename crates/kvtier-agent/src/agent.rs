@@ -504,15 +504,7 @@ impl AgentService {
                 (l2, l3) = (a, b);
             }
         }
-        let m = &self.shared.metrics;
-        m.matches.inc();
-        let pages =
-            |tier: &str, n: usize| m.match_pages.with_label_values(&[tier]).inc_by(n as u64);
-        pages("device", dev);
-        pages("l2", l2);
-        pages("l3", l3);
-        pages("miss", keys.len() - dev - l2 - l3);
-        m.match_seconds.observe(t.elapsed().as_secs_f64());
+        self.shared.metrics.count_match(keys.len(), dev, l2, l3, t);
         Ok(v1::MatchResponse {
             handle,
             device_pages: device,

@@ -163,20 +163,12 @@ impl AgentService {
                 )
                 .await
             {
-                // kvtierd is a peer: never trust it to answer for more keys than asked.
-                l2 = a.min(keys.len() - start);
-                l3 = b.min(keys.len() - start - l2);
+                (l2, l3) = (a, b);
             }
         }
-        let m = &self.shared.metrics;
-        m.matches.inc();
-        let pages =
-            |tier: &str, n: usize| m.match_pages.with_label_values(&[tier]).inc_by(n as u64);
-        pages("device", start);
-        pages("l2", l2);
-        pages("l3", l3);
-        pages("miss", keys.len() - start - l2 - l3);
-        m.match_seconds.observe(t.elapsed().as_secs_f64());
+        self.shared
+            .metrics
+            .count_match(keys.len(), start, l2, l3, t);
         Ok(v1::PagesLookupResponse {
             l2_pages: l2 as u32,
             l3_pages: l3 as u32,

@@ -60,6 +60,26 @@ const SECONDS: [f64; 12] = [
 ];
 
 impl Metrics {
+    /// Counts one Match or Lookup: of `total` pages, `device` on the device, then `l2` in L2,
+    /// then `l3` in L3, the rest missed; served since `started`.
+    pub fn count_match(
+        &self,
+        total: usize,
+        device: usize,
+        l2: usize,
+        l3: usize,
+        started: std::time::Instant,
+    ) {
+        self.matches.inc();
+        let pages =
+            |tier: &str, n: usize| self.match_pages.with_label_values(&[tier]).inc_by(n as u64);
+        pages("device", device);
+        pages("l2", l2);
+        pages("l3", l3);
+        pages("miss", total.saturating_sub(device + l2 + l3));
+        self.match_seconds.observe(started.elapsed().as_secs_f64());
+    }
+
     /// Declares every series in `r`; known label values start at zero.
     pub fn new(r: &MetricRegistry) -> Result<Self> {
         let m = Self {

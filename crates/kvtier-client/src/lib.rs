@@ -306,7 +306,15 @@ impl HostClient {
         storage: bool,
     ) -> Result<(usize, usize), ClientError> {
         let r = self.lookup_raw(session, keys, storage, false).await?;
-        Ok((r.ready_pages as usize, r.storage_pages as usize))
+        let (ready, stored) = (r.ready_pages as usize, r.storage_pages as usize);
+        // kvtierd is a peer: an answer about more keys than were asked is refused.
+        if ready.saturating_add(stored) > keys.len() {
+            return Err(ClientError::Protocol(format!(
+                "lookup answered {ready} + {stored} pages for {} keys",
+                keys.len()
+            )));
+        }
+        Ok((ready, stored))
     }
 
     /// Key by key, whether each is ready in L2 or (with `storage`) held by L3.
