@@ -29,6 +29,9 @@ from kvtier.host import (
 from kvtier.keys import Namespace
 from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 
+# The metadata header that presents a registration's owner token (agent.proto).
+OWNER_HEADER = "kvtier-pool-owner"
+
 
 def packed(tokens: Sequence[int]) -> bytes:
     """Tokens as the wire's `packed_tokens`: little-endian u32s, which the agent decodes with
@@ -117,6 +120,16 @@ class AgentClient:
         self.address, self.timeout = address, timeout
         self.channel = grpc_channel(address)
         self.stub = agent_pb2_grpc.AgentStub(self.channel)
+        # The owner token of this client's registration, presented on every call after it.
+        self._owner: list[tuple[str, str]] = []
+
+    def forget_registration(self) -> None:
+        """Stops presenting the owner token: later calls are refused until a new
+        registration (the agent must not serve them against the pool registered before)."""
+        self._owner = []
+
+    def _call(self, fn, request, timeout: float | None = None):
+        return _call(fn, request, timeout or self.timeout, self._owner)
 
     def register_pool(
         self,
@@ -141,14 +154,15 @@ class AgentClient:
             req.cuda.CopyFrom(
                 agent_pb2.CudaPool(device_ordinal=cuda_ordinal, ipc_handles=list(cuda_ipc_handles))
             )
-        r = _call(self.stub.RegisterPool, req, self.timeout)
+        r = self._call(self.stub.RegisterPool, req)
+        self._owner = [(OWNER_HEADER, r.owner)]
         return PoolInfo(r.layout, r.num_pages, r.daemon_connected)
 
     def match(self, tokens: Sequence[int], namespace: Namespace = Namespace()) -> Match:
         req = agent_pb2.MatchRequest(
             packed_tokens=packed(tokens), namespace=namespace_pb(namespace)
         )
-        return Match.of(_call(self.stub.Match, req, self.timeout))
+        return Match.of(self._call(self.stub.Match, req))
 
     def match_batch(self, requests: Sequence[tuple[Sequence[int], Namespace]]) -> list[Match]:
         req = agent_pb2.MatchBatchRequest(
@@ -157,12 +171,12 @@ class AgentClient:
                 for t, ns in requests
             ]
         )
-        r = _call(self.stub.MatchBatch, req, self.timeout)
+        r = self._call(self.stub.MatchBatch, req)
         return [Match.of(m) for m in r.responses]
 
     def load_back(self, handle: int, free_pages: Sequence[int]) -> LoadBack:
         req = agent_pb2.LoadBackRequest(handle=handle, free_pages=free_pages)
-        r = _call(self.stub.LoadBack, req, self.timeout)
+        r = self._call(self.stub.LoadBack, req)
         return LoadBack(r.loaded, list(r.device_pages), list(r.unused_pages))
 
     def prefetch(
@@ -181,7 +195,7 @@ class AgentClient:
             policy=POLICIES[policy],
             hints=host_pb2.PrefetchHints(timeout_ms=timeout_ms),
         )
-        return final_progress(self.stub.Prefetch, req, timeout or self.timeout)
+        return final_progress(self.stub.Prefetch, req, timeout or self.timeout, self._owner)
 
     def insert(
         self,
@@ -194,17 +208,17 @@ class AgentClient:
             device_pages=device_pages,
             namespace=namespace_pb(namespace),
         )
-        r = _call(self.stub.Insert, req, self.timeout)
+        r = self._call(self.stub.Insert, req)
         return Inserted(r.inserted, list(r.duplicate_pages))
 
     def release(self, handle: int) -> None:
-        _call(self.stub.Release, agent_pb2.AgentReleaseRequest(handle=handle), self.timeout)
+        self._call(self.stub.Release, agent_pb2.AgentReleaseRequest(handle=handle))
 
     def release_batch(self, handles: Sequence[int]) -> None:
-        _call(self.stub.ReleaseBatch, agent_pb2.ReleaseBatchRequest(handles=handles), self.timeout)
+        self._call(self.stub.ReleaseBatch, agent_pb2.ReleaseBatchRequest(handles=handles))
 
     def evict(self, pages: int) -> Evicted:
-        r = _call(self.stub.Evict, agent_pb2.EvictRequest(pages=pages), self.timeout)
+        r = self._call(self.stub.Evict, agent_pb2.EvictRequest(pages=pages))
         return Evicted(list(r.pages), r.backed_up, r.lost)
 
     def lookup_pages(
@@ -215,7 +229,7 @@ class AgentClient:
         req = agent_pb2.PagesLookupRequest(
             packed_tokens=packed(tokens), namespace=namespace_pb(namespace), start_page=start_page
         )
-        r = _call(self.stub.Lookup, req, self.timeout)
+        r = self._call(self.stub.Lookup, req)
         return Lookup(r.l2_pages, r.l3_pages, r.total_pages)
 
     def load_pages(
@@ -243,7 +257,7 @@ class AgentClient:
             if policy not in POLICIES:
                 raise ValueError(f"prefetch policy {policy!r} is not one of {', '.join(POLICIES)}")
             req.policy = POLICIES[policy]
-        return _call(self.stub.Load, req, timeout or self.timeout).loaded
+        return self._call(self.stub.Load, req, timeout).loaded
 
     def save_pages(
         self,
@@ -262,11 +276,11 @@ class AgentClient:
             start_page=start_page,
             device_pages=device_pages,
         )
-        r = _call(self.stub.Save, req, timeout or self.timeout)
+        r = self._call(self.stub.Save, req, timeout)
         return Saved(r.stored, r.present, r.skipped, r.failed)
 
     def stats(self) -> agent_pb2.AgentStatsResponse:
-        return _call(self.stub.AgentStats, agent_pb2.AgentStatsRequest(), self.timeout)
+        return self._call(self.stub.AgentStats, agent_pb2.AgentStatsRequest())
 
     def close(self) -> None:
         self.channel.close()

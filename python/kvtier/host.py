@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,22 @@ class KvtierError(Exception):
         self.code = code
 
     @property
+    def refused(self) -> bool:
+        """The server turned the call down before doing any of it (bad input, a lost pool,
+        a refused registration, no permission)."""
+        return self.code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+
+    @property
+    def timed_out(self) -> bool:
+        """The call's deadline passed; the server may still be working on it."""
+        return self.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    @property
     def retryable(self) -> bool:
         return self.code in (
             None,
@@ -54,6 +71,17 @@ class KvtierError(Exception):
     def session_lost(self) -> bool:
         """The daemon no longer knows the session (it expired, or kvtierd restarted)."""
         return self.code == grpc.StatusCode.NOT_FOUND
+
+    @property
+    def pool_lost(self) -> bool:
+        """An agent no longer serves this client's pool (the agent restarted, or the pool was
+        registered again): register it again."""
+        return self.code == grpc.StatusCode.NOT_FOUND
+
+    @property
+    def pool_taken(self) -> bool:
+        """An agent refused a registration: another live client owns its pool."""
+        return self.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def _packed(keys: Sequence[bytes]) -> bytes:
@@ -68,8 +96,10 @@ def _packed(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
 
 
-def _call(fn, request, timeout: float):
+def _call(fn, request, timeout: float, metadata: Sequence[tuple[str, str]] | None = None):
     try:
+        if metadata:
+            return fn(request, timeout=timeout, metadata=metadata)
         return fn(request, timeout=timeout)
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
@@ -79,13 +109,18 @@ def _call(fn, request, timeout: float):
         raise KvtierError(f"{name}: {code.name if code else 'error'}: {details}", code) from None
 
 
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$")
+
+
 def grpc_target(address: str) -> str:
-    """A gRPC target for a socket path, ``unix:`` URI or ``host:port``."""
+    """A gRPC target for a socket path (absolute or relative, such as the default
+    ``kvtier-data/kvtierd.sock``), a ``unix:`` URI or ``host:port``. Only ``host:port``
+    (or a ``dns:``/``ipv4:``/``ipv6:`` URI) is a network address; anything else is a path."""
     if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return address
-    if address.startswith("/") or address.startswith("."):
-        return f"unix://{os.path.abspath(address)}"
-    return address
+    if _HOST_PORT.match(address):
+        return address
+    return f"unix://{os.path.abspath(address)}"
 
 
 def grpc_channel(address: str) -> grpc.Channel:
@@ -228,12 +263,14 @@ POLICIES = {
 }
 
 
-def final_progress(method, request, timeout: float) -> Progress:
+def final_progress(
+    method, request, timeout: float, metadata: Sequence[tuple[str, str]] = ()
+) -> Progress:
     """Calls a Prefetch stream (kvtierd's or an agent's) and returns its last message: the
     prefetch's final state."""
     last = None
     try:
-        for p in method(request, timeout=timeout):
+        for p in method(request, timeout=timeout, metadata=list(metadata) or None):
             last = p
     except grpc.RpcError as e:
         raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None

@@ -115,3 +115,73 @@ def test_packed_tokens_are_little_endian_u32s_and_refuse_what_does_not_fit():
         packed([2**32])
     with pytest.raises(struct.error):
         packed([-1])
+
+
+_REGISTER = """
+import sys
+from kvtier.agent import AgentClient
+from kvtier.host import KvtierError
+sys.path.insert(0, {tests!r})
+from test_agent import CpuPool, layout, SLOTS
+from pathlib import Path
+c = AgentClient({socket!r})
+try:
+    c.register_pool(layout(), SLOTS, cpu_path=str(CpuPool(Path({path!r})).path))
+except KvtierError as e:
+    print("taken" if e.pool_taken else "other", e)
+    sys.exit(3)
+print("registered")
+"""
+
+
+def _register_from_another_process(socket: str, path: Path) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    code = _REGISTER.format(tests=str(Path(__file__).parent), socket=socket, path=str(path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stdout + r.stderr[-2000:]
+
+
+def test_a_pool_belongs_to_the_client_that_registered_it(engine, agent, tmp_path) -> None:
+    c, pool = engine
+    tokens = list(range(1, 2 * PAGE + 1))
+    pool.fill(0, seed=1)
+    assert c.insert(tokens[:PAGE], [0]).inserted == 1
+    # Another live process (a second worker sent to this agent) is refused, with the owner
+    # named; the owner's pool and tree are untouched.
+    rc, out = _register_from_another_process(agent.socket, tmp_path / "intruder-pool")
+    assert rc == 3 and out.startswith("taken"), out
+    assert f"pid {os.getpid()}" in out, out
+    m = c.match(tokens)
+    assert m.device_pages == [0]
+    c.release(m.handle)
+    # A client that did not register (no owner token) is served nothing of the pool.
+    stranger = AgentClient(agent.socket)
+    with pytest.raises(KvtierError) as e:
+        stranger.match(tokens)
+    assert e.value.pool_lost and "kvtier-pool-owner" in str(e.value)
+    stranger.close()
+    # The owner registering again (a new pool, same process) gets a new token: a call
+    # with the old one is refused, never served against the new pool.
+    old = list(c._owner)
+    c.register_pool(layout(), SLOTS, cpu_path=str(pool.path))
+    assert c._owner != old
+    stale = AgentClient(agent.socket)
+    stale._owner = old
+    with pytest.raises(KvtierError) as e:
+        stale.match(tokens)
+    assert e.value.pool_lost
+    stale.close()
+    assert c.match(tokens).device_pages == []  # the tree started over with the new pool
+
+
+def test_a_pool_whose_owner_exited_can_be_registered_again(agent, tmp_path) -> None:
+    rc, out = _register_from_another_process(agent.socket, tmp_path / "first-pool")
+    assert rc == 0, out
+    # Its owner process is gone: the next worker takes the agent over.
+    c = AgentClient(agent.socket)
+    info = c.register_pool(layout(), SLOTS, cpu_path=str(CpuPool(tmp_path / "second").path))
+    assert info.num_pages == SLOTS // PAGE
+    assert c.stats().pool_registered
+    c.close()

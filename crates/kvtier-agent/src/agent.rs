@@ -33,6 +33,7 @@ use crate::backup::{BackupWorker, Counters};
 use crate::handle_ids::HandleIds;
 use crate::link::{Link, Linked, is_link_error};
 use crate::metrics::Metrics;
+use crate::owner::{Caller, Owner};
 
 /// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
 /// (little-endian u32s). Both set, or a packed length that is not a multiple of 4, is refused.
@@ -73,6 +74,8 @@ pub(crate) struct Engine {
     pub(crate) pool: DevicePool,
     /// The engine keeps its own prefix cache over the pool (`engine_cache.rs`).
     pub(crate) engine_cache: bool,
+    /// The client that registered it; only it is served.
+    pub(crate) owner: Owner,
 }
 
 /// An open request: the tree node whose prefix it locks, its keys and device prefix.
@@ -100,15 +103,19 @@ pub(crate) struct State {
 }
 
 impl State {
-    fn registered(&self) -> Result<&Engine, ApiError> {
-        self.engine.as_ref().ok_or_else(|| {
-            ApiError::invalid("pool", "no KV pool is registered; call RegisterPool first")
-        })
+    /// The registered pool, if `caller` owns it.
+    fn registered(&self, caller: &Caller) -> Result<&Engine, ApiError> {
+        let e = self.engine.as_ref().ok_or_else(|| {
+            ApiError::NotFound("pool: no KV pool is registered; call RegisterPool first".into())
+        })?;
+        e.owner.admits(caller)?;
+        Ok(e)
     }
 
-    /// The registered pool, in the mode where the agent keeps the prefix tree.
-    pub(crate) fn engine(&self) -> Result<&Engine, ApiError> {
-        let e = self.registered()?;
+    /// The registered pool, in the mode where the agent keeps the prefix tree, if `caller`
+    /// owns it.
+    pub(crate) fn engine(&self, caller: &Caller) -> Result<&Engine, ApiError> {
+        let e = self.registered(caller)?;
         if e.engine_cache {
             return Err(ApiError::FailedPrecondition(
                 "the pool was registered with engine_cache (the engine keeps its own prefix \
@@ -119,9 +126,15 @@ impl State {
         Ok(e)
     }
 
-    /// The registered pool, in engine-cache mode.
-    pub(crate) fn cache_engine(&self) -> Result<&Engine, ApiError> {
-        let e = self.registered()?;
+    /// The registered pool, in engine-cache mode, if `caller` owns it; `None`: for a call
+    /// that reads no pool memory (`Lookup`, which an engine's scheduler process makes).
+    pub(crate) fn cache_engine(&self, caller: Option<&Caller>) -> Result<&Engine, ApiError> {
+        let e = match caller {
+            Some(c) => self.registered(c)?,
+            None => self.engine.as_ref().ok_or_else(|| {
+                ApiError::NotFound("pool: no KV pool is registered; call RegisterPool first".into())
+            })?,
+        };
         if !e.engine_cache {
             return Err(ApiError::FailedPrecondition(
                 "the pool was registered without engine_cache (the agent keeps the prefix \
@@ -141,6 +154,8 @@ pub(crate) struct Shared {
     /// Device → L2 write policy, with its threshold.
     pub(crate) policy: WritePolicy,
     max_tokens: usize,
+    /// How long an owner whose process is not visible keeps the pool without a call.
+    pool_lease: Duration,
     copy_threads: usize,
     eviction: kvtier_core::PolicyKind,
     /// The early-backup queue; each entry holds its pages' share of `backup_room`.
@@ -240,6 +255,7 @@ impl AgentService {
             metrics,
             policy: cfg.write_policy(),
             max_tokens: cfg.server.max_tokens as usize,
+            pool_lease: cfg.server.pool_lease.0,
             copy_threads: cfg.device.copy_threads as usize,
             eviction,
             backups: tx,
@@ -330,20 +346,36 @@ impl AgentService {
         Ok(PageHasher::new(page_size, &ns)?.keys(tokens))
     }
 
-    fn page_size(&self) -> Result<usize, ApiError> {
-        Ok(lock(&self.shared.state).engine()?.pool.layout().page_size())
+    fn page_size(&self, caller: &Caller) -> Result<usize, ApiError> {
+        Ok(lock(&self.shared.state)
+            .engine(caller)?
+            .pool
+            .layout()
+            .page_size())
     }
 
     /// Checks engine-lent pages: in range, distinct, and (when `free`) not held by the tree.
-    fn check_pages(st: &State, field: &str, pages: &[u32], free: bool) -> Result<(), ApiError> {
-        let n = st.engine()?.pool.num_pages();
+    fn check_pages(
+        st: &State,
+        caller: &Caller,
+        field: &str,
+        pages: &[u32],
+        free: bool,
+    ) -> Result<(), ApiError> {
+        let n = st.engine(caller)?.pool.num_pages();
         check_page_list(n, field, pages, |p| free && st.in_tree[p as usize])
     }
 
-    fn register_pool(
+    async fn register_pool(
         &self,
+        caller: Caller,
         req: v1::RegisterPoolRequest,
     ) -> Result<v1::RegisterPoolResponse, ApiError> {
+        // Refused early (before opening the caller's memory) when another client owns the
+        // pool; checked again below, under the lock, where it counts.
+        if let Some(e) = &lock(&self.shared.state).engine {
+            e.owner.yields_to(&caller, self.shared.pool_lease)?;
+        }
         let spec_wire = req
             .layout
             .ok_or_else(|| ApiError::invalid("layout", "required"))?;
@@ -394,12 +426,18 @@ impl AgentService {
             ));
         }
         let num_pages = pool.num_pages();
+        let owner = Owner::new(&caller)?;
+        let token = owner.token();
         {
             let mut st = lock(&self.shared.state);
+            if let Some(e) = &st.engine {
+                e.owner.yields_to(&caller, self.shared.pool_lease)?;
+            }
             st.engine = Some(Engine {
                 device,
                 pool,
                 engine_cache: req.engine_cache,
+                owner,
             });
             st.lookups.clear();
             st.tree = RadixTree::new(self.shared.eviction);
@@ -407,11 +445,21 @@ impl AgentService {
             st.handles.clear();
         }
         self.shared.link.want(layout.spec().clone());
-        tracing::info!(model = %layout.spec().model_id, fingerprint = %layout.fingerprint(), num_pages, engine_cache = req.engine_cache, "engine pool registered");
+        tracing::info!(model = %layout.spec().model_id, fingerprint = %layout.fingerprint(), num_pages, engine_cache = req.engine_cache, pid = ?caller.peer.and_then(|p| p.pid), "engine pool registered");
+        // The engine starts saving as soon as this returns: give the kvtierd session the
+        // link's deadline to come up first, so the first pages computed are not refused for
+        // want of it (a daemon that does not answer in time costs that wait once; saves
+        // after it still wait up to cache.evict_wait for the link).
+        let linked = self
+            .shared
+            .link
+            .current_or_wait(self.shared.link.timeout())
+            .await;
         Ok(v1::RegisterPoolResponse {
             layout: Some(v1::LayoutInfo::from(&layout)),
             num_pages: num_pages as u32,
-            daemon_connected: self.shared.link.current().is_some(),
+            daemon_connected: linked.is_some(),
+            owner: token.to_hex(),
         })
     }
 
@@ -459,14 +507,18 @@ impl AgentService {
         None
     }
 
-    async fn do_match(&self, req: v1::MatchRequest) -> Result<v1::MatchResponse, ApiError> {
+    async fn do_match(
+        &self,
+        caller: &Caller,
+        req: v1::MatchRequest,
+    ) -> Result<v1::MatchResponse, ApiError> {
         let t = Instant::now();
-        let page_size = self.page_size()?;
+        let page_size = self.page_size(caller)?;
         let tokens = request_tokens(&req.tokens, &req.packed_tokens)?;
         let keys = self.keys(&tokens, req.namespace, page_size)?;
         let (handle, device, selective) = {
             let mut st = lock(&self.shared.state);
-            st.engine()?;
+            st.engine(caller)?;
             let m = st.tree.match_prefix(&keys);
             st.tree
                 .lock(m.device_node)
@@ -514,13 +566,17 @@ impl AgentService {
         })
     }
 
-    async fn load_back(&self, req: v1::LoadBackRequest) -> Result<v1::LoadBackResponse, ApiError> {
+    async fn load_back(
+        &self,
+        caller: &Caller,
+        req: v1::LoadBackRequest,
+    ) -> Result<v1::LoadBackResponse, ApiError> {
         let t = Instant::now();
         let (keys, dev, prefetch, device, page_bytes) = {
             let mut st = lock(&self.shared.state);
-            Self::check_pages(&st, "free_pages", &req.free_pages, true)?;
-            let device = st.engine()?.device.clone();
-            let page_bytes = st.engine()?.pool.layout().page_bytes();
+            Self::check_pages(&st, caller, "free_pages", &req.free_pages, true)?;
+            let e = st.engine(caller)?;
+            let (device, page_bytes) = (e.device.clone(), e.pool.layout().page_bytes());
             let h = st.handles.get_mut(&req.handle).ok_or_else(|| {
                 ApiError::invalid("handle", format!("{} is unknown or released", req.handle))
             })?;
@@ -649,8 +705,12 @@ impl AgentService {
         })
     }
 
-    async fn insert(&self, req: v1::InsertRequest) -> Result<v1::InsertResponse, ApiError> {
-        let page_size = self.page_size()?;
+    async fn insert(
+        &self,
+        caller: &Caller,
+        req: v1::InsertRequest,
+    ) -> Result<v1::InsertResponse, ApiError> {
+        let page_size = self.page_size(caller)?;
         let tokens = request_tokens(&req.tokens, &req.packed_tokens)?;
         let keys = self.keys(&tokens, req.namespace, page_size)?;
         if req.device_pages.len() != keys.len() {
@@ -667,7 +727,7 @@ impl AgentService {
         }
         let (ins, tree_pages) = {
             let mut st = lock(&self.shared.state);
-            Self::check_pages(&st, "device_pages", &req.device_pages, false)?;
+            Self::check_pages(&st, caller, "device_pages", &req.device_pages, false)?;
             let tree_pages = st.tree.peek_device_values(&keys);
             let known = tree_pages.len();
             for (i, &p) in req.device_pages.iter().enumerate().skip(known) {
@@ -707,10 +767,10 @@ impl AgentService {
         })
     }
 
-    async fn release(&self, handle: u64) -> Result<(), ApiError> {
+    async fn release(&self, caller: &Caller, handle: u64) -> Result<(), ApiError> {
         let h = {
             let mut st = lock(&self.shared.state);
-            st.engine()?;
+            st.engine(caller)?;
             let h = st.handles.remove(&handle).ok_or_else(|| {
                 ApiError::invalid("handle", format!("{handle} is unknown or already released"))
             })?;
@@ -752,7 +812,11 @@ impl AgentService {
         }
     }
 
-    async fn prefetch(&self, req: v1::AgentPrefetchRequest) -> Result<ProgressStream, ApiError> {
+    async fn prefetch(
+        &self,
+        caller: &Caller,
+        req: v1::AgentPrefetchRequest,
+    ) -> Result<ProgressStream, ApiError> {
         let policy = v1::PrefetchPolicy::try_from(req.policy).map_err(|_| {
             ApiError::invalid(
                 "policy",
@@ -761,7 +825,7 @@ impl AgentService {
         })?;
         let (keys, dev) = {
             let st = lock(&self.shared.state);
-            st.engine()?;
+            st.engine(caller)?;
             let h = st.handles.get(&req.handle).ok_or_else(|| {
                 ApiError::invalid("handle", format!("{} is unknown or released", req.handle))
             })?;
@@ -820,24 +884,27 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::RegisterPoolRequest>,
     ) -> Result<Response<v1::RegisterPoolResponse>, Status> {
-        to_status(self.register_pool(request.into_inner()))
+        let caller = Caller::of(&request)?;
+        to_status(self.register_pool(caller, request.into_inner()).await)
     }
 
     async fn r#match(
         &self,
         request: Request<v1::MatchRequest>,
     ) -> Result<Response<v1::MatchResponse>, Status> {
-        to_status(self.do_match(request.into_inner()).await)
+        let caller = Caller::of(&request)?;
+        to_status(self.do_match(&caller, request.into_inner()).await)
     }
 
     async fn match_batch(
         &self,
         request: Request<v1::MatchBatchRequest>,
     ) -> Result<Response<v1::MatchBatchResponse>, Status> {
+        let caller = Caller::of(&request)?;
         let mut responses = Vec::new();
         for (i, r) in request.into_inner().requests.into_iter().enumerate() {
             responses.push(
-                self.do_match(r)
+                self.do_match(&caller, r)
                     .await
                     .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
             );
@@ -849,7 +916,8 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::LoadBackRequest>,
     ) -> Result<Response<v1::LoadBackResponse>, Status> {
-        to_status(self.load_back(request.into_inner()).await)
+        let caller = Caller::of(&request)?;
+        to_status(self.load_back(&caller, request.into_inner()).await)
     }
 
     type PrefetchStream = ProgressStream;
@@ -858,24 +926,27 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::AgentPrefetchRequest>,
     ) -> Result<Response<Self::PrefetchStream>, Status> {
-        to_status(AgentService::prefetch(self, request.into_inner()).await)
+        let caller = Caller::of(&request)?;
+        to_status(AgentService::prefetch(self, &caller, request.into_inner()).await)
     }
 
     async fn insert(
         &self,
         request: Request<v1::InsertRequest>,
     ) -> Result<Response<v1::InsertResponse>, Status> {
-        to_status(AgentService::insert(self, request.into_inner()).await)
+        let caller = Caller::of(&request)?;
+        to_status(AgentService::insert(self, &caller, request.into_inner()).await)
     }
 
     async fn insert_batch(
         &self,
         request: Request<v1::InsertBatchRequest>,
     ) -> Result<Response<v1::InsertBatchResponse>, Status> {
+        let caller = Caller::of(&request)?;
         let mut responses = Vec::new();
         for (i, r) in request.into_inner().requests.into_iter().enumerate() {
             responses.push(
-                AgentService::insert(self, r)
+                AgentService::insert(self, &caller, r)
                     .await
                     .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
             );
@@ -887,8 +958,9 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::AgentReleaseRequest>,
     ) -> Result<Response<v1::AgentReleaseResponse>, Status> {
+        let caller = Caller::of(&request)?;
         to_status(
-            AgentService::release(self, request.into_inner().handle)
+            AgentService::release(self, &caller, request.into_inner().handle)
                 .await
                 .map(|()| v1::AgentReleaseResponse {}),
         )
@@ -898,8 +970,9 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::ReleaseBatchRequest>,
     ) -> Result<Response<v1::AgentReleaseResponse>, Status> {
+        let caller = Caller::of(&request)?;
         for (i, h) in request.into_inner().handles.into_iter().enumerate() {
-            AgentService::release(self, h)
+            AgentService::release(self, &caller, h)
                 .await
                 .map_err(|e| Status::from(e.within(&format!("handles[{i}]"))))?;
         }
@@ -910,7 +983,8 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::EvictRequest>,
     ) -> Result<Response<v1::EvictResponse>, Status> {
-        to_status(AgentService::evict(self, request.into_inner().pages as usize).await)
+        let caller = Caller::of(&request)?;
+        to_status(AgentService::evict(self, &caller, request.into_inner().pages as usize).await)
     }
 
     async fn agent_stats(
@@ -924,6 +998,8 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::PagesLookupRequest>,
     ) -> Result<Response<v1::PagesLookupResponse>, Status> {
+        // Lookup reads no pool memory: an engine's scheduler process asks it without the
+        // owner token its worker holds.
         to_status(self.lookup_pages(request.into_inner()).await)
     }
 
@@ -931,13 +1007,15 @@ impl agent_server::Agent for AgentService {
         &self,
         request: Request<v1::LoadPagesRequest>,
     ) -> Result<Response<v1::LoadPagesResponse>, Status> {
-        to_status(self.load_pages(request.into_inner()).await)
+        let caller = Caller::of(&request)?;
+        to_status(self.load_pages(&caller, request.into_inner()).await)
     }
 
     async fn save(
         &self,
         request: Request<v1::SavePagesRequest>,
     ) -> Result<Response<v1::SavePagesResponse>, Status> {
-        to_status(self.save_pages(request.into_inner()).await)
+        let caller = Caller::of(&request)?;
+        to_status(self.save_pages(&caller, request.into_inner()).await)
     }
 }

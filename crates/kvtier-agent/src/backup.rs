@@ -37,6 +37,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError, mpsc};
 
 use crate::agent::{AgentService, lock};
 use crate::link::{Linked, is_link_error};
+use crate::owner::Caller;
 
 /// Why a page left the device without a copy in L2: the `reason` of
 /// `kvtier_agent_lost_pages_total`.
@@ -446,8 +447,12 @@ impl AgentService {
     /// Frees `n` device pages by policy, each one backed up to L2 first unless L2 refuses it
     /// (then it is lost, counted by reason). Fewer than `n` come back when the rest are
     /// locked by open requests, or by backups that did not finish within `cache.evict_wait`.
-    pub(crate) async fn evict(&self, n: usize) -> Result<v1::EvictResponse, ApiError> {
-        lock(&self.shared.state).engine()?;
+    pub(crate) async fn evict(
+        &self,
+        caller: &Caller,
+        n: usize,
+    ) -> Result<v1::EvictResponse, ApiError> {
+        lock(&self.shared.state).engine(caller)?;
         let s = &self.shared;
         let started = Instant::now();
         let mut ev = Evicting::default();

@@ -28,6 +28,7 @@ use kvtier_proto::v1;
 use crate::agent::{AgentService, check_page_list, lock, request_tokens};
 use crate::backup::Loss;
 use crate::link::Linked;
+use crate::owner::Caller;
 
 /// Most pages whose lookups are counted for write_through_selective; when the map reaches
 /// it the counts start over (pages hot enough reach the threshold again).
@@ -80,10 +81,12 @@ impl Span {
 }
 
 impl AgentService {
-    /// Keys of the prompt, checked against the engine-cache pool: `start_page` within the
-    /// prompt, `pages` (when given) in the pool, distinct, and not past the prompt's end.
+    /// Keys of the prompt, checked against the engine-cache pool (owned by `caller`, unless
+    /// the call reads no pool memory): `start_page` within the prompt, `pages` (when given)
+    /// in the pool, distinct, and not past the prompt's end.
     fn span(
         &self,
+        caller: Option<&Caller>,
         packed: &[u8],
         ns: Option<v1::Namespace>,
         start: u32,
@@ -91,7 +94,7 @@ impl AgentService {
     ) -> Result<Span, ApiError> {
         let (device, page_size, num_pages) = {
             let st = lock(&self.shared.state);
-            let e = st.cache_engine()?;
+            let e = st.cache_engine(caller)?;
             (
                 e.device.clone(),
                 e.pool.layout().page_size(),
@@ -134,13 +137,14 @@ impl AgentService {
         })
     }
 
-    /// `Lookup`: pages after the engine's own that L2 holds, then L3.
+    /// `Lookup`: pages after the engine's own that L2 holds, then L3. Any admitted client
+    /// may ask (it reads no pool memory): the engine's scheduler process does.
     pub(crate) async fn lookup_pages(
         &self,
         req: v1::PagesLookupRequest,
     ) -> Result<v1::PagesLookupResponse, ApiError> {
         let t = Instant::now();
-        let span = self.span(&req.packed_tokens, req.namespace, req.start_page, &[])?;
+        let span = self.span(None, &req.packed_tokens, req.namespace, req.start_page, &[])?;
         let (keys, start) = (&span.keys, span.start);
         if let WritePolicy::WriteThroughSelective { .. } = self.shared.policy {
             let mut st = lock(&self.shared.state);
@@ -190,6 +194,7 @@ impl AgentService {
     /// L3 delivers in time.
     pub(crate) async fn load_pages(
         &self,
+        caller: &Caller,
         req: v1::LoadPagesRequest,
     ) -> Result<v1::LoadPagesResponse, ApiError> {
         let t = Instant::now();
@@ -200,6 +205,7 @@ impl AgentService {
             )
         })?;
         let span = self.span(
+            Some(caller),
             &req.packed_tokens,
             req.namespace,
             req.start_page,
@@ -332,10 +338,12 @@ impl AgentService {
     /// lost, by reason (the engine will evict those pages without telling anyone).
     pub(crate) async fn save_pages(
         &self,
+        caller: &Caller,
         req: v1::SavePagesRequest,
     ) -> Result<v1::SavePagesResponse, ApiError> {
         let t = Instant::now();
         let span = self.span(
+            Some(caller),
             &req.packed_tokens,
             req.namespace,
             req.start_page,

@@ -13,6 +13,7 @@ pub mod engine_cache;
 mod handle_ids;
 pub mod link;
 pub mod metrics;
+pub mod owner;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -129,9 +129,10 @@ impl Link {
         *self.down_since.lock().unwrap_or_else(|p| p.into_inner()) = at;
     }
 
-    /// The live session; when there is none but the link broke less than `grace` ago, waits
-    /// (until `grace` after it broke) for it to come back. `None` at once when the link never
-    /// came up, or has been down longer: a daemon that is gone must not stall the engine.
+    /// The live session; when there is none but the link broke (or was asked for) less than
+    /// `grace` ago, waits (until `grace` after that) for it to come back. `None` at once when
+    /// no layout was ever wanted, or the link has been down longer: a daemon that is gone
+    /// must not stall the engine.
     pub async fn current_or_wait(&self, grace: Duration) -> Option<Arc<Linked>> {
         let mut seen = self.linked.subscribe();
         loop {
@@ -174,6 +175,9 @@ impl Link {
         if changed {
             self.want.send_replace(Some(layout));
             *write(&self.current) = None;
+            // A session being set up counts as a link that just broke: saves issued before
+            // it is up wait for it (up to their grace) instead of being given up at once.
+            self.set_down_since(Some(Instant::now()));
         }
     }
 

@@ -387,8 +387,8 @@ fn bad_engine_input_is_refused_by_field() {
             })
             .await
             .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument);
-        assert!(e.message().contains("pool"), "{}", e.message());
+        assert_eq!(e.code(), tonic::Code::NotFound);
+        assert!(e.message().contains("RegisterPool"), "{}", e.message());
         // A pool file of the wrong size, and a missing one.
         let e = raw
             .register_pool(v1::RegisterPoolRequest {
@@ -465,6 +465,7 @@ fn bad_engine_input_is_refused_by_field() {
         ];
         for (req, field) in cases {
             // The wire request as sent: the typed client could not even express some.
+            let req = e.client.request(req);
             let err = e.client.raw().insert(req).await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::InvalidArgument);
             assert!(err.message().contains(field), "{field}: {}", err.message());
@@ -475,17 +476,12 @@ fn bad_engine_input_is_refused_by_field() {
         // A page the tree holds is not free for load-back, and unknown handles are refused.
         e.prefill_and_insert(&t, &[0, 1, 2]).await;
         // The typed client sends packed tokens; the varint field names the same prefix.
-        let varint = e
-            .client
-            .raw()
-            .r#match(v1::MatchRequest {
-                tokens: t.clone(),
-                namespace: None,
-                packed_tokens: Vec::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let req = e.client.request(v1::MatchRequest {
+            tokens: t.clone(),
+            namespace: None,
+            packed_tokens: Vec::new(),
+        });
+        let varint = e.client.raw().r#match(req).await.unwrap().into_inner();
         assert_eq!(varint.device_pages, vec![0, 1, 2]);
         e.client.release(Handle(varint.handle)).await.unwrap();
         let err = e.client.load_back(m.handle, vec![1]).await.unwrap_err();

@@ -184,26 +184,31 @@ fn modes_refuse_each_others_calls_and_bad_spans_are_named() {
                 assert!(m.starts_with(field), "{field}: {m}");
             }
         }
-        let err = e
-            .client
-            .raw()
-            .load(v1::LoadPagesRequest {
-                packed_tokens: vec![1, 2, 3],
-                ..Default::default()
-            })
-            .await
-            .unwrap_err();
+        let req = e.client.request(v1::LoadPagesRequest {
+            packed_tokens: vec![1, 2, 3],
+            ..Default::default()
+        });
+        let err = e.client.raw().load(req).await.unwrap_err();
         assert!(err.message().contains("packed_tokens"), "{}", err.message());
+        let req = e.client.request(v1::LoadPagesRequest {
+            policy: 99,
+            ..Default::default()
+        });
+        let err = e.client.raw().load(req).await.unwrap_err();
+        assert!(err.message().contains("policy"), "{}", err.message());
+        // Without the owner token RegisterPool returned, the pool is not served.
         let err = e
             .client
             .raw()
-            .load(v1::LoadPagesRequest {
-                policy: 99,
-                ..Default::default()
-            })
+            .load(v1::LoadPagesRequest::default())
             .await
             .unwrap_err();
-        assert!(err.message().contains("policy"), "{}", err.message());
+        assert_eq!(err.code(), tonic::Code::NotFound, "{}", err.message());
+        assert!(
+            err.message().contains("kvtier-pool-owner"),
+            "{}",
+            err.message()
+        );
         // The agent serves on after all of it.
         assert!(e.stats().await.pool_registered);
     });
@@ -365,5 +370,35 @@ fn a_dead_daemon_makes_loads_miss_and_saves_fail_counted_never_hang() {
             ),
             4.0
         );
+    });
+}
+
+#[test]
+fn saves_issued_right_after_registration_all_reach_l2() {
+    // The engine saves the pages of its first requests as soon as register_kv_caches
+    // returns; the agent's kvtierd session must be up by then (or the saves wait for it),
+    // never count them lost to a link that was still coming up.
+    let d = dir("ec-first");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=256", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        for round in 0..3 {
+            let name = format!("ecf{round}");
+            let a = agent(&d, &name, &["daemon.reconnect_min=50ms"]);
+            let mut e = Engine::start_cache(&a, spec.clone(), 64, &name).await;
+            let t = tokens(700 + round, 8);
+            let ks = keys(&spec, &t);
+            let pages: Vec<u32> = (0..8).collect();
+            for (k, &p) in ks.iter().zip(&pages) {
+                e.compute(p, k);
+            }
+            let r = e.client.save_pages(&t, None, 0, pages).await.unwrap();
+            assert_eq!((r.failed, r.stored + r.present), (0, 8), "{r:?}");
+            let lost = metric(
+                &a.metrics_page(),
+                "kvtier_agent_lost_pages_total{reason=\"daemon_unreachable\"}",
+            );
+            assert_eq!(lost, 0.0);
+        }
     });
 }

@@ -130,10 +130,15 @@ pub struct Insert {
     pub device_pages: Vec<u32>,
 }
 
-/// A client of a kvtier-agent.
+/// The metadata header that carries the pool's owner token (see `RegisterPoolResponse`).
+pub const OWNER_HEADER: &str = "kvtier-pool-owner";
+
+/// A client of a kvtier-agent. After a registration it presents the owner token the agent
+/// returned on every call (clones made afterwards too).
 #[derive(Debug, Clone)]
 pub struct AgentClient {
     inner: RawAgentClient<Channel>,
+    owner: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
 impl AgentClient {
@@ -141,12 +146,30 @@ impl AgentClient {
     pub async fn connect(target: &str) -> Result<Self, ClientError> {
         Ok(Self {
             inner: RawAgentClient::new(connect(target).await?).max_decoding_message_size(64 << 20),
+            owner: None,
         })
     }
 
-    /// The raw generated client, for requests the typed methods do not cover.
+    /// The raw generated client, for requests the typed methods do not cover (wrap their
+    /// messages in [`Self::request`] to present the owner token).
     pub fn raw(&mut self) -> &mut RawAgentClient<Channel> {
         &mut self.inner
+    }
+
+    /// `msg` as a request that presents this client's owner token, if it registered.
+    pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        Self::with_owner(&self.owner, msg)
+    }
+
+    fn with_owner<T>(
+        owner: &Option<tonic::metadata::AsciiMetadataValue>,
+        msg: T,
+    ) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(v) = owner {
+            r.metadata_mut().insert(OWNER_HEADER, v.clone());
+        }
+        r
     }
 
     /// Registers the engine's KV pool: `token_slots` token slots per buffer, laid out as
@@ -179,16 +202,19 @@ impl AgentClient {
         pool: PoolMemory,
         engine_cache: bool,
     ) -> Result<PoolInfo, ClientError> {
-        let r = self
-            .inner
-            .register_pool(v1::RegisterPoolRequest {
-                layout: Some(spec.into()),
-                num_token_slots: token_slots,
-                device: Some(pool.into()),
-                engine_cache,
-            })
-            .await?
-            .into_inner();
+        let req = self.request(v1::RegisterPoolRequest {
+            layout: Some(spec.into()),
+            num_token_slots: token_slots,
+            device: Some(pool.into()),
+            engine_cache,
+        });
+        let r = self.inner.register_pool(req).await?.into_inner();
+        self.owner = Some(r.owner.parse().map_err(|_| {
+            ClientError::Protocol(format!(
+                "the agent's owner token {:?} is not a metadata value",
+                r.owner
+            ))
+        })?);
         Ok(PoolInfo {
             pages: r.num_pages,
             daemon_connected: r.daemon_connected,
@@ -203,7 +229,10 @@ impl AgentClient {
     ) -> Result<Match, ClientError> {
         let r = self
             .inner
-            .r#match(match_request(tokens, namespace))
+            .r#match(Self::with_owner(
+                &self.owner,
+                match_request(tokens, namespace),
+            ))
             .await?
             .into_inner();
         Ok(r.into())
@@ -221,7 +250,10 @@ impl AgentClient {
             .collect();
         let r = self
             .inner
-            .match_batch(v1::MatchBatchRequest { requests })
+            .match_batch(Self::with_owner(
+                &self.owner,
+                v1::MatchBatchRequest { requests },
+            ))
             .await?
             .into_inner();
         if r.responses.len() != n {
@@ -241,10 +273,13 @@ impl AgentClient {
     ) -> Result<Loaded, ClientError> {
         let r = self
             .inner
-            .load_back(v1::LoadBackRequest {
-                handle: handle.0,
-                free_pages,
-            })
+            .load_back(Self::with_owner(
+                &self.owner,
+                v1::LoadBackRequest {
+                    handle: handle.0,
+                    free_pages,
+                },
+            ))
             .await?
             .into_inner();
         Ok(Loaded {
@@ -264,11 +299,14 @@ impl AgentClient {
     ) -> Result<tonic::Streaming<v1::PrefetchProgress>, ClientError> {
         Ok(self
             .inner
-            .prefetch(v1::AgentPrefetchRequest {
-                handle: handle.0,
-                policy: policy as i32,
-                hints,
-            })
+            .prefetch(Self::with_owner(
+                &self.owner,
+                v1::AgentPrefetchRequest {
+                    handle: handle.0,
+                    policy: policy as i32,
+                    hints,
+                },
+            ))
             .await?
             .into_inner())
     }
@@ -282,11 +320,14 @@ impl AgentClient {
     ) -> Result<Inserted, ClientError> {
         let r = self
             .inner
-            .insert(insert_request(Insert {
-                tokens,
-                namespace: namespace.cloned(),
-                device_pages,
-            }))
+            .insert(Self::with_owner(
+                &self.owner,
+                insert_request(Insert {
+                    tokens,
+                    namespace: namespace.cloned(),
+                    device_pages,
+                }),
+            ))
             .await?
             .into_inner();
         Ok(inserted(r))
@@ -301,7 +342,10 @@ impl AgentClient {
         let requests = inserts.into_iter().map(insert_request).collect();
         let r = self
             .inner
-            .insert_batch(v1::InsertBatchRequest { requests })
+            .insert_batch(Self::with_owner(
+                &self.owner,
+                v1::InsertBatchRequest { requests },
+            ))
             .await?
             .into_inner();
         if r.responses.len() != n {
@@ -316,7 +360,10 @@ impl AgentClient {
     /// Unlocks a match's pages.
     pub async fn release(&mut self, handle: Handle) -> Result<(), ClientError> {
         self.inner
-            .release(v1::AgentReleaseRequest { handle: handle.0 })
+            .release(Self::with_owner(
+                &self.owner,
+                v1::AgentReleaseRequest { handle: handle.0 },
+            ))
             .await?;
         Ok(())
     }
@@ -324,9 +371,12 @@ impl AgentClient {
     /// Unlocks several matches' pages.
     pub async fn release_batch(&mut self, handles: &[Handle]) -> Result<(), ClientError> {
         self.inner
-            .release_batch(v1::ReleaseBatchRequest {
-                handles: handles.iter().map(|h| h.0).collect(),
-            })
+            .release_batch(Self::with_owner(
+                &self.owner,
+                v1::ReleaseBatchRequest {
+                    handles: handles.iter().map(|h| h.0).collect(),
+                },
+            ))
             .await?;
         Ok(())
     }
@@ -336,7 +386,7 @@ impl AgentClient {
     pub async fn evict(&mut self, pages: u32) -> Result<Evicted, ClientError> {
         let r = self
             .inner
-            .evict(v1::EvictRequest { pages })
+            .evict(Self::with_owner(&self.owner, v1::EvictRequest { pages }))
             .await?
             .into_inner();
         Ok(Evicted {
@@ -356,11 +406,14 @@ impl AgentClient {
     ) -> Result<v1::PagesLookupResponse, ClientError> {
         Ok(self
             .inner
-            .lookup(v1::PagesLookupRequest {
-                packed_tokens: packed(tokens),
-                namespace: namespace.map(Into::into),
-                start_page,
-            })
+            .lookup(Self::with_owner(
+                &self.owner,
+                v1::PagesLookupRequest {
+                    packed_tokens: packed(tokens),
+                    namespace: namespace.map(Into::into),
+                    start_page,
+                },
+            ))
             .await?
             .into_inner())
     }
@@ -377,14 +430,17 @@ impl AgentClient {
     ) -> Result<u32, ClientError> {
         Ok(self
             .inner
-            .load(v1::LoadPagesRequest {
-                packed_tokens: packed(tokens),
-                namespace: namespace.map(Into::into),
-                start_page,
-                device_pages,
-                policy: policy as i32,
-                hints: None,
-            })
+            .load(Self::with_owner(
+                &self.owner,
+                v1::LoadPagesRequest {
+                    packed_tokens: packed(tokens),
+                    namespace: namespace.map(Into::into),
+                    start_page,
+                    device_pages,
+                    policy: policy as i32,
+                    hints: None,
+                },
+            ))
             .await?
             .into_inner()
             .loaded)
@@ -401,12 +457,15 @@ impl AgentClient {
     ) -> Result<v1::SavePagesResponse, ClientError> {
         Ok(self
             .inner
-            .save(v1::SavePagesRequest {
-                packed_tokens: packed(tokens),
-                namespace: namespace.map(Into::into),
-                start_page,
-                device_pages,
-            })
+            .save(Self::with_owner(
+                &self.owner,
+                v1::SavePagesRequest {
+                    packed_tokens: packed(tokens),
+                    namespace: namespace.map(Into::into),
+                    start_page,
+                    device_pages,
+                },
+            ))
             .await?
             .into_inner())
     }

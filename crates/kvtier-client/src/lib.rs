@@ -13,7 +13,8 @@ pub mod raw;
 mod secure;
 
 pub use agent::{
-    AgentClient, Evicted, Handle, Insert, Inserted, Loaded, Match, PoolInfo, PoolMemory,
+    AgentClient, Evicted, Handle, Insert, Inserted, Loaded, Match, OWNER_HEADER, PoolInfo,
+    PoolMemory,
 };
 
 use std::path::{Path, PathBuf};

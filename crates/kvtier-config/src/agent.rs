@@ -32,6 +32,11 @@ max_tokens = 1048576
 # On shutdown, how long open engine connections get to finish before they are closed
 # (10ms to 10m).
 drain_timeout = "2s"
+# The registered pool belongs to the client that registered it; another client's
+# registration is refused while the owner's process lives. When the owner's pid is not
+# visible (another pid namespace, TCP), it keeps the pool as long as it calls at least this
+# often (1s to 1h).
+pool_lease = "5m"
 "#,
     crate::unix_default_toml!(),
     r#"
@@ -122,6 +127,8 @@ pub struct AgentServerConfig {
     pub max_tokens: u64,
     /// Grace period for open connections at shutdown.
     pub drain_timeout: Dur,
+    /// How long an owner whose process is not visible keeps the pool without a call.
+    pub pool_lease: Dur,
     /// Who may use the engine socket.
     pub unix: UnixAccess,
 }
@@ -192,6 +199,7 @@ impl Default for AgentConfig {
                 socket: String::new(),
                 max_tokens: 1 << 20,
                 drain_timeout: Dur(Duration::from_secs(2)),
+                pool_lease: Dur(Duration::from_secs(300)),
                 unix: UnixAccess::default(),
             },
             daemon: DaemonLinkConfig {
@@ -280,6 +288,7 @@ impl AgentConfig {
                     socket: _,
                     max_tokens,
                     drain_timeout,
+                    pool_lease,
                     unix,
                 },
             daemon:
@@ -347,6 +356,12 @@ impl AgentConfig {
                     format!("{d} is outside {}ms..=10m", lo.as_millis()),
                 ));
             }
+        }
+        if pool_lease.0 < Duration::from_secs(1) || pool_lease.0 > Duration::from_secs(3600) {
+            return Err(ConfigError::invalid(
+                "server.pool_lease",
+                format!("{pool_lease} is outside 1s..=1h"),
+            ));
         }
         if evict_wait.0 > Duration::from_secs(600) {
             return Err(ConfigError::invalid(

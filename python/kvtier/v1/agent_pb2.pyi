@@ -37,14 +37,16 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutDescriptor, _Mapping]] = ..., num_token_slots: _Optional[int] = ..., cpu: _Optional[_Union[CpuPool, _Mapping]] = ..., cuda: _Optional[_Union[CudaPool, _Mapping]] = ..., engine_cache: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("layout", "num_pages", "daemon_connected")
+    __slots__ = ("layout", "num_pages", "daemon_connected", "owner")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.LayoutInfo
     num_pages: int
     daemon_connected: bool
-    def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., num_pages: _Optional[int] = ..., daemon_connected: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., num_pages: _Optional[int] = ..., daemon_connected: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("tokens", "namespace", "packed_tokens")

@@ -111,8 +111,9 @@ class AgentServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterPool(self, request, context):
-        """Registers the engine's KV pool; every other call needs it. Registering again (an
-        engine restart) drops the tree: device pages of the old pool mean nothing any more.
+        """Registers the engine's KV pool; every other call needs it and presents the owner token
+        the reply carries. Registering again (an engine restart, by the same client or once the
+        owner is gone) drops the tree: device pages of the old pool mean nothing any more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
