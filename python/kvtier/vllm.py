@@ -3,7 +3,7 @@
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"agent": "/run/kvtier/agent-{rank}.sock"}}'
+        "kv_connector_extra_config": {"agent": "/run/kvtier/agent-{local_rank}.sock"}}'
 
 vLLM keeps its own prefix cache over its KV blocks, so each worker's kvtier-agent runs in
 engine-cache mode (proto/kvtier/v1/agent.proto): it keeps no tree, and the connector asks it
@@ -19,10 +19,16 @@ engine-cache mode (proto/kvtier/v1/agent.proto): it keeps no tree, and the conne
   ``request_finished`` never holds blocks back.
 
 Pages are keyed by kvtier's hash of their tokens (docs/hash-spec.md) in a namespace of the
-tenant, vLLM's ``cache_salt`` and the LoRA adapter; the model, vLLM's block layout and the
-tensor-parallel rank are in the layout fingerprint the agent registers with kvtierd, so
-pages never cross models, layouts or ranks. vLLM's own block hashes are not used: they are
+tenant, vLLM's ``cache_salt``, the LoRA adapter and the weight epoch (``reset_cache`` starts a
+new one); the rest of the cache identity (docs/identity.md: the checkpoint, never the served
+alias; its config; the KV cache dtype with its fp8 format; the pipeline stage's layers; the TP
+rank unless the model is MLA; vLLM's block layout) is in the layout fingerprint the worker
+registers, so pages never cross any of them. vLLM's own block hashes are not used: they are
 seeded per process unless PYTHONHASHSEED is set, so another worker could never find them.
+
+Each worker reaches its own agent: the socket template's ``{local_rank}`` (the default) is
+the worker's GPU on the node, counted across DP ranks, so DP ranks and PP stages never share
+an agent; an agent serves only the client that registered its pool.
 Requests with multimodal inputs or prompt embeddings are not cached (their tokens do not
 say what their KV is).
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.agent import AgentClient
 from kvtier.host import POLICIES, KvtierError
+from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
 from kvtier.keys import Namespace
 from kvtier.settings import fill
 from kvtier.v1 import common_pb2
@@ -65,11 +73,18 @@ __all__ = ["KvtierConnector", "Settings"]
 class Settings:
     """The connector's settings, from ``kv_connector_extra_config``."""
 
-    # The worker's kvtier-agent socket; "{rank}" is replaced by the worker's tensor-parallel
-    # rank (the scheduler asks rank 0's agent).
-    agent: str = "kvtier-data/kvtier-agent.sock"
-    # Model identity in the layout fingerprint; empty: vLLM's served model name.
+    # The worker's kvtier-agent socket. Placeholders: {local_rank} (the worker's GPU on this
+    # node, counted across DP ranks: one agent per GPU), {dp_rank}, {pp_rank}, {tp_rank}
+    # ({rank} is {tp_rank}). The scheduler asks the agent of its DP rank's first worker.
+    agent: str = "kvtier-data/kvtier-agent-{local_rank}.sock"
+    # The model in the cache identity; empty: vLLM's model (its checkpoint path or hub id,
+    # never the served alias).
     model_id: str = ""
+    # The weights' version, when the same checkpoint name can hold different weights;
+    # workers share pages only with workers that declare the same one.
+    weight_version: str = ""
+    # Directory of the staging pool's file (shared memory the agent maps); empty: /dev/shm.
+    staging_dir: str = ""
     # A tenant name: pages are shared only among workers with the same one.
     tenant: str = ""
     # Pages of the staging pool the agent copies through (per worker).
@@ -101,8 +116,69 @@ class Settings:
             raise ValueError(f"kvtier: {where}.timeout_s: must be above 0")
         return s
 
-    def agent_socket(self, rank: int) -> str:
-        return self.agent.replace("{rank}", str(rank))
+    def agent_socket(self, ranks: Ranks) -> str:
+        """The agent socket of the worker at ``ranks``."""
+        values = {
+            "local_rank": ranks.local,
+            "dp_rank": ranks.dp,
+            "pp_rank": ranks.pp,
+            "tp_rank": ranks.tp,
+            "rank": ranks.tp,
+        }
+
+        def sub(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name not in values:
+                raise ValueError(
+                    f"kvtier: kv_connector_extra_config.agent: unknown placeholder {{{name}}}; "
+                    f"the placeholders are {', '.join('{' + k + '}' for k in values)}"
+                )
+            return str(values[name])
+
+        return re.sub(r"\{([^{}]*)\}", sub, self.agent)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a worker sits: its TP, PP and DP ranks, and its GPU on the node."""
+
+    tp: int = 0
+    pp: int = 0
+    dp: int = 0
+    local: int = 0
+
+    @staticmethod
+    def of_worker(vllm_config: Any) -> Ranks:
+        pc = vllm_config.parallel_config
+        tp = pp = local = 0
+        try:
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+                get_world_group,
+            )
+
+            tp = get_tensor_model_parallel_rank()
+            pp = get_pp_group().rank_in_group
+            local = get_world_group().local_rank
+        except (AssertionError, ImportError, RuntimeError, AttributeError):
+            pass
+        dp_local = getattr(pc, "data_parallel_rank_local", None) or 0
+        # vLLM gives DP rank d of a node the GPUs d*world .. (d+1)*world - 1, and its
+        # workers local ranks 0 .. world - 1 among them.
+        return Ranks(
+            tp=tp,
+            pp=pp,
+            dp=getattr(pc, "data_parallel_rank", 0) or 0,
+            local=dp_local * pc.world_size + local,
+        )
+
+    @staticmethod
+    def of_scheduler(vllm_config: Any) -> Ranks:
+        """The ranks of the first worker (TP 0, PP 0) of the scheduler's DP rank."""
+        pc = vllm_config.parallel_config
+        dp_local = getattr(pc, "data_parallel_rank_local", None) or 0
+        return Ranks(dp=getattr(pc, "data_parallel_rank", 0) or 0, local=dp_local * pc.world_size)
 
 
 @dataclass
@@ -135,6 +211,8 @@ class Counts:
     load_error_pages: int = 0
     saved_pages: int = 0
     save_failed_pages: int = 0
+    # Staging pools given up after a call that may have left a copy running in them.
+    retired_staging: int = 0
 
 
 @dataclass
@@ -160,15 +238,6 @@ def namespace_of(request: Any, tenant: str) -> Namespace | None:
     )
 
 
-def _rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except (AssertionError, ImportError, RuntimeError):
-        return 0
-
-
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM's KV connector over kvtier (see the module doc)."""
 
@@ -189,9 +258,20 @@ class KvtierConnector(KVConnectorBase_V1):
                 "the connector supports models with one"
             )
         self.block_size = vllm_config.cache_config.block_size
-        self.rank = 0 if role == KVConnectorRole.SCHEDULER else _rank()
+        self.ranks = (
+            Ranks.of_scheduler(vllm_config)
+            if role == KVConnectorRole.SCHEDULER
+            else Ranks.of_worker(vllm_config)
+        )
+        # MLA's latent is the same on every TP rank: stored once (rank 0 of each PP stage
+        # saves), loaded by every rank.
+        self.mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        self.saves = not self.mla or self.ranks.tp == 0
+        self.epoch = WeightEpoch()
+        # Names this instance where its pages are its own (scales computed at run time).
+        self._instance = os.urandom(8).hex()
         self.agent = AgentClient(
-            self.settings.agent_socket(self.rank), timeout=self.settings.timeout_s
+            self.settings.agent_socket(self.ranks), timeout=self.settings.timeout_s
         )
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
@@ -205,10 +285,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
 
+    def _namespace(self, request: Any) -> Namespace | None:
+        ns = namespace_of(request, self.settings.tenant)
+        return None if ns is None else self.epoch.namespace(ns)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        ns = namespace_of(request, self.settings.tenant)
+        ns = self._namespace(request)
         if ns is None:
             return 0, False
         bs = self.block_size
@@ -232,7 +316,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         req_id = request.request_id
-        ns = namespace_of(request, self.settings.tenant)
+        ns = self._namespace(request)
         hit = self._hits.pop(req_id, None)
         if ns is None:
             return
@@ -287,6 +371,21 @@ class KvtierConnector(KVConnectorBase_V1):
                 t.saved = done
         return meta
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update:
+        moves this instance to a new weight epoch, so nothing stored before is served to it
+        again, and forgets the loads and saves planned under the old one (their KV may be the
+        old weights'). Pages in the shared tiers stay for other instances. The worker side
+        keeps no state of its own to reset: every job carries its namespace."""
+        if self._role != KVConnectorRole.SCHEDULER:
+            return True
+        self.epoch.bump()
+        self._tracked.clear()
+        self._hits.clear()
+        self._loads = []
+        logger.info("kvtier: connector cache reset: a new weight epoch; earlier pages unused")
+        return True
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         # Saves ran in the step that computed each block: nothing to hold back.
         self._tracked.pop(request.request_id, None)
@@ -313,45 +412,91 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"(block size {self.block_size})"
             )
         self._layers = layers
-        self._staging = _Staging(len(layers), self.settings.staging_pages, block_bytes)
+        self._layer_names = list(kv_caches)
+        self._block_bytes = block_bytes
         self._descriptor = self._layout(layers[0], block_bytes)
+        self._staging = self._new_staging()
         self._register()
 
-    def _layout(self, sample: torch.Tensor, block_bytes: int) -> common_pb2.LayoutDescriptor:
+    def _new_staging(self) -> _Staging:
+        return _Staging(
+            len(self._layers),
+            self.settings.staging_pages,
+            self._block_bytes,
+            self.settings.staging_dir,
+        )
+
+    def identity(self, sample: torch.Tensor) -> CacheIdentity:
+        """This worker's cache identity (docs/identity.md)."""
         vc = self._vllm_config
-        mc = vc.model_config
-        pc = vc.parallel_config
+        mc, cc, pc = vc.model_config, vc.cache_config, vc.parallel_config
         import vllm
 
-        # vLLM's bytes of a block are opaque to kvtier: a byte-typed state layout, with
-        # vLLM's version and the block's shape and strides in the fingerprint, so pages only
-        # load into a worker that lays blocks out the same way.
+        model = self.settings.model_id or mc.model
+        kv_dtype = str(cc.cache_dtype)
+        if kv_dtype == "auto":
+            kv_dtype = str(mc.dtype).removeprefix("torch.")
+        scales = ""
+        if kv_dtype.startswith(("fp8", "nvfp4")):
+            # Scales read from the checkpoint are part of the model; scales computed from the
+            # first batch are this instance's own, so its pages are its own too.
+            scales = (
+                f"calculated/{self._instance}"
+                if getattr(cc, "calculate_kv_scales", False)
+                else "checkpoint"
+            )
+        shards = []
+        for name, size_attr, rank_fn in (
+            ("dcp", "decode_context_parallel_size", "get_decode_context_model_parallel_rank"),
+            ("pcp", "prefill_context_parallel_size", "get_prefill_context_model_parallel_rank"),
+        ):
+            size = int(getattr(pc, size_attr, 1) or 1)
+            if size > 1:
+                shards.append(f"{name}{_parallel_rank(rank_fn)}of{size}")
+        # vLLM's bytes of a block are opaque to kvtier: its version and the block's shape
+        # and strides keep apart workers that lay blocks out differently.
         block_shape = "x".join(str(d) for d in sample.shape[1:])
-        order = ",".join(str(s) for s in sample.stride()[1:])
-        layout = f"vllm-{vllm.__version__}|{sample.dtype}|{block_shape}|{order}"
-        version = f"{mc.revision or ''}|{layout}"
-        model = self.settings.model_id or mc.served_model_name or mc.model
-        if isinstance(model, list):
-            model = model[0]
+        order = ",".join(str(st) for st in sample.stride()[1:])
+        return CacheIdentity(
+            engine="vllm",
+            model=str(model),
+            revision=str(mc.revision or ""),
+            config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
+            weight_version=self.settings.weight_version,
+            kv_dtype=kv_dtype,
+            kv_scales=scales,
+            layers=_layer_range(self._layer_names),
+            shards="/".join(shards),
+            layout=f"vllm-{vllm.__version__}|{sample.dtype}|{block_shape}|{order}",
+        )
+
+    def _layout(self, sample: torch.Tensor, block_bytes: int) -> common_pb2.LayoutDescriptor:
+        pc = self._vllm_config.parallel_config
+        model_id, version = self.identity(sample).descriptor_fields()
         return common_pb2.LayoutDescriptor(
-            model_id=str(model),
-            model_version=version[:256],
+            model_id=model_id,
+            model_version=version,
             dtype=common_pb2.DTYPE_UINT8,
             num_layers=len(self._layers),
             state=common_pb2.StateShape(elems=block_bytes // self.block_size),
             page_size=self.block_size,
-            tp_rank=self.rank,
-            tp_size=pc.tensor_parallel_size,
+            tp_rank=0 if self.mla else self.ranks.tp,
+            tp_size=1 if self.mla else pc.tensor_parallel_size,
         )
 
     def _register(self) -> None:
         assert self._staging is not None
-        self.agent.register_pool(
+        info = self.agent.register_pool(
             self._descriptor,
             self._staging.pages * self.block_size,
             cpu_path=self._staging.path,
             engine_cache=True,
         )
+        if not info.daemon_connected:
+            logger.warning(
+                "kvtier: the agent at %s has no kvtierd session yet; saves wait for it",
+                self.agent.address,
+            )
 
     def _call(self, fn):
         """An agent call; after an agent restart (the pool unknown to it) registers again
@@ -359,11 +504,29 @@ class KvtierConnector(KVConnectorBase_V1):
         try:
             return fn()
         except KvtierError as e:
-            if "RegisterPool" not in str(e) or self._staging is None:
+            if not e.pool_lost or self._staging is None:
                 raise
             logger.warning("kvtier: the agent lost the pool (restarted?); registering again")
         self._register()
         return fn()
+
+    def _retire_staging(self, why: KvtierError) -> None:
+        """After a call that may have left the agent copying in the staging pool (a timeout,
+        a dropped connection), that pool is never written again: a new one is registered
+        and the old one is the agent's until its copy ends."""
+        if why.refused or self._staging is None:
+            return
+        old = self._staging
+        self.counts.retired_staging += 1
+        # Until the new pool is registered, calls present no owner token: the agent refuses
+        # them rather than serve them against the old pool.
+        self.agent.forget_registration()
+        try:
+            self._staging = self._new_staging()
+            old.close()
+            self._register()
+        except (KvtierError, OSError, ValueError) as e:
+            logger.warning("kvtier: could not register a new staging pool: %s", e)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -392,10 +555,15 @@ class KvtierConnector(KVConnectorBase_V1):
             )
         except KvtierError as e:
             logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
+            self._retire_staging(e)
             loaded = 0
         loaded = max(0, min(loaded, n))
         if loaded:
-            self._staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
+            try:
+                self._staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
+            except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never a dead worker
+                logger.warning("kvtier: copying %d loaded pages failed: %s", loaded, e)
+                loaded = 0
         self._load_errors.update(job.blocks[loaded:])
         self.counts.loaded_pages += loaded
         self.counts.load_error_pages += n - loaded
@@ -410,7 +578,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvtierMetadata) or self._staging is None:
+        if not isinstance(meta, KvtierMetadata) or self._staging is None or not self.saves:
             return
         for job in meta.saves:
             for part in _chunks(job, self._staging.pages):
@@ -419,7 +587,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def _save(self, job: Job) -> None:
         assert self._staging is not None
         slots = list(range(len(job.blocks)))
-        self._staging.from_blocks(self._layers, job.blocks, slots)
+        try:
+            self._staging.from_blocks(self._layers, job.blocks, slots)
+        except Exception as e:  # noqa: BLE001 - a failed copy is a skipped save, never a dead worker
+            logger.warning("kvtier: copying %d pages to staging failed: %s", len(slots), e)
+            self.counts.save_failed_pages += len(slots)
+            return
         try:
             r = self._call(
                 lambda: self.agent.save_pages(job.tokens, job.namespace, job.start, slots),
@@ -429,6 +602,7 @@ class KvtierConnector(KVConnectorBase_V1):
             # cannot count, so it is said here.
             logger.warning("kvtier: save of %d pages failed: %s", len(slots), e)
             self.counts.save_failed_pages += len(slots)
+            self._retire_staging(e)
             return
         self.counts.saved_pages += r.stored + r.present
         self.counts.save_failed_pages += r.failed
@@ -443,6 +617,30 @@ class KvtierConnector(KVConnectorBase_V1):
         self.agent.close()
         if self._staging is not None:
             self._staging.close()
+
+
+def _parallel_rank(fn_name: str) -> int:
+    try:
+        from vllm.distributed import parallel_state
+
+        return int(getattr(parallel_state, fn_name)())
+    except (AssertionError, ImportError, RuntimeError, AttributeError):
+        return 0
+
+
+def _layer_range(names: Sequence[str]) -> str:
+    """The model layers a worker holds, from vLLM's layer names ("model.layers.7.attn"):
+    "first-last" when contiguous, else a digest of the indices."""
+    idx = []
+    for n in names:
+        m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", n)
+        if m is None:
+            return "names:" + config_digest(sorted(names))
+        idx.append(int(m.group(1)))
+    idx.sort()
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return f"{idx[0]}-{idx[-1]}"
+    return "set:" + config_digest(idx)
 
 
 def _chunks(job: Job, most: int) -> Iterator[Job]:
@@ -465,15 +663,31 @@ def _block_major(name: str, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 class _Staging:
     """The staging pool: a shared-memory file the agent maps as its cpu device, one buffer
-    per layer, page p of layer l at ``(l * pages + p) * block_bytes``."""
+    per layer, page p of layer l at ``(l * pages + p) * block_bytes``. Its space is allocated
+    up front (posix_fallocate): a tmpfs too small for it is an error here, naming the size
+    and the directory, not a SIGBUS on the first save."""
 
-    def __init__(self, layers: int, pages: int, block_bytes: int):
+    def __init__(self, layers: int, pages: int, block_bytes: int, directory: str = ""):
         self.layers, self.pages, self.block_bytes = layers, pages, block_bytes
         size = layers * pages * block_bytes
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        if not os.path.isdir(base):
+            raise ValueError(
+                f"kvtier: kv_connector_extra_config.staging_dir: {base!r} is not a directory"
+            )
         fd, self.path = tempfile.mkstemp(prefix="kvtier-vllm-", dir=base)
         try:
-            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(self.path)
+                raise ValueError(
+                    f"kvtier: the staging pool needs {size} bytes ({pages} pages of "
+                    f"{block_bytes} bytes in {layers} layers) in {base}, which could not "
+                    f"allocate them ({e.strerror}); free space there, set "
+                    "kv_connector_extra_config.staging_dir to a larger directory, or lower "
+                    "staging_pages"
+                ) from None
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)

@@ -17,11 +17,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def kvtierd_bin() -> str:
-    if os.environ.get("KVTIERD_BIN"):
-        return os.environ["KVTIERD_BIN"]
+def debug_binary(name: str, env_var: str) -> str:
+    """A binary of this checkout's debug build (the one `cargo test` built); ``env_var``
+    overrides it."""
+    if os.environ.get(env_var):
+        return os.environ[env_var]
     target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
-    return str(Path(target) / "debug" / "kvtierd")
+    return str(Path(target) / "debug" / name)
+
+
+def kvtierd_bin() -> str:
+    return debug_binary("kvtierd", "KVTIERD_BIN")
 
 
 class Kvtierd:

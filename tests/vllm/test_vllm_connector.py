@@ -10,148 +10,17 @@ are the same with the cache as without it.
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
-from kvtierd_proc import ROOT, Kvtierd  # noqa: E402
-
-ENGINE = Path(__file__).with_name("vllm_engine.py")
-
-
-def agent_bin() -> str:
-    if os.environ.get("KVTIER_AGENT_BIN"):
-        return os.environ["KVTIER_AGENT_BIN"]
-    target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
-    return str(Path(target) / "debug" / "kvtier-agent")
-
-
-class Agent:
-    def __init__(self, d: Path, name: str, daemon_socket: str, *sets: str):
-        self.socket = str(d / f"{name}.sock")
-        args = [agent_bin()]
-        for s in (
-            f"data_dir={d}",
-            f"server.socket={self.socket}",
-            f"daemon.address={daemon_socket}",
-            f"daemon.name={name}",
-            "daemon.reconnect_min=20ms",
-            "metrics.listen=127.0.0.1:0",
-            "log.level=warn",
-            "cache.evict_wait=500ms",
-            *sets,
-        ):
-            args += ["--set", s]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        assert "kvtier-agent ready" in line, line
-        self.metrics = line.split("metrics=")[1].split()[0]
-
-    def metric(self, series: str) -> float:
-        import urllib.request
-
-        page = urllib.request.urlopen(self.metrics, timeout=5).read().decode()
-        for line in page.splitlines():
-            if line.startswith(series + " "):
-                return float(line.split()[-1])
-        raise AssertionError(f"{series} not exported")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(15)
-
-
-def flag(agent: Agent, **extra) -> str:
-    """The --kv-transfer-config flag, as docs/vllm.md gives it."""
-    return json.dumps(
-        {
-            "kv_connector": "KvtierConnector",
-            "kv_connector_module_path": "kvtier.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"agent": agent.socket, **extra},
-        }
-    )
-
-
-def prompts(seed: int, prefixes: int = 4, each: int = 3) -> list[dict]:
-    """Conversations: each of `prefixes` system prompts (5 to 9 pages) followed by `each`
-    user turns of 20 to 60 tokens; some carry a cache_salt of their own."""
-    rng = random.Random(seed)
-    out = []
-    for p in range(prefixes):
-        rng_p = random.Random(1000 + p)  # the same prefixes in every run
-        system = [rng_p.randrange(1000) for _ in range(16 * rng_p.randrange(5, 10))]
-        for i in range(each):
-            turn = [rng.randrange(1000) for _ in range(rng.randrange(20, 60))]
-            out.append(
-                {
-                    "id": f"s{seed}-p{p}-{i}",
-                    "tokens": system + turn,
-                    "max_tokens": rng.randrange(4, 24),
-                    "salt": "team-b" if p == 3 else None,
-                }
-            )
-    return out
-
-
-def run_worker(tmp: Path, name: str, kv_flag: str, ps: list[dict], kill: str | None = None):
-    (tmp / f"{name}.prompts.json").write_text(json.dumps(ps))
-    out = tmp / f"{name}.out.json"
-    cmd = [
-        sys.executable,
-        str(ENGINE),
-        "--kv-transfer-config",
-        kv_flag,
-        "--prompts",
-        str(tmp / f"{name}.prompts.json"),
-        "--out",
-        str(out),
-    ]
-    if kill:
-        cmd += ["--kill", kill]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["VLLM_TARGET_DEVICE"] = "cpu"
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-def same_prompts_again(ps: list[dict], suffix_seed: int) -> list[dict]:
-    """The same conversations continued: each prompt plus another turn."""
-    rng = random.Random(suffix_seed)
-    return [
-        dict(
-            p, id=p["id"] + "-again", tokens=p["tokens"] + [rng.randrange(1000) for _ in range(30)]
-        )
-        for p in ps
-    ]
-
-
-@pytest.fixture
-def node(tmp_path: Path):
-    d = Kvtierd(tmp_path / "daemon", "l2.pool_pages=512")
-    agents: list[Agent] = []
-
-    def agent(name: str, *sets: str) -> Agent:
-        a = Agent(tmp_path, name, d.socket, *sets)
-        agents.append(a)
-        return a
-
-    yield d, agent
-    for a in agents:
-        a.stop()
-    d.stop()
+from vllm_harness import (
+    Agent,
+    Kvtierd,
+    flag,
+    prompts,
+    run_worker,
+    same_prompts_again,
+)
 
 
 def test_a_second_worker_loads_the_prefixes_the_first_computed(tmp_path, node):
@@ -259,4 +128,12 @@ def test_settings_errors_name_the_key():
         Settings.parse({"load_policy": "eventually"})
     with pytest.raises(ValueError, match=r"extra_config.staging_pages: expected a int"):
         Settings.parse({"staging_pages": "many"})
-    assert Settings.parse({"agent": "/run/a-{rank}.sock"}).agent_socket(3) == "/run/a-3.sock"
+    from kvtier.vllm import Ranks
+
+    r = Ranks(tp=3, pp=1, dp=2, local=7)
+    assert Settings.parse({"agent": "/run/a-{rank}.sock"}).agent_socket(r) == "/run/a-3.sock"
+    tpl = "/run/a-{local_rank}-{dp_rank}-{pp_rank}-{tp_rank}.sock"
+    assert Settings.parse({"agent": tpl}).agent_socket(r) == "/run/a-7-2-1-3.sock"
+    assert Settings().agent_socket(r) == "kvtier-data/kvtier-agent-7.sock"
+    with pytest.raises(ValueError, match=r"unknown placeholder \{gpu\}"):
+        Settings.parse({"agent": "/run/a-{gpu}.sock"}).agent_socket(r)

@@ -3,6 +3,15 @@
 Run as a script (one process per worker, as vLLM runs them)::
 
     python vllm_engine.py --kv-transfer-config JSON --prompts FILE --out FILE [--kill PID@STEP]
+        [--served-name NAME] [--variant N] [--kv-dtype DTYPE] [--dp-rank N] [--pp-stage N]
+        [--reset-then FILE] [--fail-copy load|save]
+
+The options set up the deployments users run: a served alias (``--served-name``) over one
+of several checkpoints (``--variant``: another config, so other weights), an fp8 KV cache
+format, a DP rank (its own GPU, so its own agent), a pipeline stage (this worker holds the
+layers of stage N), a weight update (``--reset-then``: after the prompts, the "weights"
+change, vLLM's ``reset_prefix_cache(reset_connector=True)`` runs, then the prompts in FILE),
+and a staging copy that raises (``--fail-copy``).
 
 It builds the ``VllmConfig`` from the same ``--kv-transfer-config`` flag ``vllm serve`` takes,
 parsed by vLLM's own argument parser; creates the connector through vLLM's factory (which
@@ -37,13 +46,15 @@ BLOCK = 16
 HEADS, HEAD = 2, 16
 LAYERS = 2
 NUM_BLOCKS = 203  # not 2, not 16: the block dimension is found by its size
+# This worker's attention layers; a PP stage's are set by --pp-stage.
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def model_dir() -> str:
+def model_dir(variant: int = 0) -> str:
     """A model directory with only a tiny Llama's config.json: no weights are loaded. The
-    same path in every worker: the model's name is part of the layout fingerprint."""
-    d = Path(tempfile.gettempdir()) / "kvtier-vllm-tiny-llama"
+    same path in every worker of a variant; another variant is another checkpoint (its
+    config differs)."""
+    d = Path(tempfile.gettempdir()) / f"kvtier-vllm-tiny-llama-{variant}"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(
         json.dumps(
@@ -53,8 +64,8 @@ def model_dir() -> str:
                 "hidden_size": HEADS * 2 * HEAD,
                 "num_attention_heads": HEADS * 2,
                 "num_key_value_heads": HEADS,
-                "num_hidden_layers": LAYERS,
-                "intermediate_size": 128,
+                "num_hidden_layers": LAYERS * 2,
+                "intermediate_size": 128 + 64 * variant,
                 "vocab_size": 1000,
                 "max_position_embeddings": 4096,
                 "torch_dtype": "bfloat16",
@@ -64,7 +75,13 @@ def model_dir() -> str:
     return str(d)
 
 
-def config(kv_transfer_json: str):
+def config(
+    kv_transfer_json: str,
+    served_name: str | None = None,
+    variant: int = 0,
+    kv_dtype: str = "auto",
+    dp_rank: int = 0,
+):
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -73,14 +90,24 @@ def config(kv_transfer_json: str):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--kv-transfer-config", kv_transfer_json])
     ktc = EngineArgs.from_cli_args(args).kv_transfer_config
-    from vllm.config import ModelConfig
+    from vllm.config import ModelConfig, ParallelConfig
 
     mc = ModelConfig(
-        model=model_dir(), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16"
+        model=model_dir(variant),
+        served_model_name=served_name,
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        dtype="bfloat16",
     )
+    pc = ParallelConfig()
+    # The DP rank as vLLM's engine core sets it for a rank on this node.
+    pc.data_parallel_rank = pc.data_parallel_rank_local = dp_rank
     vc = VllmConfig(
         model_config=mc,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        parallel_config=pc,
+        cache_config=CacheConfig(
+            block_size=BLOCK, enable_prefix_caching=True, cache_dtype=kv_dtype
+        ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=256,
             max_num_seqs=16,
@@ -108,9 +135,10 @@ def kv_cache_config():
 
 
 class Kv:
-    """The KV of every token, as a pure function of the tokens up to it."""
+    """The KV of every token, as a pure function of the weights and the tokens up to it."""
 
-    def __init__(self):
+    def __init__(self, weights: bytes = b""):
+        self.weights = weights
         # vLLM's CPU attention layout: [num_blocks, num_kv_heads, block_size, 2 * head_size].
         self.layers = {
             n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
@@ -118,10 +146,16 @@ class Kv:
         }
         self.chains: dict[str, list[bytes]] = {}
 
+    def update_weights(self, weights: bytes) -> None:
+        """Other weights: the same tokens' KV changes."""
+        self.weights = weights
+        self.chains.clear()
+
     def chain(self, req_id: str, tokens: list[int], upto: int) -> list[bytes]:
         c = self.chains.setdefault(req_id, [])
         while len(c) < upto:
             prev = c[-1] if c else b""
+            prev = prev or self.weights
             c.append(hashlib.sha256(prev + tokens[len(c)].to_bytes(4, "little")).digest())
         return c
 
@@ -160,22 +194,38 @@ class Kv:
         return int.from_bytes(self.chain(req_id, tokens, n)[n - 1][:2], "little") % 1000
 
 
-def run(vc, prompts: list[dict], kill: tuple[int, int] | None) -> dict:
+def run(
+    vc,
+    prompts: list[dict],
+    kill: tuple[int, int] | None,
+    then: list[dict] | None = None,
+    fail_copy: str | None = None,
+) -> dict:
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.forward_context import set_forward_context
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
     kcc = kv_cache_config()
     kv = Kv()
+    if fail_copy:
+        # The first staging copy raises, as a device copy that fails would.
+        import kvtier.vllm as kvllm
+
+        method = {"load": "to_blocks", "save": "from_blocks"}[fail_copy]
+        real = getattr(kvllm._Staging, method)
+        calls = {"n": 0}
+
+        def failing(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected staging copy failure")
+            return real(self, *a, **k)
+
+        setattr(kvllm._Staging, method, failing)
     # The worker's connector, made by vLLM's factory from the flag, registered as the
     # model runner registers it.
     worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
@@ -184,6 +234,41 @@ def run(vc, prompts: list[dict], kill: tuple[int, int] | None) -> dict:
     sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
+    wrong: set[tuple[str, int]] = set()
+    load_errors = 0
+    step = 0
+    reset_ok = None
+    outputs: dict[str, list[int]] = {}
+    for phase, batch in enumerate([prompts] + ([then] if then is not None else [])):
+        if phase:
+            # New weights: every token's KV changes. vLLM's cache reset, as after a weight
+            # update, must make the connector serve none of the old KV.
+            kv.update_weights(b"weights-after-update")
+            reset_ok = sched.reset_prefix_cache(reset_connector=True)
+        step, load_errors = _phase(
+            vc, sched, hasher, kv, batch, kill, step, load_errors, wrong, outputs
+        )
+    worker.shutdown()
+    sched.connector.shutdown()
+    return {
+        "outputs": outputs,
+        "reset_ok": reset_ok,
+        "wrong_blocks": len(wrong),
+        "load_error_blocks": load_errors,
+        "scheduler": vars(sched.connector.counts),
+        "worker": vars(worker.counts),
+        "steps": step,
+    }
+
+
+def _phase(vc, sched, hasher, kv, prompts, kill, step, load_errors, wrong, outputs):
+    """Runs ``prompts`` through the scheduler and worker until all are done."""
+    from vllm.forward_context import set_forward_context
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
     reqs = {}
     for p in prompts:
         reqs[p["id"]] = Request(
@@ -195,9 +280,6 @@ def run(vc, prompts: list[dict], kill: tuple[int, int] | None) -> dict:
             block_hasher=hasher,
         )
         sched.add_request(reqs[p["id"]])
-    wrong: set[tuple[str, int]] = set()
-    load_errors = 0
-    step = 0
     while sched.has_requests():
         step += 1
         if kill and step == kill[1]:
@@ -245,16 +327,9 @@ def run(vc, prompts: list[dict], kill: tuple[int, int] | None) -> dict:
             for b in kv.wrong_blocks(rid, list(req.all_token_ids), blocks[rid], upto):
                 wrong.add((rid, b))
         assert step < 10_000, "the engine loop does not end"
-    worker.shutdown()
-    sched.connector.shutdown()
-    return {
-        "outputs": {rid: list(r.output_token_ids) for rid, r in reqs.items()},
-        "wrong_blocks": len(wrong),
-        "load_error_blocks": load_errors,
-        "scheduler": vars(sched.connector.counts),
-        "worker": vars(worker.counts),
-        "steps": step,
-    }
+    for rid, r in reqs.items():
+        outputs[rid] = list(r.output_token_ids)
+    return step, load_errors
 
 
 def main() -> None:
@@ -263,12 +338,31 @@ def main() -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--kill", help="PID@STEP: SIGKILL PID before step STEP")
+    ap.add_argument("--served-name", help="the served alias (--served-model-name)")
+    ap.add_argument("--variant", type=int, default=0, help="which checkpoint (0, 1, ...)")
+    ap.add_argument("--kv-dtype", default="auto", help="--kv-cache-dtype")
+    ap.add_argument("--dp-rank", type=int, default=0, help="the data-parallel rank")
+    ap.add_argument("--pp-stage", type=int, default=0, help="the pipeline stage this worker is")
+    ap.add_argument("--reset-then", help="after the prompts: new weights, a reset, FILE")
+    ap.add_argument("--fail-copy", choices=["load", "save"], help="the first copy raises")
     a = ap.parse_args()
     kill = None
     if a.kill:
         pid, at = a.kill.split("@")
         kill = (int(pid), int(at))
-    result = run(config(a.kv_transfer_config), json.loads(Path(a.prompts).read_text()), kill)
+    if a.pp_stage:
+        LAYER_NAMES[:] = [
+            f"model.layers.{a.pp_stage * LAYERS + i}.self_attn.attn" for i in range(LAYERS)
+        ]
+    vc = config(
+        a.kv_transfer_config,
+        served_name=a.served_name,
+        variant=a.variant,
+        kv_dtype=a.kv_dtype,
+        dp_rank=a.dp_rank,
+    )
+    then = json.loads(Path(a.reset_then).read_text()) if a.reset_then else None
+    result = run(vc, json.loads(Path(a.prompts).read_text()), kill, then, a.fail_copy)
     Path(a.out).write_text(json.dumps(result))
 
 

@@ -1,0 +1,135 @@
+"""What separates one engine's KV pages from another's: the cache identity, one definition for
+every integration (docs/identity.md has the table: each field, where vLLM and SGLang give it,
+and why).
+
+A page is served only to a reader whose identity equals the writer's. Two parts carry it:
+
+- the **layout fingerprint** (``LayoutDescriptor``: model id and version, dtype, geometry,
+  TP rank and size), which kvtierd keys its pools and every stored object by. The fields
+  fixed for the life of a worker go here: :meth:`CacheIdentity.descriptor_fields` turns them
+  into ``model_id`` (the checkpoint, never a served alias) and ``model_version`` (a readable
+  summary and a digest of all of them);
+- the page key's **namespace** (docs/hash-spec.md): tenant, ``cache_salt``, LoRA adapter, and
+  the **weight epoch**. The epoch changes while the engine runs: vLLM's ``reset_cache`` and
+  SGLang's ``clear`` move the instance to a new one (:class:`WeightEpoch`), so nothing stored
+  before is served to it again, while pages other instances stored are left alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.keys import Namespace
+
+__all__ = ["CacheIdentity", "WeightEpoch", "config_digest"]
+
+# Bump when the meaning of a field changes: pages of the old meaning are then never served.
+IDENTITY_VERSION = 1
+# kvtier-core refuses a longer model_id or model_version.
+_MAX_FIELD = 512
+
+
+def config_digest(*parts: Any) -> str:
+    """A stable digest of model configuration objects (dicts, HF configs, dataclasses,
+    strings): JSON with sorted keys, anything else by ``str``. 16 hex digits."""
+
+    def plain(x: Any) -> Any:
+        to_dict = getattr(x, "to_dict", None)
+        if callable(to_dict):
+            return to_dict()
+        if hasattr(x, "__dataclass_fields__"):
+            return asdict(x)
+        return x
+
+    blob = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """The fields fixed for a worker's life that decide whether its pages may be shared.
+
+    TP rank and size, page size, heads and head dim, and the storage dtype travel in the
+    layout descriptor's own fields; the rest is here."""
+
+    # Which engine wrote the bytes ("vllm", "sglang"): their page byte layouts differ.
+    engine: str
+    # The checkpoint: a local path or a hub id, never the served alias.
+    model: str
+    # The checkpoint's revision (a hub commit or tag), if any.
+    revision: str = ""
+    # Digest of the model's config and quantization config (config_digest).
+    config: str = ""
+    # The weight version the engine was started with (SGLang --weight-version, the vLLM
+    # connector's weight_version); empty when none was declared.
+    weight_version: str = ""
+    # The logical KV dtype, with the fp8/nvfp4 format (fp8_e4m3, fp8_e5m2, nvfp4, or the
+    # model dtype's name), and how its scales are made.
+    kv_dtype: str = ""
+    kv_scales: str = ""
+    # The attention layers this worker holds (a pipeline stage's range), "first-last".
+    layers: str = ""
+    # Context-parallel shards, e.g. "dcp1of2"; empty without context parallelism.
+    shards: str = ""
+    # The engine's physical page layout where it is not canonical (vLLM's block shape and
+    # strides, and its version): kept apart rather than converted.
+    layout: str = ""
+    # Anything else the integration keeps apart (SGLang's pool name for hybrid pools).
+    extra: str = ""
+
+    def digest(self) -> str:
+        blob = json.dumps([IDENTITY_VERSION, asdict(self)], sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def descriptor_fields(self) -> tuple[str, str]:
+        """``(model_id, model_version)`` for the layout descriptor. The version reads as the
+        fields that most often differ, then ``id=`` and the digest of every field, which is
+        what separates pages (the readable part may be cut to fit)."""
+        if not self.model:
+            raise ValueError("kvtier: the cache identity has no model (checkpoint path or id)")
+        model = self.model
+        if len(model.encode()) > _MAX_FIELD:
+            model = model[:200] + "#" + hashlib.sha256(model.encode()).hexdigest()[:32]
+        readable = [
+            f"{self.engine}",
+            f"rev={self.revision}" if self.revision else "",
+            f"w={self.weight_version}" if self.weight_version else "",
+            f"kv={self.kv_dtype}" if self.kv_dtype else "",
+            f"layers={self.layers}" if self.layers else "",
+            self.shards,
+            self.extra,
+        ]
+        tail = f"|id={IDENTITY_VERSION}:{self.digest()[:32]}"
+        head = "|".join(p for p in readable if p)
+        room = _MAX_FIELD - len(tail.encode())
+        head = head.encode()[:room].decode(errors="ignore")
+        return model, head + tail
+
+
+@dataclass
+class WeightEpoch:
+    """The instance's weight epoch: empty until the first reset, then a new random one per
+    reset. It seeds the page keys' namespace (``extra_key``), so pages stored under an earlier
+    epoch are never found again by this instance. Random rather than counted: two instances
+    reset the same number of times may hold different weights."""
+
+    value: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def bump(self) -> str:
+        with self._lock:
+            self.value = secrets.token_hex(16)
+            return self.value
+
+    def namespace(self, ns: Namespace) -> Namespace:
+        """``ns`` within this epoch."""
+        if not self.value:
+            return ns
+        epoch = f"kvtier-epoch/{self.value}"
+        extra = f"{ns.extra_key}|{epoch}" if ns.extra_key else epoch
+        return Namespace(ns.tenant, ns.cache_salt, ns.lora_id, extra)

@@ -1,0 +1,154 @@
+"""The harness of the vLLM connector tests: real kvtierd and kvtier-agent processes, and one
+vLLM worker process (vllm_engine.py) per run, driven by the flag ``vllm serve`` takes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
+from kvtierd_proc import Kvtierd, debug_binary  # noqa: E402, F401 - Kvtierd: for the tests
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+
+
+def agent_bin() -> str:
+    return debug_binary("kvtier-agent", "KVTIER_AGENT_BIN")
+
+
+class Agent:
+    def __init__(
+        self, d: Path, name: str, daemon_socket: str, *sets: str, socket: Path | None = None
+    ):
+        self.socket = str(socket or d / f"{name}.sock")
+        args = [agent_bin()]
+        for s in (
+            f"data_dir={d}",
+            f"server.socket={self.socket}",
+            f"daemon.address={daemon_socket}",
+            f"daemon.name={name}",
+            "daemon.reconnect_min=20ms",
+            "metrics.listen=127.0.0.1:0",
+            "log.level=warn",
+            "cache.evict_wait=500ms",
+            *sets,
+        ):
+            args += ["--set", s]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        assert "kvtier-agent ready" in line, line
+        self.metrics = line.split("metrics=")[1].split()[0]
+
+    def metric(self, series: str, absent: float | None = None) -> float:
+        """A series' value; ``absent`` for one not exported yet (labels made on first use)."""
+        import urllib.request
+
+        page = urllib.request.urlopen(self.metrics, timeout=5).read().decode()
+        for line in page.splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+        if absent is not None:
+            return absent
+        raise AssertionError(f"{series} not exported")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(15)
+
+
+def flag(agent: Agent | None, **extra) -> str:
+    """The --kv-transfer-config flag, as docs/vllm.md gives it; without an agent, the
+    connector's default socket template."""
+    where = {"agent": agent.socket} if agent is not None else {}
+    return json.dumps(
+        {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {**where, **extra},
+        }
+    )
+
+
+def prompts(seed: int, prefixes: int = 4, each: int = 3) -> list[dict]:
+    """Conversations: each of `prefixes` system prompts (5 to 9 pages) followed by `each`
+    user turns of 20 to 60 tokens; some carry a cache_salt of their own."""
+    rng = random.Random(seed)
+    out = []
+    for p in range(prefixes):
+        rng_p = random.Random(1000 + p)  # the same prefixes in every run
+        system = [rng_p.randrange(1000) for _ in range(16 * rng_p.randrange(5, 10))]
+        for i in range(each):
+            turn = [rng.randrange(1000) for _ in range(rng.randrange(20, 60))]
+            out.append(
+                {
+                    "id": f"s{seed}-p{p}-{i}",
+                    "tokens": system + turn,
+                    "max_tokens": rng.randrange(4, 24),
+                    "salt": "team-b" if p == 3 else None,
+                }
+            )
+    return out
+
+
+def start_worker(
+    tmp: Path,
+    name: str,
+    kv_flag: str,
+    ps: list[dict],
+    *opts: str,
+    kill: str | None = None,
+    cwd: Path | None = None,
+) -> tuple[subprocess.Popen, Path]:
+    """Starts one vLLM worker process (vllm_engine.py; ``opts`` are its options)."""
+    (tmp / f"{name}.prompts.json").write_text(json.dumps(ps))
+    out = tmp / f"{name}.out.json"
+    cmd = [
+        sys.executable,
+        str(ENGINE),
+        "--kv-transfer-config",
+        kv_flag,
+        "--prompts",
+        str(tmp / f"{name}.prompts.json"),
+        "--out",
+        str(out),
+    ]
+    if kill:
+        cmd += ["--kill", kill]
+    cmd += list(opts)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
+    )
+    return proc, out
+
+
+def finish_worker(proc: subprocess.Popen, out: Path) -> dict:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.read_text())
+
+
+def run_worker(*args, **kwargs) -> dict:
+    """Runs one vLLM worker process to the end (``start_worker``'s arguments)."""
+    return finish_worker(*start_worker(*args, **kwargs))
+
+
+def same_prompts_again(ps: list[dict], suffix_seed: int) -> list[dict]:
+    """The same conversations continued: each prompt plus another turn."""
+    rng = random.Random(suffix_seed)
+    return [
+        dict(
+            p, id=p["id"] + "-again", tokens=p["tokens"] + [rng.randrange(1000) for _ in range(30)]
+        )
+        for p in ps
+    ]
