@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 
 from kvtier import sglang_pages as pages
 from kvtier.host import DTYPES, POLICIES, DaemonClient
+from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
 from kvtier.keys import Namespace
 from kvtier.settings import fill
 from kvtier.sglang_link import PoolLink, Reporter
@@ -40,6 +42,10 @@ except ImportError:  # pragma: no cover - exercised only without SGLang
 
 logger = logging.getLogger(__name__)
 
+# SGLang's default prefetch budget (its prefetch_timeout_base, prefetch_timeout_per_ki_token).
+SGLANG_PREFETCH_BASE_S = 1.0
+SGLANG_PREFETCH_PER_KI_TOKEN_S = 0.25
+
 # Keys of extra_config that belong to SGLang itself, not to this backend.
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 
@@ -50,16 +56,24 @@ class Settings:
 
     # kvtierd's gRPC socket (its `socket`, by default <data_dir>/kvtierd.sock).
     socket: str = "kvtier-data/kvtierd.sock"
-    # Model identity in the layout fingerprint; empty: SGLang's model name.
+    # The model in the cache identity; empty: SGLang's model path (the checkpoint, from its
+    # server arguments), or, where SGLang runs without them, the model name it passes.
     model_id: str = ""
+    # The KV cache's logical dtype where the host pool stores it as bytes (fp8:
+    # "fp8_e4m3", "fp8_e5m2"); empty: SGLang's --kv-cache-dtype. Without either, an fp8
+    # pool's pages are this instance's alone.
+    kv_cache_dtype: str = ""
     # A tenant name: pages are shared only among instances with the same one.
     namespace: str = ""
     # Deadline of each kvtierd call, in seconds.
     timeout_s: float = 5.0
-    # How kvtierd finishes a load from L3: wait_complete, timeout or best_effort.
+    # How kvtierd finishes a load from L3: wait_complete or timeout (both end at the load
+    # budget below), or best_effort.
     prefetch_policy: str = "wait_complete"
-    # Deadline of a whole load from L3 (the Prefetch call), in seconds.
-    prefetch_timeout_s: float = 30.0
+    # The load budget: the longest a load waits for pages from L3, in seconds; 0: SGLang's
+    # own prefetch budget, 1 s + 0.25 s per 1024 tokens loaded (SGLang keeps its
+    # prefetch_timeout_* keys to itself: mirror a change of them here).
+    prefetch_timeout_s: float = 0.0
     # After kvtierd could not be reached, calls are misses for this long before the next try.
     reconnect_interval_s: float = 1.0
     # Least time between two log lines of the same failure.
@@ -74,10 +88,21 @@ class Settings:
                 f"kvtier extra_config key 'prefetch_policy': {s.prefetch_policy!r} is not one "
                 f"of {', '.join(POLICIES)}"
             )
-        for name in ("timeout_s", "prefetch_timeout_s"):
-            if getattr(s, name) <= 0:
-                raise ValueError(f"kvtier extra_config key {name!r}: must be above 0")
+        if s.timeout_s <= 0:
+            raise ValueError("kvtier extra_config key 'timeout_s': must be above 0")
+        if s.prefetch_timeout_s < 0:
+            raise ValueError(
+                "kvtier extra_config key 'prefetch_timeout_s': must not be negative "
+                "(0: SGLang's prefetch budget)"
+            )
         return s
+
+    def load_budget_s(self, pages: int, page_tokens: int) -> float:
+        """How long a load of ``pages`` pages waits for L3: the setting, or SGLang's own
+        prefetch budget for that many tokens."""
+        if self.prefetch_timeout_s > 0:
+            return self.prefetch_timeout_s
+        return SGLANG_PREFETCH_BASE_S + SGLANG_PREFETCH_PER_KI_TOKEN_S * pages * page_tokens / 1024
 
 
 class KvtierStorage(HiCacheStorage):
@@ -91,7 +116,10 @@ class KvtierStorage(HiCacheStorage):
         self.is_writer = (
             writer if writer is not None else (not self.mla or storage_config.tp_rank == 0)
         )
-        model = self.settings.model_id or (storage_config.model_name or "")
+        self.server_args = _server_args()
+        sa = self.server_args
+        model = self.settings.model_id or str(getattr(sa, "model_path", "") or "")
+        model = model or (storage_config.model_name or "")
         if not model:
             raise ValueError(
                 "kvtier: no model identity: SGLang passed no model name; set extra_config "
@@ -99,7 +127,10 @@ class KvtierStorage(HiCacheStorage):
             )
         self.model_id = model
         self.namespace = Namespace(tenant=self.settings.namespace)
+        # clear() moves to a new epoch: keys of earlier pages are never asked for again.
+        self.epoch = WeightEpoch()
         self._seed = self.namespace.seed()
+        self._instance = os.urandom(8).hex()
         self.client = DaemonClient(self.settings.socket, self.settings.timeout_s)
         self.report = Reporter(self.settings.log_interval_s)
         self.counters = self.report.counters
@@ -141,27 +172,64 @@ class KvtierStorage(HiCacheStorage):
             label, self.client, d, page_bytes, self.namespace, name, self.report, self.settings
         )
 
-    def _model_version(self, pool: str = "") -> str:
-        """What SGLang keys by beside the model (the pipeline stage, context-parallel shard)
-        and the pool's name, so different shards and pools never share a fingerprint."""
-        c = self.storage_config
-        parts = ["sglang"]
-        if getattr(c, "pp_size", 1) > 1:
-            parts.append(f"pp{c.pp_rank}of{c.pp_size}")
+    def kv_dtype(self) -> str:
+        """The KV cache's logical dtype: the host pool's, unless the pool stores bytes (fp8),
+        then the setting or SGLang's --kv-cache-dtype, else this instance's alone."""
+        g = self.geometry
+        stored = g.dtype if g is not None else ""
+        if stored != "uint8":
+            return stored
+        named = self.settings.kv_cache_dtype or str(
+            getattr(self.server_args, "kv_cache_dtype", "") or ""
+        )
+        if named and named != "auto":
+            return named
+        logger.warning(
+            "kvtier: the host pool stores its KV as bytes and no KV dtype is known (set "
+            "extra_config key 'kv_cache_dtype'); this instance's pages are its own"
+        )
+        return f"bytes/{self._instance}"
+
+    def identity(self, pool: str = "") -> CacheIdentity:
+        """This worker's cache identity (docs/identity.md); ``pool`` names a hybrid pool."""
+        c, sa = self.storage_config, self.server_args
+        shards = []
         if getattr(c, "attn_cp_size", 1) > 1:
-            parts.append(f"cp{c.attn_cp_rank}of{c.attn_cp_size}")
+            shards.append(f"cp{c.attn_cp_rank}of{c.attn_cp_size}")
         if getattr(c, "dcp_size", 1) > 1:
-            parts.append(f"dcp{c.dcp_rank}of{c.dcp_size}")
-        if pool:
-            parts.append(f"pool={pool}")
-        return "/".join(parts)
+            shards.append(f"dcp{c.dcp_rank}of{c.dcp_size}")
+        host = self.mem_pool_host
+        layers = ""
+        if getattr(c, "pp_size", 1) > 1:
+            start = getattr(host, "start_layer", None)
+            n = getattr(host, "layer_num", None)
+            layers = (
+                f"{start}-{start + n - 1}"
+                if start is not None and n
+                else f"pp{c.pp_rank}of{c.pp_size}"
+            )
+        return CacheIdentity(
+            engine="sglang",
+            model=self.model_id,
+            revision=str(getattr(sa, "revision", "") or ""),
+            config=config_digest(
+                str(getattr(sa, "quantization", "") or ""),
+                str(getattr(sa, "json_model_override_args", "") or ""),
+            ),
+            weight_version=str(getattr(sa, "weight_version", "") or ""),
+            kv_dtype=self.kv_dtype(),
+            layers=layers,
+            shards="/".join(shards),
+            extra=f"pool={pool}" if pool else "",
+        )
 
     def descriptor(self) -> common_pb2.LayoutDescriptor:
         """The kvtier layout of this worker's KV pages."""
         g, c = self.geometry, self.storage_config
+        model_id, version = self.identity().descriptor_fields()
         d = common_pb2.LayoutDescriptor(
-            model_id=self.model_id,
-            model_version=self._model_version(),
+            model_id=model_id,
+            model_version=version,
             dtype=DTYPES[g.dtype],
             num_layers=g.layers,
             page_size=g.page_size,
@@ -179,9 +247,10 @@ class KvtierStorage(HiCacheStorage):
         sharded per TP rank even under MLA; other pools are shared as the KV is."""
         c = self.storage_config
         shared = self.mla and name != "mamba"
+        model_id, version = self.identity(name).descriptor_fields()
         d = common_pb2.LayoutDescriptor(
-            model_id=self.model_id,
-            model_version=self._model_version(name),
+            model_id=model_id,
+            model_version=version,
             dtype=common_pb2.DTYPE_UINT8,
             num_layers=1,
             page_size=1,
@@ -476,10 +545,15 @@ class KvtierStorage(HiCacheStorage):
     # ---- the rest -----------------------------------------------------------------------
 
     def clear(self) -> None:
-        """SGLang's "clear the storage". kvtierd's tiers are shared by every worker on the
-        node (and their pages stay valid: a key names its content), so one worker does not
-        wipe them; an operator clears them with kvtierd's own tools."""
-        logger.info("kvtier: clear() leaves kvtierd's shared tiers as they are")
+        """SGLang's "clear the storage" (``/clear_hicache_storage_backend``, as after a
+        weight update): this instance moves to a new weight epoch, so no page stored before
+        is found by it again. kvtierd's tiers are shared by every worker on the node, so
+        their pages stay for the others (and age out); an operator wipes them with
+        ``kvtierctl clear``."""
+        self.epoch.bump()
+        self._seed = self.epoch.namespace(self.namespace).seed()
+        self.report.bump("clears")
+        logger.info("kvtier: clear(): a new weight epoch; earlier pages are not used again")
 
     def get_stats(self) -> Any:
         """Pages and bandwidth per prefetch and backup since the last call, as SGLang's
@@ -504,3 +578,15 @@ class KvtierStorage(HiCacheStorage):
         for link in links:
             link.close()
         self.client.close()
+
+
+def _server_args() -> Any:
+    """SGLang's server arguments in a running server (the checkpoint path, revision, KV
+    dtype, weight version); None where SGLang runs without them (its classes driven
+    directly, as in tests)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:  # noqa: BLE001 - absent or unpublished: the backend's settings decide
+        return None

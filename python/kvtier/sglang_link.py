@@ -192,25 +192,53 @@ class PoolLink:
 
     def store(self, pages: Pages, keys: list[bytes], parent: bytes) -> tuple[list[bool], int]:
         """Writes pages into L2 (kvtierd writes them on to L3 per its policy): which keys are
-        stored, and how many pages this call copied."""
-        n = len(keys)
-        with self.use() as s:
-            if s is None:
-                self.report.bump("set_unavailable", n)
-                return [False] * n, 0
-            return self._store_in(s, pages, keys, parent)
-
-    def _store_in(
-        self, s: HostSession, pages: Pages, keys: list[bytes], parent: bytes
-    ) -> tuple[list[bool], int]:
-        """Reserve, copy, Commit; on any failure the reserved slots are aborted (never left to
-        the session's expiry) and the whole batch is False."""
+        stored, and how many pages this call copied. When L2 has no room (its pages wait for
+        L3 writes), the call waits for L3 to drain and tries the rest again, up to
+        ``timeout_s``: a burst faster than L3 is backpressure, not loss. Pages still refused
+        then are False, counted as ``set_no_space``."""
         n = len(keys)
         ok = [False] * n
+        copied = done = 0
+        deadline = time.monotonic() + self.settings.timeout_s
+        pause = 0.002
+        waited = False
+        while True:
+            with self.use() as s:
+                if s is None:
+                    self.report.bump("set_unavailable", n - done)
+                    return ok, copied
+                r = self._store_in(s, pages, keys, keys[done - 1] if done else parent, done, ok)
+            if r is None:
+                return [False] * n, 0
+            upto, c = r
+            copied += c
+            done = upto
+            if done == n:
+                return ok, copied
+            now = time.monotonic()
+            if now >= deadline:
+                self.report.bump("set_no_space", n - done)
+                return ok, copied
+            if not waited:
+                self.report.bump("set_waits")
+                waited = True
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 0.05)
+
+    def _store_in(
+        self, s: HostSession, pages: Pages, keys: list[bytes], parent: bytes, start: int, ok
+    ) -> tuple[int, int] | None:
+        """Reserve, copy, Commit for ``keys[start:]``, setting ``ok``: how far the stored
+        prefix now reaches (short of the end when L2 had no room) and how many pages were
+        copied; None on a failure (the reserved slots are aborted, never left to the
+        session's expiry, and the whole batch is False)."""
+        n = len(keys)
         reserved: list[bytes] = []
         copied = 0
+        upto = n
         try:
-            for i, (status, slot) in enumerate(s.reserve(keys, parent)):
+            for j, (status, slot) in enumerate(s.reserve(keys[start:], parent)):
+                i = start + j
                 if status == host_pb2.RESERVE_STATUS_PRESENT:
                     ok[i] = True
                 elif status == host_pb2.RESERVE_STATUS_RESERVED:
@@ -220,13 +248,13 @@ class PoolLink:
                     copied += 1
                 else:
                     # No room in L2 now; every later key is refused too.
-                    self.report.bump("set_no_space", n - i)
+                    upto = i
                     break
             if reserved:
                 s.commit(reserved)
                 reserved = []
-            if copied < sum(ok):
-                self._confirm_present(s, keys, ok)
+            if copied < sum(ok[start:upto]):
+                self._confirm_present(s, keys[start:upto], ok, start)
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
             self.report.fail("set", e)
             if reserved:
@@ -235,14 +263,17 @@ class PoolLink:
                 except KvtierError:
                     pass
             self.drop(s, e)
-            return [False] * n, 0
-        return ok, copied
+            return None
+        return upto, copied
 
-    def _confirm_present(self, s: HostSession, keys: list[bytes], ok: list[bool]) -> None:
+    def _confirm_present(
+        self, s: HostSession, keys: list[bytes], ok: list[bool], offset: int
+    ) -> None:
         """Keys Reserve called present may still be in another client's hands, not yet
         visible (and that client may give them up). Waits, up to timeout_s, until every key
-        this call reports stored is visible in L2 or L3; a key that never shows is False."""
-        want = [k for k, good in zip(keys, ok) if good]
+        this call reports stored is visible in L2 or L3; a key that never shows is False.
+        ``keys`` are ``ok[offset:]``'s."""
+        want = [k for k, good in zip(keys, ok[offset:]) if good]
         deadline = time.monotonic() + self.settings.timeout_s
         while True:
             seen = s.lookup_each(want, include_storage=True)
@@ -252,10 +283,14 @@ class PoolLink:
                 missing = {k for k, v in zip(want, seen) if not v}
                 for i, k in enumerate(keys):
                     if k in missing:
-                        ok[i] = False
+                        ok[offset + i] = False
                 self.report.bump("set_not_visible", len(missing))
                 return
             time.sleep(0.005)
+
+    @property
+    def page_tokens(self) -> int:
+        return int(self.descriptor.page_size) or 1
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -298,15 +333,23 @@ class PoolLink:
     ) -> int:
         rid = uuid.uuid4().hex
         # SGLang has already decided to load these pages (batch_exists, its own threshold):
-        # the daemon's threshold and load-or-recompute test are turned off for the call.
+        # the daemon's threshold and load-or-recompute test are turned off for the call. The
+        # wait is SGLang's own prefetch budget, so one slow L3 read never holds SGLang's
+        # single prefetch thread past what SGLang itself would wait: kvtierd stops at the
+        # budget and hands over what landed.
+        budget = self.settings.load_budget_s(len(keys) - first, self.page_tokens)
+        policy = self.settings.prefetch_policy
+        if policy == "wait_complete":
+            policy = "timeout"
         progress = s.prefetch(
             rid,
             keys[first:],
             parent,
-            self.settings.prefetch_policy,
+            policy,
+            timeout_ms=max(1, int(budget * 1000)),
             threshold_tokens=0,
             recompute_tokens_per_second=1,
-            timeout=self.settings.prefetch_timeout_s,
+            timeout=budget + self.settings.timeout_s,
         )
         if progress.state == "revoked":
             # Nothing was allocated or pinned, and the prefetch is closed.

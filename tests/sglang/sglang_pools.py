@@ -88,6 +88,7 @@ def worker(
     heads: int = 2,
     head_dim: int = 64,
     tokens: int = 2048,
+    dtype: torch.dtype = torch.bfloat16,
     **settings,
 ) -> Worker:
     # SGLang's device pool (on the CPU), then its host pool mirroring it, as the engine
@@ -101,7 +102,7 @@ def worker(
     dev = dev_cls(
         tokens,
         PAGE,
-        torch.bfloat16,
+        dtype,
         *shape,
         LAYERS,
         "cpu",

@@ -297,3 +297,94 @@ def test_every_method_of_sglangs_interface_is_kvtiers_own() -> None:
     base = {n for n, v in vars(HiCacheStorage).items() if callable(v) and not n.startswith("_")}
     mine = set(vars(kvtier.sglang.KvtierStorage))
     assert base - mine <= {"register_mem_host_pool_v2", "on_host_pools_registered"}, base - mine
+
+
+def test_fp8_formats_never_share_pages(daemon: Kvtierd):
+    """SGLang's host pools store every fp8 format as uint8: only the format in the cache
+    identity (docs/identity.md) keeps E4M3 pages from E5M2 readers."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    w = worker(daemon.socket, dtype=e4m3, kv_cache_dtype="fp8_e4m3")
+    ks = keys(4, salt="fp8")
+    w.fill(0, 4, seed=1)
+    assert w.backend.batch_set_v1(ks, w.indices(0, 4)) == [True] * 4
+    other = worker(daemon.socket, dtype=e5m2, kv_cache_dtype="fp8_e5m2")
+    assert other.backend.batch_exists(ks) == 0
+    assert other.backend.batch_get_v1(ks, other.indices(0, 4)) == [False] * 4
+    same = worker(daemon.socket, dtype=e4m3, kv_cache_dtype="fp8_e4m3")
+    assert same.backend.batch_exists(ks) == 4
+    # With no format known (no setting, no server args), an fp8 pool's pages are its own.
+    blind = [worker(daemon.socket, dtype=e4m3) for _ in range(2)]
+    blind[0].fill(0, 4, seed=2)
+    assert blind[0].backend.batch_set_v1(ks, blind[0].indices(0, 4)) == [True] * 4
+    assert blind[0].backend.batch_exists(ks) == 4
+    assert blind[1].backend.batch_exists(ks) == 0
+
+
+def test_clear_moves_the_instance_to_a_new_weight_epoch(daemon: Kvtierd):
+    """SGLang's clear (``/clear_hicache_storage_backend``, as after a weight update): the
+    instance never finds a page stored before; other instances keep theirs."""
+    w, peer = worker(daemon.socket), worker(daemon.socket)
+    ks = keys(5, salt="epoch")
+    old = w.fill(0, 5, seed=3)
+    assert w.backend.batch_set_v1(ks, w.indices(0, 5)) == [True] * 5
+    assert w.backend.batch_exists(ks) == 5
+    w.backend.clear()
+    assert w.backend.batch_exists(ks) == 0
+    assert w.backend.batch_get_v1(ks, w.indices(8, 5)) == [False] * 5
+    assert inner(w.backend).counters["clears"] == 1
+    # The peer (still on the old weights) is unaffected.
+    peer.clear()
+    assert peer.backend.batch_get_v1(ks, peer.indices(0, 5)) == [True] * 5
+    assert all(torch.equal(peer.canonical(i), old[i]) for i in range(5))
+    # What the cleared instance computes next is stored and found under its new epoch.
+    new = w.fill(0, 5, seed=4)
+    assert w.backend.batch_set_v1(ks, w.indices(0, 5)) == [True] * 5
+    w.clear()
+    assert w.backend.batch_get_v1(ks, w.indices(0, 5)) == [True] * 5
+    assert all(torch.equal(w.canonical(i), new[i]) for i in range(5))
+
+
+def test_a_burst_faster_than_l3_drains_loses_no_page(tmp_path: Path):
+    """3x L2's room in 4-page batch_set_v1 calls while every L3 write takes 20 ms: the
+    calls wait for L3 to drain (backpressure) instead of refusing pages, and every page reads
+    back bit-identical from L2 or L3."""
+    d = Kvtierd(tmp_path / "kvtierd", "l2.pool_pages=32", "l3.fault_set_delay=20ms")
+    try:
+        w = worker(d.socket)
+        n = 96
+        ks = keys(n, salt="burst")
+        want = w.fill(0, n, seed=9)
+        results = []
+        for i in range(0, n, 4):
+            results += w.backend.batch_set_v1(ks[i : i + 4], w.indices(i, 4))
+        assert results == [True] * n, results.count(False)
+        counters = inner(w.backend).counters
+        assert counters["set_no_space"] == 0 and counters["set_waits"] > 0, counters
+        reader = worker(d.socket)
+        for i in range(0, n, 8):
+            assert reader.backend.batch_get_v1(ks[i : i + 8], reader.indices(i, 8)) == [True] * 8
+        assert all(torch.equal(reader.canonical(i), want[i]) for i in range(n))
+    finally:
+        d.stop()
+
+
+def test_a_slow_l3_read_ends_within_sglangs_prefetch_budget(tmp_path: Path):
+    """SGLang has one prefetch thread: a load must not wait on L3 longer than SGLang's own
+    budget (1 s + 0.25 s per 1024 tokens), whatever L3 does."""
+    d = Kvtierd(tmp_path / "kvtierd", "l2.pool_pages=16", "l3.fault_get_delay=5s")
+    try:
+        w = worker(d.socket)
+        ks = keys(48, salt="slow")
+        w.fill(0, 48, seed=5)
+        for i in range(0, 48, 4):
+            assert w.backend.batch_set_v1(ks[i : i + 4], w.indices(i, 4)) == [True] * 4
+        # The first pages were evicted from the 16-page L2 and live in L3 only.
+        assert w.backend.batch_exists(ks[:4]) == 4
+        for _ in range(2):
+            start = time.monotonic()
+            got = w.backend.batch_get_v1(ks[:4], w.indices(100, 4))
+            took = time.monotonic() - start
+            assert got == [False] * 4
+            assert took < 1.0 + 0.25 * 64 / 1024 + 1.0, took
+    finally:
+        d.stop()
