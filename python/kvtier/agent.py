@@ -86,11 +86,14 @@ class Evicted:
 @dataclass(frozen=True)
 class Lookup:
     """Of a prompt's ``total_pages`` full pages, after the engine's own: how many L2 holds,
-    then how many after those L3 holds."""
+    then how many after those L3 holds; and, under a write policy that selects pages, how
+    many leading pages it selects now (None: it saves every page). Pass ``save_pages`` to
+    every worker's save (``selected``) so that all TP ranks save the same pages."""
 
     l2_pages: int
     l3_pages: int
     total_pages: int
+    save_pages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,8 @@ class AgentClient:
             packed_tokens=packed(tokens), namespace=namespace_pb(namespace), start_page=start_page
         )
         r = self._call(self.stub.Lookup, req)
-        return Lookup(r.l2_pages, r.l3_pages, r.total_pages)
+        selected = r.save_pages if r.HasField("save_pages") else None
+        return Lookup(r.l2_pages, r.l3_pages, r.total_pages, selected)
 
     def load_pages(
         self,
@@ -266,16 +270,20 @@ class AgentClient:
         start_page: int,
         device_pages: Sequence[int],
         timeout: float | None = None,
+        selected: int | None = None,
     ) -> Saved:
         """Engine-cache mode: saves the computed pages ``start_page..`` of the prompt, held
-        in ``device_pages``, into L2 per the agent's write policy. On return the agent reads
-        none of the pages any more."""
+        in ``device_pages``, into L2 per the agent's write policy (or per ``selected``, a
+        lookup's ``save_pages``: pages before it are saved). On return the agent reads none
+        of the pages any more."""
         req = agent_pb2.SavePagesRequest(
             packed_tokens=packed(tokens),
             namespace=namespace_pb(namespace),
             start_page=start_page,
             device_pages=device_pages,
         )
+        if selected is not None:
+            req.selected = selected
         r = self._call(self.stub.Save, req, timeout)
         return Saved(r.stored, r.present, r.skipped, r.failed)
 

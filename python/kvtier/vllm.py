@@ -85,6 +85,10 @@ class Settings:
     weight_version: str = ""
     # Directory of the staging pool's file (shared memory the agent maps); empty: /dev/shm.
     staging_dir: str = ""
+    # Permission bits of the staging file, octal: "0600" when the agent runs as the worker's
+    # uid; "0660" for an agent under another uid in the file's group (a sidecar: give the
+    # directory that group and the setgid bit, as Kubernetes' fsGroup does).
+    staging_mode: str = "0600"
     # A tenant name: pages are shared only among workers with the same one.
     tenant: str = ""
     # Pages of the staging pool the agent copies through (per worker).
@@ -114,7 +118,23 @@ class Settings:
             raise ValueError(f"kvtier: {where}.load_timeout_ms: must not be negative")
         if s.timeout_s <= 0:
             raise ValueError(f"kvtier: {where}.timeout_s: must be above 0")
+        s.staging_file_mode()
         return s
+
+    def staging_file_mode(self) -> int:
+        """``staging_mode`` as bits; an error names the key unless it is octal, keeps the
+        owner's read and write, and gives nothing to others."""
+        where = "kv_connector_extra_config.staging_mode"
+        try:
+            mode = int(self.staging_mode, 8)
+        except ValueError:
+            raise ValueError(f"kvtier: {where}: {self.staging_mode!r} is not octal") from None
+        if mode & ~0o660 or mode & 0o600 != 0o600:
+            raise ValueError(
+                f"kvtier: {where}: {self.staging_mode!r}: the owner must read and write, the "
+                "group may, others may not (0600 or 0660; no execute bits)"
+            )
+        return mode
 
     def agent_socket(self, ranks: Ranks) -> str:
         """The agent socket of the worker at ``ranks``."""
@@ -150,19 +170,18 @@ class Ranks:
     @staticmethod
     def of_worker(vllm_config: Any) -> Ranks:
         pc = vllm_config.parallel_config
-        tp = pp = local = 0
-        try:
-            from vllm.distributed.parallel_state import (
-                get_pp_group,
-                get_tensor_model_parallel_rank,
-                get_world_group,
-            )
+        from vllm.distributed import parallel_state as ps
 
-            tp = get_tensor_model_parallel_rank()
-            pp = get_pp_group().rank_in_group
-            local = get_world_group().local_rank
-        except (AssertionError, ImportError, RuntimeError, AttributeError):
-            pass
+        def ask(get: Any, default: int) -> int:
+            try:
+                return int(get())
+            except (AssertionError, RuntimeError, AttributeError, TypeError):
+                return default
+
+        tp = ask(ps.get_tensor_model_parallel_rank, 0)
+        pp = ask(lambda: ps.get_pp_group().rank_in_group, 0)
+        # Without vLLM's world group (one node assumed): vLLM's rank order, PP-major.
+        local = ask(lambda: ps.get_world_group().local_rank, pp * pc.tensor_parallel_size + tp)
         dp_local = getattr(pc, "data_parallel_rank_local", None) or 0
         # vLLM gives DP rank d of a node the GPUs d*world .. (d+1)*world - 1, and its
         # workers local ranks 0 .. world - 1 among them.
@@ -190,6 +209,9 @@ class Job:
     namespace: Namespace
     start: int
     blocks: list[int]
+    # Saves: the write policy's selection as the scheduler's lookup answered it (pages
+    # before it are saved), the same for every TP rank; None: each agent's policy decides.
+    selected: int | None = None
 
 
 @dataclass
@@ -224,6 +246,8 @@ class _Tracked:
     blocks: list[int] = field(default_factory=list)
     # Pages before this one are in L2 or were handed to a save.
     saved: int = 0
+    # The write policy's selection from the last lookup (see Job.selected).
+    selected: int | None = None
 
 
 def namespace_of(request: Any, tenant: str) -> Namespace | None:
@@ -275,7 +299,9 @@ class KvtierConnector(KVConnectorBase_V1):
         )
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
-        self._hits: dict[str, tuple[int, int]] = {}
+        # Per request: the first page past vLLM's own hits, the pages kvtier holds after
+        # it, and the write policy's selection (Job.selected).
+        self._hits: dict[str, tuple[int, int, int | None]] = {}
         self._loads: list[Job] = []
         # Worker side.
         self._staging: _Staging | None = None
@@ -300,7 +326,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # vLLM computes at least the last token itself (it needs its logits).
         limit = (len(tokens) - 1) // bs
         start = num_computed_tokens // bs
-        self._hits[request.request_id] = (start, 0)
+        self._hits[request.request_id] = (start, 0, None)
         if start >= limit:
             return 0, False
         try:
@@ -308,10 +334,10 @@ class KvtierConnector(KVConnectorBase_V1):
         except KvtierError as e:
             logger.warning("kvtier: lookup failed, computing instead: %s", e)
             return 0, False
-        n = min(found.l2_pages + found.l3_pages, limit - start)
+        n = max(0, min(found.l2_pages + found.l3_pages, limit - start))
+        self._hits[request.request_id] = (start, n, found.save_pages)
         if n <= 0:
             return 0, False
-        self._hits[request.request_id] = (start, n)
         return n * bs, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
@@ -327,7 +353,11 @@ class KvtierConnector(KVConnectorBase_V1):
         if block_ids:
             t.blocks = block_ids
         bs = self.block_size
-        start, n = hit if hit is not None else (request.num_computed_tokens // bs, 0)
+        if hit is None:
+            hit = (request.num_computed_tokens // bs, 0, None)
+        else:
+            t.selected = hit[2]
+        start, n, _ = hit
         # Pages vLLM had and pages about to be loaded need no save.
         t.saved = max(t.saved, start + num_external_tokens // bs)
         if n <= 0 or num_external_tokens <= 0:
@@ -366,6 +396,7 @@ class KvtierConnector(KVConnectorBase_V1):
                         t.namespace,
                         t.saved,
                         t.blocks[t.saved : done],
+                        t.selected,
                     )
                 )
                 t.saved = done
@@ -424,6 +455,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.settings.staging_pages,
             self._block_bytes,
             self.settings.staging_dir,
+            self.settings.staging_file_mode(),
         )
 
     def identity(self, sample: torch.Tensor) -> CacheIdentity:
@@ -595,7 +627,9 @@ class KvtierConnector(KVConnectorBase_V1):
             return
         try:
             r = self._call(
-                lambda: self.agent.save_pages(job.tokens, job.namespace, job.start, slots),
+                lambda: self.agent.save_pages(
+                    job.tokens, job.namespace, job.start, slots, selected=job.selected
+                ),
             )
         except KvtierError as e:
             # The agent counts what it could not save; an agent that cannot be reached
@@ -646,7 +680,14 @@ def _layer_range(names: Sequence[str]) -> str:
 def _chunks(job: Job, most: int) -> Iterator[Job]:
     """The job in pieces of at most ``most`` pages, in order."""
     for i in range(0, len(job.blocks), most):
-        yield Job(job.req_id, job.tokens, job.namespace, job.start + i, job.blocks[i : i + most])
+        yield Job(
+            job.req_id,
+            job.tokens,
+            job.namespace,
+            job.start + i,
+            job.blocks[i : i + most],
+            job.selected,
+        )
 
 
 def _block_major(name: str, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -667,7 +708,9 @@ class _Staging:
     up front (posix_fallocate): a tmpfs too small for it is an error here, naming the size
     and the directory, not a SIGBUS on the first save."""
 
-    def __init__(self, layers: int, pages: int, block_bytes: int, directory: str = ""):
+    def __init__(
+        self, layers: int, pages: int, block_bytes: int, directory: str = "", mode: int = 0o600
+    ):
         self.layers, self.pages, self.block_bytes = layers, pages, block_bytes
         size = layers * pages * block_bytes
         base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
@@ -677,6 +720,8 @@ class _Staging:
             )
         fd, self.path = tempfile.mkstemp(prefix="kvtier-vllm-", dir=base)
         try:
+            # Explicitly, whatever the umask: only the agent (the owner, or its group) opens it.
+            os.fchmod(fd, mode)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:

@@ -124,6 +124,15 @@ def test_the_example_worker_runs_the_agent_as_a_native_sidecar_on_the_nodes_tier
     engine = spec["containers"][0]
     assert "/run/kvtier-agent" in {m["mountPath"] for m in engine["volumeMounts"]}
     assert 10001 in spec["securityContext"]["supplementalGroups"]
+    # vLLM's staging pool: one memory volume at the same path in both containers, owned by
+    # kvtier's group (fsGroup) so the agent (another uid) maps the worker's 0660 file.
+    # tests/vllm/test_vllm_deployments.py runs that arrangement with real processes.
+    staging = {v["name"]: v for v in spec["volumes"]}["staging"]
+    assert staging["emptyDir"]["medium"] == "Memory"
+    for c in (agent, engine):
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["staging"] == "/dev/shm/kvtier-staging", c["name"]
+    assert spec["securityContext"]["fsGroup"] == 10001
 
 
 def test_the_image_config_files_are_accepted(tmp_path):

@@ -26,6 +26,16 @@ def debug_binary(name: str, env_var: str) -> str:
     return str(Path(target) / "debug" / name)
 
 
+def run_as(user: tuple[int, int, list[int]] | None) -> list[str]:
+    """The command prefix that runs a process as ``(uid, gid, supplementary gids)`` (as
+    root, with util-linux's setpriv); none for the caller's own identity."""
+    if user is None:
+        return []
+    uid, gid, groups = user
+    extra = [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", *extra, "--"]
+
+
 def kvtierd_bin() -> str:
     return debug_binary("kvtierd", "KVTIERD_BIN")
 
@@ -34,8 +44,14 @@ class Kvtierd:
     """kvtierd with `--set` overrides; its file L3 is <data_dir>/l3. `start()` again after
     `kill()` or `stop()` restarts it on the same directory."""
 
-    def __init__(self, data_dir: Path, *sets: str, config: Path | None = None):
-        self.data_dir, self.sets, self.config = data_dir, sets, config
+    def __init__(
+        self,
+        data_dir: Path,
+        *sets: str,
+        config: Path | None = None,
+        user: tuple[int, int, list[int]] | None = None,
+    ):
+        self.data_dir, self.sets, self.config, self.user = data_dir, sets, config, user
         self.socket = str(data_dir / "kvtierd.sock")
         self.start()
 
@@ -59,6 +75,7 @@ class Kvtierd:
             args += ["--config", str(self.config)]
         # kvtierd reads KVTIER_* variables as configuration: none of the caller's leak in.
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        args = run_as(self.user) + args
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
         self.metrics_url = self._wait_ready()
 

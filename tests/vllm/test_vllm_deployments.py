@@ -1,7 +1,9 @@
 """kvtier.vllm.KvtierConnector in the deployments vLLM's users run, inside vLLM's own
 scheduler and connector factory (vllm_engine.py), against real kvtierd and kvtier-agent
 processes: DP ranks, pipeline stages, fp8 KV formats, a served alias over different
-checkpoints, weight updates, a staging pool on a small tmpfs, and staging copies that fail.
+checkpoints, weight updates, TP with MLA and with selective writes, a sidecar agent under
+another uid, a staging pool on a small tmpfs, staging copies that fail and agent calls that
+outlive their deadline.
 
 Each test checks that no block vLLM counts as computed differs from recomputing it, and,
 where two workers must not share pages, that one takes no external tokens from the other.
@@ -10,10 +12,16 @@ where two workers must not share pages, that one takes no external tokens from t
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 from vllm_harness import (
+    Agent,
+    Kvtierd,
     finish_worker,
     flag,
     prompts,
@@ -152,3 +160,137 @@ def test_a_staging_copy_that_raises_costs_recompute_not_the_worker(tmp_path, nod
         assert r["worker"]["save_failed_pages"] > 0, r
     solo = run_worker(tmp_path, "c3", flag(agent("c3"), tenant="alone"), again)
     assert r["outputs"] == solo["outputs"]
+
+
+def _stored(a: Agent) -> float:
+    series = 'kvtier_agent_backup_pages_total{{outcome="{}",policy="{}"}}'
+    return sum(
+        a.metric(series.format(outcome, policy), 0.0)
+        for outcome in ("stored", "present")
+        for policy in ("write_through", "write_through_selective")
+    )
+
+
+def test_mla_with_tp_2_is_stored_once_and_every_rank_loads_it(tmp_path, node):
+    """The latent is the same on every TP rank: rank 0 saves it, rank 1 saves nothing, and
+    both ranks of another engine load the one copy (before: one copy per rank, each under
+    its own fingerprint)."""
+    _, agent = node
+
+    def engine(name: str) -> tuple[list[Agent], str]:
+        agents = [agent(f"{name}{r}", socket=tmp_path / f"{name}-{r}.sock") for r in (0, 1)]
+        return agents, flag(str(tmp_path / f"{name}-{{tp_rank}}.sock"))
+
+    ps = prompts(81, prefixes=3, each=2)
+    (a0, a1), kv = engine("mla1")
+    r = run_worker(tmp_path, "mla1", kv, ps, "--mla", "--tp", "2")
+    assert r["wrong_blocks"] == 0, r
+    w0, w1 = r["workers"]
+    assert w0["saved_pages"] > 0 and w1["saved_pages"] == 0, r["workers"]
+    assert (_stored(a0), _stored(a1)) == (w0["saved_pages"], 0)
+    (b0, b1), kv = engine("mla2")
+    r = run_worker(tmp_path, "mla2", kv, same_prompts_again(ps, 82), "--mla", "--tp", "2")
+    assert r["wrong_blocks"] == 0 and r["load_error_blocks"] == 0, r
+    w0, w1 = r["workers"]
+    assert r["scheduler"]["external_tokens"] > 0
+    assert w0["loaded_pages"] == w1["loaded_pages"] > 0, r["workers"]
+
+
+def test_tp_2_selective_writes_save_the_same_pages_on_every_rank(tmp_path, node):
+    """write_through_selective counts lookups, which only rank 0's agent sees: the selection
+    travels with each save, so rank 1 stores what rank 0 stores (before: nothing)."""
+    _, agent = node
+    sets = ("cache.write_policy=write_through_selective", "cache.write_threshold=2")
+    a = [agent(f"sel{r}", *sets, socket=tmp_path / f"sel-{r}.sock") for r in (0, 1)]
+    kv = flag(str(tmp_path / "sel-{tp_rank}.sock"))
+    ps = prompts(91, prefixes=3, each=2)
+    # The same conversations twice (two engine runs): the second reaches the threshold.
+    for run in range(2):
+        batch = [dict(p, id=f"{p['id']}-run{run}") for p in ps]
+        r = run_worker(tmp_path, f"sel{run}", kv, batch, "--tp", "2")
+        assert r["wrong_blocks"] == 0, r
+        w0, w1 = r["workers"]
+        assert w0["saved_pages"] == w1["saved_pages"], r["workers"]
+    assert _stored(a[0]) == _stored(a[1]) > 0
+
+
+@pytest.mark.parametrize("which", ["load", "save"])
+def test_a_call_past_its_deadline_never_shares_staging_with_a_late_copy(tmp_path, node, which):
+    """The agent's copy of a timed-out Load or Save may outlive the call. The worker gives
+    that staging pool up and registers a new one rather than reuse slots the late copy may
+    still write or read; what the late Save commits is what the engine computed."""
+    _, agent = node
+    ps = prompts(101, prefixes=3, each=2)
+    again = same_prompts_again(ps, 102)
+    if which == "load":
+        run_worker(tmp_path, "t1", flag(agent("t1")), ps)
+        r = run_worker(tmp_path, "t2", flag(agent("t2")), again, "--time-out", "load")
+        assert r["load_error_blocks"] > 0 and r["worker"]["loaded_pages"] > 0, r
+    else:
+        r = run_worker(tmp_path, "t1", flag(agent("t1")), ps, "--time-out", "save")
+        assert r["worker"]["save_failed_pages"] > 0, r
+    assert r["wrong_blocks"] == 0, r
+    assert r["worker"]["retired_staging"] == 1, r
+    # Everything in the shared tiers is what recomputing gives: a third engine loads it all
+    # and finds no wrong block.
+    r3 = run_worker(tmp_path, "t3", flag(agent("t3")), same_prompts_again(again, 103))
+    assert r3["wrong_blocks"] == 0 and r3["scheduler"]["external_tokens"] > 0, r3
+
+
+KVTIER_UID = 10001  # the image's kvtier user (deploy/container), which runs both sidecars
+WORKER_UID = 20000  # the engine's own user, in kvtier's group as the k8s example sets it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts processes under other uids (setpriv)")
+def test_a_sidecar_agent_under_another_uid_registers_and_saves_the_workers_pages():
+    """The k8s example's shape without Kubernetes: kvtierd and the agent run as uid 10001;
+    the vLLM worker as uid 20000 in group 10001. The worker's staging pool lives in a shared
+    directory of group 10001 (setgid, as an fsGroup volume is) with mode 0660, so the agent
+    maps it; the agent's socket admits the group. (Before: the staging file was 0600 and the
+    worker could not start.)"""
+    base = Path(tempfile.mkdtemp(prefix="kvtier-sidecar-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        kvtier = (KVTIER_UID, KVTIER_UID, [])
+        worker = (WORKER_UID, WORKER_UID, [KVTIER_UID])
+        for name, mode, gid in (("daemon", 0o700, KVTIER_UID), ("agent", 0o750, KVTIER_UID)):
+            (base / name).mkdir(mode=mode)
+            os.chown(base / name, KVTIER_UID, gid)
+        shm = base / "shm"
+        shm.mkdir()
+        os.chown(shm, 0, KVTIER_UID)
+        shm.chmod(0o2770)
+        work = base / "work"
+        work.mkdir()
+        work.chmod(0o777)
+        d = Kvtierd(base / "daemon", "l2.pool_pages=512", user=kvtier)
+        agents = []
+        try:
+            for name in ("side1", "side2"):
+                agents.append(
+                    Agent(
+                        base / "agent",
+                        name,
+                        d.socket,
+                        "server.unix.mode=0660",
+                        f"server.unix.allow_gids={KVTIER_UID}",
+                        user=kvtier,
+                    )
+                )
+            ps = prompts(111, prefixes=3, each=2)
+            extra = {"staging_dir": str(shm), "staging_mode": "0660"}
+            r1 = run_worker(work, "side1", flag(agents[0], **extra), ps, user=worker)
+            assert r1["wrong_blocks"] == 0 and r1["worker"]["saved_pages"] > 0, r1
+            assert r1["worker"]["save_failed_pages"] == 0, r1
+            r2 = run_worker(
+                work, "side2", flag(agents[1], **extra), same_prompts_again(ps, 112), user=worker
+            )
+            assert r2["wrong_blocks"] == 0 and r2["worker"]["loaded_pages"] > 0, r2
+            # The staging files are gone with the workers.
+            assert list(shm.iterdir()) == []
+        finally:
+            for a in agents:
+                a.stop()
+            d.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -4,14 +4,20 @@ Run as a script (one process per worker, as vLLM runs them)::
 
     python vllm_engine.py --kv-transfer-config JSON --prompts FILE --out FILE [--kill PID@STEP]
         [--served-name NAME] [--variant N] [--kv-dtype DTYPE] [--dp-rank N] [--pp-stage N]
-        [--reset-then FILE] [--fail-copy load|save]
+        [--reset-then FILE] [--fail-copy load|save] [--time-out load|save] [--tp N] [--mla]
 
 The options set up the deployments users run: a served alias (``--served-name``) over one
 of several checkpoints (``--variant``: another config, so other weights), an fp8 KV cache
 format, a DP rank (its own GPU, so its own agent), a pipeline stage (this worker holds the
 layers of stage N), a weight update (``--reset-then``: after the prompts, the "weights"
 change, vLLM's ``reset_prefix_cache(reset_connector=True)`` runs, then the prompts in FILE),
-and a staging copy that raises (``--fail-copy``).
+a staging copy that raises (``--fail-copy``), an agent call that outlives its deadline
+(``--time-out``: the first Load or Save is sent for real, and the connector is told at
+once that its deadline passed, while the agent may still be copying), tensor parallelism
+(``--tp N``: N workers in this process, one per TP rank, each with its own connector, KV
+and agent, fed the same scheduler output; their load errors are merged as vLLM's output
+aggregator merges them), and
+an MLA model (``--mla``: a DeepSeek-V2-shaped config, whose latent is the same on every rank).
 
 It builds the ``VllmConfig`` from the same ``--kv-transfer-config`` flag ``vllm serve`` takes,
 parsed by vLLM's own argument parser; creates the connector through vLLM's factory (which
@@ -44,34 +50,57 @@ import torch
 
 BLOCK = 16
 HEADS, HEAD = 2, 16
+# MLA: the latent (kv_lora_rank 32) and the rope part (16) of one token.
+LORA, ROPE = 32, 16
 LAYERS = 2
 NUM_BLOCKS = 203  # not 2, not 16: the block dimension is found by its size
 # This worker's attention layers; a PP stage's are set by --pp-stage.
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+# Set by --mla.
+MLA = [False]
 
 
 def model_dir(variant: int = 0) -> str:
-    """A model directory with only a tiny Llama's config.json: no weights are loaded. The
-    same path in every worker of a variant; another variant is another checkpoint (its
-    config differs)."""
-    d = Path(tempfile.gettempdir()) / f"kvtier-vllm-tiny-llama-{variant}"
+    """A model directory with only a tiny model's config.json (Llama, or DeepSeek-V2 for
+    MLA): no weights are loaded. The same path in every worker of a variant; another variant
+    is another checkpoint (its config differs)."""
+    kind = "mla" if MLA[0] else "llama"
+    d = Path(tempfile.gettempdir()) / f"kvtier-vllm-tiny-{kind}-{variant}"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": HEADS * 2 * HEAD,
-                "num_attention_heads": HEADS * 2,
-                "num_key_value_heads": HEADS,
-                "num_hidden_layers": LAYERS * 2,
-                "intermediate_size": 128 + 64 * variant,
-                "vocab_size": 1000,
-                "max_position_embeddings": 4096,
-                "torch_dtype": "bfloat16",
-            }
-        )
-    )
+    common = {
+        "num_hidden_layers": LAYERS * 2,
+        "intermediate_size": 128 + 64 * variant,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    }
+    if MLA[0]:
+        cfg = {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": LORA,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": ROPE,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "moe_intermediate_size": 64,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": LAYERS * 2,
+        }
+    else:
+        cfg = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": HEADS * 2 * HEAD,
+            "num_attention_heads": HEADS * 2,
+            "num_key_value_heads": HEADS,
+        }
+    (d / "config.json").write_text(json.dumps({**cfg, **common}))
     return str(d)
 
 
@@ -81,6 +110,7 @@ def config(
     variant: int = 0,
     kv_dtype: str = "auto",
     dp_rank: int = 0,
+    tp: int = 1,
 ):
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -99,7 +129,7 @@ def config(
         max_model_len=2048,
         dtype="bfloat16",
     )
-    pc = ParallelConfig()
+    pc = ParallelConfig(tensor_parallel_size=tp)
     # The DP rank as vLLM's engine core sets it for a rank on this node.
     pc.data_parallel_rank = pc.data_parallel_rank_local = dp_rank
     vc = VllmConfig(
@@ -122,11 +152,21 @@ def config(
 
 
 def kv_cache_config():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
     )
+
+    if MLA[0]:
+        spec = MLAAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16
+        )
+    else:
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+        )
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
@@ -135,15 +175,16 @@ def kv_cache_config():
 
 
 class Kv:
-    """The KV of every token, as a pure function of the weights and the tokens up to it."""
+    """One TP rank's KV of every token, as a pure function of the weights, the rank (MHA: each
+    rank holds other heads; MLA: the same latent on every rank) and the tokens up to it."""
 
-    def __init__(self, weights: bytes = b""):
+    def __init__(self, weights: bytes = b"", rank: int = 0):
         self.weights = weights
-        # vLLM's CPU attention layout: [num_blocks, num_kv_heads, block_size, 2 * head_size].
-        self.layers = {
-            n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
-            for n in LAYER_NAMES
-        }
+        self.rank = 0 if MLA[0] else rank
+        # vLLM's CPU attention layout: [num_blocks, num_kv_heads, block_size, 2 * head_size];
+        # MLA's: [num_blocks, block_size, kv_lora_rank + rope_dim].
+        shape = (NUM_BLOCKS, BLOCK, LORA + ROPE) if MLA[0] else (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+        self.layers = {n: torch.zeros(*shape, dtype=torch.bfloat16) for n in LAYER_NAMES}
         self.chains: dict[str, list[bytes]] = {}
 
     def update_weights(self, weights: bytes) -> None:
@@ -159,23 +200,28 @@ class Kv:
             c.append(hashlib.sha256(prev + tokens[len(c)].to_bytes(4, "little")).digest())
         return c
 
-    @staticmethod
-    def token_kv(digest: bytes, layer: int) -> torch.Tensor:
-        n = HEADS * 2 * HEAD * 2  # bytes of one token's K and V in one layer
+    def token_kv(self, digest: bytes, layer: int) -> torch.Tensor:
+        shape = (LORA + ROPE,) if MLA[0] else (HEADS, 2 * HEAD)
+        n = 2 * int(torch.Size(shape).numel())  # bytes of one token's KV in one layer
         raw = b""
         i = 0
         while len(raw) < n:
-            raw += hashlib.sha256(digest + bytes([layer, i])).digest()
+            raw += hashlib.sha256(digest + bytes([layer, i, self.rank])).digest()
             i += 1
         # As int16 bit patterns: any bytes are a valid bf16 tensor to store and compare.
-        return torch.frombuffer(bytearray(raw[:n]), dtype=torch.int16).view(HEADS, 2 * HEAD)
+        return torch.frombuffer(bytearray(raw[:n]), dtype=torch.int16).view(*shape)
+
+    def slot(self, name: str, block: int, off: int) -> torch.Tensor:
+        """One token's KV in one layer, where vLLM's slot mapping puts it."""
+        t = self.layers[name].view(torch.int16)
+        return t[block, off, :] if MLA[0] else t[block, :, off, :]
 
     def write(self, req_id: str, tokens: list[int], blocks: list[int], start: int, end: int):
         c = self.chain(req_id, tokens, end)
         for pos in range(start, end):
             b, off = blocks[pos // BLOCK], pos % BLOCK
             for li, name in enumerate(LAYER_NAMES):
-                self.layers[name].view(torch.int16)[b, :, off, :] = self.token_kv(c[pos], li)
+                self.slot(name, b, off)[...] = self.token_kv(c[pos], li)
 
     def wrong_blocks(self, req_id: str, tokens: list[int], blocks: list[int], upto: int):
         """Blocks among the first ``upto`` tokens' that differ from recomputing them."""
@@ -184,8 +230,7 @@ class Kv:
         for pos in range(upto):
             b, off = blocks[pos // BLOCK], pos % BLOCK
             for li, name in enumerate(LAYER_NAMES):
-                got = self.layers[name].view(torch.int16)[b, :, off, :]
-                if not torch.equal(got, self.token_kv(c[pos], li)):
+                if not torch.equal(self.slot(name, b, off), self.token_kv(c[pos], li)):
                     wrong.add(b)
         return wrong
 
@@ -200,6 +245,7 @@ def run(
     kill: tuple[int, int] | None,
     then: list[dict] | None = None,
     fail_copy: str | None = None,
+    time_out: str | None = None,
 ) -> dict:
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -210,7 +256,7 @@ def run(
     from vllm.v1.structured_output import StructuredOutputManager
 
     kcc = kv_cache_config()
-    kv = Kv()
+    tp = vc.parallel_config.tensor_parallel_size
     if fail_copy:
         # The first staging copy raises, as a device copy that fails would.
         import kvtier.vllm as kvllm
@@ -226,15 +272,29 @@ def run(
             return real(self, *a, **k)
 
         setattr(kvllm._Staging, method, failing)
-    # The worker's connector, made by vLLM's factory from the flag, registered as the
-    # model runner registers it.
-    worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
-    kv_transfer_state._KV_CONNECTOR_AGENT = worker
-    worker.register_kv_caches(kv.layers)
+    if time_out:
+        _time_out_first(time_out)
+    # Each TP rank's connector, made by vLLM's factory from the flag, registered as the
+    # model runner registers it, while vLLM's parallel state says which rank it is.
+    from vllm.distributed import parallel_state
+
+    ranks = []
+    real_rank = parallel_state.get_tensor_model_parallel_rank
+    for r in range(tp):
+        kv = Kv(rank=r)
+        if tp > 1:
+            parallel_state.get_tensor_model_parallel_rank = lambda r=r: r
+        try:
+            worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+        finally:
+            parallel_state.get_tensor_model_parallel_rank = real_rank
+        kv_transfer_state._KV_CONNECTOR_AGENT = worker
+        worker.register_kv_caches(kv.layers)
+        ranks.append((worker, kv))
     sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
-    wrong: set[tuple[str, int]] = set()
+    wrong: set[tuple[str, int, int]] = set()
     load_errors = 0
     step = 0
     reset_ok = None
@@ -243,12 +303,14 @@ def run(
         if phase:
             # New weights: every token's KV changes. vLLM's cache reset, as after a weight
             # update, must make the connector serve none of the old KV.
-            kv.update_weights(b"weights-after-update")
+            for _, kv in ranks:
+                kv.update_weights(b"weights-after-update")
             reset_ok = sched.reset_prefix_cache(reset_connector=True)
         step, load_errors = _phase(
-            vc, sched, hasher, kv, batch, kill, step, load_errors, wrong, outputs
+            vc, sched, hasher, ranks, batch, kill, step, load_errors, wrong, outputs
         )
-    worker.shutdown()
+    for worker, _ in ranks:
+        worker.shutdown()
     sched.connector.shutdown()
     return {
         "outputs": outputs,
@@ -256,13 +318,51 @@ def run(
         "wrong_blocks": len(wrong),
         "load_error_blocks": load_errors,
         "scheduler": vars(sched.connector.counts),
-        "worker": vars(worker.counts),
+        "worker": vars(ranks[0][0].counts),
+        "workers": [vars(w.counts) for w, _ in ranks],
         "steps": step,
     }
 
 
-def _phase(vc, sched, hasher, kv, prompts, kill, step, load_errors, wrong, outputs):
-    """Runs ``prompts`` through the scheduler and worker until all are done."""
+def _time_out_first(which: str) -> None:
+    """The first agent Load (or Save) goes out for real on a thread of its own and is
+    reported to the connector as past its deadline at once: the agent may still be copying
+    in the staging pool when the connector moves on."""
+    import threading
+
+    import grpc
+
+    from kvtier.agent import AgentClient
+    from kvtier.host import KvtierError
+
+    name = {"load": "load_pages", "save": "save_pages"}[which]
+    real = getattr(AgentClient, name)
+    fired = []
+
+    def timed_out(self, *a, **k):
+        if fired:
+            return real(self, *a, **k)
+        t = threading.Thread(target=lambda: _quietly(real, self, *a, **k), daemon=True)
+        fired.append(t)
+        t.start()
+        raise KvtierError(
+            f"{name}: deadline exceeded (injected)", grpc.StatusCode.DEADLINE_EXCEEDED
+        )
+
+    setattr(AgentClient, name, timed_out)
+
+
+def _quietly(fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except Exception:  # noqa: BLE001 - the late call's outcome is the test's to observe
+        pass
+
+
+def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, outputs):
+    """Runs ``prompts`` through the scheduler and every TP rank's worker until all are
+    done."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.forward_context import set_forward_context
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
@@ -289,23 +389,31 @@ def _phase(vc, sched, hasher, kv, prompts, kill, step, load_errors, wrong, outpu
             rid: list(sched.kv_cache_manager.get_block_ids(rid)[0])
             for rid in so.num_scheduled_tokens
         }
-        starts: dict[str, int] = {}
-        with (
-            set_forward_context(None, vc),
-            KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out,
-        ):
-            for rid, n in so.num_scheduled_tokens.items():
-                req = reqs[rid]
-                start = req.num_computed_tokens - n  # the scheduler advanced it already
-                starts[rid] = start
-                kv.write(rid, list(req.all_token_ids), blocks[rid], start, start + n)
+        starts = {
+            rid: reqs[rid].num_computed_tokens - n  # the scheduler advanced it already
+            for rid, n in so.num_scheduled_tokens.items()
+        }
+        outs = []
+        for worker, kv in ranks:
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            with (
+                set_forward_context(None, vc),
+                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out,
+            ):
+                for rid, n in so.num_scheduled_tokens.items():
+                    tokens = list(reqs[rid].all_token_ids)
+                    kv.write(rid, tokens, blocks[rid], starts[rid], starts[rid] + n)
+            outs.append(kv_out)
+        # vLLM's output aggregator: a block that failed to load on any rank failed.
+        kv_out = outs[0]
+        kv_out.invalid_block_ids = set().union(*(o.invalid_block_ids for o in outs))
         load_errors += len(kv_out.invalid_block_ids)
         req_ids, sampled = [], []
         for rid in so.num_scheduled_tokens:
             all_tokens = list(reqs[rid].all_token_ids)
             req_ids.append(rid)
             if reqs[rid].num_computed_tokens >= len(all_tokens):
-                sampled.append([kv.sample(rid, all_tokens, len(all_tokens))])
+                sampled.append([ranks[0][1].sample(rid, all_tokens, len(all_tokens))])
             else:
                 sampled.append([])
         out = ModelRunnerOutput(
@@ -324,8 +432,9 @@ def _phase(vc, sched, hasher, kv, prompts, kill, step, load_errors, wrong, outpu
             upto = starts[rid] + n
             if req.num_computed_tokens < upto:
                 continue
-            for b in kv.wrong_blocks(rid, list(req.all_token_ids), blocks[rid], upto):
-                wrong.add((rid, b))
+            for r, (_, kv) in enumerate(ranks):
+                for b in kv.wrong_blocks(rid, list(req.all_token_ids), blocks[rid], upto):
+                    wrong.add((rid, b, r))
         assert step < 10_000, "the engine loop does not end"
     for rid, r in reqs.items():
         outputs[rid] = list(r.output_token_ids)
@@ -345,11 +454,15 @@ def main() -> None:
     ap.add_argument("--pp-stage", type=int, default=0, help="the pipeline stage this worker is")
     ap.add_argument("--reset-then", help="after the prompts: new weights, a reset, FILE")
     ap.add_argument("--fail-copy", choices=["load", "save"], help="the first copy raises")
+    ap.add_argument("--time-out", choices=["load", "save"], help="the first call times out")
+    ap.add_argument("--tp", type=int, default=1, help="TP ranks, one worker each")
+    ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
     a = ap.parse_args()
     kill = None
     if a.kill:
         pid, at = a.kill.split("@")
         kill = (int(pid), int(at))
+    MLA[0] = a.mla
     if a.pp_stage:
         LAYER_NAMES[:] = [
             f"model.layers.{a.pp_stage * LAYERS + i}.self_attn.attn" for i in range(LAYERS)
@@ -360,9 +473,10 @@ def main() -> None:
         variant=a.variant,
         kv_dtype=a.kv_dtype,
         dp_rank=a.dp_rank,
+        tp=a.tp,
     )
     then = json.loads(Path(a.reset_then).read_text()) if a.reset_then else None
-    result = run(vc, json.loads(Path(a.prompts).read_text()), kill, then, a.fail_copy)
+    result = run(vc, json.loads(Path(a.prompts).read_text()), kill, then, a.fail_copy, a.time_out)
     Path(a.out).write_text(json.dumps(result))
 
 

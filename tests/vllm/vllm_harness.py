@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
-from kvtierd_proc import Kvtierd, debug_binary  # noqa: E402, F401 - Kvtierd: for the tests
+from kvtierd_proc import Kvtierd, debug_binary, run_as  # noqa: E402, F401 - Kvtierd: for the tests
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 
@@ -23,7 +23,13 @@ def agent_bin() -> str:
 
 class Agent:
     def __init__(
-        self, d: Path, name: str, daemon_socket: str, *sets: str, socket: Path | None = None
+        self,
+        d: Path,
+        name: str,
+        daemon_socket: str,
+        *sets: str,
+        socket: Path | None = None,
+        user: tuple[int, int, list[int]] | None = None,
     ):
         self.socket = str(socket or d / f"{name}.sock")
         args = [agent_bin()]
@@ -40,6 +46,7 @@ class Agent:
         ):
             args += ["--set", s]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        args = run_as(user) + args
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         assert "kvtier-agent ready" in line, line
@@ -63,10 +70,10 @@ class Agent:
             self.proc.wait(15)
 
 
-def flag(agent: Agent | None, **extra) -> str:
-    """The --kv-transfer-config flag, as docs/vllm.md gives it; without an agent, the
-    connector's default socket template."""
-    where = {"agent": agent.socket} if agent is not None else {}
+def flag(agent: Agent | str | None, **extra) -> str:
+    """The --kv-transfer-config flag, as docs/vllm.md gives it, for one agent's socket or a
+    socket template; without either, the connector's default template."""
+    where = {"agent": agent.socket if isinstance(agent, Agent) else agent} if agent else {}
     return json.dumps(
         {
             "kv_connector": "KvtierConnector",
@@ -107,8 +114,10 @@ def start_worker(
     *opts: str,
     kill: str | None = None,
     cwd: Path | None = None,
+    user: tuple[int, int, list[int]] | None = None,
 ) -> tuple[subprocess.Popen, Path]:
-    """Starts one vLLM worker process (vllm_engine.py; ``opts`` are its options)."""
+    """Starts one vLLM worker process (vllm_engine.py; ``opts`` are its options), as
+    ``user`` (uid, gid, groups) if given."""
     (tmp / f"{name}.prompts.json").write_text(json.dumps(ps))
     out = tmp / f"{name}.out.json"
     cmd = [
@@ -126,8 +135,20 @@ def start_worker(
     cmd += list(opts)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["VLLM_TARGET_DEVICE"] = "cpu"
+    if user is not None:
+        # Another user: its own home and temporary files (the model directory among them:
+        # one per user, so its workers run the same checkpoint), in the test directory.
+        home = tmp / f"uid{user[0]}.home"
+        home.mkdir(exist_ok=True)
+        os.chown(home, user[0], user[1])
+        env.update(HOME=str(home), TMPDIR=str(home), USER=f"uid{user[0]}")
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
+        run_as(user) + cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
     )
     return proc, out
 

@@ -433,13 +433,21 @@ impl AgentService {
             if let Some(e) = &st.engine {
                 e.owner.yields_to(&caller, self.shared.pool_lease)?;
             }
+            // How often prompts were asked for outlives an engine restart (the same model's
+            // next run is asked for the same prompts); another layout starts over.
+            if st
+                .engine
+                .as_ref()
+                .is_none_or(|e| e.pool.layout().fingerprint() != layout.fingerprint())
+            {
+                st.lookups.clear();
+            }
             st.engine = Some(Engine {
                 device,
                 pool,
                 engine_cache: req.engine_cache,
                 owner,
             });
-            st.lookups.clear();
             st.tree = RadixTree::new(self.shared.eviction);
             st.in_tree = vec![false; num_pages];
             st.handles.clear();

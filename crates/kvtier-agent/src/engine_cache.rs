@@ -13,6 +13,8 @@
 //! The write policy decides what Save copies: `write_through` every page,
 //! `write_through_selective` the pages looked up at least `threshold` times (a lookup is the
 //! engine asking for the prompt again: the same signal as a hit in the agent's tree).
+//! Lookup answers that selection, and a Save may carry it (`selected`): with TP > 1 only one
+//! rank's agent sees the lookups, and every rank must save the same pages.
 //! `write_back` is refused at registration: the engine never reports an eviction.
 
 use std::sync::Arc;
@@ -20,7 +22,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kvtier_client::PrefetchOptions;
-use kvtier_core::{PageKey, WritePolicy};
+use kvtier_core::PageKey;
 use kvtier_device::{Device, DeviceError, PageCopy};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
@@ -146,7 +148,8 @@ impl AgentService {
         let t = Instant::now();
         let span = self.span(None, &req.packed_tokens, req.namespace, req.start_page, &[])?;
         let (keys, start) = (&span.keys, span.start);
-        if let WritePolicy::WriteThroughSelective { .. } = self.shared.policy {
+        let policy = self.shared.policy;
+        let save_pages = policy.counts_hits().then(|| {
             let mut st = lock(&self.shared.state);
             if st.lookups.len() + keys.len() > MAX_COUNTED_PAGES {
                 st.lookups.clear();
@@ -154,7 +157,10 @@ impl AgentService {
             for k in keys {
                 *st.lookups.entry(*k).or_default() += 1;
             }
-        }
+            keys.iter()
+                .take_while(|k| policy.saves_looked_up(st.lookups.get(*k).copied().unwrap_or(0)))
+                .count() as u32
+        });
         let (mut l2, mut l3) = (0, 0);
         if start < keys.len()
             && let Some(linked) = self.shared.link.current()
@@ -177,6 +183,7 @@ impl AgentService {
             l2_pages: l2 as u32,
             l3_pages: l3 as u32,
             total_pages: keys.len() as u32,
+            save_pages,
         })
     }
 
@@ -351,15 +358,20 @@ impl AgentService {
         )?;
         let s = &self.shared;
         let n = req.device_pages.len();
-        let selected = match s.policy {
-            WritePolicy::WriteThroughSelective { .. } => {
+        let selected = match req.selected {
+            // The policy's selection as the lookup answered it (possibly another rank's
+            // agent): every rank saves the same pages.
+            Some(upto) => (upto as usize).saturating_sub(span.start).min(n),
+            None => {
                 let st = lock(&s.state);
                 span.keys[span.start..span.start + n]
                     .iter()
-                    .take_while(|k| s.policy.on_hit(st.lookups.get(*k).copied().unwrap_or(0)))
+                    .take_while(|k| {
+                        s.policy
+                            .saves_looked_up(st.lookups.get(*k).copied().unwrap_or(0))
+                    })
                     .count()
             }
-            WritePolicy::WriteThrough | WritePolicy::WriteBack => n,
         };
         self.count_backup("skipped", n - selected);
         let mut out = v1::SavePagesResponse {

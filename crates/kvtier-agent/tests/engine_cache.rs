@@ -402,3 +402,58 @@ fn saves_issued_right_after_registration_all_reach_l2() {
         }
     });
 }
+
+#[test]
+fn tp_ranks_save_the_pages_the_lookup_selected_though_only_rank_0_sees_lookups() {
+    // vLLM with TP = 2: the scheduler looks up through rank 0's agent only; rank 1's agent
+    // never counts a lookup. With the selection carried to every rank's Save, both store the
+    // same pages (before: rank 0 stored them, rank 1 skipped them all).
+    let d = dir("ec-tp");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=64", "l3.backend=none"]);
+    let sets = [
+        "cache.write_policy=write_through_selective",
+        "cache.write_threshold=2",
+    ];
+    rt().block_on(async {
+        let a0 = agent(&d, "tp0", &sets);
+        let a1 = agent(&d, "tp1", &sets);
+        let mut e0 = Engine::start_cache(&a0, mha(0, 2), 16, "tp0").await;
+        let mut e1 = Engine::start_cache(&a1, mha(1, 2), 16, "tp1").await;
+        let t = tokens(300, 5);
+        let short = &t[..3 * 16];
+        // Once for the whole prompt, once for its first three pages.
+        let first = e0.client.lookup_pages(&t, None, 0).await.unwrap();
+        assert_eq!(first.save_pages, Some(0));
+        let l = e0.client.lookup_pages(short, None, 0).await.unwrap();
+        assert_eq!(l.save_pages, Some(3));
+        let pages: Vec<u32> = (0..5).collect();
+        let mut stored = Vec::new();
+        for (e, spec) in [(&mut e0, mha(0, 2)), (&mut e1, mha(1, 2))] {
+            for (k, &p) in keys(&spec, &t).iter().zip(&pages) {
+                e.compute(p, k);
+            }
+            let r = e
+                .client
+                .save_selected(&t, None, 0, pages.clone(), l.save_pages)
+                .await
+                .unwrap();
+            assert_eq!((r.failed, r.skipped), (0, 2), "{r:?}");
+            stored.push(r.stored + r.present);
+        }
+        assert_eq!(stored, vec![3, 3]);
+        // Without the selection rank 1 decides by its own (empty) counts: nothing.
+        let r = e1.client.save_pages(&t, None, 3, vec![3, 4]).await.unwrap();
+        assert_eq!((r.stored, r.skipped), (0, 2), "{r:?}");
+        // Under write_through every page is saved and Lookup selects nothing (unset).
+        let a2 = agent(&d, "tpw", &[]);
+        let mut e2 = Engine::start_cache(&a2, mha(0, 1), 16, "tpw").await;
+        assert_eq!(
+            e2.client
+                .lookup_pages(&t, None, 0)
+                .await
+                .unwrap()
+                .save_pages,
+            None
+        );
+    });
+}

@@ -455,6 +455,21 @@ impl AgentClient {
         start_page: u32,
         device_pages: Vec<u32>,
     ) -> Result<v1::SavePagesResponse, ClientError> {
+        self.save_selected(tokens, namespace, start_page, device_pages, None)
+            .await
+    }
+
+    /// [`Self::save_pages`] with the write policy's selection as a Lookup answered it
+    /// (`save_pages`, possibly another rank's agent's): pages before `selected` are saved,
+    /// the rest skipped.
+    pub async fn save_selected(
+        &mut self,
+        tokens: &[u32],
+        namespace: Option<&Namespace>,
+        start_page: u32,
+        device_pages: Vec<u32>,
+        selected: Option<u32>,
+    ) -> Result<v1::SavePagesResponse, ClientError> {
         Ok(self
             .inner
             .save(Self::with_owner(
@@ -464,6 +479,7 @@ impl AgentClient {
                     namespace: namespace.map(Into::into),
                     start_page,
                     device_pages,
+                    selected,
                 },
             ))
             .await?

@@ -81,6 +81,19 @@ impl WritePolicy {
         }
     }
 
+    /// An engine that keeps its own prefix cache (the agent's engine-cache mode) saves a
+    /// page it computed when the policy copies every stored page, or when the page's prompt
+    /// has been looked up `lookups` times (write_through_selective's threshold).
+    pub fn saves_looked_up(self, lookups: u64) -> bool {
+        self.on_store() || self.on_hit(lookups)
+    }
+
+    /// Does the policy decide by how often a page was asked for (so lookups must be
+    /// counted)?
+    pub fn counts_hits(self) -> bool {
+        !self.on_store() && self.on_hit(u64::MAX)
+    }
+
     /// Must a page be in the tier below before its slot here is reused? Every policy says
     /// yes: that is what keeps computed pages from being lost to load. Eviction asks this and
     /// copies (or waits for the copy) first; only when the tier below refuses does it give
@@ -148,6 +161,18 @@ mod tests {
         }
         let e = "sometimes".parse::<WritePolicy>().unwrap_err().to_string();
         assert!(e.contains("sometimes") && e.contains("write_back"), "{e}");
+    }
+
+    #[test]
+    fn an_engine_cache_saves_per_policy_and_only_selective_counts_lookups() {
+        let sel = WritePolicy::WriteThroughSelective { threshold: 2 };
+        assert!(!sel.saves_looked_up(1) && sel.saves_looked_up(2));
+        assert!(sel.counts_hits());
+        assert!(WritePolicy::WriteThrough.saves_looked_up(0));
+        assert!(!WritePolicy::WriteThrough.counts_hits());
+        // write_back is refused for engine caches; it would save nothing.
+        assert!(!WritePolicy::WriteBack.saves_looked_up(u64::MAX));
+        assert!(!WritePolicy::WriteBack.counts_hits());
     }
 
     #[test]

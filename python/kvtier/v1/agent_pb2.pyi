@@ -235,14 +235,16 @@ class PagesLookupRequest(_message.Message):
     def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ...) -> None: ...
 
 class PagesLookupResponse(_message.Message):
-    __slots__ = ("l2_pages", "l3_pages", "total_pages")
+    __slots__ = ("l2_pages", "l3_pages", "total_pages", "save_pages")
     L2_PAGES_FIELD_NUMBER: _ClassVar[int]
     L3_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_PAGES_FIELD_NUMBER: _ClassVar[int]
     l2_pages: int
     l3_pages: int
     total_pages: int
-    def __init__(self, l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+    save_pages: int
+    def __init__(self, l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., save_pages: _Optional[int] = ...) -> None: ...
 
 class LoadPagesRequest(_message.Message):
     __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "policy", "hints")
@@ -267,16 +269,18 @@ class LoadPagesResponse(_message.Message):
     def __init__(self, loaded: _Optional[int] = ...) -> None: ...
 
 class SavePagesRequest(_message.Message):
-    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages")
+    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "selected")
     PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
     packed_tokens: bytes
     namespace: _common_pb2.Namespace
     start_page: int
     device_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    selected: int
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., selected: _Optional[int] = ...) -> None: ...
 
 class SavePagesResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "failed")
