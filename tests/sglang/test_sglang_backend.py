@@ -388,3 +388,53 @@ def test_a_slow_l3_read_ends_within_sglangs_prefetch_budget(tmp_path: Path):
             assert took < 1.0 + 0.25 * 64 / 1024 + 1.0, took
     finally:
         d.stop()
+
+
+def test_the_checkpoint_and_weight_version_keep_pages_apart_never_the_served_alias(
+    daemon: Kvtierd, tmp_path: Path
+):
+    """In a running SGLang server the backend reads --model-path and --weight-version from
+    SGLang's runtime context; the name SGLang passes it is the served alias, which two
+    deployments with different weights may share."""
+    import json
+
+    def checkpoint(name: str) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "model_type": "llama",
+                    "hidden_size": 64,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "num_hidden_layers": 4,
+                    "intermediate_size": 128,
+                    "vocab_size": 1000,
+                    "max_position_embeddings": 4096,
+                    "torch_dtype": "bfloat16",
+                }
+            )
+        )
+        return str(d)
+
+    a, b = checkpoint("weights-a"), checkpoint("weights-b")
+
+    def served(path: str, alias: str, *extra: str) -> int:
+        script = Path(__file__).with_name("served_worker.py")
+        cmd = [sys.executable, str(script), "--socket", daemon.socket]
+        r = subprocess.run(
+            [*cmd, "--model-path", path, "--alias", alias, *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).parent,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])["result"]
+
+    assert served(a, "llm", "--write", "4") == 4
+    assert served(b, "llm", "--exists", "4") == 0  # same alias, other weights
+    assert served(a, "chat", "--exists", "4") == 4  # same weights, other alias
+    assert served(a, "llm", "--weight-version", "v2", "--exists", "4") == 0
