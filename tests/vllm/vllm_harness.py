@@ -142,6 +142,10 @@ def start_worker(
         home.mkdir(exist_ok=True)
         os.chown(home, user[0], user[1])
         env.update(HOME=str(home), TMPDIR=str(home), USER=f"uid{user[0]}")
+        # Nothing of the caller's home (caches torch and vLLM would write to).
+        mine = os.path.expanduser("~")
+        env = {k: v for k, v in env.items() if k == "PATH" or not v.startswith(mine)}
+        env.update({f"XDG_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")})
     proc = subprocess.Popen(
         run_as(user) + cmd,
         stdout=subprocess.PIPE,

@@ -206,7 +206,7 @@ impl AgentService {
         }
     }
 
-    fn count_wait(&self, at: &str, t: Duration) {
+    pub(crate) fn count_wait(&self, at: &str, t: Duration) {
         let s = &self.shared;
         s.counters.waits.fetch_add(1, Ordering::Relaxed);
         s.counters

@@ -386,7 +386,18 @@ impl AgentService {
         let mut pause = Duration::from_millis(1);
         let mut done = 0;
         let failure = loop {
-            let Some(linked) = s.link.current_or_wait(wait).await else {
+            let linked = match s.link.current() {
+                Some(l) => Some(l),
+                None => {
+                    // The session is coming up (the engine's first saves) or back: wait for
+                    // it, bounded, and count the wait.
+                    let t = Instant::now();
+                    let l = s.link.current_or_wait(wait).await;
+                    self.count_wait("link", t.elapsed());
+                    l
+                }
+            };
+            let Some(linked) = linked else {
                 break Some(Loss::DaemonUnreachable);
             };
             let from = span.start + done;

@@ -123,12 +123,13 @@ impl Metrics {
             backup_waits: r.counter_vec(
                 "kvtier_agent_backup_waits_total",
                 "Calls that waited for backups to L2 (backpressure), by where: insert \
-                 (room in the early-backup queue), evict (victims backed up first)",
+                 (room in the early-backup queue), evict (victims backed up first), link (a \
+                 Save waiting for the kvtierd session to come up)",
                 &["at"],
             )?,
             backup_wait_seconds: r.histogram_vec(
                 "kvtier_agent_backup_wait_seconds",
-                "Time a call waited for backups to L2, by where: insert, evict",
+                "Time a call waited for backups to L2, by where: insert, evict, link",
                 &["at"],
                 &SECONDS,
             )?,
@@ -187,7 +188,7 @@ impl Metrics {
         for reason in crate::engine_cache::LoadFailure::ALL {
             m.load_failed_pages.with_label_values(&[reason.label()]);
         }
-        for at in ["insert", "evict"] {
+        for at in ["insert", "evict", "link"] {
             m.backup_waits.with_label_values(&[at]);
             m.backup_wait_seconds.with_label_values(&[at]);
         }
