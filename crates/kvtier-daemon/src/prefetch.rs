@@ -683,6 +683,7 @@ mod tests {
                 mlock: false,
                 huge_pages: false,
                 reserve: false,
+                access: kvtier_shm::FileAccess::OWNER,
             })
             .unwrap(),
         );

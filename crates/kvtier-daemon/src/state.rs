@@ -29,6 +29,17 @@ pub use operator::{ClearedL2, DrainReport, FlushWait};
 pub use prefetch::{Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Progress, StopCause};
 pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
 
+/// Who may open the pool files: kvtierd alone, or its socket's group too when `[server.unix]`
+/// admits the group (engines of other uids map the pool read-write to copy pages). Never
+/// others, whatever the socket's mode or the umask.
+fn pool_access(unix: &kvtier_config::unix::UnixAccess) -> kvtier_shm::FileAccess {
+    if unix.mode.bits() & 0o060 == 0o060 {
+        kvtier_shm::FileAccess::with_group(unix.group())
+    } else {
+        kvtier_shm::FileAccess::OWNER
+    }
+}
+
 /// One pool class: the shared memory of one layout and its index.
 #[derive(Debug)]
 pub struct Pool {
@@ -187,6 +198,9 @@ pub struct HostState {
     mlock: bool,
     huge_pages: bool,
     reserve: bool,
+    /// Pool files' mode and group: the owner's alone, or the group's too when the socket
+    /// admits the group (`[server.unix]`).
+    pool_access: kvtier_shm::FileAccess,
     dirty_fraction: f64,
     /// Keep slot tables, so the pools survive a crash.
     take_over: bool,
@@ -250,6 +264,7 @@ impl HostState {
             mlock: cfg.l2.mlock,
             huge_pages: cfg.l2.huge_pages,
             reserve: cfg.l2.reserve,
+            pool_access: pool_access(&cfg.server.unix),
             dirty_fraction: cfg.l2.dirty_fraction,
             take_over: cfg.l2.take_over_after_crash,
             instance: survive::instance_id(&cfg.socket_path()),
@@ -498,6 +513,7 @@ impl HostState {
                 mlock: self.mlock,
                 huge_pages: self.huge_pages,
                 reserve: self.reserve,
+                access: self.pool_access,
             })
             .map_err(|e| match e {
                 kvtier_shm::ShmError::NoSpace { .. } => ApiError::ResourceExhausted(format!(
@@ -887,5 +903,30 @@ impl HostState {
                 used + u64::from(s.ready + s.writing) * stride,
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod pool_access_tests {
+    use super::*;
+
+    #[test]
+    fn pool_files_admit_the_group_only_when_the_socket_does_and_never_others() {
+        let access = |mode: &str, gid: i64| {
+            let unix = kvtier_config::unix::UnixAccess {
+                mode: mode.parse().unwrap(),
+                gid,
+                ..Default::default()
+            };
+            pool_access(&unix)
+        };
+        assert_eq!(access("0600", -1), kvtier_shm::FileAccess::OWNER);
+        assert_eq!(access("0640", 50), kvtier_shm::FileAccess::OWNER);
+        assert_eq!(
+            access("0660", 50),
+            kvtier_shm::FileAccess::with_group(Some(50))
+        );
+        // A socket open to anyone still gives others nothing of the pool.
+        assert_eq!(access("0666", -1).mode, 0o660);
     }
 }

@@ -55,6 +55,7 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
         mlock: false,
         huge_pages: false,
         reserve: false,
+        access: kvtier_shm::FileAccess::OWNER,
     })
     .unwrap();
     (dev, engine, host)

@@ -49,6 +49,7 @@ fn pages_round_trip_through_gpu_buffers() {
         mlock: false,
         huge_pages: false,
         reserve: false,
+        access: kvtier_shm::FileAccess::OWNER,
     })
     .unwrap();
     let page = |s: u32| -> Vec<u8> {

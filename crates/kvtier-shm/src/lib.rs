@@ -137,6 +137,44 @@ pub struct PoolSpec {
     /// full `/dev/shm` is then an error here, not a SIGBUS in whichever process first touches
     /// a page, and no copy pays first-touch faults.
     pub reserve: bool,
+    /// Who may open a [`Backing::ShmFile`] pool's file: set explicitly, whatever the umask.
+    pub access: FileAccess,
+}
+
+/// The permission bits and group a file is given when it is created, whatever the creating
+/// process's umask (which would otherwise decide: under the common 022 every local user could
+/// read the pages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileAccess {
+    /// Permission bits (read and write for the owner, optionally for the group; never for
+    /// others, never execute).
+    pub mode: u32,
+    /// The group to give the file; `None` keeps the creator's.
+    pub gid: Option<u32>,
+}
+
+impl FileAccess {
+    /// The owner alone (0600).
+    pub const OWNER: FileAccess = FileAccess {
+        mode: 0o600,
+        gid: None,
+    };
+
+    /// The owner and the members of `gid` (or of the creator's group) (0660).
+    pub fn with_group(gid: Option<u32>) -> Self {
+        FileAccess { mode: 0o660, gid }
+    }
+
+    /// Gives `file` (at `path`, for errors) this access.
+    pub fn apply(self, file: &File, path: &Path) -> Result<(), ShmError> {
+        use std::os::unix::fs::PermissionsExt;
+        if let Some(gid) = self.gid {
+            std::os::unix::fs::fchown(file, None, Some(gid)).map_err(io_err("chown", path))?;
+        }
+        // After chown, which may clear bits; fchmod ignores the umask.
+        file.set_permissions(std::fs::Permissions::from_mode(self.mode & 0o660))
+            .map_err(io_err("chmod", path))
+    }
 }
 
 /// A mapped pool. The creating process owns it (and unlinks its file on drop); other processes
@@ -251,6 +289,7 @@ impl ShmPool {
                     .truncate(true)
                     .open(&path)
                     .map_err(io_err("create", &path))?;
+                spec.access.apply(&file, &path)?;
                 (file, path, true)
             }
             Backing::Memfd => {
@@ -763,7 +802,30 @@ mod tests {
             mlock: false,
             huge_pages: false,
             reserve: false,
+            access: FileAccess::OWNER,
         }
+    }
+
+    #[test]
+    fn pool_and_table_files_get_their_mode_whatever_the_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: umask only sets this process's file-creation mask; the most permissive one
+        // here shows the mode below is set, not inherited (other tests only get laxer
+        // masks, and set their files' modes themselves).
+        unsafe { libc::umask(0) };
+        let dir = tmp();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let mut s = spec(&dir, Backing::ShmFile, "mode-owner");
+        let p = ShmPool::create(&s).unwrap();
+        assert_eq!(mode(p.path()), 0o600);
+        s.name.push_str("-group");
+        s.access = FileAccess::with_group(None);
+        let g = ShmPool::create(&s).unwrap();
+        assert_eq!(mode(g.path()), 0o660);
+        let table = dir.join(format!("kvtier-shm-test-{}-mode.slots", std::process::id()));
+        let t = crate::slot_table::SlotTable::create(&table, 2, 4096, b"x").unwrap();
+        assert_eq!(mode(&table), 0o600);
+        drop((p, g, t));
     }
 
     fn tmp() -> PathBuf {

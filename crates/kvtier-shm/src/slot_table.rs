@@ -110,6 +110,8 @@ impl SlotTable {
             .truncate(true)
             .open(path)
             .map_err(io_err("create", path))?;
+        // Page keys and slots: kvtierd's alone, whatever the umask.
+        crate::FileAccess::OWNER.apply(&file, path)?;
         let len = table_len(slots);
         file.set_len(len as u64).map_err(io_err("size", path))?;
         let map = MmapOptions::new()
