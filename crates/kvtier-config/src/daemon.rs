@@ -649,15 +649,20 @@ impl DaemonConfig {
     }
 
     /// This configuration as `kvtierd.toml` text, with every secret (`server.admin_token`,
-    /// `l3.s3.secret_key`) shown as `"<redacted>"` when set: what an operator may print.
+    /// `server.token`, `l3.s3.secret_key`, `l3.remote.token`, every `tenants.*.token`) shown
+    /// as `"<redacted>"` when set: what an operator may print (`kvtierctl config`).
     pub fn to_redacted_toml(&self) -> Result<String, ConfigError> {
         let mut c = self.clone();
+        let tenants = c.tenants.values_mut().map(|t| &mut t.token);
         for secret in [
             &mut c.server.admin_token,
             &mut c.server.token,
             &mut c.l3.s3.secret_key,
             &mut c.l3.remote.token,
-        ] {
+        ]
+        .into_iter()
+        .chain(tenants)
+        {
             if !secret.expose().is_empty() {
                 *secret = Secret(REDACTED.to_string());
             }
@@ -1091,6 +1096,25 @@ mod tests {
             !plain.contains(REDACTED),
             "an unset secret is shown as unset"
         );
+    }
+
+    #[test]
+    fn tenant_tokens_are_redacted_from_the_dump() {
+        // Before: `kvtierctl config` printed every tenant's token to any admitted peer, which
+        // could then call over TCP as that tenant.
+        let c = DaemonConfig::load(&Sources {
+            file: Some((
+                "kvtierd.toml".into(),
+                "[tenants.acme]\ntoken = \"acme-secret-token\"\n\
+                 [tenants.globex]\ntoken = \"globex-secret-token\"\n"
+                    .into(),
+            )),
+            ..Sources::default()
+        })
+        .unwrap();
+        let text = c.to_redacted_toml().unwrap();
+        assert!(!text.contains("secret-token"), "{text}");
+        assert_eq!(text.matches(REDACTED).count(), 2, "{text}");
     }
 
     #[test]
