@@ -787,6 +787,21 @@ impl DaemonConfig {
             log: LogConfig { level },
         } = self;
         let resolved = Tenants::resolve(tenants)?;
+        // A tenant's token that is also the operator's or the listener's would make the
+        // tenant an operator (or every TCP caller that tenant).
+        let admin = Some(self.server.admin_token.expose().to_string()).filter(|t| !t.is_empty());
+        for (key, secret) in [
+            ("server.token", self.server.tcp_token()?),
+            ("server.admin_token", admin),
+        ] {
+            let name = secret.map_or("", |t| resolved.of_token(&t));
+            if !name.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("tenants.{name}.token"),
+                    format!("the same token as {key}; a tenant's token must be its own"),
+                ));
+            }
+        }
         l3.validate()?;
         if let Some(name) = resolved.l3_quota()
             && !matches!(l3.backend, L3Backend::File | L3Backend::Rocksdb)
@@ -1096,6 +1111,23 @@ mod tests {
             !plain.contains(REDACTED),
             "an unset secret is shown as unset"
         );
+    }
+
+    #[test]
+    fn a_tenant_token_equal_to_the_listeners_or_the_operators_is_refused_by_name() {
+        for key in ["server.token", "server.admin_token"] {
+            let e = DaemonConfig::load(&Sources {
+                file: Some((
+                    "kvtierd.toml".into(),
+                    "[tenants.acme]\ntoken = \"shared-token\"\n".into(),
+                )),
+                sets: vec![format!("{key}=shared-token")],
+                ..Sources::default()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("tenants.acme.token") && e.contains(key), "{e}");
+        }
     }
 
     #[test]

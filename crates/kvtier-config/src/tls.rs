@@ -38,9 +38,16 @@ pub fn resolve_token(
     Ok(Some(t))
 }
 
-/// Equality in time that does not depend on where the inputs differ (for tokens).
+/// Equality of tokens in time that depends neither on where they differ nor on the secret's
+/// length: both are hashed (SHA-256) and the digests compared byte by byte, so a caller
+/// learns nothing from how long a wrong guess took, not even whether its length was right.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use sha2::{Digest, Sha256};
+    let (x, y) = (Sha256::digest(a), Sha256::digest(b));
+    x.iter()
+        .zip(y.iter())
+        .fold(0u8, |acc, (p, q)| acc | (p ^ q))
+        == 0
 }
 
 /// A token comes from `key` or `<key>_file`, not both.
@@ -165,6 +172,16 @@ pub fn check_client(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn tokens_compare_equal_only_when_equal_whatever_their_lengths() {
+        assert!(constant_time_eq(b"hunter2", b"hunter2"));
+        assert!(!constant_time_eq(b"hunter2", b"hunter3"));
+        assert!(!constant_time_eq(b"hunter2", b"hunter22"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
     use super::*;
 
     fn server<'a>(tcp: &'a str, cert: &'a str, token: &'a Secret, insecure: bool) -> ServerTls<'a> {
