@@ -131,6 +131,8 @@ class KvtierStorage(HiCacheStorage):
         self.epoch = WeightEpoch()
         self._seed = self.namespace.seed()
         self._instance = os.urandom(8).hex()
+        # The KV's logical dtype, decided once the host pool is known (kv_dtype).
+        self._kv_dtype = ""
         self.client = DaemonClient(self.settings.socket, self.settings.timeout_s)
         self.report = Reporter(self.settings.log_interval_s)
         self.counters = self.report.counters
@@ -160,6 +162,7 @@ class KvtierStorage(HiCacheStorage):
             raise pages.UnsupportedPool(
                 f"kvtier: KV dtype {self.geometry.dtype} is not one of {', '.join(DTYPES)}"
             )
+        self._kv_dtype = self.kv_dtype()
         self._kv = self._link("kv", self.descriptor(), self.geometry.page_bytes)
         self._kv.session()
 
@@ -217,7 +220,7 @@ class KvtierStorage(HiCacheStorage):
                 str(getattr(sa, "json_model_override_args", "") or ""),
             ),
             weight_version=str(getattr(sa, "weight_version", "") or ""),
-            kv_dtype=self.kv_dtype(),
+            kv_dtype=self._kv_dtype,
             layers=layers,
             shards="/".join(shards),
             extra=f"pool={pool}" if pool else "",

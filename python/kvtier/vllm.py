@@ -170,18 +170,12 @@ class Ranks:
     @staticmethod
     def of_worker(vllm_config: Any) -> Ranks:
         pc = vllm_config.parallel_config
-        from vllm.distributed import parallel_state as ps
-
-        def ask(get: Any, default: int) -> int:
-            try:
-                return int(get())
-            except (AssertionError, RuntimeError, AttributeError, TypeError):
-                return default
-
-        tp = ask(ps.get_tensor_model_parallel_rank, 0)
-        pp = ask(lambda: ps.get_pp_group().rank_in_group, 0)
+        tp = _parallel_rank(lambda ps: ps.get_tensor_model_parallel_rank(), 0)
+        pp = _parallel_rank(lambda ps: ps.get_pp_group().rank_in_group, 0)
         # Without vLLM's world group (one node assumed): vLLM's rank order, PP-major.
-        local = ask(lambda: ps.get_world_group().local_rank, pp * pc.tensor_parallel_size + tp)
+        local = _parallel_rank(
+            lambda ps: ps.get_world_group().local_rank, pp * pc.tensor_parallel_size + tp
+        )
         dp_local = getattr(pc, "data_parallel_rank_local", None) or 0
         # vLLM gives DP rank d of a node the GPUs d*world .. (d+1)*world - 1, and its
         # workers local ranks 0 .. world - 1 among them.
@@ -484,7 +478,8 @@ class KvtierConnector(KVConnectorBase_V1):
         ):
             size = int(getattr(pc, size_attr, 1) or 1)
             if size > 1:
-                shards.append(f"{name}{_parallel_rank(rank_fn)}of{size}")
+                rank = _parallel_rank(lambda ps, fn=rank_fn: getattr(ps, fn)())
+                shards.append(f"{name}{rank}of{size}")
         # vLLM's bytes of a block are opaque to kvtier: its version and the block's shape
         # and strides keep apart workers that lay blocks out differently.
         block_shape = "x".join(str(d) for d in sample.shape[1:])
@@ -653,13 +648,15 @@ class KvtierConnector(KVConnectorBase_V1):
             self._staging.close()
 
 
-def _parallel_rank(fn_name: str) -> int:
+def _parallel_rank(get: Any, default: int = 0) -> int:
+    """A rank from vLLM's parallel state (``get(parallel_state)``), or ``default`` where
+    that state is not set up (a process without vLLM's distributed groups)."""
     try:
         from vllm.distributed import parallel_state
 
-        return int(getattr(parallel_state, fn_name)())
-    except (AssertionError, ImportError, RuntimeError, AttributeError):
-        return 0
+        return int(get(parallel_state))
+    except (AssertionError, ImportError, RuntimeError, AttributeError, TypeError):
+        return default
 
 
 def _layer_range(names: Sequence[str]) -> str:

@@ -103,11 +103,16 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// The registered pool, whoever registered it (for calls that read no pool memory).
+    fn any_registered(&self) -> Result<&Engine, ApiError> {
+        self.engine.as_ref().ok_or_else(|| {
+            ApiError::NotFound("pool: no KV pool is registered; call RegisterPool first".into())
+        })
+    }
+
     /// The registered pool, if `caller` owns it.
     fn registered(&self, caller: &Caller) -> Result<&Engine, ApiError> {
-        let e = self.engine.as_ref().ok_or_else(|| {
-            ApiError::NotFound("pool: no KV pool is registered; call RegisterPool first".into())
-        })?;
+        let e = self.any_registered()?;
         e.owner.admits(caller)?;
         Ok(e)
     }
@@ -131,9 +136,7 @@ impl State {
     pub(crate) fn cache_engine(&self, caller: Option<&Caller>) -> Result<&Engine, ApiError> {
         let e = match caller {
             Some(c) => self.registered(c)?,
-            None => self.engine.as_ref().ok_or_else(|| {
-                ApiError::NotFound("pool: no KV pool is registered; call RegisterPool first".into())
-            })?,
+            None => self.any_registered()?,
         };
         if !e.engine_cache {
             return Err(ApiError::FailedPrecondition(

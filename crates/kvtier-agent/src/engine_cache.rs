@@ -27,7 +27,7 @@ use kvtier_device::{Device, DeviceError, PageCopy};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
 
-use crate::agent::{AgentService, check_page_list, lock, request_tokens};
+use crate::agent::{AgentService, State, check_page_list, lock, request_tokens};
 use crate::backup::Loss;
 use crate::link::Linked;
 use crate::owner::Caller;
@@ -139,6 +139,14 @@ impl AgentService {
         })
     }
 
+    /// How many leading `keys` the write policy saves, by how often each was looked up.
+    fn selected(&self, st: &State, keys: &[PageKey]) -> usize {
+        let policy = self.shared.policy;
+        keys.iter()
+            .take_while(|k| policy.saves_looked_up(st.lookups.get(*k).copied().unwrap_or(0)))
+            .count()
+    }
+
     /// `Lookup`: pages after the engine's own that L2 holds, then L3. Any admitted client
     /// may ask (it reads no pool memory): the engine's scheduler process does.
     pub(crate) async fn lookup_pages(
@@ -148,8 +156,7 @@ impl AgentService {
         let t = Instant::now();
         let span = self.span(None, &req.packed_tokens, req.namespace, req.start_page, &[])?;
         let (keys, start) = (&span.keys, span.start);
-        let policy = self.shared.policy;
-        let save_pages = policy.counts_hits().then(|| {
+        let save_pages = self.shared.policy.counts_hits().then(|| {
             let mut st = lock(&self.shared.state);
             if st.lookups.len() + keys.len() > MAX_COUNTED_PAGES {
                 st.lookups.clear();
@@ -157,9 +164,7 @@ impl AgentService {
             for k in keys {
                 *st.lookups.entry(*k).or_default() += 1;
             }
-            keys.iter()
-                .take_while(|k| policy.saves_looked_up(st.lookups.get(*k).copied().unwrap_or(0)))
-                .count() as u32
+            self.selected(&st, keys) as u32
         });
         let (mut l2, mut l3) = (0, 0);
         if start < keys.len()
@@ -362,16 +367,7 @@ impl AgentService {
             // The policy's selection as the lookup answered it (possibly another rank's
             // agent): every rank saves the same pages.
             Some(upto) => (upto as usize).saturating_sub(span.start).min(n),
-            None => {
-                let st = lock(&s.state);
-                span.keys[span.start..span.start + n]
-                    .iter()
-                    .take_while(|k| {
-                        s.policy
-                            .saves_looked_up(st.lookups.get(*k).copied().unwrap_or(0))
-                    })
-                    .count()
-            }
+            None => self.selected(&lock(&s.state), &span.keys[span.start..span.start + n]),
         };
         self.count_backup("skipped", n - selected);
         let mut out = v1::SavePagesResponse {
