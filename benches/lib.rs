@@ -375,6 +375,16 @@ where
     (ready, stop, thread)
 }
 
+/// A remote L3 store over a loopback TCP listener that takes `token` (call inside a runtime).
+pub fn remote_store(target: &str, token: &str) -> kvtier_storage::remote::RemoteStore {
+    let sec = kvtier_client::TcpSecurity {
+        token: Some(token.to_string()),
+        ..Default::default()
+    };
+    kvtier_storage::remote::RemoteStore::connect_with(target, &sec)
+        .unwrap_or_else(|e| panic!("connecting to {target}: {e}"))
+}
+
 /// A kvtierd running in this process on its own runtime thread (the same `run` the binary
 /// calls), on a private data directory; stopped and cleaned up by [`InProcessDaemon::stop`].
 pub struct InProcessDaemon {

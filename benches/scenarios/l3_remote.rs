@@ -12,7 +12,6 @@ use std::sync::Arc;
 use crate::compare;
 use bytes::Bytes;
 use kvtier_storage::Store;
-use kvtier_storage::remote::RemoteStore;
 
 const PAGE: usize = 2 << 20;
 
@@ -49,6 +48,7 @@ pub fn run(quick: bool) {
         &[
             "server.tcp=127.0.0.1:0",
             "server.tcp_insecure=true",
+            "server.token=bench-token",
             "l3.backend=memory",
             "l3.memory.capacity_bytes=1GiB",
         ],
@@ -60,7 +60,10 @@ pub fn run(quick: bool) {
         .unwrap();
     let remote: Arc<dyn Store> = {
         let _in_runtime = rt.enter();
-        Arc::new(RemoteStore::connect(&format!("http://{}", ready.tcp.unwrap())).unwrap())
+        Arc::new(crate::remote_store(
+            &format!("http://{}", ready.tcp.unwrap()),
+            "bench-token",
+        ))
     };
     let data: Vec<Bytes> = (0..pages)
         .map(|i| Bytes::from((0..PAGE).map(|j| (i * 7 + j) as u8).collect::<Vec<u8>>()))

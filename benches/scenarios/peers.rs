@@ -15,7 +15,6 @@ use bytes::Bytes;
 use kvtier_client::{HostClient, Reserved};
 use kvtier_core::{DType, KvKind, Layout, LayoutSpec, Namespace, PageHasher};
 use kvtier_storage::Store;
-use kvtier_storage::remote::RemoteStore;
 
 use crate::median;
 
@@ -83,6 +82,7 @@ pub fn run(quick: bool) {
             "l2.dirty_fraction=1.0",
             "server.tcp=127.0.0.1:0",
             "server.tcp_insecure=true",
+            "server.token=bench-token",
             "l3.backend=memory",
             &format!(
                 "l3.memory.capacity_bytes={}",
@@ -112,8 +112,10 @@ pub fn run(quick: bool) {
             .await
             .unwrap();
         let s = c.register("peers", &spec).await.unwrap();
-        let remote: Arc<dyn Store> =
-            Arc::new(RemoteStore::connect(&format!("http://{}", d.ready.tcp.unwrap())).unwrap());
+        let remote: Arc<dyn Store> = Arc::new(crate::remote_store(
+            &format!("http://{}", d.ready.tcp.unwrap()),
+            "bench-token",
+        ));
         let mut out = vec![0u8; page_bytes];
         for r in 0..rounds {
             let tokens: Vec<u32> = (0..pages as u32 * 16)

@@ -44,12 +44,13 @@ tls_key = ""
 # PEM CA bundle. Set: TCP clients must present a certificate it signed (mutual TLS).
 tls_client_ca = ""
 # Bearer token every call over TCP must present as "authorization: Bearer <token>"
-# (required with TLS). Set it through KVTIER_SERVER_TOKEN or token_file, not this file.
+# (required whenever tcp is set). Set it through KVTIER_SERVER_TOKEN or token_file, not this file.
 token = ""
 # A file holding the token (surrounding whitespace ignored), instead of token.
 token_file = ""
 # Serve TCP without TLS. Refused unless tcp is a loopback address (127.0.0.1, [::1]): for
-# tests and single-host setups. The token is then optional (checked when set).
+# tests and single-host setups. The token is required all the same: without it every local
+# user would get past [server.unix]'s mode and allow-lists.
 tcp_insecure = false
 # Most page keys accepted in one request (1 to 1048576).
 max_batch = 65536
@@ -60,8 +61,16 @@ drain_timeout = "10s"
 # "authorization: Bearer <token>". Empty: admin calls only on the Unix socket. Set it through
 # KVTIER_SERVER_ADMIN_TOKEN rather than this file.
 admin_token = ""
+# Token of the peer kvtierds that use this one as their storage tier (their
+# l3.remote.token): kvtier.v1.ObjectStorage is served to callers presenting it and to the
+# operator. Empty: with no [tenants], every caller that may use kvtierd at all may use it
+# too (one trust domain); with tenants, only the operator. Set it through
+# KVTIER_SERVER_PEER_TOKEN or peer_token_file, not this file.
+peer_token = ""
+peer_token_file = ""
 "#,
     crate::unix_default_toml!(),
+    crate::admin_default_toml!(),
     r#"
 [metrics]
 # Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
@@ -208,7 +217,8 @@ tls_ca = ""
 # PEM client certificate and key, for a peer that sets server.tls_client_ca.
 tls_cert = ""
 tls_key = ""
-# The peer's server.token. Set it through KVTIER_L3_REMOTE_TOKEN or token_file.
+# The peer's server.peer_token (or its server.token, when the peer has neither tenants nor a
+# peer token). Set it through KVTIER_L3_REMOTE_TOKEN or token_file.
 token = ""
 token_file = ""
 
@@ -354,6 +364,12 @@ pub struct ServerConfig {
     pub tcp_insecure: bool,
     /// Who may use the Unix sockets.
     pub unix: UnixAccess,
+    /// Token of peer kvtierds (ObjectStorage). Never printed.
+    pub peer_token: Secret,
+    /// File holding the peer token.
+    pub peer_token_file: String,
+    /// Who is the operator on the Unix socket.
+    pub admin: crate::roles::AdminAccess,
 }
 
 impl DaemonConfig {
@@ -368,6 +384,11 @@ impl ServerConfig {
     /// `token_file`; `None` when neither is set.
     pub fn tcp_token(&self) -> Result<Option<String>, ConfigError> {
         crate::tls::resolve_token(&self.token, &self.token_file, "server.token")
+    }
+
+    /// The token of peer kvtierds: `peer_token`, or the contents of `peer_token_file`.
+    pub fn peer_token(&self) -> Result<Option<String>, ConfigError> {
+        crate::tls::resolve_token(&self.peer_token, &self.peer_token_file, "server.peer_token")
     }
 }
 
@@ -584,6 +605,9 @@ impl Default for ServerConfig {
             token_file: String::new(),
             tcp_insecure: false,
             unix: UnixAccess::default(),
+            peer_token: Secret::default(),
+            peer_token_file: String::new(),
+            admin: crate::roles::AdminAccess::default(),
         }
     }
 }
@@ -649,7 +673,7 @@ impl DaemonConfig {
     }
 
     /// This configuration as `kvtierd.toml` text, with every secret (`server.admin_token`,
-    /// `server.token`, `l3.s3.secret_key`, `l3.remote.token`, every `tenants.*.token`) shown
+    /// `server.token`, `server.peer_token`, `l3.s3.secret_key`, `l3.remote.token`, every `tenants.*.token`) shown
     /// as `"<redacted>"` when set: what an operator may print (`kvtierctl config`).
     pub fn to_redacted_toml(&self) -> Result<String, ConfigError> {
         let mut c = self.clone();
@@ -657,6 +681,7 @@ impl DaemonConfig {
         for secret in [
             &mut c.server.admin_token,
             &mut c.server.token,
+            &mut c.server.peer_token,
             &mut c.l3.s3.secret_key,
             &mut c.l3.remote.token,
         ]
@@ -739,6 +764,9 @@ impl DaemonConfig {
                     token_file,
                     tcp_insecure,
                     unix,
+                    peer_token,
+                    peer_token_file,
+                    admin: admin_access,
                 },
             metrics: MetricsConfig { listen },
             l2:
@@ -790,9 +818,11 @@ impl DaemonConfig {
         // A tenant's token that is also the operator's or the listener's would make the
         // tenant an operator (or every TCP caller that tenant).
         let admin = Some(self.server.admin_token.expose().to_string()).filter(|t| !t.is_empty());
+        let peer = crate::tls::resolve_token(peer_token, peer_token_file, "server.peer_token")?;
         for (key, secret) in [
             ("server.token", self.server.tcp_token()?),
-            ("server.admin_token", admin),
+            ("server.admin_token", admin.clone()),
+            ("server.peer_token", peer.clone()),
         ] {
             let name = secret.map_or("", |t| resolved.of_token(&t));
             if !name.is_empty() {
@@ -802,6 +832,17 @@ impl DaemonConfig {
                 ));
             }
         }
+        if let Some(p) = &peer
+            && admin
+                .as_ref()
+                .is_some_and(|a| crate::tls::constant_time_eq(a.as_bytes(), p.as_bytes()))
+        {
+            return Err(ConfigError::invalid(
+                "server.peer_token",
+                "the same token as server.admin_token; a peer is not the operator",
+            ));
+        }
+        admin_access.validate(tenants)?;
         l3.validate()?;
         if let Some(name) = resolved.l3_quota()
             && !matches!(l3.backend, L3Backend::File | L3Backend::Rocksdb)

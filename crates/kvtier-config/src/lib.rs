@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod daemon;
 pub mod l3;
+pub mod roles;
 pub mod tenants;
 pub mod tls;
 mod units;

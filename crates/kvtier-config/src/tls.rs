@@ -80,7 +80,7 @@ pub struct ServerTls<'a> {
     pub tcp_insecure: bool,
 }
 
-/// TCP needs TLS and a token, or an explicit `tcp_insecure` on a loopback address.
+/// TCP needs a token, and TLS or an explicit `tcp_insecure` on a loopback address.
 pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
     if s.tls_cert.is_empty() != s.tls_key.is_empty() {
         return Err(ConfigError::invalid(
@@ -131,10 +131,14 @@ pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
             ),
         ));
     }
-    if tls && s.token.expose().is_empty() && s.token_file.is_empty() {
+    // Without a token, a TCP listener on loopback would let every local user past
+    // server.unix's mode and allow-lists.
+    if s.token.expose().is_empty() && s.token_file.is_empty() {
         return Err(ConfigError::invalid(
             "server.token",
-            "TCP with TLS needs a token (server.token, KVTIER_SERVER_TOKEN or server.token_file)",
+            "TCP needs a token, with TLS or tcp_insecure (server.token, KVTIER_SERVER_TOKEN \
+             or server.token_file): without one every local user could reach kvtierd past \
+             server.unix's allow-lists",
         ));
     }
     Ok(())
@@ -167,11 +171,70 @@ pub fn check_client(
             format!("TLS keys are set, so the address must be https://host:port, not {address:?}"),
         ));
     }
+    // Plaintext only where the bytes never leave the host: the pages and the token would
+    // cross the network in clear.
+    if let Some(hostport) = address.strip_prefix("http://")
+        && !is_loopback(hostport)
+    {
+        return Err(ConfigError::invalid(
+            format!("{section}.address"),
+            format!(
+                "{address:?} is plaintext off this host: http:// is for loopback (127.0.0.1, \
+                 [::1], localhost) only; use https:// with {section}.tls_ca"
+            ),
+        ));
+    }
     Ok(())
+}
+
+/// Whether `host:port` (an http URL's authority, perhaps with a path after it) names this
+/// host: a loopback IP address or `localhost`.
+fn is_loopback(hostport: &str) -> bool {
+    let authority = hostport.split('/').next().unwrap_or_default();
+    if let Ok(a) = authority.parse::<std::net::SocketAddr>() {
+        return a.ip().is_loopback();
+    }
+    let host = authority
+        .rsplit_once(':')
+        .map_or(authority, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn plaintext_remotes_stay_on_this_host() {
+        let ok = |a: &str| check_client("l3.remote", a, "", "", "").is_ok();
+        for a in [
+            "http://127.0.0.1:5000",
+            "http://127.9.0.1:5000",
+            "http://[::1]:5000",
+            "http://localhost:5000",
+            "https://10.0.0.1:5000",
+            "/run/kvtier/peer.sock",
+        ] {
+            assert!(ok(a) || a.starts_with("https"), "{a}");
+        }
+        for a in [
+            "http://10.0.0.1:5000",
+            "http://peer.example:5000",
+            "http://[fe80::1]:1",
+        ] {
+            let e = check_client("l3.remote", a, "", "", "")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("l3.remote.address") && e.contains("loopback"),
+                "{a}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn tokens_compare_equal_only_when_equal_whatever_their_lengths() {
@@ -204,7 +267,9 @@ mod tests {
         assert!(check_server(&server("", "", &none, false)).is_ok());
         assert!(err(server("0.0.0.0:1", "", &none, false)).contains("server.tcp"));
         assert!(err(server("0.0.0.0:1", "", &none, true)).contains("loopback"));
-        assert!(check_server(&server("127.0.0.1:0", "", &none, true)).is_ok());
+        // Loopback without TLS still needs a token: other local users are no tenants.
+        assert!(err(server("127.0.0.1:0", "", &none, true)).contains("server.token"));
+        assert!(check_server(&server("127.0.0.1:0", "", &tok, true)).is_ok());
         assert!(check_server(&server("[::1]:0", "", &tok, true)).is_ok());
         assert!(err(server("0.0.0.0:1", "c.pem", &none, false)).contains("server.token"));
         assert!(check_server(&server("0.0.0.0:1", "c.pem", &tok, false)).is_ok());
@@ -238,7 +303,7 @@ mod tests {
 
     #[test]
     fn client_keys_match_the_address() {
-        assert!(check_client("l3.remote", "http://h:1", "", "", "").is_ok());
+        assert!(check_client("l3.remote", "http://localhost:1", "", "", "").is_ok());
         assert!(check_client("l3.remote", "https://h:1", "ca.pem", "", "").is_ok());
         let e = check_client("l3.remote", "https://h:1", "", "", "").unwrap_err();
         assert!(e.to_string().contains("l3.remote.tls_ca"), "{e}");

@@ -356,7 +356,15 @@ pub fn status(a: StatusArgs) -> Result<String> {
         )?;
         writeln!(out, "    {}", p.pool_path)?;
     }
-    writeln!(out, "sessions: {}", s.sessions.len())?;
+    match s.sessions_omitted {
+        0 => writeln!(out, "sessions: {}", s.sessions.len())?,
+        n => writeln!(
+            out,
+            "sessions: {} (the {} most recently seen listed)",
+            s.sessions.len() + n as usize,
+            s.sessions.len()
+        )?,
+    }
     for c in &s.sessions {
         writeln!(
             out,

@@ -34,6 +34,8 @@ pub struct AdminService {
     health: HealthReporter,
     /// The configuration as it runs now (attach applies overrides on top of it).
     running: Arc<Mutex<DaemonConfig>>,
+    /// The configuration kvtierd started with: the paths it names are the operator's.
+    started: Arc<DaemonConfig>,
 }
 
 impl std::fmt::Debug for AdminService {
@@ -66,6 +68,7 @@ impl AdminService {
             state,
             sglang_memory,
             health,
+            started: Arc::new(cfg.clone()),
             running: Arc::new(Mutex::new(cfg)),
         }
     }
@@ -191,10 +194,11 @@ impl Admin for AdminService {
             }
             sets.push(format!("l3.{s}"));
         }
-        let cfg = self
-            .running()
+        let running = self.running();
+        let cfg = running
             .with_overrides(&sets)
             .map_err(|e| Status::from(ApiError::invalid("settings", e.to_string())))?;
+        check_attach_path(&self.started, &running, &cfg)?;
         self.l3.attach(&cfg).await.map_err(|e| {
             Status::from(ApiError::FailedPrecondition(format!(
                 "opening the {} backend: {e}",
@@ -393,30 +397,115 @@ fn drain_response(r: &DrainReport, queued: u64) -> v1::DrainResponse {
     }
 }
 
-/// Checks `authorization: Bearer <token>` on admin calls over TCP.
-pub fn require_token(token: String) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
-    move |req: Request<()>| {
-        let ok = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|t| {
-                kvtier_server::serving::constant_time_eq(t.as_bytes(), token.as_bytes())
-            });
-        if ok {
-            Ok(req)
-        } else {
-            Err(Status::unauthenticated(
-                "admin calls over TCP need the server.admin_token",
-            ))
+/// Refuses an attach whose file or rocksdb directory lies outside `[server.admin]
+/// attach_root` (`data_dir` when empty), unless kvtierd's own configuration (at start or
+/// now) names that directory: an attach must not point the storage tier, its temp-file
+/// cleanup and its clears at a directory of the caller's choosing.
+fn check_attach_path(
+    started: &DaemonConfig,
+    running: &DaemonConfig,
+    cfg: &DaemonConfig,
+) -> Result<(), ApiError> {
+    use kvtier_config::daemon::L3Backend;
+    let (key, path, same): (_, _, fn(&DaemonConfig) -> std::path::PathBuf) = match cfg.l3.backend {
+        L3Backend::File => ("file.path", cfg.l3_file_path(), DaemonConfig::l3_file_path),
+        L3Backend::Rocksdb => (
+            "rocksdb.path",
+            cfg.l3_rocksdb_path(),
+            DaemonConfig::l3_rocksdb_path,
+        ),
+        _ => return Ok(()),
+    };
+    if path == same(started) || path == same(running) {
+        return Ok(());
+    }
+    let root = match started.server.admin.attach_root.as_str() {
+        "" => started.data_dir.clone(),
+        r => std::path::PathBuf::from(r),
+    };
+    let inside = match (resolved(&root), resolved(&path)) {
+        (Some(r), Some(p)) => p.starts_with(&r) && p != r,
+        _ => false,
+    };
+    if inside {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        key,
+        format!(
+            "{} is outside {} (server.admin.attach_root, or data_dir when that is empty): an \
+             attached backend lives under it, or where kvtierd's own configuration says",
+            path.display(),
+            root.display()
+        ),
+    ))
+}
+
+/// `path` with its longest existing ancestor resolved (symlinks followed, `..` gone) and the
+/// rest appended; `None` when the rest climbs with `..`.
+fn resolved(path: &std::path::Path) -> Option<std::path::PathBuf> {
+    let mut rest = Vec::new();
+    let mut at = path;
+    loop {
+        if let Ok(mut real) = at.canonicalize() {
+            real.extend(rest.iter().rev());
+            return Some(real);
         }
+        rest.push(at.file_name()?.to_owned());
+        at = match at.parent()? {
+            p if p.as_os_str().is_empty() => std::path::Path::new("."),
+            p => p,
+        };
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attached_paths_stay_under_the_root_whatever_their_spelling() {
+        let dir = std::env::temp_dir().join(format!("kvtier-attach-{}", std::process::id()));
+        let data = dir.join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        std::os::unix::fs::symlink("/etc", data.join("link")).unwrap();
+        let mut started = DaemonConfig {
+            data_dir: data.clone(),
+            ..DaemonConfig::default()
+        };
+        started.l3.file.path = "/srv/configured-l3".into();
+        let attach = |backend: &str, path: &str| {
+            let sets = [
+                format!("l3.backend={backend}"),
+                format!("l3.{backend}.path={path}"),
+            ];
+            let cfg = started.with_overrides(&sets).unwrap();
+            check_attach_path(&started, &started, &cfg)
+        };
+        let d = data.display();
+        assert!(attach("file", &format!("{d}/l3b")).is_ok());
+        assert!(attach("rocksdb", &format!("{d}/new/db")).is_ok());
+        assert!(
+            attach("file", "/srv/configured-l3").is_ok(),
+            "the operator's own path"
+        );
+        for bad in [
+            format!("{}/elsewhere", dir.display()),
+            format!("{d}/../elsewhere"),
+            format!("{d}/link/kvtier"),
+            format!("{d}"),
+            "/etc".to_string(),
+        ] {
+            let e = attach("file", &bad).unwrap_err().to_string();
+            assert!(
+                e.contains("file.path") && e.contains("attach_root"),
+                "{bad}: {e}"
+            );
+        }
+        let e = attach("rocksdb", "/var/lib/x").unwrap_err().to_string();
+        assert!(e.contains("rocksdb.path"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn report(unwritten: u64, writing: u64, l3_attached: bool, l3_down: bool) -> DrainReport {
         DrainReport {

@@ -11,6 +11,7 @@ pub mod admin;
 pub mod ids;
 pub mod l3;
 pub mod prefetch;
+pub mod roles;
 pub mod sealer;
 pub mod service;
 pub mod sglang;
@@ -154,6 +155,20 @@ pub async fn run(
     // Each component declares its own series here.
     let metrics = MetricRegistry::new();
     let gate = PeerGate::new(&cfg.server.unix, &metrics)?;
+    // Who is the operator, a peer or which tenant, on every socket and listener.
+    let roles = Arc::new(
+        roles::Roles::new(
+            &cfg,
+            tenants.clone(),
+            rustix::process::geteuid().as_raw(),
+            &metrics,
+        )
+        .map_err(|e| DaemonError::Setup {
+            what: "deciding the roles of",
+            path: "[server.admin] and [tenants]".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?,
+    );
     let uds = bind_socket(&gate, &socket, "control").await?;
     let tcp = match cfg.server.tcp.as_str() {
         "" => None,
@@ -210,7 +225,7 @@ pub async fn run(
         prefetcher,
         shutdown.clone(),
     )?
-    .with_tenants(tenants.clone());
+    .with_roles(roles.clone());
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<HostTierServer<HostService>>().await;
@@ -225,11 +240,15 @@ pub async fn run(
         })?;
 
     let tracker = TaskTracker::new();
-    let objects = kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
-        storage_service::ObjectStorageService::new(l3.clone()),
-    )
-    .max_decoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096)
-    .max_encoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096);
+    // Peers and the operator only (`roles`).
+    let objects = tonic::service::interceptor::InterceptedService::new(
+        kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
+            storage_service::ObjectStorageService::new(l3.clone()),
+        )
+        .max_decoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096)
+        .max_encoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096),
+        roles.guard(roles::Door::Objects),
+    );
     // kvtierd's memory of SGLang objects, when it serves SGLang (the admin clears it with L2).
     let sglang_memory = cfg.sglang_rpc.enable.then(|| {
         Arc::new(sglang::ObjectCache::new(
@@ -245,6 +264,11 @@ pub async fn run(
         cfg.clone(),
     );
     let admin_token = cfg.server.admin_token.expose().to_string();
+    // The operator only (`roles`): on the socket by uid, anywhere by server.admin_token.
+    let admin_server = kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
+        admin.clone(),
+        roles.guard(roles::Door::Admin),
+    );
     let router = || {
         kvtier_server::serving::grpc_server()
             .add_service(HostTierServer::new(service.clone()))
@@ -257,9 +281,7 @@ pub async fn run(
     let uds_task = {
         let stop = shutdown.clone();
         let server = router()
-            .add_service(kvtier_proto::v1::admin_server::AdminServer::new(
-                admin.clone(),
-            ))
+            .add_service(admin_server.clone())
             .serve_with_incoming_shutdown(uds.incoming(), async move {
                 stop.cancelled().await;
             });
@@ -275,12 +297,7 @@ pub async fn run(
             // Nagle's algorithm with delayed ACKs adds ~40 ms to small responses: off.
             let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
             // Admin over TCP only with its own token (which also passes the call check).
-            let admin_tcp = (!admin_token.is_empty()).then(|| {
-                kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
-                    admin.clone(),
-                    admin::require_token(admin_token.clone()),
-                )
-            });
+            let admin_tcp = (!admin_token.is_empty()).then(|| admin_server.clone());
             let token = cfg.server.tcp_token().map_err(|e| DaemonError::Setup {
                 what: "reading the token of",
                 path: "server.token".into(),
@@ -290,9 +307,16 @@ pub async fn run(
             if let Some(tls) = server_tls(&cfg)? {
                 server = server.tls_config(tls)?;
             }
-            // server.token, the admin token and every tenant's token pass the call check.
+            let peer_token = cfg.server.peer_token().map_err(|e| DaemonError::Setup {
+                what: "reading the token of",
+                path: "server.peer_token".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            // server.token, the admin and peer tokens and every tenant's token pass the call
+            // check; what each may do is the roles' business.
             let check = token.map(|t| {
                 let mut accepted: Vec<&str> = vec![&t, &admin_token];
+                accepted.extend(peer_token.as_deref());
                 accepted.extend(tenants.tokens());
                 denials.with_tokens(&accepted)
             });

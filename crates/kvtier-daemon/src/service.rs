@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
+use crate::roles::Roles;
 use crate::state::{HostState, L2Metrics};
 use kvtier_config::tenants::Tenants;
 use kvtier_server::metrics::MetricRegistry;
@@ -22,6 +23,9 @@ use kvtier_server::metrics::MetricRegistry;
 /// Shortest, default and longest interval between WatchMetrics snapshots.
 const WATCH_MIN_MS: u64 = 100;
 const WATCH_DEFAULT_MS: u64 = 1000;
+/// Most sessions one Stats answer lists (the rest are counted in `sessions_omitted`), so
+/// the answer stays far below the 4 MiB message limit however many sessions there are.
+const STATS_MAX_SESSIONS: usize = 1000;
 const WATCH_MAX_MS: u64 = 60_000;
 
 /// The stream a WatchMetrics call returns.
@@ -47,7 +51,9 @@ pub struct HostService {
     l3: Arc<L3Slot>,
     prefetcher: Arc<Prefetcher>,
     shutdown: tokio_util::sync::CancellationToken,
-    /// Who is which tenant (empty: tenancy off).
+    /// Who is which tenant (empty: tenancy off), and who sees all of them.
+    roles: Arc<Roles>,
+    /// The tenants of `roles`.
     tenants: Arc<Tenants>,
 }
 
@@ -73,13 +79,16 @@ impl HostService {
             l3,
             prefetcher,
             shutdown,
+            roles: Arc::new(Roles::open()),
             tenants: Arc::new(Tenants::default()),
         })
     }
 
-    /// Binds sessions to `tenants` at registration and scopes their keys (`[tenants]`).
-    pub fn with_tenants(mut self, tenants: Tenants) -> Self {
-        self.tenants = Arc::new(tenants);
+    /// Binds sessions to their caller's tenant at registration and scopes their keys
+    /// (`[tenants]`); shows each tenant only its own sessions in Stats and WatchMetrics.
+    pub fn with_roles(mut self, roles: Arc<Roles>) -> Self {
+        self.tenants = roles.tenants().clone();
+        self.roles = roles;
         self
     }
 
@@ -170,24 +179,13 @@ impl HostService {
     }
 
     /// The tenant a registering caller is: by its Unix-socket peer uid (or gid), or by the
-    /// bearer token it sent over TCP; `""` when tenancy is off or nothing matches.
+    /// bearer token it sent over TCP; `""` when tenancy is off or nothing matches (the
+    /// operator and peers included).
     fn caller_tenant<T>(&self, req: &Request<T>) -> String {
         if !self.tenants.any() {
             return String::new();
         }
-        if let Some(cred) = req
-            .extensions()
-            .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|i| i.peer_cred)
-        {
-            return self.tenants.of_peer(cred.uid(), cred.gid()).to_string();
-        }
-        req.metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(|t| self.tenants.of_token(t).to_string())
-            .unwrap_or_default()
+        self.roles.of(req).tenant().to_string()
     }
 
     /// The key mapping of session `sid`'s tenant (the default tenant's too); `None`
@@ -586,13 +584,21 @@ impl HostTier for HostService {
 
     async fn stats(
         &self,
-        _request: Request<v1::StatsRequest>,
+        request: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsResponse>, Status> {
+        // A tenant sees its own sessions, the pools they use and its own usage only.
+        let role = self.roles.of(&request);
+        let only = (!self.roles.sees_all(&role)).then(|| role.tenant().to_string());
+        let mine = |tenant: &str| only.as_deref().is_none_or(|t| t == tenant);
         self.observe("stats", || {
             let st = self.state();
             let now = Instant::now();
+            let mut sessions: Vec<_> = st.sessions().filter(|(_, s)| mine(&s.tenant)).collect();
+            let seen: std::collections::HashSet<_> =
+                sessions.iter().map(|(_, s)| s.fingerprint).collect();
             let pools = st
                 .pools()
+                .filter(|p| only.is_none() || seen.contains(&p.layout.fingerprint()))
                 .map(|p| {
                     let s = p.index.stats();
                     v1::PoolStats {
@@ -611,8 +617,12 @@ impl HostTier for HostService {
                     }
                 })
                 .collect();
-            let sessions = st
-                .sessions()
+            // The most recently seen first, at most STATS_MAX_SESSIONS of them.
+            sessions.sort_by_key(|(_, s)| std::cmp::Reverse(s.last_seen));
+            let omitted = sessions.len().saturating_sub(STATS_MAX_SESSIONS);
+            sessions.truncate(STATS_MAX_SESSIONS);
+            let sessions = sessions
+                .into_iter()
                 .map(|(id, s)| v1::SessionInfo {
                     session_label: id.to_string(),
                     name: s.name.clone(),
@@ -625,6 +635,8 @@ impl HostTier for HostService {
                 })
                 .collect();
             let c = st.counters;
+            let mut tenants = self.tenant_usage(&st);
+            tenants.retain(|u| mine(&u.tenant));
             Ok(v1::StatsResponse {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 uptime_ms: self.started.elapsed().as_millis() as u64,
@@ -640,7 +652,8 @@ impl HostTier for HostService {
                     .l3
                     .current()
                     .map(|l3| crate::l3::wire_stats(&l3, st.write_policy())),
-                tenants: self.tenant_usage(&st),
+                tenants,
+                sessions_omitted: omitted as u32,
             })
         })
     }
@@ -722,6 +735,9 @@ impl HostTier for HostService {
         &self,
         request: Request<v1::WatchMetricsRequest>,
     ) -> Result<Response<Self::WatchMetricsStream>, Status> {
+        // A tenant gets no series labelled with another tenant.
+        let role = self.roles.of(&request);
+        let only = (!self.roles.sees_all(&role)).then(|| role.tenant().to_string());
         self.observe("watch_metrics", || {
             let ms = match request.get_ref().interval_ms {
                 0 => WATCH_DEFAULT_MS,
@@ -734,10 +750,12 @@ impl HostTier for HostService {
                 }
             };
             let svc = self.clone();
+            let only = only.clone();
             let mut tick = tokio::time::interval(std::time::Duration::from_millis(ms));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let stream =
-                futures::stream::unfold((svc, tick, 0u64), |(svc, mut tick, seq)| async move {
+            let stream = futures::stream::unfold((svc, tick, 0u64), move |(svc, mut tick, seq)| {
+                let only = only.clone();
+                async move {
                     tokio::select! {
                         () = svc.shutdown.cancelled() => return None,
                         _ = tick.tick() => {}
@@ -750,10 +768,11 @@ impl HostTier for HostService {
                             .map(|d| d.as_millis() as u64)
                             .unwrap_or_default(),
                         uptime_ms: svc.started.elapsed().as_millis() as u64,
-                        samples: crate::wire::samples(&families),
+                        samples: crate::wire::samples(&families, only.as_deref()),
                     };
                     Some((Ok(snap), (svc, tick, seq + 1)))
-                });
+                }
+            });
             Ok(Box::pin(stream) as SnapshotStream)
         })
     }

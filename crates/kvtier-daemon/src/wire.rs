@@ -115,15 +115,25 @@ pub fn report_out(r: ClientReport) -> v1::ClientReport {
 }
 
 /// The wire form of gathered metric families: one sample per series, with the same names,
-/// labels and values the text endpoint shows.
+/// labels and values the text endpoint shows; with `only_tenant`, none labelled with another
+/// tenant.
 pub fn samples(
     families: &[prometheus::proto::MetricFamily],
+    only_tenant: Option<&str>,
 ) -> Vec<kvtier_proto::v1::MetricSample> {
     use kvtier_proto::v1::{HistogramBucket, MetricKind, MetricLabel, MetricSample};
     use prometheus::proto::MetricType;
     let mut out = Vec::new();
     for f in families {
         for m in f.get_metric() {
+            // Another tenant's series, for a caller that sees only its own.
+            if let Some(t) = only_tenant
+                && m.get_label()
+                    .iter()
+                    .any(|l| l.name() == "tenant" && l.value() != t)
+            {
+                continue;
+            }
             let labels = m
                 .get_label()
                 .iter()

@@ -600,13 +600,18 @@ fn tcp_listener_serves_the_same_service() {
             "l2.pool_pages=8",
             "server.tcp=127.0.0.1:0",
             "server.tcp_insecure=true",
+            "server.token=tcp-tok",
         ],
     );
     assert!(!d.tcp.is_empty());
     rt().block_on(async {
         let target = format!("http://{}", d.tcp);
         assert_eq!(kvtier_client::health(&target).await.unwrap(), "SERVING");
-        let mut c = HostClient::connect(&target).await.unwrap();
+        let sec = kvtier_client::TcpSecurity {
+            token: Some("tcp-tok".into()),
+            ..Default::default()
+        };
+        let mut c = HostClient::connect_with(&target, &sec).await.unwrap();
         let s = c.register("over-tcp", &layout("m")).await.unwrap();
         let keys = chain(40, 2);
         let bytes = store(&mut c, &s, &keys).await;

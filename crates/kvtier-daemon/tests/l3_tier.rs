@@ -236,12 +236,18 @@ fn remote_backend_conforms_against_a_second_kvtierd() {
         &[
             "server.tcp=127.0.0.1:0",
             "server.tcp_insecure=true",
+            "server.token=tcp-tok",
             "l3.backend=memory",
         ],
     );
     rt().block_on(async {
+        let sec = kvtier_client::TcpSecurity {
+            token: Some("tcp-tok".into()),
+            ..Default::default()
+        };
         let over_tcp =
-            kvtier_storage::remote::RemoteStore::connect(&format!("http://{}", a.tcp)).unwrap();
+            kvtier_storage::remote::RemoteStore::connect_with(&format!("http://{}", a.tcp), &sec)
+                .unwrap();
         kvtier_storage::conformance::run_all(std::sync::Arc::new(over_tcp)).await;
         let over_uds = kvtier_storage::remote::RemoteStore::connect(&a.target()).unwrap();
         kvtier_storage::conformance::round_trip(&over_uds).await;

@@ -67,6 +67,8 @@ fn start(name: &str, toml: &str) -> Daemon {
         &[
             "server.tcp=127.0.0.1:0",
             "server.tcp_insecure=true",
+            "server.token=tok-default",
+            "server.admin_token=tok-admin",
             "l2.pool_pages=64",
         ],
     )
@@ -74,12 +76,14 @@ fn start(name: &str, toml: &str) -> Daemon {
 
 #[test]
 fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
-    let uid = rustix::process::geteuid().as_raw();
+    // This process is the "local" tenant on the Unix socket by its primary gid (its uid is
+    // kvtierd's own, the operator's, which no tenant may claim).
+    let gid = rustix::process::getegid().as_raw();
     let d = start(
         "tenants",
         &format!(
             "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n\n\
-             [tenants.local]\nuids = [{uid}]\n"
+             [tenants.local]\ngids = [{gid}]\n"
         ),
     );
     let tcp = format!("http://{}", d.tcp);
@@ -134,7 +138,10 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
         eventually("24 pages in L3", Duration::from_secs(20), || {
             l3_files(&d.dir) == 24
         });
-        let ch = kvtier_client::connect(&d.target()).await.unwrap();
+        // The operator, by its token: the local tenant's engine may not clear.
+        let ch = kvtier_client::connect_with(&d.target(), &token("tok-admin"))
+            .await
+            .unwrap();
         kvtier_proto::v1::admin_client::AdminClient::new(ch)
             .clear(v1::ClearRequest {
                 tier: v1::Tier::Host as i32,
@@ -149,7 +156,9 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
             );
         }
         // A caller that is no tenant (TCP without a tenant token) finds nothing of theirs.
-        let mut n = HostClient::connect(&tcp).await.unwrap();
+        let mut n = HostClient::connect_with(&tcp, &token("tok-default"))
+            .await
+            .unwrap();
         let sn = n.register("no-tenant", &spec).await.unwrap();
         assert_eq!(n.lookup_tiers(sn.id, &keys, true).await.unwrap(), (0, 0));
         // Nor by naming the keys acme's are stored under (the scope is a public function):
@@ -162,8 +171,39 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
             "the default tenant reads acme's pages by their scoped keys"
         );
 
-        // kvtierctl's view: each session with its tenant.
-        let stats = u.stats().await.unwrap();
+        // A tenant's view: its own sessions, usage and pools only.
+        let own = u.stats().await.unwrap();
+        assert!(
+            own.sessions.iter().all(|s| s.tenant == "local") && !own.sessions.is_empty(),
+            "{:?}",
+            own.sessions
+        );
+        assert!(
+            own.tenants.iter().all(|t| t.tenant == "local"),
+            "{:?}",
+            own.tenants
+        );
+        let samples = watch_once(&d.target(), None).await;
+        assert!(
+            !samples.iter().any(|s| s
+                .labels
+                .iter()
+                .any(|l| l.name == "tenant" && l.value != "local")),
+            "the local tenant watched another tenant's series"
+        );
+        let all = watch_once(&d.target(), Some("tok-admin")).await;
+        assert!(all.iter().any(|s| {
+            s.labels
+                .iter()
+                .any(|l| l.name == "tenant" && l.value == "acme")
+        }));
+        // The operator's view (kvtierctl): each session with its tenant.
+        let stats = HostClient::connect_with(&d.target(), &token("tok-admin"))
+            .await
+            .unwrap()
+            .stats()
+            .await
+            .unwrap();
         let tenant_of = |n: &str| {
             stats
                 .sessions
@@ -217,6 +257,19 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
             .await
             .unwrap();
     });
+}
+
+/// One WatchMetrics snapshot from `target`, as the operator with `admin` or as this
+/// process's own role without.
+async fn watch_once(target: &str, admin: Option<&str>) -> Vec<v1::MetricSample> {
+    let sec = admin.map(token).unwrap_or_default();
+    let ch = kvtier_client::connect_with(target, &sec).await.unwrap();
+    let mut stream = kvtier_proto::v1::host_tier_client::HostTierClient::new(ch)
+        .watch_metrics(v1::WatchMetricsRequest { interval_ms: 100 })
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().unwrap().samples
 }
 
 /// Writes the pages `keys` through `store` (which waits for room) on a connection of its own.

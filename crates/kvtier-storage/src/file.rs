@@ -15,6 +15,11 @@
 //! - **Restartable**: the files are the truth; the index is rebuilt in the background at start
 //!   (it serves only eviction and accounting), so start is immediate and reads work at once.
 //! - A file that cannot be deleted is counted and forgotten by the index, never retried in a loop.
+//! - **Its own directory only**: the root holds a marker file ([`MARKER`]) written when kvtier
+//!   first takes the directory. A directory that holds anything else and no marker is refused,
+//!   and the clean-ups (stale temp files at start, `clear`) delete only files named as kvtier
+//!   names them, in real directories (symlinks are never followed), so pointing a store at a
+//!   directory with other files in it deletes none of them.
 //!
 //! Blocking file I/O runs on tokio's blocking pool, never on the async workers.
 
@@ -99,12 +104,18 @@ impl FileStore {
     /// Opens (creating if needed) a store at `cfg.root`: removes temp files a crash left
     /// behind and rebuilds the index in the background.
     pub async fn open(cfg: FileConfig) -> Result<Arc<Self>, StorageError> {
+        claim(&cfg.root)?;
         let objects = cfg.root.join("objects");
         std::fs::create_dir_all(&objects).map_err(io("create", &objects))?;
-        // Versions before 0.2 wrote temp files to `tmp/`.
+        // Versions before 0.2 wrote temp files to `tmp/`: its temp files go, then it, if empty.
         let old_tmp = cfg.root.join("tmp");
-        if old_tmp.is_dir() {
-            let _ = std::fs::remove_dir_all(&old_tmp);
+        if std::fs::symlink_metadata(&old_tmp).is_ok_and(|m| m.is_dir()) {
+            for e in std::fs::read_dir(&old_tmp).into_iter().flatten().flatten() {
+                if is_old_temp(&e.file_name()) && e.file_type().is_ok_and(|t| t.is_file()) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+            let _ = std::fs::remove_dir(&old_tmp);
         }
         let store = Arc::new(Self {
             objects,
@@ -149,6 +160,56 @@ impl FileStore {
     }
 }
 
+/// The file that marks a directory as a kvtier file store's root.
+pub const MARKER: &str = ".kvtier-file-store";
+
+/// Takes `root` for a store: creates it, or checks that it is kvtier's (it holds [`MARKER`],
+/// or only what a store before the marker left: `objects/` and `tmp/`), or empty, and marks
+/// it. Anything else is refused, naming the directory: a store there would clear files it did
+/// not write.
+fn claim(root: &Path) -> Result<(), StorageError> {
+    std::fs::create_dir_all(root).map_err(io("create", root))?;
+    let marker = root.join(MARKER);
+    if std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    let mut foreign = Vec::new();
+    for e in std::fs::read_dir(root).map_err(io("list", root))? {
+        let e = e.map_err(io("list", root))?;
+        let name = e.file_name();
+        let ours = (name == "objects" || name == "tmp") && e.file_type().is_ok_and(|t| t.is_dir());
+        if !ours {
+            foreign.push(name.to_string_lossy().into_owned());
+        }
+    }
+    if !foreign.is_empty() {
+        foreign.sort();
+        foreign.truncate(3);
+        return Err(StorageError::Invalid(format!(
+            "{} holds files kvtier did not write ({}{}) and no {MARKER}: a file store takes an \
+             empty or new directory, or one it made",
+            root.display(),
+            foreign.join(", "),
+            if foreign.len() == 3 { ", ..." } else { "" }
+        )));
+    }
+    std::fs::write(
+        &marker,
+        b"kvtier file store: the directories under objects/ are kvtier's\n",
+    )
+    .map_err(io("create", &marker))
+}
+
+/// A temp file's name in the `tmp/` of versions before 0.2: `<pid>-<n>.tmp`.
+fn is_old_temp(file_name: &std::ffi::OsStr) -> bool {
+    file_name
+        .to_str()
+        .and_then(|n| n.strip_suffix(".tmp"))
+        .is_some_and(|stem| {
+            !stem.is_empty() && stem.bytes().all(|b| b.is_ascii_digit() || b == b'-')
+        })
+}
+
 /// A temp file's name: it holds a dot, which no object name does.
 fn is_temp(file_name: &std::ffi::OsStr) -> bool {
     file_name.as_encoded_bytes().first() == Some(&b'.')
@@ -164,11 +225,16 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
     let mut n = 0;
     for e in rd.flatten() {
         let path = e.path();
-        let Ok(meta) = e.metadata() else { continue };
-        if meta.is_dir() {
+        // The entry's own type: symlinks are never followed (nor deleted).
+        let Ok(ty) = e.file_type() else { continue };
+        if ty.is_dir() {
             n += rebuild(objects, &path, index, opened);
             continue;
         }
+        if !ty.is_file() {
+            continue;
+        }
+        let Ok(meta) = e.metadata() else { continue };
         if is_temp(&e.file_name()) {
             if meta.modified().is_ok_and(|m| m < opened)
                 && let Err(err) = std::fs::remove_file(&path)
@@ -207,12 +273,17 @@ fn clear_dir(objects: &Path, dir: &Path, index: &Mutex<Index>) -> Result<u64, St
     for e in rd {
         let e = e.map_err(io("list", dir))?;
         let path = e.path();
+        // The entry's own type: a symlink is neither followed nor deleted.
         let ty = e.file_type().map_err(io("stat", &path))?;
         if ty.is_dir() {
             n += clear_dir(objects, &path, index)?;
             continue;
         }
-        if is_temp(&e.file_name()) {
+        // Only what kvtier names an object: no temp file, no stranger.
+        let Some(name) = object_name(objects, &path).filter(|n| check_name(n).is_ok()) else {
+            continue;
+        };
+        if !ty.is_file() {
             continue;
         }
         match std::fs::remove_file(&path) {
@@ -220,9 +291,7 @@ fn clear_dir(objects: &Path, dir: &Path, index: &Mutex<Index>) -> Result<u64, St
             Err(err) if err.kind() == ErrorKind::NotFound => {}
             Err(err) => return Err(io("delete", &path)(err)),
         }
-        if let Some(name) = object_name(objects, &path) {
-            lock(index).remove(&name);
-        }
+        lock(index).remove(&name);
     }
     Ok(n)
 }

@@ -34,6 +34,53 @@ async fn file_conforms() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A store pointed at a directory it did not make deletes nothing there: it refuses one with
+/// other files in it, and its clean-ups in its own follow no symlink and spare what kvtier
+/// did not name.
+#[tokio::test]
+async fn a_file_store_never_deletes_what_it_did_not_write() {
+    let dir = tmpdir("foreign");
+    std::fs::create_dir_all(dir.join("tmp/keep")).unwrap();
+    std::fs::write(dir.join("precious.txt"), b"mine").unwrap();
+    std::fs::write(dir.join("tmp/keep/notes"), b"mine").unwrap();
+    let e = FileStore::open(FileConfig::new(&dir)).await.unwrap_err();
+    assert!(
+        matches!(&e, StorageError::Invalid(m) if m.contains("precious.txt") && m.contains(".kvtier-file-store")),
+        "{e}"
+    );
+    assert!(dir.join("precious.txt").exists() && dir.join("tmp/keep/notes").exists());
+
+    // Its own directory, where someone planted a symlink to theirs and a file of their own.
+    let outside = tmpdir("foreign-outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join(".hidden"), b"mine").unwrap();
+    std::fs::write(outside.join("abcd"), b"mine").unwrap();
+    let own = tmpdir("foreign-own");
+    let store = FileStore::open(FileConfig::new(&own)).await.unwrap();
+    assert!(own.join(kvtier_storage::file::MARKER).is_file());
+    store
+        .set(
+            "ab/cdef",
+            Bytes::from_static(b"h"),
+            Bytes::from_static(b"page"),
+        )
+        .await
+        .unwrap();
+    std::os::unix::fs::symlink(&outside, own.join("objects/ab/ef")).unwrap();
+    std::fs::write(own.join("objects/ab/NOTES.txt"), b"mine").unwrap();
+    drop(store);
+    // Reopened: the index rebuild walks no symlink (the temp-looking file outside stays).
+    let store = FileStore::open(FileConfig::new(&own)).await.unwrap();
+    assert_eq!(store.clear().await.unwrap(), 1, "only the one object goes");
+    for kept in [outside.join(".hidden"), outside.join("abcd")] {
+        assert!(kept.exists(), "{} was deleted", kept.display());
+    }
+    assert!(own.join("objects/ab/NOTES.txt").exists());
+    for d in [dir, outside, own] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
 #[tokio::test]
 async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     let dir = tmpdir("restart");
@@ -49,11 +96,10 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     // A write cut short by a crash: a temp file beside the objects that never got its final
     // name (and one where versions before 0.2 kept them).
     let name = kvtier_storage::format::object_name(&fp, &PageKey([99; 32]));
-    let probe = FileStore::open(FileConfig::new(dir.join("probe")))
-        .await
-        .unwrap();
+    let probe_dir = tmpdir("restart-probe");
+    let probe = FileStore::open(FileConfig::new(&probe_dir)).await.unwrap();
     let rel = probe.path_of(&name);
-    let rel = rel.strip_prefix(dir.join("probe")).unwrap();
+    let rel = rel.strip_prefix(&probe_dir).unwrap();
     let temp = dir.join(rel).with_file_name(".t999-0");
     std::fs::create_dir_all(temp.parent().unwrap()).unwrap();
     std::fs::write(&temp, b"half a page").unwrap();

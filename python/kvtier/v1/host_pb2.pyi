@@ -433,7 +433,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_label: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., pins: _Optional[int] = ..., writing_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., report: _Optional[_Union[ClientReport, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_ms", "pools", "sessions", "reserve_calls", "commit_calls", "acquire_calls", "dedup_pages", "expired_sessions", "metrics_address", "l3", "tenants")
+    __slots__ = ("version", "uptime_ms", "pools", "sessions", "reserve_calls", "commit_calls", "acquire_calls", "dedup_pages", "expired_sessions", "metrics_address", "l3", "tenants", "sessions_omitted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +446,7 @@ class StatsResponse(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     L3_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_ms: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
@@ -458,7 +459,8 @@ class StatsResponse(_message.Message):
     metrics_address: str
     l3: L3Stats
     tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
-    def __init__(self, version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., reserve_calls: _Optional[int] = ..., commit_calls: _Optional[int] = ..., acquire_calls: _Optional[int] = ..., dedup_pages: _Optional[int] = ..., expired_sessions: _Optional[int] = ..., metrics_address: _Optional[str] = ..., l3: _Optional[_Union[L3Stats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+    sessions_omitted: int
+    def __init__(self, version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., reserve_calls: _Optional[int] = ..., commit_calls: _Optional[int] = ..., acquire_calls: _Optional[int] = ..., dedup_pages: _Optional[int] = ..., expired_sessions: _Optional[int] = ..., metrics_address: _Optional[str] = ..., l3: _Optional[_Union[L3Stats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., sessions_omitted: _Optional[int] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant", "l2_pages", "l2_quota_pages", "l2_quota_evictions", "l2_quota_refusals", "l3_objects", "l3_bytes", "l3_quota_bytes", "l3_quota_evictions")

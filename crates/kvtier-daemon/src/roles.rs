@@ -1,0 +1,371 @@
+//! Who a caller is, and which of kvtierd's services it may use. Every call has one role:
+//!
+//! | role | who | may use |
+//! |---|---|---|
+//! | operator | on the Unix socket: kvtierd's own uid, `[server.admin]`'s uids and gids; anywhere: `server.admin_token` | everything |
+//! | peer | `server.peer_token` (another kvtierd's `l3.remote.token`) | ObjectStorage, HostTier, health |
+//! | tenant | every other admitted caller: a `[tenants.*]` uid, gid or token, else the default tenant `""` | HostTier (its own keys and sessions), SGLang, health |
+//!
+//! With no `[tenants]` and no `server.peer_token`, every admitted caller is one trust domain
+//! (each can already write any key through HostTier), so ObjectStorage is served to the
+//! default tenant too; naming a tenant or a peer token closes it to them. A tenant's uid or gid
+//! makes a Unix peer that tenant even where `[server.admin]` would list it (the config check
+//! refuses such overlaps, and start-up refuses a tenant with kvtierd's own uid).
+//!
+//! The check runs as a tonic interceptor on each guarded service ([`Roles::guard`]), so a
+//! refused call never reaches the service, and is counted in
+//! `kvtier_server_forbidden_calls_total{service}`.
+
+use std::sync::Arc;
+
+use kvtier_config::ConfigError;
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_config::roles::AdminAccess;
+use kvtier_config::tenants::Tenants;
+use kvtier_config::tls::constant_time_eq;
+use kvtier_server::metrics::MetricRegistry;
+use tonic::{Request, Status};
+
+/// The role of one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// kvtierd's operator: every service.
+    Operator,
+    /// Another kvtierd using this one as its storage tier.
+    Peer,
+    /// An engine or agent of the named tenant (`""`: the default tenant).
+    Tenant(String),
+}
+
+/// A service whose use depends on the caller's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Door {
+    /// `kvtier.v1.Admin`.
+    Admin,
+    /// `kvtier.v1.ObjectStorage`.
+    Objects,
+}
+
+impl Door {
+    fn name(self) -> &'static str {
+        match self {
+            Door::Admin => "admin",
+            Door::Objects => "object_storage",
+        }
+    }
+}
+
+/// A Unix-socket peer's credentials, as SO_PEERCRED gave them.
+#[derive(Debug, Clone, Copy)]
+pub struct UnixPeer {
+    /// Its effective uid.
+    pub uid: u32,
+    /// Its primary gid.
+    pub gid: u32,
+}
+
+/// The role rules of one daemon.
+#[derive(Debug, Clone)]
+pub struct Roles {
+    tenants: Arc<Tenants>,
+    admin: AdminAccess,
+    own_uid: u32,
+    admin_token: Option<String>,
+    peer_token: Option<String>,
+    /// Refusals by service; `None` for [`Roles::open`]'s rules.
+    forbidden: Option<prometheus::IntCounterVec>,
+}
+
+impl Roles {
+    /// The rules of `cfg` with its resolved `tenants`, for a daemon running as `own_uid`;
+    /// declares `kvtier_server_forbidden_calls_total` in `metrics`. Refuses a tenant that
+    /// claims `own_uid`: its engines would be kvtierd's operator.
+    pub fn new(
+        cfg: &DaemonConfig,
+        tenants: Tenants,
+        own_uid: u32,
+        metrics: &MetricRegistry,
+    ) -> Result<Self, ConfigError> {
+        let owner = tenants.of_peer(own_uid, u32::MAX);
+        if !owner.is_empty() {
+            return Err(ConfigError::invalid(
+                format!("tenants.{owner}.uids"),
+                format!(
+                    "lists {own_uid}, the uid kvtierd runs as, which is its operator's; run \
+                     the tenant's engines under another uid"
+                ),
+            ));
+        }
+        let forbidden = metrics
+            .counter_vec(
+                "kvtier_server_forbidden_calls_total",
+                "calls refused with PERMISSION_DENIED because the caller's role (operator, peer, tenant) may not use the service",
+                &["service"],
+            )
+            .map_err(|e| ConfigError::invalid("<metrics>", e.to_string()))?;
+        for d in [Door::Admin, Door::Objects] {
+            forbidden.with_label_values(&[d.name()]);
+        }
+        Ok(Self {
+            tenants: Arc::new(tenants),
+            admin: cfg.server.admin.clone(),
+            own_uid,
+            admin_token: Some(cfg.server.admin_token.expose().to_string())
+                .filter(|t| !t.is_empty()),
+            peer_token: cfg.server.peer_token()?,
+            forbidden: Some(forbidden),
+        })
+    }
+
+    /// No tenants, no tokens, this process's uid the operator, refusals counted nowhere: the
+    /// rules until a daemon sets its own.
+    pub fn open() -> Self {
+        Self {
+            tenants: Arc::new(Tenants::default()),
+            admin: AdminAccess::default(),
+            own_uid: rustix::process::geteuid().as_raw(),
+            admin_token: None,
+            peer_token: None,
+            forbidden: None,
+        }
+    }
+
+    /// The tenants.
+    pub fn tenants(&self) -> &Arc<Tenants> {
+        &self.tenants
+    }
+
+    /// The role of a caller from its Unix-socket credentials (`None` over TCP) and the bearer
+    /// token it presented, if any.
+    pub fn resolve(&self, unix: Option<UnixPeer>, bearer: Option<&str>) -> Role {
+        if let Some(b) = bearer {
+            let is = |t: &Option<String>| {
+                t.as_ref()
+                    .is_some_and(|t| constant_time_eq(t.as_bytes(), b.as_bytes()))
+            };
+            if is(&self.admin_token) {
+                return Role::Operator;
+            }
+            if is(&self.peer_token) {
+                return Role::Peer;
+            }
+        }
+        match unix {
+            Some(p) => {
+                let tenant = self.tenants.of_peer(p.uid, p.gid);
+                if !tenant.is_empty() {
+                    return Role::Tenant(tenant.to_string());
+                }
+                if self.admin.admits(self.own_uid, p.uid, p.gid) {
+                    return Role::Operator;
+                }
+                Role::Tenant(String::new())
+            }
+            None => Role::Tenant(
+                bearer
+                    .map(|b| self.tenants.of_token(b).to_string())
+                    .unwrap_or_default(),
+            ),
+        }
+    }
+
+    /// The role of the caller of `req`.
+    pub fn of<T>(&self, req: &Request<T>) -> Role {
+        let unix = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|i| i.peer_cred)
+            .map(|c| UnixPeer {
+                uid: c.uid(),
+                gid: c.gid(),
+            });
+        let bearer = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        self.resolve(unix, bearer)
+    }
+
+    /// Whether `role` may use `door`.
+    pub fn may(&self, role: &Role, door: Door) -> bool {
+        match (role, door) {
+            (Role::Operator, _) => true,
+            (Role::Peer, Door::Objects) => true,
+            (Role::Peer, Door::Admin) => false,
+            (Role::Tenant(_), Door::Admin) => false,
+            // One trust domain: no tenant is named and no peer token set.
+            (Role::Tenant(t), Door::Objects) => {
+                t.is_empty() && !self.tenants.any() && self.peer_token.is_none()
+            }
+        }
+    }
+
+    /// Whether `role` sees every tenant's sessions and usage (Stats, WatchMetrics), not only
+    /// its own.
+    pub fn sees_all(&self, role: &Role) -> bool {
+        match role {
+            Role::Operator | Role::Peer => true,
+            Role::Tenant(_) => !self.tenants.any(),
+        }
+    }
+
+    /// An interceptor admitting only the roles that may use `door`; the rest get
+    /// `PERMISSION_DENIED` naming what would admit them, and are counted.
+    pub fn guard(
+        self: &Arc<Self>,
+        door: Door,
+    ) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone + use<> {
+        let roles = self.clone();
+        move |req: Request<()>| {
+            let role = roles.of(&req);
+            if roles.may(&role, door) {
+                return Ok(req);
+            }
+            if let Some(c) = &roles.forbidden {
+                c.with_label_values(&[door.name()]).inc();
+            }
+            tracing::warn!(
+                service = door.name(),
+                ?role,
+                "refused a call: its role may not use this service"
+            );
+            let how = match door {
+                Door::Admin => {
+                    "kvtier.v1.Admin is the operator's: a uid in [server.admin] (or kvtierd's \
+                     own) on the Unix socket, or \"authorization: Bearer <server.admin_token>\""
+                }
+                Door::Objects => {
+                    "kvtier.v1.ObjectStorage is for peer kvtierds and the operator: present \
+                     \"authorization: Bearer <server.peer_token>\""
+                }
+            };
+            Err(Status::permission_denied(format!(
+                "this caller is {}; {how}",
+                role.describe()
+            )))
+        }
+    }
+}
+
+impl Role {
+    /// The role in words, for errors and logs.
+    pub fn describe(&self) -> String {
+        match self {
+            Role::Operator => "the operator".into(),
+            Role::Peer => "a peer kvtierd".into(),
+            Role::Tenant(t) if t.is_empty() => "the default tenant".into(),
+            Role::Tenant(t) => format!("tenant {t:?}"),
+        }
+    }
+
+    /// The tenant a session this caller registers belongs to: its own for a tenant, the
+    /// default tenant for the operator and peers.
+    pub fn tenant(&self) -> &str {
+        match self {
+            Role::Tenant(t) => t,
+            Role::Operator | Role::Peer => "",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use kvtier_config::Secret;
+    use kvtier_config::tenants::TenantConfig;
+
+    use super::*;
+
+    fn roles(tenants: &[(&str, u32, &str)], admin_uids: &[u32], peer: &str) -> Roles {
+        let mut cfg = DaemonConfig::default();
+        cfg.server.admin_token = Secret("adm".into());
+        cfg.server.peer_token = Secret(peer.into());
+        cfg.server.admin.allow_uids = admin_uids.to_vec();
+        let mut t = BTreeMap::new();
+        for (name, uid, token) in tenants {
+            t.insert(
+                name.to_string(),
+                TenantConfig {
+                    uids: vec![*uid],
+                    token: Secret(token.to_string()),
+                    ..TenantConfig::default()
+                },
+            );
+        }
+        Roles::new(
+            &cfg,
+            Tenants::resolve(&t).unwrap(),
+            1000,
+            &MetricRegistry::new(),
+        )
+        .unwrap()
+    }
+
+    fn unix(uid: u32) -> Option<UnixPeer> {
+        Some(UnixPeer { uid, gid: 7 })
+    }
+
+    #[test]
+    fn each_caller_has_one_role_and_tenants_are_never_operators() {
+        let r = roles(&[("acme", 2001, "ta")], &[3000], "peer");
+        // The socket: own uid and listed uids are operators; a tenant's uid is that tenant.
+        assert_eq!(r.resolve(unix(1000), None), Role::Operator);
+        assert_eq!(r.resolve(unix(3000), None), Role::Operator);
+        assert_eq!(r.resolve(unix(2001), None), Role::Tenant("acme".into()));
+        assert_eq!(r.resolve(unix(4000), None), Role::Tenant(String::new()));
+        // Tokens raise a caller anywhere; a tenant's token over TCP is that tenant.
+        assert_eq!(r.resolve(unix(2001), Some("adm")), Role::Operator);
+        assert_eq!(r.resolve(None, Some("adm")), Role::Operator);
+        assert_eq!(r.resolve(None, Some("peer")), Role::Peer);
+        assert_eq!(r.resolve(None, Some("ta")), Role::Tenant("acme".into()));
+        assert_eq!(r.resolve(None, Some("other")), Role::Tenant(String::new()));
+        assert_eq!(r.resolve(None, None), Role::Tenant(String::new()));
+        // A tenant's token on the socket does not make an operator's uid less.
+        assert_eq!(r.resolve(unix(1000), Some("ta")), Role::Operator);
+    }
+
+    #[test]
+    fn doors_open_by_role_and_one_trust_domain_shares_objects() {
+        let r = roles(&[("acme", 2001, "ta")], &[], "");
+        let acme = Role::Tenant("acme".into());
+        let default = Role::Tenant(String::new());
+        for door in [Door::Admin, Door::Objects] {
+            assert!(r.may(&Role::Operator, door));
+            assert!(!r.may(&acme, door));
+            assert!(!r.may(&default, door));
+        }
+        assert!(r.may(&Role::Peer, Door::Objects));
+        assert!(!r.may(&Role::Peer, Door::Admin));
+        assert!(!r.sees_all(&acme) && r.sees_all(&Role::Operator));
+        // No tenants, no peer token: the default tenant is everyone, objects included.
+        let open = roles(&[], &[], "");
+        assert!(open.may(&default, Door::Objects) && !open.may(&default, Door::Admin));
+        assert!(open.sees_all(&default));
+        // A peer token closes objects to the default tenant.
+        let closed = roles(&[], &[], "peer");
+        assert!(!closed.may(&default, Door::Objects));
+    }
+
+    #[test]
+    fn a_tenant_with_kvtierds_own_uid_is_refused_at_start() {
+        let mut t = BTreeMap::new();
+        t.insert(
+            "acme".to_string(),
+            TenantConfig {
+                uids: vec![1000],
+                ..TenantConfig::default()
+            },
+        );
+        let e = Roles::new(
+            &DaemonConfig::default(),
+            Tenants::resolve(&t).unwrap(),
+            1000,
+            &MetricRegistry::new(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tenants.acme.uids") && e.contains("1000"), "{e}");
+    }
+}
