@@ -511,6 +511,13 @@ mod tests {
         sglang::SglangMetrics::new(&registry).unwrap();
         kvtier_server::serving::RequireBearer::new(&["t"], &registry).unwrap();
         PeerGate::new(&cfg.server.unix, &registry).unwrap();
+        roles::Roles::new(
+            &cfg,
+            kvtier_config::tenants::Tenants::default(),
+            u32::MAX,
+            &registry,
+        )
+        .unwrap();
         let doc = include_str!("../../../docs/metrics.md");
         let wrong = registry.check_documented(doc, |n| !n.starts_with("kvtier_agent_"));
         assert!(wrong.is_empty(), "{wrong:#?}");
