@@ -168,3 +168,83 @@ fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
         "stale files left"
     );
 }
+
+/// What a restarted kvtierd's takeover did with the dead pool: (adopted pages, ignored pools).
+fn takeover_outcome(d: &Daemon) -> (f64, f64) {
+    let m = d.metrics();
+    (
+        metric(&m, "kvtier_l2_takeover_pages_total{outcome=\"adopted\"}"),
+        metric(&m, "kvtier_l2_takeover_pools_total{outcome=\"ignored\"}"),
+    )
+}
+
+#[test]
+fn a_planted_pool_file_or_symlink_under_our_name_is_neither_adopted_nor_followed() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-planted", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let shm = dir.join("shm");
+    std::fs::create_dir_all(&shm).unwrap();
+    // Like /dev/shm: every local user may create files here.
+    std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let shm_dir = format!("l2.shm_dir={}", shm.display());
+    let sets = [shm_dir.as_str(), "l2.pool_pages=64", "l3.backend=none"];
+    let d = Daemon::start_in(dir.clone(), &sets);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        store(&mut c, &s, &chain(300, 8)).await;
+    });
+    eventually("8 pages sealed", Duration::from_secs(10), || {
+        metric(&d.metrics(), "kvtier_l2_sealed_pages_total") >= 8.0
+    });
+    let pool = pool_file(&shm);
+    let table = std::path::PathBuf::from(format!("{}.slots", pool.display()));
+    let dir = d.kill();
+
+    // A symlink under the pool's name, to a file of someone else's (here: the real pool,
+    // moved away, standing for any file kvtierd's uid may write): never opened, never punched.
+    let victim = dir.join("victim");
+    std::fs::rename(&pool, &victim).unwrap();
+    std::os::unix::fs::symlink(&victim, &pool).unwrap();
+    let before = std::fs::read(&victim).unwrap();
+    let d = Daemon::start_in(dir, &sets);
+    assert_eq!(takeover_outcome(&d), (0.0, 1.0));
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        before,
+        "the symlink's target changed"
+    );
+    assert!(
+        std::fs::symlink_metadata(&pool).is_ok(),
+        "the planted link was removed"
+    );
+    let dir = d.stop_keeping_dir();
+    std::fs::remove_file(&pool).unwrap();
+    std::fs::rename(&victim, &pool).unwrap();
+
+    // The pool writable by its group: anyone in it could have planted its pages.
+    std::fs::set_permissions(&pool, std::fs::Permissions::from_mode(0o620)).unwrap();
+    let d = Daemon::start_in(dir, &sets);
+    assert_eq!(takeover_outcome(&d), (0.0, 1.0));
+    let mut dir = d.stop_keeping_dir();
+    std::fs::set_permissions(&pool, std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    // Files another user made (its own kvtierd's pool, named as ours): ignored.
+    if rustix::process::geteuid().is_root() {
+        for f in [&pool, &table] {
+            std::os::unix::fs::chown(f, Some(65534), Some(65534)).unwrap();
+        }
+        let d = Daemon::start_in(dir, &sets);
+        assert_eq!(takeover_outcome(&d), (0.0, 1.0));
+        dir = d.stop_keeping_dir();
+        for f in [&pool, &table] {
+            std::os::unix::fs::chown(f, Some(0), Some(0)).unwrap();
+        }
+    }
+
+    // The same files, ours again: taken over whole, so each refusal above was for trust alone.
+    let d = Daemon::start_in(dir, &sets);
+    assert_eq!(takeover_outcome(&d), (8.0, 0.0), "{}", d.metrics());
+    assert!(!pool.exists());
+}

@@ -87,6 +87,62 @@ pub enum ShmError {
         /// Slot stride.
         stride: usize,
     },
+    /// A file that is not this process's own (a symlink, another owner, writable by group or
+    /// others, a hard link): never opened as one of ours.
+    #[error("{path}: not ours to open: {why}")]
+    Untrusted {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+impl ShmError {
+    /// Whether the file was refused as not this process's own ([`open_own`]).
+    pub fn is_untrusted(&self) -> bool {
+        matches!(self, ShmError::Untrusted { .. })
+    }
+}
+
+/// Opens `path` read-write only if it is this process's own file: not a symlink (`O_NOFOLLOW`),
+/// a regular file with one link, owned by this process's effective uid, writable by nobody
+/// else. The checks run on the opened descriptor (`fstat`), so the file cannot be swapped
+/// between check and use. For files found in a shared directory such as /dev/shm, where any
+/// local user may plant one under the name kvtier would look for.
+pub fn open_own(path: &Path) -> Result<File, ShmError> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let untrusted = |why: String| ShmError::Untrusted {
+        path: path.display().to_string(),
+        why,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => untrusted("it is a symlink".into()),
+            _ => io_err("open", path)(e),
+        })?;
+    let meta = file.metadata().map_err(io_err("stat", path))?;
+    let me = rustix::process::geteuid().as_raw();
+    if !meta.file_type().is_file() {
+        return Err(untrusted("not a regular file".into()));
+    }
+    if meta.uid() != me {
+        return Err(untrusted(format!("owned by uid {}, not {me}", meta.uid())));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(untrusted(format!(
+            "mode {:o} lets the group or others write it",
+            meta.mode() & 0o777
+        )));
+    }
+    if meta.nlink() != 1 {
+        return Err(untrusted(format!("{} hard links", meta.nlink())));
+    }
+    Ok(file)
 }
 
 impl ShmError {
@@ -343,12 +399,22 @@ impl ShmPool {
     /// Maps an existing pool created by another process. Its size must be `slots × stride`.
     /// Populated when its memory is allocated already ([`map_existing`]).
     pub fn open(path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
-        let len = total_len(slots, stride)?;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
             .map_err(io_err("open", path))?;
+        Self::map_file(file, path, slots, stride)
+    }
+
+    /// [`ShmPool::open`] for a pool a dead predecessor of this process left: only a file
+    /// that is this process's own ([`open_own`]).
+    pub fn open_own(path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
+        Self::map_file(open_own(path)?, path, slots, stride)
+    }
+
+    fn map_file(file: File, path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
+        let len = total_len(slots, stride)?;
         let actual = file.metadata().map_err(io_err("stat", path))?.len();
         if actual != len as u64 {
             return Err(ShmError::Shape(format!(

@@ -112,6 +112,8 @@ impl SlotTable {
             .map_err(io_err("create", path))?;
         // Page keys and slots: kvtierd's alone, whatever the umask.
         crate::FileAccess::OWNER.apply(&file, path)?;
+        // Held while this table is open: a successor knows its creator is alive by it.
+        lock(&file, path)?;
         let len = table_len(slots);
         file.set_len(len as u64).map_err(io_err("size", path))?;
         let map = MmapOptions::new()
@@ -137,13 +139,12 @@ impl SlotTable {
         Ok(t)
     }
 
-    /// Maps an existing table (a dead daemon's) and checks its header.
+    /// Maps an existing table (a dead daemon's) and checks its header. Only a file that is
+    /// this process's own ([`crate::open_own`]) and that no live process holds (the
+    /// creator's lock, [`SlotTable::create`]) is opened.
     pub fn open(path: &Path) -> Result<(Self, TableHeader), ShmError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err("open", path))?;
+        let file = crate::open_own(path)?;
+        lock(&file, path)?;
         let actual = file.metadata().map_err(io_err("stat", path))?.len();
         let bad = |why: String| ShmError::Shape(format!("{}: {why}", path.display()));
         if actual < HEADER as u64 {
@@ -303,6 +304,22 @@ impl Drop for SlotTable {
             let _ = std::fs::remove_file(&self.path);
         }
     }
+}
+
+/// Takes the table's exclusive lock (`flock`), which its holder keeps while the file is
+/// open; refused at once when a live process holds it.
+fn lock(file: &std::fs::File, path: &Path) -> Result<(), ShmError> {
+    use rustix::fs::{FlockOperation, flock};
+    flock(file, FlockOperation::NonBlockingLockExclusive).map_err(|e| {
+        if e == rustix::io::Errno::WOULDBLOCK {
+            ShmError::Untrusted {
+                path: path.display().to_string(),
+                why: "a live process holds it".into(),
+            }
+        } else {
+            io_err("lock", path)(std::io::Error::from(e))
+        }
+    })
 }
 
 #[cfg(test)]

@@ -94,8 +94,9 @@ impl L2Metrics {
             )?,
             takeover_pools: r.counter_vec(
                 "kvtier_l2_takeover_pools_total",
-                "Pools of crashed kvtierd processes found at start: taken_over, or removed \
-                 (no or damaged slot table, foreign layout, takeover off)",
+                "Pools of crashed kvtierd processes found at start: taken_over, removed \
+                 (no or damaged slot table, foreign layout, takeover off), or ignored (not \
+                 kvtierd's own file, or held by a live process)",
                 &["outcome"],
             )?,
             sealed_pages: r.counter(
@@ -163,7 +164,7 @@ impl L2Metrics {
         for outcome in ["adopted", "refused_checksum", "no_room"] {
             m.takeover_pages.with_label_values(&[outcome]);
         }
-        for outcome in ["taken_over", "removed"] {
+        for outcome in ["taken_over", "removed", "ignored"] {
             m.takeover_pools.with_label_values(&[outcome]);
         }
         let me = m.clone();
@@ -235,6 +236,7 @@ impl L2Metrics {
         for (outcome, n) in [
             ("taken_over", c.takeover.pools),
             ("removed", c.takeover.pools_removed),
+            ("ignored", c.takeover.pools_ignored),
         ] {
             catch_up(&self.takeover_pools.with_label_values(&[outcome]), n);
         }

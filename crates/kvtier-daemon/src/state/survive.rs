@@ -108,6 +108,9 @@ pub struct TakeoverCounts {
     /// Dead pools removed without a takeover (no table, a damaged one, a foreign layout, or
     /// takeover turned off).
     pub pools_removed: u64,
+    /// Files named as this instance's pools that were not its own (a symlink, another
+    /// owner, writable by others) or that a live process holds: neither read nor removed.
+    pub pools_ignored: u64,
 }
 
 impl Pool {
@@ -288,16 +291,19 @@ fn classify<'a>(name: &'a str, instance: &str) -> Found<'a> {
     let Ok(pid) = pid.parse::<u32>() else {
         return Found::Other;
     };
-    if pid == std::process::id()
-        || fp.len() != 32
-        || !fp.bytes().all(|b| b.is_ascii_hexdigit())
-        || Path::new(&format!("/proc/{pid}")).exists()
-    {
+    if pid == std::process::id() || fp.len() != 32 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Found::Other;
+    }
+    // Our own instance's pools: no other kvtierd of this instance runs (this one holds the
+    // socket), whatever runs under that pid now; the slot table's lock settles it for sure.
+    if inst == Some(instance) {
+        return Found::Mine(fp);
+    }
+    if Path::new(&format!("/proc/{pid}")).exists() {
         return Found::Other;
     }
     match inst {
         None => Found::Legacy,
-        Some(i) if i == instance => Found::Mine(fp),
         Some(_) => Found::Foreign,
     }
 }
@@ -336,7 +342,16 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
             Found::Mine(_) if !(cfg.l2.take_over_after_crash && state.seals_enabled()) => {
                 Err("l2.take_over_after_crash is off (or pools are memfds)".to_string())
             }
-            Found::Mine(fp) => take_over_one(&path, fp, state, &mut counts),
+            Found::Mine(fp) => match take_over_one(&path, fp, state, &mut counts) {
+                Err(Refusal::NotOurs(why)) => {
+                    // Planted, or held by a live process: neither read nor removed.
+                    counts.pools_ignored += 1;
+                    tracing::warn!(path = %path.display(), "ignored a file named as one of this kvtierd's pools: {why}");
+                    continue;
+                }
+                Err(Refusal::Unusable(why)) => Err(why),
+                Ok(adopted) => Ok(adopted),
+            },
         };
         match result {
             Ok(adopted) => {
@@ -359,14 +374,45 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
     counts
 }
 
+/// Why a pool of this instance was not taken over.
+enum Refusal {
+    /// The pool or its table is not this kvtierd's own file (a symlink, another owner,
+    /// writable by others, a hard link) or a live process holds it: left alone.
+    NotOurs(String),
+    /// Ours, but of no use (damaged, a foreign layout): removed.
+    Unusable(String),
+}
+
+impl From<String> for Refusal {
+    fn from(why: String) -> Self {
+        Refusal::Unusable(why)
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(why: &str) -> Self {
+        Refusal::Unusable(why.to_string())
+    }
+}
+
+impl From<kvtier_shm::ShmError> for Refusal {
+    fn from(e: kvtier_shm::ShmError) -> Self {
+        if e.is_untrusted() {
+            Refusal::NotOurs(e.to_string())
+        } else {
+            Refusal::Unusable(e.to_string())
+        }
+    }
+}
+
 /// Takes over one dead pool; returns the pages taken.
 fn take_over_one(
     path: &Path,
     fp: &str,
     state: &mut HostState,
     counts: &mut TakeoverCounts,
-) -> Result<u64, String> {
-    let (table, header) = SlotTable::open(&table_path(path)).map_err(|e| e.to_string())?;
+) -> Result<u64, Refusal> {
+    let (table, header) = SlotTable::open(&table_path(path))?;
     let desc = v1::LayoutDescriptor::decode(header.description.as_slice())
         .map_err(|e| format!("its layout does not decode: {e}"))?;
     let layout = Layout::try_from(desc).map_err(|e| format!("its layout is invalid: {e}"))?;
@@ -377,7 +423,7 @@ fn take_over_one(
         return Err("its stride does not match its layout".into());
     }
     let stride = usize::try_from(header.stride).map_err(|e| e.to_string())?;
-    let old = ShmPool::open(path, header.slots, stride).map_err(|e| e.to_string())?;
+    let old = ShmPool::open_own(path, header.slots, stride)?;
     let before = counts.adopted;
     state.adopt_pool(&layout, &old, &table, counts)?;
     Ok(counts.adopted - before)
@@ -399,9 +445,12 @@ mod tests {
         assert_eq!(classify(&name(&me, dead), &me), Found::Mine(fp));
         assert_eq!(classify(&name("deadbeef", dead), &me), Found::Foreign);
         assert_eq!(classify(&format!("kvtier-{dead}-{fp}"), &me), Found::Legacy);
-        // Live pids, bad shapes and other files are nobody's business here.
+        // This process's own pools are not dead; another live pid of our instance is (this
+        // process holds the instance's socket); other instances' live pids are theirs.
         assert_eq!(classify(&name(&me, std::process::id()), &me), Found::Other);
-        assert_eq!(classify(&name(&me, 1), &me), Found::Other);
+        assert_eq!(classify(&name(&me, 1), &me), Found::Mine(fp));
+        assert_eq!(classify(&name("deadbeef", 1), &me), Found::Other);
+        assert_eq!(classify(&format!("kvtier-1-{fp}"), &me), Found::Other);
         assert_eq!(
             classify(&format!("{}.slots", name(&me, dead)), &me),
             Found::Other

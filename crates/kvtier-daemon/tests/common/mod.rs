@@ -121,6 +121,15 @@ impl Daemon {
 }
 
 impl Daemon {
+    /// Stops the daemon with SIGTERM, asserts it exited cleanly, and keeps its data
+    /// directory.
+    pub fn stop_keeping_dir(mut self) -> PathBuf {
+        assert!(self.stop(), "kvtierd did not exit cleanly");
+        let dir = std::mem::take(&mut self.dir);
+        std::mem::forget(self);
+        dir
+    }
+
     /// Kills the daemon with SIGKILL (no cleanup) and keeps its data directory.
     pub fn kill(mut self) -> PathBuf {
         signal(self.child.id(), libc::SIGKILL);
