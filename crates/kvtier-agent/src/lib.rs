@@ -84,7 +84,7 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let socket = cfg.socket_path();
     let registry = kvtier_server::metrics::MetricRegistry::new();
-    let gate = PeerGate::new(&cfg.server.unix, &registry)?;
+    let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &registry)?;
     let uds = bind_socket(&gate, &socket).await?;
     let metrics_listener = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
         .await

@@ -39,6 +39,7 @@ drain_timeout = "2s"
 pool_lease = "5m"
 "#,
     crate::unix_default_toml!(),
+    crate::connections_default_toml!(),
     r#"
 [daemon]
 # The node's kvtierd (L2 and L3): its socket path, or http://host:port. Empty:
@@ -131,6 +132,8 @@ pub struct AgentServerConfig {
     pub pool_lease: Dur,
     /// Who may use the engine socket.
     pub unix: UnixAccess,
+    /// How many connections the engine socket holds, and how long one has to start.
+    pub connections: crate::connections::ConnectionLimits,
 }
 
 /// `[daemon]`.
@@ -201,6 +204,7 @@ impl Default for AgentConfig {
                 drain_timeout: Dur(Duration::from_secs(2)),
                 pool_lease: Dur(Duration::from_secs(300)),
                 unix: UnixAccess::default(),
+                connections: crate::connections::ConnectionLimits::default(),
             },
             daemon: DaemonLinkConfig {
                 address: String::new(),
@@ -290,6 +294,7 @@ impl AgentConfig {
                     drain_timeout,
                     pool_lease,
                     unix,
+                    connections,
                 },
             daemon:
                 DaemonLinkConfig {
@@ -316,6 +321,7 @@ impl AgentConfig {
             return Err(ConfigError::invalid("data_dir", "must not be empty"));
         }
         unix.validate("server.unix")?;
+        connections.validate("server.connections")?;
         if name.len() > 256 {
             return Err(ConfigError::invalid("daemon.name", "longer than 256 bytes"));
         }

@@ -70,6 +70,7 @@ peer_token = ""
 peer_token_file = ""
 "#,
     crate::unix_default_toml!(),
+    crate::connections_default_toml!(),
     crate::admin_default_toml!(),
     r#"
 [metrics]
@@ -370,6 +371,8 @@ pub struct ServerConfig {
     pub peer_token_file: String,
     /// Who is the operator on the Unix socket.
     pub admin: crate::roles::AdminAccess,
+    /// How many connections each listener holds, and how long one has to start.
+    pub connections: crate::connections::ConnectionLimits,
 }
 
 impl DaemonConfig {
@@ -608,6 +611,7 @@ impl Default for ServerConfig {
             peer_token: Secret::default(),
             peer_token_file: String::new(),
             admin: crate::roles::AdminAccess::default(),
+            connections: crate::connections::ConnectionLimits::default(),
         }
     }
 }
@@ -767,6 +771,7 @@ impl DaemonConfig {
                     peer_token,
                     peer_token_file,
                     admin: admin_access,
+                    connections,
                 },
             metrics: MetricsConfig { listen },
             l2:
@@ -856,6 +861,7 @@ impl DaemonConfig {
             ));
         }
         unix.validate("server.unix")?;
+        connections.validate("server.connections")?;
         if *sglang_enable && *sglang_l3 == SglangStore::None && sglang_memory.0 == 0 {
             return Err(ConfigError::invalid(
                 "sglang_rpc.memory_bytes",

@@ -11,6 +11,7 @@
 //! the only places that read the environment; [`load`] takes it as an argument.
 
 pub mod agent;
+pub mod connections;
 pub mod daemon;
 pub mod l3;
 pub mod roles;

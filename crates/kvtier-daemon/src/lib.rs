@@ -118,7 +118,10 @@ fn server_tls(
         read("reading server.tls_cert", &s.tls_cert)?,
         read("reading server.tls_key", &s.tls_key)?,
     );
-    let mut tls = ServerTlsConfig::new().identity(identity);
+    // A client that never finishes its handshake is closed (and its descriptor freed).
+    let mut tls = ServerTlsConfig::new()
+        .identity(identity)
+        .timeout(cfg.server.connections.handshake_timeout.0);
     if !s.tls_client_ca.is_empty() {
         tls = tls.client_ca_root(Certificate::from_pem(read(
             "reading server.tls_client_ca",
@@ -154,7 +157,7 @@ pub async fn run(
     std::fs::create_dir_all(&cfg.data_dir).map_err(setup("creating data_dir", &cfg.data_dir))?;
     // Each component declares its own series here.
     let metrics = MetricRegistry::new();
-    let gate = PeerGate::new(&cfg.server.unix, &metrics)?;
+    let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &metrics)?;
     // Who is the operator, a peer or which tenant, on every socket and listener.
     let roles = Arc::new(
         roles::Roles::new(
@@ -294,8 +297,16 @@ pub async fn run(
         None => None,
         Some(l) => {
             let stop = shutdown.clone();
-            // Nagle's algorithm with delayed ACKs adds ~40 ms to small responses: off.
-            let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+            // Under the same connection limits as the sockets (per IP address), with
+            // TCP_NODELAY; a TLS handshake gets the handshake timeout too.
+            let incoming = kvtier_server::conn::tcp_incoming(
+                l,
+                kvtier_server::conn::Cap::new(
+                    &cfg.server.connections,
+                    "control_tcp",
+                    gate.conn_metrics(),
+                ),
+            );
             // Admin over TCP only with its own token (which also passes the call check).
             let admin_tcp = (!admin_token.is_empty()).then(|| admin_server.clone());
             let token = cfg.server.tcp_token().map_err(|e| DaemonError::Setup {
@@ -510,7 +521,7 @@ mod tests {
         .unwrap();
         sglang::SglangMetrics::new(&registry).unwrap();
         kvtier_server::serving::RequireBearer::new(&["t"], &registry).unwrap();
-        PeerGate::new(&cfg.server.unix, &registry).unwrap();
+        PeerGate::new(&cfg.server.unix, &cfg.server.connections, &registry).unwrap();
         roles::Roles::new(
             &cfg,
             kvtier_config::tenants::Tenants::default(),

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -16,8 +15,6 @@ use kvtier_client::{HostClient, TcpSecurity};
 use kvtier_proto::v1;
 use kvtier_storage::Store as _;
 use kvtier_storage::remote::RemoteStore;
-
-const NOBODY: u32 = 65534;
 
 fn token(t: &str) -> TcpSecurity {
     TcpSecurity {
@@ -31,41 +28,6 @@ fn forbidden(d: &Daemon, service: &str) -> f64 {
         &d.metrics(),
         &format!("kvtier_server_forbidden_calls_total{{service=\"{service}\"}}"),
     )
-}
-
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
-
-/// Runs this test binary's `child_entry` as `nobody` (uid and gid 65534, no other groups)
-/// with `env`, and returns what it printed after `RESULT `.
-fn as_nobody(socket: &Path, env: &[(&str, &str)]) -> String {
-    let nobody = NOBODY.to_string();
-    let out = Command::new("setpriv")
-        .args(["--reuid", &nobody, "--regid", &nobody, "--clear-groups"])
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "child_entry",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVT_CHILD_SOCKET", socket)
-        .envs(env.iter().copied())
-        .output()
-        .expect("setpriv (util-linux) runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-        .lines()
-        .find_map(|l| l.split_once("RESULT ").map(|(_, r)| r))
-        .unwrap_or_else(|| panic!("the child printed no result: {stdout}"))
-        .to_string()
 }
 
 /// The gRPC code of a call's outcome, `OK` when it was served.
@@ -146,10 +108,10 @@ fn admin_and_objects_are_refused_to_an_engine_of_another_uid_on_the_socket() {
             "server.peer_token=tok-peer",
         ],
     );
-    let socket = Path::new(&d.target()).to_path_buf();
+    let socket = d.target();
     // An engine admitted to the socket is a tenant: the host tier serves it, nothing else.
     assert_eq!(
-        as_nobody(&socket, &[]),
+        as_nobody(&[("KVT_CHILD_SOCKET", &socket)]),
         "config=PermissionDenied clear=PermissionDenied drain=PermissionDenied \
          attach=PermissionDenied object=PermissionDenied stats=OK"
     );
@@ -168,7 +130,10 @@ fn admin_and_objects_are_refused_to_an_engine_of_another_uid_on_the_socket() {
         assert!(!status.draining, "a tenant started a drain");
     });
     // The operator's token makes the same uid the operator; a peer's token a peer.
-    let admin = as_nobody(&socket, &[("KVT_CHILD_TOKEN", "tok-admin")]);
+    let admin = as_nobody(&[
+        ("KVT_CHILD_SOCKET", &socket),
+        ("KVT_CHILD_TOKEN", "tok-admin"),
+    ]);
     assert!(
         admin.starts_with("config=OK clear=")
             && admin.contains("object=")
@@ -176,7 +141,10 @@ fn admin_and_objects_are_refused_to_an_engine_of_another_uid_on_the_socket() {
         "{admin}"
     );
     assert!(!admin.contains("PermissionDenied"), "{admin}");
-    let peer = as_nobody(&socket, &[("KVT_CHILD_TOKEN", "tok-peer")]);
+    let peer = as_nobody(&[
+        ("KVT_CHILD_SOCKET", &socket),
+        ("KVT_CHILD_TOKEN", "tok-peer"),
+    ]);
     assert!(
         peer.starts_with("config=PermissionDenied") && peer.contains("object=OK"),
         "{peer}"
@@ -193,7 +161,7 @@ fn admin_and_objects_are_refused_to_an_engine_of_another_uid_on_the_socket() {
             &format!("server.admin.allow_uids={NOBODY}"),
         ],
     );
-    let listed = as_nobody(Path::new(&d.target()), &[]);
+    let listed = as_nobody(&[("KVT_CHILD_SOCKET", &d.target())]);
     assert!(listed.starts_with("config=OK"), "{listed}");
 }
 

@@ -193,8 +193,13 @@ fn object(i: usize, len: usize) -> Vec<u8> {
 fn client(
     d: &Daemon,
 ) -> impl std::future::Future<Output = StorageServerClient<tonic::transport::Channel>> {
-    let path = d.dir.join("sglang-grpc.sock").display().to_string();
-    async move { StorageServerClient::new(kvtier_client::connect(&path).await.unwrap()) }
+    client_at(d.dir.join("sglang-grpc.sock"))
+}
+
+/// A client of the SGLang gRPC socket at `path`.
+async fn client_at(path: std::path::PathBuf) -> StorageServerClient<tonic::transport::Channel> {
+    let path = path.display().to_string();
+    StorageServerClient::new(kvtier_client::connect(&path).await.unwrap())
 }
 
 const OBJ: usize = 64 << 10;
@@ -551,4 +556,197 @@ fn a_sealable_pool_is_sealed_against_shrinking_at_registration() {
         assert_eq!(get.results, vec![0]);
     });
     assert_eq!(read(&fd, 500_000, 65536), data);
+}
+
+/// The child, another local user: puts and gets naming the pool id it was given (someone
+/// else's) and a dead one, and prints each batch's result codes.
+#[test]
+#[ignore = "run by the tests below as another uid"]
+fn child_entry() {
+    let (Ok(socket), Ok(pool)) = (
+        std::env::var("KVT_CHILD_SOCKET"),
+        std::env::var("KVT_CHILD_POOL"),
+    ) else {
+        return;
+    };
+    let pool: u32 = pool.parse().unwrap();
+    // A dead id: never issued to anyone (ids are random; one off a live one is dead here).
+    let dead = if pool > 1 { pool - 1 } else { pool + 1 };
+    rt().block_on(async move {
+        let mut c = client_at(std::path::PathBuf::from(socket)).await;
+        let put = c
+            .batch_put(BatchPutRequest {
+                puts: vec![
+                    // Copy the victim's pool out ...
+                    t("stolen", pool, &[(0, 4096)]),
+                    // ... probe it with a range past any pool's end ...
+                    t("probe", pool, &[(u64::MAX - 10, 4096)]),
+                    t("probe", dead, &[(u64::MAX - 10, 4096)]),
+                    t("probe", dead, &[(0, 4096)]),
+                ],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        // ... and overwrite it with an object that exists.
+        let get = c
+            .batch_get(BatchGetRequest {
+                gets: vec![t("secret", pool, &[(0, 4096)])],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        println!("RESULT put={:?} get={:?}", put.results, get.results);
+    });
+}
+
+#[test]
+fn a_pool_id_is_no_capability_for_another_user_and_probes_learn_nothing() {
+    if !is_root() {
+        eprintln!("skipped: starting a peer as another uid needs root");
+        return;
+    }
+    let d = Daemon::start(
+        "sglang-uid",
+        &[
+            "sglang_rpc.enable=true",
+            "server.unix.mode=0666",
+            &format!("server.unix.allow_uids={NOBODY}"),
+        ],
+    );
+    let (_conn, pool, fd) = register(&d.dir.join("sglang-mempool.sock"), 1 << 20);
+    let secret: Vec<u8> = (0..4096u32).map(|i| (i * 31) as u8).collect();
+    fill(&fd, 0, &secret);
+    let grpc = d.dir.join("sglang-grpc.sock");
+    rt().block_on(async {
+        let mut c = client_at(grpc.clone()).await;
+        let r = c
+            .batch_put(BatchPutRequest {
+                puts: vec![t("secret", pool, &[(0, 4096)])],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.results, vec![0]);
+    });
+    fill(&fd, 0, &[0x5A; 4096]);
+    let out = as_nobody(&[
+        ("KVT_CHILD_SOCKET", &grpc.display().to_string()),
+        ("KVT_CHILD_POOL", &pool.to_string()),
+    ]);
+    // Every transfer answers as a dead id does: no copy in or out, no oracle.
+    assert_eq!(out, "put=[9, 9, 9, 9] get=[9]");
+    assert_eq!(
+        read(&fd, 0, 4096),
+        vec![0x5A; 4096],
+        "the pool was overwritten"
+    );
+    rt().block_on(async {
+        let mut c = client_at(grpc.clone()).await;
+        let ex = c
+            .exist(ExistRequest {
+                id: vec![b"stolen".to_vec(), b"secret".to_vec()],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            ex.results,
+            vec![false, true],
+            "the pool's bytes were copied out"
+        );
+        // The owner's own transfers still work, and its out-of-range one says so.
+        let r = c
+            .batch_get(BatchGetRequest {
+                gets: vec![
+                    t("secret", pool, &[(8192, 4096)]),
+                    t("secret", pool, &[((1 << 20) - 10, 4096)]),
+                ],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.results, vec![0, 11]);
+        assert_eq!(read(&fd, 8192, 4096), secret);
+    });
+}
+
+/// Descriptors kvtierd holds open now.
+fn open_fds(d: &Daemon) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", d.pid()))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn clients_that_break_off_or_stay_silent_leave_no_descriptor_behind() {
+    use std::io::Write as _;
+    let d = Daemon::start(
+        "sglang-fds",
+        &[
+            "sglang_rpc.enable=true",
+            "server.connections.handshake_timeout=500ms",
+        ],
+    );
+    let grpc = d.dir.join("sglang-grpc.sock");
+    let reg = d.dir.join("sglang-mempool.sock");
+    // Warm up: one good call, so lazily opened descriptors are already counted.
+    rt().block_on(async {
+        let mut c = client_at(grpc.clone()).await;
+        c.exist(ExistRequest {
+            id: vec![b"x".to_vec()],
+        })
+        .await
+        .unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let before = open_fds(&d);
+    for i in 0..60 {
+        let mut s = std::os::unix::net::UnixStream::connect(&grpc).unwrap();
+        match i % 3 {
+            // Half a preface, then gone.
+            0 => s.write_all(b"PRI * HTTP/2.0\r\n").unwrap(),
+            // A whole preface, then a frame that breaks the framing.
+            1 => {
+                s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+                s.write_all(&[0, 0, 1, 0x9, 0x4, 0, 0, 0, 1, 0]).unwrap();
+            }
+            // Nothing at all (the handshake timeout closes it), kept open meanwhile.
+            _ => {
+                std::mem::forget(s);
+                continue;
+            }
+        }
+        drop(s);
+    }
+    // Registrations that never finish their preamble.
+    let silent: Vec<_> = (0..10)
+        .map(|_| std::os::unix::net::UnixStream::connect(&reg).unwrap())
+        .collect();
+    // The silent ones are the last accepted: once they timed out, all 60 were seen.
+    eventually(
+        "20 silent connections closed",
+        Duration::from_secs(20),
+        || {
+            metric(
+                &d.metrics(),
+                "kvtier_server_connection_timeouts_total{socket=\"sglang_grpc\"}",
+            ) >= 20.0
+        },
+    );
+    eventually(
+        "kvtierd's descriptors back to where they were",
+        Duration::from_secs(20),
+        || open_fds(&d) <= before,
+    );
+    drop(silent);
+    // And it still serves.
+    rt().block_on(async {
+        let mut c = client_at(grpc.clone()).await;
+        c.exist(ExistRequest {
+            id: vec![b"x".to_vec()],
+        })
+        .await
+        .unwrap();
+    });
 }

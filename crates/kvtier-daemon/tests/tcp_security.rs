@@ -303,3 +303,38 @@ fn a_remote_l3_configured_with_tls_and_a_token_file_stores_on_its_peer() {
     });
     assert_eq!(denied(&peer), 0, "the configured client was refused");
 }
+
+#[test]
+fn tcp_connections_that_never_start_tls_are_closed_and_the_listener_keeps_serving() {
+    use std::io::Read as _;
+    let pki = Pki::new("tls-silent");
+    let d = tls_daemon(
+        "tls-silent",
+        &pki,
+        &["server.connections.handshake_timeout=300ms"],
+    );
+    // Connections that never send a ClientHello, and one that stops inside it.
+    let mut silent: Vec<std::net::TcpStream> = (0..40)
+        .map(|_| std::net::TcpStream::connect(&d.tcp).unwrap())
+        .collect();
+    let mut partial = std::net::TcpStream::connect(&d.tcp).unwrap();
+    std::io::Write::write_all(&mut partial, &[0x16, 0x03, 0x01, 0x02, 0x00]).unwrap();
+    silent.push(partial);
+    for s in &mut silent {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 64];
+        let closed = match s.read(&mut b) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        };
+        assert!(closed, "a connection that never finished TLS was kept");
+    }
+    rt().block_on(async {
+        let good = pki.client(Some(TOKEN), false);
+        let target = format!("https://{}", d.tcp);
+        let mut c = HostClient::connect_with(&target, &good).await.unwrap();
+        c.register("after-the-flood", &layout("m")).await.unwrap();
+    });
+}

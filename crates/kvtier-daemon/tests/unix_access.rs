@@ -13,8 +13,6 @@ use std::process::Command;
 use common::*;
 use kvtier_client::HostClient;
 
-const NOBODY: u32 = 65534;
-
 /// What a peer running as `nobody` gets from the socket at `path`: "EACCES" (the kernel
 /// refused the connect), "CLOSED" (kvtierd closed it unanswered) or "SERVED" (kvtierd
 /// answered the HTTP/2 preface with its SETTINGS).
@@ -65,10 +63,6 @@ fn denied(d: &Daemon, socket: &str) -> f64 {
         &d.metrics(),
         &format!("kvtier_server_denied_connections_total{{socket=\"{socket}\"}}"),
     )
-}
-
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
 }
 
 #[test]

@@ -11,10 +11,13 @@
 //! - [`prometheus_http`]: the `/metrics` endpoint, and binding its listener;
 //! - [`malformed`]: requests that do not decode get `InvalidArgument`, not `Internal`;
 //! - [`peers`]: who may use a Unix socket: its file mode and owner, and the peer-credential
-//!   allow-list checked on every connection (`[server.unix]`).
+//!   allow-list checked on every connection (`[server.unix]`);
+//! - [`conn`]: how many connections a listener holds, how long a new one has to start, and
+//!   accept loops that wait out descriptor exhaustion (`[server.connections]`).
 //!
 //! kvtier-client stays a client library; server plumbing goes here.
 
+pub mod conn;
 pub mod malformed;
 pub mod metrics;
 pub mod peers;

@@ -1,16 +1,22 @@
 //! Who may use a Unix socket (`[server.unix]`): the socket file's mode and owner, set when it
 //! is bound, and a check of every accepted connection's peer credentials (`SO_PEERCRED`, and
-//! `SO_PEERGROUPS` for its supplementary groups) against the allow-lists. A refused peer is closed before a byte is read, logged, and
-//! counted in `kvtier_server_denied_connections_total{socket}`.
+//! `SO_PEERGROUPS` for its supplementary groups) against the allow-lists. A refused peer is
+//! closed before a byte is read, logged, and counted in
+//! `kvtier_server_denied_connections_total{socket}`. Each socket's admitted connections are
+//! also kept under `[server.connections]` (per uid and in all, with a handshake deadline;
+//! [`crate::conn`]), and its accept loop waits instead of spinning when the process is out
+//! of descriptors.
 
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
 use futures::Stream;
+use kvtier_config::connections::ConnectionLimits;
 use kvtier_config::unix::UnixAccess;
 use tokio::net::{UnixListener, UnixStream};
 
+use crate::conn::{Cap, ConnMetrics, Limited, Permit};
 use crate::metrics::MetricRegistry;
 use crate::serving::{BindError, bind_unix};
 
@@ -20,12 +26,19 @@ pub struct PeerGate {
     access: Arc<UnixAccess>,
     own_uid: u32,
     denied: prometheus::IntCounterVec,
+    limits: ConnectionLimits,
+    conns: ConnMetrics,
 }
 
 impl PeerGate {
-    /// The gate for `access`, admitting this process's own uid besides the listed peers;
-    /// declares `kvtier_server_denied_connections_total` in `metrics`.
-    pub fn new(access: &UnixAccess, metrics: &MetricRegistry) -> prometheus::Result<Self> {
+    /// The gate for `access`, admitting this process's own uid besides the listed peers, and
+    /// keeping each socket's connections within `limits`; declares
+    /// `kvtier_server_denied_connections_total` and the [`ConnMetrics`] in `metrics`.
+    pub fn new(
+        access: &UnixAccess,
+        limits: &ConnectionLimits,
+        metrics: &MetricRegistry,
+    ) -> prometheus::Result<Self> {
         let denied = metrics.counter_vec(
             "kvtier_server_denied_connections_total",
             "connections to a Unix socket closed because the peer's uid and gid are not in server.unix's allow-lists",
@@ -35,7 +48,19 @@ impl PeerGate {
             access: Arc::new(access.clone()),
             own_uid: rustix::process::geteuid().as_raw(),
             denied,
+            limits: limits.clone(),
+            conns: ConnMetrics::new(metrics)?,
         })
+    }
+
+    /// The series every listener's connection cap counts in (for kvtierd's TCP listener).
+    pub fn conn_metrics(&self) -> &ConnMetrics {
+        &self.conns
+    }
+
+    /// The connection limits.
+    pub fn limits(&self) -> &ConnectionLimits {
+        &self.limits
     }
 
     /// Binds `path` (see [`bind_unix`]), gives the file `[server.unix]`'s mode and owner, and
@@ -58,6 +83,7 @@ impl PeerGate {
             listener,
             gate: self.clone(),
             socket,
+            cap: Cap::new(&self.limits, socket, &self.conns),
         })
     }
 
@@ -109,30 +135,53 @@ fn set_file_access(path: &Path, access: &UnixAccess) -> io::Result<()> {
     Ok(())
 }
 
-/// A Unix listener whose `accept` yields only admitted peers.
+/// A Unix listener whose `accept` yields only admitted peers, each under the socket's
+/// connection cap.
 #[derive(Debug)]
 pub struct GatedListener {
     listener: UnixListener,
     gate: PeerGate,
     socket: &'static str,
+    cap: Cap,
 }
 
 impl GatedListener {
-    /// The next admitted connection; refused ones are closed on the way.
-    pub async fn accept(&self) -> io::Result<UnixStream> {
+    /// The next admitted connection and its place under the cap; refused ones (by the
+    /// allow-lists or the cap) are closed on the way. Never fails: an accept that fails for
+    /// want of descriptors waits and tries again (see [`Cap::accept_failed`]).
+    pub async fn accept(&self) -> (UnixStream, Permit) {
+        let mut backoff = std::time::Duration::ZERO;
         loop {
-            let (stream, _) = self.listener.accept().await?;
-            if self.gate.admits(&stream, self.socket) {
-                return Ok(stream);
+            let stream = match self.listener.accept().await {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    self.cap.accept_failed(&e, &mut backoff).await;
+                    continue;
+                }
+            };
+            backoff = std::time::Duration::ZERO;
+            if !self.gate.admits(&stream, self.socket) {
+                continue;
+            }
+            let uid = stream.peer_cred().map_or(u32::MAX, |c| c.uid());
+            if let Some(permit) = self.cap.admit(u64::from(uid)) {
+                return (stream, permit);
             }
         }
     }
 
-    /// The admitted connections as a stream, for tonic's `serve_with_incoming*`.
-    pub fn incoming(self) -> impl Stream<Item = io::Result<UnixStream>> + Send + 'static {
+    /// The socket's connection cap (its handshake timeout, and wrapping a connection).
+    pub fn cap(&self) -> &Cap {
+        &self.cap
+    }
+
+    /// The admitted connections as a stream, for tonic's `serve_with_incoming*`: each closed
+    /// if it does not start within the handshake timeout.
+    pub fn incoming(self) -> impl Stream<Item = io::Result<Limited<UnixStream>>> + Send + 'static {
         futures::stream::unfold(self, |l| async move {
-            let next = l.accept().await;
-            Some((next, l))
+            let (stream, permit) = l.accept().await;
+            let io = l.cap.limit(stream, permit);
+            Some((Ok(io), l))
         })
     }
 }

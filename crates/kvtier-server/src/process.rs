@@ -113,7 +113,7 @@ impl Flags {
 }
 
 /// The whole `main` of a server: parse the process's command line, load the configuration
-/// (or print the default, or check it), start logging and a multi-threaded runtime, and
+/// (or print the default, or check it), start logging, raise the descriptor limit and a multi-threaded runtime, and
 /// `run` the server with a token cancelled by SIGTERM or SIGINT.
 pub fn main<C, F, Fut, E>(name: &'static str, about: &'static str, run: F) -> anyhow::Result<()>
 where
@@ -133,6 +133,7 @@ where
         return Ok(());
     }
     crate::serving::init_logging(cfg.log_level()).map_err(anyhow::Error::msg)?;
+    raise_descriptor_limit();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name(name)
@@ -152,6 +153,22 @@ pub fn print_ready(name: &str, fields: &[(&str, String)]) {
     }
     println!("{line}");
     let _ = std::io::stdout().flush();
+}
+
+/// Raises this process's soft limit on open files to its hard limit: a server holds one
+/// descriptor per connection (and per mapped pool), and the common soft default of 1024 is
+/// far below what `[server.connections]` allows. Logged; a failure leaves the limit as it was.
+pub fn raise_descriptor_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.current < l.maximum {
+        let before = l.current;
+        l.current = l.maximum;
+        match setrlimit(Resource::Nofile, l) {
+            Ok(()) => tracing::debug!(?before, now = ?l.maximum, "raised the open-file limit"),
+            Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
+        }
+    }
 }
 
 #[cfg(test)]

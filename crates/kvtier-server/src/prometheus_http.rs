@@ -17,17 +17,30 @@ pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Serves `GET /metrics` on `listener` until `stop`.
 pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToken) {
+    let log = crate::conn::Throttle::new(crate::conn::LOG_EVERY);
+    let mut backoff = std::time::Duration::ZERO;
     loop {
         let (stream, _) = tokio::select! {
             () = stop.cancelled() => return,
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::warn!("metrics accept failed: {e}");
+                    if let Some(more) = log.allow() {
+                        tracing::warn!(suppressed = more, "metrics accept failed: {e}");
+                    }
+                    // Out of descriptors, the listener stays readable: wait, never spin.
+                    if crate::conn::is_exhaustion(&e) {
+                        backoff = (backoff * 2).clamp(
+                            std::time::Duration::from_millis(10),
+                            std::time::Duration::from_secs(1),
+                        );
+                        tokio::time::sleep(backoff).await;
+                    }
                     continue;
                 }
             },
         };
+        backoff = std::time::Duration::ZERO;
         let render = render.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {

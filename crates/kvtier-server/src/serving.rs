@@ -213,10 +213,15 @@ where
             return Box::pin(self.inner.call(req));
         }
         self.auth.denied.inc();
-        tracing::warn!(
-            path = req.uri().path(),
-            "refused a TCP call without a valid token"
-        );
+        // At most one line per period, however fast a client guesses.
+        static LOG: crate::conn::Throttle = crate::conn::Throttle::new(crate::conn::LOG_EVERY);
+        if let Some(more) = LOG.allow() {
+            tracing::warn!(
+                path = req.uri().path(),
+                suppressed = more,
+                "refused a TCP call without a valid token"
+            );
+        }
         let status = tonic::Status::unauthenticated(
             "calls over TCP need \"authorization: Bearer <server.token>\"",
         );

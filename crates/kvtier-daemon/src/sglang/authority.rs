@@ -12,11 +12,16 @@
 //! follows). Padding and priority fields of HEADERS frames are dropped (priority is
 //! advisory). Frames from tonic go back unchanged.
 //!
-//! The relay also binds each connection to its tenant (`[tenants]`), which SGLang's protocol
-//! has no field for: while tenancy is on, every request's header block gets
-//! [`TENANT_HEADER`] with the tenant of the connection's peer (by its `SO_PEERCRED` uid or
-//! gid, read at accept), and any such header the client sent is dropped, so no client can
-//! claim another tenant. The storage service scopes object ids by it.
+//! The relay also binds each connection to its peer, which SGLang's protocol has no field
+//! for: every request's header block gets [`UID_HEADER`] with the peer's `SO_PEERCRED` uid
+//! (read at accept) and, while tenancy is on (`[tenants]`), [`TENANT_HEADER`] with its
+//! tenant; any such header the client sent is dropped, so no client can claim another's. The
+//! storage service scopes object ids by the tenant and lets a transfer name only its own
+//! uid's pools.
+//!
+//! Either direction ending ends both: a client that aborts mid-preface or breaks the framing
+//! has its connection and tonic's side closed at once (no descriptor outlives it), and one
+//! that stays silent is closed after `server.connections.handshake_timeout`.
 //!
 //! The payloads are small here — a transfer names offsets; the bytes move through the
 //! registered memfd — so the extra copy costs little. A peer that breaks the framing loses
@@ -55,14 +60,34 @@ fn bad(why: impl Into<String>) -> io::Error {
 
 /// The request header naming the connection's tenant, set by the relay only.
 pub(crate) const TENANT_HEADER: &str = "kvtier-peer-tenant";
+/// The request header naming the connection's peer uid, set by the relay only.
+pub(crate) const UID_HEADER: &str = "kvtier-peer-uid";
 
-/// Drops any tenant header the client sent and, when `tenant` is given (tenancy on), adds
-/// the relay's own to a request's header block (one with `:path`; trailers get none).
-pub(crate) fn bind_tenant(headers: &mut Vec<(Vec<u8>, Vec<u8>)>, tenant: Option<&str>) {
-    headers.retain(|(n, _)| !n.eq_ignore_ascii_case(TENANT_HEADER.as_bytes()));
-    if let Some(t) = tenant
-        && headers.iter().any(|(n, _)| n.as_slice() == b":path")
-    {
+/// Who is at the other end of a relayed connection, read at accept.
+#[derive(Debug, Clone)]
+pub(crate) struct Peer {
+    /// Its uid (`SO_PEERCRED`).
+    pub(crate) uid: u32,
+    /// Its tenant, while tenancy is on.
+    pub(crate) tenant: Option<String>,
+}
+
+/// Drops any peer header the client sent and adds the relay's own to a request's header
+/// block (one with `:path`; trailers get none): the uid always, the tenant while tenancy
+/// is on.
+pub(crate) fn bind_peer(headers: &mut Vec<(Vec<u8>, Vec<u8>)>, peer: &Peer) {
+    headers.retain(|(n, _)| {
+        !n.eq_ignore_ascii_case(TENANT_HEADER.as_bytes())
+            && !n.eq_ignore_ascii_case(UID_HEADER.as_bytes())
+    });
+    if !headers.iter().any(|(n, _)| n.as_slice() == b":path") {
+        return;
+    }
+    headers.push((
+        UID_HEADER.as_bytes().to_vec(),
+        peer.uid.to_string().into_bytes(),
+    ));
+    if let Some(t) = &peer.tenant {
         headers.push((TENANT_HEADER.as_bytes().to_vec(), t.as_bytes().to_vec()));
     }
 }
@@ -85,7 +110,7 @@ pub(crate) fn fix_authority(headers: &mut [(Vec<u8>, Vec<u8>)]) -> bool {
 }
 
 /// Relays the client → server direction, header blocks rewritten.
-async fn client_to_server<R, W>(mut from: R, mut to: W, tenant: Option<String>) -> io::Result<()>
+async fn client_to_server<R, W>(mut from: R, mut to: W, peer: Peer) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -140,7 +165,7 @@ where
                 if fix_authority(&mut headers) {
                     tracing::trace!("sglang grpc: :authority rewritten to localhost");
                 }
-                bind_tenant(&mut headers, tenant.as_deref());
+                bind_peer(&mut headers, &peer);
                 let out = encoder.encode(headers.iter().map(|(n, v)| (&n[..], &v[..])));
                 write_block(&mut to, &out, flags & END_STREAM, stream).await?;
             }
@@ -216,7 +241,7 @@ fn frame_head(len: usize, kind: u8, flags: u8, stream: [u8; 4]) -> [u8; 9] {
 
 /// Accepts connections on `listener` until `stop`; each is relayed to the returned
 /// receiver's pipe end (hand it to tonic's `serve_with_incoming_shutdown`), bound to its
-/// peer's tenant while `tenants` names any.
+/// peer's uid and (while `tenants` names any) tenant.
 pub fn incoming(
     listener: GatedListener,
     stop: CancellationToken,
@@ -225,85 +250,106 @@ pub fn incoming(
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         loop {
-            let client = tokio::select! {
+            let (client, permit) = tokio::select! {
                 () = stop.cancelled() => return,
-                r = listener.accept() => match r {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!("sglang grpc accept failed: {e}");
-                        continue;
-                    }
+                a = listener.accept() => a,
+            };
+            let peer = match client.peer_cred() {
+                Ok(c) => Peer {
+                    uid: c.uid(),
+                    tenant: tenants
+                        .any()
+                        .then(|| tenants.of_peer(c.uid(), c.gid()).to_string()),
                 },
-            };
-            let tenant = if tenants.any() {
-                match client.peer_cred() {
-                    Ok(c) => Some(tenants.of_peer(c.uid(), c.gid()).to_string()),
-                    Err(e) => {
-                        tracing::warn!("sglang grpc: no peer credentials, connection closed: {e}");
-                        continue;
-                    }
+                Err(e) => {
+                    tracing::warn!("sglang grpc: no peer credentials, connection closed: {e}");
+                    continue;
                 }
-            } else {
-                None
             };
+            // Closed if it has not sent its preface within the handshake timeout.
+            let client = listener.cap().limit(client, permit);
             let (ours, theirs) = tokio::io::duplex(PIPE);
             if tx.send(Ok(theirs)).await.is_err() {
                 return;
             }
-            tokio::spawn(async move {
-                let (cr, mut cw) = client.into_split();
-                let (mut sr, sw) = tokio::io::split(ours);
-                // Responses flow until tonic closes its end (which it does when the client
-                // goes, or after its graceful drain at shutdown) ...
-                let mut down = tokio::spawn(async move {
-                    tokio::io::copy(&mut sr, &mut cw).await?;
-                    cw.shutdown().await
-                });
-                // ... and requests until the client stops sending or tonic has closed.
-                tokio::select! {
-                    r = client_to_server(cr, sw, tenant) => {
-                        if let Err(e) = r {
-                            tracing::debug!("sglang grpc connection ended: {e}");
-                        }
-                    }
-                    _ = &mut down => {}
-                }
-            });
+            tokio::spawn(relay(client, ours, peer));
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Relays one connection both ways until either side ends, then closes both.
+async fn relay<C>(client: C, ours: DuplexStream, peer: Peer)
+where
+    C: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (cr, mut cw) = tokio::io::split(client);
+    let (mut sr, sw) = tokio::io::split(ours);
+    // Responses flow until tonic closes its end (which it does when the client goes, or
+    // after its graceful drain at shutdown) ...
+    let mut down = tokio::spawn(async move {
+        tokio::io::copy(&mut sr, &mut cw).await?;
+        cw.shutdown().await
+    });
+    // ... and requests until the client stops sending or tonic has closed.
+    tokio::select! {
+        r = client_to_server(cr, sw, peer) => {
+            if let Err(e) = r {
+                // The client broke off: nothing more will be answered. Dropping the response
+                // side closes the client's descriptor and tonic's end of the pipe.
+                tracing::debug!("sglang grpc connection ended: {e}");
+                down.abort();
+            }
+        }
+        _ = &mut down => {}
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn anyone() -> Peer {
+        Peer {
+            uid: 0,
+            tenant: None,
+        }
+    }
+
     #[test]
-    fn the_relay_names_the_tenant_and_drops_a_claimed_one() {
+    fn the_relay_names_the_peer_and_drops_a_claimed_one() {
         let req = || {
             vec![
                 (b":path".to_vec(), b"/x/Exist".to_vec()),
                 (b"Kvtier-Peer-Tenant".to_vec(), b"acme".to_vec()),
+                (b"KVTIER-PEER-UID".to_vec(), b"0".to_vec()),
             ]
         };
+        let peer = |tenant: Option<&str>| Peer {
+            uid: 1001,
+            tenant: tenant.map(String::from),
+        };
         let mut h = req();
-        bind_tenant(&mut h, Some("globex"));
+        bind_peer(&mut h, &peer(Some("globex")));
         assert_eq!(
             h[1..],
-            [(b"kvtier-peer-tenant".to_vec(), b"globex".to_vec())]
+            [
+                (b"kvtier-peer-uid".to_vec(), b"1001".to_vec()),
+                (b"kvtier-peer-tenant".to_vec(), b"globex".to_vec())
+            ]
         );
         let mut h = req();
-        bind_tenant(&mut h, Some(""));
-        assert_eq!(h[1..], [(b"kvtier-peer-tenant".to_vec(), b"".to_vec())]);
+        bind_peer(&mut h, &peer(Some("")));
+        assert_eq!(h[2..], [(b"kvtier-peer-tenant".to_vec(), b"".to_vec())]);
         let mut h = req();
-        bind_tenant(&mut h, None);
+        bind_peer(&mut h, &peer(None));
         assert_eq!(
-            h.len(),
-            1,
-            "a claimed tenant is dropped even with tenancy off"
+            h[1..],
+            [(b"kvtier-peer-uid".to_vec(), b"1001".to_vec())],
+            "a claimed tenant and uid are dropped even with tenancy off"
         );
         let mut trailers = vec![(b"grpc-status".to_vec(), b"0".to_vec())];
-        bind_tenant(&mut trailers, Some("globex"));
+        bind_peer(&mut trailers, &peer(Some("globex")));
         assert_eq!(trailers.len(), 1);
     }
 
@@ -362,7 +408,9 @@ mod tests {
         input.extend_from_slice(b"xyz");
 
         let mut out = Vec::new();
-        client_to_server(&input[..], &mut out, None).await.unwrap();
+        client_to_server(&input[..], &mut out, anyone())
+            .await
+            .unwrap();
         assert_eq!(&out[..24], PREFACE);
         let mut rest = &out[24..];
         let mut block = Vec::new();
@@ -395,13 +443,17 @@ mod tests {
         input.extend_from_slice(&frame_head(1, CONTINUATION, END_HEADERS, [0, 0, 0, 1]));
         input.push(0);
         let mut out = Vec::new();
-        assert!(client_to_server(&input[..], &mut out, None).await.is_err());
+        assert!(
+            client_to_server(&input[..], &mut out, anyone())
+                .await
+                .is_err()
+        );
         // A header block that does not decode.
         let mut input = PREFACE.to_vec();
         input.extend_from_slice(&frame_head(1, HEADERS, END_HEADERS, [0, 0, 0, 1]));
         input.push(0xff);
         assert!(
-            client_to_server(&input[..], &mut Vec::new(), None)
+            client_to_server(&input[..], &mut Vec::new(), anyone())
                 .await
                 .is_err()
         );
@@ -414,7 +466,7 @@ mod tests {
             [0, 0, 0, 1],
         ));
         assert!(
-            client_to_server(&input[..], &mut Vec::new(), None)
+            client_to_server(&input[..], &mut Vec::new(), anyone())
                 .await
                 .is_err()
         );

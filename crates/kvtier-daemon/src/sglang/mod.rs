@@ -10,6 +10,12 @@
 //! registered pool" instead of another client's pool. The client keeps the connection open
 //! while it uses the pool; when it closes, the pool is unmapped and its id stops resolving.
 //!
+//! A pool belongs to the uid that registered it (`SO_PEERCRED` of the registration): a
+//! transfer from a connection of another uid (the relay tells the service who is calling,
+//! [`authority`]) that names it gets the very answer an unknown id gets, so an id is no
+//! bearer capability and no probe tells a live id from a dead one. The registration must
+//! arrive within `server.connections.handshake_timeout`.
+//!
 //! Hostile input — a wrong magic, a short or oversized preamble, a name that is not UTF-8,
 //! no descriptor or more than one, a file that cannot be mapped — closes that connection with
 //! a log line naming the problem; nothing else is affected.
@@ -58,13 +64,24 @@ pub const MAX_NAME: usize = 4096;
 pub struct Pool {
     region: ShmRegion,
     sealed: bool,
+    /// The uid of the process that registered it: only its transfers may name the pool.
+    owner: u32,
 }
 
 impl Pool {
-    /// A pool over `region`, sealed if its file allows it.
-    pub fn new(region: ShmRegion) -> Self {
+    /// A pool over `region` registered by `owner` (a uid), sealed if its file allows it.
+    pub fn new(region: ShmRegion, owner: u32) -> Self {
         let sealed = region.seal_shrink();
-        Self { region, sealed }
+        Self {
+            region,
+            sealed,
+            owner,
+        }
+    }
+
+    /// Whether a transfer from a peer with `uid` may name this pool.
+    pub fn owned_by(&self, uid: u32) -> bool {
+        self.owner == uid
     }
 
     /// Mapped bytes.
@@ -274,8 +291,22 @@ async fn read_preamble(stream: &UnixStream) -> Result<(String, Vec<OwnedFd>), Re
 
 /// Serves one registration connection: register, answer the id, hold the pool until the
 /// client hangs up.
-async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), RegisterError> {
-    let (name, mut fds) = read_preamble(&stream).await?;
+async fn serve_one(
+    mut stream: UnixStream,
+    pools: Arc<Pools>,
+    handshake: std::time::Duration,
+) -> Result<(), RegisterError> {
+    let owner = stream
+        .peer_cred()
+        .map_err(|e| RegisterError::Pool(format!("no peer credentials: {e}")))?
+        .uid();
+    let (name, mut fds) = tokio::time::timeout(handshake, read_preamble(&stream))
+        .await
+        .map_err(|_| {
+            RegisterError::Preamble(
+                "no registration within server.connections.handshake_timeout".into(),
+            )
+        })??;
     if fds.len() != 1 {
         return Err(RegisterError::Preamble(format!(
             "{} file descriptors with pool {name:?}, expected exactly one",
@@ -285,7 +316,7 @@ async fn serve_one(mut stream: UnixStream, pools: Arc<Pools>) -> Result<(), Regi
     let fd = fds.remove(0);
     let region = ShmRegion::from_fd(fd, &name).map_err(|e| RegisterError::Pool(e.to_string()))?;
     let bytes = region.len();
-    let pool = Pool::new(region);
+    let pool = Pool::new(region, owner);
     let sealed = pool.sealed();
     let id = pools
         .add(pool)
@@ -348,22 +379,19 @@ pub async fn serve_registrations(
     pools: Arc<Pools>,
     stop: CancellationToken,
 ) {
+    let handshake = listener.cap().handshake_timeout();
     loop {
-        let stream = tokio::select! {
+        let (stream, permit) = tokio::select! {
             () = stop.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("sglang registration accept failed: {e}");
-                    continue;
-                }
-            },
+            a = listener.accept() => a,
         };
         let (pools, stop) = (pools.clone(), stop.clone());
         tokio::spawn(async move {
+            // The connection's place under the socket's cap, for as long as it is served.
+            let _permit = permit;
             tokio::select! {
                 () = stop.cancelled() => {}
-                r = serve_one(stream, pools) => {
+                r = serve_one(stream, pools, handshake) => {
                     if let Err(e) = r {
                         tracing::warn!("sglang pool registration refused: {e}");
                     }
@@ -452,6 +480,7 @@ mod tests {
         let path = dir.join("mempool.sock");
         let gate = kvtier_server::peers::PeerGate::new(
             &kvtier_config::unix::UnixAccess::default(),
+            &kvtier_config::connections::ConnectionLimits::default(),
             &kvtier_server::metrics::MetricRegistry::new(),
         )
         .unwrap();

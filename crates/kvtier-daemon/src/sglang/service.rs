@@ -60,12 +60,33 @@ fn object_key(scope: Option<&TenantScope>, id: &[u8]) -> PageKey {
     scope.map_or(k, |s| s.apply(&k))
 }
 
-/// The tenant scope the relay bound the request's connection to (`authority::TENANT_HEADER`;
-/// absent while tenancy is off).
-fn request_scope<T>(request: &Request<T>) -> Option<TenantScope> {
-    let tenant = request.metadata().get(super::authority::TENANT_HEADER)?;
-    Some(TenantScope::new(tenant.to_str().unwrap_or_default()))
+/// Who the relay says sent a request.
+#[derive(Debug, Clone)]
+struct Caller {
+    /// The tenant scope of its connection (`authority::TENANT_HEADER`; absent while tenancy
+    /// is off).
+    scope: Option<TenantScope>,
+    /// Its peer uid (`authority::UID_HEADER`); `None` names no pool.
+    uid: Option<u32>,
 }
+
+fn request_caller<T>(request: &Request<T>) -> Caller {
+    let m = request.metadata();
+    Caller {
+        scope: m
+            .get(super::authority::TENANT_HEADER)
+            .map(|t| TenantScope::new(t.to_str().unwrap_or_default())),
+        uid: m
+            .get(super::authority::UID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok()),
+    }
+}
+
+/// Transfers naming no pool of their caller's: logged at most every 10 s, whatever their
+/// rate (a prober would otherwise write a line per guess).
+static NO_POOL_LOG: kvtier_server::conn::Throttle =
+    kvtier_server::conn::Throttle::new(kvtier_server::conn::LOG_EVERY);
 
 /// gRPC status codes SGLang reads in result slots.
 mod code {
@@ -211,8 +232,9 @@ impl Objects {
         t.iovec.iter().map(|v| u64::from(v.length)).sum()
     }
 
-    /// The pool and the checked byte ranges of a transfer, or the code for its slot.
-    fn ranges(&self, t: &sglang::Transfer) -> Result<Ranges, i32> {
+    /// The pool and the checked byte ranges of a transfer from a peer with `uid`, or the
+    /// code for its slot.
+    fn ranges(&self, t: &sglang::Transfer, uid: Option<u32>) -> Result<Ranges, i32> {
         if t.id.is_empty() || t.id.len() > MAX_ID {
             tracing::warn!(
                 len = t.id.len(),
@@ -227,11 +249,21 @@ impl Objects {
             );
             return Err(code::INVALID_ARGUMENT);
         }
+        // Another uid's pool answers exactly as an unknown id does, before anything about it
+        // (its size, its state) can show.
         let pool = u32::try_from(t.pool_id)
             .ok()
             .and_then(|id| self.pools.get(id))
+            .filter(|p| uid.is_some_and(|u| p.owned_by(u)))
             .ok_or_else(|| {
-                tracing::warn!(pool = t.pool_id, "sglang transfer names no registered pool");
+                if let Some(more) = NO_POOL_LOG.allow() {
+                    tracing::warn!(
+                        pool = t.pool_id,
+                        uid,
+                        suppressed = more,
+                        "sglang transfer names no pool its caller registered"
+                    );
+                }
                 code::FAILED_PRECONDITION
             })?;
         if pool.is_damaged() {
@@ -277,8 +309,9 @@ impl Objects {
         code::OK
     }
 
-    async fn put_one(&self, scope: Option<&TenantScope>, t: &sglang::Transfer) -> i32 {
-        let (pool, ranges, total) = match self.ranges(t) {
+    async fn put_one(&self, caller: &Caller, t: &sglang::Transfer) -> i32 {
+        let scope = caller.scope.as_ref();
+        let (pool, ranges, total) = match self.ranges(t, caller.uid) {
             Ok(r) => r,
             Err(c) => return c,
         };
@@ -325,8 +358,9 @@ impl Objects {
         code
     }
 
-    async fn get_one(&self, scope: Option<&TenantScope>, t: &sglang::Transfer) -> i32 {
-        let (pool, ranges, total) = match self.ranges(t) {
+    async fn get_one(&self, caller: &Caller, t: &sglang::Transfer) -> i32 {
+        let scope = caller.scope.as_ref();
+        let (pool, ranges, total) = match self.ranges(t, caller.uid) {
             Ok(r) => r,
             Err(c) => return c,
         };
@@ -428,7 +462,7 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::ExistRequest>,
     ) -> Result<Response<sglang::ExistResponse>, Status> {
         let started = Instant::now();
-        let scope = request_scope(&request);
+        let scope = request_caller(&request).scope;
         let ids = request.into_inner().id;
         let this = &self.inner;
         this.check_batch("Exist", ids.len())?;
@@ -452,15 +486,15 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::BatchPutRequest>,
     ) -> Result<Response<sglang::BatchPutResponse>, Status> {
         let started = Instant::now();
-        let scope = request_scope(&request);
+        let caller = request_caller(&request);
         let puts = request.into_inner().puts;
         let this = &self.inner;
         this.check_batch("BatchPut", puts.len())?;
         let results: Vec<i32> = futures::stream::iter(puts)
             .map(|t| {
-                let (this, scope) = (this.clone(), scope.clone());
+                let (this, caller) = (this.clone(), caller.clone());
                 async move {
-                    let c = this.put_one(scope.as_ref(), &t).await;
+                    let c = this.put_one(&caller, &t).await;
                     this.count("put", c, Objects::bytes_of(&t));
                     c
                 }
@@ -477,15 +511,15 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::BatchGetRequest>,
     ) -> Result<Response<sglang::BatchGetResponse>, Status> {
         let started = Instant::now();
-        let scope = request_scope(&request);
+        let caller = request_caller(&request);
         let gets = request.into_inner().gets;
         let this = &self.inner;
         this.check_batch("BatchGet", gets.len())?;
         let results: Vec<i32> = futures::stream::iter(gets)
             .map(|t| {
-                let (this, scope) = (this.clone(), scope.clone());
+                let (this, caller) = (this.clone(), caller.clone());
                 async move {
-                    let c = this.get_one(scope.as_ref(), &t).await;
+                    let c = this.get_one(&caller, &t).await;
                     this.count("get", c, Objects::bytes_of(&t));
                     c
                 }

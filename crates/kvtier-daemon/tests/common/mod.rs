@@ -102,6 +102,11 @@ impl Daemon {
     }
 
     /// The metrics page.
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn metrics(&self) -> String {
         http_get(&self.metrics_url)
     }
@@ -334,4 +339,42 @@ pub async fn store(
         }
     }
     keys.iter().map(|k| page_bytes(k, page)).collect()
+}
+
+/// The uid (and gid) of `nobody`, the other local user of the attack tests.
+pub const NOBODY: u32 = 65534;
+
+/// Whether this process may start others under another uid (CI runs as root).
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// Runs this test binary's `child_entry` as `nobody` (uid and gid 65534, no other groups,
+/// through util-linux's `setpriv`) with `env`, and returns what it printed after `RESULT `.
+pub fn as_nobody(env: &[(&str, &str)]) -> String {
+    let nobody = NOBODY.to_string();
+    let out = Command::new("setpriv")
+        .args(["--reuid", &nobody, "--regid", &nobody, "--clear-groups"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "child_entry",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(env.iter().copied())
+        .output()
+        .expect("setpriv (util-linux) runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .find_map(|l| l.split_once("RESULT ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("the child printed no result: {stdout}"))
+        .to_string()
 }
