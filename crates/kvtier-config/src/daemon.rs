@@ -89,8 +89,15 @@ backing = "shm_file"
 pool_bytes = "256MiB"
 # Alternatively a number of pages (slots) per pool class; overrides pool_bytes when above 0.
 pool_pages = 0
+# Largest page (one slot) a layout may have; a registration with larger pages is refused.
+# Clients choose their layout, so this bounds what pool_pages can make kvtierd allocate.
+max_page_bytes = "64MiB"
 # Most pool classes (distinct layouts) served at once (1 to 1024).
 max_pools = 8
+# A pool no session has used for this long, and that holds no page L3 still lacks, is
+# removed (its memory and its file in shm_dir given back). A new layout past max_pools takes
+# the place of the least recently used such pool at once. 0: only at max_pools.
+idle_pool_ttl = "1h"
 # Which ready, unpinned leaf page to evict first: lru, lfu, fifo, mru, filo, priority, slru.
 eviction_policy = "lru"
 # Lock pools in RAM (needs RLIMIT_MEMLOCK / systemd LimitMEMLOCK above the pool size).
@@ -106,6 +113,11 @@ reserve = true
 # backpressure that slows engines to what L3 absorbs. The rest of the pool keeps pages L3
 # holds, for readers and for prefetches to make room among.
 dirty_fraction = 0.5
+# Share of that dirty limit one session may hold reserved and not yet committed, and, while
+# [tenants] names any, one tenant's sessions together (0.05 to 1.0). A client that reserves
+# and never commits then blocks at most this much; past it its reservations get NO_SPACE
+# (it commits what it has, then reserves again) and every other writer keeps going.
+reserve_share = 0.5
 # Survive a kvtierd crash with L2 intact (shm_file pools). Each committed page gets a record
 # beside the pool (key, length, CRC32C, computed in the background), cleared before its slot
 # is reused. A kvtierd that starts and finds a dead one's pool takes over every page whose
@@ -437,8 +449,12 @@ pub struct L2Config {
     pub pool_bytes: ByteSize,
     /// Pages per pool class (overrides `pool_bytes` when above 0).
     pub pool_pages: u64,
+    /// Largest page a layout may have.
+    pub max_page_bytes: ByteSize,
     /// Most pool classes.
     pub max_pools: u32,
+    /// How long an unused pool lives.
+    pub idle_pool_ttl: Dur,
     /// Which page to evict first.
     pub eviction_policy: PolicyKind,
     /// mlock the pools.
@@ -449,6 +465,8 @@ pub struct L2Config {
     pub reserve: bool,
     /// Share of a pool that pages not yet in L3 may take while L3 is up.
     pub dirty_fraction: f64,
+    /// Share of the dirty limit one session (and one tenant) may hold reserved.
+    pub reserve_share: f64,
     /// Seal committed pages so a kvtierd started after a crash takes the pool over.
     pub take_over_after_crash: bool,
 }
@@ -631,12 +649,15 @@ impl Default for L2Config {
             backing: L2Backing::ShmFile,
             pool_bytes: ByteSize(256 << 20),
             pool_pages: 0,
+            max_page_bytes: ByteSize(64 << 20),
             max_pools: 8,
+            idle_pool_ttl: Dur(Duration::from_secs(3600)),
             eviction_policy: PolicyKind::Lru,
             mlock: false,
             huge_pages: false,
             reserve: true,
             dirty_fraction: 0.5,
+            reserve_share: 0.5,
             take_over_after_crash: true,
         }
     }
@@ -781,11 +802,14 @@ impl DaemonConfig {
                     pool_bytes,
                     pool_pages,
                     max_pools,
+                    idle_pool_ttl: _,
+                    max_page_bytes,
                     eviction_policy: _,
                     mlock: _,
                     huge_pages: _,
                     reserve: _,
                     dirty_fraction,
+                    reserve_share,
                     take_over_after_crash: _,
                 },
             l3,
@@ -929,6 +953,12 @@ impl DaemonConfig {
                 format!("at most {} pages per pool", u32::MAX),
             ));
         }
+        if max_page_bytes.0 < 4096 {
+            return Err(ConfigError::invalid(
+                "l2.max_page_bytes",
+                format!("{max_page_bytes} is below one 4 KiB page"),
+            ));
+        }
         if *max_pools == 0 || *max_pools > 1024 {
             return Err(ConfigError::invalid(
                 "l2.max_pools",
@@ -939,6 +969,12 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "sessions.ttl",
                 format!("{ttl} is outside 100ms..=1h"),
+            ));
+        }
+        if !(0.05..=1.0).contains(reserve_share) {
+            return Err(ConfigError::invalid(
+                "l2.reserve_share",
+                format!("{reserve_share} is outside 0.05..=1.0"),
             ));
         }
         if !(0.05..=1.0).contains(dirty_fraction) {

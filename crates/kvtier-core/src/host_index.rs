@@ -657,7 +657,19 @@ impl HostIndex {
         parent: Option<PageKey>,
         keys: &[PageKey],
     ) -> (Vec<Reserve>, Vec<PageKey>) {
-        self.reserve_as(owner, parent, keys, true)
+        self.reserve_as(owner, parent, keys, true, usize::MAX)
+    }
+
+    /// [`Self::reserve`], handing out at most `max_new` slots: the keys after the last one
+    /// that fits are `NoSpace` (a writer's budget of open reservations).
+    pub fn reserve_at_most(
+        &mut self,
+        owner: OwnerId,
+        parent: Option<PageKey>,
+        keys: &[PageKey],
+        max_new: usize,
+    ) -> (Vec<Reserve>, Vec<PageKey>) {
+        self.reserve_as(owner, parent, keys, true, max_new)
     }
 
     /// [`Self::reserve`] for pages whose bytes come from L3 (a prefetch): they are clean, so
@@ -668,7 +680,7 @@ impl HostIndex {
         parent: Option<PageKey>,
         keys: &[PageKey],
     ) -> (Vec<Reserve>, Vec<PageKey>) {
-        self.reserve_as(owner, parent, keys, false)
+        self.reserve_as(owner, parent, keys, false, usize::MAX)
     }
 
     fn reserve_as(
@@ -677,7 +689,9 @@ impl HostIndex {
         parent: Option<PageKey>,
         keys: &[PageKey],
         dirty: bool,
+        max_new: usize,
     ) -> (Vec<Reserve>, Vec<PageKey>) {
+        let mut handed = 0usize;
         // Only while L3 is up can dirty pages become clean: only then do writers wait.
         let throttled = dirty && self.l3_mode == L3Mode::Up;
         let now = self.tick();
@@ -694,10 +708,11 @@ impl HostIndex {
                 parent = self.link_to(s);
                 continue;
             }
-            if throttled && self.stats.dirty >= self.dirty_limit {
+            if handed >= max_new || (throttled && self.stats.dirty >= self.dirty_limit) {
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;
             }
+            handed += 1;
             // Count the child before allocating, so eviction cannot take its own parent
             // while there is no L3.
             self.adjust_children(parent, 1);

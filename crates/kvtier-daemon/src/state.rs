@@ -22,6 +22,7 @@ use kvtier_shm::{Backing, PoolSpec, ShmPool};
 mod metrics;
 mod operator;
 mod prefetch;
+mod reclaim;
 mod survive;
 
 pub use metrics::L2Metrics;
@@ -53,6 +54,8 @@ pub struct Pool {
     pub prefetch_held: u32,
     /// The slot table that lets a later kvtierd take this pool over after a crash.
     pub seals: Option<Seals>,
+    /// When a session last used it (created, registered to, called on).
+    pub last_used: Instant,
 }
 
 /// A registered client.
@@ -162,6 +165,8 @@ pub struct Counters {
     pub lost_cleared: u64,
     /// Committed pages whose slot records were sealed (they would survive a crash).
     pub sealed_pages: u64,
+    /// Pools removed because no session used them (idle, or their place was needed).
+    pub pools_reclaimed: u64,
     /// What the start-up takeover of dead kvtierd pools did.
     pub takeover: TakeoverCounts,
 }
@@ -195,6 +200,10 @@ pub struct HostState {
     pool_bytes: u64,
     pool_pages: u64,
     max_pools: u32,
+    /// How long an unused pool lives (zero: until its place is needed).
+    idle_pool_ttl: Duration,
+    /// Largest slot a layout may have.
+    max_page_bytes: u64,
     mlock: bool,
     huge_pages: bool,
     reserve: bool,
@@ -202,6 +211,8 @@ pub struct HostState {
     /// admits the group (`[server.unix]`).
     pool_access: kvtier_shm::FileAccess,
     dirty_fraction: f64,
+    /// Share of a pool's dirty limit one session (and one tenant) may hold reserved.
+    reserve_share: f64,
     /// Keep slot tables, so the pools survive a crash.
     take_over: bool,
     /// Which kvtierd this is, across restarts (from its socket path): pool files carry it,
@@ -261,11 +272,14 @@ impl HostState {
             pool_bytes: cfg.l2.pool_bytes.0,
             pool_pages: cfg.l2.pool_pages,
             max_pools: cfg.l2.max_pools,
+            idle_pool_ttl: cfg.l2.idle_pool_ttl.0,
+            max_page_bytes: cfg.l2.max_page_bytes.0,
             mlock: cfg.l2.mlock,
             huge_pages: cfg.l2.huge_pages,
             reserve: cfg.l2.reserve,
             pool_access: pool_access(&cfg.server.unix),
             dirty_fraction: cfg.l2.dirty_fraction,
+            reserve_share: cfg.l2.reserve_share,
             take_over: cfg.l2.take_over_after_crash,
             instance: survive::instance_id(&cfg.socket_path()),
             write: (cfg.l3.backend != L3Backend::None).then(|| cfg.l3.write_policy()),
@@ -479,6 +493,20 @@ impl HostState {
     fn pool_for(&mut self, layout: &Layout) -> Result<&mut Pool, ApiError> {
         let fp = layout.fingerprint();
         if !self.pools.contains_key(&fp) {
+            if layout.slot_stride() as u64 > self.max_page_bytes {
+                return Err(ApiError::invalid(
+                    "layout",
+                    format!(
+                        "a page of {} bytes is larger than l2.max_page_bytes ({})",
+                        layout.slot_stride(),
+                        self.max_page_bytes
+                    ),
+                ));
+            }
+            if self.pools.len() >= self.max_pools as usize {
+                // The least recently used pool nobody uses gives its place.
+                self.reclaim_pools(Instant::now(), true);
+            }
             if self.pools.len() >= self.max_pools as usize {
                 return Err(ApiError::ResourceExhausted(format!(
                     "l2.max_pools ({}) layouts are already served; this layout ({}) is not",
@@ -556,6 +584,7 @@ impl HostState {
                     index,
                     prefetch_held: 0,
                     seals,
+                    last_used: Instant::now(),
                 },
             );
         }
@@ -641,6 +670,7 @@ impl HostState {
             .pools
             .get_mut(&s.fingerprint)
             .ok_or_else(|| ApiError::Internal(format!("session {id} has no pool")))?;
+        pool.last_used = now;
         Ok((s, pool))
     }
 
@@ -705,6 +735,7 @@ impl HostState {
             let _ = self.close(id);
             self.counters.expired_sessions += 1;
         }
+        self.reclaim_pools(now, false);
         dead
     }
 
@@ -743,9 +774,32 @@ impl HostState {
         now: Instant,
     ) -> Result<(Vec<Reserve>, usize), ApiError> {
         self.admitting("new pages")?;
+        // Open reservations are budgeted per session and, while tenancy is on, per tenant:
+        // one writer that reserves and never commits cannot take the whole dirty limit.
+        let tenant_writing = match self.sessions.get(&id) {
+            Some(me) if !self.tenants.is_empty() => self
+                .sessions
+                .values()
+                .filter(|s| s.tenant == me.tenant && s.fingerprint == me.fingerprint)
+                .map(|s| s.writing.len())
+                .sum(),
+            _ => 0,
+        };
+        let share = self.reserve_share;
         let (session, pool) = self.session_pool(id, now)?;
+        // Of what writers may take: the dirty limit while L3 drains it, else the pool.
+        let base = match pool.index.l3_mode() {
+            L3Mode::Up => pool.index.dirty_limit(),
+            _ => pool.index.stats().capacity,
+        };
+        let budget = ((f64::from(base) * share).ceil() as usize).max(1);
+        let room = budget
+            .saturating_sub(session.writing.len())
+            .min(budget.saturating_sub(tenant_writing));
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
-        let (out, evicted) = pool.index.reserve(session.owner, parent, keys);
+        let (out, evicted) = pool
+            .index
+            .reserve_at_most(session.owner, parent, keys, room);
         pool.handed_out(out.iter().filter_map(|r| match r {
             Reserve::Reserved(s) => Some(*s),
             _ => None,

@@ -406,3 +406,53 @@ fn a_tenant_at_its_quotas_evicts_only_its_own_pages_in_l2_and_l3() {
         ) >= 22.0
     );
 }
+
+#[test]
+fn a_tenant_that_reserves_and_never_commits_cannot_block_the_others() {
+    // 64 slots, a dirty limit of 32 (l2.dirty_fraction 0.5): each session, and each tenant,
+    // may hold 16 reserved (l2.reserve_share 0.5).
+    let d = start(
+        "tenant-reserve",
+        "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n",
+    );
+    let tcp = format!("http://{}", d.tcp);
+    let spec = layout("reserve");
+    rt().block_on(async {
+        let reserved = |r: Vec<kvtier_client::Reserved>| {
+            r.iter()
+                .filter(|x| matches!(x, kvtier_client::Reserved::Slot(_)))
+                .count()
+        };
+        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
+            .await
+            .unwrap();
+        let sa = a.register("hog", &spec).await.unwrap();
+        // Acme asks for the whole pool and never commits.
+        let got = reserved(a.reserve(sa.id, None, &chain(1, 64)).await.unwrap());
+        assert_eq!(got, 16, "one session's open reservations");
+        let sa2 = a.register("hog-2", &spec).await.unwrap();
+        let got = reserved(a.reserve(sa2.id, None, &chain(2, 8)).await.unwrap());
+        assert_eq!(got, 0, "acme's second session is within acme's budget too");
+        // Globex and the default tenant still write.
+        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
+            .await
+            .unwrap();
+        let sg = g.register("writer", &spec).await.unwrap();
+        let keys = chain(3, 12);
+        let got = reserved(g.reserve(sg.id, None, &keys).await.unwrap());
+        assert_eq!(got, 12, "globex was blocked by acme's open reservations");
+        g.commit(sg.id, &keys).await.unwrap();
+        let mut n = HostClient::connect_with(&tcp, &token("tok-default"))
+            .await
+            .unwrap();
+        let sn = n.register("writer", &spec).await.unwrap();
+        assert_eq!(
+            reserved(n.reserve(sn.id, None, &chain(4, 4)).await.unwrap()),
+            4
+        );
+        // Acme committing (or its session ending) gives its budget back.
+        a.close(sa.id).await.unwrap();
+        let got = reserved(a.reserve(sa2.id, None, &chain(2, 8)).await.unwrap());
+        assert_eq!(got, 8, "acme's budget did not come back with its session");
+    });
+}

@@ -30,6 +30,7 @@ pub struct L2Metrics {
     takeover_pages: IntCounterVec,
     takeover_pools: IntCounterVec,
     sealed_pages: IntCounter,
+    pools_reclaimed: IntCounter,
     cleared_pages: IntCounter,
     draining: IntGauge,
     pool_bytes: IntGaugeVec,
@@ -98,6 +99,11 @@ impl L2Metrics {
                  (no or damaged slot table, foreign layout, takeover off), or ignored (not \
                  kvtierd's own file, or held by a live process)",
                 &["outcome"],
+            )?,
+            pools_reclaimed: r.counter(
+                "kvtier_l2_pools_reclaimed_total",
+                "Pools removed because no session used them: idle for l2.idle_pool_ttl, or \
+                 their place was needed by a new layout past l2.max_pools",
             )?,
             sealed_pages: r.counter(
                 "kvtier_l2_sealed_pages_total",
@@ -226,6 +232,7 @@ impl L2Metrics {
         catch_up(&self.cleared_pages, c.cleared_pages);
         self.draining.set(i64::from(st.draining()));
         catch_up(&self.sealed_pages, c.sealed_pages);
+        catch_up(&self.pools_reclaimed, c.pools_reclaimed);
         for (outcome, n) in [
             ("adopted", c.takeover.adopted),
             ("refused_checksum", c.takeover.refused_checksum),

@@ -1,0 +1,66 @@
+//! Pools nobody uses go: a pool of a layout no session is registered to, with no pin, no
+//! reservation, no prefetch and no page L3 still lacks, is removed once it has been unused
+//! for `l2.idle_pool_ttl`, or at once when a new layout needs its place past `l2.max_pools`.
+//! Its memory and its file in `l2.shm_dir` are given back; a later session of that layout
+//! gets a new, empty pool (what L3 holds is found there again). Without L3, the pages it held
+//! are counted as lost (`no_l3`), as any eviction without L3 is.
+
+use std::time::Instant;
+
+use kvtier_core::LayoutFingerprint;
+use kvtier_core::host_index::L3Mode;
+
+use super::HostState;
+
+impl HostState {
+    /// Whether pool `fp` can go now: no session on it, nothing pinned, reserved or
+    /// prefetching, and (while L3 is attached) nothing L3 lacks.
+    fn reclaimable(&self, fp: &LayoutFingerprint) -> bool {
+        let Some(p) = self.pools.get(fp) else {
+            return false;
+        };
+        let s = p.index.stats();
+        let in_use = self.sessions.values().any(|x| x.fingerprint == *fp);
+        let unwritten = self.l3_mode() != L3Mode::Absent && s.dirty > 0;
+        !in_use && s.pinned == 0 && s.writing == 0 && p.prefetch_held == 0 && !unwritten
+    }
+
+    /// Removes the pools unused for `l2.idle_pool_ttl` (with `make_room`: also the least
+    /// recently used reclaimable pool, whatever its age). Returns how many went.
+    pub(super) fn reclaim_pools(&mut self, now: Instant, make_room: bool) -> usize {
+        let ttl = self.idle_pool_ttl;
+        let mut idle: Vec<(Instant, LayoutFingerprint)> = self
+            .pools
+            .iter()
+            .filter(|(fp, _)| self.reclaimable(fp))
+            .map(|(fp, p)| (p.last_used, *fp))
+            .collect();
+        idle.sort();
+        let mut gone = 0;
+        for (i, (used, fp)) in idle.into_iter().enumerate() {
+            let expired = !ttl.is_zero() && now.saturating_duration_since(used) >= ttl;
+            if !(expired || (make_room && i == 0)) {
+                continue;
+            }
+            let Some(pool) = self.pools.remove(&fp) else {
+                continue;
+            };
+            let s = pool.index.stats();
+            if self.l3_mode() == L3Mode::Absent {
+                self.counters.lost_no_l3 += u64::from(s.ready);
+            }
+            self.counters.pools_reclaimed += 1;
+            gone += 1;
+            tracing::info!(
+                fingerprint = %fp,
+                model = %pool.layout.spec().model_id,
+                pages = s.ready,
+                idle = ?now.saturating_duration_since(used),
+                "removed a pool no session uses"
+            );
+            // Its file goes with the last reference (the sealer may hold one a moment).
+            pool.shm.unlink();
+        }
+        gone
+    }
+}
