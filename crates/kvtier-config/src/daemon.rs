@@ -104,6 +104,14 @@ eviction_policy = "lru"
 mlock = false
 # Ask the kernel for transparent huge pages on the pools (best effort).
 huge_pages = false
+# While [tenants] names any: each named tenant gets its own pool per layout, whose file only
+# kvtierd and that tenant's uids and gids (tenants.*.uids / gids) may open, by a POSIX ACL on
+# l2.shm_dir (tmpfs has them). Another tenant in the socket's group then cannot map, read or
+# overwrite its pages. Costs a pool per tenant and layout (each counts in max_pools); a
+# tenant's pool is not taken over after a crash (its pages come back from L3). false: one
+# pool per layout shared by every tenant, which every peer in the socket's group can map
+# read-write (tenancy then scopes only the API).
+tenant_pools = true
 # Allocate each pool's memory when it is created (fallocate), after checking shm_dir has
 # room: a /dev/shm too small for the pool is then a clear error at registration, not a
 # SIGBUS later in whichever process first touches a page. false: pages on first use.
@@ -451,6 +459,8 @@ pub struct L2Config {
     pub pool_pages: u64,
     /// Largest page a layout may have.
     pub max_page_bytes: ByteSize,
+    /// A pool per tenant and layout, its file open to that tenant alone.
+    pub tenant_pools: bool,
     /// Most pool classes.
     pub max_pools: u32,
     /// How long an unused pool lives.
@@ -650,6 +660,7 @@ impl Default for L2Config {
             pool_bytes: ByteSize(256 << 20),
             pool_pages: 0,
             max_page_bytes: ByteSize(64 << 20),
+            tenant_pools: true,
             max_pools: 8,
             idle_pool_ttl: Dur(Duration::from_secs(3600)),
             eviction_policy: PolicyKind::Lru,
@@ -804,6 +815,7 @@ impl DaemonConfig {
                     max_pools,
                     idle_pool_ttl: _,
                     max_page_bytes,
+                    tenant_pools: _,
                     eviction_policy: _,
                     mlock: _,
                     huge_pages: _,

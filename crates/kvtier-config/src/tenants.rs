@@ -64,6 +64,10 @@ pub struct TenantQuota {
     pub l2_pages: Option<u32>,
     /// Most L3 bytes.
     pub l3_bytes: Option<u64>,
+    /// Its Unix-socket uids (given its own pools' files, `l2.tenant_pools`).
+    pub uids: Vec<u32>,
+    /// Its Unix-socket gids.
+    pub gids: Vec<u32>,
 }
 
 /// The tenants, by name, with their tokens read.
@@ -109,6 +113,8 @@ impl Tenants {
                 name: name.clone(),
                 l2_pages: (c.l2_pages > 0).then_some(c.l2_pages),
                 l3_bytes: (c.l3_bytes.0 > 0).then_some(c.l3_bytes.0),
+                uids: c.uids.clone(),
+                gids: c.gids.clone(),
             });
             if let Some(tok) = crate::tls::resolve_token(&c.token, &c.token_file, &key("token"))? {
                 if let Some((other, _)) = t.by_token.iter().find(|(_, x)| *x == tok) {
@@ -127,6 +133,8 @@ impl Tenants {
                     name: String::new(),
                     l2_pages: None,
                     l3_bytes: None,
+                    uids: Vec::new(),
+                    gids: Vec::new(),
                 },
             );
         } else {

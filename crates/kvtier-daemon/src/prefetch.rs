@@ -684,6 +684,7 @@ mod tests {
                 huge_pages: false,
                 reserve: false,
                 access: kvtier_shm::FileAccess::OWNER,
+                grant: None,
             })
             .unwrap(),
         );

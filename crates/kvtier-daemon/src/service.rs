@@ -594,11 +594,10 @@ impl HostTier for HostService {
             let st = self.state();
             let now = Instant::now();
             let mut sessions: Vec<_> = st.sessions().filter(|(_, s)| mine(&s.tenant)).collect();
-            let seen: std::collections::HashSet<_> =
-                sessions.iter().map(|(_, s)| s.fingerprint).collect();
+            let seen: std::collections::HashSet<_> = sessions.iter().map(|(_, s)| s.pool).collect();
             let pools = st
                 .pools()
-                .filter(|p| only.is_none() || seen.contains(&p.layout.fingerprint()))
+                .filter(|p| only.is_none() || seen.contains(&p.key))
                 .map(|p| {
                     let s = p.index.stats();
                     v1::PoolStats {

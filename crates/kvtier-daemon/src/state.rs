@@ -44,6 +44,9 @@ fn pool_access(unix: &kvtier_config::unix::UnixAccess) -> kvtier_shm::FileAccess
 /// One pool class: the shared memory of one layout and its index.
 #[derive(Debug)]
 pub struct Pool {
+    /// Its key among the pools: its layout's fingerprint, or (a tenant's own pool,
+    /// `l2.tenant_pools`) one derived from it and the tenant ([`pool_key`]).
+    pub key: LayoutFingerprint,
     /// The layout every page in this pool has.
     pub layout: Layout,
     /// The shared memory (shared with the L3 writer, which copies pinned slots out).
@@ -63,8 +66,10 @@ pub struct Pool {
 pub struct Session {
     /// Client-chosen name.
     pub name: String,
-    /// The pool class it uses.
+    /// Its layout's fingerprint (what L3 names its pages by).
     pub fingerprint: LayoutFingerprint,
+    /// The pool it uses ([`Pool::key`]).
+    pub pool: LayoutFingerprint,
     /// Last request or heartbeat.
     pub last_seen: Instant,
     /// Pins it holds, with multiplicity.
@@ -85,8 +90,10 @@ pub struct Session {
 /// flusher), pinned in its slot until the writer reports how the write went.
 #[derive(Debug)]
 pub struct Job {
-    /// Layout class.
+    /// Layout class (what L3 names the page by).
     pub fp: LayoutFingerprint,
+    /// The L2 pool it is in ([`Pool::key`]).
+    pub pool_key: LayoutFingerprint,
     /// Page key.
     pub key: PageKey,
     /// Slot holding the page (pinned until the job ends).
@@ -238,6 +245,10 @@ pub struct HostState {
     prefetch_budget: f64,
     /// Tenants tracked in every pool, with their L2 page quotas (empty: tenancy is off).
     tenants: Vec<(String, TenantTag, Option<u32>)>,
+    /// Each named tenant's Unix-socket uids and gids, given its own pools' files.
+    tenant_peers: HashMap<String, kvtier_shm::Grant>,
+    /// A pool per tenant and layout (`l2.tenant_pools`).
+    tenant_pools: bool,
     /// Counters since start.
     pub counters: Counters,
 }
@@ -292,6 +303,8 @@ impl HostState {
             next_prefetch: 1,
             prefetch_budget: cfg.prefetch.budget_fraction,
             tenants: Vec::new(),
+            tenant_peers: HashMap::new(),
+            tenant_pools: cfg.l2.tenant_pools,
             counters: Counters::default(),
         }
     }
@@ -302,6 +315,17 @@ impl HostState {
         self.tenants = tenants
             .iter()
             .map(|q| (q.name.clone(), TenantScope::new(&q.name).tag(), q.l2_pages))
+            .collect();
+        self.tenant_peers = tenants
+            .iter()
+            .filter(|q| !q.name.is_empty())
+            .map(|q| {
+                let grant = kvtier_shm::Grant {
+                    uids: q.uids.clone(),
+                    gids: q.gids.clone(),
+                };
+                (q.name.clone(), grant)
+            })
             .collect();
         for p in self.pools.values_mut() {
             for (_, tag, quota) in &self.tenants {
@@ -347,6 +371,7 @@ impl HostState {
             .into_iter()
             .map(|(key, slot)| Job {
                 fp: pool.layout.fingerprint(),
+                pool_key: pool.key,
                 key,
                 slot,
                 pool: pool.shm.clone(),
@@ -420,7 +445,7 @@ impl HostState {
     /// persisted if the write landed and L3 was not cleared since.
     pub fn finish_l3(&mut self, job: &Job, landed: bool) {
         let landed = landed && job.epoch == self.l3_epoch;
-        if let Some(p) = self.pools.get_mut(&job.fp) {
+        if let Some(p) = self.pools.get_mut(&job.pool_key) {
             p.index.finish_l3(&job.key, landed);
         }
     }
@@ -490,8 +515,17 @@ impl HostState {
         self.sessions.iter()
     }
 
-    fn pool_for(&mut self, layout: &Layout) -> Result<&mut Pool, ApiError> {
-        let fp = layout.fingerprint();
+    fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, ApiError> {
+        // A named tenant's own pool, its file open to its peers alone; else the layout's.
+        let grant = if self.tenant_pools {
+            self.tenant_peers.get(tenant).cloned()
+        } else {
+            None
+        };
+        let fp = match grant {
+            Some(_) => pool_key(&layout.fingerprint(), tenant),
+            None => layout.fingerprint(),
+        };
         if !self.pools.contains_key(&fp) {
             if layout.slot_stride() as u64 > self.max_page_bytes {
                 return Err(ApiError::invalid(
@@ -541,7 +575,11 @@ impl HostState {
                 mlock: self.mlock,
                 huge_pages: self.huge_pages,
                 reserve: self.reserve,
-                access: self.pool_access,
+                access: match grant {
+                    Some(_) => kvtier_shm::FileAccess::OWNER,
+                    None => self.pool_access,
+                },
+                grant: grant.clone(),
             })
             .map_err(|e| match e {
                 kvtier_shm::ShmError::NoSpace { .. } => ApiError::ResourceExhausted(format!(
@@ -559,7 +597,9 @@ impl HostState {
                 path = %shm.path().display(),
                 "created pool class"
             );
-            let seals = if self.seals_enabled() {
+            // A tenant's pool is not taken over after a crash: its table would name the layout,
+            // not the tenant (its pages come back from L3).
+            let seals = if self.seals_enabled() && grant.is_none() {
                 match Seals::create(shm.path(), layout, slots) {
                     Ok(s) => Some(s),
                     Err(e) => {
@@ -579,6 +619,7 @@ impl HostState {
             self.pools.insert(
                 fp,
                 Pool {
+                    key: fp,
                     layout: layout.clone(),
                     shm: Arc::new(shm),
                     index,
@@ -611,7 +652,8 @@ impl HostState {
                 break id;
             }
         };
-        let pool = self.pool_for(layout)?;
+        let pool = self.pool_for(layout, tenant)?;
+        let pool_key = pool.key;
         let reg = Registered {
             session_id: id,
             pool_path: pool.shm.path().to_path_buf(),
@@ -625,6 +667,7 @@ impl HostState {
             Session {
                 name,
                 fingerprint: layout.fingerprint(),
+                pool: pool_key,
                 last_seen: now,
                 pins: KeyMap::default(),
                 writing: KeySet::default(),
@@ -668,7 +711,7 @@ impl HostState {
         s.last_seen = now;
         let pool = self
             .pools
-            .get_mut(&s.fingerprint)
+            .get_mut(&s.pool)
             .ok_or_else(|| ApiError::Internal(format!("session {id} has no pool")))?;
         pool.last_used = now;
         Ok((s, pool))
@@ -692,7 +735,7 @@ impl HostState {
             .sessions
             .remove(&id)
             .ok_or_else(|| unknown_session(id, self.epoch))?;
-        let Some(pool) = self.pools.get_mut(&s.fingerprint) else {
+        let Some(pool) = self.pools.get_mut(&s.pool) else {
             return Ok(());
         };
         let pins: Vec<PageKey> = s
@@ -780,7 +823,7 @@ impl HostState {
             Some(me) if !self.tenants.is_empty() => self
                 .sessions
                 .values()
-                .filter(|s| s.tenant == me.tenant && s.fingerprint == me.fingerprint)
+                .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
                 .map(|s| s.writing.len())
                 .sum(),
             _ => 0,
@@ -958,6 +1001,19 @@ impl HostState {
             )
         })
     }
+}
+
+/// The key of tenant `tenant`'s own pool of the layout with fingerprint `fp`: 16 bytes of
+/// SHA-256 over both, so it names the pool file and never equals a layout's fingerprint.
+pub fn pool_key(fp: &LayoutFingerprint, tenant: &str) -> LayoutFingerprint {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update(b"kvtier/tenant-pool/v1");
+    h.update(fp.0);
+    h.update(tenant.as_bytes());
+    let mut k = [0u8; 16];
+    k.copy_from_slice(&h.finalize()[..16]);
+    LayoutFingerprint(k)
 }
 
 #[cfg(test)]

@@ -56,6 +56,7 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
         huge_pages: false,
         reserve: false,
         access: kvtier_shm::FileAccess::OWNER,
+        grant: None,
     })
     .unwrap();
     (dev, engine, host)

@@ -50,6 +50,7 @@ fn pages_round_trip_through_gpu_buffers() {
         huge_pages: false,
         reserve: false,
         access: kvtier_shm::FileAccess::OWNER,
+        grant: None,
     })
     .unwrap();
     let page = |s: u32| -> Vec<u8> {

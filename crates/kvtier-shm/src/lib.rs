@@ -30,11 +30,13 @@ use std::ptr::NonNull;
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
+mod access;
 mod guard;
 pub mod malloc;
 pub mod peer;
 mod slot_table;
 
+pub use access::{FileAccess, Grant, open_own};
 pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_path};
 
 /// Alignment of the slot stride.
@@ -105,46 +107,6 @@ impl ShmError {
     }
 }
 
-/// Opens `path` read-write only if it is this process's own file: not a symlink (`O_NOFOLLOW`),
-/// a regular file with one link, owned by this process's effective uid, writable by nobody
-/// else. The checks run on the opened descriptor (`fstat`), so the file cannot be swapped
-/// between check and use. For files found in a shared directory such as /dev/shm, where any
-/// local user may plant one under the name kvtier would look for.
-pub fn open_own(path: &Path) -> Result<File, ShmError> {
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    let untrusted = |why: String| ShmError::Untrusted {
-        path: path.display().to_string(),
-        why,
-    };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => untrusted("it is a symlink".into()),
-            _ => io_err("open", path)(e),
-        })?;
-    let meta = file.metadata().map_err(io_err("stat", path))?;
-    let me = rustix::process::geteuid().as_raw();
-    if !meta.file_type().is_file() {
-        return Err(untrusted("not a regular file".into()));
-    }
-    if meta.uid() != me {
-        return Err(untrusted(format!("owned by uid {}, not {me}", meta.uid())));
-    }
-    if meta.mode() & 0o022 != 0 {
-        return Err(untrusted(format!(
-            "mode {:o} lets the group or others write it",
-            meta.mode() & 0o777
-        )));
-    }
-    if meta.nlink() != 1 {
-        return Err(untrusted(format!("{} hard links", meta.nlink())));
-    }
-    Ok(file)
-}
-
 impl ShmError {
     /// Whether retrying could succeed (transient OS conditions only).
     pub fn is_retryable(&self) -> bool {
@@ -195,42 +157,8 @@ pub struct PoolSpec {
     pub reserve: bool,
     /// Who may open a [`Backing::ShmFile`] pool's file: set explicitly, whatever the umask.
     pub access: FileAccess,
-}
-
-/// The permission bits and group a file is given when it is created, whatever the creating
-/// process's umask (which would otherwise decide: under the common 022 every local user could
-/// read the pages).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FileAccess {
-    /// Permission bits (read and write for the owner, optionally for the group; never for
-    /// others, never execute).
-    pub mode: u32,
-    /// The group to give the file; `None` keeps the creator's.
-    pub gid: Option<u32>,
-}
-
-impl FileAccess {
-    /// The owner alone (0600).
-    pub const OWNER: FileAccess = FileAccess {
-        mode: 0o600,
-        gid: None,
-    };
-
-    /// The owner and the members of `gid` (or of the creator's group) (0660).
-    pub fn with_group(gid: Option<u32>) -> Self {
-        FileAccess { mode: 0o660, gid }
-    }
-
-    /// Gives `file` (at `path`, for errors) this access.
-    pub fn apply(self, file: &File, path: &Path) -> Result<(), ShmError> {
-        use std::os::unix::fs::PermissionsExt;
-        if let Some(gid) = self.gid {
-            std::os::unix::fs::fchown(file, None, Some(gid)).map_err(io_err("chown", path))?;
-        }
-        // After chown, which may clear bits; fchmod ignores the umask.
-        file.set_permissions(std::fs::Permissions::from_mode(self.mode & 0o660))
-            .map_err(io_err("chmod", path))
-    }
+    /// Besides: the peers given read and write by name (a POSIX ACL), if any.
+    pub grant: Option<Grant>,
 }
 
 /// A mapped pool. The creating process owns it (and unlinks its file on drop); other processes
@@ -346,6 +274,9 @@ impl ShmPool {
                     .open(&path)
                     .map_err(io_err("create", &path))?;
                 spec.access.apply(&file, &path)?;
+                if let Some(g) = &spec.grant {
+                    g.apply(&file, &path)?;
+                }
                 (file, path, true)
             }
             Backing::Memfd => {
@@ -869,6 +800,7 @@ mod tests {
             huge_pages: false,
             reserve: false,
             access: FileAccess::OWNER,
+            grant: None,
         }
     }
 

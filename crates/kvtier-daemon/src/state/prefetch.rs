@@ -114,7 +114,7 @@ pub struct PrefetchEntry {
     pub session: SessionId,
     /// The session's name for it.
     pub request_id: String,
-    /// The pool class.
+    /// The pool ([`super::Pool::key`]).
     pub fp: LayoutFingerprint,
     /// Stop policy.
     pub policy: StopPolicy,
@@ -368,7 +368,7 @@ impl HostState {
         pool.prefetch_held += run as u32;
         let shm = pool.shm.clone();
         let page_bytes = pool.layout.page_bytes() as u64;
-        let fp = pool.layout.fingerprint();
+        let fp = pool.key;
         self.counters.prefetch_evictions += evicted.len() as u64;
         self.count_lost(mode, lost, lost_after);
         self.next_prefetch += 1;

@@ -20,7 +20,7 @@ impl HostState {
             return false;
         };
         let s = p.index.stats();
-        let in_use = self.sessions.values().any(|x| x.fingerprint == *fp);
+        let in_use = self.sessions.values().any(|x| x.pool == *fp);
         let unwritten = self.l3_mode() != L3Mode::Absent && s.dirty > 0;
         !in_use && s.pinned == 0 && s.writing == 0 && p.prefetch_held == 0 && !unwritten
     }

@@ -199,7 +199,7 @@ impl HostState {
         counts: &mut TakeoverCounts,
     ) -> Result<(), String> {
         let page_bytes = layout.page_bytes();
-        let pool = self.pool_for(layout).map_err(|e| e.to_string())?;
+        let pool = self.pool_for(layout, "").map_err(|e| e.to_string())?;
         let mut records: HashMap<PageKey, (u32, SlotRecord)> = HashMap::new();
         for slot in 0..table.slots().min(old.slots()) {
             if let Some(r) = table.record(slot) {

@@ -352,9 +352,22 @@ pub fn is_root() -> bool {
 /// Runs this test binary's `child_entry` as `nobody` (uid and gid 65534, no other groups,
 /// through util-linux's `setpriv`) with `env`, and returns what it printed after `RESULT `.
 pub fn as_nobody(env: &[(&str, &str)]) -> String {
-    let nobody = NOBODY.to_string();
-    let out = Command::new("setpriv")
-        .args(["--reuid", &nobody, "--regid", &nobody, "--clear-groups"])
+    as_user(NOBODY, &[], env)
+}
+
+/// [`as_nobody`] as `uid` (its gid the same number) with supplementary `groups`.
+pub fn as_user(uid: u32, groups: &[u32], env: &[(&str, &str)]) -> String {
+    let id = uid.to_string();
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid", &id, "--regid", &id]);
+    match groups {
+        [] => cmd.arg("--clear-groups"),
+        g => cmd.args([
+            "--groups",
+            &g.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+        ]),
+    };
+    let out = cmd
         .arg(std::env::current_exe().unwrap())
         .args([
             "child_entry",
