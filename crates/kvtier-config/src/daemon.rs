@@ -121,10 +121,11 @@ reserve = true
 # backpressure that slows engines to what L3 absorbs. The rest of the pool keeps pages L3
 # holds, for readers and for prefetches to make room among.
 dirty_fraction = 0.5
-# Share of that dirty limit one session may hold reserved and not yet committed, and, while
-# [tenants] names any, one tenant's sessions together (0.05 to 1.0). A client that reserves
-# and never commits then blocks at most this much; past it its reservations get NO_SPACE
-# (it commits what it has, then reserves again) and every other writer keeps going.
+# While [tenants] names any: the share of that dirty limit (of the pool, without L3) one
+# session, and one tenant's sessions together, may hold reserved and not yet committed (0.05
+# to 1.0). A client that reserves and never commits then blocks at most this much; past it
+# its reservations get NO_SPACE (it commits what it has, then reserves again) and every other
+# tenant keeps writing. Without tenants every writer is one trust domain and has no budget.
 reserve_share = 0.5
 # Survive a kvtierd crash with L2 intact (shm_file pools). Each committed page gets a record
 # beside the pool (key, length, CRC32C, computed in the background), cleared before its slot

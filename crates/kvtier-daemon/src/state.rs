@@ -817,10 +817,12 @@ impl HostState {
         now: Instant,
     ) -> Result<(Vec<Reserve>, usize), ApiError> {
         self.admitting("new pages")?;
-        // Open reservations are budgeted per session and, while tenancy is on, per tenant:
-        // one writer that reserves and never commits cannot take the whole dirty limit.
+        // While tenancy is on, open reservations are budgeted per session and per tenant: one
+        // writer that reserves and never commits cannot take the whole dirty limit from the
+        // others. (Without tenants every writer is one trust domain, as for everything else.)
+        let tenancy = !self.tenants.is_empty();
         let tenant_writing = match self.sessions.get(&id) {
-            Some(me) if !self.tenants.is_empty() => self
+            Some(me) if tenancy => self
                 .sessions
                 .values()
                 .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
@@ -828,7 +830,7 @@ impl HostState {
                 .sum(),
             _ => 0,
         };
-        let share = self.reserve_share;
+        let share = if tenancy { self.reserve_share } else { 1.0 };
         let (session, pool) = self.session_pool(id, now)?;
         // Of what writers may take: the dirty limit while L3 drains it, else the pool.
         let base = match pool.index.l3_mode() {

@@ -346,8 +346,13 @@ mod tests {
         }
         t.clear(3).unwrap();
         assert!(t.seal(8, &rec(0)).is_err());
-        // The writer dies: its handle is forgotten, the file stays.
-        std::mem::forget(t);
+        // While its writer lives (holds it open), nobody takes it over.
+        let e = SlotTable::open(&path).unwrap_err();
+        assert!(e.is_untrusted(), "{e}");
+        // The writer dies: its descriptor (and lock) go, the file stays.
+        let mut t = t;
+        t.unlink_on_drop = false;
+        drop(t);
         let (mut t, h) = SlotTable::open(&path).unwrap();
         assert_eq!(
             h,
