@@ -128,4 +128,6 @@ class Kvtierd:
         return self.proc.poll() is None
 
     def l3_files(self) -> list[Path]:
-        return [p for p in (self.data_dir / "l3").rglob("*") if p.is_file()]
+        """The object files of the file L3 (its directory marker and temp files left out)."""
+        objects = self.data_dir / "l3" / "objects"
+        return [p for p in objects.rglob("*") if p.is_file() and not p.name.startswith(".")]
