@@ -17,7 +17,8 @@ use tonic_health::server::HealthReporter;
 use crate::l3::{L3Slot, wire_stats};
 use crate::service::HostService;
 use crate::sglang::ObjectCache;
-use crate::state::{DrainReport, HostState};
+use crate::state::DrainReport;
+use crate::state::Shared;
 
 /// How often a flush or drain looks at its progress.
 const POLL: Duration = Duration::from_millis(20);
@@ -28,7 +29,7 @@ const MAX_FLUSH_WAIT_MS: u32 = 3_600_000;
 #[derive(Clone)]
 pub struct AdminService {
     l3: Arc<L3Slot>,
-    state: Arc<Mutex<HostState>>,
+    state: Arc<Shared>,
     /// kvtierd's memory of SGLang objects, when it serves SGLang.
     sglang_memory: Option<Arc<ObjectCache>>,
     health: HealthReporter,
@@ -45,11 +46,11 @@ impl std::fmt::Debug for AdminService {
 }
 
 /// Ends a flush when its call ends, however it ends (a client that hangs up included).
-struct FlushGuard<'a>(&'a Mutex<HostState>);
+struct FlushGuard<'a>(&'a Shared);
 
 impl Drop for FlushGuard<'_> {
     fn drop(&mut self) {
-        crate::lock(self.0).end_flush();
+        self.0.lock().end_flush();
     }
 }
 
@@ -58,7 +59,7 @@ impl AdminService {
     /// flips the host tier's status in `health`.
     pub fn new(
         l3: Arc<L3Slot>,
-        state: Arc<Mutex<HostState>>,
+        state: Arc<Shared>,
         sglang_memory: Option<Arc<ObjectCache>>,
         health: HealthReporter,
         cfg: DaemonConfig,
@@ -93,7 +94,7 @@ impl AdminService {
     }
 
     fn drain_status(&self) -> v1::DrainResponse {
-        let r = crate::lock(&self.state).drain_report();
+        let r = self.state.lock().drain_report();
         drain_response(&r, self.queued())
     }
 
@@ -106,7 +107,7 @@ impl AdminService {
                 Status::from(ApiError::FailedPrecondition(format!("clearing L3: {e}")))
             })?;
         // After the objects are gone: whatever landed or was found before no longer counts.
-        let rewrite = crate::lock(&self.state).forget_l3();
+        let rewrite = self.state.lock().forget_l3();
         tracing::warn!(
             backend = l3.store.store().kind(),
             removed,
@@ -121,7 +122,7 @@ impl AdminService {
     }
 
     fn clear_l2(&self, dry_run: bool) -> v1::ClearResponse {
-        let c = crate::lock(&self.state).clear_l2(dry_run);
+        let c = self.state.lock().clear_l2(dry_run);
         let sglang = match (&self.sglang_memory, dry_run) {
             (Some(m), false) => m.clear() as u64,
             (Some(m), true) => m.usage().1 as u64,
@@ -271,13 +272,13 @@ impl Admin for AdminService {
             .into());
         };
         let deadline = Instant::now() + Duration::from_millis(u64::from(wait_ms));
-        let mut wait = crate::lock(&self.state).begin_flush();
+        let mut wait = self.state.lock().begin_flush();
         let _guard = FlushGuard(&self.state);
         let pages = wait.left();
         let mut left = pages;
         while left > 0 && Instant::now() < deadline {
             tokio::time::sleep(POLL).await;
-            left = crate::lock(&self.state).flush_left(&mut wait);
+            left = self.state.lock().flush_left(&mut wait);
         }
         let reason = if left == 0 {
             String::new()
@@ -302,7 +303,7 @@ impl Admin for AdminService {
         match v1::DrainAction::try_from(action).unwrap_or(v1::DrainAction::Unspecified) {
             v1::DrainAction::Start => {
                 let was = {
-                    let mut st = crate::lock(&self.state);
+                    let mut st = self.state.lock();
                     let was = st.draining();
                     st.set_draining(true);
                     was
@@ -315,7 +316,7 @@ impl Admin for AdminService {
                 }
             }
             v1::DrainAction::Cancel => {
-                crate::lock(&self.state).set_draining(false);
+                self.state.lock().set_draining(false);
                 self.set_health(ServingStatus::Serving).await;
                 tracing::info!("drain cancelled by admin request: admitting again");
             }

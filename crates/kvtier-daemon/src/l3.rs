@@ -26,7 +26,8 @@ use kvtier_storage::{OpCtx, PageStore, StorageError, Store};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::state::{HostState, Job};
+use crate::state::Job;
+use crate::state::Shared;
 use kvtier_server::metrics::MetricRegistry;
 
 mod factory;
@@ -205,7 +206,7 @@ impl L3 {
     /// Queues pages for writing without waiting. Pages that do not fit stay unwritten in L2
     /// (unpinned, counted as deferred): the flusher writes them before their slots are
     /// reused.
-    pub fn enqueue(&self, jobs: Vec<Job>, state: &Mutex<HostState>) {
+    pub fn enqueue(&self, jobs: Vec<Job>, state: &Shared) {
         for job in jobs {
             match self.tx.try_send(job) {
                 Ok(()) => {
@@ -216,7 +217,7 @@ impl L3 {
                 ) => {
                     self.counters.deferred.fetch_add(1, Ordering::Relaxed);
                     self.metrics.writes.with_label_values(&["deferred"]).inc();
-                    crate::lock(state).finish_l3(&job, false);
+                    state.lock().finish_l3(&job, false);
                 }
             }
         }
@@ -254,7 +255,7 @@ async fn write_one(
 pub async fn run_writer(
     parts: WriterParts,
     l3: Arc<L3>,
-    state: Arc<Mutex<HostState>>,
+    state: Arc<Shared>,
     stop: CancellationToken,
 ) {
     let WriterParts {
@@ -309,7 +310,7 @@ pub async fn run_writer(
                     }
                 };
                 metrics.writes.with_label_values(&[outcome]).inc();
-                crate::lock(&state).finish_l3(&job, r.is_ok());
+                state.lock().finish_l3(&job, r.is_ok());
                 c.queued.fetch_sub(1, Ordering::Relaxed);
                 drop(permit);
             });
@@ -324,12 +325,7 @@ pub async fn run_writer(
 /// [`HostState::set_l3_down`]; each pool with fewer than a quarter of its slots free (every
 /// pool while a flush or drain runs) gets its coldest unwritten pages queued (none while L3
 /// is down).
-pub async fn run_flusher(
-    l3: Arc<L3>,
-    state: Arc<Mutex<HostState>>,
-    batch: usize,
-    stop: CancellationToken,
-) {
+pub async fn run_flusher(l3: Arc<L3>, state: Arc<Shared>, batch: usize, stop: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
         tokio::select! {
@@ -337,7 +333,7 @@ pub async fn run_flusher(
             _ = tick.tick() => {}
         }
         let jobs = {
-            let mut st = crate::lock(&state);
+            let mut st = state.lock();
             st.set_l3_down(l3.breaker_open());
             // No more than the queue takes: a flush of the whole pool waits its turn in L2
             // rather than being counted as deferred.
@@ -363,7 +359,7 @@ struct Attached {
 #[derive(Debug)]
 pub struct L3Slot {
     current: std::sync::RwLock<Option<Attached>>,
-    state: Arc<Mutex<HostState>>,
+    state: Arc<Shared>,
     metrics: L3Metrics,
     shutdown: CancellationToken,
     drain: Duration,
@@ -373,7 +369,7 @@ impl L3Slot {
     /// An empty slot; `shutdown` stops whatever tier is attached. The tier's series are
     /// declared in `registry` and follow whichever tier is attached.
     pub fn new(
-        state: Arc<Mutex<HostState>>,
+        state: Arc<Shared>,
         registry: &MetricRegistry,
         shutdown: CancellationToken,
         drain: Duration,
@@ -391,7 +387,7 @@ impl L3Slot {
 
     /// The L2 → L3 write policy of the attached tier.
     pub fn write_policy(&self) -> Option<WritePolicy> {
-        crate::lock(&self.state).write_policy()
+        self.state.lock().write_policy()
     }
 
     /// The attached tier, if any.
@@ -426,7 +422,7 @@ impl L3Slot {
             stop.clone(),
         ));
         let policy = cfg.l3.write_policy();
-        crate::lock(&self.state).set_write(Some(policy));
+        self.state.lock().set_write(Some(policy));
         tracing::info!(backend = l3.store.store().kind(), %policy, "l3 tier attached");
         let old = self.swap(Some(Attached { l3, stop }));
         self.retire(old).await;
@@ -435,7 +431,7 @@ impl L3Slot {
 
     /// Detaches the tier (draining its queued writes first). Clients keep L2 service.
     pub async fn detach(&self) {
-        crate::lock(&self.state).set_write(None);
+        self.state.lock().set_write(None);
         let old = self.swap(None);
         self.retire(old).await;
     }

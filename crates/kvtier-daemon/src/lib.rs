@@ -21,7 +21,7 @@ pub mod wire;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::DaemonConfig;
@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::service::HostService;
-use crate::state::HostState;
+use crate::state::{HostState, Shared};
 use kvtier_server::metrics::MetricRegistry;
 
 /// Where a started daemon can be reached.
@@ -85,15 +85,6 @@ impl DaemonError {
     /// Start-up errors are not retryable without a change; a server error may be.
     pub fn is_retryable(&self) -> bool {
         matches!(self, DaemonError::Server(_))
-    }
-}
-
-/// Locks the state. A panic while holding the lock is a bug, but every state update is
-/// all-or-nothing per call, so serving on beats refusing every later request.
-pub(crate) fn lock(state: &Mutex<HostState>) -> std::sync::MutexGuard<'_, HostState> {
-    match state.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
     }
 }
 
@@ -191,11 +182,11 @@ pub async fn run(
         .as_ref()
         .and_then(kvtier_server::prometheus_http::local);
 
-    let state = Arc::new(Mutex::new(HostState::new(&cfg)));
-    lock(&state).set_tenants(tenants.quotas());
+    let state = Arc::new(Shared::new(HostState::new(&cfg)));
+    state.lock().set_tenants(tenants.quotas());
     {
         // Before serving: the pools of a kvtierd that crashed are taken over (or removed).
-        let mut st = lock(&state);
+        let mut st = state.lock();
         let counts = state::take_over_dead_pools(&cfg, &mut st);
         st.counters.takeover = counts;
     }
@@ -358,7 +349,7 @@ pub async fn run(
     }
     // Sealer: checksums committed pages off the state lock and seals their slot records,
     // so the pools survive a crash (on its own thread: `sealer.rs`).
-    if lock(&state).seals_enabled() {
+    if state.lock().seals_enabled() {
         let sealer = sealer::start(state.clone(), shutdown.clone())
             .map_err(setup("start the sealer thread", Path::new("")))?;
         tracker.spawn(sealer);
@@ -374,7 +365,7 @@ pub async fn run(
                 tokio::select! {
                     () = stop.cancelled() => return,
                     _ = tick.tick() => {
-                        lock(&state).expire(Instant::now());
+                        state.lock().expire(Instant::now());
                     }
                 }
             }
@@ -479,7 +470,7 @@ pub async fn run(
     // Unlink every pool now, even if a connection task aborted above still holds the state;
     // the memory itself goes when the last mapping does.
     drop(service);
-    for pool in lock(&state).pools() {
+    for pool in state.lock().pools() {
         pool.shm.unlink();
     }
     drop(state);
@@ -495,7 +486,7 @@ mod tests {
     fn every_metric_is_declared_once_and_documented() {
         let cfg = DaemonConfig::default();
         let registry = MetricRegistry::new();
-        let state = Arc::new(Mutex::new(HostState::new(&cfg)));
+        let state = Arc::new(Shared::new(HostState::new(&cfg)));
         let stop = CancellationToken::new();
         let l3 = l3::L3Slot::new(state.clone(), &registry, stop.clone(), Duration::ZERO).unwrap();
         let prefetcher = Arc::new(

@@ -37,7 +37,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::l3::{L3, L3Slot};
-use crate::state::{HostState, Opened, Phase, PrefetchOpen, Progress, StopCause};
+use crate::state::Shared;
+use crate::state::{Opened, Phase, PrefetchOpen, Progress, StopCause};
 
 mod metrics;
 mod negative;
@@ -72,7 +73,7 @@ pub struct PrefetchAsk {
 #[derive(Debug)]
 pub struct Prefetcher {
     cfg: PrefetchConfig,
-    state: Arc<Mutex<HostState>>,
+    state: Arc<Shared>,
     l3: Arc<L3Slot>,
     metrics: PrefetchMetrics,
     negative: Mutex<NegativeCache>,
@@ -166,7 +167,7 @@ impl Prefetcher {
     /// series declared in `registry`.
     pub fn new(
         cfg: PrefetchConfig,
-        state: Arc<Mutex<HostState>>,
+        state: Arc<Shared>,
         l3: Arc<L3Slot>,
         registry: &MetricRegistry,
         shutdown: CancellationToken,
@@ -312,7 +313,7 @@ impl Prefetcher {
         let request_id = Self::request_id(&req.request_id)?;
         let policy = req.policy.unwrap_or(self.cfg.policy);
         let (layout, l2, in_l2) = {
-            let mut st = lock(&self.state);
+            let mut st = self.state.lock();
             let (layout, l2) = st.prefetch_check(
                 session,
                 &request_id,
@@ -390,7 +391,7 @@ impl Prefetcher {
         };
         let cancel = self.shutdown.child_token();
         let min_pages = threshold.div_ceil(page_size.max(1)) as usize;
-        let opened = lock(&self.state).prefetch_open(PrefetchOpen {
+        let opened = self.state.lock().prefetch_open(PrefetchOpen {
             session,
             request_id: request_id.clone(),
             keys,
@@ -507,7 +508,7 @@ impl Prefetcher {
                     tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
                     break 'fetch (Phase::Failed, why.label().to_string());
                 }
-                let mut st = lock(&self.state);
+                let mut st = self.state.lock();
                 if !st.prefetch_land(id) {
                     break 'fetch (Phase::Failed, "cancelled".to_string());
                 }
@@ -565,7 +566,7 @@ impl Prefetcher {
         while reads.join_next().await.is_some() {}
         // Backend threads may still be reading for the aborted tasks: shut them out.
         fence.close();
-        let done = lock(&self.state).prefetch_finish(id, state, &reason);
+        let done = self.state.lock().prefetch_finish(id, state, &reason);
         let Some(done) = done else { return };
         let m = &self.metrics;
         let label = done.state.label();
@@ -602,7 +603,9 @@ impl Prefetcher {
         let t = Instant::now();
         let request_id = Self::request_id(request_id)?;
         let (mut rx, _) =
-            lock(&self.state).prefetch_watch(session, &request_id, true, Instant::now())?;
+            self.state
+                .lock()
+                .prefetch_watch(session, &request_id, true, Instant::now())?;
         loop {
             if rx.borrow_and_update().phase.is_final() {
                 break;
@@ -615,19 +618,23 @@ impl Prefetcher {
             }
         }
         self.metrics.wait_seconds.observe(t.elapsed().as_secs_f64());
-        lock(&self.state).prefetch_take(session, &request_id, Instant::now())
+        self.state
+            .lock()
+            .prefetch_take(session, &request_id, Instant::now())
     }
 
     /// The progress of an open prefetch.
     pub fn status(&self, session: SessionId, request_id: &str) -> Result<Progress, ApiError> {
         let request_id = Self::request_id(request_id)?;
-        lock(&self.state).prefetch_status(session, &request_id, Instant::now())
+        self.state
+            .lock()
+            .prefetch_status(session, &request_id, Instant::now())
     }
 
     /// Cancels a prefetch and drops its pins.
     pub fn release(&self, session: SessionId, request_id: &str) -> Result<(), ApiError> {
         let request_id = Self::request_id(request_id)?;
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.touch(session, Instant::now())?;
         if st.prefetch_drop(session, &request_id, StopCause::Released) {
             Ok(())

@@ -13,14 +13,15 @@
 //! The crash window must not grow with load. A page not sealed yet when the daemon dies is
 //! only not taken over (L3, or a recompute, serves it); it is never served unverified.
 
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::state::{HostState, SealJob};
+use crate::state::SealJob;
+use crate::state::Shared;
 
 /// How often the sealer looks for committed pages when it found none.
 pub const PERIOD: Duration = Duration::from_millis(20);
@@ -33,7 +34,7 @@ type Work = (Vec<SealJob>, oneshot::Sender<Vec<(SealJob, u32)>>);
 /// until `stop` is cancelled (it stops and joins the thread before it ends). Fails only when
 /// the thread cannot be started.
 pub fn start(
-    state: Arc<Mutex<HostState>>,
+    state: Arc<Shared>,
     stop: CancellationToken,
 ) -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
     let (tx, rx) = mpsc::channel::<Work>();
@@ -54,7 +55,7 @@ pub fn start(
                 _ = tick.tick() => {}
             }
             loop {
-                let jobs = crate::lock(&state).seal_jobs(BATCH);
+                let jobs = state.lock().seal_jobs(BATCH);
                 if jobs.is_empty() {
                     break;
                 }
@@ -63,7 +64,7 @@ pub fn start(
                     break 'run;
                 }
                 let Ok(done) = done.await else { break 'run };
-                crate::lock(&state).seal(done);
+                state.lock().seal(done);
             }
         }
         drop(tx);

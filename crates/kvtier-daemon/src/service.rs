@@ -2,7 +2,7 @@
 //! calls into [`HostState`]. Errors are [`ApiError`]s, turned into gRPC status codes by the
 //! one conversion in kvtier-proto.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use kvtier_core::host_index::Reserve;
@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status};
 use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
 use crate::roles::Roles;
+use crate::state::Shared;
 use crate::state::{HostState, L2Metrics};
 use kvtier_config::tenants::Tenants;
 use kvtier_server::metrics::MetricRegistry;
@@ -42,7 +43,7 @@ const MAX_SELF_TEST_TOKENS: usize = 1 << 16;
 /// The service.
 #[derive(Clone)]
 pub struct HostService {
-    state: Arc<Mutex<HostState>>,
+    state: Arc<Shared>,
     metrics: L2Metrics,
     registry: MetricRegistry,
     max_batch: usize,
@@ -61,7 +62,7 @@ impl HostService {
     /// A service over `state`, with its series declared in `registry` (what WatchMetrics
     /// streams).
     pub fn new(
-        state: Arc<Mutex<HostState>>,
+        state: Arc<Shared>,
         registry: MetricRegistry,
         max_batch: usize,
         metrics_address: String,
@@ -110,7 +111,7 @@ impl HostService {
     }
 
     fn state(&self) -> MutexGuard<'_, HostState> {
-        crate::lock(&self.state)
+        self.state.lock()
     }
 
     fn keys(&self, raw: &[Vec<u8>], packed: &[u8]) -> Result<Vec<PageKey>, ApiError> {

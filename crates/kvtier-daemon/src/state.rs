@@ -86,6 +86,27 @@ pub struct Session {
     owner: OwnerId,
 }
 
+/// The host state as every service and task shares it: the one mutex over [`HostState`], and
+/// what a poisoned lock means. A panic while holding it is a bug, but every state update is
+/// all-or-nothing per call, so serving on beats refusing every later request.
+#[derive(Debug)]
+pub struct Shared(std::sync::Mutex<HostState>);
+
+impl Shared {
+    /// Shares `state`.
+    pub fn new(state: HostState) -> Self {
+        Self(std::sync::Mutex::new(state))
+    }
+
+    /// The state, locked.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, HostState> {
+        match self.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+}
+
 /// One page for the L3 writer: chosen by the state (under the write policy, or by the
 /// flusher), pinned in its slot until the writer reports how the write went.
 #[derive(Debug)]

@@ -142,7 +142,7 @@ impl L3Metrics {
             let Some(slot) = slot.upgrade() else { return };
             if let Some(l3) = slot.current() {
                 let held = me.refresh(&l3);
-                let names = crate::lock(&slot.state).tenant_names();
+                let names = slot.state.lock().tenant_names();
                 me.refresh_tenants(&held, &names);
             }
         });

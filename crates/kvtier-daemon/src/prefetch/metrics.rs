@@ -2,12 +2,12 @@
 //! gauges of running prefetches and their L2 budget, refreshed from the state at scrape
 //! time.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvtier_server::metrics::{GBPS_BUCKETS, MetricRegistry, Result};
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
-use crate::state::HostState;
+use crate::state::Shared;
 
 /// Series of the prefetcher.
 #[derive(Clone, Debug)]
@@ -35,7 +35,7 @@ pub struct PrefetchMetrics {
 impl PrefetchMetrics {
     /// Declares the series in `r`, with known label values at zero, and refreshes the
     /// running and budget gauges from `state` at each scrape.
-    pub fn new(r: &MetricRegistry, state: Arc<Mutex<HostState>>) -> Result<Self> {
+    pub fn new(r: &MetricRegistry, state: Arc<Shared>) -> Result<Self> {
         let m = Self {
             requests: r.counter_vec(
                 "kvtier_prefetch_requests_total",
@@ -102,7 +102,7 @@ impl PrefetchMetrics {
         }
         let me = m.clone();
         r.on_scrape(move || {
-            let (running, held, limit) = crate::lock(&state).prefetch_totals();
+            let (running, held, limit) = state.lock().prefetch_totals();
             me.inflight.set(running as i64);
             me.budget.with_label_values(&["used"]).set(held as i64);
             me.budget.with_label_values(&["limit"]).set(limit as i64);

@@ -3,12 +3,13 @@
 //! state keeps itself (session ends, losses, takeover, seals: the sweeper and sealer have no
 //! metrics handle) are brought up to its totals at scrape time too.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvtier_server::metrics::{MetricRegistry, RPC_BUCKETS, Result, catch_up};
 use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::HostState;
+use crate::state::Shared;
 
 /// Series of the host tier.
 #[derive(Clone, Debug)]
@@ -48,7 +49,7 @@ pub struct L2Metrics {
 impl L2Metrics {
     /// Declares the series in `r`, with known label values at zero, and refreshes the
     /// mirrored ones from `state` at each scrape.
-    pub fn new(r: &MetricRegistry, state: Arc<Mutex<HostState>>) -> Result<Self> {
+    pub fn new(r: &MetricRegistry, state: Arc<Shared>) -> Result<Self> {
         let m = Self {
             requests: r.counter_vec(
                 "kvtier_l2_requests_total",
@@ -174,7 +175,7 @@ impl L2Metrics {
             m.takeover_pools.with_label_values(&[outcome]);
         }
         let me = m.clone();
-        r.on_scrape(move || me.refresh(&crate::lock(&state)));
+        r.on_scrape(move || me.refresh(&state.lock()));
         Ok(m)
     }
 
