@@ -18,14 +18,9 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.host import (
-    POLICIES,
-    Progress,
-    _call,
-    final_progress,
-    grpc_channel,
-    namespace_pb,
-)
+from kvtier._rpc import call as _call
+from kvtier._rpc import grpc_channel
+from kvtier.host import POLICIES, Progress, final_progress, namespace_pb
 from kvtier.keys import Namespace
 from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 

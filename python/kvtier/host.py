@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,10 +19,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvtier import keys as _keys
+from kvtier._rpc import KvtierError as KvtierError  # integrations catch it from here
+from kvtier._rpc import call as _call
+from kvtier._rpc import grpc_channel
+from kvtier._rpc import packed as _packed
 from kvtier.v1 import admin_pb2, admin_pb2_grpc, common_pb2, host_pb2, host_pb2_grpc
-
-# Messages of a few thousand keys are far below this; the bound is for Stats and metrics.
-_MAX_MESSAGE = 64 << 20
 
 DTYPES = {
     "float32": common_pb2.DTYPE_FP32,
@@ -33,112 +33,6 @@ DTYPES = {
     "float8_e5m2": common_pb2.DTYPE_FP8_E5M2,
     "uint8": common_pb2.DTYPE_UINT8,
 }
-
-
-class KvtierError(Exception):
-    """A call to kvtierd failed; ``retryable`` when the daemon may come back (restart, load)."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
-
-    @property
-    def refused(self) -> bool:
-        """The server turned the call down before doing any of it (bad input, a lost pool,
-        a refused registration, no permission)."""
-        return self.code in (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.PERMISSION_DENIED,
-        )
-
-    @property
-    def timed_out(self) -> bool:
-        """The call's deadline passed; the server may still be working on it."""
-        return self.code == grpc.StatusCode.DEADLINE_EXCEEDED
-
-    @property
-    def retryable(self) -> bool:
-        return self.code in (
-            None,
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-        )
-
-    @property
-    def session_lost(self) -> bool:
-        """The daemon no longer knows the session (it expired, or kvtierd restarted)."""
-        return self.code == grpc.StatusCode.NOT_FOUND
-
-    @property
-    def pool_lost(self) -> bool:
-        """An agent no longer serves this client's pool (the agent restarted, or the pool was
-        registered again): register it again."""
-        return self.code == grpc.StatusCode.NOT_FOUND
-
-    @property
-    def pool_taken(self) -> bool:
-        """An agent refused a registration: another live client owns its pool."""
-        return self.code == grpc.StatusCode.FAILED_PRECONDITION
-
-
-def _packed(keys: Sequence[bytes]) -> bytes:
-    """Keys as one ``packed_keys`` field (32 bytes each, back to back). A key of another length
-    is refused here, naming it: joined, it would shift every key after it."""
-    for i, k in enumerate(keys):
-        if len(k) != 32:
-            raise KvtierError(
-                f"keys[{i}]: a page key is 32 bytes, got {len(k)}",
-                grpc.StatusCode.INVALID_ARGUMENT,
-            )
-    return b"".join(keys)
-
-
-def _call(fn, request, timeout: float, metadata: Sequence[tuple[str, str]] | None = None):
-    try:
-        if metadata:
-            return fn(request, timeout=timeout, metadata=metadata)
-        return fn(request, timeout=timeout)
-    except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else None
-        details = e.details() if hasattr(e, "details") else str(e)
-        name = getattr(fn, "_method", b"call")
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        raise KvtierError(f"{name}: {code.name if code else 'error'}: {details}", code) from None
-
-
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$")
-
-
-def grpc_target(address: str) -> str:
-    """A gRPC target for a socket path (absolute or relative, such as the default
-    ``kvtier-data/kvtierd.sock``), a ``unix:`` URI or ``host:port``. Only ``host:port``
-    (or a ``dns:``/``ipv4:``/``ipv6:`` URI) is a network address; anything else is a path."""
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
-        return address
-    if _HOST_PORT.match(address):
-        return address
-    return f"unix://{os.path.abspath(address)}"
-
-
-def grpc_channel(address: str) -> grpc.Channel:
-    """A channel to a kvtier server (kvtierd or kvtier-agent) at ``address``."""
-    target = grpc_target(address)
-    return grpc.insecure_channel(
-        target,
-        options=[
-            # grpcio sends a Unix socket's path as the HTTP/2 authority, which is not a valid
-            # authority; servers built on hyper (kvtierd, kvtier-agent) reset such streams.
-            *([("grpc.default_authority", "localhost")] if target.startswith("unix:") else []),
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            # Reconnect quickly after a server restart instead of backing off for minutes.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ],
-    )
 
 
 def namespace_pb(ns: _keys.Namespace) -> common_pb2.Namespace:
