@@ -1,0 +1,490 @@
+//! The parts kvtierd is built from, each started from one context ([`Ctx`]: the
+//! configuration, the metrics registry every component declares its series in, the shutdown
+//! token and the task tracker the drain waits on):
+//!
+//! - [`Listeners`]: the control socket, the TCP listener and the metrics listener, bound first
+//!   so a second kvtierd on the same socket fails before touching anything;
+//! - [`Core`]: the host state (with the crash takeover done), the storage tier, the
+//!   prefetcher and the roles;
+//! - [`Sglang`]: SGLang's protocol, its metrics and object memory (which the admin clears);
+//! - [`Control`]: the gRPC services of the control plane on the socket and over TCP, and the
+//!   staged drain at shutdown;
+//! - [`spawn_upkeep`] (the sealer and the lease sweeper) and [`spawn_metrics`].
+//!
+//! A new subsystem is one more part: built from the context, its tasks on the tracker, and
+//! what it serves added where `run` wires the parts together.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_config::daemon::DaemonConfig;
+use kvtier_config::tenants::Tenants;
+use kvtier_proto::v1::host_tier_server::HostTierServer;
+use kvtier_server::metrics::MetricRegistry;
+use kvtier_server::peers::{GatedListener, PeerGate};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::l3::L3Slot;
+use crate::prefetch::Prefetcher;
+use crate::roles::{Door, Roles};
+use crate::service::HostService;
+use crate::state::{HostState, Shared};
+use crate::{DaemonError, admin, sealer, sglang, state, storage_service};
+
+/// What every part starts from.
+pub(crate) struct Ctx {
+    /// The configuration kvtierd started with.
+    pub(crate) cfg: DaemonConfig,
+    /// The registry every component declares its series in.
+    pub(crate) metrics: MetricRegistry,
+    /// Cancelled on SIGTERM / SIGINT.
+    pub(crate) shutdown: CancellationToken,
+    /// Every serving task; the drain waits on it.
+    pub(crate) tracker: TaskTracker,
+}
+
+fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError {
+    let path = path.display().to_string();
+    move |source| DaemonError::Setup { what, path, source }
+}
+
+/// A configuration that validation passed but that cannot be used (a token file gone, ...).
+fn config(what: &'static str, key: &str, e: impl std::fmt::Display) -> DaemonError {
+    DaemonError::Setup {
+        what,
+        path: key.to_string(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+impl Ctx {
+    /// The context of a daemon with `cfg`; creates its data directory.
+    pub(crate) fn new(cfg: DaemonConfig, shutdown: CancellationToken) -> Result<Self, DaemonError> {
+        std::fs::create_dir_all(&cfg.data_dir)
+            .map_err(setup("creating data_dir", &cfg.data_dir))?;
+        Ok(Self {
+            cfg,
+            metrics: MetricRegistry::new(),
+            shutdown,
+            tracker: TaskTracker::new(),
+        })
+    }
+}
+
+/// Every listener, bound.
+pub(crate) struct Listeners {
+    /// Who may use the Unix sockets, and their connection caps.
+    pub(crate) gate: PeerGate,
+    /// The control socket.
+    pub(crate) uds: GatedListener,
+    /// The TCP listener, if enabled.
+    pub(crate) tcp: Option<TcpListener>,
+    /// The metrics endpoint's listener, if enabled.
+    pub(crate) metrics: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds the control socket (never over a live server's), the TCP listener and the
+    /// metrics listener.
+    pub(crate) async fn bind(ctx: &Ctx) -> Result<Self, DaemonError> {
+        let cfg = &ctx.cfg;
+        let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &ctx.metrics)?;
+        let uds = gate.bind(&cfg.socket_path(), "control").await?;
+        let tcp = match cfg.server.tcp.as_str() {
+            "" => None,
+            a => Some(
+                TcpListener::bind(a)
+                    .await
+                    .map_err(setup("binding server.tcp", Path::new(a)))?,
+            ),
+        };
+        let metrics = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
+            .await
+            .map_err(setup(
+                "binding metrics.listen",
+                Path::new(&cfg.metrics.listen),
+            ))?;
+        Ok(Self {
+            gate,
+            uds,
+            tcp,
+            metrics,
+        })
+    }
+}
+
+/// The host tier and what serves it.
+pub(crate) struct Core {
+    /// The host state every service and task shares.
+    pub(crate) state: Arc<Shared>,
+    l3: Arc<L3Slot>,
+    prefetcher: Arc<Prefetcher>,
+    roles: Arc<Roles>,
+    tenants: Tenants,
+}
+
+impl Core {
+    /// The state (the pools of a kvtierd that crashed taken over before anything serves),
+    /// the storage tier attached, the prefetcher, and the roles.
+    pub(crate) async fn start(ctx: &Ctx) -> Result<Self, DaemonError> {
+        let cfg = &ctx.cfg;
+        let tenants = cfg
+            .tenants()
+            .map_err(|e| config("reading the tokens of", "[tenants]", e))?;
+        // Who is the operator, a peer or which tenant, on every socket and listener.
+        let roles = Roles::new(
+            cfg,
+            tenants.clone(),
+            rustix::process::geteuid().as_raw(),
+            &ctx.metrics,
+        )
+        .map_err(|e| config("deciding the roles of", "[server.admin] and [tenants]", e))?;
+        let state = Arc::new(Shared::new(HostState::new(cfg)));
+        {
+            let mut st = state.lock();
+            st.set_tenants(tenants.quotas());
+            let counts = state::take_over_dead_pools(cfg, &mut st);
+            st.counters.takeover = counts;
+        }
+        let l3 = L3Slot::new(
+            state.clone(),
+            &ctx.metrics,
+            ctx.shutdown.clone(),
+            cfg.server.drain_timeout.0,
+        )?;
+        l3.attach(cfg)
+            .await
+            .map_err(|e| config("opening the l3 backend", &cfg.l3.backend.to_string(), e))?;
+        let prefetcher = Arc::new(Prefetcher::new(
+            cfg.prefetch.clone(),
+            state.clone(),
+            l3.clone(),
+            &ctx.metrics,
+            ctx.shutdown.clone(),
+            cfg.server.max_batch as usize,
+        )?);
+        Ok(Self {
+            state,
+            l3,
+            prefetcher,
+            roles: Arc::new(roles),
+            tenants,
+        })
+    }
+}
+
+/// SGLang's HiCache RPC protocol: its series always, its memory and sockets when enabled.
+pub(crate) struct Sglang {
+    metrics: sglang::SglangMetrics,
+    /// kvtierd's memory of SGLang objects, when it serves SGLang (the admin clears it with L2).
+    memory: Option<Arc<sglang::ObjectCache>>,
+}
+
+impl Sglang {
+    pub(crate) fn new(ctx: &Ctx) -> Result<Self, DaemonError> {
+        let metrics = sglang::SglangMetrics::new(&ctx.metrics)?;
+        let memory = ctx.cfg.sglang_rpc.enable.then(|| {
+            Arc::new(sglang::ObjectCache::new(
+                ctx.cfg.sglang_rpc.memory_bytes.0,
+                Some(metrics.cache.clone()),
+            ))
+        });
+        Ok(Self { metrics, memory })
+    }
+
+    /// Binds SGLang's two sockets and serves them, when enabled; returns their paths.
+    pub(crate) async fn serve(
+        self,
+        ctx: &Ctx,
+        gate: &PeerGate,
+        core: &Core,
+    ) -> Result<Vec<PathBuf>, DaemonError> {
+        let Some(memory) = self.memory else {
+            return Ok(Vec::new());
+        };
+        let cfg = &ctx.cfg;
+        let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
+        let reg = gate.bind(&reg_path, "sglang_mempool").await?;
+        let grpc = gate.bind(&grpc_path, "sglang_grpc").await?;
+        let pools = Arc::new(sglang::Pools::with_gauge(self.metrics.pools.clone()));
+        ctx.tracker.spawn(sglang::serve_registrations(
+            reg,
+            pools.clone(),
+            ctx.shutdown.clone(),
+        ));
+        let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
+            sglang::StorageService::new(
+                &cfg.sglang_rpc,
+                pools,
+                core.l3.clone(),
+                memory,
+                self.metrics,
+                ctx.shutdown.clone(),
+            ),
+        )
+        .max_decoding_message_size(512 << 20)
+        .max_encoding_message_size(512 << 20);
+        let stop = ctx.shutdown.clone();
+        // Through the relay that makes grpcio's `:authority` acceptable to h2, and binds
+        // each connection to its peer.
+        let incoming =
+            sglang::grpc_incoming(grpc, ctx.shutdown.clone(), Arc::new(core.tenants.clone()));
+        ctx.tracker.spawn(
+            kvtier_server::serving::grpc_server()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
+        );
+        tracing::info!(mempool = %reg_path.display(), grpc = %grpc_path.display(), "serving SGLang's HiCache RPC storage protocol");
+        Ok(vec![reg_path, grpc_path])
+    }
+}
+
+/// The control plane: its servers, and what the drain needs.
+pub(crate) struct Control {
+    uds: JoinHandle<Result<(), tonic::transport::Error>>,
+    tcp: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
+    health: tonic_health::server::HealthReporter,
+    /// The TCP listener's address, if enabled.
+    pub(crate) tcp_addr: Option<SocketAddr>,
+    /// The metrics endpoint's address, if enabled.
+    pub(crate) metrics_addr: Option<SocketAddr>,
+}
+
+/// The TCP listener's TLS settings (`server.tls_*`), read from their files; a handshake that
+/// does not finish within the handshake timeout is closed (its descriptor freed).
+fn server_tls(
+    cfg: &DaemonConfig,
+) -> Result<Option<tonic::transport::ServerTlsConfig>, DaemonError> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let s = &cfg.server;
+    if s.tls_cert.is_empty() {
+        return Ok(None);
+    }
+    kvtier_client::install_crypto_provider();
+    let read =
+        |what: &'static str, path: &str| std::fs::read(path).map_err(setup(what, Path::new(path)));
+    let identity = Identity::from_pem(
+        read("reading server.tls_cert", &s.tls_cert)?,
+        read("reading server.tls_key", &s.tls_key)?,
+    );
+    let mut tls = ServerTlsConfig::new()
+        .identity(identity)
+        .timeout(cfg.server.connections.handshake_timeout.0);
+    if !s.tls_client_ca.is_empty() {
+        tls = tls.client_ca_root(Certificate::from_pem(read(
+            "reading server.tls_client_ca",
+            &s.tls_client_ca,
+        )?));
+    }
+    Ok(Some(tls))
+}
+
+impl Control {
+    /// Serves HostTier, health, reflection and ObjectStorage (peers and the operator only)
+    /// with Admin (the operator only) on the control socket, and over TCP when configured.
+    pub(crate) async fn serve(
+        ctx: &Ctx,
+        core: &Core,
+        sglang: &Sglang,
+        gate: &PeerGate,
+        uds: GatedListener,
+        tcp: Option<TcpListener>,
+        metrics_addr: Option<SocketAddr>,
+    ) -> Result<Self, DaemonError> {
+        let cfg = &ctx.cfg;
+        let host = HostService::new(
+            core.state.clone(),
+            ctx.metrics.clone(),
+            cfg.server.max_batch as usize,
+            metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+            core.l3.clone(),
+            core.prefetcher.clone(),
+            ctx.shutdown.clone(),
+        )?
+        .with_roles(core.roles.clone());
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<HostTierServer<HostService>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kvtier_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| config("reflection", "", e))?;
+        let objects = tonic::service::interceptor::InterceptedService::new(
+            kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
+                storage_service::ObjectStorageService::new(core.l3.clone()),
+            )
+            .max_decoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096)
+            .max_encoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096),
+            core.roles.guard(Door::Objects),
+        );
+        let admin = kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
+            admin::AdminService::new(
+                core.l3.clone(),
+                core.state.clone(),
+                sglang.memory.clone(),
+                health.clone(),
+                cfg.clone(),
+            ),
+            core.roles.guard(Door::Admin),
+        );
+        let router = || {
+            kvtier_server::serving::grpc_server()
+                .add_service(HostTierServer::new(host.clone()))
+                .add_service(health_service.clone())
+                .add_service(reflection.clone())
+                .add_service(objects.clone())
+        };
+        let stop = ctx.shutdown.clone();
+        let uds = ctx.tracker.spawn(
+            router()
+                .add_service(admin.clone())
+                .serve_with_incoming_shutdown(uds.incoming(), async move {
+                    stop.cancelled().await;
+                }),
+        );
+        // Declared whether or not TCP is on, so the series always exists (0 without TCP).
+        let denials = kvtier_server::serving::RequireBearer::new(&[], &ctx.metrics)?;
+        let (tcp, tcp_addr) = match tcp {
+            None => (None, None),
+            Some(l) => {
+                let addr = l.local_addr().ok();
+                // Under the same connection limits as the sockets (per IP address), with
+                // TCP_NODELAY.
+                let incoming = kvtier_server::conn::tcp_incoming(
+                    l,
+                    kvtier_server::conn::Cap::new(
+                        &cfg.server.connections,
+                        "control_tcp",
+                        gate.conn_metrics(),
+                    ),
+                );
+                let admin_token = cfg.server.admin_token.expose().to_string();
+                // Admin over TCP only with its own token.
+                let admin_tcp = (!admin_token.is_empty()).then(|| admin.clone());
+                let token = cfg
+                    .server
+                    .tcp_token()
+                    .map_err(|e| config("reading the token of", "server.token", e))?;
+                let peer_token = cfg
+                    .server
+                    .peer_token()
+                    .map_err(|e| config("reading the token of", "server.peer_token", e))?;
+                let mut server = kvtier_server::serving::grpc_server();
+                if let Some(tls) = server_tls(cfg)? {
+                    server = server.tls_config(tls)?;
+                }
+                // server.token, the admin and peer tokens and every tenant's token pass the
+                // call check; what each may do is the roles' business.
+                let check = token.map(|t| {
+                    let mut accepted: Vec<&str> = vec![&t, &admin_token];
+                    accepted.extend(peer_token.as_deref());
+                    accepted.extend(core.tenants.tokens());
+                    denials.with_tokens(&accepted)
+                });
+                let stop = ctx.shutdown.clone();
+                let mut layered = server.layer(tower::util::option_layer(check));
+                let task = ctx.tracker.spawn(
+                    layered
+                        .add_service(HostTierServer::new(host.clone()))
+                        .add_service(health_service.clone())
+                        .add_service(reflection.clone())
+                        .add_service(objects.clone())
+                        .add_optional_service(admin_tcp)
+                        .serve_with_incoming_shutdown(
+                            incoming,
+                            async move { stop.cancelled().await },
+                        ),
+                );
+                (Some(task), addr)
+            }
+        };
+        Ok(Self {
+            uds,
+            tcp,
+            health,
+            tcp_addr,
+            metrics_addr,
+        })
+    }
+
+    /// Stops serving: readiness probes see NOT_SERVING, in-flight requests get
+    /// `server.drain_timeout` to finish, then every connection still open is closed (a
+    /// client that never closes, or a wedged task, must not keep the daemon alive).
+    pub(crate) async fn drain(self, ctx: &Ctx) -> Result<(), DaemonError> {
+        self.health
+            .set_not_serving::<HostTierServer<HostService>>()
+            .await;
+        tracing::info!("shutting down: draining in-flight requests");
+        let drain = ctx.cfg.server.drain_timeout.0;
+        if tokio::time::timeout(drain, ctx.tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                ?drain,
+                "connections still open after the drain deadline; closing them"
+            );
+            self.uds.abort();
+            if let Some(t) = &self.tcp {
+                t.abort();
+            }
+        }
+        let result = match self.uds.await {
+            Ok(r) => r.map_err(DaemonError::from),
+            Err(e) if e.is_cancelled() => Ok(()),
+            Err(e) => {
+                tracing::error!("control server task failed: {e}");
+                Ok(())
+            }
+        };
+        if let Some(t) = self.tcp
+            && let Ok(Err(e)) = t.await
+        {
+            tracing::warn!("tcp server ended with: {e}");
+        }
+        result
+    }
+}
+
+/// Serves `/metrics` on `listener`, when enabled.
+pub(crate) fn spawn_metrics(ctx: &Ctx, listener: Option<TcpListener>) {
+    if let Some(l) = listener {
+        let metrics = ctx.metrics.clone();
+        ctx.tracker.spawn(kvtier_server::prometheus_http::serve(
+            l,
+            Arc::new(move || metrics.render()),
+            ctx.shutdown.clone(),
+        ));
+    }
+}
+
+/// The sealer (checksums committed pages off the state lock and seals their slot records, so
+/// the pools survive a crash; on its own thread) and the lease sweeper (ends sessions that
+/// stopped heartbeating, and gives back pools nobody uses).
+pub(crate) fn spawn_upkeep(ctx: &Ctx, state: &Arc<Shared>) -> Result<(), DaemonError> {
+    if state.lock().seals_enabled() {
+        let sealer = sealer::start(state.clone(), ctx.shutdown.clone())
+            .map_err(setup("start the sealer thread", Path::new("")))?;
+        ctx.tracker.spawn(sealer);
+    }
+    let state = state.clone();
+    let stop = ctx.shutdown.clone();
+    let period = (ctx.cfg.sessions.ttl.0 / 4).max(Duration::from_millis(20));
+    ctx.tracker.spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = tick.tick() => {
+                    state.lock().expire(Instant::now());
+                }
+            }
+        }
+    });
+    Ok(())
+}
