@@ -420,7 +420,7 @@ impl AgentService {
             }
             None => return Err(ApiError::invalid("device", "required: cpu or cuda")),
         };
-        if req.engine_cache && self.shared.policy == WritePolicy::WriteBack {
+        if req.engine_cache && !self.shared.policy.saves_before_eviction() {
             return Err(ApiError::FailedPrecondition(
                 "engine_cache with write_policy write_back: the engine never says when it \
                  evicts a page, so a page saved only then would never be saved; set \

@@ -94,6 +94,14 @@ impl WritePolicy {
         !self.on_store() && self.on_hit(u64::MAX)
     }
 
+    /// Does the policy copy pages while this tier still keeps them (on store, or once hot),
+    /// not only when it evicts them? A tier that never hears of its own evictions (an
+    /// engine's prefix cache, the agent's engine-cache mode) needs one that does, or it would
+    /// never save anything.
+    pub fn saves_before_eviction(self) -> bool {
+        self.on_store() || self.on_hit(u64::MAX)
+    }
+
     /// Must a page be in the tier below before its slot here is reused? Every policy says
     /// yes: that is what keeps computed pages from being lost to load. Eviction asks this and
     /// copies (or waits for the copy) first; only when the tier below refuses does it give
@@ -171,6 +179,8 @@ mod tests {
         assert!(WritePolicy::WriteThrough.saves_looked_up(0));
         assert!(!WritePolicy::WriteThrough.counts_hits());
         // write_back is refused for engine caches; it would save nothing.
+        assert!(!WritePolicy::WriteBack.saves_before_eviction());
+        assert!(WritePolicy::WriteThrough.saves_before_eviction() && sel.saves_before_eviction());
         assert!(!WritePolicy::WriteBack.saves_looked_up(u64::MAX));
         assert!(!WritePolicy::WriteBack.counts_hits());
     }
