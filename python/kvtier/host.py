@@ -23,16 +23,8 @@ from kvtier._rpc import KvtierError as KvtierError  # integrations catch it from
 from kvtier._rpc import call as _call
 from kvtier._rpc import grpc_channel
 from kvtier._rpc import packed as _packed
+from kvtier.layout import DTYPES as DTYPES  # integrations name dtypes from here
 from kvtier.v1 import admin_pb2, admin_pb2_grpc, common_pb2, host_pb2, host_pb2_grpc
-
-DTYPES = {
-    "float32": common_pb2.DTYPE_FP32,
-    "float16": common_pb2.DTYPE_FP16,
-    "bfloat16": common_pb2.DTYPE_BF16,
-    "float8_e4m3fn": common_pb2.DTYPE_FP8_E4M3,
-    "float8_e5m2": common_pb2.DTYPE_FP8_E5M2,
-    "uint8": common_pb2.DTYPE_UINT8,
-}
 
 
 def namespace_pb(ns: _keys.Namespace) -> common_pb2.Namespace:

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier import sglang_pages as pages
-from kvtier.host import DTYPES, POLICIES, DaemonClient
+from kvtier.host import POLICIES, DaemonClient
 from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
 from kvtier.keys import Namespace
+from kvtier.layout import DTYPES, LayoutSpec, Mha, Mla, State
 from kvtier.settings import fill
 from kvtier.sglang_link import PoolLink, Reporter
 from kvtier.v1 import common_pb2
@@ -230,20 +231,17 @@ class KvtierStorage(HiCacheStorage):
         """The kvtier layout of this worker's KV pages."""
         g, c = self.geometry, self.storage_config
         model_id, version = self.identity().descriptor_fields()
-        d = common_pb2.LayoutDescriptor(
+        shape = Mla(g.dim_a, g.dim_b) if self.mla else Mha(g.dim_a, g.dim_b)
+        return LayoutSpec(
             model_id=model_id,
             model_version=version,
-            dtype=DTYPES[g.dtype],
+            dtype=g.dtype,
             num_layers=g.layers,
             page_size=g.page_size,
+            shape=shape,
             tp_rank=0 if self.mla else c.tp_rank,
             tp_size=1 if self.mla else c.tp_size,
-        )
-        if self.mla:
-            d.mla.CopyFrom(common_pb2.MlaShape(kv_lora_rank=g.dim_a, rope_dim=g.dim_b))
-        else:
-            d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=g.dim_a, head_dim=g.dim_b))
-        return d
+        ).descriptor()
 
     def hybrid_descriptor(self, name: str, page_bytes: int) -> common_pb2.LayoutDescriptor:
         """The kvtier layout of a hybrid pool: its flat data pages as bytes. A Mamba state is
@@ -251,17 +249,16 @@ class KvtierStorage(HiCacheStorage):
         c = self.storage_config
         shared = self.mla and name != "mamba"
         model_id, version = self.identity(name).descriptor_fields()
-        d = common_pb2.LayoutDescriptor(
+        return LayoutSpec(
             model_id=model_id,
             model_version=version,
-            dtype=common_pb2.DTYPE_UINT8,
+            dtype="uint8",
             num_layers=1,
             page_size=1,
+            shape=State(page_bytes),
             tp_rank=0 if shared else c.tp_rank,
             tp_size=1 if shared else c.tp_size,
-        )
-        d.state.CopyFrom(common_pb2.StateShape(elems=page_bytes))
-        return d
+        ).descriptor()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """A hybrid pool (SGLang registers each one by name); its session opens on first use."""

@@ -61,6 +61,7 @@ from kvtier.agent import AgentClient
 from kvtier.host import POLICIES, KvtierError
 from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
 from kvtier.keys import Namespace
+from kvtier.layout import LayoutSpec, State
 from kvtier.settings import fill
 from kvtier.v1 import common_pb2
 
@@ -500,16 +501,16 @@ class KvtierConnector(KVConnectorBase_V1):
     def _layout(self, sample: torch.Tensor, block_bytes: int) -> common_pb2.LayoutDescriptor:
         pc = self._vllm_config.parallel_config
         model_id, version = self.identity(sample).descriptor_fields()
-        return common_pb2.LayoutDescriptor(
+        return LayoutSpec(
             model_id=model_id,
             model_version=version,
-            dtype=common_pb2.DTYPE_UINT8,
+            dtype="uint8",
             num_layers=len(self._layers),
-            state=common_pb2.StateShape(elems=block_bytes // self.block_size),
             page_size=self.block_size,
+            shape=State(block_bytes // self.block_size),
             tp_rank=0 if self.mla else self.ranks.tp,
             tp_size=1 if self.mla else pc.tensor_parallel_size,
-        )
+        ).descriptor()
 
     def _register(self) -> None:
         assert self._staging is not None
