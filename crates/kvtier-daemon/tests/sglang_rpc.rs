@@ -703,13 +703,17 @@ fn clients_that_break_off_or_stay_silent_leave_no_descriptor_behind() {
     let before = open_fds(&d);
     for i in 0..60 {
         let mut s = std::os::unix::net::UnixStream::connect(&grpc).unwrap();
+        // A write may find the connection closed already (the server may end it at the bad
+        // frame): that is the point, not an error of the test.
         match i % 3 {
             // Half a preface, then gone.
-            0 => s.write_all(b"PRI * HTTP/2.0\r\n").unwrap(),
+            0 => {
+                let _ = s.write_all(b"PRI * HTTP/2.0\r\n");
+            }
             // A whole preface, then a frame that breaks the framing.
             1 => {
-                s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
-                s.write_all(&[0, 0, 1, 0x9, 0x4, 0, 0, 0, 1, 0]).unwrap();
+                let _ = s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+                let _ = s.write_all(&[0, 0, 1, 0x9, 0x4, 0, 0, 0, 1, 0]);
             }
             // Nothing at all (the handshake timeout closes it), kept open meanwhile.
             _ => {
