@@ -11,17 +11,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use kvtier_client::{HostClient, TcpSecurity};
+use kvtier_client::HostClient;
 use kvtier_proto::v1;
 use kvtier_storage::Store as _;
 use kvtier_storage::remote::RemoteStore;
-
-fn token(t: &str) -> TcpSecurity {
-    TcpSecurity {
-        token: Some(t.to_string()),
-        ..TcpSecurity::default()
-    }
-}
 
 fn forbidden(d: &Daemon, service: &str) -> f64 {
     metric(

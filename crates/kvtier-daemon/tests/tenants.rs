@@ -9,15 +9,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvtier_client::{HostClient, TcpSecurity};
+use kvtier_client::HostClient;
 use kvtier_proto::v1;
-
-fn token(t: &str) -> TcpSecurity {
-    TcpSecurity {
-        token: Some(t.to_string()),
-        ..TcpSecurity::default()
-    }
-}
 
 /// Writes `bytes[i]` as page `keys[i]` (reserve, copy, commit).
 async fn write(

@@ -391,3 +391,11 @@ pub fn as_user(uid: u32, groups: &[u32], env: &[(&str, &str)]) -> String {
         .unwrap_or_else(|| panic!("the child printed no result: {stdout}"))
         .to_string()
 }
+
+/// Client settings that present bearer token `t` (over TCP or the Unix socket).
+pub fn token(t: &str) -> kvtier_client::TcpSecurity {
+    kvtier_client::TcpSecurity {
+        token: Some(t.to_string()),
+        ..kvtier_client::TcpSecurity::default()
+    }
+}
