@@ -10,64 +10,44 @@
 //! - `Save`: copy the engine's computed pages into L2 (reserve, copy, commit) before the call
 //!   returns, so the engine may reuse them afterwards.
 //!
-//! The write policy decides what Save copies: `write_through` every page,
-//! `write_through_selective` the pages looked up at least `threshold` times (a lookup is the
-//! engine asking for the prompt again: the same signal as a hit in the agent's tree).
+//! The write policy decides what Save copies ([`WritePolicy::saves_looked_up`]): a lookup is
+//! the engine asking for the prompt again, the same signal as a hit in the agent's tree.
 //! Lookup answers that selection, and a Save may carry it (`selected`): with TP > 1 only one
-//! rank's agent sees the lookups, and every rank must save the same pages.
-//! `write_back` is refused at registration: the engine never reports an eviction.
+//! rank's agent sees the lookups, and every rank must save the same pages. A policy that
+//! saves only at eviction is refused at registration: the engine never reports an eviction.
+//!
+//! [`WritePolicy::saves_looked_up`]: kvtier_core::WritePolicy::saves_looked_up
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
-use kvtier_client::PrefetchOptions;
-use kvtier_core::PageKey;
-use kvtier_device::{Device, DeviceError, PageCopy};
+use kvtier_client::{PagesLookup, PrefetchOptions, Saved};
+use kvtier_core::{Namespace, PageKey};
+use kvtier_device::Device;
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
 
-use crate::agent::{AgentService, State, check_page_list, lock, request_tokens};
-use crate::backup::Loss;
+use crate::l2::{L2, Writer};
 use crate::link::Linked;
+use crate::outcome::LoadFailure;
 use crate::owner::Caller;
+use crate::shared::{Mode, Shared, State, check_page_list};
 
 /// Most pages whose lookups are counted for write_through_selective; when the map reaches
 /// it the counts start over (pages hot enough reach the threshold again).
 const MAX_COUNTED_PAGES: usize = 1 << 20;
 
-/// Why a page a Load was asked for did not load: the `reason` of
-/// `kvtier_agent_load_failed_pages_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadFailure {
-    /// Neither in L2 nor fetched from L3 in time (evicted since the lookup, a prefetch that
-    /// stopped at its deadline, an L3 copy that failed its checksum).
-    Missing,
-    /// No session with kvtierd, or it stopped answering.
-    DaemonUnreachable,
-    /// The host → device copy failed.
-    CopyFailed,
+/// An engine-cache request: a prompt's tokens and namespace, and the engine's pages for its
+/// pages from `start` on.
+pub(crate) struct Pages<'a> {
+    pub(crate) tokens: &'a [u32],
+    pub(crate) namespace: Namespace,
+    pub(crate) start: u32,
+    pub(crate) device_pages: &'a [u32],
 }
 
-impl LoadFailure {
-    /// Every reason, in label order.
-    pub const ALL: [LoadFailure; 3] = [
-        LoadFailure::Missing,
-        LoadFailure::DaemonUnreachable,
-        LoadFailure::CopyFailed,
-    ];
-
-    /// The metric label.
-    pub fn label(self) -> &'static str {
-        match self {
-            LoadFailure::Missing => "missing",
-            LoadFailure::DaemonUnreachable => "daemon_unreachable",
-            LoadFailure::CopyFailed => "copy_failed",
-        }
-    }
-}
-
-/// A checked engine-cache request: its keys, and the engine's pages for
+/// A checked request: its keys, and the engine's pages for
 /// `keys[start..start + pages.len()]`.
 struct Span {
     keys: Vec<PageKey>,
@@ -82,39 +62,48 @@ impl Span {
     }
 }
 
-impl AgentService {
+/// The engine-cache mode's calls.
+pub(crate) struct CacheMode {
+    s: Arc<Shared>,
+    l2: L2,
+    /// Names this agent's own prefetches for Load (`load<n>`).
+    load_ids: AtomicU64,
+}
+
+impl CacheMode {
+    pub(crate) fn new(s: Arc<Shared>, l2: L2) -> Self {
+        Self {
+            s,
+            l2,
+            load_ids: AtomicU64::new(0),
+        }
+    }
+
     /// Keys of the prompt, checked against the engine-cache pool (owned by `caller`, unless
-    /// the call reads no pool memory): `start_page` within the prompt, `pages` (when given)
-    /// in the pool, distinct, and not past the prompt's end.
-    fn span(
-        &self,
-        caller: Option<&Caller>,
-        packed: &[u8],
-        ns: Option<v1::Namespace>,
-        start: u32,
-        pages: &[u32],
-    ) -> Result<Span, ApiError> {
+    /// the call reads no pool memory): `start` within the prompt, the pages (when given) in
+    /// the pool, distinct, and not past the prompt's end.
+    fn span(&self, caller: Option<&Caller>, req: &Pages<'_>) -> Result<Span, ApiError> {
         let (device, page_size, num_pages) = {
-            let st = lock(&self.shared.state);
-            let e = st.cache_engine(caller)?;
+            let st = self.s.lock();
+            let e = st.pool(Mode::EngineCache, caller)?;
             (
                 e.device.clone(),
                 e.pool.layout().page_size(),
                 e.pool.num_pages(),
             )
         };
+        let pages = req.device_pages;
         check_page_list(num_pages, "device_pages", pages, |_| false)?;
-        let tokens = request_tokens(&[], packed)?;
-        let keys = self.keys(&tokens, ns, page_size)?;
-        let start = start as usize;
+        let keys = self.s.keys(req.tokens, &req.namespace, page_size)?;
+        let tokens = req.tokens.len();
+        let start = req.start as usize;
         if start > keys.len() {
             return Err(ApiError::invalid(
                 "start_page",
                 format!(
-                    "{start} is past the prompt's {} full pages ({} tokens, page size \
+                    "{start} is past the prompt's {} full pages ({tokens} tokens, page size \
                      {page_size})",
                     keys.len(),
-                    tokens.len()
                 ),
             ));
         }
@@ -123,10 +112,9 @@ impl AgentService {
                 "device_pages",
                 format!(
                     "{} pages from start_page {start} run past the prompt's {} full pages \
-                     ({} tokens, page size {page_size})",
+                     ({tokens} tokens, page size {page_size})",
                     pages.len(),
                     keys.len(),
-                    tokens.len()
                 ),
             ));
         }
@@ -141,7 +129,7 @@ impl AgentService {
 
     /// How many leading `keys` the write policy saves, by how often each was looked up.
     fn selected(&self, st: &State, keys: &[PageKey]) -> usize {
-        let policy = self.shared.policy;
+        let policy = self.s.policy();
         keys.iter()
             .take_while(|k| policy.saves_looked_up(st.lookups.get(*k).copied().unwrap_or(0)))
             .count()
@@ -149,15 +137,12 @@ impl AgentService {
 
     /// `Lookup`: pages after the engine's own that L2 holds, then L3. Any admitted client
     /// may ask (it reads no pool memory): the engine's scheduler process does.
-    pub(crate) async fn lookup_pages(
-        &self,
-        req: v1::PagesLookupRequest,
-    ) -> Result<v1::PagesLookupResponse, ApiError> {
+    pub(crate) async fn lookup(&self, req: &Pages<'_>) -> Result<PagesLookup, ApiError> {
         let t = Instant::now();
-        let span = self.span(None, &req.packed_tokens, req.namespace, req.start_page, &[])?;
+        let span = self.span(None, req)?;
         let (keys, start) = (&span.keys, span.start);
-        let save_pages = self.shared.policy.counts_hits().then(|| {
-            let mut st = lock(&self.shared.state);
+        let save_pages = self.s.policy().counts_hits().then(|| {
+            let mut st = self.s.lock();
             if st.lookups.len() + keys.len() > MAX_COUNTED_PAGES {
                 st.lookups.clear();
             }
@@ -166,25 +151,9 @@ impl AgentService {
             }
             self.selected(&st, keys) as u32
         });
-        let (mut l2, mut l3) = (0, 0);
-        if start < keys.len()
-            && let Some(linked) = self.shared.link.current()
-        {
-            let mut c = linked.client.clone();
-            if let Some((a, b)) = self
-                .call(
-                    &linked,
-                    c.lookup_tiers(linked.session, &keys[start..], true),
-                )
-                .await
-            {
-                (l2, l3) = (a, b);
-            }
-        }
-        self.shared
-            .metrics
-            .count_match(keys.len(), start, l2, l3, t);
-        Ok(v1::PagesLookupResponse {
+        let (l2, l3) = self.l2.tiers(&keys[start..]).await;
+        self.s.metrics.count_match(keys.len(), start, l2, l3, t);
+        Ok(PagesLookup {
             l2_pages: l2 as u32,
             l3_pages: l3 as u32,
             total_pages: keys.len() as u32,
@@ -192,105 +161,55 @@ impl AgentService {
         })
     }
 
-    fn count_load_failed(&self, why: LoadFailure, pages: usize) {
-        if pages > 0 {
-            self.shared
-                .metrics
-                .load_failed_pages
-                .with_label_values(&[why.label()])
-                .inc_by(pages as u64);
-        }
-    }
-
     /// `Load`: the asked pages into the engine's pages, as many leading ones as L2 holds or
-    /// L3 delivers in time.
-    pub(crate) async fn load_pages(
+    /// L3 delivers in time (per `policy`). Returns how many loaded.
+    pub(crate) async fn load(
         &self,
         caller: &Caller,
-        req: v1::LoadPagesRequest,
-    ) -> Result<v1::LoadPagesResponse, ApiError> {
+        req: &Pages<'_>,
+        policy: v1::PrefetchPolicy,
+        hints: Option<v1::PrefetchHints>,
+    ) -> Result<u32, ApiError> {
         let t = Instant::now();
-        let policy = v1::PrefetchPolicy::try_from(req.policy).map_err(|_| {
-            ApiError::invalid(
-                "policy",
-                format!("{} is not a PrefetchPolicy value", req.policy),
-            )
-        })?;
-        let span = self.span(
-            Some(caller),
-            &req.packed_tokens,
-            req.namespace,
-            req.start_page,
-            &req.device_pages,
-        )?;
+        let s = &self.s;
+        let span = self.span(Some(caller), req)?;
         let n = req.device_pages.len();
         let want = &span.keys[span.start..span.start + n];
-        let none = v1::LoadPagesResponse { loaded: 0 };
         if n == 0 {
-            return Ok(none);
+            return Ok(0);
         }
-        let Some(linked) = self.shared.link.current() else {
-            self.count_load_failed(LoadFailure::DaemonUnreachable, n);
-            return Ok(none);
+        let Some(linked) = s.link.current() else {
+            s.count_load_failed(LoadFailure::DaemonUnreachable, n);
+            return Ok(0);
         };
         let mut c = linked.client.clone();
-        let Some(mut slots) = self.call(&linked, c.acquire(linked.session, want)).await else {
-            self.count_load_failed(LoadFailure::DaemonUnreachable, n);
-            return Ok(none);
+        let Some(mut slots) = self.l2.call(&linked, c.acquire(linked.session, want)).await else {
+            s.count_load_failed(LoadFailure::DaemonUnreachable, n);
+            return Ok(0);
         };
         // kvtierd is a peer: never trust it to answer for more keys than were asked about.
         slots.truncate(n);
         if slots.len() < n {
             let more = self
-                .fetch_rest(&linked, &span, slots.len(), n, policy, req.hints)
+                .fetch_rest(&linked, &span, slots.len(), n, policy, hints)
                 .await;
             slots.extend(more);
         }
         let pinned = &want[..slots.len()];
-        let copies: Vec<PageCopy> = req
-            .device_pages
-            .iter()
-            .zip(&slots)
-            .map(|(&p, &s)| PageCopy {
-                device_page: p,
-                host_slot: s,
-            })
-            .collect();
-        let copied = if copies.is_empty() {
-            Ok(())
-        } else {
-            let (pool, device) = (linked.pool.clone(), span.device.clone());
-            match tokio::task::spawn_blocking(move || device.copy_from_host(&pool, &copies)).await {
-                Ok(r) => r,
-                Err(e) => Err(DeviceError::Copy(format!("copy task failed: {e}"))),
-            }
-        };
-        // A read counts only if its pins were still held when it ended.
-        let released = pinned.is_empty()
-            || self
-                .call(&linked, c.release(linked.session, pinned))
-                .await
-                .is_some();
-        let loaded = match (&copied, released) {
-            (Err(e), _) => {
-                tracing::warn!("load copy failed, the engine computes instead: {e}");
-                self.count_load_failed(LoadFailure::CopyFailed, slots.len());
+        let loaded = match self
+            .l2
+            .read(&linked, &span.device, pinned, &slots, req.device_pages)
+            .await
+        {
+            Ok(n) => n,
+            Err(why) => {
+                s.count_load_failed(why, slots.len());
                 0
             }
-            (Ok(()), false) => {
-                self.count_load_failed(LoadFailure::DaemonUnreachable, slots.len());
-                0
-            }
-            (Ok(()), true) => slots.len(),
         };
-        self.count_load_failed(LoadFailure::Missing, n - slots.len());
-        let m = &self.shared.metrics;
-        m.load_back_pages.inc_by(loaded as u64);
-        m.load_back_bytes.inc_by((loaded * span.page_bytes) as u64);
-        m.load_back_seconds.observe(t.elapsed().as_secs_f64());
-        Ok(v1::LoadPagesResponse {
-            loaded: loaded as u32,
-        })
+        s.count_load_failed(LoadFailure::Missing, n - slots.len());
+        s.count_loaded(loaded, span.page_bytes, t);
+        Ok(loaded as u32)
     }
 
     /// Pages `got..n` of a Load that L2 lacked, from L3 through a prefetch of the agent's
@@ -306,10 +225,7 @@ impl AgentService {
     ) -> Vec<u32> {
         let from = span.start + got;
         let keys = &span.keys[from..span.start + n];
-        let id = format!(
-            "load{}",
-            self.shared.load_ids.fetch_add(1, Ordering::Relaxed)
-        );
+        let id = format!("load{}", self.load_ids.fetch_add(1, Ordering::Relaxed));
         // The engine has planned on these pages already (its blocks are allocated): a short
         // L3 hit is fetched unless the caller says otherwise; kvtierd's load-versus-recompute
         // check still applies.
@@ -323,12 +239,14 @@ impl AgentService {
         let mut c = linked.client.clone();
         // The progress stream is not needed: TakePrefetch waits per the policy.
         let Some(_progress) = self
+            .l2
             .call_prefetch(linked, c.prefetch(linked.session, &id, keys, opts))
             .await
         else {
             return Vec::new();
         };
         match self
+            .l2
             .call_prefetch(linked, c.take_prefetch(linked.session, &id))
             .await
         {
@@ -337,117 +255,58 @@ impl AgentService {
                 slots
             }
             None => {
-                self.call_prefetch(linked, c.release_prefetch(linked.session, &id))
+                self.l2
+                    .call_prefetch(linked, c.release_prefetch(linked.session, &id))
                     .await;
                 Vec::new()
             }
         }
     }
 
-    /// `Save`: the engine's computed pages into L2, per the write policy, before returning.
-    /// While L2 has no room it tries again as long as each `cache.evict_wait` brings
-    /// progress, and waits that long for a restarting kvtierd; what still fails is counted
-    /// lost, by reason (the engine will evict those pages without telling anyone).
-    pub(crate) async fn save_pages(
+    /// `Save`: the engine's computed pages into L2, per the write policy (or `selected`, the
+    /// policy's selection as a Lookup answered it), before returning. What does not reach L2
+    /// is counted lost, by reason (the engine will evict those pages without telling anyone).
+    pub(crate) async fn save(
         &self,
         caller: &Caller,
-        req: v1::SavePagesRequest,
-    ) -> Result<v1::SavePagesResponse, ApiError> {
-        let t = Instant::now();
-        let span = self.span(
-            Some(caller),
-            &req.packed_tokens,
-            req.namespace,
-            req.start_page,
-            &req.device_pages,
-        )?;
-        let s = &self.shared;
+        req: &Pages<'_>,
+        selected: Option<u32>,
+    ) -> Result<Saved, ApiError> {
+        let span = self.span(Some(caller), req)?;
+        let s = &self.s;
         let n = req.device_pages.len();
-        let selected = match req.selected {
+        let selected = match selected {
             // The policy's selection as the lookup answered it (possibly another rank's
             // agent): every rank saves the same pages.
             Some(upto) => (upto as usize).saturating_sub(span.start).min(n),
-            None => self.selected(&lock(&s.state), &span.keys[span.start..span.start + n]),
+            None => self.selected(&s.lock(), &span.keys[span.start..span.start + n]),
         };
-        self.count_backup("skipped", n - selected);
-        let mut out = v1::SavePagesResponse {
+        s.count_backup("skipped", n - selected);
+        let mut out = Saved {
             skipped: (n - selected) as u32,
-            ..Default::default()
+            ..Saved::default()
         };
         if selected == 0 {
             return Ok(out);
         }
-        let wait = s.evict_wait;
-        let mut deadline = Instant::now() + wait;
-        let mut pause = Duration::from_millis(1);
-        let mut done = 0;
-        let failure = loop {
-            let linked = match s.link.current() {
-                Some(l) => Some(l),
-                None => {
-                    // The session is coming up (the engine's first saves) or back: wait for
-                    // it, bounded, and count the wait.
-                    let t = Instant::now();
-                    let l = s.link.current_or_wait(wait).await;
-                    self.count_wait("link", t.elapsed());
-                    l
-                }
-            };
-            let Some(linked) = linked else {
-                break Some(Loss::DaemonUnreachable);
-            };
-            let from = span.start + done;
-            let keys = &span.keys[from..span.start + selected];
-            let parent = if done == 0 {
-                span.parent()
-            } else {
-                Some(span.keys[from - 1])
-            };
-            let pages = &req.device_pages[done..selected];
-            let why = match self.store(&linked, &span.device, keys, pages, parent).await {
-                Ok((upto, copied)) => {
-                    out.stored += copied as u32;
-                    out.present += (upto - copied) as u32;
-                    self.count_backup("stored", copied);
-                    self.count_backup("present", upto - copied);
-                    s.metrics
-                        .backup_bytes
-                        .with_label_values(&[s.policy.name()])
-                        .inc_by((copied * span.page_bytes) as u64);
-                    done += upto;
-                    if done == selected {
-                        break None;
-                    }
-                    if upto > 0 {
-                        deadline = Instant::now() + wait;
-                        pause = Duration::from_millis(1);
-                    }
-                    Loss::L2Full
-                }
-                Err(why) => why,
-            };
-            let now = Instant::now();
-            let again = match why {
-                Loss::L2Full => now < deadline,
-                Loss::DaemonUnreachable => s.link.may_come_back(wait),
-                Loss::CopyFailed | Loss::Refused => false,
-            };
-            if !again {
-                break Some(why);
-            }
-            tokio::time::sleep(pause.min(deadline.saturating_duration_since(now))).await;
-            pause = (pause * 2).min(Duration::from_millis(50));
-        };
-        let failed = selected - done;
-        out.failed = failed as u32;
-        if let Some(why) = failure {
-            self.count_backup("failed", failed);
-            self.count_lost(why, failed as u64);
+        let keys = &span.keys[span.start..span.start + selected];
+        let stored = self
+            .l2
+            .write(
+                Writer::Engine,
+                &span.device,
+                keys,
+                &req.device_pages[..selected],
+                span.parent(),
+                |_, _| {},
+            )
+            .await;
+        out.stored = stored.copied as u32;
+        out.present = stored.present as u32;
+        out.failed = (selected - stored.done) as u32;
+        if let Some(why) = stored.failure {
+            s.count_lost(why, u64::from(out.failed));
         }
-        s.metrics
-            .backup_seconds
-            .with_label_values(&[s.policy.name()])
-            .observe(t.elapsed().as_secs_f64());
         Ok(out)
     }
 }

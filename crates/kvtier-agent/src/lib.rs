@@ -6,14 +6,27 @@
 //!
 //! [`run`] is the whole process: the binary only parses flags, loads the configuration and
 //! calls it.
+//!
+//! Layers, each using only those above it in this list:
+//! - `outcome` (why pages were lost or not loaded), `metrics`, `owner`, `link` (the kvtierd
+//!   session), `handle_ids`;
+//! - `shared`: the registered pool, the state behind one mutex, settings and counters;
+//! - `l2`: the one port to kvtierd, owning the page moves (read, write with backpressure);
+//! - the two modes over it, fixed at `RegisterPool`: `tree` (with `backup`: backups and
+//!   eviction) and `engine_cache`;
+//! - `service`: the gRPC edge, wire ↔ domain, dispatching to the pool's mode.
 
-pub mod agent;
-pub mod backup;
-pub mod engine_cache;
+mod backup;
+mod engine_cache;
 mod handle_ids;
+mod l2;
 pub mod link;
 pub mod metrics;
+mod outcome;
 pub mod owner;
+mod service;
+mod shared;
+mod tree;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,9 +35,9 @@ use kvtier_config::agent::AgentConfig;
 use kvtier_server::peers::{GatedListener, PeerGate};
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::AgentService;
 use crate::link::Link;
 use crate::metrics::Metrics;
+use crate::service::AgentService;
 
 /// Where a running agent can be reached.
 #[derive(Debug, Clone)]
@@ -110,11 +123,7 @@ pub async fn run(
         link.set_on_linked(Arc::new(move |generation| svc.relinked(generation)));
     }
     let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
-    let backups = tokio::spawn(backup::run_backups(
-        service.clone(),
-        worker,
-        shutdown.clone(),
-    ));
+    let backups = tokio::spawn(service.run_backups(worker, shutdown.clone()));
     if let Some(l) = metrics_listener {
         let svc = service.clone();
         registry.on_scrape(move || svc.refresh_gauges());

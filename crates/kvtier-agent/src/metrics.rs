@@ -182,10 +182,10 @@ impl Metrics {
         for tier in ["device", "l2", "l3", "miss"] {
             m.match_pages.with_label_values(&[tier]);
         }
-        for reason in crate::backup::Loss::ALL {
+        for reason in crate::outcome::Loss::ALL {
             m.lost_pages.with_label_values(&[reason.label()]);
         }
-        for reason in crate::engine_cache::LoadFailure::ALL {
+        for reason in crate::outcome::LoadFailure::ALL {
             m.load_failed_pages.with_label_values(&[reason.label()]);
         }
         for at in ["insert", "evict", "link"] {

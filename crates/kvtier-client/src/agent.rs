@@ -119,6 +119,120 @@ pub struct Evicted {
     pub lost: u32,
 }
 
+/// What the tiers hold of a prompt's pages after the engine's own (engine-cache mode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagesLookup {
+    /// Pages after the engine's that L2 holds.
+    pub l2_pages: u32,
+    /// Pages after those that L3 holds.
+    pub l3_pages: u32,
+    /// Full pages in the prompt.
+    pub total_pages: u32,
+    /// Under write_through_selective: how many leading pages of the prompt the write policy
+    /// saves (pass it to every rank's Save).
+    pub save_pages: Option<u32>,
+}
+
+/// The outcome of an engine-cache Save.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Saved {
+    /// Pages copied into L2.
+    pub stored: u32,
+    /// Pages L2 held already.
+    pub present: u32,
+    /// Pages the write policy does not save.
+    pub skipped: u32,
+    /// Pages that did not reach L2 (counted lost, by reason, in the agent's metrics).
+    pub failed: u32,
+}
+
+// The wire edge, both ways: the agent answers in these types, the client reads them back.
+
+impl From<Match> for v1::MatchResponse {
+    fn from(m: Match) -> Self {
+        Self {
+            handle: m.handle.0,
+            device_pages: m.device_pages,
+            l2_pages: m.l2_pages,
+            l3_pages: m.l3_pages,
+            total_pages: m.total_pages,
+        }
+    }
+}
+
+impl From<Loaded> for v1::LoadBackResponse {
+    fn from(l: Loaded) -> Self {
+        Self {
+            loaded: l.loaded,
+            device_pages: l.device_pages,
+            unused_pages: l.unused_pages,
+        }
+    }
+}
+
+impl From<Inserted> for v1::InsertResponse {
+    fn from(i: Inserted) -> Self {
+        Self {
+            duplicate_pages: i.duplicate_pages,
+            inserted: i.inserted,
+        }
+    }
+}
+
+impl From<Evicted> for v1::EvictResponse {
+    fn from(e: Evicted) -> Self {
+        Self {
+            pages: e.pages,
+            backed_up: e.backed_up,
+            lost: e.lost,
+        }
+    }
+}
+
+impl From<PagesLookup> for v1::PagesLookupResponse {
+    fn from(l: PagesLookup) -> Self {
+        Self {
+            l2_pages: l.l2_pages,
+            l3_pages: l.l3_pages,
+            total_pages: l.total_pages,
+            save_pages: l.save_pages,
+        }
+    }
+}
+
+impl From<v1::PagesLookupResponse> for PagesLookup {
+    fn from(l: v1::PagesLookupResponse) -> Self {
+        Self {
+            l2_pages: l.l2_pages,
+            l3_pages: l.l3_pages,
+            total_pages: l.total_pages,
+            save_pages: l.save_pages,
+        }
+    }
+}
+
+impl From<Saved> for v1::SavePagesResponse {
+    fn from(s: Saved) -> Self {
+        Self {
+            stored: s.stored,
+            present: s.present,
+            skipped: s.skipped,
+            failed: s.failed,
+        }
+    }
+}
+
+impl From<v1::SavePagesResponse> for Saved {
+    fn from(s: v1::SavePagesResponse) -> Self {
+        Self {
+            stored: s.stored,
+            present: s.present,
+            skipped: s.skipped,
+            failed: s.failed,
+        }
+    }
+}
+
 /// One prompt of a batched insert.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Insert {
@@ -403,7 +517,7 @@ impl AgentClient {
         tokens: &[u32],
         namespace: Option<&Namespace>,
         start_page: u32,
-    ) -> Result<v1::PagesLookupResponse, ClientError> {
+    ) -> Result<PagesLookup, ClientError> {
         Ok(self
             .inner
             .lookup(Self::with_owner(
@@ -415,7 +529,8 @@ impl AgentClient {
                 },
             ))
             .await?
-            .into_inner())
+            .into_inner()
+            .into())
     }
 
     /// Engine-cache mode: loads pages `start_page..` of the prompt into `device_pages`, in
@@ -454,7 +569,7 @@ impl AgentClient {
         namespace: Option<&Namespace>,
         start_page: u32,
         device_pages: Vec<u32>,
-    ) -> Result<v1::SavePagesResponse, ClientError> {
+    ) -> Result<Saved, ClientError> {
         self.save_selected(tokens, namespace, start_page, device_pages, None)
             .await
     }
@@ -469,7 +584,7 @@ impl AgentClient {
         start_page: u32,
         device_pages: Vec<u32>,
         selected: Option<u32>,
-    ) -> Result<v1::SavePagesResponse, ClientError> {
+    ) -> Result<Saved, ClientError> {
         Ok(self
             .inner
             .save(Self::with_owner(
@@ -483,7 +598,8 @@ impl AgentClient {
                 },
             ))
             .await?
-            .into_inner())
+            .into_inner()
+            .into())
     }
 
     /// The agent's counters.

@@ -9,12 +9,13 @@
 //! debugging). (What the servers themselves share lives in kvtier-server.)
 
 mod agent;
+mod pages;
 pub mod raw;
 mod secure;
 
 pub use agent::{
-    AgentClient, Evicted, Handle, Insert, Inserted, Loaded, Match, OWNER_HEADER, PoolInfo,
-    PoolMemory,
+    AgentClient, Evicted, Handle, Insert, Inserted, Loaded, Match, OWNER_HEADER, PagesLookup,
+    PoolInfo, PoolMemory, Saved,
 };
 
 use std::path::{Path, PathBuf};
@@ -27,6 +28,7 @@ use kvtier_shm::ShmPool;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 pub use kvtier_proto::v1::ReserveStatus;
+pub use pages::{PageError, StoredPages};
 pub use secure::{
     AuthChannel, Bearer, TcpSecurity, connect_lazy_with, connect_with, install_crypto_provider,
 };

@@ -40,19 +40,31 @@ fn check<T: std::fmt::Debug>(
     );
 }
 
-/// Acquires `keys`, copies the pages out, releases; returns the bytes read.
+/// Acquires `keys`, copies the pages out, releases (the client's page protocol); returns
+/// the bytes read.
 async fn load(c: &mut HostClient, s: &kvtier_client::Session, keys: &[PageKey]) -> Vec<Vec<u8>> {
     let slots = c.acquire(s.id, keys).await.unwrap();
     let page = s.layout.page_bytes();
-    let out = slots
-        .iter()
-        .map(|&slot| {
-            let mut b = vec![0u8; page];
-            s.pool.read(slot, 0, &mut b).unwrap();
-            b
-        })
-        .collect();
-    c.release(s.id, &keys[..slots.len()]).await.unwrap();
+    let mut out = Vec::new();
+    c.load_pages(
+        s.id,
+        &keys[..slots.len()],
+        &slots,
+        Duration::from_secs(10),
+        |slots| {
+            let out = &mut out;
+            async move {
+                for slot in slots {
+                    let mut b = vec![0u8; page];
+                    s.pool.read(slot, 0, &mut b)?;
+                    out.push(b);
+                }
+                Ok::<_, kvtier_shm::ShmError>(())
+            }
+        },
+    )
+    .await
+    .unwrap();
     out
 }
 
@@ -138,6 +150,58 @@ fn two_processes_share_pages_and_nothing_is_visible_before_commit() {
         assert_eq!(stats.dedup_pages, 64);
         assert_eq!(stats.pools.len(), 1);
         assert_eq!(stats.pools[0].ready_pages, 64);
+    });
+}
+
+#[test]
+fn the_client_page_protocol_aborts_a_failed_copy_and_keeps_only_released_reads() {
+    use kvtier_client::PageError;
+    let d = Daemon::start("protocol", &["l2.pool_pages=16"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        let keys = chain(7, 8);
+        let t = Duration::from_secs(10);
+        let (pool, ks, page) = (&s.pool, &keys, s.layout.page_bytes());
+        // A copy that fails half-way: its reservations are aborted, so nothing is visible
+        // and the slots are free for the next writer, not held until the lease ends.
+        let r = c
+            .store_pages(s.id, None, &keys, t, |mine| async move {
+                assert_eq!(mine.len(), 8, "every page gets a slot");
+                pool.write(mine[0].1, 0, b"half").unwrap();
+                Err("the device went away")
+            })
+            .await;
+        assert!(
+            matches!(r, Err(PageError::Copy("the device went away"))),
+            "{r:?}"
+        );
+        assert_eq!(c.lookup(s.id, &keys).await.unwrap(), 0);
+        let stats = c.stats().await.unwrap();
+        assert_eq!(stats.pools[0].writing_pages, 0, "{stats:?}");
+        // Stored for real: held counts every page, copied those this call wrote.
+        store(&mut c, &s, &keys[..4]).await;
+        let r = c
+            .store_pages(s.id, None, &keys, t, |mine| async move {
+                for (i, slot) in mine {
+                    pool.write(slot, 0, &page_bytes(&ks[i], page)).unwrap();
+                }
+                Ok::<_, ()>(())
+            })
+            .await
+            .unwrap();
+        assert_eq!((r.held, r.copied), (8, 4));
+        assert_eq!(load(&mut c, &s, &keys).await.len(), 8);
+        // A read whose release fails is not to be kept: the pins may have been lost (here,
+        // released already), and the error says so.
+        let slots = c.acquire(s.id, &keys).await.unwrap();
+        c.release(s.id, &keys).await.unwrap();
+        let s2 = c.register("gone", &layout("m")).await.unwrap();
+        c.close(s2.id).await.unwrap();
+        let r = c
+            .load_pages(s2.id, &keys, &slots, t, |_| async { Ok::<_, ()>(()) })
+            .await;
+        assert!(matches!(r, Err(PageError::Daemon(_))), "{r:?}");
     });
 }
 

@@ -305,35 +305,38 @@ pub fn reserved(keys: &[PageKey], r: &[kvtier_client::Reserved]) -> Vec<PageKey>
         .collect()
 }
 
-/// Writes `keys` as a client does: reserve, copy each page into its slot, commit, and when
-/// the pool has no room for all of them (pages not yet in L3 leave only once written; past
-/// the dirty limit writers wait), go on from where it got once room comes back, up to 20 s.
-/// Returns every page's bytes, written or already present.
+/// Writes `keys` as a client does, through the client's page protocol (reserve, copy each
+/// page into its slot, commit), and when the pool has no room for all of them (pages not yet
+/// in L3 leave only once written; past the dirty limit writers wait), goes on from where it
+/// got once room comes back, up to 20 s. Returns every page's bytes, written or present.
 pub async fn store(
     c: &mut kvtier_client::HostClient,
     s: &kvtier_client::Session,
     keys: &[PageKey],
 ) -> Vec<Vec<u8>> {
-    use kvtier_client::Reserved;
     let deadline = Instant::now() + Duration::from_secs(20);
     let page = s.layout.page_bytes();
     let mut done = 0;
     while done < keys.len() {
         let rest = &keys[done..];
         let parent = done.checked_sub(1).map(|i| &keys[i]);
-        let r = c.reserve(s.id, parent, rest).await.unwrap();
-        let got = r.iter().take_while(|r| **r != Reserved::NoSpace).count();
-        for (k, r) in rest.iter().zip(&r).take(got) {
-            if let Reserved::Slot(slot) = r {
-                s.pool.write(*slot, 0, &page_bytes(k, page)).unwrap();
-            }
-        }
-        let mine = reserved(&rest[..got], &r[..got]);
-        if !mine.is_empty() {
-            c.commit(s.id, &mine).await.unwrap();
-        }
-        done += got;
-        if got == 0 {
+        let r = c
+            .store_pages(
+                s.id,
+                parent,
+                rest,
+                Duration::from_secs(10),
+                |mine| async move {
+                    for (i, slot) in mine {
+                        s.pool.write(slot, 0, &page_bytes(&rest[i], page))?;
+                    }
+                    Ok::<_, kvtier_shm::ShmError>(())
+                },
+            )
+            .await
+            .unwrap();
+        done += r.held;
+        if r.held == 0 {
             assert!(Instant::now() < deadline, "the pool never made room");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -1,0 +1,572 @@
+//! The `kvtier.v1.Agent` service: the gRPC edge. Each call is checked and turned into domain
+//! terms here (tokens, namespaces, page keys), handed to the mode the pool was registered in
+//! ([`TreeMode`] or [`CacheMode`], fixed at `RegisterPool`; a call of the other mode is
+//! refused by name), and its domain answer turned back into the wire's. Registration, the
+//! counters (AgentStats, the heartbeat report, gauges) and the reaction to a new kvtierd
+//! session live here too: they span both modes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kvtier_config::agent::AgentConfig;
+use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree};
+use kvtier_device::cpu::CpuDevice;
+use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
+use kvtier_device::{Device, DeviceError};
+use kvtier_proto::ApiError;
+use kvtier_proto::v1::{self, agent_server};
+use tonic::{Request, Response, Status};
+
+use crate::backup::BackupWorker;
+use crate::engine_cache::{CacheMode, Pages};
+use crate::l2::L2;
+use crate::link::Link;
+use crate::metrics::Metrics;
+use crate::owner::{Caller, Owner};
+use crate::shared::{Engine, Mode, Settings, Shared};
+use crate::tree::{Progress, TreeMode};
+
+/// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
+/// (little-endian u32s). Both set, or a packed length that is not a multiple of 4, is refused.
+fn request_tokens<'a>(
+    tokens: &'a [u32],
+    packed: &[u8],
+) -> Result<std::borrow::Cow<'a, [u32]>, ApiError> {
+    if packed.is_empty() {
+        return Ok(std::borrow::Cow::Borrowed(tokens));
+    }
+    if !tokens.is_empty() {
+        return Err(ApiError::invalid(
+            "packed_tokens",
+            "set with tokens; send the prompt in one of the two",
+        ));
+    }
+    if !packed.len().is_multiple_of(4) {
+        return Err(ApiError::invalid(
+            "packed_tokens",
+            format!(
+                "{} bytes is not a whole number of 4-byte tokens",
+                packed.len()
+            ),
+        ));
+    }
+    Ok(std::borrow::Cow::Owned(
+        packed
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    ))
+}
+
+fn namespace(ns: Option<v1::Namespace>) -> Result<Namespace, ApiError> {
+    Namespace::try_from(ns.unwrap_or_default()).map_err(|e| e.within("namespace"))
+}
+
+fn prefetch_policy(p: i32) -> Result<v1::PrefetchPolicy, ApiError> {
+    v1::PrefetchPolicy::try_from(p)
+        .map_err(|_| ApiError::invalid("policy", format!("{p} is not a PrefetchPolicy value")))
+}
+
+fn device_error(field: &str, e: DeviceError) -> ApiError {
+    match e {
+        DeviceError::Invalid { field: f, reason } => {
+            ApiError::invalid(format!("{field}.{f}"), reason)
+        }
+        DeviceError::Unavailable(m) => ApiError::FailedPrecondition(m),
+        DeviceError::Copy(m) => ApiError::Internal(m),
+    }
+}
+
+fn to_status<T, D: Into<T>>(r: Result<D, ApiError>) -> Result<Response<T>, Status> {
+    r.map(|d| Response::new(d.into())).map_err(Status::from)
+}
+
+/// The `kvtier.v1.Agent` service.
+#[derive(Clone)]
+pub(crate) struct AgentService {
+    s: Arc<Shared>,
+    tree: Arc<TreeMode>,
+    cache: Arc<CacheMode>,
+}
+
+impl AgentService {
+    /// A service configured by `cfg`, over `link`; run its backups with
+    /// [`Self::run_backups`].
+    pub(crate) fn new(
+        cfg: &AgentConfig,
+        link: Arc<Link>,
+        metrics: Metrics,
+        metrics_address: String,
+    ) -> (Self, BackupWorker) {
+        let s = Arc::new(Shared::new(
+            Settings::new(cfg, metrics_address),
+            link,
+            metrics,
+        ));
+        let l2 = L2::new(s.clone());
+        let (tree, worker) = TreeMode::new(s.clone(), l2.clone());
+        let cache = CacheMode::new(s.clone(), l2);
+        (
+            Self {
+                s,
+                tree: Arc::new(tree),
+                cache: Arc::new(cache),
+            },
+            worker,
+        )
+    }
+
+    /// The early-backup workers; run until `stop`.
+    pub(crate) fn run_backups(
+        &self,
+        worker: BackupWorker,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        self.tree.backups().run(worker, stop)
+    }
+
+    /// A new kvtierd session: what the tree believed L2 held may be gone (a restarted
+    /// kvtierd), so every mark is cleared and each page is backed up again (or found in L2)
+    /// before its eviction. Runs before the session is used.
+    pub(crate) fn relinked(&self, generation: u64) {
+        let s = &self.s;
+        let mut st = s.lock();
+        let (_, marked) = st.tree.forget_backups();
+        // Prefetches opened under the old session are gone with it: a load-back pins its
+        // pages directly instead of asking the new session for a prefetch it never opened.
+        for h in st.handles.values_mut() {
+            h.prefetch = None;
+        }
+        st.link_generation = generation;
+        s.metrics.daemon_sessions.inc();
+        s.metrics.rechecked_pages.inc_by(marked as u64);
+    }
+
+    /// This worker's figures for kvtierd's per-session view.
+    pub(crate) fn report(&self) -> v1::ClientReport {
+        let s = &self.s;
+        let m = &s.metrics;
+        let tier = |t: &str| m.match_pages.with_label_values(&[t]).get();
+        let st = s.lock();
+        v1::ClientReport {
+            matches: m.matches.get(),
+            device_hit_pages: tier("device"),
+            l2_hit_pages: tier("l2"),
+            l3_hit_pages: tier("l3"),
+            miss_pages: tier("miss"),
+            load_back_pages: m.load_back_pages.get(),
+            backup_pages: s.counters.backed_up.load(Ordering::Relaxed),
+            lost_pages: s.counters.lost().0,
+            evicted_pages: m.evicted_pages.get(),
+            device_pages: st.tree.device_pages() as u32,
+            locked_pages: st.tree.protected_pages() as u32,
+        }
+    }
+
+    /// Refreshes the gauges (called before each scrape).
+    pub(crate) fn refresh_gauges(&self) {
+        let s = &self.s;
+        let st = s.lock();
+        let m = &s.metrics;
+        m.device_pages.set(st.tree.device_pages() as i64);
+        m.locked_pages.set(st.tree.protected_pages() as i64);
+        m.open_handles.set(st.handles.len() as i64);
+        m.daemon_connected
+            .set(i64::from(s.link.current().is_some()));
+    }
+
+    fn stats(&self) -> v1::AgentStatsResponse {
+        let s = &self.s;
+        let st = s.lock();
+        let c = &s.counters;
+        let (lost_pages, by) = c.lost();
+        v1::AgentStatsResponse {
+            pool_registered: st.engine.is_some(),
+            daemon_connected: s.link.current().is_some(),
+            write_policy: s.policy().name().to_string(),
+            device_pages: st.tree.device_pages() as u32,
+            evictable_pages: st.tree.evictable_pages() as u32,
+            locked_pages: st.tree.protected_pages() as u32,
+            host_only_pages: st.tree.host_only_pages() as u32,
+            open_handles: st.handles.len() as u32,
+            backed_up_pages: c.backed_up.load(Ordering::Relaxed),
+            lost_pages,
+            backups_in_flight: c.in_flight.load(Ordering::Relaxed),
+            metrics_address: s.settings.metrics_address.clone(),
+            lost_by_reason: by
+                .into_iter()
+                .map(|(l, pages)| v1::LostPages {
+                    reason: l.label().to_string(),
+                    pages,
+                })
+                .collect(),
+            backup_waits: c.waits.load(Ordering::Relaxed),
+            backup_wait_seconds: c.wait_seconds(),
+            backups_deferred: c.deferred.load(Ordering::Relaxed),
+        }
+    }
+
+    fn open_device(
+        &self,
+        pool: &DevicePool,
+        device: Option<v1::register_pool_request::Device>,
+    ) -> Result<Arc<dyn Device>, ApiError> {
+        Ok(match device {
+            Some(v1::register_pool_request::Device::Cpu(c)) => {
+                if c.path.is_empty() {
+                    return Err(ApiError::invalid("cpu.path", "required"));
+                }
+                Arc::new(
+                    CpuDevice::open(
+                        pool.clone(),
+                        std::path::Path::new(&c.path),
+                        self.s.settings.copy_threads,
+                    )
+                    .map_err(|e| device_error("cpu", e))?,
+                )
+            }
+            Some(v1::register_pool_request::Device::Cuda(c)) => {
+                let mut handles = Vec::with_capacity(c.ipc_handles.len());
+                for (i, h) in c.ipc_handles.iter().enumerate() {
+                    let h: [u8; IPC_HANDLE_BYTES] = h.as_slice().try_into().map_err(|_| {
+                        ApiError::invalid(
+                            format!("cuda.ipc_handles[{i}]"),
+                            format!(
+                                "{} bytes; a CUDA IPC handle has {IPC_HANDLE_BYTES}",
+                                h.len()
+                            ),
+                        )
+                    })?;
+                    handles.push(h);
+                }
+                Arc::new(
+                    CudaDevice::open(pool.clone(), c.device_ordinal, &handles)
+                        .map_err(|e| device_error("cuda", e))?,
+                )
+            }
+            None => return Err(ApiError::invalid("device", "required: cpu or cuda")),
+        })
+    }
+
+    async fn register_pool(
+        &self,
+        caller: Caller,
+        req: v1::RegisterPoolRequest,
+    ) -> Result<v1::RegisterPoolResponse, ApiError> {
+        let s = &self.s;
+        // Refused early (before opening the caller's memory) when another client owns the
+        // pool; checked again below, under the lock, where it counts.
+        if let Some(e) = &s.lock().engine {
+            e.owner.yields_to(&caller, s.settings.pool_lease)?;
+        }
+        let spec_wire = req
+            .layout
+            .ok_or_else(|| ApiError::invalid("layout", "required"))?;
+        let layout = Layout::try_from(spec_wire).map_err(|e| e.within("layout"))?;
+        let pool = DevicePool::new(layout.clone(), req.num_token_slots)
+            .map_err(|e| ApiError::invalid("num_token_slots", e.to_string()))?;
+        let device = self.open_device(&pool, req.device)?;
+        let mode = if req.engine_cache {
+            Mode::EngineCache
+        } else {
+            Mode::Tree
+        };
+        if mode == Mode::EngineCache && !s.policy().saves_before_eviction() {
+            return Err(ApiError::FailedPrecondition(
+                "engine_cache with write_policy write_back: the engine never says when it \
+                 evicts a page, so a page saved only then would never be saved; set \
+                 write_policy to write_through or write_through_selective"
+                    .into(),
+            ));
+        }
+        let num_pages = pool.num_pages();
+        let owner = Owner::new(&caller)?;
+        let token = owner.token();
+        {
+            let mut st = s.lock();
+            if let Some(e) = &st.engine {
+                e.owner.yields_to(&caller, s.settings.pool_lease)?;
+            }
+            // How often prompts were asked for outlives an engine restart (the same model's
+            // next run is asked for the same prompts); another layout starts over.
+            if st
+                .engine
+                .as_ref()
+                .is_none_or(|e| e.pool.layout().fingerprint() != layout.fingerprint())
+            {
+                st.lookups.clear();
+            }
+            st.engine = Some(Engine {
+                device,
+                pool,
+                mode,
+                owner,
+            });
+            st.tree = RadixTree::new(s.settings.eviction);
+            st.in_tree = vec![false; num_pages];
+            st.handles.clear();
+        }
+        s.link.want(layout.spec().clone());
+        tracing::info!(model = %layout.spec().model_id, fingerprint = %layout.fingerprint(), num_pages, ?mode, pid = ?caller.peer.and_then(|p| p.pid), "engine pool registered");
+        // The engine starts saving as soon as this returns: give the kvtierd session the
+        // link's deadline to come up first, so the first pages computed are not refused for
+        // want of it (a daemon that does not answer in time costs that wait once; saves
+        // after it still wait up to cache.evict_wait for the link).
+        let linked = s.link.current_or_wait(s.link.timeout()).await;
+        Ok(v1::RegisterPoolResponse {
+            layout: Some(v1::LayoutInfo::from(&layout)),
+            num_pages: num_pages as u32,
+            daemon_connected: linked.is_some(),
+            owner: token.to_hex(),
+        })
+    }
+
+    /// The page keys of a tree-mode request's prompt.
+    fn tree_keys(
+        &self,
+        caller: &Caller,
+        tokens: &[u32],
+        packed: &[u8],
+        ns: Option<v1::Namespace>,
+    ) -> Result<(Vec<PageKey>, usize, usize), ApiError> {
+        let page_size = self.tree.page_size(caller)?;
+        let tokens = request_tokens(tokens, packed)?;
+        let keys = self.s.keys(&tokens, &namespace(ns)?, page_size)?;
+        Ok((keys, tokens.len(), page_size))
+    }
+
+    async fn do_match(
+        &self,
+        caller: &Caller,
+        req: v1::MatchRequest,
+    ) -> Result<v1::MatchResponse, ApiError> {
+        let t = Instant::now();
+        let (keys, _, _) =
+            self.tree_keys(caller, &req.tokens, &req.packed_tokens, req.namespace)?;
+        Ok(self.tree.match_prefix(caller, keys, t).await?.into())
+    }
+
+    async fn insert(
+        &self,
+        caller: &Caller,
+        req: v1::InsertRequest,
+    ) -> Result<v1::InsertResponse, ApiError> {
+        let (keys, tokens, page_size) =
+            self.tree_keys(caller, &req.tokens, &req.packed_tokens, req.namespace)?;
+        if req.device_pages.len() != keys.len() {
+            return Err(ApiError::invalid(
+                "device_pages",
+                format!(
+                    "{} pages for {} full pages of tokens ({tokens} tokens, page size \
+                     {page_size}); give one device page per full page",
+                    req.device_pages.len(),
+                    keys.len(),
+                ),
+            ));
+        }
+        Ok(self
+            .tree
+            .insert(caller, &keys, &req.device_pages)
+            .await?
+            .into())
+    }
+
+    async fn prefetch(
+        &self,
+        caller: &Caller,
+        req: v1::AgentPrefetchRequest,
+    ) -> Result<Progress, ApiError> {
+        let policy = prefetch_policy(req.policy)?;
+        self.tree
+            .prefetch(caller, req.handle, policy, req.hints.unwrap_or_default())
+            .await
+    }
+}
+
+/// An engine-cache request in domain terms (`tokens` decoded by the caller, which keeps
+/// them alive).
+fn pages<'a>(
+    tokens: &'a [u32],
+    ns: Option<v1::Namespace>,
+    start: u32,
+    device_pages: &'a [u32],
+) -> Result<Pages<'a>, ApiError> {
+    Ok(Pages {
+        tokens,
+        namespace: namespace(ns)?,
+        start,
+        device_pages,
+    })
+}
+
+#[tonic::async_trait]
+impl agent_server::Agent for AgentService {
+    async fn register_pool(
+        &self,
+        request: Request<v1::RegisterPoolRequest>,
+    ) -> Result<Response<v1::RegisterPoolResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        to_status(AgentService::register_pool(self, caller, request.into_inner()).await)
+    }
+
+    async fn r#match(
+        &self,
+        request: Request<v1::MatchRequest>,
+    ) -> Result<Response<v1::MatchResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        to_status(self.do_match(&caller, request.into_inner()).await)
+    }
+
+    async fn match_batch(
+        &self,
+        request: Request<v1::MatchBatchRequest>,
+    ) -> Result<Response<v1::MatchBatchResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let mut responses = Vec::new();
+        for (i, r) in request.into_inner().requests.into_iter().enumerate() {
+            responses.push(
+                self.do_match(&caller, r)
+                    .await
+                    .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
+            );
+        }
+        Ok(Response::new(v1::MatchBatchResponse { responses }))
+    }
+
+    async fn load_back(
+        &self,
+        request: Request<v1::LoadBackRequest>,
+    ) -> Result<Response<v1::LoadBackResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let req = request.into_inner();
+        to_status(
+            self.tree
+                .load_back(&caller, req.handle, req.free_pages)
+                .await,
+        )
+    }
+
+    type PrefetchStream = Progress;
+
+    async fn prefetch(
+        &self,
+        request: Request<v1::AgentPrefetchRequest>,
+    ) -> Result<Response<Self::PrefetchStream>, Status> {
+        let caller = Caller::of(&request)?;
+        to_status(AgentService::prefetch(self, &caller, request.into_inner()).await)
+    }
+
+    async fn insert(
+        &self,
+        request: Request<v1::InsertRequest>,
+    ) -> Result<Response<v1::InsertResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        to_status(AgentService::insert(self, &caller, request.into_inner()).await)
+    }
+
+    async fn insert_batch(
+        &self,
+        request: Request<v1::InsertBatchRequest>,
+    ) -> Result<Response<v1::InsertBatchResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let mut responses = Vec::new();
+        for (i, r) in request.into_inner().requests.into_iter().enumerate() {
+            responses.push(
+                AgentService::insert(self, &caller, r)
+                    .await
+                    .map_err(|e| Status::from(e.within(&format!("requests[{i}]"))))?,
+            );
+        }
+        Ok(Response::new(v1::InsertBatchResponse { responses }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<v1::AgentReleaseRequest>,
+    ) -> Result<Response<v1::AgentReleaseResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let handle = request.into_inner().handle;
+        to_status(
+            self.tree
+                .release(&caller, handle)
+                .await
+                .map(|()| v1::AgentReleaseResponse {}),
+        )
+    }
+
+    async fn release_batch(
+        &self,
+        request: Request<v1::ReleaseBatchRequest>,
+    ) -> Result<Response<v1::AgentReleaseResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        for (i, h) in request.into_inner().handles.into_iter().enumerate() {
+            self.tree
+                .release(&caller, h)
+                .await
+                .map_err(|e| Status::from(e.within(&format!("handles[{i}]"))))?;
+        }
+        Ok(Response::new(v1::AgentReleaseResponse {}))
+    }
+
+    async fn evict(
+        &self,
+        request: Request<v1::EvictRequest>,
+    ) -> Result<Response<v1::EvictResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let n = request.into_inner().pages as usize;
+        to_status(self.tree.evict(&caller, n).await)
+    }
+
+    async fn agent_stats(
+        &self,
+        _request: Request<v1::AgentStatsRequest>,
+    ) -> Result<Response<v1::AgentStatsResponse>, Status> {
+        Ok(Response::new(self.stats()))
+    }
+
+    async fn lookup(
+        &self,
+        request: Request<v1::PagesLookupRequest>,
+    ) -> Result<Response<v1::PagesLookupResponse>, Status> {
+        // Lookup reads no pool memory: an engine's scheduler process asks it without the
+        // owner token its worker holds.
+        let req = request.into_inner();
+        let r = async {
+            let tokens = request_tokens(&[], &req.packed_tokens)?;
+            let p = pages(&tokens, req.namespace, req.start_page, &[])?;
+            self.cache.lookup(&p).await
+        };
+        to_status(r.await)
+    }
+
+    async fn load(
+        &self,
+        request: Request<v1::LoadPagesRequest>,
+    ) -> Result<Response<v1::LoadPagesResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let req = request.into_inner();
+        let r = async {
+            let policy = prefetch_policy(req.policy)?;
+            let tokens = request_tokens(&[], &req.packed_tokens)?;
+            let p = pages(&tokens, req.namespace, req.start_page, &req.device_pages)?;
+            let loaded = self.cache.load(&caller, &p, policy, req.hints).await?;
+            Ok(v1::LoadPagesResponse { loaded })
+        };
+        to_status::<v1::LoadPagesResponse, _>(r.await)
+    }
+
+    async fn save(
+        &self,
+        request: Request<v1::SavePagesRequest>,
+    ) -> Result<Response<v1::SavePagesResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let req = request.into_inner();
+        let r = async {
+            let tokens = request_tokens(&[], &req.packed_tokens)?;
+            let p = pages(&tokens, req.namespace, req.start_page, &req.device_pages)?;
+            self.cache.save(&caller, &p, req.selected).await
+        };
+        to_status(r.await)
+    }
+}
