@@ -618,17 +618,19 @@ impl Prefetcher {
             }
         }
         self.metrics.wait_seconds.observe(t.elapsed().as_secs_f64());
-        self.state
+        Ok(self
+            .state
             .lock()
-            .prefetch_take(session, &request_id, Instant::now())
+            .prefetch_take(session, &request_id, Instant::now())?)
     }
 
     /// The progress of an open prefetch.
     pub fn status(&self, session: SessionId, request_id: &str) -> Result<Progress, ApiError> {
         let request_id = Self::request_id(request_id)?;
-        self.state
+        Ok(self
+            .state
             .lock()
-            .prefetch_status(session, &request_id, Instant::now())
+            .prefetch_status(session, &request_id, Instant::now())?)
     }
 
     /// Cancels a prefetch and drops its pins.

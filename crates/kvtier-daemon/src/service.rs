@@ -195,7 +195,7 @@ impl HostService {
         if !self.tenants.any() {
             return Ok(None);
         }
-        self.state().session_scope(sid).map(Some)
+        Ok(self.state().session_scope(sid).map(Some)?)
     }
 
     /// `keys` (or `packed`) of session `sid`, checked against the batch limit and mapped into

@@ -9,25 +9,29 @@ use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::{DaemonConfig, L2Backing, L3Backend};
 use kvtier_config::tenants::TenantQuota;
-use kvtier_core::host_index::{
-    HostIndex, HostIndexStats, L3Mark, L3Mode, OwnerId, PageState, Reserve, TenantUse,
-};
+use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
 use kvtier_core::{
     Epoch, KeyMap, KeySet, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, TenantScope,
     TenantTag, WritePolicy,
 };
-use kvtier_proto::ApiError;
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
+mod error;
+mod l3_writes;
 mod metrics;
 mod operator;
+mod pages;
 mod prefetch;
 mod reclaim;
 mod survive;
 
+pub use error::StateError;
+pub use l3_writes::Job;
 pub use metrics::L2Metrics;
 pub use operator::{ClearedL2, DrainReport, FlushWait};
-pub use prefetch::{Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Progress, StopCause};
+pub use prefetch::{
+    Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Prefetches, Progress, StopCause,
+};
 pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
 
 /// Who may open the pool files: kvtierd alone, or its socket's group too when `[server.unix]`
@@ -105,27 +109,6 @@ impl Shared {
             Err(p) => p.into_inner(),
         }
     }
-}
-
-/// One page for the L3 writer: chosen by the state (under the write policy, or by the
-/// flusher), pinned in its slot until the writer reports how the write went.
-#[derive(Debug)]
-pub struct Job {
-    /// Layout class (what L3 names the page by).
-    pub fp: LayoutFingerprint,
-    /// The L2 pool it is in ([`Pool::key`]).
-    pub pool_key: LayoutFingerprint,
-    /// Page key.
-    pub key: PageKey,
-    /// Slot holding the page (pinned until the job ends).
-    pub slot: u32,
-    /// The pool.
-    pub pool: Arc<ShmPool>,
-    /// Page bytes.
-    pub len: usize,
-    /// The L3 generation it was queued in: a write queued before L3 was cleared does not
-    /// mark its page held when it lands (the clear may have removed it).
-    pub epoch: u64,
 }
 
 /// What an agent tells the daemon about its worker with each heartbeat: counters since
@@ -260,10 +243,8 @@ pub struct HostState {
     /// Flushes in progress (`kvtierctl flush`): while any is, every page L3 lacks is written,
     /// not only those of pools running short of free slots.
     flushes: u32,
-    prefetches: HashMap<u64, PrefetchEntry>,
-    prefetch_names: HashMap<(SessionId, String), u64>,
-    next_prefetch: u64,
-    prefetch_budget: f64,
+    /// Open prefetches (their slots are in the pools).
+    prefetches: Prefetches,
     /// Tenants tracked in every pool, with their L2 page quotas (empty: tenancy is off).
     tenants: Vec<(String, TenantTag, Option<u32>)>,
     /// Each named tenant's Unix-socket uids and gids, given its own pools' files.
@@ -274,16 +255,8 @@ pub struct HostState {
     pub counters: Counters,
 }
 
-fn unknown_session(id: SessionId, epoch: Epoch) -> ApiError {
-    if id.epoch() != epoch {
-        return ApiError::NotFound(format!(
-            "session {id} was issued by another kvtierd run (epoch {}; this run's is {epoch}); register again",
-            id.epoch()
-        ));
-    }
-    ApiError::NotFound(format!(
-        "session {id} is unknown or expired; register again"
-    ))
+fn unknown_session(id: SessionId, epoch: Epoch) -> StateError {
+    StateError::UnknownSession { id, epoch }
 }
 
 impl HostState {
@@ -319,10 +292,7 @@ impl HostState {
             l3_epoch: 0,
             draining: false,
             flushes: 0,
-            prefetches: HashMap::new(),
-            prefetch_names: HashMap::new(),
-            next_prefetch: 1,
-            prefetch_budget: cfg.prefetch.budget_fraction,
+            prefetches: Prefetches::new(cfg.prefetch.budget_fraction),
             tenants: Vec::new(),
             tenant_peers: HashMap::new(),
             tenant_pools: cfg.l2.tenant_pools,
@@ -387,116 +357,8 @@ impl HostState {
             .collect()
     }
 
-    fn jobs(pool: &Pool, queued: Vec<(PageKey, u32)>, epoch: u64) -> Vec<Job> {
-        queued
-            .into_iter()
-            .map(|(key, slot)| Job {
-                fp: pool.layout.fingerprint(),
-                pool_key: pool.key,
-                key,
-                slot,
-                pool: pool.shm.clone(),
-                len: pool.layout.page_bytes(),
-                epoch,
-            })
-            .collect()
-    }
-
-    /// Whether pools keep slot tables (so a later kvtierd can take them over).
-    pub fn seals_enabled(&self) -> bool {
-        self.take_over && self.backing == Backing::ShmFile
-    }
-
-    /// The L2 → L3 write policy, while a tier is attached.
-    pub fn write_policy(&self) -> Option<WritePolicy> {
-        self.write
-    }
-
-    fn l3_mode(&self) -> L3Mode {
-        match (self.write, self.l3_down) {
-            (None, _) => L3Mode::Absent,
-            // Every policy copies a page to L3 before its slot is reused.
-            (Some(p), false) if p.before_eviction() => L3Mode::Up,
-            (Some(_), _) => L3Mode::Down,
-        }
-    }
-
-    fn apply_l3_mode(&mut self) {
-        let mode = self.l3_mode();
-        for pool in self.pools.values_mut() {
-            pool.index.set_l3_mode(mode);
-        }
-    }
-
-    /// Changes the L3 write policy (an L3 tier attached, swapped or detached). With a tier,
-    /// a page leaves L2 only once L3 holds it; without, every pool evicts freely again.
-    pub fn set_write(&mut self, write: Option<WritePolicy>) {
-        self.write = write;
-        self.l3_down = false;
-        self.apply_l3_mode();
-    }
-
-    /// Records whether the attached tier is failing. While it is, pages L3 does not hold may
-    /// be evicted (counted as lost), so a dead backend never wedges L2.
-    pub fn set_l3_down(&mut self, down: bool) {
-        if self.l3_down != down {
-            self.l3_down = down;
-            if down {
-                tracing::warn!(
-                    "l3 is down: L2 may now evict pages it has not written (counted in kvtier_l2_lost_pages_total)"
-                );
-            } else {
-                tracing::info!("l3 is back: L2 evicts only pages L3 holds");
-            }
-            self.apply_l3_mode();
-        }
-    }
-
-    /// Counts pages an index evicted without L3 holding them (`before` is its count before
-    /// the operation), by the reason of the current mode.
-    fn count_lost(&mut self, mode: L3Mode, before: u64, after: u64) {
-        let n = after.saturating_sub(before);
-        match mode {
-            L3Mode::Absent => self.counters.lost_no_l3 += n,
-            L3Mode::Up | L3Mode::Down => self.counters.lost_l3_down += n,
-        }
-    }
-
-    /// Ends an L3 write queued in L3 generation `epoch`: unpins the page, and marks it
-    /// persisted if the write landed and L3 was not cleared since.
-    pub fn finish_l3(&mut self, job: &Job, landed: bool) {
-        let landed = landed && job.epoch == self.l3_epoch;
-        if let Some(p) = self.pools.get_mut(&job.pool_key) {
-            p.index.finish_l3(&job.key, landed);
-        }
-    }
-
-    /// The coldest pages L3 does not hold yet, at most `batch` per pool, of every pool
-    /// running short of free slots (of every pool while a flush or drain runs): under every
-    /// write policy, what must be written before those slots can be reused.
-    pub fn flush_jobs(&mut self, batch: usize) -> Vec<Job> {
-        let mut out = Vec::new();
-        if self.write.is_none() || self.l3_down {
-            return out;
-        }
-        let all = self.draining || self.flushes > 0;
-        let epoch = self.l3_epoch;
-        for pool in self.pools.values_mut() {
-            let s = pool.index.stats();
-            // Short of free slots, or half way to the dirty limit (where writers would wait).
-            if all
-                || pool.index.free_slots() < s.capacity / 4 + 1
-                || s.dirty > pool.index.dirty_limit() / 2
-            {
-                let queued = pool.index.flush_candidates(batch);
-                out.extend(Self::jobs(pool, queued, epoch));
-            }
-        }
-        out
-    }
-
     /// The layout class of a session.
-    pub fn session_fingerprint(&self, id: SessionId) -> Result<LayoutFingerprint, ApiError> {
+    pub fn session_fingerprint(&self, id: SessionId) -> Result<LayoutFingerprint, StateError> {
         self.sessions
             .get(&id)
             .map(|s| s.fingerprint)
@@ -509,7 +371,7 @@ impl HostState {
         id: SessionId,
         report: Option<ClientReport>,
         now: Instant,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), StateError> {
         let s = self
             .sessions
             .get_mut(&id)
@@ -536,7 +398,7 @@ impl HostState {
         self.sessions.iter()
     }
 
-    fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, ApiError> {
+    fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, StateError> {
         // A named tenant's own pool, its file open to its peers alone; else the layout's.
         let grant = if self.tenant_pools {
             self.tenant_peers.get(tenant).cloned()
@@ -549,7 +411,7 @@ impl HostState {
         };
         if !self.pools.contains_key(&fp) {
             if layout.slot_stride() as u64 > self.max_page_bytes {
-                return Err(ApiError::invalid(
+                return Err(StateError::invalid(
                     "layout",
                     format!(
                         "a page of {} bytes is larger than l2.max_page_bytes ({})",
@@ -563,7 +425,7 @@ impl HostState {
                 self.reclaim_pools(Instant::now(), true);
             }
             if self.pools.len() >= self.max_pools as usize {
-                return Err(ApiError::ResourceExhausted(format!(
+                return Err(StateError::Full(format!(
                     "l2.max_pools ({}) layouts are already served; this layout ({}) is not",
                     self.max_pools,
                     layout.spec().model_id
@@ -576,7 +438,7 @@ impl HostState {
                 self.pool_bytes / stride
             };
             if slots == 0 {
-                return Err(ApiError::FailedPrecondition(format!(
+                return Err(StateError::Refused(format!(
                     "l2.pool_bytes ({}) is smaller than one page of this layout ({stride} bytes)",
                     self.pool_bytes
                 )));
@@ -603,12 +465,12 @@ impl HostState {
                 grant: grant.clone(),
             })
             .map_err(|e| match e {
-                kvtier_shm::ShmError::NoSpace { .. } => ApiError::ResourceExhausted(format!(
+                kvtier_shm::ShmError::NoSpace { .. } => StateError::Full(format!(
                     "no room for the pool of {fp} ({e}): lower l2.pool_bytes / l2.pool_pages \
                      or give l2.shm_dir ({}) more space",
                     self.shm_dir.display()
                 )),
-                e => ApiError::Internal(format!("creating the pool for {fp}: {e}")),
+                e => StateError::Internal(format!("creating the pool for {fp}: {e}")),
             })?;
             tracing::info!(
                 fingerprint = %fp,
@@ -663,12 +525,15 @@ impl HostState {
         tenant: &str,
         layout: &Layout,
         now: Instant,
-    ) -> Result<Registered, ApiError> {
+    ) -> Result<Registered, StateError> {
         self.admitting("new sessions")?;
         // Random, so no client can name another's session; a draw that repeats a live id
         // (2^-128) is drawn again rather than trusted.
         let id = loop {
-            let id = SessionId::new(self.epoch, crate::ids::random()?);
+            let id = SessionId::new(
+                self.epoch,
+                crate::ids::random().map_err(|e| StateError::Internal(e.to_string()))?,
+            );
             if !self.sessions.contains_key(&id) {
                 break id;
             }
@@ -702,7 +567,7 @@ impl HostState {
     }
 
     /// The key mapping of a session's tenant.
-    pub fn session_scope(&self, id: SessionId) -> Result<TenantScope, ApiError> {
+    pub fn session_scope(&self, id: SessionId) -> Result<TenantScope, StateError> {
         self.sessions
             .get(&id)
             .map(|s| s.scope.clone())
@@ -710,7 +575,7 @@ impl HostState {
     }
 
     /// Marks a session alive; every request does this.
-    pub fn touch(&mut self, id: SessionId, now: Instant) -> Result<(), ApiError> {
+    pub fn touch(&mut self, id: SessionId, now: Instant) -> Result<(), StateError> {
         let s = self
             .sessions
             .get_mut(&id)
@@ -724,7 +589,7 @@ impl HostState {
         &mut self,
         id: SessionId,
         now: Instant,
-    ) -> Result<(&mut Session, &mut Pool), ApiError> {
+    ) -> Result<(&mut Session, &mut Pool), StateError> {
         let s = self
             .sessions
             .get_mut(&id)
@@ -733,23 +598,17 @@ impl HostState {
         let pool = self
             .pools
             .get_mut(&s.pool)
-            .ok_or_else(|| ApiError::Internal(format!("session {id} has no pool")))?;
+            .ok_or_else(|| StateError::Internal(format!("session {id} has no pool")))?;
         pool.last_used = now;
         Ok((s, pool))
     }
 
     /// Ends a session: drops its pins and frees what it was writing.
-    pub fn close(&mut self, id: SessionId) -> Result<(), ApiError> {
+    pub fn close(&mut self, id: SessionId) -> Result<(), StateError> {
         if !self.sessions.contains_key(&id) {
             return Err(unknown_session(id, self.epoch));
         }
-        let open: Vec<String> = self
-            .prefetch_names
-            .keys()
-            .filter(|(sid, _)| *sid == id)
-            .map(|(_, name)| name.clone())
-            .collect();
-        for name in open {
+        for name in self.prefetches.of_session(id) {
             self.prefetch_drop(id, &name, StopCause::SessionClosed);
         }
         let s = self
@@ -801,199 +660,6 @@ impl HostState {
         }
         self.reclaim_pools(now, false);
         dead
-    }
-
-    /// Leading keys ready in the session's pool.
-    pub fn lookup(
-        &mut self,
-        id: SessionId,
-        keys: &[PageKey],
-        now: Instant,
-    ) -> Result<usize, ApiError> {
-        let (_, pool) = self.session_pool(id, now)?;
-        Ok(pool.index.lookup(keys))
-    }
-
-    /// Which of `keys` are ready in the session's pool, each on its own (L2 may hold a page
-    /// whose prefix left it for L3).
-    pub fn ready_mask(
-        &mut self,
-        id: SessionId,
-        keys: &[PageKey],
-        now: Instant,
-    ) -> Result<Vec<bool>, ApiError> {
-        let (_, pool) = self.session_pool(id, now)?;
-        Ok(keys
-            .iter()
-            .map(|k| matches!(pool.index.get(k), Some((_, PageState::Ready))))
-            .collect())
-    }
-
-    /// Reserves slots for the keys not present.
-    pub fn reserve(
-        &mut self,
-        id: SessionId,
-        parent: Option<PageKey>,
-        keys: &[PageKey],
-        now: Instant,
-    ) -> Result<(Vec<Reserve>, usize), ApiError> {
-        self.admitting("new pages")?;
-        // While tenancy is on, open reservations are budgeted per session and per tenant: one
-        // writer that reserves and never commits cannot take the whole dirty limit from the
-        // others. (Without tenants every writer is one trust domain, as for everything else.)
-        let tenancy = !self.tenants.is_empty();
-        let tenant_writing = match self.sessions.get(&id) {
-            Some(me) if tenancy => self
-                .sessions
-                .values()
-                .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
-                .map(|s| s.writing.len())
-                .sum(),
-            _ => 0,
-        };
-        let share = if tenancy { self.reserve_share } else { 1.0 };
-        let (session, pool) = self.session_pool(id, now)?;
-        // Of what writers may take: the dirty limit while L3 drains it, else the pool.
-        let base = match pool.index.l3_mode() {
-            L3Mode::Up => pool.index.dirty_limit(),
-            _ => pool.index.stats().capacity,
-        };
-        let budget = ((f64::from(base) * share).ceil() as usize).max(1);
-        let room = budget
-            .saturating_sub(session.writing.len())
-            .min(budget.saturating_sub(tenant_writing));
-        let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
-        let (out, evicted) = pool
-            .index
-            .reserve_at_most(session.owner, parent, keys, room);
-        pool.handed_out(out.iter().filter_map(|r| match r {
-            Reserve::Reserved(s) => Some(*s),
-            _ => None,
-        }));
-        let lost_after = pool.index.stats().unwritten_evictions;
-        let mut dedup = 0;
-        let mut reserved = 0;
-        let mut no_space = 0;
-        for (k, r) in keys.iter().zip(&out) {
-            match r {
-                Reserve::Reserved(_) => {
-                    session.writing.insert(*k);
-                    reserved += 1;
-                }
-                Reserve::Present => dedup += 1,
-                Reserve::NoSpace => no_space += 1,
-            }
-        }
-        let c = &mut self.counters;
-        c.reserve_calls += 1;
-        c.dedup_pages += dedup;
-        c.reserved_pages += reserved;
-        c.no_space_pages += no_space;
-        self.count_lost(mode, lost, lost_after);
-        Ok((out, evicted.len()))
-    }
-
-    /// Makes reserved pages visible. Returns the L3 writes write-through asks for.
-    pub fn commit(
-        &mut self,
-        id: SessionId,
-        keys: &[PageKey],
-        now: Instant,
-    ) -> Result<Vec<Job>, ApiError> {
-        let (write, epoch) = (self.write, self.l3_epoch);
-        let (session, pool) = self.session_pool(id, now)?;
-        pool.index.commit(session.owner, keys)?;
-        pool.committed(keys);
-        for k in keys {
-            session.writing.remove(k);
-        }
-        let jobs = match write {
-            Some(p) if p.on_store() => {
-                let queued = pool.index.queue_for_l3(keys);
-                Self::jobs(pool, queued, epoch)
-            }
-            _ => Vec::new(),
-        };
-        self.counters.commit_calls += 1;
-        self.counters.committed_pages += keys.len() as u64;
-        Ok(jobs)
-    }
-
-    /// Frees reserved pages.
-    pub fn abort(&mut self, id: SessionId, keys: &[PageKey], now: Instant) -> Result<(), ApiError> {
-        let (session, pool) = self.session_pool(id, now)?;
-        pool.index.abort(session.owner, keys)?;
-        for k in keys {
-            session.writing.remove(k);
-        }
-        Ok(())
-    }
-
-    /// Pins the longest ready prefix for the session; returns the slots, and the L3 writes
-    /// write-through-selective asks for (pages whose hit count reached the threshold).
-    pub fn acquire(
-        &mut self,
-        id: SessionId,
-        keys: &[PageKey],
-        now: Instant,
-    ) -> Result<(Vec<u32>, Vec<Job>), ApiError> {
-        let (write, epoch) = (self.write, self.l3_epoch);
-        let (session, pool) = self.session_pool(id, now)?;
-        let slots = pool.index.acquire(keys);
-        let hit = &keys[..slots.len()];
-        for k in hit {
-            *session.pins.entry(*k).or_insert(0) += 1;
-        }
-        let jobs = match write {
-            Some(p) => {
-                let hot: Vec<PageKey> = hit
-                    .iter()
-                    .filter(|k| {
-                        pool.index
-                            .l3_info(k)
-                            .is_some_and(|(hits, l3)| l3 == L3Mark::None && p.on_hit(hits))
-                    })
-                    .copied()
-                    .collect();
-                let queued = pool.index.queue_for_l3(&hot);
-                Self::jobs(pool, queued, epoch)
-            }
-            None => Vec::new(),
-        };
-        self.counters.acquire_calls += 1;
-        self.counters.acquired_pages += slots.len() as u64;
-        Ok((slots, jobs))
-    }
-
-    /// Drops the session's pins on `keys`. All-or-nothing.
-    pub fn release(
-        &mut self,
-        id: SessionId,
-        keys: &[PageKey],
-        now: Instant,
-    ) -> Result<(), ApiError> {
-        let (session, pool) = self.session_pool(id, now)?;
-        let mut want: KeyMap<u32> = KeyMap::default();
-        for (i, k) in keys.iter().enumerate() {
-            let n = want.entry(*k).or_insert(0);
-            *n += 1;
-            if session.pins.get(k).copied().unwrap_or(0) < *n {
-                return Err(ApiError::invalid(
-                    format!("keys[{i}]"),
-                    format!("{} is not pinned by this session", k.to_hex()),
-                ));
-            }
-        }
-        pool.index.release(keys)?;
-        for (k, n) in want {
-            if let Some(p) = session.pins.get_mut(&k) {
-                *p -= n;
-                if *p == 0 {
-                    session.pins.remove(&k);
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Index counters of every pool, summed.

@@ -8,7 +8,23 @@ use kvtier_config::daemon::StopPolicy;
 use kvtier_proto::{ApiError, page_keys, request_keys, v1};
 
 use crate::prefetch::PrefetchAsk;
-use crate::state::{ClientReport, Phase, Progress};
+use crate::state::{ClientReport, Phase, Progress, StateError};
+
+impl From<StateError> for ApiError {
+    fn from(e: StateError) -> Self {
+        let msg = e.to_string();
+        match e {
+            StateError::Invalid { field, reason } => ApiError::invalid(field, reason),
+            StateError::UnknownSession { .. } | StateError::UnknownPrefetch(_) => {
+                ApiError::NotFound(msg)
+            }
+            StateError::Full(_) => ApiError::ResourceExhausted(msg),
+            StateError::Refused(_) => ApiError::FailedPrecondition(msg),
+            StateError::Draining(_) => ApiError::Unavailable(msg),
+            StateError::Internal(_) => ApiError::Internal(msg),
+        }
+    }
+}
 
 /// A Prefetch request as the prefetcher takes it.
 pub fn prefetch_ask(req: v1::PrefetchRequest) -> Result<PrefetchAsk, ApiError> {

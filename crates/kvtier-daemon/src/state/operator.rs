@@ -2,9 +2,9 @@
 //! what L3 held once L3 was cleared, flush every page L3 lacks, and drain before a stop.
 
 use kvtier_core::{LayoutFingerprint, PageKey};
-use kvtier_proto::ApiError;
 
 use super::HostState;
+use super::StateError;
 
 /// What a clear of L2 removed (or, for a dry run, would remove).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -49,9 +49,9 @@ impl FlushWait {
 
 impl HostState {
     /// Refuses `what` while draining.
-    pub(super) fn admitting(&self, what: &str) -> Result<(), ApiError> {
+    pub(super) fn admitting(&self, what: &str) -> Result<(), StateError> {
         if self.draining {
-            return Err(ApiError::Unavailable(format!(
+            return Err(StateError::Draining(format!(
                 "kvtierd is draining (kvtierctl drain): it takes no {what}; \
                  `kvtierctl drain --cancel` resumes"
             )));

@@ -1,18 +1,19 @@
 //! The pool side of prefetches: the open prefetches of every session, their reserved slots
 //! and landed pages. The fetching itself is in [`crate::prefetch`].
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::StopPolicy;
 use kvtier_core::host_index::{OwnerId, Reserve};
 use kvtier_core::{Layout, LayoutFingerprint, PageKey, SessionId};
-use kvtier_proto::ApiError;
 use kvtier_shm::ShmPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::HostState;
+use super::StateError;
 
 /// Index owners of prefetches have this bit set, so they never collide with session ids.
 const PREFETCH_OWNER: OwnerId = 1 << 63;
@@ -245,6 +246,47 @@ pub struct Finished {
 }
 
 /// Prefetches: the pool side. The fetching itself is in [`crate::prefetch`].
+/// The open prefetches: by daemon id, and by the name each session gave its own. Their
+/// slots live in the pools; the methods of [`HostState`] below move both together.
+#[derive(Debug)]
+pub struct Prefetches {
+    entries: HashMap<u64, PrefetchEntry>,
+    names: HashMap<(SessionId, String), u64>,
+    next: u64,
+    /// Share of a pool's slots prefetches may hold (`prefetch.budget_fraction`).
+    budget: f64,
+}
+
+impl Prefetches {
+    pub(super) fn new(budget: f64) -> Self {
+        Self {
+            entries: HashMap::new(),
+            names: HashMap::new(),
+            next: 1,
+            budget,
+        }
+    }
+
+    /// The names of the prefetches `session` has open.
+    pub(super) fn of_session(&self, session: SessionId) -> Vec<String> {
+        self.names
+            .keys()
+            .filter(|(sid, _)| *sid == session)
+            .map(|(_, name)| name.clone())
+            .collect()
+    }
+
+    /// How many prefetches `session` has open.
+    fn open_in(&self, session: SessionId) -> usize {
+        self.names.keys().filter(|(s, _)| *s == session).count()
+    }
+
+    /// Whether `session` has a prefetch named `name` open.
+    fn is_open(&self, session: SessionId, name: &str) -> bool {
+        self.names.contains_key(&(session, name.to_string()))
+    }
+}
+
 impl HostState {
     /// Checks that `session` may open prefetch `request_id`; returns its layout and how many
     /// leading `keys` are ready in L2.
@@ -255,27 +297,20 @@ impl HostState {
         keys: &[PageKey],
         max_per_session: usize,
         now: Instant,
-    ) -> Result<(Layout, usize), ApiError> {
+    ) -> Result<(Layout, usize), StateError> {
         self.admitting("new prefetches")?;
         let (_, pool) = self.session_pool(session, now)?;
         let l2 = pool.index.lookup(keys);
         let layout = pool.layout.clone();
-        if self
-            .prefetch_names
-            .contains_key(&(session, request_id.to_string()))
-        {
-            return Err(ApiError::invalid(
+        if self.prefetches.is_open(session, request_id) {
+            return Err(StateError::invalid(
                 "request_id",
                 format!("{request_id:?} is already open in this session; take or release it first"),
             ));
         }
-        let open = self
-            .prefetch_names
-            .keys()
-            .filter(|(s, _)| *s == session)
-            .count();
+        let open = self.prefetches.open_in(session);
         if open >= max_per_session {
-            return Err(ApiError::ResourceExhausted(format!(
+            return Err(StateError::Full(format!(
                 "the session has {open} open prefetches (prefetch.max_per_session); take or \
                  release some"
             )));
@@ -285,14 +320,11 @@ impl HostState {
 
     /// Reserves slots for the hit pages after the L2 prefix, within the prefetch budget, or
     /// decides not to (nothing allocated then).
-    pub fn prefetch_open(&mut self, o: PrefetchOpen) -> Result<Opened, ApiError> {
-        let budget = self.prefetch_budget;
-        let id = self.next_prefetch;
-        if self
-            .prefetch_names
-            .contains_key(&(o.session, o.request_id.clone()))
-        {
-            return Err(ApiError::invalid(
+    pub fn prefetch_open(&mut self, o: PrefetchOpen) -> Result<Opened, StateError> {
+        let budget = self.prefetches.budget;
+        let id = self.prefetches.next;
+        if self.prefetches.is_open(o.session, &o.request_id) {
+            return Err(StateError::invalid(
                 "request_id",
                 format!("{:?} is already open in this session", o.request_id),
             ));
@@ -371,7 +403,7 @@ impl HostState {
         let fp = pool.key;
         self.counters.prefetch_evictions += evicted.len() as u64;
         self.count_lost(mode, lost, lost_after);
-        self.next_prefetch += 1;
+        self.prefetches.next += 1;
         let mut keys = o.keys;
         keys.truncate(l2 + run);
         let entry = PrefetchEntry {
@@ -397,8 +429,8 @@ impl HostState {
         let first = entry.progress();
         entry.tx.send_replace(first.clone());
         let rx = entry.tx.subscribe();
-        self.prefetches.insert(id, entry);
-        self.prefetch_names.insert((o.session, o.request_id), id);
+        self.prefetches.entries.insert(id, entry);
+        self.prefetches.names.insert((o.session, o.request_id), id);
         Ok(Opened::Open {
             id,
             hit,
@@ -413,7 +445,7 @@ impl HostState {
     /// A fetched page is in its slot: make it ready, pinned, and persisted. `false` when the
     /// prefetch is gone or the page is not its next one (the caller then stops).
     pub fn prefetch_land(&mut self, id: u64) -> bool {
-        let Some(e) = self.prefetches.get_mut(&id) else {
+        let Some(e) = self.prefetches.entries.get_mut(&id) else {
             return false;
         };
         let Some(&(key, _)) = e.hit.get(e.landed) else {
@@ -446,7 +478,7 @@ impl HostState {
 
     /// Publishes a prefetch's progress.
     pub fn prefetch_publish(&self, id: u64) {
-        if let Some(e) = self.prefetches.get(&id) {
+        if let Some(e) = self.prefetches.entries.get(&id) {
             e.publish();
         }
     }
@@ -455,7 +487,7 @@ impl HostState {
     /// it ended. A prefetch dropped meanwhile (released, session closed) also gives up its
     /// landed pages and is forgotten.
     pub fn prefetch_finish(&mut self, id: u64, state: Phase, reason: &str) -> Option<Finished> {
-        let e = self.prefetches.get_mut(&id)?;
+        let e = self.prefetches.entries.get_mut(&id)?;
         let pool = self.pools.get_mut(&e.fp)?;
         let (mut rest, mut unpin) = (Vec::new(), Vec::new());
         for (&(k, _), &in_place) in e.hit.iter().zip(&e.in_place).skip(e.landed) {
@@ -512,12 +544,13 @@ impl HostState {
     /// Unpins a finished prefetch's landed pages and forgets it.
     fn prefetch_forget(&mut self, session: SessionId, request_id: &str) {
         let Some(id) = self
-            .prefetch_names
+            .prefetches
+            .names
             .remove(&(session, request_id.to_string()))
         else {
             return;
         };
-        let Some(e) = self.prefetches.remove(&id) else {
+        let Some(e) = self.prefetches.entries.remove(&id) else {
             return;
         };
         if let Some(pool) = self.pools.get_mut(&e.fp) {
@@ -540,10 +573,14 @@ impl HostState {
         request_id: &str,
         cause: StopCause,
     ) -> bool {
-        let Some(&id) = self.prefetch_names.get(&(session, request_id.to_string())) else {
+        let Some(&id) = self
+            .prefetches
+            .names
+            .get(&(session, request_id.to_string()))
+        else {
             return false;
         };
-        let Some(e) = self.prefetches.get_mut(&id) else {
+        let Some(e) = self.prefetches.entries.get_mut(&id) else {
             return false;
         };
         if e.state == Phase::Running {
@@ -563,12 +600,13 @@ impl HostState {
         request_id: &str,
         take: bool,
         now: Instant,
-    ) -> Result<(watch::Receiver<Progress>, StopPolicy), ApiError> {
+    ) -> Result<(watch::Receiver<Progress>, StopPolicy), StateError> {
         self.touch(session, now)?;
         let e = self
-            .prefetch_names
+            .prefetches
+            .names
             .get(&(session, request_id.to_string()))
-            .and_then(|id| self.prefetches.get_mut(id))
+            .and_then(|id| self.prefetches.entries.get_mut(id))
             .ok_or_else(|| unknown_prefetch(request_id))?;
         if take && e.policy == StopPolicy::BestEffort && e.state == Phase::Running {
             e.stop = Some(StopCause::Taken);
@@ -585,18 +623,20 @@ impl HostState {
         session: SessionId,
         request_id: &str,
         now: Instant,
-    ) -> Result<(Progress, Vec<u32>), ApiError> {
+    ) -> Result<(Progress, Vec<u32>), StateError> {
         let name = (session, request_id.to_string());
         let id = *self
-            .prefetch_names
+            .prefetches
+            .names
             .get(&name)
             .ok_or_else(|| unknown_prefetch(request_id))?;
         let e = self
             .prefetches
+            .entries
             .get(&id)
             .ok_or_else(|| unknown_prefetch(request_id))?;
         if e.state == Phase::Running {
-            return Err(ApiError::FailedPrecondition(format!(
+            return Err(StateError::Refused(format!(
                 "prefetch {request_id:?} is still running"
             )));
         }
@@ -624,8 +664,8 @@ impl HostState {
             }
         }
         pool.prefetch_held -= landed.len() as u32;
-        self.prefetch_names.remove(&name);
-        self.prefetches.remove(&id);
+        self.prefetches.names.remove(&name);
+        self.prefetches.entries.remove(&id);
         self.counters.acquired_pages += slots.len() as u64;
         Ok((progress, slots))
     }
@@ -636,11 +676,12 @@ impl HostState {
         session: SessionId,
         request_id: &str,
         now: Instant,
-    ) -> Result<Progress, ApiError> {
+    ) -> Result<Progress, StateError> {
         self.touch(session, now)?;
-        self.prefetch_names
+        self.prefetches
+            .names
             .get(&(session, request_id.to_string()))
-            .and_then(|id| self.prefetches.get(id))
+            .and_then(|id| self.prefetches.entries.get(id))
             .map(PrefetchEntry::progress)
             .ok_or_else(|| unknown_prefetch(request_id))
     }
@@ -649,6 +690,7 @@ impl HostState {
     pub fn prefetch_totals(&self) -> (usize, u64, u64) {
         let running = self
             .prefetches
+            .entries
             .values()
             .filter(|e| e.state == Phase::Running)
             .count();
@@ -660,15 +702,12 @@ impl HostState {
         let limit = self
             .pools
             .values()
-            .map(|p| (f64::from(p.index.stats().capacity) * self.prefetch_budget) as u64)
+            .map(|p| (f64::from(p.index.stats().capacity) * self.prefetches.budget) as u64)
             .sum();
         (running, held, limit)
     }
 }
 
-fn unknown_prefetch(request_id: &str) -> ApiError {
-    ApiError::NotFound(format!(
-        "no open prefetch {request_id:?} in this session (revoked, taken, released, or never \
-         started)"
-    ))
+fn unknown_prefetch(request_id: &str) -> StateError {
+    StateError::UnknownPrefetch(request_id.to_string())
 }

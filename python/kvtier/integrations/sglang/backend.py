@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier import sglang_pages as pages
+from kvtier.integrations.sglang import pages
 from kvtier.host import POLICIES, DaemonClient
 from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
 from kvtier.keys import Namespace
 from kvtier.layout import DTYPES, LayoutSpec, Mha, Mla, State
 from kvtier.settings import fill
-from kvtier.sglang_link import PoolLink, Reporter
+from kvtier.integrations.sglang.link import PoolLink, Reporter
 from kvtier.v1 import common_pb2
 
 try:  # The base class SGLang checks for; absent only outside an SGLang install.

@@ -1,13 +1,13 @@
 """One kvtierd session per SGLang host pool, and the page moves over it.
 
-:class:`KvtierStorage` (kvtier.sglang) holds one :class:`PoolLink` for the KV pool and one per
+:class:`KvtierStorage` (``backend.py``) holds one :class:`PoolLink` for the KV pool and one per
 hybrid pool (a Mamba state, a sliding-window copy, an indexer cache): each pool has its own
 page size, so its own kvtierd layout, fingerprint and shared-memory pool. A link registers
 its session on first use, again after kvtierd comes back, and never raises into SGLang's
 threads' callers: a failure is a miss, counted by its :class:`Reporter`.
 
 How a page's bytes reach a slot is the caller's :class:`Pages`: SGLang's pointer lists for the
-KV pool (kvtier.sglang_pages), a pool's flat data pages for the others.
+KV pool (``pages.py``), a pool's flat data pages for the others.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Protocol
 
 from kvtier.host import DaemonClient, HostSession, KvtierError
 from kvtier.keys import Namespace
-from kvtier.sglang_pages import UnsupportedPool
-from kvtier.v1 import common_pb2, host_pb2
+from kvtier.integrations.sglang.pages import UnsupportedPool
+from kvtier.v1 import common_pb2
 
 logger = logging.getLogger("kvtier.sglang")
 
@@ -232,39 +232,18 @@ class PoolLink:
         prefix now reaches (short of the end when L2 had no room) and how many pages were
         copied; None on a failure (the reserved slots are aborted, never left to the
         session's expiry, and the whole batch is False)."""
-        n = len(keys)
-        reserved: list[bytes] = []
-        copied = 0
-        upto = n
         try:
-            for j, (status, slot) in enumerate(s.reserve(keys[start:], parent)):
-                i = start + j
-                if status == host_pb2.RESERVE_STATUS_PRESENT:
-                    ok[i] = True
-                elif status == host_pb2.RESERVE_STATUS_RESERVED:
-                    reserved.append(keys[i])
-                    pages.to_slot(i, s.pool.address(slot, 0, self.page_bytes))
-                    ok[i] = True
-                    copied += 1
-                else:
-                    # No room in L2 now; every later key is refused too.
-                    upto = i
-                    break
-            if reserved:
-                s.commit(reserved)
-                reserved = []
-            if copied < sum(ok[start:upto]):
+            r = s.store(keys[start:], lambda j, addr: pages.to_slot(start + j, addr), parent)
+            for j in r.copied + r.present:
+                ok[start + j] = True
+            upto = start + r.held
+            if r.present:
                 self._confirm_present(s, keys[start:upto], ok, start)
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
             self.report.fail("set", e)
-            if reserved:
-                try:
-                    s.abort(reserved)
-                except KvtierError:
-                    pass
             self.drop(s, e)
             return None
-        return upto, copied
+        return upto, len(r.copied)
 
     def _confirm_present(
         self, s: HostSession, keys: list[bytes], ok: list[bool], offset: int
@@ -315,18 +294,9 @@ class PoolLink:
     def _copy_out(
         self, s: HostSession, slots: list[int], keys: list[bytes], pages: Pages, first: int
     ) -> int:
-        """Copies pinned slots into pages ``first..``, then releases them. A failed Release
-        means the pins were dropped while copying: the bytes are void, so nothing counts."""
-        if not slots:
-            return 0
-        try:
-            for i, slot in enumerate(slots):
-                pages.from_slot(first + i, s.pool.address(slot, 0, self.page_bytes))
-        finally:
-            # Pins are released even when a copy failed (else they last until the session
-            # does).
-            s.release(keys[first : first + len(slots)])
-        return len(slots)
+        """Copies pinned slots into pages ``first..``, then releases them (the session's page
+        protocol): a failed Release raises, since the bytes are void."""
+        return s.read_pinned(keys[first:], slots, lambda i, addr: pages.from_slot(first + i, addr))
 
     def _from_storage(
         self, s: HostSession, keys: list[bytes], pages: Pages, first: int, parent: bytes

@@ -1,0 +1,211 @@
+//! The L2 page protocol, daemon side: lookup, reserve → commit (or abort), acquire →
+//! release, per session. A page is visible to other sessions only once committed, and a
+//! pinned page is never evicted or overwritten. Committed pages become L3 write jobs per the
+//! write policy (`l3_writes.rs`).
+
+use std::time::Instant;
+
+use kvtier_core::host_index::{L3Mark, L3Mode, PageState, Reserve};
+use kvtier_core::{KeyMap, PageKey, SessionId};
+
+use super::{HostState, Job, StateError};
+
+impl HostState {
+    /// Leading keys ready in the session's pool.
+    pub fn lookup(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<usize, StateError> {
+        let (_, pool) = self.session_pool(id, now)?;
+        Ok(pool.index.lookup(keys))
+    }
+
+    /// Which of `keys` are ready in the session's pool, each on its own (L2 may hold a page
+    /// whose prefix left it for L3).
+    pub fn ready_mask(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<Vec<bool>, StateError> {
+        let (_, pool) = self.session_pool(id, now)?;
+        Ok(keys
+            .iter()
+            .map(|k| matches!(pool.index.get(k), Some((_, PageState::Ready))))
+            .collect())
+    }
+
+    /// Reserves slots for the keys not present.
+    pub fn reserve(
+        &mut self,
+        id: SessionId,
+        parent: Option<PageKey>,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<(Vec<Reserve>, usize), StateError> {
+        self.admitting("new pages")?;
+        // While tenancy is on, open reservations are budgeted per session and per tenant: one
+        // writer that reserves and never commits cannot take the whole dirty limit from the
+        // others. (Without tenants every writer is one trust domain, as for everything else.)
+        let tenancy = !self.tenants.is_empty();
+        let tenant_writing = match self.sessions.get(&id) {
+            Some(me) if tenancy => self
+                .sessions
+                .values()
+                .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
+                .map(|s| s.writing.len())
+                .sum(),
+            _ => 0,
+        };
+        let share = if tenancy { self.reserve_share } else { 1.0 };
+        let (session, pool) = self.session_pool(id, now)?;
+        // Of what writers may take: the dirty limit while L3 drains it, else the pool.
+        let base = match pool.index.l3_mode() {
+            L3Mode::Up => pool.index.dirty_limit(),
+            _ => pool.index.stats().capacity,
+        };
+        let budget = ((f64::from(base) * share).ceil() as usize).max(1);
+        let room = budget
+            .saturating_sub(session.writing.len())
+            .min(budget.saturating_sub(tenant_writing));
+        let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
+        let (out, evicted) = pool
+            .index
+            .reserve_at_most(session.owner, parent, keys, room);
+        pool.handed_out(out.iter().filter_map(|r| match r {
+            Reserve::Reserved(s) => Some(*s),
+            _ => None,
+        }));
+        let lost_after = pool.index.stats().unwritten_evictions;
+        let mut dedup = 0;
+        let mut reserved = 0;
+        let mut no_space = 0;
+        for (k, r) in keys.iter().zip(&out) {
+            match r {
+                Reserve::Reserved(_) => {
+                    session.writing.insert(*k);
+                    reserved += 1;
+                }
+                Reserve::Present => dedup += 1,
+                Reserve::NoSpace => no_space += 1,
+            }
+        }
+        let c = &mut self.counters;
+        c.reserve_calls += 1;
+        c.dedup_pages += dedup;
+        c.reserved_pages += reserved;
+        c.no_space_pages += no_space;
+        self.count_lost(mode, lost, lost_after);
+        Ok((out, evicted.len()))
+    }
+
+    /// Makes reserved pages visible. Returns the L3 writes write-through asks for.
+    pub fn commit(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<Vec<Job>, StateError> {
+        let (write, epoch) = (self.write, self.l3_epoch);
+        let (session, pool) = self.session_pool(id, now)?;
+        pool.index.commit(session.owner, keys)?;
+        pool.committed(keys);
+        for k in keys {
+            session.writing.remove(k);
+        }
+        let jobs = match write {
+            Some(p) if p.on_store() => {
+                let queued = pool.index.queue_for_l3(keys);
+                Self::jobs(pool, queued, epoch)
+            }
+            _ => Vec::new(),
+        };
+        self.counters.commit_calls += 1;
+        self.counters.committed_pages += keys.len() as u64;
+        Ok(jobs)
+    }
+
+    /// Frees reserved pages.
+    pub fn abort(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<(), StateError> {
+        let (session, pool) = self.session_pool(id, now)?;
+        pool.index.abort(session.owner, keys)?;
+        for k in keys {
+            session.writing.remove(k);
+        }
+        Ok(())
+    }
+
+    /// Pins the longest ready prefix for the session; returns the slots, and the L3 writes
+    /// write-through-selective asks for (pages whose hit count reached the threshold).
+    pub fn acquire(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<(Vec<u32>, Vec<Job>), StateError> {
+        let (write, epoch) = (self.write, self.l3_epoch);
+        let (session, pool) = self.session_pool(id, now)?;
+        let slots = pool.index.acquire(keys);
+        let hit = &keys[..slots.len()];
+        for k in hit {
+            *session.pins.entry(*k).or_insert(0) += 1;
+        }
+        let jobs = match write {
+            Some(p) => {
+                let hot: Vec<PageKey> = hit
+                    .iter()
+                    .filter(|k| {
+                        pool.index
+                            .l3_info(k)
+                            .is_some_and(|(hits, l3)| l3 == L3Mark::None && p.on_hit(hits))
+                    })
+                    .copied()
+                    .collect();
+                let queued = pool.index.queue_for_l3(&hot);
+                Self::jobs(pool, queued, epoch)
+            }
+            None => Vec::new(),
+        };
+        self.counters.acquire_calls += 1;
+        self.counters.acquired_pages += slots.len() as u64;
+        Ok((slots, jobs))
+    }
+
+    /// Drops the session's pins on `keys`. All-or-nothing.
+    pub fn release(
+        &mut self,
+        id: SessionId,
+        keys: &[PageKey],
+        now: Instant,
+    ) -> Result<(), StateError> {
+        let (session, pool) = self.session_pool(id, now)?;
+        let mut want: KeyMap<u32> = KeyMap::default();
+        for (i, k) in keys.iter().enumerate() {
+            let n = want.entry(*k).or_insert(0);
+            *n += 1;
+            if session.pins.get(k).copied().unwrap_or(0) < *n {
+                return Err(StateError::invalid(
+                    format!("keys[{i}]"),
+                    format!("{} is not pinned by this session", k.to_hex()),
+                ));
+            }
+        }
+        pool.index.release(keys)?;
+        for (k, n) in want {
+            if let Some(p) = session.pins.get_mut(&k) {
+                *p -= n;
+                if *p == 0 {
+                    session.pins.remove(&k);
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,191 @@
+"""What both sides of the vLLM connector share: its settings, where a worker sits, the
+jobs the scheduler side hands the workers each step (:class:`KvtierMetadata`), and the
+counters both keep."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvtier.host import POLICIES
+from kvtier.keys import Namespace
+from kvtier.settings import fill
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass
+class Settings:
+    """The connector's settings, from ``kv_connector_extra_config``."""
+
+    # The worker's kvtier-agent socket. Placeholders: {local_rank} (the worker's GPU on this
+    # node, counted across DP ranks: one agent per GPU), {dp_rank}, {pp_rank}, {tp_rank}
+    # ({rank} is {tp_rank}). The scheduler asks the agent of its DP rank's first worker.
+    agent: str = "kvtier-data/kvtier-agent-{local_rank}.sock"
+    # The model in the cache identity; empty: vLLM's model (its checkpoint path or hub id,
+    # never the served alias).
+    model_id: str = ""
+    # The weights' version, when the same checkpoint name can hold different weights;
+    # workers share pages only with workers that declare the same one.
+    weight_version: str = ""
+    # Directory of the staging pool's file (shared memory the agent maps); empty: /dev/shm.
+    staging_dir: str = ""
+    # Permission bits of the staging file, octal: "0600" when the agent runs as the worker's
+    # uid; "0660" for an agent under another uid in the file's group (a sidecar: give the
+    # directory that group and the setgid bit, as Kubernetes' fsGroup does).
+    staging_mode: str = "0600"
+    # A tenant name: pages are shared only among workers with the same one.
+    tenant: str = ""
+    # Pages of the staging pool the agent copies through (per worker).
+    staging_pages: int = 256
+    # How a load waits for pages that must come from L3 first: wait_complete, timeout,
+    # best_effort, or "" for kvtierd's prefetch.policy.
+    load_policy: str = "wait_complete"
+    # The timeout policy's deadline, in milliseconds (0: kvtierd's).
+    load_timeout_ms: int = 0
+    # Deadline of each agent call, in seconds (a load from L3 may take up to
+    # load_timeout_ms on top).
+    timeout_s: float = 10.0
+
+    @staticmethod
+    def parse(extra: dict[str, Any] | None) -> Settings:
+        where = "kv_connector_extra_config"
+        s = Settings()
+        fill(s, dict(extra or {}), where)
+        if s.load_policy and s.load_policy not in POLICIES:
+            raise ValueError(
+                f"kvtier: {where}.load_policy: {s.load_policy!r} is not one of "
+                f"{', '.join(POLICIES)} (or empty for kvtierd's)"
+            )
+        if s.staging_pages < 1:
+            raise ValueError(f"kvtier: {where}.staging_pages: must be at least 1")
+        if s.load_timeout_ms < 0:
+            raise ValueError(f"kvtier: {where}.load_timeout_ms: must not be negative")
+        if s.timeout_s <= 0:
+            raise ValueError(f"kvtier: {where}.timeout_s: must be above 0")
+        s.staging_file_mode()
+        return s
+
+    def staging_file_mode(self) -> int:
+        """``staging_mode`` as bits; an error names the key unless it is octal, keeps the
+        owner's read and write, and gives nothing to others."""
+        where = "kv_connector_extra_config.staging_mode"
+        try:
+            mode = int(self.staging_mode, 8)
+        except ValueError:
+            raise ValueError(f"kvtier: {where}: {self.staging_mode!r} is not octal") from None
+        if mode & ~0o660 or mode & 0o600 != 0o600:
+            raise ValueError(
+                f"kvtier: {where}: {self.staging_mode!r}: the owner must read and write, the "
+                "group may, others may not (0600 or 0660; no execute bits)"
+            )
+        return mode
+
+    def agent_socket(self, ranks: Ranks) -> str:
+        """The agent socket of the worker at ``ranks``."""
+        values = {
+            "local_rank": ranks.local,
+            "dp_rank": ranks.dp,
+            "pp_rank": ranks.pp,
+            "tp_rank": ranks.tp,
+            "rank": ranks.tp,
+        }
+
+        def sub(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name not in values:
+                raise ValueError(
+                    f"kvtier: kv_connector_extra_config.agent: unknown placeholder {{{name}}}; "
+                    f"the placeholders are {', '.join('{' + k + '}' for k in values)}"
+                )
+            return str(values[name])
+
+        return re.sub(r"\{([^{}]*)\}", sub, self.agent)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a worker sits: its TP, PP and DP ranks, and its GPU on the node."""
+
+    tp: int = 0
+    pp: int = 0
+    dp: int = 0
+    local: int = 0
+
+    @staticmethod
+    def of_worker(vllm_config: VllmConfig) -> Ranks:
+        pc = vllm_config.parallel_config
+        tp = parallel_rank(lambda ps: ps.get_tensor_model_parallel_rank(), 0)
+        pp = parallel_rank(lambda ps: ps.get_pp_group().rank_in_group, 0)
+        # Without vLLM's world group (one node assumed): vLLM's rank order, PP-major.
+        local = parallel_rank(
+            lambda ps: ps.get_world_group().local_rank, pp * pc.tensor_parallel_size + tp
+        )
+        dp_local = getattr(pc, "data_parallel_rank_local", None) or 0
+        # vLLM gives DP rank d of a node the GPUs d*world .. (d+1)*world - 1, and its
+        # workers local ranks 0 .. world - 1 among them.
+        return Ranks(
+            tp=tp,
+            pp=pp,
+            dp=getattr(pc, "data_parallel_rank", 0) or 0,
+            local=dp_local * pc.world_size + local,
+        )
+
+    @staticmethod
+    def of_scheduler(vllm_config: VllmConfig) -> Ranks:
+        """The ranks of the first worker (TP 0, PP 0) of the scheduler's DP rank."""
+        pc = vllm_config.parallel_config
+        dp_local = getattr(pc, "data_parallel_rank_local", None) or 0
+        return Ranks(dp=getattr(pc, "data_parallel_rank", 0) or 0, local=dp_local * pc.world_size)
+
+
+@dataclass
+class Job:
+    """Pages ``start..start+len(blocks)`` of a prompt, held in (or going to) ``blocks``."""
+
+    req_id: str
+    tokens: list[int]
+    namespace: Namespace
+    start: int
+    blocks: list[int]
+    # Saves: the write policy's selection as the scheduler's lookup answered it (pages
+    # before it are saved), the same for every TP rank; None: each agent's policy decides.
+    selected: int | None = None
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    """One step's work for the workers: loads before the forward pass, saves after it."""
+
+    loads: list[Job] = field(default_factory=list)
+    saves: list[Job] = field(default_factory=list)
+
+
+@dataclass
+class Counts:
+    """What this connector did, for logs and tests (the agent's metrics have the rest).
+    Scheduler side: tokens vLLM took as external hits. Worker side: pages loaded, pages a
+    load missed (vLLM recomputed them), pages saved or already in L2, pages not saved."""
+
+    external_tokens: int = 0
+    loaded_pages: int = 0
+    load_error_pages: int = 0
+    saved_pages: int = 0
+    save_failed_pages: int = 0
+    # Staging pools given up after a call that may have left a copy running in them.
+    retired_staging: int = 0
+
+
+def parallel_rank(get: Any, default: int = 0) -> int:
+    """A rank from vLLM's parallel state (``get(parallel_state)``), or ``default`` where
+    that state is not set up (a process without vLLM's distributed groups)."""
+    try:
+        from vllm.distributed import parallel_state
+
+        return int(get(parallel_state))
+    except (AssertionError, ImportError, RuntimeError, AttributeError, TypeError):
+        return default

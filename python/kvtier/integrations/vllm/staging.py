@@ -1,0 +1,76 @@
+"""The staging pool a vLLM worker copies through: shared memory the agent maps as its cpu
+device. A block moves between vLLM's tensor and a staging page here, and between the staging
+page and L2 in the agent."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections.abc import Sequence
+
+import torch
+
+
+class Staging:
+    """The staging pool: a shared-memory file the agent maps as its cpu device, one buffer
+    per layer, page p of layer l at ``(l * pages + p) * block_bytes``. Its space is allocated
+    up front (posix_fallocate): a tmpfs too small for it is an error here, naming the size
+    and the directory, not a SIGBUS on the first save."""
+
+    def __init__(
+        self, layers: int, pages: int, block_bytes: int, directory: str = "", mode: int = 0o600
+    ):
+        self.layers, self.pages, self.block_bytes = layers, pages, block_bytes
+        size = layers * pages * block_bytes
+        base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        if not os.path.isdir(base):
+            raise ValueError(
+                f"kvtier: kv_connector_extra_config.staging_dir: {base!r} is not a directory"
+            )
+        fd, self.path = tempfile.mkstemp(prefix="kvtier-vllm-", dir=base)
+        try:
+            # Explicitly, whatever the umask: only the agent (the owner, or its group) opens it.
+            os.fchmod(fd, mode)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(self.path)
+                raise ValueError(
+                    f"kvtier: the staging pool needs {size} bytes ({pages} pages of "
+                    f"{block_bytes} bytes in {layers} layers) in {base}, which could not "
+                    f"allocate them ({e.strerror}); free space there, set "
+                    "kv_connector_extra_config.staging_dir to a larger directory, or lower "
+                    "staging_pages"
+                ) from None
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.view = torch.frombuffer(self._map, dtype=torch.uint8).view(layers, pages, block_bytes)
+
+    def from_blocks(self, layers: Sequence[torch.Tensor], blocks: list[int], slots: list[int]):
+        """Copies vLLM blocks into staging pages."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        dst = torch.tensor(slots, dtype=torch.long)
+        for i, t in enumerate(layers):
+            src = t.index_select(0, idx.to(t.device)).contiguous()
+            self.view[i].index_copy_(0, dst, src.view(torch.uint8).reshape(len(blocks), -1).cpu())
+
+    def to_blocks(self, layers: Sequence[torch.Tensor], slots: list[int], blocks: list[int]):
+        """Copies staging pages into vLLM blocks."""
+        src = torch.tensor(slots, dtype=torch.long)
+        for i, t in enumerate(layers):
+            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
+            data = self.view[i].index_select(0, src).to(t.device)
+            t.index_copy_(0, idx, data.view(t.dtype).reshape(len(blocks), *t.shape[1:]))
+
+    def close(self) -> None:
+        del self.view
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

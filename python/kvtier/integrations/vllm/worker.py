@@ -1,0 +1,325 @@
+"""The worker side of the vLLM connector: the staging pool registered with the worker's
+kvtier-agent in engine-cache mode, loads into vLLM's blocks before the forward pass (a page
+not loaded is reported to vLLM, which recomputes it), and saves of the blocks that became
+full after it, under the agent's write policy, before vLLM may reuse them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from kvtier.agent import AgentClient
+from kvtier.host import KvtierError
+from kvtier.identity import CacheIdentity, config_digest
+from kvtier.integrations.vllm.common import (
+    Counts,
+    Job,
+    KvtierMetadata,
+    Ranks,
+    Settings,
+    parallel_rank,
+)
+from kvtier.integrations.vllm.staging import Staging
+from kvtier.layout import LayoutSpec, State
+from kvtier.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvtier.vllm")
+
+T = TypeVar("T")
+
+
+class WorkerSide:
+    """The connector in one vLLM worker process."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        settings: Settings,
+        ranks: Ranks,
+        agent: AgentClient,
+        counts: Counts,
+    ):
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.settings, self.ranks, self.agent, self.counts = settings, ranks, agent, counts
+        self.block_size = vllm_config.cache_config.block_size
+        # MLA's latent is the same on every TP rank: stored once (rank 0 of each PP stage
+        # saves), loaded by every rank.
+        self.mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        self.saves = not self.mla or ranks.tp == 0
+        # Names this instance where its pages are its own (scales computed at run time).
+        self._instance = os.urandom(8).hex()
+        self._staging: Staging | None = None
+        self._layers: list[torch.Tensor] = []
+        self._layer_names: list[str] = []
+        self._block_bytes = 0
+        self._descriptor = common_pb2.LayoutDescriptor()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.kv_cache_config is None:
+            raise ValueError("kvtier: vLLM gave the worker side no KV cache config")
+        num_blocks = self.kv_cache_config.num_blocks
+        layers = [_block_major(name, t, num_blocks) for name, t in kv_caches.items()]
+        if not layers:
+            raise ValueError("kvtier: vLLM registered no KV cache tensors")
+        per_block = {int(t[0].numel() * t.element_size()) for t in layers}
+        if len(per_block) != 1:
+            raise ValueError(
+                f"kvtier: KV layers of different sizes per block {sorted(per_block)}; "
+                "the connector supports models whose layers are alike"
+            )
+        block_bytes = per_block.pop()
+        if block_bytes % self.block_size:
+            raise ValueError(
+                f"kvtier: {block_bytes} bytes per block is not a whole number per token "
+                f"(block size {self.block_size})"
+            )
+        self._layers = layers
+        self._layer_names = list(kv_caches)
+        self._block_bytes = block_bytes
+        self._descriptor = self._layout(layers[0], block_bytes)
+        self._staging = self._new_staging()
+        self._register()
+
+    def _new_staging(self) -> Staging:
+        return Staging(
+            len(self._layers),
+            self.settings.staging_pages,
+            self._block_bytes,
+            self.settings.staging_dir,
+            self.settings.staging_file_mode(),
+        )
+
+    def identity(self, sample: torch.Tensor) -> CacheIdentity:
+        """This worker's cache identity (docs/identity.md)."""
+        vc = self.vllm_config
+        mc, cc, pc = vc.model_config, vc.cache_config, vc.parallel_config
+        import vllm
+
+        model = self.settings.model_id or mc.model
+        kv_dtype = str(cc.cache_dtype)
+        if kv_dtype == "auto":
+            kv_dtype = str(mc.dtype).removeprefix("torch.")
+        scales = ""
+        if kv_dtype.startswith(("fp8", "nvfp4")):
+            # Scales read from the checkpoint are part of the model; scales computed from the
+            # first batch are this instance's own, so its pages are its own too.
+            scales = (
+                f"calculated/{self._instance}"
+                if getattr(cc, "calculate_kv_scales", False)
+                else "checkpoint"
+            )
+        shards = []
+        for name, size_attr, rank_fn in (
+            ("dcp", "decode_context_parallel_size", "get_decode_context_model_parallel_rank"),
+            ("pcp", "prefill_context_parallel_size", "get_prefill_context_model_parallel_rank"),
+        ):
+            size = int(getattr(pc, size_attr, 1) or 1)
+            if size > 1:
+                rank = parallel_rank(lambda ps, fn=rank_fn: getattr(ps, fn)())
+                shards.append(f"{name}{rank}of{size}")
+        # vLLM's bytes of a block are opaque to kvtier: its version and the block's shape
+        # and strides keep apart workers that lay blocks out differently.
+        block_shape = "x".join(str(d) for d in sample.shape[1:])
+        order = ",".join(str(st) for st in sample.stride()[1:])
+        return CacheIdentity(
+            engine="vllm",
+            model=str(model),
+            revision=str(mc.revision or ""),
+            config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
+            weight_version=self.settings.weight_version,
+            kv_dtype=kv_dtype,
+            kv_scales=scales,
+            layers=_layer_range(self._layer_names),
+            shards="/".join(shards),
+            layout=f"vllm-{vllm.__version__}|{sample.dtype}|{block_shape}|{order}",
+        )
+
+    def _layout(self, sample: torch.Tensor, block_bytes: int) -> common_pb2.LayoutDescriptor:
+        pc = self.vllm_config.parallel_config
+        model_id, version = self.identity(sample).descriptor_fields()
+        return LayoutSpec(
+            model_id=model_id,
+            model_version=version,
+            dtype="uint8",
+            num_layers=len(self._layers),
+            page_size=self.block_size,
+            shape=State(block_bytes // self.block_size),
+            tp_rank=0 if self.mla else self.ranks.tp,
+            tp_size=1 if self.mla else pc.tensor_parallel_size,
+        ).descriptor()
+
+    def _register(self) -> None:
+        assert self._staging is not None
+        info = self.agent.register_pool(
+            self._descriptor,
+            self._staging.pages * self.block_size,
+            cpu_path=self._staging.path,
+            engine_cache=True,
+        )
+        if not info.daemon_connected:
+            logger.warning(
+                "kvtier: the agent at %s has no kvtierd session yet; saves wait for it",
+                self.agent.address,
+            )
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """An agent call; after an agent restart (the pool unknown to it) registers again
+        and retries once."""
+        try:
+            return fn()
+        except KvtierError as e:
+            if not e.pool_lost or self._staging is None:
+                raise
+            logger.warning("kvtier: the agent lost the pool (restarted?); registering again")
+        self._register()
+        return fn()
+
+    def _retire_staging(self, why: KvtierError) -> None:
+        """After a call that may have left the agent copying in the staging pool (a timeout,
+        a dropped connection), that pool is never written again: a new one is registered
+        and the old one is the agent's until its copy ends."""
+        if why.refused or self._staging is None:
+            return
+        old = self._staging
+        self.counts.retired_staging += 1
+        # Until the new pool is registered, calls present no owner token: the agent refuses
+        # them rather than serve them against the old pool.
+        self.agent.forget_registration()
+        try:
+            self._staging = self._new_staging()
+            old.close()
+            self._register()
+        except (KvtierError, OSError, ValueError) as e:
+            logger.warning("kvtier: could not register a new staging pool: %s", e)
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        if self._staging is None:
+            return
+        for job in meta.loads:
+            for part in _chunks(job, self._staging.pages):
+                self._load(part)
+
+    def _load(self, job: Job) -> None:
+        assert self._staging is not None
+        n = len(job.blocks)
+        slots = list(range(n))
+        s = self.settings
+        try:
+            loaded = self._call(
+                lambda: self.agent.load_pages(
+                    job.tokens,
+                    job.namespace,
+                    job.start,
+                    slots,
+                    policy=s.load_policy or None,
+                    timeout_ms=s.load_timeout_ms,
+                    timeout=s.timeout_s + s.load_timeout_ms / 1000,
+                ),
+            )
+        except KvtierError as e:
+            logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
+            self._retire_staging(e)
+            loaded = 0
+        loaded = max(0, min(loaded, n))
+        if loaded:
+            try:
+                self._staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
+            except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never a dead worker
+                logger.warning("kvtier: copying %d loaded pages failed: %s", loaded, e)
+                loaded = 0
+        self._load_errors.update(job.blocks[loaded:])
+        self.counts.loaded_pages += loaded
+        self.counts.load_error_pages += n - loaded
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        if self._staging is None or not self.saves:
+            return
+        for job in meta.saves:
+            for part in _chunks(job, self._staging.pages):
+                self._save(part)
+
+    def _save(self, job: Job) -> None:
+        assert self._staging is not None
+        slots = list(range(len(job.blocks)))
+        try:
+            self._staging.from_blocks(self._layers, job.blocks, slots)
+        except Exception as e:  # noqa: BLE001 - a failed copy is a skipped save, never a dead worker
+            logger.warning("kvtier: copying %d pages to staging failed: %s", len(slots), e)
+            self.counts.save_failed_pages += len(slots)
+            return
+        try:
+            r = self._call(
+                lambda: self.agent.save_pages(
+                    job.tokens, job.namespace, job.start, slots, selected=job.selected
+                ),
+            )
+        except KvtierError as e:
+            # The agent counts what it could not save; an agent that cannot be reached
+            # cannot count, so it is said here.
+            logger.warning("kvtier: save of %d pages failed: %s", len(slots), e)
+            self.counts.save_failed_pages += len(slots)
+            self._retire_staging(e)
+            return
+        self.counts.saved_pages += r.stored + r.present
+        self.counts.save_failed_pages += r.failed
+        if r.failed:
+            logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+
+
+def _layer_range(names: Sequence[str]) -> str:
+    """The model layers a worker holds, from vLLM's layer names ("model.layers.7.attn"):
+    "first-last" when contiguous, else a digest of the indices."""
+    idx = []
+    for n in names:
+        m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", n)
+        if m is None:
+            return "names:" + config_digest(sorted(names))
+        idx.append(int(m.group(1)))
+    idx.sort()
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return f"{idx[0]}-{idx[-1]}"
+    return "set:" + config_digest(idx)
+
+
+def _chunks(job: Job, most: int) -> Iterator[Job]:
+    """The job in pieces of at most ``most`` pages, in order."""
+    for i in range(0, len(job.blocks), most):
+        yield Job(
+            job.req_id,
+            job.tokens,
+            job.namespace,
+            job.start + i,
+            job.blocks[i : i + most],
+            job.selected,
+        )
+
+
+def _block_major(name: str, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A view of a layer's KV with the block index first (vLLM's layouts put it first, or
+    second after a K/V dimension of 2)."""
+    for d in range(min(t.dim(), 2)):
+        if t.shape[d] == num_blocks:
+            return t.movedim(d, 0) if d else t
+    raise ValueError(
+        f"kvtier: KV layer {name!r} of shape {tuple(t.shape)} has no dimension of "
+        f"{num_blocks} blocks among its first two"
+    )
