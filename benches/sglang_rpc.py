@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import mmap
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang"))
 
 
 def main() -> None:
@@ -34,8 +31,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="kvtierd settings (key=value)")
     a = ap.parse_args()
 
-    import hicache_rpc as rpc
-    from kvtierd_proc import Kvtierd
+    from kvtier.testing import Kvtierd
+    from kvtier.testing import hicache_rpc as rpc
 
     page = a.page_mib << 20
     half = page // 2

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sglang"))
 
 
 def main() -> None:
@@ -36,7 +33,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="kvtierd settings (key=value)")
     a = ap.parse_args()
 
-    import sglang_pools as sp
+    import kvtier.testing.sglang as sp
 
     sp.PAGE, sp.LAYERS = a.page, a.layers
     page_bytes = 2 * a.layers * a.page * a.heads * a.head_dim * 2

@@ -13,7 +13,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -165,6 +165,23 @@ def final_progress(
     return Progress.of(last)
 
 
+@dataclass(frozen=True)
+class Stored:
+    """How a :meth:`HostSession.store` ended."""
+
+    # Leading keys L2 now holds: the first key it had no room for ends them.
+    held: int
+    # Indexes (into the keys given) of the pages this call wrote.
+    copied: list[int]
+    # Indexes of pages L2 held already: another writer's, which may not be visible yet
+    # (committed by then, or given up).
+    present: list[int]
+
+
+# A copy into or out of a slot: (index into the keys given, the slot's address).
+SlotCopy = Callable[[int, int], None]
+
+
 @dataclass
 class HostSession:
     """A registered session: its id, lease, layout as the daemon derived it, and its pool."""
@@ -301,6 +318,68 @@ class HostSession:
             host_pb2.ReleaseRequest(session_id=self.session_id, packed_keys=_packed(keys)),
             self._t(timeout),
         )
+
+    # ---- the page protocol: the one place Python writes and reads L2 pages ---------------
+
+    def store(
+        self,
+        keys: Sequence[bytes],
+        fill: SlotCopy,
+        parent: bytes = b"",
+        timeout: float | None = None,
+    ) -> Stored:
+        """Writes pages: Reserve, ``fill(i, address)`` for each page this session is to write,
+        Commit. Other sessions see a page only once it is committed. Stops at the first page
+        L2 has no room for. When a copy or the Commit fails, what was reserved is aborted
+        (never left to the session's expiry) and the error raised."""
+        answers = self.reserve(keys, parent, timeout)
+        held = len(keys)
+        copied: list[int] = []
+        present: list[int] = []
+        try:
+            for i, (status, slot) in enumerate(answers):
+                if status == host_pb2.RESERVE_STATUS_PRESENT:
+                    present.append(i)
+                elif status == host_pb2.RESERVE_STATUS_RESERVED:
+                    copied.append(i)
+                    fill(i, self.pool.address(slot, 0, self.page_bytes))
+                else:
+                    # No room in L2 now; every later key is refused too.
+                    held = i
+                    break
+            if copied:
+                self.commit([keys[i] for i in copied], timeout)
+        except BaseException:
+            if copied:
+                with contextlib.suppress(KvtierError):
+                    self.abort([keys[i] for i in copied], timeout)
+            raise
+        return Stored(held, copied, present)
+
+    def read_pinned(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        read: SlotCopy,
+        timeout: float | None = None,
+    ) -> int:
+        """Reads pages pinned for ``keys[:len(slots)]`` (by :meth:`acquire` or
+        :meth:`take_prefetch`): ``read(i, address)`` for each, then releases the pins, even
+        when a copy failed. A failed Release raises: the pins were dropped while copying, so
+        the bytes read are void. Returns how many pages were read."""
+        if not slots:
+            return 0
+        try:
+            for i, slot in enumerate(slots):
+                read(i, self.pool.address(slot, 0, self.page_bytes))
+        finally:
+            self.release(keys[: len(slots)], timeout)
+        return len(slots)
+
+    def load(self, keys: Sequence[bytes], read: SlotCopy, timeout: float | None = None) -> int:
+        """Reads the longest prefix of ``keys`` L2 holds: Acquire, then :meth:`read_pinned`.
+        Returns how many pages were read."""
+        return self.read_pinned(keys, self.acquire(keys, timeout), read, timeout)
 
     def prefetch(
         self,

@@ -121,7 +121,6 @@ _REGISTER = """
 import sys
 from kvtier.agent import AgentClient
 from kvtier.host import KvtierError
-sys.path.insert(0, {tests!r})
 from test_agent import CpuPool, layout, SLOTS
 from pathlib import Path
 c = AgentClient({socket!r})
@@ -138,8 +137,13 @@ def _register_from_another_process(socket: str, path: Path) -> tuple[int, str]:
     import subprocess
     import sys
 
-    code = _REGISTER.format(tests=str(Path(__file__).parent), socket=socket, path=str(path))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    code = _REGISTER.format(socket=socket, path=str(path))
+    # Run beside this file (``-c`` puts the working directory first on the path): the child
+    # imports the pool and layout from this module.
+    here = Path(__file__).parent
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=here
+    )
     return r.returncode, r.stdout + r.stderr[-2000:]
 
 

@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("--exists", type=int)
     a = ap.parse_args()
     import sglang.srt.server_args as sa
-    from sglang_pools import keys, worker
+
+    from kvtier.testing.sglang import keys, worker
 
     args = sa.ServerArgs(
         model_path=a.model_path,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_pools import LAYOUTS, ROOT, Kvtierd, keys, wait_for, worker
 
 import kvtier
 import kvtier.sglang
+from kvtier.testing.sglang import LAYOUTS, ROOT, Kvtierd, keys, wait_for, worker
 
 
 def inner(backend):
@@ -115,19 +115,18 @@ def test_a_namespace_separates_tenants(daemon: Kvtierd):
 
 CHILD = r"""
 import sys, torch
-sys.path.insert(0, sys.argv[1])
-from sglang_pools import worker, keys
-w = worker(sys.argv[2])
+from kvtier.testing.sglang import worker, keys
+w = worker(sys.argv[1])
 want = w.fill(0, 8, seed=7)
 assert w.backend.batch_set_v1(keys(8, "shared"), w.indices(0, 8)) == [True] * 8
-torch.save(want, sys.argv[3])
+torch.save(want, sys.argv[2])
 """
 
 
 def test_two_sglang_processes_share_pages_through_one_kvtierd(daemon: Kvtierd, tmp_path: Path):
     out = tmp_path / "want.pt"
     subprocess.run(
-        [sys.executable, "-c", CHILD, str(Path(__file__).parent), daemon.socket, str(out)],
+        [sys.executable, "-c", CHILD, daemon.socket, str(out)],
         check=True,
         timeout=300,
     )

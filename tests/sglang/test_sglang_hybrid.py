@@ -18,7 +18,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-from sglang_pools import Kvtierd, keys, wait_for, worker
+
+from kvtier.testing.sglang import Kvtierd, keys, wait_for, worker
 
 STATES = 16
 MAMBA_LAYERS = 3

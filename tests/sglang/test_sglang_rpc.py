@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 import grpc
-import hicache_rpc as rpc
 import pytest
-from kvtierd_proc import Kvtierd as KvtierdProcess
+
+from kvtier.testing import Kvtierd as KvtierdProcess
+from kvtier.testing import hicache_rpc as rpc
 
 OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE = 0, 3, 5, 9, 11
 
@@ -411,9 +412,8 @@ def test_a_layer_first_batch_of_a_deep_model_fits_in_one_request(daemon):
 # gRPC connection to its peer's tenant, so this is how a second tenant's SGLang looks.
 GLOBEX_CLIENT = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-import hicache_rpc as rpc
-c = rpc.Client(sys.argv[2], sys.argv[3], rpc.HostPool(1 << 20), "globex")
+from kvtier.testing import hicache_rpc as rpc
+c = rpc.Client(sys.argv[1], sys.argv[2], rpc.HostPool(1 << 20), "globex")
 seen = c.exist(["shared", "acme-only"])
 c.pool.write(0, bytes([7]) * 4096)
 put = c.batch_put([c.transfer("shared", [(0, 4096)]), c.transfer("globex-only", [(0, 4096)])])
@@ -436,7 +436,7 @@ def test_tenants_bound_by_peer_never_share_objects(tmp_path):
         ) == [OK, OK]
         r = subprocess.run(
             ["setpriv", "--regid", "65534", "--clear-groups", sys.executable, "-c", GLOBEX_CLIENT]
-            + [str(Path(__file__).parent), d.mempool, d.grpc],
+            + [d.mempool, d.grpc],
             capture_output=True,
             text=True,
             timeout=120,

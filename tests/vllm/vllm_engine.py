@@ -259,10 +259,10 @@ def run(
     tp = vc.parallel_config.tensor_parallel_size
     if fail_copy:
         # The first staging copy raises, as a device copy that fails would.
-        import kvtier.vllm as kvllm
+        from kvtier.integrations.vllm.staging import Staging
 
         method = {"load": "to_blocks", "save": "from_blocks"}[fail_copy]
-        real = getattr(kvllm._Staging, method)
+        real = getattr(Staging, method)
         calls = {"n": 0}
 
         def failing(self, *a, **k):
@@ -271,7 +271,7 @@ def run(
                 raise RuntimeError("injected staging copy failure")
             return real(self, *a, **k)
 
-        setattr(kvllm._Staging, method, failing)
+        setattr(Staging, method, failing)
     if time_out:
         _time_out_first(time_out)
     # Each TP rank's connector, made by vLLM's factory from the flag, registered as the

@@ -6,68 +6,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
-from kvtierd_proc import Kvtierd, debug_binary, run_as  # noqa: E402, F401 - Kvtierd: for the tests
+from kvtier.testing import Agent, Kvtierd, debug_binary, run_as  # noqa: F401 - for the tests
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
-
-
-def agent_bin() -> str:
-    return debug_binary("kvtier-agent", "KVTIER_AGENT_BIN")
-
-
-class Agent:
-    def __init__(
-        self,
-        d: Path,
-        name: str,
-        daemon_socket: str,
-        *sets: str,
-        socket: Path | None = None,
-        user: tuple[int, int, list[int]] | None = None,
-    ):
-        self.socket = str(socket or d / f"{name}.sock")
-        args = [agent_bin()]
-        for s in (
-            f"data_dir={d}",
-            f"server.socket={self.socket}",
-            f"daemon.address={daemon_socket}",
-            f"daemon.name={name}",
-            "daemon.reconnect_min=20ms",
-            "metrics.listen=127.0.0.1:0",
-            "log.level=warn",
-            "cache.evict_wait=500ms",
-            *sets,
-        ):
-            args += ["--set", s]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        args = run_as(user) + args
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        assert "kvtier-agent ready" in line, line
-        self.metrics = line.split("metrics=")[1].split()[0]
-
-    def metric(self, series: str, absent: float | None = None) -> float:
-        """A series' value; ``absent`` for one not exported yet (labels made on first use)."""
-        import urllib.request
-
-        page = urllib.request.urlopen(self.metrics, timeout=5).read().decode()
-        for line in page.splitlines():
-            if line.startswith(series + " "):
-                return float(line.split()[-1])
-        if absent is not None:
-            return absent
-        raise AssertionError(f"{series} not exported")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(15)
 
 
 def flag(agent: Agent | str | None, **extra) -> str:

@@ -25,21 +25,39 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from kvtier.integrations.sglang import pages
 from kvtier.host import POLICIES, DaemonClient
 from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
+from kvtier.integrations.sglang import pages
+from kvtier.integrations.sglang.link import PoolLink, Reporter
 from kvtier.keys import Namespace
 from kvtier.layout import DTYPES, LayoutSpec, Mha, Mla, State
 from kvtier.settings import fill
-from kvtier.integrations.sglang.link import PoolLink, Reporter
 from kvtier.v1 import common_pb2
 
-try:  # The base class SGLang checks for; absent only outside an SGLang install.
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-except ImportError:  # pragma: no cover - exercised only without SGLang
-    HiCacheStorage = object  # type: ignore[assignment,misc]
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+        PoolTransfer,
+        PoolTransferResult,
+    )
+    from sglang.srt.mem_cache.pool_host import HostKVCache
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+    from sglang.srt.server_args import ServerArgs
+
+    # The KV pool's host mirror SGLang registers: MHA or MLA.
+    KvHost = MHATokenToKVPoolHost | MLATokenToKVPoolHost
+else:
+    try:  # The base class SGLang checks for; absent only outside an SGLang install.
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    except ImportError:  # pragma: no cover - exercised only without SGLang
+        HiCacheStorage = object
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +127,9 @@ class Settings:
 class KvtierStorage(HiCacheStorage):
     """SGLang HiCache storage backed by kvtierd (L2 shared memory, then L3)."""
 
-    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict[str, object] | None = None
+    ):
         self.storage_config = storage_config
         self.settings = Settings.parse(getattr(storage_config, "extra_config", None))
         self.mla = bool(storage_config.is_mla_model)
@@ -138,10 +158,11 @@ class KvtierStorage(HiCacheStorage):
         self.report = Reporter(self.settings.log_interval_s)
         self.counters = self.report.counters
         self.geometry: pages.PageGeometry | None = None
-        self.mem_pool_host = None
+        # SGLang's host pool (a HostKVCache), once registered.
+        self.mem_pool_host: KvHost | None = None
         self._kv: PoolLink | None = None
         # Hybrid pools (v2): name -> (link, host pool), made on first use.
-        self._hybrid: dict[str, tuple[PoolLink, Any]] = {}
+        self._hybrid: dict[str, tuple[PoolLink, HostKVCache]] = {}
         self._hybrid_lock = threading.Lock()
         self._pending = {
             "prefetch_pgs": [],
@@ -152,19 +173,20 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- set-up -------------------------------------------------------------------------
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
         """Takes the host pool's geometry and opens the kvtierd session (or tries later)."""
         super_register = getattr(super(), "register_mem_pool_host", None)
         if super_register is not None:
             super_register(mem_pool_host)
-        self.mem_pool_host = mem_pool_host
-        self.geometry = pages.PageGeometry.of(mem_pool_host, self.mla)
-        if self.geometry.dtype not in DTYPES:
+        # The pool SGLang registers here is its KV pool's host mirror, MHA or MLA.
+        self.mem_pool_host = cast("KvHost", mem_pool_host)
+        g = self.geometry = pages.PageGeometry.of(mem_pool_host, self.mla)
+        if g.dtype not in DTYPES:
             raise pages.UnsupportedPool(
-                f"kvtier: KV dtype {self.geometry.dtype} is not one of {', '.join(DTYPES)}"
+                f"kvtier: KV dtype {g.dtype} is not one of {', '.join(DTYPES)}"
             )
         self._kv_dtype = self.kv_dtype()
-        self._kv = self._link("kv", self.descriptor(), self.geometry.page_bytes)
+        self._kv = self._link("kv", self.descriptor(), g.page_bytes)
         self._kv.session()
 
     def _link(self, label: str, d: common_pb2.LayoutDescriptor, page_bytes: int) -> PoolLink:
@@ -227,9 +249,15 @@ class KvtierStorage(HiCacheStorage):
             extra=f"pool={pool}" if pool else "",
         )
 
+    def _geometry(self) -> pages.PageGeometry:
+        """The registered host pool's geometry (SGLang registers it before any page call)."""
+        if self.geometry is None:
+            raise pages.UnsupportedPool("kvtier: SGLang has not registered its host pool yet")
+        return self.geometry
+
     def descriptor(self) -> common_pb2.LayoutDescriptor:
         """The kvtier layout of this worker's KV pages."""
-        g, c = self.geometry, self.storage_config
+        g, c = self._geometry(), self.storage_config
         model_id, version = self.identity().descriptor_fields()
         shape = Mla(g.dim_a, g.dim_b) if self.mla else Mha(g.dim_a, g.dim_b)
         return LayoutSpec(
@@ -260,7 +288,7 @@ class KvtierStorage(HiCacheStorage):
             tp_size=1 if shared else c.tp_size,
         ).descriptor()
 
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+    def register_mem_host_pool_v2(self, host_pool: HostKVCache, host_pool_name: str) -> None:
         """A hybrid pool (SGLang registers each one by name); its session opens on first use."""
         super_register = getattr(super(), "register_mem_host_pool_v2", None)
         if super_register is not None:
@@ -273,7 +301,7 @@ class KvtierStorage(HiCacheStorage):
         with self._hybrid_lock:
             self._hybrid.pop(str(host_pool_name), None)
 
-    def _hybrid_pool(self, name: str) -> tuple[PoolLink, Any]:
+    def _hybrid_pool(self, name: str) -> tuple[PoolLink, HostKVCache]:
         with self._hybrid_lock:
             found = self._hybrid.get(name)
             if found is not None:
@@ -304,7 +332,7 @@ class KvtierStorage(HiCacheStorage):
             return raw
         return hashlib.sha256(self._seed + raw).digest()
 
-    def _parent(self, extra_info: Any) -> bytes:
+    def _parent(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes:
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
         return self._key(prefix[-1]) if prefix else b""
 
@@ -318,7 +346,10 @@ class KvtierStorage(HiCacheStorage):
     # ---- the zero-copy interface (interface_v1) -------------------------------------------
 
     def batch_set_v1(
-        self, keys: list[str], host_indices: Any, extra_info: Any = None
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         n = len(keys)
         if n == 0:
@@ -337,7 +368,10 @@ class KvtierStorage(HiCacheStorage):
             return [False] * n
 
     def batch_get_v1(
-        self, keys: list[str], host_indices: Any, extra_info: Any = None
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         n = len(keys)
         if n == 0:
@@ -353,21 +387,22 @@ class KvtierStorage(HiCacheStorage):
             return [False] * n
         return [True] * got + [False] * (n - got)
 
-    def _kv_pages(self, host_indices: Any, n: int) -> pages.KvPages:
+    def _kv_pages(self, host_indices: torch.Tensor, n: int) -> pages.KvPages:
+        if self.mem_pool_host is None:
+            raise pages.UnsupportedPool("kvtier: SGLang has not registered its host pool yet")
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        segs = self.geometry.segments(ptrs, sizes)
+        g = self._geometry()
+        segs = g.segments(ptrs, sizes)
         if len(segs) != n:
             raise pages.UnsupportedPool(f"{len(segs)} host pages for {n} keys")
-        return pages.KvPages(self.geometry, segs)
+        return pages.KvPages(g, segs)
 
     def _store(self, kv: pages.KvPages, keys: list[bytes], parent: bytes) -> list[bool]:
         if self._kv is None:
             return [False] * len(keys)
         start = time.perf_counter()
         ok, copied = self._kv.store(kv, keys, parent)
-        self._count(
-            "backup", copied, copied * self.geometry.page_bytes, time.perf_counter() - start
-        )
+        self._count("backup", copied, copied * kv.geometry.page_bytes, time.perf_counter() - start)
         return ok
 
     def _load(self, kv: pages.KvPages, keys: list[bytes], parent: bytes) -> int:
@@ -375,12 +410,14 @@ class KvtierStorage(HiCacheStorage):
             return 0
         start = time.perf_counter()
         got = self._kv.load(kv, keys, parent)
-        self._count("prefetch", got, got * self.geometry.page_bytes, time.perf_counter() - start)
+        self._count("prefetch", got, got * kv.geometry.page_bytes, time.perf_counter() - start)
         return got
 
     # ---- lookups ------------------------------------------------------------------------
 
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
         """Leading keys kvtierd holds in L2 or L3."""
         if not keys or self._kv is None:
             return 0
@@ -391,7 +428,7 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- the older, tensor-per-page interface ------------------------------------------
 
-    def _flat(self, tensors: list[Any]) -> pages.KvPages | None:
+    def _flat(self, tensors: list[torch.Tensor | None]) -> pages.KvPages | None:
         g = self.geometry
         if g is None:
             return None
@@ -453,8 +490,11 @@ class KvtierStorage(HiCacheStorage):
     # ---- hybrid pools (v2) ----------------------------------------------------------------
 
     def batch_exists_v2(
-        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
-    ) -> Any:
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
         """The usable KV prefix with every hybrid pool's page present as its hit policy asks
         (SGLang's file backend's semantics): ``all_pages`` needs each page of the prefix,
         ``trailing_pages`` only the last ``len(keys)`` pages before the cut, so the prefix
@@ -469,7 +509,7 @@ class KvtierStorage(HiCacheStorage):
             kkeys = [self._key(k) for k in keys]
             kv = self._kv.leading(kkeys) if self._kv is not None else 0
             kkeys = kkeys[:kv]
-            hits: dict[Any, int] = {PoolName.KV: kv} if kv else {}
+            hits: dict[str, int] = {PoolName.KV: kv} if kv else {}
             restorable = list(range(1, kv + 1))
             for t in pool_transfers or []:
                 if not restorable:
@@ -503,19 +543,29 @@ class KvtierStorage(HiCacheStorage):
             self.report.fail("exists_v2", e)
             return PoolTransferResult.empty()
 
-    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return {t.name: self._v2(t, extra_info, load=True) for t in transfers}
 
-    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return {t.name: self._v2(t, extra_info, load=False) for t in transfers}
 
-    def _v2(self, t: Any, extra_info: Any, load: bool) -> list[bool]:
+    def _v2(
+        self, t: PoolTransfer, extra_info: HiCacheStorageExtraInfo | None, load: bool
+    ) -> list[bool]:
         keys = list(t.keys or [])
         n = len(keys)
         if n == 0:
             return []
         name = str(t.name)
         if name == "kv":
+            if t.host_indices is None:
+                what = "get" if load else "set"
+                self.report.fail(what, pages.UnsupportedPool("a kv transfer without host indices"))
+                return [False] * n
             if load:
                 return self.batch_get_v1(keys, t.host_indices, extra_info)
             return self.batch_set_v1(keys, t.host_indices, extra_info)
@@ -555,7 +605,9 @@ class KvtierStorage(HiCacheStorage):
         self.report.bump("clears")
         logger.info("kvtier: clear(): a new weight epoch; earlier pages are not used again")
 
-    def get_stats(self) -> Any:
+    # SGLang's base method is unannotated (so inferred to return None); its metrics collector
+    # takes the StorageMetrics returned here.
+    def get_stats(self) -> StorageMetrics | None:  # pyright: ignore[reportIncompatibleMethodOverride]
         """Pages and bandwidth per prefetch and backup since the last call, as SGLang's
         storage metrics collector takes them."""
         try:
@@ -580,7 +632,7 @@ class KvtierStorage(HiCacheStorage):
         self.client.close()
 
 
-def _server_args() -> Any:
+def _server_args() -> ServerArgs | None:
     """SGLang's server arguments in a running server (the checkpoint path, revision, KV
     dtype, weight version); None where SGLang runs without them (its classes driven
     directly, as in tests)."""

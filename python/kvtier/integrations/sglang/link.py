@@ -19,14 +19,16 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvtier.host import DaemonClient, HostSession, KvtierError
-from kvtier.keys import Namespace
 from kvtier.integrations.sglang.pages import UnsupportedPool
+from kvtier.keys import Namespace
 from kvtier.v1 import common_pb2
 
 logger = logging.getLogger("kvtier.sglang")
+
+T = TypeVar("T")
 
 
 class Pages(Protocol):
@@ -158,7 +160,7 @@ class PoolLink:
 
     # ---- lookups ----------------------------------------------------------------------
 
-    def _ask(self, what: str, call: Callable[[HostSession], object], miss: object) -> object:
+    def _ask(self, what: str, call: Callable[[HostSession], T], miss: T) -> T:
         with self.use() as s:
             if s is None:
                 return miss

@@ -21,7 +21,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.pool_host import HostKVCache
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 import numpy as np
 
@@ -77,7 +82,7 @@ class PageGeometry:
         return self.parts * (self.layers if self.layout == "layer_first" else 1)
 
     @staticmethod
-    def of(pool: Any, mla: bool) -> PageGeometry:
+    def of(pool: HostKVCache, mla: bool) -> PageGeometry:
         layout = getattr(pool, "layout", None)
         if layout not in LAYOUTS:
             raise UnsupportedPool(
@@ -85,18 +90,19 @@ class PageGeometry:
             )
         dtype = str(pool.dtype).removeprefix("torch.")
         itemsize = pool.dtype.itemsize
+        # SGLang's MLA backend registers its MLA host pool, the others their MHA one.
         if mla:
-            a, b = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
+            p = cast("MLATokenToKVPoolHost", pool)
+            a, b = int(p.kv_lora_rank), int(p.qk_rope_head_dim)
             token = (a + b) * itemsize
         else:
-            a, b = int(pool.head_num), int(pool.head_dim)
+            p = cast("MHATokenToKVPoolHost", pool)
+            a, b = int(p.head_num), int(p.head_dim)
             v = int(getattr(pool, "v_head_dim", b) or b)
             if v != b:
                 raise UnsupportedPool(f"K head dim {b} differs from V head dim {v}")
             token = a * b * itemsize
-        return PageGeometry(
-            layout, mla, int(pool.layer_num), int(pool.page_size), token, dtype, a, b
-        )
+        return PageGeometry(layout, mla, int(p.layer_num), int(pool.page_size), token, dtype, a, b)
 
     def segments(self, pointers: Sequence[int], sizes: Sequence[int]) -> list[list[Segment]]:
         """The pages of one ``get_page_buffer_meta`` answer, each as its segments."""
@@ -207,11 +213,11 @@ class FlatPages:
     ``set_from_flat_data_page`` on the way in, the same bytes SGLang's file backend stores.
     Every pool class has these two methods, whatever its internal layout."""
 
-    def __init__(self, pool: Any, indices: Sequence[int], page_bytes: int):
+    def __init__(self, pool: HostKVCache, indices: Sequence[int], page_bytes: int):
         self.pool, self.indices, self.page_bytes = pool, list(indices), page_bytes
 
     @staticmethod
-    def page_bytes_of(pool: Any) -> int:
+    def page_bytes_of(pool: HostKVCache) -> int:
         page = pool.get_dummy_flat_data_page()
         return int(page.numel()) * int(page.element_size())
 

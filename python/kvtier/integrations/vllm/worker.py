@@ -43,7 +43,7 @@ class WorkerSide:
     def __init__(
         self,
         vllm_config: VllmConfig,
-        kv_cache_config: KVCacheConfig | None,
+        kv_cache_config: KVCacheConfig,
         settings: Settings,
         ranks: Ranks,
         agent: AgentClient,
@@ -66,8 +66,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self.kv_cache_config is None:
-            raise ValueError("kvtier: vLLM gave the worker side no KV cache config")
         num_blocks = self.kv_cache_config.num_blocks
         layers = [_block_major(name, t, num_blocks) for name, t in kv_caches.items()]
         if not layers:

@@ -26,15 +26,17 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import grpc
+
+from kvtier.testing.processes import ROOT
 
 MAGIC = 0x8DF6FBFD
 # What SGLang's client allows: messages up to 512 MiB, 120 s per call.
 MAX_MESSAGE = 512 << 20
 TIMEOUT_S = 120.0
 
-ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 PROTO = "sglang/runtime/hicache/storage.proto"
 
@@ -72,8 +74,10 @@ def _generate_stubs():
     return pb2, pb2_grpc
 
 
-def _load(name: str, path: Path):
+def _load(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load the generated module {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

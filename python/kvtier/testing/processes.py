@@ -1,7 +1,8 @@
-"""A real kvtierd process for the Python tests, on its own data directory.
+"""Real kvtierd and kvtier-agent processes for tests and benches, each on its own data
+directory, started and waited for ready.
 
-kvtierd is the binary `cargo test` built ($CARGO_TARGET_DIR/debug/kvtierd); KVTIERD_BIN
-overrides it.
+The binaries are the ones `cargo test` built in this checkout ($CARGO_TARGET_DIR/debug, else
+target/debug); KVTIERD_BIN and KVTIER_AGENT_BIN override them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import signal
 import subprocess
 import threading
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+# The checkout this package is installed from (editable), for its binaries and protos.
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def debug_binary(name: str, env_var: str) -> str:
@@ -34,6 +37,29 @@ def run_as(user: tuple[int, int, list[int]] | None) -> list[str]:
     uid, gid, groups = user
     extra = [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
     return ["setpriv", f"--reuid={uid}", f"--regid={gid}", *extra, "--"]
+
+
+def metric(url: str, series: str, absent: float | None = None) -> float:
+    """A series' value on the Prometheus page at ``url``; ``absent`` when it is not exported
+    (labels are made on first use), else KeyError."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    if absent is None:
+        raise KeyError(series)
+    return absent
+
+
+def stop(proc: subprocess.Popen[str], grace_s: float) -> None:
+    """SIGTERM, and SIGKILL after ``grace_s`` when the process has not exited by then."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def kvtierd_bin() -> str:
@@ -81,9 +107,11 @@ class Kvtierd:
 
     def _wait_ready(self) -> str:
         found: list[str] = []
+        out = self.proc.stdout
+        assert out is not None, "started with stdout=PIPE"
 
         def read():
-            for line in self.proc.stdout:
+            for line in out:
                 if "kvtierd ready" in line:
                     found.append(line)
                     break
@@ -98,18 +126,15 @@ class Kvtierd:
                 raise RuntimeError(f"kvtierd exited with status {code} before it was ready")
             raise RuntimeError("kvtierd did not become ready in 30 s")
         # Keep draining stdout so the daemon never blocks on a full pipe.
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-        return re.search(r"metrics=(\S+)", found[0]).group(1)
+        threading.Thread(target=lambda: [None for _ in out], daemon=True).start()
+        m = re.search(r"metrics=(\S+)", found[0])
+        if m is None:
+            raise RuntimeError(f"kvtierd's ready line names no metrics address: {found[0]!r}")
+        return m.group(1)
 
     def metric(self, series: str, absent: float | None = None) -> float:
         """A series' value; `absent` when it is not exported yet (else KeyError)."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        for line in text.splitlines():
-            if line.startswith(series + " "):
-                return float(line.split()[-1])
-        if absent is None:
-            raise KeyError(series)
-        return absent
+        return metric(self.metrics_url, series, absent)
 
     def kill(self) -> None:
         """SIGKILL: no flush, no cleanup."""
@@ -117,12 +142,7 @@ class Kvtierd:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop(self.proc, 30)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -131,3 +151,52 @@ class Kvtierd:
         """The object files of the file L3 (its directory marker and temp files left out)."""
         objects = self.data_dir / "l3" / "objects"
         return [p for p in objects.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def agent_bin() -> str:
+    return debug_binary("kvtier-agent", "KVTIER_AGENT_BIN")
+
+
+class Agent:
+    """A kvtier-agent named ``name`` on ``data_dir``, linked to the kvtierd at
+    ``daemon_socket``, with `--set` overrides; its socket is <data_dir>/<name>.sock unless
+    ``socket`` says otherwise."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        name: str,
+        daemon_socket: str,
+        *sets: str,
+        socket: Path | None = None,
+        user: tuple[int, int, list[int]] | None = None,
+    ):
+        self.socket = str(socket or data_dir / f"{name}.sock")
+        args = [agent_bin()]
+        settings: Sequence[str] = (
+            f"data_dir={data_dir}",
+            f"server.socket={self.socket}",
+            f"daemon.address={daemon_socket}",
+            f"daemon.name={name}",
+            "daemon.reconnect_min=20ms",
+            "metrics.listen=127.0.0.1:0",
+            "log.level=warn",
+            "cache.evict_wait=500ms",
+            *sets,
+        )
+        for s in settings:
+            args += ["--set", s]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        args = run_as(user) + args
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "kvtier-agent ready" in line, line
+        self.metrics = line.split("metrics=")[1].split()[0]
+
+    def metric(self, series: str, absent: float | None = None) -> float:
+        """A series' value; ``absent`` for one not exported yet (labels made on first use)."""
+        return metric(self.metrics, series, absent)
+
+    def stop(self) -> None:
+        stop(self.proc, 15)

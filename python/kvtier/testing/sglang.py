@@ -1,4 +1,5 @@
-"""Real SGLang host pools and the kvtier backend, built the way SGLang builds them.
+"""Real SGLang host pools and the kvtier backend, built the way SGLang builds them (for
+the SGLang tests and benches; needs SGLang and torch).
 
 The pools are SGLang's own classes (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) over
 its own device pools on the CPU (no GPU here: ``device="cpu"``, ``pin_memory=False``); the
@@ -9,15 +10,21 @@ registered with ``register_mem_pool_host`` as SGLang's cache controller does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
-from kvtierd_proc import ROOT, Kvtierd  # noqa: F401 - re-exported for the tests
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from kvtier.integrations.sglang import KvtierStorage
+from kvtier.testing.processes import ROOT, Kvtierd  # noqa: F401 - re-exported for the tests
+
+H = TypeVar("H")
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE = 16
@@ -28,10 +35,17 @@ LAYERS = 4
 class Worker:
     """One SGLang worker's host pool and its kvtier backend."""
 
-    host: object
-    backend: object
+    host: MHATokenToKVPoolHost | MLATokenToKVPoolHost
+    backend: KvtierStorage
     layout: str
     mla: bool
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The host pool's buffer."""
+        kv = self.host.kv_buffer
+        assert kv is not None, "the host pool's buffer was released"
+        return kv
 
     def indices(self, first_page: int, pages: int) -> torch.Tensor:
         return torch.arange(first_page * PAGE, (first_page + pages) * PAGE, dtype=torch.int64)
@@ -47,7 +61,7 @@ class Worker:
         view.copy_(data.view(view.dtype).reshape(view.shape))
 
     def _page_view(self, first_page: int) -> torch.Tensor:
-        kv, i = self.host.kv_buffer, first_page * PAGE
+        kv, i = self.kv, first_page * PAGE
         if self.mla:  # [L][tok][1][dim] / [tok][L][1][dim] / [page][L][tok][1][dim]
             page = {
                 "layer_first": lambda: kv[:, i : i + PAGE],
@@ -65,17 +79,17 @@ class Worker:
     def fill(self, first_page: int, pages: int, seed: int) -> list[torch.Tensor]:
         """Random bytes in the pages; their canonical forms."""
         g = torch.Generator().manual_seed(seed)
-        flat = self.host.kv_buffer.view(torch.uint8).view(-1)
+        flat = self.kv.view(torch.uint8).view(-1)
         for p in range(first_page, first_page + pages):
             for seg_addr, size in zip(*self.host.get_page_buffer_meta(self.indices(p, 1))):
-                off = seg_addr - self.host.kv_buffer.data_ptr()
+                off = seg_addr - self.kv.data_ptr()
                 flat[off : off + size] = torch.randint(
                     0, 256, (size,), generator=g, dtype=torch.uint8
                 )
         return [self.canonical(p) for p in range(first_page, first_page + pages)]
 
     def clear(self) -> None:
-        self.host.kv_buffer.zero_()
+        self.kv.zero_()
 
 
 def worker(
@@ -93,36 +107,7 @@ def worker(
 ) -> Worker:
     # SGLang's device pool (on the CPU), then its host pool mirroring it, as the engine
     # builds them. MLA: a 32 + 16 latent; MHA: `heads` KV heads of `head_dim`.
-    shape = (32, 16) if mla else (heads, head_dim)
-    dev_cls, host_cls = (
-        (MLATokenToKVPool, MLATokenToKVPoolHost)
-        if mla
-        else (MHATokenToKVPool, MHATokenToKVPoolHost)
-    )
-    dev = dev_cls(
-        tokens,
-        PAGE,
-        dtype,
-        *shape,
-        LAYERS,
-        "cpu",
-        False,
-        start_layer=0,
-        end_layer=LAYERS - 1,
-    )
-    host = host_cls(
-        dev.get_device_pool_infos()[0].buffer_info,
-        2,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer,
-        end_layer=dev.end_layer,
-        **({"target_layer_num": LAYERS} if mla else {}),
-    )
+    host = _host_pool(layout, mla, heads, head_dim, tokens, dtype)
     extra = {
         "backend_name": "kvtier",
         "module_path": "kvtier.sglang",
@@ -145,8 +130,54 @@ def worker(
         extra_config=extra,
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    assert isinstance(backend, KvtierStorage), type(backend)
     backend.register_mem_pool_host(host)
     return Worker(host, backend, layout, mla)
+
+
+def _host_pool(
+    layout: str, mla: bool, heads: int, head_dim: int, tokens: int, dtype: torch.dtype
+) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
+    """SGLang's device pool (on the CPU), then its host pool mirroring it, as the engine
+    builds them. MLA: a 32 + 16 latent; MHA: ``heads`` KV heads of ``head_dim``."""
+    if mla:
+        dev = MLATokenToKVPool(
+            tokens, PAGE, dtype, 32, 16, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
+        )
+        return _mirror(MLATokenToKVPoolHost, dev, layout, target_layer_num=LAYERS)
+    dev = MHATokenToKVPool(
+        tokens,
+        PAGE,
+        dtype,
+        heads,
+        head_dim,
+        LAYERS,
+        "cpu",
+        False,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+    )
+    return _mirror(MHATokenToKVPoolHost, dev, layout)
+
+
+def _mirror(
+    make: Callable[..., H], dev: MHATokenToKVPool | MLATokenToKVPool, layout: str, **extra: int
+) -> H:
+    """The host pool ``make`` builds over device pool ``dev``, as SGLang's cache controller
+    does."""
+    return make(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev.size,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        **extra,
+    )
 
 
 def keys(n: int, salt: str = "") -> list[str]:
