@@ -22,9 +22,12 @@
 //! 3. a locked node's ancestors are locked at least as often;
 //! 4. the pages of one node always share their metadata, since nodes never merge and splits copy.
 //!
-//! Size: one data structure of about 920 lines, whose invariants (lock references, node splits,
-//! leaf-first eviction) cross every method, plus its unit tests; the model-based property test
-//! is in `tests/`.
+//! Where things are: nodes, matching, inserting, locks and eviction here; the backed-up marks
+//! in `backups.rs`; the invariant check in `check.rs`. The model-based property test is in
+//! `tests/`.
+
+mod backups;
+mod check;
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::Hash;
@@ -626,67 +629,6 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         Ok(())
     }
 
-    /// Records that the host tier holds the pages of `id` and of all its ancestors (a page is
-    /// only useful in the host tier when its whole prefix is there too).
-    pub fn mark_backed_up(&mut self, id: NodeId) -> Result<(), Error> {
-        let mut idx = self.resolve(id)?;
-        while idx != ROOT && !self.node(idx).backed_up {
-            let n = self.node_mut(idx);
-            n.backed_up = true;
-            idx = n.parent;
-        }
-        Ok(())
-    }
-
-    /// Records that the host tier holds the pages from the root down to and including the
-    /// page labelled `last`, which must lie on the path from the root to `id`: the node holding
-    /// it is split after it when it is not that node's last page. How a backup that stored
-    /// only part of its path keeps its progress, robust to the nodes of the path having been
-    /// split meanwhile (a label appears once on a root path, so it names the place exactly).
-    /// Returns whether `last` was found.
-    pub fn mark_backed_up_through(&mut self, id: NodeId, last: &K) -> Result<bool, Error> {
-        let mut idx = self.resolve(id)?;
-        while idx != ROOT {
-            if let Some(i) = self.node(idx).keys.iter().position(|k| k == last) {
-                let len = self.node(idx).keys.len();
-                let holder = if i + 1 < len {
-                    self.split(idx, i + 1)
-                } else {
-                    idx
-                };
-                let holder = self.id(holder);
-                self.mark_backed_up(holder)?;
-                return Ok(true);
-            }
-            idx = self.node(idx).parent;
-        }
-        Ok(false)
-    }
-
-    /// The nodes from the highest ancestor of `id` that is not backed up down to `id`: what a
-    /// backup of `id` must copy, in order.
-    pub fn unbacked_path(&self, id: NodeId) -> Result<Vec<NodeId>, Error> {
-        let mut idx = self.resolve(id)?;
-        let mut out = Vec::new();
-        while idx != ROOT && !self.node(idx).backed_up {
-            out.push(self.id(idx));
-            idx = self.node(idx).parent;
-        }
-        out.reverse();
-        Ok(out)
-    }
-
-    /// The label of the page just before node `id`'s first page (the last page of its
-    /// parent), or `None` when `id` starts at the root.
-    pub fn parent_key(&self, id: NodeId) -> Result<Option<K>, Error> {
-        let idx = self.resolve(id)?;
-        let parent = self.node(idx).parent;
-        if parent == ROOT || idx == ROOT {
-            return Ok(None);
-        }
-        Ok(self.node(parent).keys.last().cloned())
-    }
-
     /// Sets the caller priority of a node (for [`PolicyKind::Priority`]).
     pub fn set_priority(&mut self, id: NodeId, priority: i32) -> Result<(), Error> {
         let idx = self.resolve(id)?;
@@ -791,30 +733,6 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         out
     }
 
-    /// Forgets what the host tier was believed to hold: drops every host-only node and
-    /// clears every backed-up mark, so each page is backed up (or found there already) again
-    /// before its eviction. For when the host tier may have lost pages, such as a restarted
-    /// kvtierd. Returns the host-only pages dropped and the device pages whose mark was
-    /// cleared.
-    pub fn forget_backups(&mut self) -> (usize, usize) {
-        let dropped = self
-            .evict_host(usize::MAX)
-            .iter()
-            .map(|e| e.keys.len())
-            .sum();
-        let mut cleared = 0;
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            if i as u32 != ROOT
-                && let Some(n) = &mut slot.node
-                && n.backed_up
-            {
-                n.backed_up = false;
-                cleared += n.keys.len();
-            }
-        }
-        (dropped, cleared)
-    }
-
     /// Unlinks a childless, unlocked node that holds no device values and frees its slot.
     fn remove_leaf(&mut self, idx: u32) -> Vec<K> {
         let n = self.node(idx);
@@ -833,95 +751,6 @@ impl<K: Clone + Eq + Hash, V: Copy> RadixTree<K, V> {
         self.node_mut(parent).children.remove(&keys[0]);
         self.release_slot(idx);
         keys
-    }
-
-    /// Checks every invariant and count against a full walk. For tests and debugging: `O(n)`.
-    pub fn validate(&self) -> Result<(), String> {
-        let (mut device, mut protected, mut host_only, mut nodes) = (0, 0, 0, 1);
-        let mut stack = vec![ROOT];
-        while let Some(idx) = stack.pop() {
-            let n = self.node(idx);
-            let mut device_children = 0;
-            for (k, &c) in &n.children {
-                let child = self.node(c);
-                nodes += 1;
-                if child.parent != idx {
-                    return Err(format!("node {c} has parent {} not {idx}", child.parent));
-                }
-                if child.keys.first() != Some(k) || child.keys.is_empty() {
-                    return Err(format!("node {c} is filed under the wrong first key"));
-                }
-                if child.lock > n.lock && idx != ROOT {
-                    return Err(format!("node {c} is locked more than its parent"));
-                }
-                if child.values.is_some() {
-                    device_children += 1;
-                    if n.values.is_none() {
-                        return Err(format!("device node {c} under host-only node {idx}"));
-                    }
-                }
-                if child.backed_up && !n.backed_up {
-                    return Err(format!("backed-up node {c} under unbacked node {idx}"));
-                }
-                stack.push(c);
-            }
-            if device_children != n.device_children {
-                return Err(format!("node {idx}: device_children count is wrong"));
-            }
-            if idx == ROOT {
-                continue;
-            }
-            match &n.values {
-                Some(v) => {
-                    if v.len() != n.keys.len() {
-                        return Err(format!("node {idx}: values and keys differ in length"));
-                    }
-                    device += v.len();
-                    if n.lock > 0 {
-                        protected += v.len();
-                    }
-                }
-                None => {
-                    if !n.backed_up {
-                        return Err(format!("node {idx} is neither on device nor backed up"));
-                    }
-                    host_only += n.keys.len();
-                }
-            }
-            let rank = self.policy.rank(&n.meta);
-            let want_d = n.lock == 0 && n.values.is_some() && n.device_children == 0;
-            let want_h = n.lock == 0 && n.values.is_none() && n.children.is_empty();
-            if want_d != self.device_set.contains(&(rank, idx)) || want_d != n.device_rank.is_some()
-            {
-                return Err(format!("node {idx}: device candidate set is stale"));
-            }
-            if want_h != self.host_set.contains(&(rank, idx)) || want_h != n.host_rank.is_some() {
-                return Err(format!("node {idx}: host candidate set is stale"));
-            }
-        }
-        let counts = (device, protected, host_only, nodes);
-        let kept = (
-            self.device_pages,
-            self.protected_pages,
-            self.host_only_pages,
-            self.nodes,
-        );
-        if counts != kept {
-            return Err(format!(
-                "counts (device, protected, host-only, nodes) walked {counts:?} but kept {kept:?}"
-            ));
-        }
-        let candidates = self.device_set.len() + self.host_set.len();
-        let filed = self
-            .slots
-            .iter()
-            .filter_map(|s| s.node.as_ref())
-            .map(|n| usize::from(n.device_rank.is_some()) + usize::from(n.host_rank.is_some()))
-            .sum::<usize>();
-        if candidates != filed {
-            return Err("candidate sets hold entries of removed nodes".into());
-        }
-        Ok(())
     }
 }
 
