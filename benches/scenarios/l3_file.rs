@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use crate::compare;
 use bytes::Bytes;
+use kvtier_config::l3::FileSection;
 use kvtier_core::{LayoutFingerprint, PageKey};
-use kvtier_storage::file::{FileConfig, FileStore};
+use kvtier_storage::file::FileStore;
 use kvtier_storage::{OpCtx, PageStore};
 
 /// Runs the scenario (`quick`: fewer pages and rounds).
@@ -24,7 +25,11 @@ pub fn run(quick: bool) {
         .build()
         .unwrap();
     let store = rt
-        .block_on(FileStore::open(FileConfig::new(dir.join("kvtier"))))
+        .block_on(FileStore::open(
+            dir.join("kvtier"),
+            &FileSection::unbounded(),
+            &[],
+        ))
         .unwrap();
     let ps = PageStore::new(store);
     let fp = LayoutFingerprint([3; 16]);

@@ -5,9 +5,10 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvtier_config::l3::{FileSection, RocksdbSection};
 use kvtier_core::{LayoutFingerprint, PageKey};
-use kvtier_storage::file::{FileConfig, FileStore};
-use kvtier_storage::rocks::{RocksConfig, RocksStore};
+use kvtier_storage::file::FileStore;
+use kvtier_storage::rocks::RocksStore;
 use kvtier_storage::{OpCtx, PageStore};
 
 use crate::compare;
@@ -24,10 +25,10 @@ pub fn run(quick: bool) {
         .build()
         .unwrap();
     let (file, rocks) = rt.block_on(async {
-        let f = FileStore::open(FileConfig::new(dir.join("file")))
+        let f = FileStore::open(dir.join("file"), &FileSection::unbounded(), &[])
             .await
             .unwrap();
-        let r = RocksStore::open(RocksConfig::new(dir.join("rocks")))
+        let r = RocksStore::open(dir.join("rocks"), &RocksdbSection::default(), &[])
             .await
             .unwrap();
         (PageStore::new(f), PageStore::new(r))

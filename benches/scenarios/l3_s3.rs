@@ -33,14 +33,14 @@ pub fn run(quick: bool) {
         .unwrap();
     rt.block_on(c.bucket_ready("bench"));
     let cfg = c.config("bench", "kvtier");
-    let s3 = std::sync::Arc::new(S3Store::new(&cfg).unwrap());
+    let s3 = std::sync::Arc::new(S3Store::new(&cfg, crate::ceph::TIMEOUT).unwrap());
     let ps = PageStore::new(s3.clone());
     let raw = AmazonS3Builder::new()
-        .with_endpoint(&cfg.endpoint)
-        .with_region(&cfg.region)
+        .with_endpoint(c.endpoint())
+        .with_region(c.region())
         .with_bucket_name("bench")
-        .with_access_key_id(&cfg.access_key)
-        .with_secret_access_key(&cfg.secret_key)
+        .with_access_key_id(c.access_key())
+        .with_secret_access_key(c.secret_key())
         .with_allow_http(true)
         .build()
         .unwrap();

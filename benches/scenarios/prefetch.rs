@@ -219,7 +219,9 @@ pub fn run(quick: bool) {
     rt.block_on(populate(&l3, &chains));
     let store = rt
         .block_on(kvtier_storage::file::FileStore::open(
-            kvtier_storage::file::FileConfig::new(root.clone()),
+            root.clone(),
+            &kvtier_config::l3::FileSection::unbounded(),
+            &[],
         ))
         .unwrap();
     let row = rt.block_on(measure("file", &l3, &chains, |keys| {
@@ -317,14 +319,15 @@ pub fn run(quick: bool) {
     // S3 backend on a local Ceph RGW (memstore: keep the data small).
     let c = crate::shared_ceph();
     rt.block_on(c.bucket_ready("prefetch"));
-    let cfg = c.config("prefetch", "bench");
+    let (ceph_endpoint, ceph_access_key, ceph_secret_key) =
+        (c.endpoint(), c.access_key(), c.secret_key());
     let l3 = vec![
         "l3.backend=s3".to_string(),
-        format!("l3.s3.endpoint={}", cfg.endpoint),
+        format!("l3.s3.endpoint={}", ceph_endpoint),
         "l3.s3.bucket=prefetch".into(),
         "l3.s3.prefix=bench".into(),
-        format!("l3.s3.access_key={}", cfg.access_key),
-        format!("l3.s3.secret_key={}", cfg.secret_key),
+        format!("l3.s3.access_key={}", ceph_access_key),
+        format!("l3.s3.secret_key={}", ceph_secret_key),
         "l3.timeout=60s".into(),
         "l3.concurrency=16".into(),
     ];
@@ -333,11 +336,11 @@ pub fn run(quick: bool) {
     rt.block_on(populate(&l3, &chains));
     let raw = Arc::new(
         object_store::aws::AmazonS3Builder::new()
-            .with_endpoint(&cfg.endpoint)
-            .with_region(&cfg.region)
+            .with_endpoint(c.endpoint())
+            .with_region(c.region())
             .with_bucket_name("prefetch")
-            .with_access_key_id(&cfg.access_key)
-            .with_secret_access_key(&cfg.secret_key)
+            .with_access_key_id(c.access_key())
+            .with_secret_access_key(c.secret_key())
             .with_allow_http(true)
             .build()
             .unwrap(),

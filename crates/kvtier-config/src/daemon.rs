@@ -456,19 +456,25 @@ impl DaemonConfig {
 
     /// The file backend's directory.
     pub fn l3_file_path(&self) -> PathBuf {
-        if self.l3.file.path.is_empty() {
-            self.data_dir.join("l3")
-        } else {
-            PathBuf::from(&self.l3.file.path)
-        }
+        self.l3
+            .file
+            .path
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("l3"))
     }
 
     /// The rocksdb backend's directory.
     pub fn l3_rocksdb_path(&self) -> PathBuf {
-        if self.l3.rocksdb.path.is_empty() {
-            self.data_dir.join("rocksdb")
-        } else {
-            PathBuf::from(&self.l3.rocksdb.path)
+        (self.l3.rocksdb.path.clone()).unwrap_or_else(|| self.data_dir.join("rocksdb"))
+    }
+
+    /// The directory `backend` keeps its objects in on this host, as this configuration
+    /// places it; `None` for a backend without one.
+    pub fn l3_directory(&self, backend: L3Backend) -> Option<PathBuf> {
+        match backend {
+            L3Backend::File => Some(self.l3_file_path()),
+            L3Backend::Rocksdb => Some(self.l3_rocksdb_path()),
+            L3Backend::S3 | L3Backend::Remote | L3Backend::Memory | L3Backend::None => None,
         }
     }
 
@@ -577,7 +583,7 @@ impl DaemonConfig {
         admin_access.validate(tenants)?;
         l3.validate()?;
         if let Some(name) = resolved.l3_quota()
-            && !matches!(l3.backend, L3Backend::File | L3Backend::Rocksdb)
+            && !l3.backend.keeps_quotas()
         {
             return Err(ConfigError::invalid(
                 format!("tenants.{name}.l3_bytes"),
@@ -867,6 +873,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("l3.s3.colour"), "{e}");
+    }
+
+    #[test]
+    fn keys_that_may_be_unset_are_options_and_an_empty_string_unsets_them() {
+        let base = DaemonConfig::default();
+        // The default file spells them "": unset.
+        assert_eq!(base.l3.file.path, None);
+        assert_eq!(base.l3.s3.endpoint, None);
+        assert_eq!(base.l3_file_path(), base.data_dir.join("l3"));
+        let set = base
+            .with_overrides(&[
+                "l3.file.path=/srv/l3".into(),
+                "l3.rocksdb.path=".into(),
+                "l3.s3.endpoint=http://127.0.0.1:7480".into(),
+                "l3.s3.access_key=".into(),
+            ])
+            .unwrap();
+        assert_eq!(set.l3.file.path, Some(PathBuf::from("/srv/l3")));
+        assert_eq!(set.l3_file_path(), PathBuf::from("/srv/l3"));
+        assert_eq!(set.l3.rocksdb.path, None);
+        assert_eq!(set.l3.s3.endpoint.as_deref(), Some("http://127.0.0.1:7480"));
+        assert_eq!(set.l3.s3.access_key, None);
+        let e = base
+            .with_overrides(&["l3.s3.endpoint=ftp://x".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("l3.s3.endpoint"), "{e}");
+        // What each backend can do is asked of the backend, not matched by name.
+        assert!(L3Backend::File.keeps_quotas() && !L3Backend::S3.keeps_quotas());
+        assert_eq!(L3Backend::Rocksdb.directory_key(), Some("rocksdb.path"));
+        assert_eq!(set.l3_directory(L3Backend::Memory), None);
+        assert!(!L3Backend::None.stores() && L3Backend::Memory.stores());
     }
 
     #[test]

@@ -12,6 +12,8 @@
 use std::time::Duration;
 
 use kvtier_core::WritePolicy;
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{ByteSize, ConfigError, Dur, Secret};
@@ -36,6 +38,26 @@ pub enum L3Backend {
 }
 
 impl L3Backend {
+    /// Whether a storage tier is attached at all.
+    pub fn stores(self) -> bool {
+        self != Self::None
+    }
+
+    /// Whether it keeps an index of its objects by tenant, which `tenants.<name>.l3_bytes`
+    /// quotas need.
+    pub fn keeps_quotas(self) -> bool {
+        matches!(self, Self::File | Self::Rocksdb)
+    }
+
+    /// The key of its directory on this host, for a backend that has one.
+    pub fn directory_key(self) -> Option<&'static str> {
+        match self {
+            Self::File => Some("file.path"),
+            Self::Rocksdb => Some("rocksdb.path"),
+            Self::S3 | Self::Remote | Self::Memory | Self::None => None,
+        }
+    }
+
     /// The configured word.
     pub fn name(self) -> &'static str {
         match self {
@@ -108,8 +130,12 @@ pub struct L3Config {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FileSection {
-    /// Directory of the pages (empty: `<data_dir>/l3`).
-    pub path: String,
+    /// Directory of the pages (unset: `<data_dir>/l3`).
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub path: Option<PathBuf>,
     /// Most bytes kept (0: unbounded).
     pub capacity_bytes: ByteSize,
     /// Free-space guard.
@@ -124,8 +150,12 @@ pub struct FileSection {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RocksdbSection {
-    /// Database directory (empty: `<data_dir>/rocksdb`).
-    pub path: String,
+    /// Database directory (unset: `<data_dir>/rocksdb`).
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub path: Option<PathBuf>,
     /// Most bytes kept (0: unbounded).
     pub capacity_bytes: ByteSize,
     /// Sync the write-ahead log on every write.
@@ -136,16 +166,28 @@ pub struct RocksdbSection {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct S3Section {
-    /// Endpoint URL (empty: AWS).
-    pub endpoint: String,
-    /// Region (empty: us-east-1).
-    pub region: String,
+    /// Endpoint URL (unset: AWS).
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub endpoint: Option<String>,
+    /// Region (unset: us-east-1).
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub region: Option<String>,
     /// The bucket.
     pub bucket: String,
     /// Key prefix inside the bucket.
     pub prefix: String,
-    /// Access key id (empty: environment).
-    pub access_key: String,
+    /// Access key id (unset: environment).
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub access_key: Option<String>,
     /// Secret key (empty: environment). Never printed.
     pub secret_key: Secret,
     /// Virtual-hosted-style requests.
@@ -187,10 +229,20 @@ pub struct MemorySection {
     pub capacity_bytes: ByteSize,
 }
 
+impl FileSection {
+    /// No bound, no free-space guard, no expiry, no fsync: for tests and benchmarks.
+    pub fn unbounded() -> Self {
+        Self {
+            min_free_bytes: ByteSize(0),
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for FileSection {
     fn default() -> Self {
         Self {
-            path: String::new(),
+            path: None,
             capacity_bytes: ByteSize(0),
             min_free_bytes: ByteSize(1 << 30),
             ttl: Dur(Duration::ZERO),
@@ -202,7 +254,7 @@ impl Default for FileSection {
 impl Default for RocksdbSection {
     fn default() -> Self {
         Self {
-            path: String::new(),
+            path: None,
             capacity_bytes: ByteSize(0),
             sync: false,
         }
@@ -212,11 +264,11 @@ impl Default for RocksdbSection {
 impl Default for S3Section {
     fn default() -> Self {
         Self {
-            endpoint: String::new(),
-            region: String::new(),
+            endpoint: None,
+            region: None,
             bucket: String::new(),
             prefix: String::new(),
-            access_key: String::new(),
+            access_key: None,
             secret_key: Secret::default(),
             virtual_hosted: false,
             retries: 2,
@@ -412,8 +464,9 @@ impl S3Section {
                 "required with l3.backend = \"s3\"",
             ));
         }
-        let url = endpoint.starts_with("http://") || endpoint.starts_with("https://");
-        if !endpoint.is_empty() && !url {
+        if let Some(endpoint) = endpoint
+            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        {
             return Err(ConfigError::invalid(
                 "l3.s3.endpoint",
                 format!("{endpoint:?} is not an http:// or https:// URL"),

@@ -167,6 +167,17 @@ impl Serialize for Dur {
     }
 }
 
+/// Deserializes a key that may be unset: absent or `""` (the default files' spelling of
+/// unset) is `None`.
+pub(crate) fn empty_is_none<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: From<String>,
+{
+    let s: Option<String> = Option::deserialize(d)?;
+    Ok(s.filter(|s| !s.is_empty()).map(T::from))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -407,17 +407,13 @@ fn check_attach_path(
     running: &DaemonConfig,
     cfg: &DaemonConfig,
 ) -> Result<(), ApiError> {
-    use kvtier_config::daemon::L3Backend;
-    let (key, path, same): (_, _, fn(&DaemonConfig) -> std::path::PathBuf) = match cfg.l3.backend {
-        L3Backend::File => ("file.path", cfg.l3_file_path(), DaemonConfig::l3_file_path),
-        L3Backend::Rocksdb => (
-            "rocksdb.path",
-            cfg.l3_rocksdb_path(),
-            DaemonConfig::l3_rocksdb_path,
-        ),
-        _ => return Ok(()),
+    let backend = cfg.l3.backend;
+    let (Some(key), Some(path)) = (backend.directory_key(), cfg.l3_directory(backend)) else {
+        return Ok(());
     };
-    if path == same(started) || path == same(running) {
+    if Some(&path) == started.l3_directory(backend).as_ref()
+        || Some(&path) == running.l3_directory(backend).as_ref()
+    {
         return Ok(());
     }
     let root = match started.server.admin.attach_root.as_str() {
@@ -474,7 +470,7 @@ mod tests {
             data_dir: data.clone(),
             ..DaemonConfig::default()
         };
-        started.l3.file.path = "/srv/configured-l3".into();
+        started.l3.file.path = Some("/srv/configured-l3".into());
         let attach = |backend: &str, path: &str| {
             let sets = [
                 format!("l3.backend={backend}"),

@@ -30,9 +30,8 @@ use crate::state::Job;
 use crate::state::Shared;
 use kvtier_server::metrics::MetricRegistry;
 
-mod factory;
 mod metrics;
-pub use factory::open_backend;
+pub use kvtier_storage::open_backend;
 pub use metrics::L3Metrics;
 
 /// Counters of the writer.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_config::daemon::{DaemonConfig, L2Backing, L3Backend};
+use kvtier_config::daemon::{DaemonConfig, L2Backing};
 use kvtier_config::tenants::TenantQuota;
 use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
 use kvtier_core::{
@@ -287,7 +287,7 @@ impl HostState {
             reserve_share: cfg.l2.reserve_share,
             take_over: cfg.l2.take_over_after_crash,
             instance: survive::instance_id(&cfg.socket_path()),
-            write: (cfg.l3.backend != L3Backend::None).then(|| cfg.l3.write_policy()),
+            write: cfg.l3.backend.stores().then(|| cfg.l3.write_policy()),
             l3_down: false,
             l3_epoch: 0,
             draining: false,

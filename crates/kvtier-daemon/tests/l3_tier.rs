@@ -343,14 +343,15 @@ mod ceph;
 fn s3_backend_from_config_writes_to_a_real_bucket() {
     let ceph = ceph::Ceph::start();
     rt().block_on(ceph.bucket_ready("kvtierd"));
-    let cfg = ceph.config("kvtierd", "node-1");
+    let (ceph_endpoint, ceph_access_key, ceph_secret_key) =
+        (ceph.endpoint(), ceph.access_key(), ceph.secret_key());
     let settings = [
         "l3.backend=s3".to_string(),
-        format!("l3.s3.endpoint={}", cfg.endpoint),
+        format!("l3.s3.endpoint={}", ceph_endpoint),
         "l3.s3.bucket=kvtierd".into(),
         "l3.s3.prefix=node-1".into(),
-        format!("l3.s3.access_key={}", cfg.access_key),
-        format!("l3.s3.secret_key={}", cfg.secret_key),
+        format!("l3.s3.access_key={}", ceph_access_key),
+        format!("l3.s3.secret_key={}", ceph_secret_key),
         "l3.timeout=10s".into(),
         "l2.pool_pages=32".into(),
         "prefetch.budget_fraction=1.0".into(),
@@ -374,7 +375,8 @@ fn s3_backend_from_config_writes_to_a_real_bucket() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         // The objects are in the bucket under the prefix, named by fingerprint and key.
-        let s3 = kvtier_storage::s3::S3Store::new(&cfg).unwrap();
+        let cfg = ceph.config("kvtierd", "node-1");
+        let s3 = kvtier_storage::s3::S3Store::new(&cfg, ceph::TIMEOUT).unwrap();
         let fp = kvtier_core::Layout::new(layout("m")).unwrap().fingerprint();
         let names: Vec<String> = keys
             .iter()

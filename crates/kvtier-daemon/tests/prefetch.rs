@@ -717,6 +717,10 @@ fn a_chain_running_from_l3_into_l2_is_found_and_loaded_whole() {
             "l3.write_threshold=1",
             "prefetch.threshold_tokens=0",
             "prefetch.budget_fraction=1.0",
+            // Every write to L3 takes 2 s: the flusher, which writes the chain's unwritten
+            // tail once the pool is full, cannot land it before the next pages evict (else
+            // the tail would be the first to go, a leaf L3 holds, and the test would race).
+            "l3.fault_set_delay=2s",
         ],
     );
     rt().block_on(async {

@@ -31,42 +31,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use kvtier_config::l3::FileSection;
+use kvtier_core::TenantTag;
 
 use crate::lru::{Index, blocking, check_fits, lock, now_ns};
 use crate::{ObjectSink, StorageError, Store, StoreStats, check_name};
-
-/// Configuration of a [`FileStore`].
-#[derive(Clone, Debug)]
-pub struct FileConfig {
-    /// Directory holding `objects/`.
-    pub root: PathBuf,
-    /// Most bytes kept (0: unbounded); least recently used objects are evicted above it.
-    pub capacity_bytes: u64,
-    /// Tenants to track, by the tag their objects' keys start with, each with its most
-    /// bytes (0: counted only). A tenant past its quota evicts its own least recently used
-    /// objects (`kvtier_core::tenant`).
-    pub tenant_quotas: Vec<(kvtier_core::TenantTag, u64)>,
-    /// Writes are refused while the filesystem has less free space than this.
-    pub min_free_bytes: u64,
-    /// Objects older than this are misses and are deleted (None: no expiry).
-    pub ttl: Option<Duration>,
-    /// fsync each object before it becomes visible.
-    pub sync: bool,
-}
-
-impl FileConfig {
-    /// Unbounded, unsynced, no TTL: for tests and benchmarks.
-    pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self {
-            root: root.into(),
-            capacity_bytes: 0,
-            tenant_quotas: Vec::new(),
-            min_free_bytes: 0,
-            ttl: None,
-            sync: false,
-        }
-    }
-}
 
 /// Bytes per read of [`Store::read_into`]: large enough for few syscalls, small enough to
 /// stay in cache between the read and the copy out.
@@ -79,10 +48,21 @@ thread_local! {
 /// The file backend.
 #[derive(Debug)]
 pub struct FileStore {
-    cfg: FileConfig,
+    /// The directory holding `objects/`.
+    root: PathBuf,
+    /// `[l3.file]`: bound, free-space guard, expiry, fsync.
+    cfg: FileSection,
     objects: PathBuf,
     index: Arc<Mutex<Index>>,
     seq: AtomicU64,
+}
+
+impl FileStore {
+    /// How old an object may get before it is a miss (`None`: no expiry).
+    fn ttl(&self) -> Option<Duration> {
+        let ttl = self.cfg.ttl.0;
+        (!ttl.is_zero()).then_some(ttl)
+    }
 }
 
 fn io(op: &'static str, target: &Path) -> impl FnOnce(std::io::Error) -> StorageError {
@@ -101,14 +81,22 @@ fn expired(ttl: Option<Duration>, meta: &std::fs::Metadata) -> bool {
 }
 
 impl FileStore {
-    /// Opens (creating if needed) a store at `cfg.root`: removes temp files a crash left
-    /// behind and rebuilds the index in the background.
-    pub async fn open(cfg: FileConfig) -> Result<Arc<Self>, StorageError> {
-        claim(&cfg.root)?;
-        let objects = cfg.root.join("objects");
+    /// Opens (creating if needed) a store in `root` as `cfg` (`[l3.file]`) says, tracking
+    /// `tenant_quotas` (each tenant by the tag its objects' keys start with, with its most
+    /// bytes, 0: counted only; a tenant past its quota evicts its own least recently used
+    /// objects): removes temp files a crash left behind and rebuilds the index in the
+    /// background. `cfg.path` is not read: `root` is where the caller resolved it to.
+    pub async fn open(
+        root: impl Into<PathBuf>,
+        cfg: &FileSection,
+        tenant_quotas: &[(TenantTag, u64)],
+    ) -> Result<Arc<Self>, StorageError> {
+        let root = root.into();
+        claim(&root)?;
+        let objects = root.join("objects");
         std::fs::create_dir_all(&objects).map_err(io("create", &objects))?;
         // Versions before 0.2 wrote temp files to `tmp/`: its temp files go, then it, if empty.
-        let old_tmp = cfg.root.join("tmp");
+        let old_tmp = root.join("tmp");
         if std::fs::symlink_metadata(&old_tmp).is_ok_and(|m| m.is_dir()) {
             for e in std::fs::read_dir(&old_tmp).into_iter().flatten().flatten() {
                 if is_old_temp(&e.file_name()) && e.file_type().is_ok_and(|t| t.is_file()) {
@@ -119,9 +107,10 @@ impl FileStore {
         }
         let store = Arc::new(Self {
             objects,
-            index: Arc::new(Mutex::new(Index::with_quotas(&cfg.tenant_quotas))),
+            index: Arc::new(Mutex::new(Index::with_quotas(tenant_quotas))),
             seq: AtomicU64::new(0),
-            cfg,
+            root,
+            cfg: cfg.clone(),
         });
         let (root, index) = (store.objects.clone(), store.index.clone());
         let opened = SystemTime::now();
@@ -366,7 +355,7 @@ impl Store for FileStore {
     async fn get(&self, name: &str) -> Result<Option<Bytes>, StorageError> {
         check_name(name)?;
         let path = self.path_of(name);
-        let ttl = self.cfg.ttl;
+        let ttl = self.ttl();
         let (name_owned, index) = (name.to_string(), self.index.clone());
         blocking("file", move || {
             let mut f = match std::fs::File::open(&path) {
@@ -399,7 +388,7 @@ impl Store for FileStore {
     ) -> Result<Option<(Bytes, u64)>, StorageError> {
         check_name(name)?;
         let path = self.path_of(name);
-        let ttl = self.cfg.ttl;
+        let ttl = self.ttl();
         let (name_owned, index) = (name.to_string(), self.index.clone());
         blocking("file", move || {
             let mut f = match std::fs::File::open(&path) {
@@ -436,7 +425,7 @@ impl Store for FileStore {
         }
         // One hand-off for the whole batch rather than one per name.
         let paths: Vec<PathBuf> = names.iter().map(|n| self.path_of(n)).collect();
-        let ttl = self.cfg.ttl;
+        let ttl = self.ttl();
         blocking("file", move || {
             for (i, p) in paths.iter().enumerate() {
                 match std::fs::metadata(p) {
@@ -454,10 +443,10 @@ impl Store for FileStore {
     async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
         check_name(name)?;
         let size = (head.len() + body.len()) as u64;
-        let cap = self.cfg.capacity_bytes;
+        let cap = self.cfg.capacity_bytes.0;
         check_fits(size, cap)?;
         lock(&self.index).check_quota(name, size)?;
-        let min_free = self.cfg.min_free_bytes;
+        let min_free = self.cfg.min_free_bytes.0;
         let sync = self.cfg.sync;
         let path = self.path_of(name);
         let tmp = path.with_file_name(format!(
@@ -465,7 +454,7 @@ impl Store for FileStore {
             std::process::id(),
             self.seq.fetch_add(1, Ordering::Relaxed)
         ));
-        let root = self.cfg.root.clone();
+        let root = self.root.clone();
         let (name_owned, index) = (name.to_string(), self.index.clone());
         let paths: Vec<PathBuf> = blocking("file", move || {
             if min_free > 0 {
@@ -523,7 +512,7 @@ impl Store for FileStore {
         check_name(name)?;
         let path = self.path_of(name);
         match tokio::fs::metadata(&path).await {
-            Ok(meta) => Ok(!expired(self.cfg.ttl, &meta)),
+            Ok(meta) => Ok(!expired(self.ttl(), &meta)),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
             Err(e) => Err(io("stat", &path)(e)),
         }
@@ -553,7 +542,7 @@ impl Store for FileStore {
         StoreStats {
             objects: g.entries.len() as u64,
             bytes: g.bytes,
-            capacity: self.cfg.capacity_bytes,
+            capacity: self.cfg.capacity_bytes.0,
             evictions: g.evictions,
             delete_failures: g.delete_failures,
             tenants: g.tenants(),

@@ -13,6 +13,7 @@ pub mod file;
 pub mod format;
 mod lru;
 pub mod memory;
+mod open;
 mod page;
 pub mod remote;
 pub mod retry;
@@ -29,6 +30,7 @@ use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
 pub use lru::TenantBytes;
+pub use open::open_backend;
 pub use page::{Fetch, Landed, MissReason, PageStore, PageStoreStats};
 
 /// Why a storage operation failed. Absence is not an error: `get` returns `Ok(None)`.

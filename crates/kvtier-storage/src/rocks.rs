@@ -14,6 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use kvtier_config::l3::RocksdbSection;
+use kvtier_core::TenantTag;
 use rocksdb::{
     ColumnFamilyDescriptor, DB, DBCompressionType, IteratorMode, Options, ReadOptions, WriteBatch,
     WriteOptions,
@@ -36,44 +38,20 @@ fn value_read_opts() -> ReadOptions {
     o
 }
 
-/// Configuration of a [`RocksStore`].
-#[derive(Clone, Debug)]
-pub struct RocksConfig {
-    /// Database directory.
-    pub path: PathBuf,
-    /// Most bytes kept (0: unbounded).
-    pub capacity_bytes: u64,
-    /// Tenants to track, by the tag their objects' keys start with, each with its most
-    /// bytes (0: counted only). A tenant past its quota evicts its own least recently used
-    /// objects (`kvtier_core::tenant`).
-    pub tenant_quotas: Vec<(kvtier_core::TenantTag, u64)>,
-    /// Sync the write-ahead log on every write.
-    pub sync: bool,
-}
-
-impl RocksConfig {
-    /// Unbounded, unsynced.
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        Self {
-            path: path.into(),
-            capacity_bytes: 0,
-            tenant_quotas: Vec::new(),
-            sync: false,
-        }
-    }
-}
-
 /// The RocksDB backend.
 pub struct RocksStore {
     db: Arc<DB>,
-    cfg: RocksConfig,
+    /// The database directory.
+    path: PathBuf,
+    /// `[l3.rocksdb]`: bound, WAL sync.
+    cfg: RocksdbSection,
     index: Arc<Mutex<Index>>,
 }
 
 impl std::fmt::Debug for RocksStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RocksStore")
-            .field("path", &self.cfg.path)
+            .field("path", &self.path)
             .finish()
     }
 }
@@ -105,8 +83,16 @@ fn write_opts(sync: bool) -> WriteOptions {
 impl RocksStore {
     /// Opens (creating if needed) the database and rebuilds the capacity index from the
     /// `sizes` column family.
-    pub async fn open(cfg: RocksConfig) -> Result<Arc<Self>, StorageError> {
-        let path = cfg.path.clone();
+    /// `cfg` is `[l3.rocksdb]`; `path` is where the caller resolved its directory to, and
+    /// `tenant_quotas` the tenants to track (each by the tag its objects' keys start with,
+    /// with its most bytes, 0: counted only).
+    pub async fn open(
+        path: impl Into<PathBuf>,
+        cfg: &RocksdbSection,
+        tenant_quotas: &[(TenantTag, u64)],
+    ) -> Result<Arc<Self>, StorageError> {
+        let dir: PathBuf = path.into();
+        let path = dir.clone();
         let db = blocking("rocksdb", move || {
             std::fs::create_dir_all(&path).map_err(|source| StorageError::Io {
                 op: "create",
@@ -131,7 +117,7 @@ impl RocksStore {
         })
         .await?;
         let db = Arc::new(db);
-        let index = Arc::new(Mutex::new(Index::with_quotas(&cfg.tenant_quotas)));
+        let index = Arc::new(Mutex::new(Index::with_quotas(tenant_quotas)));
         {
             let (db, index) = (db.clone(), index.clone());
             blocking("rocksdb", move || {
@@ -150,7 +136,12 @@ impl RocksStore {
             })
             .await?;
         }
-        Ok(Arc::new(Self { db, cfg, index }))
+        Ok(Arc::new(Self {
+            db,
+            path: dir,
+            cfg: cfg.clone(),
+            index,
+        }))
     }
 
     fn remove_batch(db: &DB, names: &[String], sync: bool) -> Result<(), StorageError> {
@@ -199,7 +190,7 @@ impl Store for RocksStore {
     async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
         check_name(name)?;
         let size = (head.len() + body.len()) as u64;
-        let cap = self.cfg.capacity_bytes;
+        let cap = self.cfg.capacity_bytes.0;
         check_fits(size, cap)?;
         lock(&self.index).check_quota(name, size)?;
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
@@ -286,7 +277,7 @@ impl Store for RocksStore {
         StoreStats {
             objects: g.entries.len() as u64,
             bytes: g.bytes,
-            capacity: self.cfg.capacity_bytes,
+            capacity: self.cfg.capacity_bytes.0,
             evictions: g.evictions,
             delete_failures: g.delete_failures,
             tenants: g.tenants(),

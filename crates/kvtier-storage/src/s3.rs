@@ -14,35 +14,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use kvtier_config::l3::S3Section;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
 
 use crate::{StorageError, Store, StoreStats, check_name};
-
-/// Configuration of an [`S3Store`].
-#[derive(Clone, Debug, Default)]
-pub struct S3Config {
-    /// Endpoint URL (`http://127.0.0.1:7480`); empty for AWS.
-    pub endpoint: String,
-    /// Region (`us-east-1` when empty).
-    pub region: String,
-    /// Bucket.
-    pub bucket: String,
-    /// Key prefix inside the bucket (no leading or trailing `/`); empty for none.
-    pub prefix: String,
-    /// Access key id; empty: from the environment.
-    pub access_key: String,
-    /// Secret key; empty: from the environment.
-    pub secret_key: String,
-    /// Virtual-hosted-style requests (`bucket.host`); off means path style, which MinIO and
-    /// Ceph RGW need.
-    pub virtual_hosted: bool,
-    /// Per-request timeout inside object_store.
-    pub request_timeout: Duration,
-    /// Retries inside object_store.
-    pub retries: usize,
-}
 
 /// The S3 backend.
 #[derive(Debug)]
@@ -69,9 +46,10 @@ fn backend(op: &'static str, e: &object_store::Error) -> StorageError {
 }
 
 impl S3Store {
-    /// Builds the client. Fails on a configuration that cannot work (no bucket, bad URL);
-    /// an unreachable server is found on first use.
-    pub fn new(cfg: &S3Config) -> Result<Self, StorageError> {
+    /// Builds the client from `[l3.s3]`, each request bounded by `request_timeout` (and
+    /// retried `cfg.retries` times inside object_store). Fails on a configuration that cannot
+    /// work (no bucket, bad URL); an unreachable server is found on first use.
+    pub fn new(cfg: &S3Section, request_timeout: Duration) -> Result<Self, StorageError> {
         if cfg.bucket.is_empty() {
             return Err(StorageError::Invalid("s3: a bucket is required".into()));
         }
@@ -80,27 +58,27 @@ impl S3Store {
             .with_virtual_hosted_style_request(cfg.virtual_hosted)
             .with_client_options(
                 ClientOptions::new()
-                    .with_timeout(cfg.request_timeout)
-                    .with_connect_timeout(cfg.request_timeout)
-                    .with_allow_http(cfg.endpoint.starts_with("http://")),
+                    .with_timeout(request_timeout)
+                    .with_connect_timeout(request_timeout)
+                    .with_allow_http(
+                        cfg.endpoint
+                            .as_deref()
+                            .is_some_and(|e| e.starts_with("http://")),
+                    ),
             )
             .with_retry(RetryConfig {
-                max_retries: cfg.retries,
-                retry_timeout: cfg.request_timeout * (cfg.retries as u32 + 1),
+                max_retries: cfg.retries as usize,
+                retry_timeout: request_timeout * (cfg.retries + 1),
                 ..RetryConfig::default()
             });
-        if !cfg.endpoint.is_empty() {
-            b = b.with_endpoint(&cfg.endpoint);
+        if let Some(endpoint) = &cfg.endpoint {
+            b = b.with_endpoint(endpoint);
         }
-        b = b.with_region(if cfg.region.is_empty() {
-            "us-east-1"
-        } else {
-            &cfg.region
-        });
-        if !cfg.access_key.is_empty() {
+        b = b.with_region(cfg.region.as_deref().unwrap_or("us-east-1"));
+        if let Some(key) = &cfg.access_key {
             b = b
-                .with_access_key_id(&cfg.access_key)
-                .with_secret_access_key(&cfg.secret_key);
+                .with_access_key_id(key)
+                .with_secret_access_key(cfg.secret_key.expose());
         }
         let store = b
             .build()

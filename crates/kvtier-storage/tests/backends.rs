@@ -7,8 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvtier_config::l3::{FileSection, RocksdbSection};
+use kvtier_config::{ByteSize, Dur};
 use kvtier_core::{LayoutFingerprint, PageKey};
-use kvtier_storage::file::{FileConfig, FileStore};
+use kvtier_storage::file::FileStore;
 use kvtier_storage::memory::MemoryStore;
 use kvtier_storage::{Fetch, OpCtx, PageStore, StorageError, Store, conformance};
 
@@ -30,7 +32,12 @@ async fn memory_conforms() {
 #[tokio::test]
 async fn file_conforms() {
     let dir = tmpdir("conf");
-    conformance::run_all(FileStore::open(FileConfig::new(&dir)).await.unwrap()).await;
+    conformance::run_all(
+        FileStore::open(&dir, &FileSection::unbounded(), &[])
+            .await
+            .unwrap(),
+    )
+    .await;
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -43,7 +50,9 @@ async fn a_file_store_never_deletes_what_it_did_not_write() {
     std::fs::create_dir_all(dir.join("tmp/keep")).unwrap();
     std::fs::write(dir.join("precious.txt"), b"mine").unwrap();
     std::fs::write(dir.join("tmp/keep/notes"), b"mine").unwrap();
-    let e = FileStore::open(FileConfig::new(&dir)).await.unwrap_err();
+    let e = FileStore::open(&dir, &FileSection::unbounded(), &[])
+        .await
+        .unwrap_err();
     assert!(
         matches!(&e, StorageError::Invalid(m) if m.contains("precious.txt") && m.contains(".kvtier-file-store")),
         "{e}"
@@ -56,7 +65,9 @@ async fn a_file_store_never_deletes_what_it_did_not_write() {
     std::fs::write(outside.join(".hidden"), b"mine").unwrap();
     std::fs::write(outside.join("abcd"), b"mine").unwrap();
     let own = tmpdir("foreign-own");
-    let store = FileStore::open(FileConfig::new(&own)).await.unwrap();
+    let store = FileStore::open(&own, &FileSection::unbounded(), &[])
+        .await
+        .unwrap();
     assert!(own.join(kvtier_storage::file::MARKER).is_file());
     store
         .set(
@@ -70,7 +81,9 @@ async fn a_file_store_never_deletes_what_it_did_not_write() {
     std::fs::write(own.join("objects/ab/NOTES.txt"), b"mine").unwrap();
     drop(store);
     // Reopened: the index rebuild walks no symlink (the temp-looking file outside stays).
-    let store = FileStore::open(FileConfig::new(&own)).await.unwrap();
+    let store = FileStore::open(&own, &FileSection::unbounded(), &[])
+        .await
+        .unwrap();
     assert_eq!(store.clear().await.unwrap(), 1, "only the one object goes");
     for kept in [outside.join(".hidden"), outside.join("abcd")] {
         assert!(kept.exists(), "{} was deleted", kept.display());
@@ -88,7 +101,11 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     let keys: Vec<PageKey> = (0..20u8).map(|i| PageKey([i; 32])).collect();
     let page = |k: &PageKey| Bytes::from(vec![k.0[0]; 64 * 1024]);
     {
-        let ps = PageStore::new(FileStore::open(FileConfig::new(&dir)).await.unwrap());
+        let ps = PageStore::new(
+            FileStore::open(&dir, &FileSection::unbounded(), &[])
+                .await
+                .unwrap(),
+        );
         for k in &keys {
             ps.set(&ctx(), &fp, k, page(k)).await.unwrap();
         }
@@ -97,7 +114,9 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     // name (and one where versions before 0.2 kept them).
     let name = kvtier_storage::format::object_name(&fp, &PageKey([99; 32]));
     let probe_dir = tmpdir("restart-probe");
-    let probe = FileStore::open(FileConfig::new(&probe_dir)).await.unwrap();
+    let probe = FileStore::open(&probe_dir, &FileSection::unbounded(), &[])
+        .await
+        .unwrap();
     let rel = probe.path_of(&name);
     let rel = rel.strip_prefix(&probe_dir).unwrap();
     let temp = dir.join(rel).with_file_name(".t999-0");
@@ -105,7 +124,9 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     std::fs::write(&temp, b"half a page").unwrap();
     std::fs::create_dir_all(dir.join("tmp")).unwrap();
     std::fs::write(dir.join("tmp/999-0.tmp"), b"half a page").unwrap();
-    let store = FileStore::open(FileConfig::new(&dir)).await.unwrap();
+    let store = FileStore::open(&dir, &FileSection::unbounded(), &[])
+        .await
+        .unwrap();
     assert!(!dir.join("tmp").exists(), "the old temp directory stayed");
     let ps = PageStore::new(store.clone());
     for k in &keys {
@@ -144,9 +165,11 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
 #[tokio::test]
 async fn file_capacity_evicts_least_recently_used() {
     let dir = tmpdir("cap");
-    let mut cfg = FileConfig::new(&dir);
-    cfg.capacity_bytes = 4 * 1000;
-    let s = FileStore::open(cfg).await.unwrap();
+    let cfg = FileSection {
+        capacity_bytes: ByteSize(4 * 1000),
+        ..FileSection::unbounded()
+    };
+    let s = FileStore::open(&dir, &cfg, &[]).await.unwrap();
     let n = |i: u32| format!("ab/{i:04x}");
     for i in 0..4 {
         s.set(&n(i), Bytes::new(), Bytes::from(vec![0u8; 1000]))
@@ -175,9 +198,11 @@ async fn file_capacity_evicts_least_recently_used() {
 #[tokio::test]
 async fn file_ttl_and_free_space_guard() {
     let dir = tmpdir("ttl");
-    let mut cfg = FileConfig::new(&dir);
-    cfg.ttl = Some(Duration::from_millis(50));
-    let s = FileStore::open(cfg).await.unwrap();
+    let cfg = FileSection {
+        ttl: Dur(Duration::from_millis(50)),
+        ..FileSection::unbounded()
+    };
+    let s = FileStore::open(&dir, &cfg, &[]).await.unwrap();
     s.set("ab/01", Bytes::new(), Bytes::from_static(b"x"))
         .await
         .unwrap();
@@ -192,9 +217,11 @@ async fn file_ttl_and_free_space_guard() {
         "expired object served"
     );
 
-    let mut cfg = FileConfig::new(dir.join("guard"));
-    cfg.min_free_bytes = u64::MAX / 2;
-    let s = FileStore::open(cfg).await.unwrap();
+    let cfg = FileSection {
+        min_free_bytes: ByteSize(u64::MAX / 2),
+        ..FileSection::unbounded()
+    };
+    let s = FileStore::open(dir.join("guard"), &cfg, &[]).await.unwrap();
     let e = s
         .set("ab/02", Bytes::new(), Bytes::from_static(b"x"))
         .await
@@ -253,24 +280,31 @@ async fn deadlines_and_cancellation_become_misses() {
 
 #[tokio::test]
 async fn rocksdb_conforms() {
-    use kvtier_storage::rocks::{RocksConfig, RocksStore};
+    use kvtier_storage::rocks::RocksStore;
     let dir = tmpdir("rocks");
-    conformance::run_all(RocksStore::open(RocksConfig::new(&dir)).await.unwrap()).await;
+    conformance::run_all(
+        RocksStore::open(&dir, &RocksdbSection::default(), &[])
+            .await
+            .unwrap(),
+    )
+    .await;
     std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[tokio::test]
 async fn rocksdb_pages_survive_reopen_and_capacity_holds() {
-    use kvtier_storage::rocks::{RocksConfig, RocksStore};
+    use kvtier_storage::rocks::RocksStore;
     let dir = tmpdir("rocks-reopen");
     let fp = LayoutFingerprint([6; 16]);
     let keys: Vec<PageKey> = (0..10u8).map(|i| PageKey([i; 32])).collect();
     let page = |k: &PageKey| Bytes::from(vec![k.0[0]; 32 * 1024]);
     let obj = (32 * 1024 + 72) as u64;
     {
-        let mut cfg = RocksConfig::new(&dir);
-        cfg.capacity_bytes = 8 * obj;
-        let s = RocksStore::open(cfg).await.unwrap();
+        let cfg = RocksdbSection {
+            capacity_bytes: ByteSize(8 * obj),
+            ..RocksdbSection::default()
+        };
+        let s = RocksStore::open(&dir, &cfg, &[]).await.unwrap();
         let ps = PageStore::new(s.clone());
         for k in &keys {
             ps.set(&ctx(), &fp, k, page(k)).await.unwrap();
@@ -280,7 +314,9 @@ async fn rocksdb_pages_survive_reopen_and_capacity_holds() {
         assert_eq!((st.objects, st.bytes, st.evictions), (8, 8 * obj, 2));
         assert!(ps.get(&ctx(), &fp, &keys[0], None).await.hit().is_none());
     }
-    let s = RocksStore::open(RocksConfig::new(&dir)).await.unwrap();
+    let s = RocksStore::open(&dir, &RocksdbSection::default(), &[])
+        .await
+        .unwrap();
     assert_eq!(
         s.stats().objects,
         8,
@@ -300,7 +336,7 @@ async fn rocksdb_pages_survive_reopen_and_capacity_holds() {
 async fn a_rocksdb_blob_corrupted_on_disk_is_a_miss_never_wrong_bytes() {
     // RocksDB's own blob checksum is off on reads (kvtier's page CRC covers every byte), so
     // this is what stands between a flipped bit on disk and the engine.
-    use kvtier_storage::rocks::{RocksConfig, RocksStore};
+    use kvtier_storage::rocks::RocksStore;
     let dir = tmpdir("rocks-corrupt");
     let fp = LayoutFingerprint([8; 16]);
     let keys: Vec<PageKey> = (0..4u8).map(|i| PageKey([i + 1; 32])).collect();
@@ -312,13 +348,21 @@ async fn a_rocksdb_blob_corrupted_on_disk_is_a_miss_never_wrong_bytes() {
         )
     };
     {
-        let ps = PageStore::new(RocksStore::open(RocksConfig::new(&dir)).await.unwrap());
+        let ps = PageStore::new(
+            RocksStore::open(&dir, &RocksdbSection::default(), &[])
+                .await
+                .unwrap(),
+        );
         for k in &keys {
             ps.set(&ctx(), &fp, k, page(k)).await.unwrap();
         }
     }
     // Reopening replays the log and flushes it, so the pages now sit in blob files.
-    drop(RocksStore::open(RocksConfig::new(&dir)).await.unwrap());
+    drop(
+        RocksStore::open(&dir, &RocksdbSection::default(), &[])
+            .await
+            .unwrap(),
+    );
     let blobs: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -335,7 +379,11 @@ async fn a_rocksdb_blob_corrupted_on_disk_is_a_miss_never_wrong_bytes() {
         }
         std::fs::write(b, bytes).unwrap();
     }
-    let ps = PageStore::new(RocksStore::open(RocksConfig::new(&dir)).await.unwrap());
+    let ps = PageStore::new(
+        RocksStore::open(&dir, &RocksdbSection::default(), &[])
+            .await
+            .unwrap(),
+    );
     let mut corrupt = 0;
     for k in &keys {
         match ps.get(&ctx(), &fp, k, Some(256 * 1024)).await {

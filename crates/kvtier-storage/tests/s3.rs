@@ -24,10 +24,12 @@ async fn s3_on_ceph_rgw_conforms_and_survives_an_outage() {
     ceph.bucket_ready("kvtier-test").await;
 
     // The conformance suite, under a key prefix.
-    let store = Arc::new(S3Store::new(&ceph.config("kvtier-test", "conformance")).unwrap());
+    let store =
+        Arc::new(S3Store::new(&ceph.config("kvtier-test", "conformance"), ceph::TIMEOUT).unwrap());
     conformance::run_all(store.clone()).await;
     // A clear removes its own prefix and nothing beside it.
-    let other = Arc::new(S3Store::new(&ceph.config("kvtier-test", "other")).unwrap());
+    let other =
+        Arc::new(S3Store::new(&ceph.config("kvtier-test", "other"), ceph::TIMEOUT).unwrap());
     other
         .set("ab/cd", Bytes::new(), Bytes::from_static(b"kept"))
         .await
@@ -47,9 +49,8 @@ async fn s3_on_ceph_rgw_conforms_and_survives_an_outage() {
     // Outage settings: no client retries, a short request timeout, so the breaker sees
     // failures quickly.
     let mut outage = ceph.config("kvtier-test", "outage");
-    outage.request_timeout = Duration::from_secs(2);
     outage.retries = 0;
-    let s3 = Arc::new(S3Store::new(&outage).unwrap());
+    let s3 = Arc::new(S3Store::new(&outage, Duration::from_secs(2)).unwrap());
     let breaker = Arc::new(Breaker::new(
         s3,
         BreakerConfig {

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kvtier_config::l3::{FileSection, RocksdbSection};
 use kvtier_core::{LayoutFingerprint, PageKey, TenantScope, TenantTag};
-use kvtier_storage::file::{FileConfig, FileStore};
-use kvtier_storage::rocks::{RocksConfig, RocksStore};
+use kvtier_storage::file::FileStore;
+use kvtier_storage::rocks::RocksStore;
 use kvtier_storage::{OpCtx, PageStore, StorageError, Store, TenantBytes};
 
 const PAGE: usize = 4096;
@@ -122,9 +123,12 @@ where
 async fn file_tenant_quotas_evict_only_the_tenants_own_objects() {
     let dir = tmpdir("file");
     quotas_hold(&dir, |q| {
-        let mut cfg = FileConfig::new(&dir);
-        cfg.tenant_quotas = q;
-        async move { FileStore::open(cfg).await.unwrap() }
+        let dir = dir.clone();
+        async move {
+            FileStore::open(dir, &FileSection::unbounded(), &q)
+                .await
+                .unwrap()
+        }
     })
     .await;
 }
@@ -133,9 +137,12 @@ async fn file_tenant_quotas_evict_only_the_tenants_own_objects() {
 async fn rocksdb_tenant_quotas_evict_only_the_tenants_own_objects() {
     let dir = tmpdir("rocks");
     quotas_hold(&dir, |q| {
-        let mut cfg = RocksConfig::new(&dir);
-        cfg.tenant_quotas = q;
-        async move { RocksStore::open(cfg).await.unwrap() }
+        let dir = dir.clone();
+        async move {
+            RocksStore::open(dir, &RocksdbSection::default(), &q)
+                .await
+                .unwrap()
+        }
     })
     .await;
 }

@@ -7,7 +7,12 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use kvtier_storage::s3::S3Config;
+use kvtier_config::Secret;
+use kvtier_config::l3::S3Section;
+
+/// Per-request deadline of a store on this cluster. Generous: a cluster on a busy 2-core
+/// machine can pause for seconds.
+pub const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `scripts/ceph-s3`, found from the including package's directory upwards.
 fn script() -> PathBuf {
@@ -99,9 +104,8 @@ impl Ceph {
     pub async fn bucket_ready(&self, bucket: &str) {
         use kvtier_storage::Store as _;
         self.create_bucket(bucket);
-        let mut cfg = self.config(bucket, "warm-up");
-        cfg.request_timeout = Duration::from_secs(20);
-        let s3 = kvtier_storage::s3::S3Store::new(&cfg).unwrap();
+        let cfg = self.config(bucket, "warm-up");
+        let s3 = kvtier_storage::s3::S3Store::new(&cfg, Duration::from_secs(20)).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         loop {
             let body = bytes::Bytes::from_static(b"warm");
@@ -117,19 +121,38 @@ impl Ceph {
         }
     }
 
-    pub fn config(&self, bucket: &str, prefix: &str) -> S3Config {
-        S3Config {
-            endpoint: self.env["S3_ENDPOINT"].clone(),
-            region: self.env["S3_REGION"].clone(),
+    /// `[l3.s3]` for `bucket` under `prefix` on this cluster (open it with [`TIMEOUT`]).
+    pub fn config(&self, bucket: &str, prefix: &str) -> S3Section {
+        S3Section {
+            endpoint: Some(self.endpoint().into()),
+            region: Some(self.env["S3_REGION"].clone()),
             bucket: bucket.into(),
             prefix: prefix.into(),
-            access_key: self.env["S3_ACCESS_KEY"].clone(),
-            secret_key: self.env["S3_SECRET_KEY"].clone(),
+            access_key: Some(self.access_key().into()),
+            secret_key: Secret(self.secret_key().into()),
             virtual_hosted: false,
-            // Generous: a cluster on a busy 2-core machine can pause for seconds.
-            request_timeout: Duration::from_secs(10),
             retries: 2,
         }
+    }
+
+    /// The gateway's URL.
+    pub fn endpoint(&self) -> &str {
+        &self.env["S3_ENDPOINT"]
+    }
+
+    /// The region the gateway answers for.
+    pub fn region(&self) -> &str {
+        &self.env["S3_REGION"]
+    }
+
+    /// The test user's access key id.
+    pub fn access_key(&self) -> &str {
+        &self.env["S3_ACCESS_KEY"]
+    }
+
+    /// The test user's secret key.
+    pub fn secret_key(&self) -> &str {
+        &self.env["S3_SECRET_KEY"]
     }
 }
 
