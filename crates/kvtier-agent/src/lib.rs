@@ -99,11 +99,12 @@ pub async fn run(
     let registry = kvtier_server::metrics::MetricRegistry::new();
     let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &registry)?;
     let uds = bind_socket(&gate, &socket).await?;
-    let metrics_listener = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
+    let listen = cfg.metrics.listen.as_deref();
+    let metrics_listener = kvtier_server::prometheus_http::bind(listen)
         .await
         .map_err(setup(
             "binding metrics.listen",
-            Path::new(&cfg.metrics.listen),
+            Path::new(listen.unwrap_or_default()),
         ))?;
     let metrics_addr = metrics_listener
         .as_ref()

@@ -2,6 +2,7 @@
 //! `server.token`, used by the remote L3 backend (`[l3.remote]`) and kvtierctl (environment:
 //! `KVTIER_TOKEN`, `KVTIER_TLS_CA`, `KVTIER_TLS_CERT`, `KVTIER_TLS_KEY`).
 
+use std::path::Path;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
@@ -42,22 +43,22 @@ impl std::fmt::Debug for TcpSecurity {
     }
 }
 
-fn read(what: &str, path: &str) -> Result<Option<Vec<u8>>, ClientError> {
-    if path.is_empty() {
+fn read(what: &str, path: Option<&Path>) -> Result<Option<Vec<u8>>, ClientError> {
+    let Some(path) = path else {
         return Ok(None);
-    }
+    };
     std::fs::read(path)
         .map(Some)
         .map_err(|e| ClientError::Security(format!("reading {what} {path:?}: {e}")))
 }
 
 impl TcpSecurity {
-    /// From a token and PEM file paths (empty: not set).
+    /// From a token and PEM file paths (each optional).
     pub fn from_files(
         token: Option<String>,
-        ca: &str,
-        cert: &str,
-        key: &str,
+        ca: Option<&Path>,
+        cert: Option<&Path>,
+        key: Option<&Path>,
     ) -> Result<Self, ClientError> {
         let identity = match (read("certificate", cert)?, read("key", key)?) {
             (Some(c), Some(k)) => Some((c, k)),
@@ -78,13 +79,15 @@ impl TcpSecurity {
     /// From `KVTIER_TOKEN`, `KVTIER_TLS_CA`, `KVTIER_TLS_CERT` and `KVTIER_TLS_KEY` (kvtierctl).
     pub fn from_env() -> Result<Self, ClientError> {
         let var = |k: &str| std::env::var(k).unwrap_or_default();
+        let path =
+            |k: &str| Some(std::path::PathBuf::from(var(k))).filter(|p| !p.as_os_str().is_empty());
         let token = Some(var("KVTIER_TOKEN").trim().to_string()).filter(|t| !t.is_empty());
-        Self::from_files(
-            token,
-            &var("KVTIER_TLS_CA"),
-            &var("KVTIER_TLS_CERT"),
-            &var("KVTIER_TLS_KEY"),
-        )
+        let (ca, cert, key) = (
+            path("KVTIER_TLS_CA"),
+            path("KVTIER_TLS_CERT"),
+            path("KVTIER_TLS_KEY"),
+        );
+        Self::from_files(token, ca.as_deref(), cert.as_deref(), key.as_deref())
     }
 
     /// The endpoint of an `http://` or `https://` target, with TLS for https.

@@ -122,8 +122,12 @@ pub struct AgentConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AgentServerConfig {
-    /// UDS path; empty means `<data_dir>/kvtier-agent.sock`.
-    pub socket: String,
+    /// UDS path; unset means `<data_dir>/kvtier-agent.sock`.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub socket: Option<PathBuf>,
     /// Most tokens per request.
     pub max_tokens: u64,
     /// Grace period for open connections at shutdown.
@@ -140,8 +144,12 @@ pub struct AgentServerConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DaemonLinkConfig {
-    /// kvtierd's socket or URL; empty means `<data_dir>/kvtierd.sock`.
-    pub address: String,
+    /// kvtierd's socket or URL; unset means `<data_dir>/kvtierd.sock`.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub address: Option<String>,
     /// Session name.
     pub name: String,
     /// First reconnection wait.
@@ -182,8 +190,12 @@ pub struct DeviceConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AgentMetricsConfig {
-    /// Listen address; empty disables the endpoint.
-    pub listen: String,
+    /// Listen address; unset disables the endpoint.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub listen: Option<String>,
 }
 
 /// `[log]`.
@@ -199,7 +211,7 @@ impl Default for AgentConfig {
         Self {
             data_dir: PathBuf::from("kvtier-data"),
             server: AgentServerConfig {
-                socket: String::new(),
+                socket: None,
                 max_tokens: 1 << 20,
                 drain_timeout: Dur(Duration::from_secs(2)),
                 pool_lease: Dur(Duration::from_secs(300)),
@@ -207,7 +219,7 @@ impl Default for AgentConfig {
                 connections: crate::connections::ConnectionLimits::default(),
             },
             daemon: DaemonLinkConfig {
-                address: String::new(),
+                address: None,
                 name: "kvtier-agent".into(),
                 reconnect_min: Dur(Duration::from_millis(100)),
                 reconnect_max: Dur(Duration::from_secs(5)),
@@ -223,7 +235,7 @@ impl Default for AgentConfig {
             },
             device: DeviceConfig { copy_threads: 4 },
             metrics: AgentMetricsConfig {
-                listen: "127.0.0.1:9465".into(),
+                listen: Some("127.0.0.1:9465".into()),
             },
             log: AgentLogConfig {
                 level: "info".into(),
@@ -260,20 +272,13 @@ impl AgentConfig {
 
     /// The engine socket path.
     pub fn socket_path(&self) -> PathBuf {
-        if self.server.socket.is_empty() {
-            self.data_dir.join("kvtier-agent.sock")
-        } else {
-            PathBuf::from(&self.server.socket)
-        }
+        (self.server.socket.clone()).unwrap_or_else(|| self.data_dir.join("kvtier-agent.sock"))
     }
 
     /// kvtierd's address.
     pub fn daemon_address(&self) -> String {
-        if self.daemon.address.is_empty() {
-            self.data_dir.join("kvtierd.sock").display().to_string()
-        } else {
-            self.daemon.address.clone()
-        }
+        (self.daemon.address.clone())
+            .unwrap_or_else(|| self.data_dir.join("kvtierd.sock").display().to_string())
     }
 
     /// The device → L2 write policy, with its threshold.
@@ -381,7 +386,9 @@ impl AgentConfig {
                 format!("{reconnect_max} is below daemon.reconnect_min ({reconnect_min})"),
             ));
         }
-        if !listen.is_empty() && listen.parse::<std::net::SocketAddr>().is_err() {
+        if let Some(listen) = listen
+            && listen.parse::<std::net::SocketAddr>().is_err()
+        {
             return Err(ConfigError::invalid(
                 "metrics.listen",
                 format!("{listen:?} is not an address such as 127.0.0.1:9465"),

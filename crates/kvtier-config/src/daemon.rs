@@ -52,10 +52,18 @@ pub struct DaemonConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
-    /// UDS path; empty means `<data_dir>/kvtierd.sock`.
-    pub socket: String,
+    /// UDS path; unset means `<data_dir>/kvtierd.sock`.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub socket: Option<PathBuf>,
     /// Optional TCP listen address.
-    pub tcp: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tcp: Option<String>,
     /// Most keys per request.
     pub max_batch: u32,
     /// Grace period for in-flight work at shutdown.
@@ -63,15 +71,31 @@ pub struct ServerConfig {
     /// Token for admin calls over TCP. Never printed.
     pub admin_token: Secret,
     /// PEM certificate chain of the TCP listener.
-    pub tls_cert: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_cert: Option<PathBuf>,
     /// PEM private key of the TCP listener.
-    pub tls_key: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_key: Option<PathBuf>,
     /// PEM CA bundle that TCP clients' certificates must chain to; empty: no client certs.
-    pub tls_client_ca: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
     /// Bearer token of every call over TCP. Never printed.
     pub token: Secret,
     /// File holding the token.
-    pub token_file: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub token_file: Option<PathBuf>,
     /// TCP without TLS, on loopback only.
     pub tcp_insecure: bool,
     /// Who may use the Unix sockets.
@@ -79,7 +103,11 @@ pub struct ServerConfig {
     /// Token of peer kvtierds (ObjectStorage). Never printed.
     pub peer_token: Secret,
     /// File holding the peer token.
-    pub peer_token_file: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub peer_token_file: Option<PathBuf>,
     /// Who is the operator on the Unix socket.
     pub admin: crate::roles::AdminAccess,
     /// How many connections each listener holds, and how long one has to start.
@@ -97,12 +125,16 @@ impl ServerConfig {
     /// The bearer token every TCP call must present: `token`, or the contents of
     /// `token_file`; `None` when neither is set.
     pub fn tcp_token(&self) -> Result<Option<String>, ConfigError> {
-        crate::tls::resolve_token(&self.token, &self.token_file, "server.token")
+        crate::tls::resolve_token(&self.token, self.token_file.as_deref(), "server.token")
     }
 
     /// The token of peer kvtierds: `peer_token`, or the contents of `peer_token_file`.
     pub fn peer_token(&self) -> Result<Option<String>, ConfigError> {
-        crate::tls::resolve_token(&self.peer_token, &self.peer_token_file, "server.peer_token")
+        crate::tls::resolve_token(
+            &self.peer_token,
+            self.peer_token_file.as_deref(),
+            "server.peer_token",
+        )
     }
 }
 
@@ -110,8 +142,12 @@ impl ServerConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
-    /// Listen address; empty disables the endpoint.
-    pub listen: String,
+    /// Listen address; unset disables the endpoint.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub listen: Option<String>,
 }
 
 /// What backs an L2 pool.
@@ -179,9 +215,17 @@ pub struct SglangRpcConfig {
     /// Serve the protocol.
     pub enable: bool,
     /// Pool registration socket (empty: `<data_dir>/sglang-mempool.sock`).
-    pub mempool_socket: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub mempool_socket: Option<PathBuf>,
     /// gRPC socket (empty: `<data_dir>/sglang-grpc.sock`).
-    pub grpc_socket: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub grpc_socket: Option<PathBuf>,
     /// Where objects persist.
     pub l3: SglangStore,
     /// Bytes of recently put or got objects kept in kvtierd's memory for every SGLang
@@ -197,8 +241,8 @@ impl Default for SglangRpcConfig {
     fn default() -> Self {
         Self {
             enable: false,
-            mempool_socket: String::new(),
-            grpc_socket: String::new(),
+            mempool_socket: None,
+            grpc_socket: None,
             l3: SglangStore::Shared,
             memory_bytes: ByteSize(1 << 30),
             concurrency: 16,
@@ -315,20 +359,20 @@ impl Default for DaemonConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
-            socket: String::new(),
-            tcp: String::new(),
+            socket: None,
+            tcp: None,
             max_batch: 65536,
             drain_timeout: Dur(Duration::from_secs(10)),
             admin_token: Secret::default(),
-            tls_cert: String::new(),
-            tls_key: String::new(),
-            tls_client_ca: String::new(),
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
             token: Secret::default(),
-            token_file: String::new(),
+            token_file: None,
             tcp_insecure: false,
             unix: UnixAccess::default(),
             peer_token: Secret::default(),
-            peer_token_file: String::new(),
+            peer_token_file: None,
             admin: crate::roles::AdminAccess::default(),
             connections: crate::connections::ConnectionLimits::default(),
         }
@@ -338,7 +382,7 @@ impl Default for ServerConfig {
 impl Default for MetricsConfig {
     fn default() -> Self {
         Self {
-            listen: "127.0.0.1:9464".into(),
+            listen: Some("127.0.0.1:9464".into()),
         }
     }
 }
@@ -431,27 +475,19 @@ impl DaemonConfig {
 
     /// The control socket path.
     pub fn socket_path(&self) -> PathBuf {
-        if self.server.socket.is_empty() {
-            self.data_dir.join("kvtierd.sock")
-        } else {
-            PathBuf::from(&self.server.socket)
-        }
+        (self.server.socket.clone()).unwrap_or_else(|| self.data_dir.join("kvtierd.sock"))
     }
 
     /// SGLang's pool registration socket.
     pub fn sglang_mempool_socket(&self) -> PathBuf {
-        match self.sglang_rpc.mempool_socket.as_str() {
-            "" => self.data_dir.join("sglang-mempool.sock"),
-            p => PathBuf::from(p),
-        }
+        (self.sglang_rpc.mempool_socket.clone())
+            .unwrap_or_else(|| self.data_dir.join("sglang-mempool.sock"))
     }
 
     /// SGLang's gRPC socket.
     pub fn sglang_grpc_socket(&self) -> PathBuf {
-        match self.sglang_rpc.grpc_socket.as_str() {
-            "" => self.data_dir.join("sglang-grpc.sock"),
-            p => PathBuf::from(p),
-        }
+        (self.sglang_rpc.grpc_socket.clone())
+            .unwrap_or_else(|| self.data_dir.join("sglang-grpc.sock"))
     }
 
     /// The file backend's directory.
@@ -556,7 +592,8 @@ impl DaemonConfig {
         // A tenant's token that is also the operator's or the listener's would make the
         // tenant an operator (or every TCP caller that tenant).
         let admin = Some(self.server.admin_token.expose().to_string()).filter(|t| !t.is_empty());
-        let peer = crate::tls::resolve_token(peer_token, peer_token_file, "server.peer_token")?;
+        let peer =
+            crate::tls::resolve_token(peer_token, peer_token_file.as_deref(), "server.peer_token")?;
         for (key, secret) in [
             ("server.token", self.server.tcp_token()?),
             ("server.admin_token", admin.clone()),
@@ -619,12 +656,12 @@ impl DaemonConfig {
             return Err(ConfigError::invalid("data_dir", "must not be empty"));
         }
         crate::tls::check_server(&crate::tls::ServerTls {
-            tcp,
-            tls_cert,
-            tls_key,
-            tls_client_ca,
+            tcp: tcp.as_deref(),
+            tls_cert: tls_cert.as_deref(),
+            tls_key: tls_key.as_deref(),
+            tls_client_ca: tls_client_ca.as_deref(),
             token,
-            token_file,
+            token_file: token_file.as_deref(),
             tcp_insecure: *tcp_insecure,
         })?;
         if *max_batch == 0 || *max_batch > MAX_BATCH_LIMIT {
@@ -641,7 +678,9 @@ impl DaemonConfig {
                 format!("{drain_timeout} is outside 100ms..=10m"),
             ));
         }
-        if !listen.is_empty() && listen.parse::<std::net::SocketAddr>().is_err() {
+        if let Some(listen) = listen
+            && listen.parse::<std::net::SocketAddr>().is_err()
+        {
             return Err(ConfigError::invalid(
                 "metrics.listen",
                 format!("{listen:?} is not an address such as 127.0.0.1:9464"),
@@ -895,6 +934,21 @@ mod tests {
         assert_eq!(set.l3.rocksdb.path, None);
         assert_eq!(set.l3.s3.endpoint.as_deref(), Some("http://127.0.0.1:7480"));
         assert_eq!(set.l3.s3.access_key, None);
+        // The same for the server's keys: an address, a file, a socket, the metrics endpoint.
+        let off = base
+            .with_overrides(&[
+                "server.tcp=".into(),
+                "server.token_file=".into(),
+                "server.socket=/run/k.sock".into(),
+                "metrics.listen=".into(),
+            ])
+            .unwrap();
+        assert_eq!(
+            (&off.server.tcp, &off.server.token_file, &off.metrics.listen),
+            (&None, &None, &None)
+        );
+        assert_eq!(off.socket_path(), PathBuf::from("/run/k.sock"));
+        assert_eq!(base.metrics.listen.as_deref(), Some("127.0.0.1:9464"));
         let e = base
             .with_overrides(&["l3.s3.endpoint=ftp://x".into()])
             .unwrap_err()

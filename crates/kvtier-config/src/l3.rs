@@ -203,21 +203,37 @@ pub struct RemoteSection {
     /// `https://host:port` / `http://host:port` (its `server.tcp`) or a Unix socket path.
     pub address: String,
     /// PEM CA bundle the peer's certificate chains to (https only).
-    pub tls_ca: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_ca: Option<PathBuf>,
     /// PEM client certificate, for a peer that requires one.
-    pub tls_cert: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_cert: Option<PathBuf>,
     /// PEM private key of `tls_cert`.
-    pub tls_key: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_key: Option<PathBuf>,
     /// The peer's `server.token`. Never printed.
     pub token: crate::Secret,
     /// File holding the token.
-    pub token_file: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub token_file: Option<PathBuf>,
 }
 
 impl RemoteSection {
     /// The bearer token to present: `token` or the contents of `token_file`.
     pub fn bearer_token(&self) -> Result<Option<String>, ConfigError> {
-        crate::tls::resolve_token(&self.token, &self.token_file, "l3.remote.token")
+        crate::tls::resolve_token(&self.token, self.token_file.as_deref(), "l3.remote.token")
     }
 }
 
@@ -488,13 +504,13 @@ impl RemoteSection {
         if !active {
             return Ok(());
         }
-        crate::tls::one_token_source(&self.token, &self.token_file, "l3.remote.token")?;
+        crate::tls::one_token_source(&self.token, self.token_file.as_deref(), "l3.remote.token")?;
         crate::tls::check_client(
             "l3.remote",
             &self.address,
-            &self.tls_ca,
-            &self.tls_cert,
-            &self.tls_key,
+            self.tls_ca.as_deref(),
+            self.tls_cert.as_deref(),
+            self.tls_key.as_deref(),
         )
     }
 }

@@ -5,6 +5,8 @@
 
 use std::collections::BTreeMap;
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
@@ -42,8 +44,12 @@ pub struct AdminAccess {
     pub allow_uids: Vec<u32>,
     /// Unix-socket peer primary gids that are operators.
     pub allow_gids: Vec<u32>,
-    /// Where AttachBackend may open file and rocksdb backends (empty: `data_dir`).
-    pub attach_root: String,
+    /// Where AttachBackend may open file and rocksdb backends (unset: `data_dir`).
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub attach_root: Option<PathBuf>,
 }
 
 impl AdminAccess {

@@ -9,6 +9,8 @@
 
 use std::collections::BTreeMap;
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{ConfigError, Secret};
@@ -48,7 +50,11 @@ pub struct TenantConfig {
     /// Bearer token of this tenant's TCP callers. Never printed.
     pub token: Secret,
     /// A file holding the token, instead of `token`.
-    pub token_file: String,
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub token_file: Option<PathBuf>,
     /// Most pages the tenant may hold in each L2 pool (one pool per layout); 0: no quota.
     pub l2_pages: u32,
     /// Most bytes the tenant may hold in L3 (file and rocksdb backends); 0: no quota.
@@ -116,7 +122,9 @@ impl Tenants {
                 uids: c.uids.clone(),
                 gids: c.gids.clone(),
             });
-            if let Some(tok) = crate::tls::resolve_token(&c.token, &c.token_file, &key("token"))? {
+            if let Some(tok) =
+                crate::tls::resolve_token(&c.token, c.token_file.as_deref(), &key("token"))?
+            {
                 if let Some((other, _)) = t.by_token.iter().find(|(_, x)| *x == tok) {
                     return Err(ConfigError::invalid(
                         key("token"),
@@ -197,7 +205,7 @@ mod tests {
             uids: uids.to_vec(),
             gids: gids.to_vec(),
             token: Secret(token.to_string()),
-            token_file: String::new(),
+            token_file: None,
             ..TenantConfig::default()
         }
     }

@@ -2,26 +2,28 @@
 //! from, and which combinations of keys make sense. The daemon's `[server]` and the remote
 //! backend's `[l3.remote]` both check through here.
 
+use std::path::Path;
+
 use crate::{ConfigError, Secret};
 
 /// A bearer token: `token`, or the trimmed contents of `token_file`; `None` when neither is
 /// set. `key` names the token key in errors (its `_file` sibling is named after it).
 pub fn resolve_token(
     token: &Secret,
-    token_file: &str,
+    token_file: Option<&Path>,
     key: &str,
 ) -> Result<Option<String>, ConfigError> {
     one_token_source(token, token_file, key)?;
     let file_key = format!("{key}_file");
-    let t = match (token.expose().is_empty(), token_file.is_empty()) {
-        (true, true) => return Ok(None),
+    let t = match (token.expose().is_empty(), token_file) {
+        (true, None) => return Ok(None),
         (false, _) => token.expose().to_string(),
-        (true, false) => std::fs::read_to_string(token_file)
-            .map_err(|e| ConfigError::invalid(&file_key, format!("reading {token_file:?}: {e}")))?
+        (true, Some(file)) => std::fs::read_to_string(file)
+            .map_err(|e| ConfigError::invalid(&file_key, format!("reading {file:?}: {e}")))?
             .trim()
             .to_string(),
     };
-    let from = if token_file.is_empty() {
+    let from = if token_file.is_none() {
         key.to_string()
     } else {
         file_key
@@ -51,8 +53,12 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// A token comes from `key` or `<key>_file`, not both.
-pub fn one_token_source(token: &Secret, token_file: &str, key: &str) -> Result<(), ConfigError> {
-    if !token.expose().is_empty() && !token_file.is_empty() {
+pub fn one_token_source(
+    token: &Secret,
+    token_file: Option<&Path>,
+    key: &str,
+) -> Result<(), ConfigError> {
+    if !token.expose().is_empty() && token_file.is_some() {
         return Err(ConfigError::invalid(
             key,
             format!("set {key} or {key}_file, not both"),
@@ -65,26 +71,26 @@ pub fn one_token_source(token: &Secret, token_file: &str, key: &str) -> Result<(
 #[derive(Debug)]
 pub struct ServerTls<'a> {
     /// `server.tcp`.
-    pub tcp: &'a str,
+    pub tcp: Option<&'a str>,
     /// `server.tls_cert`.
-    pub tls_cert: &'a str,
+    pub tls_cert: Option<&'a Path>,
     /// `server.tls_key`.
-    pub tls_key: &'a str,
+    pub tls_key: Option<&'a Path>,
     /// `server.tls_client_ca`.
-    pub tls_client_ca: &'a str,
+    pub tls_client_ca: Option<&'a Path>,
     /// `server.token`.
     pub token: &'a Secret,
     /// `server.token_file`.
-    pub token_file: &'a str,
+    pub token_file: Option<&'a Path>,
     /// `server.tcp_insecure`.
     pub tcp_insecure: bool,
 }
 
 /// TCP needs a token, and TLS or an explicit `tcp_insecure` on a loopback address.
 pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
-    if s.tls_cert.is_empty() != s.tls_key.is_empty() {
+    if s.tls_cert.is_none() != s.tls_key.is_none() {
         return Err(ConfigError::invalid(
-            if s.tls_cert.is_empty() {
+            if s.tls_cert.is_none() {
                 "server.tls_cert"
             } else {
                 "server.tls_key"
@@ -92,21 +98,21 @@ pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
             "server.tls_cert and server.tls_key go together",
         ));
     }
-    let tls = !s.tls_cert.is_empty();
-    if !s.tls_client_ca.is_empty() && !tls {
+    let tls = s.tls_cert.is_some();
+    if s.tls_client_ca.is_some() && !tls {
         return Err(ConfigError::invalid(
             "server.tls_client_ca",
             "client certificates need TLS: set server.tls_cert and server.tls_key",
         ));
     }
     one_token_source(s.token, s.token_file, "server.token")?;
-    if s.tcp.is_empty() {
+    let Some(tcp) = s.tcp else {
         return Ok(());
-    }
-    let Ok(addr) = s.tcp.parse::<std::net::SocketAddr>() else {
+    };
+    let Ok(addr) = tcp.parse::<std::net::SocketAddr>() else {
         return Err(ConfigError::invalid(
             "server.tcp",
-            format!("{:?} is not an address such as 0.0.0.0:50051", s.tcp),
+            format!("{tcp:?} is not an address such as 0.0.0.0:50051"),
         ));
     };
     if tls && s.tcp_insecure {
@@ -133,7 +139,7 @@ pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
     }
     // Without a token, a TCP listener on loopback would let every local user past
     // server.unix's mode and allow-lists.
-    if s.token.expose().is_empty() && s.token_file.is_empty() {
+    if s.token.expose().is_empty() && s.token_file.is_none() {
         return Err(ConfigError::invalid(
             "server.token",
             "TCP needs a token, with TLS or tcp_insecure (server.token, KVTIER_SERVER_TOKEN \
@@ -148,24 +154,24 @@ pub fn check_server(s: &ServerTls<'_>) -> Result<(), ConfigError> {
 pub fn check_client(
     section: &str,
     address: &str,
-    tls_ca: &str,
-    tls_cert: &str,
-    tls_key: &str,
+    tls_ca: Option<&Path>,
+    tls_cert: Option<&Path>,
+    tls_key: Option<&Path>,
 ) -> Result<(), ConfigError> {
-    if tls_cert.is_empty() != tls_key.is_empty() {
+    if tls_cert.is_none() != tls_key.is_none() {
         return Err(ConfigError::invalid(
             format!("{section}.tls_cert"),
             format!("{section}.tls_cert and {section}.tls_key go together"),
         ));
     }
     let https = address.starts_with("https://");
-    if https && tls_ca.is_empty() {
+    if https && tls_ca.is_none() {
         return Err(ConfigError::invalid(
             format!("{section}.tls_ca"),
             format!("{address} is https: name the PEM CA bundle its certificate chains to"),
         ));
     }
-    if !https && (!tls_ca.is_empty() || !tls_cert.is_empty()) {
+    if !https && (tls_ca.is_some() || tls_cert.is_some()) {
         return Err(ConfigError::invalid(
             format!("{section}.address"),
             format!("TLS keys are set, so the address must be https://host:port, not {address:?}"),
@@ -210,7 +216,7 @@ mod tests {
 
     #[test]
     fn plaintext_remotes_stay_on_this_host() {
-        let ok = |a: &str| check_client("l3.remote", a, "", "", "").is_ok();
+        let ok = |a: &str| check_client("l3.remote", a, None, None, None).is_ok();
         for a in [
             "http://127.0.0.1:5000",
             "http://127.9.0.1:5000",
@@ -226,7 +232,7 @@ mod tests {
             "http://peer.example:5000",
             "http://[fe80::1]:1",
         ] {
-            let e = check_client("l3.remote", a, "", "", "")
+            let e = check_client("l3.remote", a, None, None, None)
                 .unwrap_err()
                 .to_string();
             assert!(
@@ -248,13 +254,14 @@ mod tests {
     use super::*;
 
     fn server<'a>(tcp: &'a str, cert: &'a str, token: &'a Secret, insecure: bool) -> ServerTls<'a> {
+        let cert = (!cert.is_empty()).then(|| Path::new(cert));
         ServerTls {
-            tcp,
+            tcp: (!tcp.is_empty()).then_some(tcp),
             tls_cert: cert,
             tls_key: cert,
-            tls_client_ca: "",
+            tls_client_ca: None,
             token,
-            token_file: "",
+            token_file: None,
             tcp_insecure: insecure,
         }
     }
@@ -282,18 +289,19 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("t");
         std::fs::write(&f, "  s3cret\n").unwrap();
-        let f = f.to_str().unwrap();
+        let f = Some(f.as_path());
         let none = Secret::default();
-        assert_eq!(resolve_token(&none, "", "server.token").unwrap(), None);
+        assert_eq!(resolve_token(&none, None, "server.token").unwrap(), None);
         assert_eq!(
             resolve_token(&none, f, "server.token").unwrap().as_deref(),
             Some("s3cret")
         );
         let both = resolve_token(&Secret("x".into()), f, "server.token").unwrap_err();
         assert!(both.to_string().contains("not both"), "{both}");
-        let bad = resolve_token(&Secret("a b".into()), "", "server.token").unwrap_err();
+        let bad = resolve_token(&Secret("a b".into()), None, "server.token").unwrap_err();
         assert!(bad.to_string().contains("server.token"), "{bad}");
-        let missing = resolve_token(&none, "/nonexistent/t", "l3.remote.token").unwrap_err();
+        let missing =
+            resolve_token(&none, Some(Path::new("/nonexistent/t")), "l3.remote.token").unwrap_err();
         assert!(
             missing.to_string().contains("l3.remote.token_file"),
             "{missing}"
@@ -303,13 +311,36 @@ mod tests {
 
     #[test]
     fn client_keys_match_the_address() {
-        assert!(check_client("l3.remote", "http://localhost:1", "", "", "").is_ok());
-        assert!(check_client("l3.remote", "https://h:1", "ca.pem", "", "").is_ok());
-        let e = check_client("l3.remote", "https://h:1", "", "", "").unwrap_err();
+        assert!(check_client("l3.remote", "http://localhost:1", None, None, None).is_ok());
+        assert!(
+            check_client(
+                "l3.remote",
+                "https://h:1",
+                Some(Path::new("ca.pem")),
+                None,
+                None
+            )
+            .is_ok()
+        );
+        let e = check_client("l3.remote", "https://h:1", None, None, None).unwrap_err();
         assert!(e.to_string().contains("l3.remote.tls_ca"), "{e}");
-        let e = check_client("l3.remote", "http://h:1", "ca.pem", "", "").unwrap_err();
+        let e = check_client(
+            "l3.remote",
+            "http://h:1",
+            Some(Path::new("ca.pem")),
+            None,
+            None,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("https"), "{e}");
-        let e = check_client("l3.remote", "https://h:1", "ca.pem", "c", "").unwrap_err();
+        let e = check_client(
+            "l3.remote",
+            "https://h:1",
+            Some(Path::new("ca.pem")),
+            Some(Path::new("c")),
+            None,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("tls_key"), "{e}");
     }
 }

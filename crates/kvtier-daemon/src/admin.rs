@@ -416,10 +416,8 @@ fn check_attach_path(
     {
         return Ok(());
     }
-    let root = match started.server.admin.attach_root.as_str() {
-        "" => started.data_dir.clone(),
-        r => std::path::PathBuf::from(r),
-    };
+    let root =
+        (started.server.admin.attach_root.clone()).unwrap_or_else(|| started.data_dir.clone());
     let inside = match (resolved(&root), resolved(&path)) {
         (Some(r), Some(p)) => p.starts_with(&r) && p != r,
         _ => false,
@@ -430,7 +428,7 @@ fn check_attach_path(
     Err(ApiError::invalid(
         key,
         format!(
-            "{} is outside {} (server.admin.attach_root, or data_dir when that is empty): an \
+            "{} is outside {} (server.admin.attach_root, or data_dir when that is unset): an \
              attached backend lives under it, or where kvtierd's own configuration says",
             path.display(),
             root.display()

@@ -95,19 +95,20 @@ impl Listeners {
         let cfg = &ctx.cfg;
         let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &ctx.metrics)?;
         let uds = gate.bind(&cfg.socket_path(), "control").await?;
-        let tcp = match cfg.server.tcp.as_str() {
-            "" => None,
-            a => Some(
+        let tcp = match cfg.server.tcp.as_deref() {
+            None => None,
+            Some(a) => Some(
                 TcpListener::bind(a)
                     .await
                     .map_err(setup("binding server.tcp", Path::new(a)))?,
             ),
         };
-        let metrics = kvtier_server::prometheus_http::bind(&cfg.metrics.listen)
+        let listen = cfg.metrics.listen.as_deref();
+        let metrics = kvtier_server::prometheus_http::bind(listen)
             .await
             .map_err(setup(
                 "binding metrics.listen",
-                Path::new(&cfg.metrics.listen),
+                Path::new(listen.unwrap_or_default()),
             ))?;
         Ok(Self {
             gate,
@@ -262,23 +263,23 @@ fn server_tls(
 ) -> Result<Option<tonic::transport::ServerTlsConfig>, DaemonError> {
     use tonic::transport::{Certificate, Identity, ServerTlsConfig};
     let s = &cfg.server;
-    if s.tls_cert.is_empty() {
+    let (Some(cert), Some(key)) = (&s.tls_cert, &s.tls_key) else {
+        // Validation refuses one without the other.
         return Ok(None);
-    }
+    };
     kvtier_client::install_crypto_provider();
-    let read =
-        |what: &'static str, path: &str| std::fs::read(path).map_err(setup(what, Path::new(path)));
+    let read = |what: &'static str, path: &Path| std::fs::read(path).map_err(setup(what, path));
     let identity = Identity::from_pem(
-        read("reading server.tls_cert", &s.tls_cert)?,
-        read("reading server.tls_key", &s.tls_key)?,
+        read("reading server.tls_cert", cert)?,
+        read("reading server.tls_key", key)?,
     );
     let mut tls = ServerTlsConfig::new()
         .identity(identity)
         .timeout(cfg.server.connections.handshake_timeout.0);
-    if !s.tls_client_ca.is_empty() {
+    if let Some(ca) = &s.tls_client_ca {
         tls = tls.client_ca_root(Certificate::from_pem(read(
             "reading server.tls_client_ca",
-            &s.tls_client_ca,
+            ca,
         )?));
     }
     Ok(Some(tls))

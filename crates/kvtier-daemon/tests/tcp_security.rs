@@ -111,12 +111,14 @@ impl Pki {
     }
 
     fn client(&self, token: Option<&str>, with_cert: bool) -> TcpSecurity {
+        let (cert, key) = (self.dir.join("client.pem"), self.dir.join("client.key"));
         let (cert, key) = if with_cert {
-            (self.path("client.pem"), self.path("client.key"))
+            (Some(cert.as_path()), Some(key.as_path()))
         } else {
-            (String::new(), String::new())
+            (None, None)
         };
-        TcpSecurity::from_files(token.map(String::from), &self.path("ca.pem"), &cert, &key).unwrap()
+        let ca = self.dir.join("ca.pem");
+        TcpSecurity::from_files(token.map(String::from), Some(&ca), cert, key).unwrap()
     }
 }
 

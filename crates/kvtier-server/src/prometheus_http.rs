@@ -70,10 +70,10 @@ pub fn local(listener: &TcpListener) -> Option<SocketAddr> {
     listener.local_addr().ok()
 }
 
-/// Binds the metrics listener for the config key `metrics.listen` (`None` when it is empty).
-pub async fn bind(listen: &str) -> std::io::Result<Option<TcpListener>> {
+/// Binds the metrics listener for the config key `metrics.listen` (`None` when it is unset).
+pub async fn bind(listen: Option<&str>) -> std::io::Result<Option<TcpListener>> {
     match listen {
-        "" => Ok(None),
-        a => TcpListener::bind(a).await.map(Some),
+        None => Ok(None),
+        Some(a) => TcpListener::bind(a).await.map(Some),
     }
 }

@@ -36,9 +36,13 @@ pub async fn open_backend(cfg: &DaemonConfig) -> Result<Option<Arc<dyn Store>>, 
             let token = r
                 .bearer_token()
                 .map_err(|e| StorageError::Invalid(e.to_string()))?;
-            let sec =
-                kvtier_client::TcpSecurity::from_files(token, &r.tls_ca, &r.tls_cert, &r.tls_key)
-                    .map_err(|e| StorageError::Invalid(format!("l3.remote: {e}")))?;
+            let sec = kvtier_client::TcpSecurity::from_files(
+                token,
+                r.tls_ca.as_deref(),
+                r.tls_cert.as_deref(),
+                r.tls_key.as_deref(),
+            )
+            .map_err(|e| StorageError::Invalid(format!("l3.remote: {e}")))?;
             Some(Arc::new(RemoteStore::connect_with(&r.address, &sec)?))
         }
         L3Backend::S3 => Some(Arc::new(S3Store::new(&l3.s3, l3.timeout.0)?)),
