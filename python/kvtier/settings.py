@@ -33,6 +33,7 @@ def fill(
         want = type(getattr(target, name))
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
-        if not isinstance(v, want) or isinstance(v, bool):
+        # A bool is an int to Python: it fills a bool field only, never a number.
+        if not isinstance(v, want) or (isinstance(v, bool) and want is not bool):
             raise ValueError(f"kvtier: {where}.{name}: expected a {want.__name__}, got {v!r}")
         setattr(target, name, v)

@@ -56,6 +56,38 @@ def test_a_second_worker_loads_the_prefixes_the_first_computed(tmp_path, node):
     assert r3["scheduler"]["external_tokens"] == 0
 
 
+def test_a_consumer_saves_nothing_and_decode_saves_can_be_left_out(tmp_path, node):
+    """kv_role kv_consumer only loads; save_decode=false saves the prompt's pages only; and
+    vLLM is told kvtier is a cache (a save a preemption drops is a later miss, not lost
+    output), so it never recomputes a preempted request for it."""
+    _, agent = node
+    ps = prompts(11)
+    stored = 'kvtier_agent_backup_pages_total{outcome="stored",policy="write_through"}'
+    everything = run_worker(tmp_path, "all", flag(agent("all"), tenant="all"), ps)
+    assert everything["requires_kv_delivery"] is False
+    consumer = agent("consumer")
+    r = run_worker(tmp_path, "consumer", flag(consumer, role="kv_consumer", tenant="c"), ps)
+    assert r["wrong_blocks"] == 0
+    assert r["worker"]["saved_pages"] == 0 and consumer.metric(stored, 0.0) == 0
+    prompt_only = agent("prompt")
+    r = run_worker(tmp_path, "prompt", flag(prompt_only, tenant="p", save_decode=False), ps)
+    assert r["wrong_blocks"] == 0
+    # The same requests: the prompt's pages are saved, the pages generated tokens filled
+    # are not (every output here is long enough to fill one past the prompt somewhere).
+    prompt_pages = sum(len(p["tokens"]) // 16 for p in ps)
+    assert 0 < r["worker"]["saved_pages"] <= prompt_pages, r["worker"]
+    assert r["worker"]["saved_pages"] < everything["worker"]["saved_pages"], (
+        r["worker"],
+        everything["worker"],
+    )
+    # A consumer finds what a producer saved, and loads it.
+    again = same_prompts_again(ps, 12)
+    r = run_worker(
+        tmp_path, "consumer2", flag(agent("c2"), role="kv_consumer", tenant="all"), again
+    )
+    assert r["wrong_blocks"] == 0 and r["scheduler"]["external_tokens"] > 0, r["scheduler"]
+
+
 def test_a_corrupt_l3_page_is_recomputed_never_loaded(tmp_path):
     l3 = tmp_path / "shared-l3"
     d1 = Kvtierd(tmp_path / "d1", "l2.pool_pages=512", f"l3.file.path={l3}")

@@ -315,6 +315,7 @@ def run(
     return {
         "outputs": outputs,
         "reset_ok": reset_ok,
+        "requires_kv_delivery": sched.requires_kv_delivery,
         "wrong_blocks": len(wrong),
         "load_error_blocks": load_errors,
         "scheduler": vars(sched.connector.counts),

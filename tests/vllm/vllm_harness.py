@@ -15,15 +15,16 @@ from kvtier.testing import Agent, Kvtierd, debug_binary, run_as  # noqa: F401 - 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 
 
-def flag(agent: Agent | str | None, **extra) -> str:
+def flag(agent: Agent | str | None, role: str = "kv_both", **extra) -> str:
     """The --kv-transfer-config flag, as docs/vllm.md gives it, for one agent's socket or a
-    socket template; without either, the connector's default template."""
+    socket template; without either, the connector's default template. ``extra``: keys of
+    kv_connector_extra_config."""
     where = {"agent": agent.socket if isinstance(agent, Agent) else agent} if agent else {}
     return json.dumps(
         {
             "kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.vllm",
-            "kv_role": "kv_both",
+            "kv_role": role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {**where, **extra},
         }

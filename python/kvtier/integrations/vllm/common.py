@@ -50,6 +50,10 @@ class Settings:
     # Deadline of each agent call, in seconds (a load from L3 may take up to
     # load_timeout_ms on top).
     timeout_s: float = 10.0
+    # Save the pages completed while decoding too (their tokens include generated ones);
+    # false: only pages of the prompt, for deployments whose next turns rarely resend an
+    # answer.
+    save_decode: bool = True
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Settings:

@@ -103,12 +103,23 @@ class KvtierConnector(KVConnectorBase_V1):
         self.counts = Counts()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        # kv_role: kv_both and kv_producer save; kv_consumer only loads.
+        produces = ktc.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.settings, block_size, self.agent, self.counts)
+            self.scheduler = SchedulerSide(
+                self.settings, block_size, self.agent, self.counts, produces
+            )
         else:
             self.worker = WorkerSide(
                 vllm_config, kv_cache_config, self.settings, self.ranks, self.agent, self.counts
             )
+            self.worker.saves = self.worker.saves and produces
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """kvtier is a cache: a save that a preemption drops is a later miss, never lost
+        output, so vLLM need not recompute a preempted request for its sake."""
+        return False
 
     def _scheduler(self) -> SchedulerSide:
         if self.scheduler is None:

@@ -53,13 +53,22 @@ def namespace_of(request: Request, tenant: str) -> Namespace | None:
 class SchedulerSide:
     """The connector in vLLM's scheduler process."""
 
-    def __init__(self, settings: Settings, block_size: int, agent: AgentClient, counts: Counts):
+    def __init__(
+        self,
+        settings: Settings,
+        block_size: int,
+        agent: AgentClient,
+        counts: Counts,
+        produces: bool = True,
+    ):
         self.settings, self.block_size, self.agent, self.counts = (
             settings,
             block_size,
             agent,
             counts,
         )
+        # kv_role kv_consumer: this instance only loads; it plans no saves.
+        self.produces = produces
         self.epoch = WeightEpoch()
         self._tracked: dict[str, _Tracked] = {}
         # Per request: the first page past vLLM's own hits, the pages kvtier holds after
@@ -146,6 +155,11 @@ class SchedulerSide:
             # Pages full after this step, whose tokens are all known now.
             done = min(t.request.num_computed_tokens + scheduled, len(tokens)) // bs
             done = min(done, len(t.blocks))
+            if not self.settings.save_decode:
+                # Pages of the prompt only: a page past it holds generated tokens.
+                done = min(done, t.request.num_prompt_tokens // bs)
+            if not self.produces:
+                continue
             if done > t.saved:
                 meta.saves.append(
                     Job(
