@@ -114,8 +114,12 @@ impl FileStore {
         });
         let (root, index) = (store.objects.clone(), store.index.clone());
         let opened = SystemTime::now();
+        // Writers serve while the listing runs: what they insert or evict meanwhile wins
+        // over what the listing finds (an evicted object's file may not be gone yet).
+        lock(&store.index).start_rebuild();
         tokio::task::spawn_blocking(move || {
             let n = rebuild(&root, &root, &index, opened);
+            lock(&index).end_rebuild();
             tracing::info!(root = %root.display(), objects = n, "file store index rebuilt");
         });
         Ok(store)
@@ -241,9 +245,7 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
             .ok()
             .and_then(|m| m.duration_since(UNIX_EPOCH).ok())
             .map_or(0, |d| d.as_nanos() as u64);
-        let mut g = lock(index);
-        if !g.entries.contains_key(&name) {
-            g.insert(&name, meta.len(), at);
+        if lock(index).found(&name, meta.len(), at) {
             n += 1;
         }
     }

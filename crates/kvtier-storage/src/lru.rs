@@ -2,7 +2,7 @@
 //! their capacity bound (accounting only; the backend deletes what it returns), the clock it
 //! runs on, and the hand-off of blocking I/O to tokio's blocking pool.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use kvtier_core::TenantTag;
 use std::sync::Mutex;
@@ -75,6 +75,10 @@ pub(crate) struct Index {
     pub(crate) evictions: u64,
     pub(crate) delete_failures: u64,
     groups: HashMap<TenantTag, Group>,
+    /// While a store rebuilds the index from what is on disk, beside writers already
+    /// serving: the names writers inserted or removed meanwhile. Their word is newer than
+    /// the disk listing's (an object evicted, its file not yet deleted, must not come back).
+    since_open: Option<HashSet<String>>,
 }
 
 impl Index {
@@ -127,7 +131,35 @@ impl Index {
         v
     }
 
+    /// Starts a rebuild from the disk listing ([`Self::found`]) beside serving writers.
+    pub(crate) fn start_rebuild(&mut self) {
+        self.since_open = Some(HashSet::new());
+    }
+
+    /// Ends the rebuild.
+    pub(crate) fn end_rebuild(&mut self) {
+        self.since_open = None;
+    }
+
+    /// An object the rebuild found on disk: indexed unless a writer has inserted or removed
+    /// it since the store opened. Whether it was added.
+    pub(crate) fn found(&mut self, name: &str, size: u64, at: u64) -> bool {
+        let touched = self.since_open.as_ref().is_some_and(|s| s.contains(name));
+        if touched || self.entries.contains_key(name) {
+            return false;
+        }
+        self.insert(name, size, at);
+        true
+    }
+
+    fn note(&mut self, name: &str) {
+        if let Some(s) = &mut self.since_open {
+            s.insert(name.to_string());
+        }
+    }
+
     pub(crate) fn insert(&mut self, name: &str, size: u64, at: u64) {
+        self.note(name);
         let old = self.entries.insert(name.to_string(), (size, at));
         if let Some((old_size, old_at)) = old {
             self.bytes -= old_size;
@@ -148,6 +180,7 @@ impl Index {
     }
 
     pub(crate) fn remove(&mut self, name: &str) {
+        self.note(name);
         if let Some((size, at)) = self.entries.remove(name) {
             self.bytes -= size;
             self.lru.remove(&(at, name.to_string()));
@@ -207,5 +240,30 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rebuild_never_brings_back_what_a_writer_evicted_meanwhile() {
+        let mut ix = Index::default();
+        ix.start_rebuild();
+        // A writer stores and evicts `a` while the listing runs; the listing still sees
+        // `a`'s file (deleted after the eviction) and `b`, which existed before the open.
+        ix.insert("ab/a", 10, 1);
+        ix.remove("ab/a");
+        assert!(!ix.found("ab/a", 10, 1), "an evicted object came back");
+        assert!(ix.found("ab/b", 20, 2));
+        // A writer's newer copy wins over the listing's.
+        ix.insert("ab/c", 30, 5);
+        assert!(!ix.found("ab/c", 99, 3));
+        ix.end_rebuild();
+        assert_eq!((ix.entries.len(), ix.bytes), (2, 50));
+        // After the rebuild, nothing is remembered.
+        ix.remove("ab/b");
+        assert!(ix.since_open.is_none());
     }
 }
