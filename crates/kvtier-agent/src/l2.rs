@@ -161,7 +161,7 @@ impl L2 {
             .load_pages(
                 linked.session,
                 pinned,
-                &slots[..n.min(slots.len())],
+                &slots[..n],
                 self.s.link.timeout(),
                 |slots| {
                     let copies = pages
