@@ -13,6 +13,7 @@ pub mod goals;
 /// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
 pub mod scenarios {
     pub mod agent;
+    pub mod gpu;
     pub mod host_rpc;
     pub mod index;
     pub mod keys;

@@ -331,6 +331,160 @@ impl CudaDevice {
     }
 }
 
+/// Device memory this process allocated: the engine's buffers in tests and benchmarks, and
+/// the baseline of `kvtier-bench gpu`. It retains GPU `ordinal`'s primary context for as long
+/// as it lives, so the memory stays valid whatever devices are opened and dropped meanwhile.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    stream: Stream,
+    ctx: Context,
+}
+
+// SAFETY: a device pointer and a stream of a retained context, used only after making that
+// context current; the stream is used by `&mut self` methods or under the caller's order.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: `&self` methods only read the pointer value.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `bytes` of device memory on GPU `ordinal`.
+    pub fn new(ordinal: u32, bytes: usize) -> Result<Self, DeviceError> {
+        let ctx = CudaDevice::init(ordinal)?;
+        let mut ptr = 0;
+        // SAFETY: the context is current; writes the new allocation's address into `ptr`.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) };
+        check(r, "cuMemAlloc")?;
+        let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: the context is current; writes a new stream handle into `s`.
+        let r = unsafe { sys::cuStreamCreate(&mut s, flags) };
+        if let Err(e) = check(r, "cuStreamCreate") {
+            // SAFETY: frees the allocation made above, once.
+            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(e);
+        }
+        Ok(Self {
+            ptr,
+            bytes,
+            stream: Stream(s),
+            ctx,
+        })
+    }
+
+    /// The device address, for [`CudaDevice::from_device_ptrs`].
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Copies `src` to the start of the buffer and waits.
+    pub fn write(&mut self, src: &[u8]) -> Result<(), DeviceError> {
+        self.check_len(src.len())?;
+        self.ctx.make_current()?;
+        // SAFETY: `src` is a live host slice of `src.len() <= bytes` bytes and the device
+        // range lies in this allocation; the stream is synchronised before returning.
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), src.len(), self.stream.0)
+        };
+        check(r, "cuMemcpyHtoDAsync")?;
+        self.sync()
+    }
+
+    /// Copies the start of the buffer into `dst` and waits.
+    pub fn read(&mut self, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.check_len(dst.len())?;
+        self.ctx.make_current()?;
+        // SAFETY: as in `write`, the other way.
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len(), self.stream.0)
+        };
+        check(r, "cuMemcpyDtoHAsync")?;
+        self.sync()
+    }
+
+    /// One copy of `bytes` between the buffer's start and the host pool's first slot (which
+    /// must hold them contiguously), and waits: what moving the same bytes costs without
+    /// kvtier's page layout, the baseline of `kvtier-bench gpu`.
+    pub fn copy_with_pool(
+        &mut self,
+        host: &ShmPool,
+        bytes: usize,
+        to_host: bool,
+    ) -> Result<(), DeviceError> {
+        self.check_len(bytes)?;
+        if bytes > host.len() {
+            return Err(DeviceError::Invalid {
+                field: "bytes".into(),
+                reason: format!("{bytes} bytes exceed the host pool's {}", host.len()),
+            });
+        }
+        self.ctx.make_current()?;
+        let base = host
+            .slot_ptr(0)
+            .map_err(|e| DeviceError::Copy(e.to_string()))?;
+        let r = if to_host {
+            // SAFETY: [base, base + bytes) lies in the live host mapping (checked above), the
+            // device range in this allocation; synchronised before returning.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(base.as_ptr().cast(), self.ptr, bytes, self.stream.0)
+            }
+        } else {
+            // SAFETY: as above.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    self.ptr,
+                    base.as_ptr().cast_const().cast(),
+                    bytes,
+                    self.stream.0,
+                )
+            }
+        };
+        check(r, "cuMemcpyAsync (baseline)")?;
+        self.sync()
+    }
+
+    fn check_len(&self, n: usize) -> Result<(), DeviceError> {
+        if n > self.bytes {
+            return Err(DeviceError::Invalid {
+                field: "length".into(),
+                reason: format!("{n} bytes for a buffer of {}", self.bytes),
+            });
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<(), DeviceError> {
+        // SAFETY: waits for the work issued on this buffer's own stream.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.stream.0) },
+            "cuStreamSynchronize",
+        )
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.make_current().is_ok() {
+            // SAFETY: waits for this buffer's stream, then frees the allocation once; the
+            // stream and then the context are released by their own guards afterwards.
+            let _ = unsafe { sys::cuStreamSynchronize(self.stream.0) };
+            // SAFETY: as above.
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
 impl Device for CudaDevice {
     fn kind(&self) -> &'static str {
         "cuda"
