@@ -9,8 +9,10 @@ spec, the same vectors the Rust implementation is held to.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -46,17 +48,36 @@ def page_keys(
     tokens: Sequence[int], page_size: int, namespace: Namespace = Namespace()
 ) -> list[bytes]:
     """The keys of every full page of ``tokens``; a trailing partial page has none."""
+    return extend_keys(None, tokens, page_size, namespace)
+
+
+def extend_keys(
+    parent: bytes | None,
+    tokens: Sequence[int],
+    page_size: int,
+    namespace: Namespace = Namespace(),
+) -> list[bytes]:
+    """The keys of the full pages of ``tokens``, which follow the page keyed ``parent``
+    (None: ``tokens`` start the prompt, and the chain starts at the namespace's seed).
+    O(pages of ``tokens``), whatever came before them."""
     if page_size < 1:
         raise ValueError(f"page_size must be at least 1, got {page_size}")
-    parent = namespace.seed()
+    if parent is not None and len(parent) != KEY_BYTES:
+        raise ValueError(f"parent: a page key is {KEY_BYTES} bytes, got {len(parent)}")
+    prev = parent if parent is not None else namespace.seed()
+    n = len(tokens) // page_size
+    body = array.array("I", tokens[: n * page_size])
+    if body.itemsize != 4 or sys.byteorder == "big":  # pragma: no cover
+        raw = struct.pack(f"<{n * page_size}I", *tokens[: n * page_size])
+    else:
+        raw = body.tobytes()
+    step = page_size * 4
     keys: list[bytes] = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        h = hashlib.sha256()
-        if parent is not None:
-            h.update(parent)
-        h.update(struct.pack(f"<{page_size}I", *tokens[start : start + page_size]))
-        parent = h.digest()
-        keys.append(parent)
+    for i in range(0, len(raw), step):
+        h = hashlib.sha256(prev) if prev is not None else hashlib.sha256()
+        h.update(raw[i : i + step])
+        prev = h.digest()
+        keys.append(prev)
     return keys
 
 

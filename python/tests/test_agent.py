@@ -5,15 +5,15 @@ refused by name."""
 from __future__ import annotations
 
 import os
-import struct
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kvtier.agent import AgentClient, packed
+from kvtier.agent import After, AgentClient, packed
 from kvtier.host import KvtierError
+from kvtier.keys import Namespace, page_keys
 from kvtier.v1 import common_pb2
 
 LAYERS, PAGE, SLOTS, TOKEN_BYTES = 2, 4, 64, 16  # 1 KV head of 8 bf16
@@ -111,9 +111,9 @@ def test_bad_input_is_refused_by_name(engine) -> None:
 def test_packed_tokens_are_little_endian_u32s_and_refuse_what_does_not_fit():
     assert packed([1, 0x01020304, 2**32 - 1]) == bytes([1, 0, 0, 0, 4, 3, 2, 1, 255, 255, 255, 255])
     assert packed([]) == b""
-    with pytest.raises(struct.error):
+    with pytest.raises(ValueError, match="tokens"):
         packed([2**32])
-    with pytest.raises(struct.error):
+    with pytest.raises(ValueError, match="tokens"):
         packed([-1])
 
 
@@ -188,4 +188,40 @@ def test_a_pool_whose_owner_exited_can_be_registered_again(agent, tmp_path) -> N
     info = c.register_pool(layout(), SLOTS, cpu_path=str(CpuPool(tmp_path / "second").path))
     assert info.num_pages == SLOTS // PAGE
     assert c.stats().pool_registered
+    c.close()
+
+
+def test_engine_cache_calls_after_a_parent_key_carry_only_their_pages(agent, tmp_path) -> None:
+    """Engine-cache mode (vLLM): the first lookup sends the prompt and brings back its page
+    keys; saves and loads then name their pages by the key before them (``After``) and
+    carry only their own tokens, and what loads is what was saved."""
+    c = AgentClient(agent.socket)
+    pool = CpuPool(tmp_path / "engine-cache-pool")
+    c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True)
+    deadline = time.monotonic() + 10
+    while not c.stats().daemon_connected:
+        assert time.monotonic() < deadline, "the agent never connected to kvtierd"
+        time.sleep(0.05)
+    tokens = list(range(500, 500 + 6 * PAGE + 1))
+    ns = Namespace(tenant="after")
+    found = c.lookup_pages(tokens, ns, 0, want_keys=True)
+    assert (found.l2_pages, found.total_pages) == (0, 6)
+    keys = found.keys()
+    assert keys == page_keys(tokens, PAGE, ns)
+    want = [pool.fill(p, seed=p + 40) for p in range(6)]
+    # Pages 0..2 from the start, 2..6 after page 1's key.
+    assert c.save_pages(tokens[: 2 * PAGE], ns, 0, [0, 1]).stored == 2
+    saved = c.save_pages(After(keys[1], tokens[2 * PAGE :]), ns, 2, [2, 3, 4, 5])
+    assert (saved.stored, saved.failed) == (4, 0)
+    found = c.lookup_pages(After(keys[2], tokens[3 * PAGE :]), ns, 3, want_keys=True)
+    assert (found.l2_pages, found.total_pages) == (3, 6)
+    assert found.keys() == keys[3:]
+    pool.clear()
+    loaded = c.load_pages(After(keys[0], tokens[PAGE:]), ns, 1, [10, 11, 12, 13, 14])
+    assert loaded == 5
+    assert [pool.page(p) for p in (10, 11, 12, 13, 14)] == want[1:]
+    # A parent key of the wrong length is refused by name.
+    with pytest.raises(KvtierError, match="parent_key") as e:
+        c.lookup_pages(After(b"\x01" * 31, tokens[PAGE:]), ns, 1)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.refused
     c.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.keys import Namespace, page_keys
+from kvtier.keys import Namespace, extend_keys, page_keys
 
 SPEC = Path(__file__).resolve().parents[2] / "docs/hash-spec.md"
 
@@ -60,3 +60,16 @@ def test_seed_preimage_quoted_in_the_spec() -> None:
 
     pre = re.search(r"`([0-9a-f]{60,})`", SPEC.read_text()).group(1)
     assert hashlib.sha256(bytes.fromhex(pre)).digest() == Namespace(tenant="acme").seed()
+
+
+@pytest.mark.parametrize("ns", [Namespace(), Namespace(tenant="t", lora_id="a")])
+def test_a_chain_continued_after_a_parent_is_the_whole_chain(ns: Namespace) -> None:
+    tokens = [(i * 7919) % 152_000 for i in range(16 * 9 + 5)]
+    whole = page_keys(tokens, 16, ns)
+    assert len(whole) == 9
+    for cut in range(1, 9):
+        rest = extend_keys(whole[cut - 1], tokens[cut * 16 :], 16, ns)
+        assert rest == whole[cut:], cut
+    assert extend_keys(None, tokens, 16, ns) == whole
+    with pytest.raises(ValueError, match="parent"):
+        extend_keys(b"short", tokens, 16, ns)

@@ -43,6 +43,14 @@ def test_a_second_worker_loads_the_prefixes_the_first_computed(tmp_path, node):
     firsts = [p for p in ps if p["id"].endswith("-0")]
     assert ext >= sum(16 * (len(p["tokens"]) // 16) for p in firsts), r2
     assert r2["worker"]["loaded_pages"] * 16 == ext
+    # The scheduler never waited on the agent: each waiting request was first answered
+    # "ask again" while its lookup ran on the background thread. Every job handed to the
+    # workers carried its own pages' tokens only, named after its parent page's key.
+    for r in (r1, r2):
+        sched = r["scheduler"]
+        assert sched["deferred_lookups"] >= len(ps), sched
+        assert sched["lookups"] >= len(ps), sched
+        assert sched["job_pages"] > 0 and sched["job_tokens"] == 16 * sched["job_pages"], sched
     assert a2.metric("kvtier_agent_load_back_pages_total") * 16 == ext
     assert a2.metric('kvtier_agent_load_failed_pages_total{reason="missing"}') == 0
     # The outputs are what worker 2 computes without any cache.

@@ -39,26 +39,45 @@ use crate::shared::{Mode, Shared, State, check_page_list};
 const MAX_COUNTED_PAGES: usize = 1 << 20;
 
 /// An engine-cache request: a prompt's tokens and namespace, and the engine's pages for its
-/// pages from `start` on.
+/// pages from `start` on. With `parent` (the key of page `start - 1`), `tokens` begin at page
+/// `start`: the call carries and hashes only the pages it is about.
 pub(crate) struct Pages<'a> {
     pub(crate) tokens: &'a [u32],
+    pub(crate) parent: Option<PageKey>,
     pub(crate) namespace: Namespace,
     pub(crate) start: u32,
     pub(crate) device_pages: &'a [u32],
 }
 
-/// A checked request: its keys, and the engine's pages for
-/// `keys[start..start + pages.len()]`.
+/// A checked request: the keys of the pages its tokens cover, from page `first` (0, or
+/// `start` under a parent key), and the engine's pages for pages `start..`.
 struct Span {
     keys: Vec<PageKey>,
+    first: usize,
     start: usize,
+    given_parent: Option<PageKey>,
     device: Arc<dyn Device>,
     page_bytes: usize,
 }
 
 impl Span {
-    fn parent(&self) -> Option<PageKey> {
-        self.start.checked_sub(1).map(|i| self.keys[i])
+    /// Keys of pages `page..page + n`.
+    fn keys(&self, page: usize, n: usize) -> &[PageKey] {
+        &self.keys[page - self.first..page - self.first + n]
+    }
+
+    /// Full pages of the prompt the request covers (its last page's index + 1).
+    fn total(&self) -> usize {
+        self.first + self.keys.len()
+    }
+
+    /// The key of page `page - 1`: the parent of a run of pages from `page` on.
+    fn parent_of(&self, page: usize) -> Option<PageKey> {
+        if page == self.first {
+            self.given_parent
+        } else {
+            page.checked_sub(1).map(|i| self.keys[i - self.first])
+        }
     }
 }
 
@@ -94,34 +113,49 @@ impl CacheMode {
         };
         let pages = req.device_pages;
         check_page_list(num_pages, "device_pages", pages, |_| false)?;
-        let keys = self.s.keys(req.tokens, &req.namespace, page_size)?;
-        let tokens = req.tokens.len();
         let start = req.start as usize;
-        if start > keys.len() {
+        let first = if req.parent.is_some() {
+            if start == 0 {
+                return Err(ApiError::invalid(
+                    "parent_key",
+                    "set with start_page 0: the first page has no parent; send the prompt \
+                     from its first token without parent_key",
+                ));
+            }
+            start
+        } else {
+            0
+        };
+        let keys = self
+            .s
+            .keys_after(req.parent.as_ref(), req.tokens, &req.namespace, page_size)?;
+        let full = first + keys.len();
+        let tokens = first * page_size + req.tokens.len();
+        if start > full {
             return Err(ApiError::invalid(
                 "start_page",
                 format!(
-                    "{start} is past the prompt's {} full pages ({tokens} tokens, page size \
-                     {page_size})",
-                    keys.len(),
+                    "{start} is past the prompt's {full} full pages ({tokens} tokens, page \
+                     size {page_size})",
                 ),
             ));
         }
-        if start + pages.len() > keys.len() {
+        if start + pages.len() > full {
             return Err(ApiError::invalid(
                 "device_pages",
                 format!(
-                    "{} pages from start_page {start} run past the prompt's {} full pages \
-                     ({tokens} tokens, page size {page_size})",
+                    "{} pages from start_page {start} run past the prompt's {full} full \
+                     pages ({tokens} tokens, page size {page_size})",
                     pages.len(),
-                    keys.len(),
                 ),
             ));
         }
         let page_bytes = device.pool().layout().page_bytes();
         Ok(Span {
             keys,
+            first,
             start,
+            given_parent: req.parent,
             device,
             page_bytes,
         })
@@ -137,10 +171,17 @@ impl CacheMode {
 
     /// `Lookup`: pages after the engine's own that L2 holds, then L3. Any admitted client
     /// may ask (it reads no pool memory): the engine's scheduler process does.
-    pub(crate) async fn lookup(&self, req: &Pages<'_>) -> Result<PagesLookup, ApiError> {
+    /// Under `want_keys`, the answer carries the keys of the pages the request's tokens
+    /// cover, for naming later calls by parent key.
+    pub(crate) async fn lookup(
+        &self,
+        req: &Pages<'_>,
+        want_keys: bool,
+    ) -> Result<PagesLookup, ApiError> {
         let t = Instant::now();
         let span = self.span(None, req)?;
-        let (keys, start) = (&span.keys, span.start);
+        let (keys, start, total) = (&span.keys, span.start, span.total());
+        // Pages before a parent key were counted when they were asked about.
         let save_pages = self.s.policy().counts_hits().then(|| {
             let mut st = self.s.lock();
             if st.lookups.len() + keys.len() > MAX_COUNTED_PAGES {
@@ -149,15 +190,16 @@ impl CacheMode {
             for k in keys {
                 *st.lookups.entry(*k).or_default() += 1;
             }
-            self.selected(&st, keys) as u32
+            (span.first + self.selected(&st, keys)) as u32
         });
-        let (l2, l3) = self.l2.tiers(&keys[start..]).await;
-        self.s.metrics.count_match(keys.len(), start, l2, l3, t);
+        let (l2, l3) = self.l2.tiers(span.keys(start, total - start)).await;
+        self.s.metrics.count_match(total, start, l2, l3, t);
         Ok(PagesLookup {
             l2_pages: l2 as u32,
             l3_pages: l3 as u32,
-            total_pages: keys.len() as u32,
+            total_pages: total as u32,
             save_pages,
+            keys: if want_keys { span.keys } else { Vec::new() },
         })
     }
 
@@ -174,7 +216,7 @@ impl CacheMode {
         let s = &self.s;
         let span = self.span(Some(caller), req)?;
         let n = req.device_pages.len();
-        let want = &span.keys[span.start..span.start + n];
+        let want = span.keys(span.start, n);
         if n == 0 {
             return Ok(0);
         }
@@ -224,7 +266,7 @@ impl CacheMode {
         hints: Option<v1::PrefetchHints>,
     ) -> Vec<u32> {
         let from = span.start + got;
-        let keys = &span.keys[from..span.start + n];
+        let keys = span.keys(from, n - got);
         let id = format!("load{}", self.load_ids.fetch_add(1, Ordering::Relaxed));
         // The engine has planned on these pages already (its blocks are allocated): a short
         // L3 hit is fetched unless the caller says otherwise; kvtierd's load-versus-recompute
@@ -232,7 +274,7 @@ impl CacheMode {
         let mut hints = hints.unwrap_or_default();
         hints.threshold_tokens.get_or_insert(0);
         let opts = PrefetchOptions {
-            parent: from.checked_sub(1).map(|i| span.keys[i]),
+            parent: span.parent_of(from),
             policy,
             hints,
         };
@@ -279,7 +321,7 @@ impl CacheMode {
             // The policy's selection as the lookup answered it (possibly another rank's
             // agent): every rank saves the same pages.
             Some(upto) => (upto as usize).saturating_sub(span.start).min(n),
-            None => self.selected(&s.lock(), &span.keys[span.start..span.start + n]),
+            None => self.selected(&s.lock(), span.keys(span.start, n)),
         };
         s.count_backup("skipped", n - selected);
         let mut out = Saved {
@@ -289,7 +331,7 @@ impl CacheMode {
         if selected == 0 {
             return Ok(out);
         }
-        let keys = &span.keys[span.start..span.start + selected];
+        let keys = span.keys(span.start, selected);
         let stored = self
             .l2
             .write(
@@ -297,7 +339,7 @@ impl CacheMode {
                 &span.device,
                 keys,
                 &req.device_pages[..selected],
-                span.parent(),
+                span.parent_of(span.start),
                 |_, _| {},
             )
             .await;

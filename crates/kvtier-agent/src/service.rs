@@ -388,12 +388,19 @@ impl AgentService {
 /// them alive).
 fn pages<'a>(
     tokens: &'a [u32],
+    parent_key: &[u8],
     ns: Option<v1::Namespace>,
     start: u32,
     device_pages: &'a [u32],
 ) -> Result<Pages<'a>, ApiError> {
+    let parent = if parent_key.is_empty() {
+        None
+    } else {
+        Some(PageKey::from_slice("parent_key", parent_key)?)
+    };
     Ok(Pages {
         tokens,
+        parent,
         namespace: namespace(ns)?,
         start,
         device_pages,
@@ -534,8 +541,8 @@ impl agent_server::Agent for AgentService {
         let req = request.into_inner();
         let r = async {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
-            let p = pages(&tokens, req.namespace, req.start_page, &[])?;
-            self.cache.lookup(&p).await
+            let p = pages(&tokens, &req.parent_key, req.namespace, req.start_page, &[])?;
+            self.cache.lookup(&p, req.want_keys).await
         };
         to_status(r.await)
     }
@@ -549,7 +556,13 @@ impl agent_server::Agent for AgentService {
         let r = async {
             let policy = prefetch_policy(req.policy)?;
             let tokens = request_tokens(&[], &req.packed_tokens)?;
-            let p = pages(&tokens, req.namespace, req.start_page, &req.device_pages)?;
+            let p = pages(
+                &tokens,
+                &req.parent_key,
+                req.namespace,
+                req.start_page,
+                &req.device_pages,
+            )?;
             let loaded = self.cache.load(&caller, &p, policy, req.hints).await?;
             Ok(v1::LoadPagesResponse { loaded })
         };
@@ -564,7 +577,13 @@ impl agent_server::Agent for AgentService {
         let req = request.into_inner();
         let r = async {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
-            let p = pages(&tokens, req.namespace, req.start_page, &req.device_pages)?;
+            let p = pages(
+                &tokens,
+                &req.parent_key,
+                req.namespace,
+                req.start_page,
+                &req.device_pages,
+            )?;
             self.cache.save(&caller, &p, req.selected).await
         };
         to_status(r.await)

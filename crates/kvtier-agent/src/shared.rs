@@ -226,6 +226,18 @@ impl Shared {
         ns: &Namespace,
         page_size: usize,
     ) -> Result<Vec<PageKey>, ApiError> {
+        self.keys_after(None, tokens, ns, page_size)
+    }
+
+    /// Keys of the full pages of `tokens`, which follow the page keyed `parent` (`None`:
+    /// they start the prompt), checked against the request size limit.
+    pub(crate) fn keys_after(
+        &self,
+        parent: Option<&PageKey>,
+        tokens: &[u32],
+        ns: &Namespace,
+        page_size: usize,
+    ) -> Result<Vec<PageKey>, ApiError> {
         let max = self.settings.max_tokens;
         if tokens.len() > max {
             return Err(ApiError::invalid(
@@ -236,7 +248,10 @@ impl Shared {
                 ),
             ));
         }
-        Ok(PageHasher::new(page_size, ns)?.keys(tokens))
+        let hasher = PageHasher::new(page_size, ns)?;
+        let mut keys = Vec::new();
+        hasher.extend(parent, tokens, &mut keys);
+        Ok(keys)
     }
 
     /// Counts a call that waited `t` for backups (or the link), by where.

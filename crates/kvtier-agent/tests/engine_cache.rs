@@ -136,6 +136,112 @@ fn pages_saved_by_one_worker_load_into_anothers_pages_byte_exact_under_load() {
 }
 
 #[test]
+fn calls_named_by_parent_key_carry_only_their_pages_and_agree_with_whole_prompt_calls() {
+    use kvtier_client::PromptTokens;
+    let d = dir("ec-parent");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=256", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a1 = agent(&d, "ep1", &[]);
+        let a2 = agent(&d, "ep2", &[]);
+        let mut e1 = Engine::start_cache(&a1, spec.clone(), 64, "ep1").await;
+        let mut e2 = Engine::start_cache(&a2, spec.clone(), 64, "ep2").await;
+        e1.wait_connected().await;
+        e2.wait_connected().await;
+        // 12 pages and a partial 13th.
+        let t = tokens(4242, 12);
+        let mut t = t;
+        t.extend([1, 2, 3]);
+        let ks = keys(&spec, &t);
+        assert_eq!(ks.len(), 12);
+        // The first lookup sends the prompt and gets every page's key back.
+        let l = e1.client.lookup_with_keys(&t, None, 0, true).await.unwrap();
+        assert_eq!((l.l2_pages, l.total_pages), (0, 12));
+        assert_eq!(l.keys, ks, "the agent's keys are the hash spec's");
+        // Without want_keys none come back.
+        let l = e1.client.lookup_pages(&t, None, 0).await.unwrap();
+        assert!(l.keys.is_empty());
+        for (p, k) in ks.iter().enumerate() {
+            e1.compute(p as u32, k);
+        }
+        // Pages 0..4 with the whole prefix, then 4..12 named by page 3's key: only their
+        // tokens travel.
+        let r = e1
+            .client
+            .save_pages(&t[..64], None, 0, (0..4).collect())
+            .await
+            .unwrap();
+        assert_eq!(r.stored, 4, "{r:?}");
+        let after = |page: usize| PromptTokens::After {
+            parent: ks[page - 1],
+            tokens: &t[page * 16..],
+        };
+        let r = e1
+            .client
+            .save_pages(after(4), None, 4, (4..12).collect())
+            .await
+            .unwrap();
+        assert_eq!((r.stored, r.failed), (8, 0), "{r:?}");
+        // A lookup by parent answers for the pages after it, and their keys.
+        let l = e1
+            .client
+            .lookup_with_keys(after(4), None, 4, true)
+            .await
+            .unwrap();
+        assert_eq!((l.l2_pages, l.total_pages), (8, 12));
+        assert_eq!(l.keys, ks[4..].to_vec());
+        // Another worker loads pages 2..12 by parent: byte for byte what was saved.
+        let pages: Vec<u32> = (20..30).collect();
+        let n = e2
+            .client
+            .load_pages(
+                after(2),
+                None,
+                2,
+                pages.clone(),
+                PrefetchPolicy::Unspecified,
+            )
+            .await
+            .unwrap();
+        assert_eq!(n, 10);
+        for (k, &p) in ks[2..].iter().zip(&pages) {
+            assert!(e2.holds(p, k), "page {p} differs from what was saved");
+        }
+        // A parent key that is not the prompt's names other pages: a miss, never its data.
+        let wrong = PromptTokens::After {
+            parent: ks[5],
+            tokens: &t[2 * 16..],
+        };
+        let l = e2.client.lookup_pages(wrong, None, 2).await.unwrap();
+        assert_eq!((l.l2_pages, l.l3_pages), (0, 0));
+        // A parent for page 0, which has none, is refused, naming the field.
+        let first = PromptTokens::After {
+            parent: ks[0],
+            tokens: &t[..],
+        };
+        let (c, m) = code(e2.client.lookup_pages(first, None, 0).await.unwrap_err());
+        assert_eq!(c, tonic::Code::InvalidArgument);
+        assert!(m.contains("parent_key"), "{m}");
+        // Spans are checked against the prompt the parent continues: 3 pages from page 10
+        // run past its 12.
+        let (c, m) = code(
+            e2.client
+                .load_pages(
+                    after(10),
+                    None,
+                    10,
+                    vec![40, 41, 42],
+                    PrefetchPolicy::Unspecified,
+                )
+                .await
+                .unwrap_err(),
+        );
+        assert_eq!(c, tonic::Code::InvalidArgument);
+        assert!(m.contains("12 full pages"), "{m}");
+    });
+}
+
+#[test]
 fn modes_refuse_each_others_calls_and_bad_spans_are_named() {
     let d = dir("ec-bad");
     let _kvtierd = daemon(&d, &["l2.pool_pages=64", "l3.backend=none"]);

@@ -124,6 +124,19 @@ fn methods(
                 packed_tokens: packed(toks),
                 namespace: None,
                 start_page: 1,
+                want_keys: true,
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "/kvtier.v1.Agent/Lookup",
+            Unary,
+            v1::PagesLookupRequest {
+                packed_tokens: packed(&toks[16..]),
+                start_page: 1,
+                parent_key: vec![7; 32],
+                ..Default::default()
             }
             .encode_to_vec(),
         ),

@@ -7,7 +7,8 @@
 
 use std::path::PathBuf;
 
-use kvtier_core::{LayoutSpec, Namespace};
+use kvtier_core::keys::KEY_LEN;
+use kvtier_core::{LayoutSpec, Namespace, PageKey};
 use kvtier_proto::v1;
 use kvtier_proto::v1::agent_client::AgentClient as RawAgentClient;
 use tonic::transport::Channel;
@@ -120,7 +121,7 @@ pub struct Evicted {
 }
 
 /// What the tiers hold of a prompt's pages after the engine's own (engine-cache mode).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PagesLookup {
     /// Pages after the engine's that L2 holds.
     pub l2_pages: u32,
@@ -131,6 +132,47 @@ pub struct PagesLookup {
     /// Under write_through_selective: how many leading pages of the prompt the write policy
     /// saves (pass it to every rank's Save).
     pub save_pages: Option<u32>,
+    /// When asked for: the keys of the full pages the lookup's tokens cover, from page 0 (or
+    /// from its start page under a parent key), for naming later calls by parent key.
+    pub keys: Vec<PageKey>,
+}
+
+/// A prompt's tokens as an engine-cache call sends them: the whole prompt from its first
+/// token, or only the tokens from the call's start page on, after the key of the page
+/// before it (O(pages asked about) on the wire and in the agent).
+#[derive(Clone, Copy, Debug)]
+pub enum PromptTokens<'a> {
+    /// Every token of the prompt from the first.
+    Whole(&'a [u32]),
+    /// The tokens from the start page on, which follow the page keyed `parent`.
+    After {
+        /// The key of the page before the start page.
+        parent: PageKey,
+        /// The tokens from the start page on.
+        tokens: &'a [u32],
+    },
+}
+
+impl<'a> From<&'a [u32]> for PromptTokens<'a> {
+    fn from(t: &'a [u32]) -> Self {
+        Self::Whole(t)
+    }
+}
+
+impl<'a> From<&'a Vec<u32>> for PromptTokens<'a> {
+    fn from(t: &'a Vec<u32>) -> Self {
+        Self::Whole(t)
+    }
+}
+
+impl PromptTokens<'_> {
+    /// (packed_tokens, parent_key) as the wire carries them.
+    fn wire(self) -> (Vec<u8>, Vec<u8>) {
+        match self {
+            Self::Whole(t) => (packed(t), Vec::new()),
+            Self::After { parent, tokens } => (packed(tokens), parent.as_bytes().to_vec()),
+        }
+    }
 }
 
 /// The outcome of an engine-cache Save.
@@ -196,18 +238,36 @@ impl From<PagesLookup> for v1::PagesLookupResponse {
             l3_pages: l.l3_pages,
             total_pages: l.total_pages,
             save_pages: l.save_pages,
+            packed_keys: l.keys.iter().flat_map(|k| k.0).collect(),
         }
     }
 }
 
-impl From<v1::PagesLookupResponse> for PagesLookup {
-    fn from(l: v1::PagesLookupResponse) -> Self {
-        Self {
+impl TryFrom<v1::PagesLookupResponse> for PagesLookup {
+    type Error = ClientError;
+
+    fn try_from(l: v1::PagesLookupResponse) -> Result<Self, ClientError> {
+        if !l.packed_keys.len().is_multiple_of(KEY_LEN) {
+            return Err(ClientError::Protocol(format!(
+                "packed_keys: {} bytes is not a whole number of {KEY_LEN}-byte keys",
+                l.packed_keys.len()
+            )));
+        }
+        Ok(Self {
             l2_pages: l.l2_pages,
             l3_pages: l.l3_pages,
             total_pages: l.total_pages,
             save_pages: l.save_pages,
-        }
+            keys: l
+                .packed_keys
+                .chunks_exact(KEY_LEN)
+                .map(|c| {
+                    let mut k = [0u8; KEY_LEN];
+                    k.copy_from_slice(c);
+                    PageKey(k)
+                })
+                .collect(),
+        })
     }
 }
 
@@ -512,48 +572,65 @@ impl AgentClient {
 
     /// Engine-cache mode: pages of the prompt after its first `start_page` that L2 holds,
     /// then L3 (and the prompt's full pages).
-    pub async fn lookup_pages(
+    pub async fn lookup_pages<'a>(
         &mut self,
-        tokens: &[u32],
+        tokens: impl Into<PromptTokens<'a>>,
         namespace: Option<&Namespace>,
         start_page: u32,
     ) -> Result<PagesLookup, ClientError> {
-        Ok(self
-            .inner
+        self.lookup_with_keys(tokens, namespace, start_page, false)
+            .await
+    }
+
+    /// [`Self::lookup_pages`], also returning the keys of the pages `tokens` cover when
+    /// `want_keys`.
+    pub async fn lookup_with_keys<'a>(
+        &mut self,
+        tokens: impl Into<PromptTokens<'a>>,
+        namespace: Option<&Namespace>,
+        start_page: u32,
+        want_keys: bool,
+    ) -> Result<PagesLookup, ClientError> {
+        let (packed_tokens, parent_key) = tokens.into().wire();
+        self.inner
             .lookup(Self::with_owner(
                 &self.owner,
                 v1::PagesLookupRequest {
-                    packed_tokens: packed(tokens),
+                    packed_tokens,
                     namespace: namespace.map(Into::into),
                     start_page,
+                    parent_key,
+                    want_keys,
                 },
             ))
             .await?
             .into_inner()
-            .into())
+            .try_into()
     }
 
     /// Engine-cache mode: loads pages `start_page..` of the prompt into `device_pages`, in
     /// order; returns how many leading ones were loaded (the rest the engine computes).
-    pub async fn load_pages(
+    pub async fn load_pages<'a>(
         &mut self,
-        tokens: &[u32],
+        tokens: impl Into<PromptTokens<'a>>,
         namespace: Option<&Namespace>,
         start_page: u32,
         device_pages: Vec<u32>,
         policy: v1::PrefetchPolicy,
     ) -> Result<u32, ClientError> {
+        let (packed_tokens, parent_key) = tokens.into().wire();
         Ok(self
             .inner
             .load(Self::with_owner(
                 &self.owner,
                 v1::LoadPagesRequest {
-                    packed_tokens: packed(tokens),
+                    packed_tokens,
                     namespace: namespace.map(Into::into),
                     start_page,
                     device_pages,
                     policy: policy as i32,
                     hints: None,
+                    parent_key,
                 },
             ))
             .await?
@@ -563,9 +640,9 @@ impl AgentClient {
 
     /// Engine-cache mode: saves the computed pages `start_page..` of the prompt, held in
     /// `device_pages`, into L2 per the write policy; the pages are free to reuse on return.
-    pub async fn save_pages(
+    pub async fn save_pages<'a>(
         &mut self,
-        tokens: &[u32],
+        tokens: impl Into<PromptTokens<'a>>,
         namespace: Option<&Namespace>,
         start_page: u32,
         device_pages: Vec<u32>,
@@ -577,24 +654,26 @@ impl AgentClient {
     /// [`Self::save_pages`] with the write policy's selection as a Lookup answered it
     /// (`save_pages`, possibly another rank's agent's): pages before `selected` are saved,
     /// the rest skipped.
-    pub async fn save_selected(
+    pub async fn save_selected<'a>(
         &mut self,
-        tokens: &[u32],
+        tokens: impl Into<PromptTokens<'a>>,
         namespace: Option<&Namespace>,
         start_page: u32,
         device_pages: Vec<u32>,
         selected: Option<u32>,
     ) -> Result<Saved, ClientError> {
+        let (packed_tokens, parent_key) = tokens.into().wire();
         Ok(self
             .inner
             .save(Self::with_owner(
                 &self.owner,
                 v1::SavePagesRequest {
-                    packed_tokens: packed(tokens),
+                    packed_tokens,
                     namespace: namespace.map(Into::into),
                     start_page,
                     device_pages,
                     selected,
+                    parent_key,
                 },
             ))
             .await?

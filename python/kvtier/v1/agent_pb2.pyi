@@ -225,42 +225,50 @@ class LostPages(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class PagesLookupRequest(_message.Message):
-    __slots__ = ("packed_tokens", "namespace", "start_page")
+    __slots__ = ("packed_tokens", "namespace", "start_page", "parent_key", "want_keys")
     PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    WANT_KEYS_FIELD_NUMBER: _ClassVar[int]
     packed_tokens: bytes
     namespace: _common_pb2.Namespace
     start_page: int
-    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ...) -> None: ...
+    parent_key: bytes
+    want_keys: bool
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., want_keys: _Optional[bool] = ...) -> None: ...
 
 class PagesLookupResponse(_message.Message):
-    __slots__ = ("l2_pages", "l3_pages", "total_pages", "save_pages")
+    __slots__ = ("l2_pages", "l3_pages", "total_pages", "save_pages", "packed_keys")
     L2_PAGES_FIELD_NUMBER: _ClassVar[int]
     L3_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     SAVE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     l2_pages: int
     l3_pages: int
     total_pages: int
     save_pages: int
-    def __init__(self, l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., save_pages: _Optional[int] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., save_pages: _Optional[int] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class LoadPagesRequest(_message.Message):
-    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "policy", "hints")
+    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "policy", "hints", "parent_key")
     PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     packed_tokens: bytes
     namespace: _common_pb2.Namespace
     start_page: int
     device_pages: _containers.RepeatedScalarFieldContainer[int]
     policy: _host_pb2.PrefetchPolicy
     hints: _host_pb2.PrefetchHints
-    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., policy: _Optional[_Union[_host_pb2.PrefetchPolicy, str]] = ..., hints: _Optional[_Union[_host_pb2.PrefetchHints, _Mapping]] = ...) -> None: ...
+    parent_key: bytes
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., policy: _Optional[_Union[_host_pb2.PrefetchPolicy, str]] = ..., hints: _Optional[_Union[_host_pb2.PrefetchHints, _Mapping]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
 class LoadPagesResponse(_message.Message):
     __slots__ = ("loaded",)
@@ -269,18 +277,20 @@ class LoadPagesResponse(_message.Message):
     def __init__(self, loaded: _Optional[int] = ...) -> None: ...
 
 class SavePagesRequest(_message.Message):
-    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "selected")
+    __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "selected", "parent_key")
     PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     START_PAGE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     packed_tokens: bytes
     namespace: _common_pb2.Namespace
     start_page: int
     device_pages: _containers.RepeatedScalarFieldContainer[int]
     selected: int
-    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., selected: _Optional[int] = ...) -> None: ...
+    parent_key: bytes
+    def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., selected: _Optional[int] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
 class SavePagesResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "failed")

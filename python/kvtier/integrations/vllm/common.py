@@ -5,13 +5,15 @@ counters both keep."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvtier.agent import After
 from kvtier.host import POLICIES
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, extend_keys
 from kvtier.settings import fill
 
 if TYPE_CHECKING:
@@ -149,7 +151,9 @@ class Ranks:
 
 @dataclass
 class Job:
-    """Pages ``start..start+len(blocks)`` of a prompt, held in (or going to) ``blocks``."""
+    """Pages ``start..start+len(blocks)`` of a prompt, held in (or going to) ``blocks``:
+    their ``tokens`` only, after ``parent``, the key of page ``start - 1`` (None when
+    ``start`` is 0), so a job costs its own pages, never the whole prefix."""
 
     req_id: str
     tokens: list[int]
@@ -159,6 +163,28 @@ class Job:
     # Saves: the write policy's selection as the scheduler's lookup answered it (pages
     # before it are saved), the same for every TP rank; None: each agent's policy decides.
     selected: int | None = None
+    parent: bytes | None = None
+
+    def prompt(self) -> Sequence[int] | After:
+        """The tokens as the agent's calls take them."""
+        return self.tokens if self.parent is None else After(self.parent, self.tokens)
+
+    def chunks(self, most: int, page_size: int) -> Iterator[Job]:
+        """The job in pieces of at most ``most`` pages, in order, each after its parent."""
+        if len(self.blocks) <= most:
+            yield self
+            return
+        keys = extend_keys(self.parent, self.tokens, page_size, self.namespace)
+        for i in range(0, len(self.blocks), most):
+            yield Job(
+                self.req_id,
+                self.tokens[i * page_size : (i + most) * page_size],
+                self.namespace,
+                self.start + i,
+                self.blocks[i : i + most],
+                self.selected,
+                keys[i - 1] if i else self.parent,
+            )
 
 
 @dataclass
@@ -176,6 +202,13 @@ class Counts:
     load missed (vLLM recomputed them), pages saved or already in L2, pages not saved."""
 
     external_tokens: int = 0
+    # Scheduler side: answers of "ask again" while a lookup ran on the background thread;
+    # lookups sent; pages and tokens of the jobs handed to the workers (a job carries only
+    # its own pages' tokens: tokens = pages x block size).
+    deferred_lookups: int = 0
+    lookups: int = 0
+    job_pages: int = 0
+    job_tokens: int = 0
     loaded_pages: int = 0
     load_error_pages: int = 0
     saved_pages: int = 0

@@ -195,6 +195,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._worker().get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
         self.agent.close()
         if self.worker is not None:
             self.worker.shutdown()

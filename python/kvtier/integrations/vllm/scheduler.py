@@ -1,21 +1,33 @@
 """The scheduler side of the vLLM connector: how much of a waiting request's prompt past
 vLLM's own hits L2 and L3 hold (the agent's ``Lookup``), the loads vLLM accepted, and, each
 step, the saves of every block that became full (handed to the workers in
-:class:`~kvtier.integrations.vllm.common.KvtierMetadata`)."""
+:class:`~kvtier.integrations.vllm.common.KvtierMetadata`).
+
+Nothing here waits on the agent. A request's first ``get_num_new_matched_tokens`` starts its
+lookup on a background thread and answers ``None`` ("ask again"); vLLM skips the request for
+that pass and asks again on a later one, when the answer is there. The lookup sends the
+prompt once and brings back its page keys; every later call for the request (loads, saves,
+lookups after a preemption) names its pages by the key of the page before them and carries
+only their tokens. Keys of pages past the prompt are hashed here as the request grows, one
+page at a time.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 
-from kvtier.agent import AgentClient
+from kvtier.agent import After, AgentClient, Lookup
 from kvtier.host import KvtierError
 from kvtier.identity import WeightEpoch
 from kvtier.integrations.vllm.common import Counts, Job, KvtierMetadata, Settings
-from kvtier.keys import Namespace
+from kvtier.keys import KEY_BYTES, Namespace, extend_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -24,18 +36,76 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.vllm")
 
+# A lookup's answer older than this is asked again: pages may have left L2 meanwhile.
+LOOKUP_MAX_AGE_S = 2.0
+
+
+class Keys:
+    """The keys of a request's leading pages known so far, back to back in one buffer."""
+
+    def __init__(self) -> None:
+        self._packed = bytearray()
+
+    def __len__(self) -> int:
+        return len(self._packed) // KEY_BYTES
+
+    def __getitem__(self, page: int) -> bytes:
+        if not 0 <= page < len(self):
+            raise IndexError(page)
+        return bytes(self._packed[page * KEY_BYTES : (page + 1) * KEY_BYTES])
+
+    def merge(self, first: int, packed: bytes) -> None:
+        """Adds keys of pages ``first..`` (``packed``) past those known; a run that does not
+        reach the known ones is ignored."""
+        have = len(self)
+        if first > have:
+            return
+        skip = (have - first) * KEY_BYTES
+        if skip < len(packed):
+            self._packed += packed[skip:]
+
+    def parent_of(self, page: int) -> bytes | None:
+        """The key of page ``page - 1`` (None for page 0)."""
+        return self[page - 1] if page > 0 else None
+
+    def extend_to(self, pages: int, tokens: Sequence[int], ns: Namespace, bs: int) -> None:
+        """Hashes the keys of pages up to ``pages`` that are not known yet: only those."""
+        have = len(self)
+        if have >= pages:
+            return
+        new = list(tokens[have * bs : pages * bs])
+        for k in extend_keys(self.parent_of(have), new, bs, ns):
+            self._packed += k
+
+
+@dataclass
+class _Pending:
+    """A lookup on the background thread, or its answer: pages from ``start`` to ``limit``."""
+
+    start: int
+    limit: int
+    future: Future[tuple[Lookup, int]]
+    done_at: float = 0.0
+
 
 @dataclass
 class _Tracked:
-    """A running request, as the scheduler side follows it."""
+    """A request, as the scheduler side follows it."""
 
     request: Request
     namespace: Namespace
+    keys: Keys = field(default_factory=Keys)
     blocks: list[int] = field(default_factory=list)
     # Pages before this one are in L2 or were handed to a save.
     saved: int = 0
     # The write policy's selection from the last lookup (see Job.selected).
     selected: int | None = None
+    lookup: _Pending | None = None
+    # The answer vLLM was given: (first page past vLLM's hits, pages kvtier holds after it,
+    # the policy's selection).
+    hit: tuple[int, int, int | None] | None = None
+    # Allocated by vLLM (update_state_after_alloc ran).
+    running: bool = False
 
 
 def namespace_of(request: Request, tenant: str) -> Namespace | None:
@@ -71,14 +141,63 @@ class SchedulerSide:
         self.produces = produces
         self.epoch = WeightEpoch()
         self._tracked: dict[str, _Tracked] = {}
-        # Per request: the first page past vLLM's own hits, the pages kvtier holds after
-        # it, and the write policy's selection (Job.selected).
-        self._hits: dict[str, tuple[int, int, int | None]] = {}
         self._loads: list[Job] = []
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-lookup")
 
     def _namespace(self, request: Request) -> Namespace | None:
         ns = namespace_of(request, self.settings.tenant)
         return None if ns is None else self.epoch.namespace(ns)
+
+    def _track(self, request: Request, ns: Namespace) -> _Tracked:
+        t = self._tracked.get(request.request_id)
+        if t is None or t.namespace != ns:
+            t = self._tracked[request.request_id] = _Tracked(request, ns)
+        return t
+
+    # ------------------------------------------------------------------ lookups
+
+    def _lookup(self, t: _Tracked, start: int, limit: int) -> tuple[Lookup, int]:
+        """On the background thread: the agent's answer for pages ``start..limit`` of the
+        request, and the page its returned keys begin at. Sends the prompt from its first
+        token the first time, and afterwards only the pages asked about."""
+        bs = self.block_size
+        tokens = t.request.all_token_ids
+        known = len(t.keys)
+        if 0 < start <= known:
+            parent = t.keys[start - 1]
+            prompt = After(parent, list(tokens[start * bs : limit * bs]))
+            found = self.agent.lookup_pages(prompt, t.namespace, start, want_keys=known < limit)
+            return found, start
+        found = self.agent.lookup_pages(
+            list(tokens[: limit * bs]), t.namespace, start, want_keys=known < limit
+        )
+        return found, 0
+
+    def _start_lookup(self, t: _Tracked, start: int, limit: int) -> None:
+        self.counts.lookups += 1
+        t.lookup = _Pending(start, limit, self._pool.submit(self._lookup, t, start, limit))
+
+    @staticmethod
+    def _harvest(t: _Tracked) -> None:
+        """Takes the keys a finished lookup brought back (a failed one brought none)."""
+        p = t.lookup
+        if p is None or not p.future.done() or p.future.exception() is not None:
+            return
+        found, first = p.future.result()
+        t.keys.merge(first, found.packed_keys)
+
+    def _answer(self, t: _Tracked, p: _Pending, start: int, limit: int) -> int:
+        """Pages after ``start`` the finished lookup ``p`` found (0 when it failed)."""
+        try:
+            found, first = p.future.result()
+        except KvtierError as e:
+            logger.warning("kvtier: lookup failed, computing instead: %s", e)
+            t.hit = (start, 0, None)
+            return 0
+        t.keys.merge(first, found.packed_keys)
+        n = max(0, min(p.start + found.l2_pages + found.l3_pages, limit) - start)
+        t.hit = (start, n, found.save_pages)
+        return n
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -86,37 +205,52 @@ class SchedulerSide:
         ns = self._namespace(request)
         if ns is None:
             return 0, False
+        t = self._track(request, ns)
         bs = self.block_size
-        tokens = list(request.all_token_ids)
         # vLLM computes at least the last token itself (it needs its logits).
-        limit = (len(tokens) - 1) // bs
+        limit = (request.num_tokens - 1) // bs
         start = num_computed_tokens // bs
-        self._hits[request.request_id] = (start, 0, None)
+        t.hit = (start, 0, None)
+        p = t.lookup
         if start >= limit:
+            # Nothing to look up; fetch the keys for later saves if they are missing.
+            self._harvest(t)
+            if len(t.keys) < limit and (p is None or p.future.done()):
+                self._start_lookup(t, limit, limit)
             return 0, False
-        try:
-            found = self.agent.lookup_pages(tokens[: limit * bs], ns, start)
-        except KvtierError as e:
-            logger.warning("kvtier: lookup failed, computing instead: %s", e)
-            return 0, False
-        n = max(0, min(found.l2_pages + found.l3_pages, limit - start))
-        self._hits[request.request_id] = (start, n, found.save_pages)
-        if n <= 0:
-            return 0, False
+        now = time.monotonic()
+        fresh = (
+            p is not None
+            and p.start <= start
+            and p.limit >= limit
+            and (not p.future.done() or not p.done_at or now - p.done_at < LOOKUP_MAX_AGE_S)
+        )
+        if not fresh:
+            self._start_lookup(t, start, limit)
+            self.counts.deferred_lookups += 1
+            return None, False
+        assert p is not None
+        if not p.future.done():
+            self.counts.deferred_lookups += 1
+            return None, False
+        if not p.done_at:
+            p.done_at = now
+        n = self._answer(t, p, start, limit)
         return n * bs, False
+
+    # ------------------------------------------------------------------ allocation and steps
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks | None, num_external_tokens: int
     ) -> None:
-        req_id = request.request_id
         ns = self._namespace(request)
-        hit = self._hits.pop(req_id, None)
         if ns is None:
             return
+        t = self._track(request, ns)
+        t.running = True
+        self._harvest(t)
+        hit, t.hit = t.hit, None
         block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        t = self._tracked.get(req_id)
-        if t is None:
-            t = self._tracked[req_id] = _Tracked(request, ns)
         if block_ids:
             t.blocks = block_ids
         bs = self.block_size
@@ -131,13 +265,30 @@ class SchedulerSide:
             return
         self.counts.external_tokens += num_external_tokens
         n = min(n, num_external_tokens // bs, len(block_ids) - start)
-        if n > 0:
-            tokens = list(request.all_token_ids[: (start + n) * bs])
-            self._loads.append(Job(req_id, tokens, ns, start, block_ids[start : start + n]))
+        if n <= 0:
+            return
+        tokens = request.all_token_ids
+        t.keys.extend_to(start, tokens, ns, bs)
+        self._loads.append(
+            Job(
+                request.request_id,
+                list(tokens[start * bs : (start + n) * bs]),
+                ns,
+                start,
+                block_ids[start : start + n],
+                parent=t.keys.parent_of(start),
+            )
+        )
+
+    def _count_jobs(self, jobs: list[Job]) -> None:
+        for j in jobs:
+            self.counts.job_pages += len(j.blocks)
+            self.counts.job_tokens += len(j.tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata(loads=self._loads)
         self._loads = []
+        self._count_jobs(meta.loads)
         for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
             t = self._tracked.get(req_id)
             if t is None or new_blocks is None:
@@ -146,10 +297,18 @@ class SchedulerSide:
                 t.blocks = list(new_blocks[0])
             else:
                 t.blocks.extend(new_blocks[0])
+        if not self.produces:
+            return meta
+        self._plan_saves(scheduler_output, meta)
+        self._count_jobs(meta.saves)
+        return meta
+
+    def _plan_saves(self, scheduler_output: SchedulerOutput, meta: KvtierMetadata) -> None:
+        """A save for every block that becomes full in this step."""
         bs = self.block_size
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
-            if t is None:
+            if t is None or not t.running:
                 continue
             tokens = t.request.all_token_ids
             # Pages full after this step, whose tokens are all known now.
@@ -158,21 +317,24 @@ class SchedulerSide:
             if not self.settings.save_decode:
                 # Pages of the prompt only: a page past it holds generated tokens.
                 done = min(done, t.request.num_prompt_tokens // bs)
-            if not self.produces:
+            if done <= t.saved:
                 continue
-            if done > t.saved:
-                meta.saves.append(
-                    Job(
-                        req_id,
-                        list(tokens[: done * bs]),
-                        t.namespace,
-                        t.saved,
-                        t.blocks[t.saved : done],
-                        t.selected,
-                    )
+            # The parent of the first new page; the keys of the new ones follow from it
+            # (hashed here only past what the lookup returned).
+            self._harvest(t)
+            t.keys.extend_to(t.saved, tokens, t.namespace, bs)
+            meta.saves.append(
+                Job(
+                    req_id,
+                    list(tokens[t.saved * bs : done * bs]),
+                    t.namespace,
+                    t.saved,
+                    t.blocks[t.saved : done],
+                    t.selected,
+                    t.keys.parent_of(t.saved),
                 )
-                t.saved = done
-        return meta
+            )
+            t.saved = done
 
     def reset_cache(self) -> None:
         """Moves this instance to a new weight epoch, so nothing stored before is served to
@@ -180,11 +342,12 @@ class SchedulerSide:
         the old weights'). Pages in the shared tiers stay for other instances."""
         self.epoch.bump()
         self._tracked.clear()
-        self._hits.clear()
         self._loads = []
         logger.info("kvtier: connector cache reset: a new weight epoch; earlier pages unused")
 
     def request_finished(self, request: Request) -> None:
         # Saves ran in the step that computed each block: nothing to hold back.
         self._tracked.pop(request.request_id, None)
-        self._hits.pop(request.request_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -205,7 +205,7 @@ class WorkerSide:
         if self._staging is None:
             return
         for job in meta.loads:
-            for part in _chunks(job, self._staging.pages):
+            for part in job.chunks(self._staging.pages, self.block_size):
                 self._load(part)
 
     def _load(self, job: Job) -> None:
@@ -216,7 +216,7 @@ class WorkerSide:
         try:
             loaded = self._call(
                 lambda: self.agent.load_pages(
-                    job.tokens,
+                    job.prompt(),
                     job.namespace,
                     job.start,
                     slots,
@@ -244,7 +244,7 @@ class WorkerSide:
         if self._staging is None or not self.saves:
             return
         for job in meta.saves:
-            for part in _chunks(job, self._staging.pages):
+            for part in job.chunks(self._staging.pages, self.block_size):
                 self._save(part)
 
     def _save(self, job: Job) -> None:
@@ -259,7 +259,7 @@ class WorkerSide:
         try:
             r = self._call(
                 lambda: self.agent.save_pages(
-                    job.tokens, job.namespace, job.start, slots, selected=job.selected
+                    job.prompt(), job.namespace, job.start, slots, selected=job.selected
                 ),
             )
         except KvtierError as e:
@@ -296,19 +296,6 @@ def _layer_range(names: Sequence[str]) -> str:
     if idx == list(range(idx[0], idx[0] + len(idx))):
         return f"{idx[0]}-{idx[-1]}"
     return "set:" + config_digest(idx)
-
-
-def _chunks(job: Job, most: int) -> Iterator[Job]:
-    """The job in pieces of at most ``most`` pages, in order."""
-    for i in range(0, len(job.blocks), most):
-        yield Job(
-            job.req_id,
-            job.tokens,
-            job.namespace,
-            job.start + i,
-            job.blocks[i : i + most],
-            job.selected,
-        )
 
 
 def _block_major(name: str, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
