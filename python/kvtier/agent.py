@@ -145,6 +145,10 @@ class PoolInfo:
     layout: common_pb2.LayoutInfo
     num_pages: int
     daemon_connected: bool
+    # The registration's owner token: a call may present it explicitly (``owner=``) so that
+    # it is refused, rather than served against another pool, once the pool is registered
+    # again.
+    owner: str = ""
 
 
 class AgentClient:
@@ -162,8 +166,9 @@ class AgentClient:
         registration (the agent must not serve them against the pool registered before)."""
         self._owner = []
 
-    def _call(self, fn, request, timeout: float | None = None):
-        return _call(fn, request, timeout or self.timeout, self._owner)
+    def _call(self, fn, request, timeout: float | None = None, owner: str | None = None):
+        meta = self._owner if owner is None else [(OWNER_HEADER, owner)]
+        return _call(fn, request, timeout or self.timeout, meta)
 
     def register_pool(
         self,
@@ -190,7 +195,7 @@ class AgentClient:
             )
         r = self._call(self.stub.RegisterPool, req)
         self._owner = [(OWNER_HEADER, r.owner)]
-        return PoolInfo(r.layout, r.num_pages, r.daemon_connected)
+        return PoolInfo(r.layout, r.num_pages, r.daemon_connected, r.owner)
 
     def match(self, tokens: Sequence[int], namespace: Namespace = Namespace()) -> Match:
         req = agent_pb2.MatchRequest(
@@ -287,11 +292,13 @@ class AgentClient:
         policy: str | None = None,
         timeout_ms: int = 0,
         timeout: float | None = None,
+        owner: str | None = None,
     ) -> int:
         """Engine-cache mode: loads pages ``start_page..`` of the prompt into
         ``device_pages`` in order; returns how many leading ones hold their page (the rest
         the engine computes). ``policy``: how to wait for pages from L3 (None: the
-        daemon's)."""
+        daemon's). ``owner``: present this registration's token (PoolInfo.owner) rather
+        than the client's latest."""
         toks, parent = _prompt(tokens)
         req = agent_pb2.LoadPagesRequest(
             packed_tokens=toks,
@@ -305,7 +312,7 @@ class AgentClient:
             if policy not in POLICIES:
                 raise ValueError(f"prefetch policy {policy!r} is not one of {', '.join(POLICIES)}")
             req.policy = POLICIES[policy]
-        return self._call(self.stub.Load, req, timeout).loaded
+        return self._call(self.stub.Load, req, timeout, owner).loaded
 
     def save_pages(
         self,
@@ -315,6 +322,7 @@ class AgentClient:
         device_pages: Sequence[int],
         timeout: float | None = None,
         selected: int | None = None,
+        owner: str | None = None,
     ) -> Saved:
         """Engine-cache mode: saves the computed pages ``start_page..`` of the prompt, held
         in ``device_pages``, into L2 per the agent's write policy (or per ``selected``, a
@@ -330,7 +338,7 @@ class AgentClient:
         )
         if selected is not None:
             req.selected = selected
-        r = self._call(self.stub.Save, req, timeout)
+        r = self._call(self.stub.Save, req, timeout, owner)
         return Saved(r.stored, r.present, r.skipped, r.failed)
 
     def stats(self) -> agent_pb2.AgentStatsResponse:

@@ -142,6 +142,56 @@ def test_a_corrupt_l3_page_is_recomputed_never_loaded(tmp_path):
         d2.stop()
 
 
+def test_pages_from_a_slow_l3_load_asynchronously_while_other_requests_step(tmp_path):
+    """A node whose L3 answers each read after 2 s: requests whose pages come from L3 are
+    told to vLLM as asynchronous loads and wait out of the batch; requests with nothing
+    cached run to the end meanwhile. Nothing loaded differs from recomputing it."""
+    l3 = tmp_path / "slow-l3"
+    d1 = Kvtierd(tmp_path / "d1", "l2.pool_pages=512", f"l3.file.path={l3}")
+    a1 = Agent(tmp_path, "s1", d1.socket)
+    cached = prompts(5, prefixes=2, each=1)
+    r1 = run_worker(tmp_path, "s1", flag(a1), cached)
+    assert r1["wrong_blocks"] == 0
+    deadline = time.time() + 30
+    while len([f for f in (l3 / "objects").rglob("*") if f.is_file()]) < 10:
+        assert time.time() < deadline, "nothing reached L3"
+        time.sleep(0.1)
+    time.sleep(1)
+    a1.stop()
+    d1.stop()
+    # A fresh node over the same L3, each read delayed 2 s.
+    d2 = Kvtierd(
+        tmp_path / "d2", "l2.pool_pages=512", f"l3.file.path={l3}", "l3.fault_get_delay=2s"
+    )
+    a2 = Agent(tmp_path, "s2", d2.socket)
+    try:
+        slow = same_prompts_again(cached, 7)
+        fresh = [dict(p, id=p["id"] + "-fresh") for p in prompts(6, prefixes=2, each=2)]
+        fresh = [dict(p, tokens=[t + 1 for t in p["tokens"]]) for p in fresh]
+        t0 = time.monotonic()
+        r2 = run_worker(tmp_path, "s2", flag(a2), slow + fresh)
+        took = time.monotonic() - t0
+        assert r2["wrong_blocks"] == 0
+        sched, tl = r2["scheduler"], r2["timeline"]
+        assert sched["async_loads"] >= len(slow), sched
+        assert r2["worker"]["loaded_pages"] > 0, r2["worker"]
+        assert took >= 2, "the L3 delay never applied"
+        # Every fresh request ran to its end before any slow one was scheduled at all.
+        last_fresh = max(tl[p["id"]][1] for p in fresh)
+        first_slow = min(tl[p["id"]][0] for p in slow)
+        assert last_fresh < first_slow, tl
+        # And the outputs are what computing everything gives.
+        a3 = Agent(tmp_path, "s3", d2.socket)
+        try:
+            solo = run_worker(tmp_path, "s3", flag(a3, tenant="alone"), slow + fresh)
+        finally:
+            a3.stop()
+        assert r2["outputs"] == solo["outputs"]
+    finally:
+        a2.stop()
+        d2.stop()
+
+
 def test_kvtierd_down_or_the_agent_killed_costs_recompute_only(tmp_path, node):
     d, agent = node
     a1 = agent("f1")

@@ -44,6 +44,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -299,6 +300,8 @@ def run(
     step = 0
     reset_ok = None
     outputs: dict[str, list[int]] = {}
+    # Per request: the first and the last step it was scheduled in.
+    timeline: dict[str, list[int]] = {}
     for phase, batch in enumerate([prompts] + ([then] if then is not None else [])):
         if phase:
             # New weights: every token's KV changes. vLLM's cache reset, as after a weight
@@ -307,7 +310,7 @@ def run(
                 kv.update_weights(b"weights-after-update")
             reset_ok = sched.reset_prefix_cache(reset_connector=True)
         step, load_errors = _phase(
-            vc, sched, hasher, ranks, batch, kill, step, load_errors, wrong, outputs
+            vc, sched, hasher, ranks, batch, kill, step, load_errors, wrong, outputs, timeline
         )
     for worker, _ in ranks:
         worker.shutdown()
@@ -322,6 +325,7 @@ def run(
         "worker": vars(ranks[0][0].counts),
         "workers": [vars(w.counts) for w, _ in ranks],
         "steps": step,
+        "timeline": timeline,
     }
 
 
@@ -360,10 +364,11 @@ def _quietly(fn, *a, **k):
         pass
 
 
-def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, outputs):
+def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, outputs, timeline):
     """Runs ``prompts`` through the scheduler and every TP rank's worker until all are
     done."""
     from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.forward_context import set_forward_context
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
@@ -381,6 +386,9 @@ def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, ou
             block_hasher=hasher,
         )
         sched.add_request(reqs[p["id"]])
+    aggregator = KVOutputAggregator(len(ranks))
+    deadline = time.monotonic() + 600
+    idle = 0
     while sched.has_requests():
         step += 1
         if kill and step == kill[1]:
@@ -394,6 +402,8 @@ def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, ou
             rid: reqs[rid].num_computed_tokens - n  # the scheduler advanced it already
             for rid, n in so.num_scheduled_tokens.items()
         }
+        for rid in so.num_scheduled_tokens:
+            timeline.setdefault(rid, [step, step])[1] = step
         outs = []
         for worker, kv in ranks:
             kv_transfer_state._KV_CONNECTOR_AGENT = worker
@@ -405,10 +415,6 @@ def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, ou
                     tokens = list(reqs[rid].all_token_ids)
                     kv.write(rid, tokens, blocks[rid], starts[rid], starts[rid] + n)
             outs.append(kv_out)
-        # vLLM's output aggregator: a block that failed to load on any rank failed.
-        kv_out = outs[0]
-        kv_out.invalid_block_ids = set().union(*(o.invalid_block_ids for o in outs))
-        load_errors += len(kv_out.invalid_block_ids)
         req_ids, sampled = [], []
         for rid in so.num_scheduled_tokens:
             all_tokens = list(reqs[rid].all_token_ids)
@@ -417,14 +423,28 @@ def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, ou
                 sampled.append([ranks[0][1].sample(rid, all_tokens, len(all_tokens))])
             else:
                 sampled.append([])
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
+        # vLLM's output aggregator over the TP ranks, as its executor runs it: a request's
+        # async load is done when every rank finished it, and a block that failed to load
+        # on any rank failed.
+        out = aggregator.aggregate(
+            [
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=o,
+                )
+                for o in outs
+            ]
         )
+        assert out is not None and out.kv_connector_output is not None
+        load_errors += len(out.kv_connector_output.invalid_block_ids or ())
         # Invalid blocks go back to the scheduler, which rolls their requests back.
         sched.update_from_output(so, out)
+        if not so.num_scheduled_tokens:
+            # Every request waits (for an async load): let the I/O threads run.
+            idle += 1
+            time.sleep(0.002)
         # Every block this step's attention read, for each request whose step stands (a
         # request rolled back for a failed load reruns it; vLLM drops its output), holds
         # what recomputing it gives. Nothing has been written since the forward pass.
@@ -436,7 +456,7 @@ def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, ou
             for r, (_, kv) in enumerate(ranks):
                 for b in kv.wrong_blocks(rid, list(req.all_token_ids), blocks[rid], upto):
                     wrong.add((rid, b, r))
-        assert step < 10_000, "the engine loop does not end"
+        assert step - idle < 10_000 and time.monotonic() < deadline, "the engine loop does not end"
     for rid, r in reqs.items():
         outputs[rid] = list(r.output_token_ids)
     return step, load_errors

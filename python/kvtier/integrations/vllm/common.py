@@ -56,6 +56,10 @@ class Settings:
     # false: only pages of the prompt, for deployments whose next turns rarely resend an
     # answer.
     save_decode: bool = True
+    # When vLLM is told a load is asynchronous (the request waits, out of the batch, until
+    # its pages are in; other requests keep stepping): "auto" when some of its pages come
+    # from L3, "always", or "never" (every load before the step that needs it).
+    load_async: str = "auto"
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Settings:
@@ -66,6 +70,10 @@ class Settings:
             raise ValueError(
                 f"kvtier: {where}.load_policy: {s.load_policy!r} is not one of "
                 f"{', '.join(POLICIES)} (or empty for kvtierd's)"
+            )
+        if s.load_async not in ("auto", "always", "never"):
+            raise ValueError(
+                f"kvtier: {where}.load_async: {s.load_async!r} is not one of auto, always, never"
             )
         if s.staging_pages < 1:
             raise ValueError(f"kvtier: {where}.staging_pages: must be at least 1")
@@ -164,6 +172,8 @@ class Job:
     # before it are saved), the same for every TP rank; None: each agent's policy decides.
     selected: int | None = None
     parent: bytes | None = None
+    # Loads: vLLM was told the load is asynchronous (the request waits for get_finished).
+    load_async: bool = False
 
     def prompt(self) -> Sequence[int] | After:
         """The tokens as the agent's calls take them."""
@@ -184,6 +194,7 @@ class Job:
                 self.blocks[i : i + most],
                 self.selected,
                 keys[i - 1] if i else self.parent,
+                self.load_async,
             )
 
 
@@ -209,10 +220,14 @@ class Counts:
     lookups: int = 0
     job_pages: int = 0
     job_tokens: int = 0
+    # Scheduler side: loads vLLM was told are asynchronous.
+    async_loads: int = 0
     loaded_pages: int = 0
     load_error_pages: int = 0
     saved_pages: int = 0
     save_failed_pages: int = 0
+    # Pages not saved because every staging page was taken by saves still in flight.
+    save_dropped_pages: int = 0
     # Staging pools given up after a call that may have left a copy running in them.
     retired_staging: int = 0
 

@@ -191,6 +191,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if meta is not None:
             self._worker().wait_for_save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker().get_finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
 

@@ -78,6 +78,14 @@ class Keys:
             self._packed += k
 
 
+@dataclass(frozen=True)
+class _Hit:
+    start: int
+    pages: int = 0
+    selected: int | None = None
+    load_async: bool = False
+
+
 @dataclass
 class _Pending:
     """A lookup on the background thread, or its answer: pages from ``start`` to ``limit``."""
@@ -101,9 +109,9 @@ class _Tracked:
     # The write policy's selection from the last lookup (see Job.selected).
     selected: int | None = None
     lookup: _Pending | None = None
-    # The answer vLLM was given: (first page past vLLM's hits, pages kvtier holds after it,
-    # the policy's selection).
-    hit: tuple[int, int, int | None] | None = None
+    # The answer vLLM was given: first page past vLLM's hits, pages kvtier holds after it,
+    # the policy's selection, and whether the load was announced as asynchronous.
+    hit: _Hit | None = None
     # Allocated by vLLM (update_state_after_alloc ran).
     running: bool = False
 
@@ -186,18 +194,20 @@ class SchedulerSide:
         found, first = p.future.result()
         t.keys.merge(first, found.packed_keys)
 
-    def _answer(self, t: _Tracked, p: _Pending, start: int, limit: int) -> int:
-        """Pages after ``start`` the finished lookup ``p`` found (0 when it failed)."""
+    def _answer(self, t: _Tracked, p: _Pending, start: int, limit: int) -> _Hit:
+        """What the finished lookup ``p`` found after ``start`` (nothing when it failed),
+        and whether to load it asynchronously (per ``load_async``)."""
         try:
             found, first = p.future.result()
         except KvtierError as e:
             logger.warning("kvtier: lookup failed, computing instead: %s", e)
-            t.hit = (start, 0, None)
-            return 0
+            return _Hit(start)
         t.keys.merge(first, found.packed_keys)
         n = max(0, min(p.start + found.l2_pages + found.l3_pages, limit) - start)
-        t.hit = (start, n, found.save_pages)
-        return n
+        mode = self.settings.load_async
+        from_l3 = start + n > p.start + found.l2_pages
+        load_async = n > 0 and (mode == "always" or (mode == "auto" and from_l3))
+        return _Hit(start, n, found.save_pages, load_async)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -210,7 +220,7 @@ class SchedulerSide:
         # vLLM computes at least the last token itself (it needs its logits).
         limit = (request.num_tokens - 1) // bs
         start = num_computed_tokens // bs
-        t.hit = (start, 0, None)
+        t.hit = _Hit(start)
         p = t.lookup
         if start >= limit:
             # Nothing to look up; fetch the keys for later saves if they are missing.
@@ -235,8 +245,8 @@ class SchedulerSide:
             return None, False
         if not p.done_at:
             p.done_at = now
-        n = self._answer(t, p, start, limit)
-        return n * bs, False
+        t.hit = self._answer(t, p, start, limit)
+        return t.hit.pages * bs, t.hit.load_async
 
     # ------------------------------------------------------------------ allocation and steps
 
@@ -255,10 +265,10 @@ class SchedulerSide:
             t.blocks = block_ids
         bs = self.block_size
         if hit is None:
-            hit = (request.num_computed_tokens // bs, 0, None)
+            hit = _Hit(request.num_computed_tokens // bs)
         else:
-            t.selected = hit[2]
-        start, n, _ = hit
+            t.selected = hit.selected
+        start, n = hit.start, hit.pages
         # Pages vLLM had and pages about to be loaded need no save.
         t.saved = max(t.saved, start + num_external_tokens // bs)
         if n <= 0 or num_external_tokens <= 0:
@@ -269,6 +279,8 @@ class SchedulerSide:
             return
         tokens = request.all_token_ids
         t.keys.extend_to(start, tokens, ns, bs)
+        if hit.load_async:
+            self.counts.async_loads += 1
         self._loads.append(
             Job(
                 request.request_id,
@@ -277,6 +289,7 @@ class SchedulerSide:
                 start,
                 block_ids[start : start + n],
                 parent=t.keys.parent_of(start),
+                load_async=hit.load_async,
             )
         )
 

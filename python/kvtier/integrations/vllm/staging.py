@@ -7,9 +7,36 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 
 import torch
+
+
+class Slots:
+    """The free pages of a staging pool, shared by the step's thread (saves) and the
+    connector's I/O threads (loads; saves return their pages when the agent is done)."""
+
+    def __init__(self, pages: int):
+        self._free = list(range(pages))
+        self._total = pages
+        self._cv = threading.Condition()
+
+    def take(self, most: int, wait: float = 0.0) -> list[int]:
+        """Up to ``most`` free pages; waits up to ``wait`` seconds for the first."""
+        with self._cv:
+            if wait > 0 and not self._free:
+                self._cv.wait_for(lambda: bool(self._free), timeout=wait)
+            n = min(most, len(self._free))
+            out, self._free[:n] = self._free[:n], []
+            return out
+
+    def give(self, pages: Sequence[int]) -> bool:
+        """Returns pages; True when every page is free again."""
+        with self._cv:
+            self._free.extend(pages)
+            self._cv.notify_all()
+            return len(self._free) == self._total
 
 
 class Staging:
@@ -47,6 +74,27 @@ class Staging:
         finally:
             os.close(fd)
         self.view = torch.frombuffer(self._map, dtype=torch.uint8).view(layers, pages, block_bytes)
+        self.slots = Slots(pages)
+        # Retired after a call that may have left the agent copying in it: never written
+        # again, closed once every page taken from it is back.
+        self.retired = False
+        self._closed = False
+        # The owner token of its registration with the agent (set when registered).
+        self.owner = ""
+
+    def take(self, most: int, wait: float = 0.0) -> list[int]:
+        """Free pages to copy through (none from a retired pool)."""
+        return [] if self.retired else self.slots.take(most, wait)
+
+    def give(self, pages: Sequence[int]) -> None:
+        """Pages done with; a retired pool closes when it has them all back."""
+        if self.slots.give(pages) and self.retired:
+            self.close()
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.slots.give(()):
+            self.close()
 
     def from_blocks(self, layers: Sequence[torch.Tensor], blocks: list[int], slots: list[int]):
         """Copies vLLM blocks into staging pages."""
@@ -65,6 +113,9 @@ class Staging:
             t.index_copy_(0, idx, data.view(t.dtype).reshape(len(blocks), *t.shape[1:]))
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         del self.view
         try:
             self._map.close()

@@ -8,7 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -64,6 +67,16 @@ class WorkerSide:
         self._block_bytes = 0
         self._descriptor = common_pb2.LayoutDescriptor()
         self._load_errors: set[int] = set()
+        # Requests whose async loads ended since vLLM last asked (get_finished).
+        self._recved: set[str] = set()
+        self._pending_saves = 0
+        self._lock = threading.Lock()
+        # Serialises replacing the staging pool and registering it.
+        self._registering = threading.RLock()
+        # Async loads (several requests' L3 fetches at once) and saves (in order), off the
+        # step's thread.
+        self._loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-load")
+        self._savers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
@@ -165,122 +178,232 @@ class WorkerSide:
             cpu_path=self._staging.path,
             engine_cache=True,
         )
+        # Calls through this pool present this token: once another pool is registered, a
+        # call planned against this one is refused, never served against the other.
+        self._staging.owner = info.owner
         if not info.daemon_connected:
             logger.warning(
                 "kvtier: the agent at %s has no kvtierd session yet; saves wait for it",
                 self.agent.address,
             )
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """An agent call; after an agent restart (the pool unknown to it) registers again
-        and retries once."""
+    def _call(self, staging: Staging, fn: Callable[[], T]) -> T:
+        """An agent call through ``staging``; after an agent restart (the pool unknown to
+        it) registers again and retries once, unless the pool was replaced meanwhile."""
         try:
             return fn()
         except KvtierError as e:
-            if not e.pool_lost or self._staging is None:
+            if not e.pool_lost:
                 raise
-            logger.warning("kvtier: the agent lost the pool (restarted?); registering again")
-        self._register()
+            with self._registering:
+                if staging is not self._staging or staging.retired:
+                    raise
+                logger.warning("kvtier: the agent lost the pool (restarted?); registering again")
+                self._register()
         return fn()
 
-    def _retire_staging(self, why: KvtierError) -> None:
-        """After a call that may have left the agent copying in the staging pool (a timeout,
-        a dropped connection), that pool is never written again: a new one is registered
-        and the old one is the agent's until its copy ends."""
-        if why.refused or self._staging is None:
+    def _retire_staging(self, staging: Staging, why: KvtierError) -> None:
+        """After a call that may have left the agent copying in ``staging`` (a timeout, a
+        dropped connection), that pool is never written again: a new one is registered, and
+        the old one closes here once every page taken from it is back (the agent keeps its
+        own mapping until its copy ends)."""
+        if why.refused:
             return
-        old = self._staging
-        self.counts.retired_staging += 1
-        # Until the new pool is registered, calls present no owner token: the agent refuses
-        # them rather than serve them against the old pool.
-        self.agent.forget_registration()
-        try:
-            self._staging = self._new_staging()
-            old.close()
-            self._register()
-        except (KvtierError, OSError, ValueError) as e:
-            logger.warning("kvtier: could not register a new staging pool: %s", e)
+        with self._registering:
+            if staging is not self._staging or staging.retired:
+                return
+            self._count(retired_staging=1)
+            # Until the new pool is registered, calls present no owner token: the agent
+            # refuses them rather than serve them against the old pool.
+            self.agent.forget_registration()
+            staging.retire()
+            try:
+                self._staging = self._new_staging()
+                self._register()
+            except (KvtierError, OSError, ValueError) as e:
+                logger.warning("kvtier: could not register a new staging pool: %s", e)
+
+    def _count(self, **add: int) -> None:
+        with self._lock:
+            for k, v in add.items():
+                setattr(self.counts, k, getattr(self.counts, k) + v)
+
+    # ------------------------------------------------------------------ loads
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         if self._staging is None:
             return
         for job in meta.loads:
-            for part in job.chunks(self._staging.pages, self.block_size):
-                self._load(part)
+            if job.load_async:
+                self._loaders.submit(self._load_async, job)
+            else:
+                self._load_job(job, wait=self.settings.timeout_s)
 
-    def _load(self, job: Job) -> None:
-        assert self._staging is not None
-        n = len(job.blocks)
-        slots = list(range(n))
-        s = self.settings
+    def _load_async(self, job: Job) -> None:
+        """On an I/O thread: the job's pages (L3 fetches included), then the request is
+        reported finished receiving; pages that did not load are reported as load errors
+        no later than that."""
         try:
-            loaded = self._call(
-                lambda: self.agent.load_pages(
+            self._load_job(job, wait=self.settings.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed load is a miss, never a lost request
+            logger.warning("kvtier: async load of %s failed: %s", job.req_id, e)
+            with self._lock:
+                self._load_errors.update(job.blocks)
+        with self._lock:
+            self._recved.add(job.req_id)
+
+    def _load_job(self, job: Job, wait: float) -> None:
+        """Loads the job in pieces that fit the staging pool's free pages; from the first
+        piece that falls short, the rest are load errors (vLLM recomputes from the first)."""
+        most = max(1, self.settings.staging_pages // 2)
+        failed_from: int | None = None
+        for part in job.chunks(most, self.block_size):
+            if failed_from is not None:
+                with self._lock:
+                    self._load_errors.update(part.blocks)
+                self._count(load_error_pages=len(part.blocks))
+                continue
+            if self._load(part, wait) < len(part.blocks):
+                failed_from = part.start
+
+    def _load(self, job: Job, wait: float) -> int:
+        """One piece: Load into staging pages, then into vLLM's blocks. Returns how many
+        leading pages loaded; the rest are load errors."""
+        staging = self._staging
+        assert staging is not None
+        n = len(job.blocks)
+        slots = staging.take(n, wait)
+        loaded = 0
+        if len(slots) == n:
+            s = self.settings
+            try:
+                loaded = self._call(
+                    staging,
+                    lambda: self.agent.load_pages(
+                        job.prompt(),
+                        job.namespace,
+                        job.start,
+                        slots,
+                        policy=s.load_policy or None,
+                        timeout_ms=s.load_timeout_ms,
+                        timeout=s.timeout_s + s.load_timeout_ms / 1000,
+                        owner=staging.owner,
+                    ),
+                )
+            except KvtierError as e:
+                logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
+                self._retire_staging(staging, e)
+                loaded = 0
+            loaded = max(0, min(loaded, n))
+            if loaded:
+                try:
+                    staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
+                except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never a dead worker
+                    logger.warning("kvtier: copying %d loaded pages failed: %s", loaded, e)
+                    loaded = 0
+        else:
+            logger.warning("kvtier: no staging pages free for a load of %d; vLLM recomputes", n)
+        staging.give(slots)
+        with self._lock:
+            self._load_errors.update(job.blocks[loaded:])
+        self._count(loaded_pages=loaded, load_error_pages=n - loaded)
+        return loaded
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose async loads ended (their failed pages already reported). Saves
+        copy out of vLLM's blocks before the step ends, so no request's blocks are held."""
+        with self._lock:
+            done, self._recved = self._recved, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ saves
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        """Copies the step's new blocks into staging pages in one gather per layer, then
+        hands their Saves to the save thread: the step waits for a memcpy, never for the
+        agent. Pages with no free staging page (saves backed up behind a slow L2) are
+        dropped and counted."""
+        staging = self._staging
+        if staging is None or not self.saves or not meta.saves:
+            return
+        planned: list[tuple[Job, list[int]]] = []
+        for job in meta.saves:
+            slots = staging.take(len(job.blocks))
+            if len(slots) < len(job.blocks):
+                dropped = len(job.blocks) - len(slots)
+                self._count(save_dropped_pages=dropped)
+                logger.warning(
+                    "kvtier: %d pages not saved: the staging pool is full (saves are behind)",
+                    dropped,
+                )
+            if slots:
+                part = next(job.chunks(len(slots), self.block_size))
+                planned.append((part, slots))
+        if not planned:
+            return
+        blocks = [b for part, _ in planned for b in part.blocks]
+        slots = [x for _, sl in planned for x in sl]
+        try:
+            staging.from_blocks(self._layers, blocks, slots)
+        except Exception as e:  # noqa: BLE001 - a failed copy is a skipped save, never a dead worker
+            logger.warning("kvtier: copying %d pages to staging failed: %s", len(slots), e)
+            self._count(save_failed_pages=len(slots))
+            staging.give(slots)
+            return
+        for part, sl in planned:
+            self._pending_saves += 1
+            self._savers.submit(self._save, staging, part, sl)
+
+    def _save(self, staging: Staging, job: Job, slots: list[int]) -> None:
+        """On the save thread: the agent copies the staging pages into L2."""
+        try:
+            r = self._call(
+                staging,
+                lambda: self.agent.save_pages(
                     job.prompt(),
                     job.namespace,
                     job.start,
                     slots,
-                    policy=s.load_policy or None,
-                    timeout_ms=s.load_timeout_ms,
-                    timeout=s.timeout_s + s.load_timeout_ms / 1000,
-                ),
-            )
-        except KvtierError as e:
-            logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
-            self._retire_staging(e)
-            loaded = 0
-        loaded = max(0, min(loaded, n))
-        if loaded:
-            try:
-                self._staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
-            except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never a dead worker
-                logger.warning("kvtier: copying %d loaded pages failed: %s", loaded, e)
-                loaded = 0
-        self._load_errors.update(job.blocks[loaded:])
-        self.counts.loaded_pages += loaded
-        self.counts.load_error_pages += n - loaded
-
-    def wait_for_save(self, meta: KvtierMetadata) -> None:
-        if self._staging is None or not self.saves:
-            return
-        for job in meta.saves:
-            for part in job.chunks(self._staging.pages, self.block_size):
-                self._save(part)
-
-    def _save(self, job: Job) -> None:
-        assert self._staging is not None
-        slots = list(range(len(job.blocks)))
-        try:
-            self._staging.from_blocks(self._layers, job.blocks, slots)
-        except Exception as e:  # noqa: BLE001 - a failed copy is a skipped save, never a dead worker
-            logger.warning("kvtier: copying %d pages to staging failed: %s", len(slots), e)
-            self.counts.save_failed_pages += len(slots)
-            return
-        try:
-            r = self._call(
-                lambda: self.agent.save_pages(
-                    job.prompt(), job.namespace, job.start, slots, selected=job.selected
+                    selected=job.selected,
+                    owner=staging.owner,
                 ),
             )
         except KvtierError as e:
             # The agent counts what it could not save; an agent that cannot be reached
             # cannot count, so it is said here.
             logger.warning("kvtier: save of %d pages failed: %s", len(slots), e)
-            self.counts.save_failed_pages += len(slots)
-            self._retire_staging(e)
+            self._count(save_failed_pages=len(slots))
+            self._retire_staging(staging, e)
             return
-        self.counts.saved_pages += r.stored + r.present
-        self.counts.save_failed_pages += r.failed
+        finally:
+            staging.give(slots)
+            with self._lock:
+                self._pending_saves -= 1
+        self._count(saved_pages=r.stored + r.present, save_failed_pages=r.failed)
         if r.failed:
             logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Waits for the saves handed to the save thread; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._pending_saves == 0:
+                    return True
+            time.sleep(0.002)
+        return False
 
     def shutdown(self) -> None:
+        self.drain(self.settings.timeout_s)
+        self._loaders.shutdown(wait=True, cancel_futures=True)
+        self._savers.shutdown(wait=True)
         if self._staging is not None:
-            self._staging.close()
+            self._staging.retire()
 
 
 def _layer_range(names: Sequence[str]) -> str:
