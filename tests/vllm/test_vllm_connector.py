@@ -53,6 +53,17 @@ def test_a_second_worker_loads_the_prefixes_the_first_computed(tmp_path, node):
         assert sched["job_pages"] > 0 and sched["job_tokens"] == 16 * sched["job_pages"], sched
     assert a2.metric("kvtier_agent_load_back_pages_total") * 16 == ext
     assert a2.metric('kvtier_agent_load_failed_pages_total{reason="missing"}') == 0
+    # vLLM's own stats carry it: its Prometheus metrics count what the workers loaded and
+    # saved, its log line has the interval's figures, and every external hit is attributed
+    # to a tier (L2 here: host), none left unspecified.
+    for r in (r1, r2):
+        prom, w = r["vllm_stats"]["prom"], r["worker"]
+        assert prom.get("vllm:kvtier_loaded_pages_total", 0) == w["loaded_pages"], prom
+        assert prom.get("vllm:kvtier_saved_pages_total", 0) == w["saved_pages"], prom
+        assert prom.get("vllm:kvtier_saved_bytes_total", 0) == w["saved_bytes"] > 0, prom
+        assert prom.get("vllm:kvtier_save_seconds_count", 0) > 0, prom
+    assert r2["vllm_stats"]["logged"].get("loaded_pages") == r2["worker"]["loaded_pages"]
+    assert r2["vllm_stats"]["hits_by_source"] == {"host": ext}, r2["vllm_stats"]
     # The outputs are what worker 2 computes without any cache.
     solo = run_worker(tmp_path, "solo", flag(agent("w3"), tenant="nobody-else"), ps2)
     assert solo["scheduler"]["external_tokens"] == 0
@@ -176,6 +187,8 @@ def test_pages_from_a_slow_l3_load_asynchronously_while_other_requests_step(tmp_
         assert sched["async_loads"] >= len(slow), sched
         assert r2["worker"]["loaded_pages"] > 0, r2["worker"]
         assert took >= 2, "the L3 delay never applied"
+        # vLLM's prefix-cache stats attribute those hits to L3 (disk).
+        assert r2["vllm_stats"]["hits_by_source"].get("disk", 0) > 0, r2["vllm_stats"]
         # Every fresh request ran to its end before any slow one was scheduled at all.
         last_fresh = max(tl[p["id"]][1] for p in fresh)
         first_slow = min(tl[p["id"]][0] for p in slow)

@@ -240,6 +240,38 @@ class Kv:
         return int.from_bytes(self.chain(req_id, tokens, n)[n - 1][:2], "little") % 1000
 
 
+class VllmStats:
+    """What vLLM's stat loggers receive from the scheduler: the connector's transfer figures
+    through vLLM's own KVConnectorProm (its Prometheus metrics) and KVConnectorLogging (its
+    log line), and the external prefix-cache hits by tier."""
+
+    def __init__(self, vc):
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+            KVConnectorLogging,
+            KVConnectorProm,
+        )
+
+        self.prom = KVConnectorProm(vc, ["model_name", "engine"], {0: ["tiny", "0"]})
+        self.log = KVConnectorLogging(vc.kv_transfer_config)
+        self.hits: dict[str, int] = {}
+
+    def report(self) -> dict:
+        from prometheus_client import REGISTRY
+
+        prom = {}
+        for metric in REGISTRY.collect():
+            if metric.name.startswith("vllm:kvtier_"):
+                for sample in metric.samples:
+                    if sample.name.endswith(("_total", "_count")):
+                        prom[sample.name] = prom.get(sample.name, 0) + sample.value
+        acc = self.log.transfer_stats_accumulator
+        return {
+            "prom": prom,
+            "logged": acc.reduce() if acc is not None and not acc.is_empty() else {},
+            "hits_by_source": self.hits,
+        }
+
+
 def run(
     vc,
     prompts: list[dict],
@@ -302,6 +334,7 @@ def run(
     outputs: dict[str, list[int]] = {}
     # Per request: the first and the last step it was scheduled in.
     timeline: dict[str, list[int]] = {}
+    vllm_stats = VllmStats(vc)
     for phase, batch in enumerate([prompts] + ([then] if then is not None else [])):
         if phase:
             # New weights: every token's KV changes. vLLM's cache reset, as after a weight
@@ -310,7 +343,18 @@ def run(
                 kv.update_weights(b"weights-after-update")
             reset_ok = sched.reset_prefix_cache(reset_connector=True)
         step, load_errors = _phase(
-            vc, sched, hasher, ranks, batch, kill, step, load_errors, wrong, outputs, timeline
+            vc,
+            sched,
+            hasher,
+            ranks,
+            batch,
+            kill,
+            step,
+            load_errors,
+            wrong,
+            outputs,
+            timeline,
+            vllm_stats,
         )
     for worker, _ in ranks:
         worker.shutdown()
@@ -326,6 +370,7 @@ def run(
         "workers": [vars(w.counts) for w, _ in ranks],
         "steps": step,
         "timeline": timeline,
+        "vllm_stats": vllm_stats.report(),
     }
 
 
@@ -364,7 +409,9 @@ def _quietly(fn, *a, **k):
         pass
 
 
-def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, outputs, timeline):
+def _phase(
+    vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, outputs, timeline, vllm_stats
+):
     """Runs ``prompts`` through the scheduler and every TP rank's worker until all are
     done."""
     from vllm.distributed.kv_transfer import kv_transfer_state
@@ -439,8 +486,21 @@ def _phase(vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, ou
         )
         assert out is not None and out.kv_connector_output is not None
         load_errors += len(out.kv_connector_output.invalid_block_ids or ())
-        # Invalid blocks go back to the scheduler, which rolls their requests back.
-        sched.update_from_output(so, out)
+        # Invalid blocks go back to the scheduler, which rolls their requests back. Its
+        # stats go where vLLM's stat loggers take them: the connector's transfer figures to
+        # its Prometheus metrics and its log, the hits by tier to its prefix-cache stats.
+        for eco in sched.update_from_output(so, out).values():
+            st = eco.scheduler_stats
+            if st is None:
+                continue
+            if st.kv_connector_stats:
+                vllm_stats.prom.observe(st.kv_connector_stats, 0)
+                vllm_stats.log.observe(st.kv_connector_stats)
+            cp = st.connector_prefix_cache_stats
+            if cp is not None:
+                for src, n in cp.hits_by_source.items():
+                    key = getattr(src, "value", str(src))
+                    vllm_stats.hits[key] = vllm_stats.hits.get(key, 0) + n
         if not so.num_scheduled_tokens:
             # Every request waits (for an async load): let the I/O threads run.
             idle += 1

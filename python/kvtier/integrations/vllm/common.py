@@ -228,6 +228,8 @@ class Counts:
     save_failed_pages: int = 0
     # Pages not saved because every staging page was taken by saves still in flight.
     save_dropped_pages: int = 0
+    loaded_bytes: int = 0
+    saved_bytes: int = 0
     # Staging pools given up after a call that may have left a copy running in them.
     retired_staging: int = 0
 

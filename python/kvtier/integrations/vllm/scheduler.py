@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.agent import After, AgentClient, Lookup
 from kvtier.host import KvtierError
@@ -84,6 +85,8 @@ class _Hit:
     pages: int = 0
     selected: int | None = None
     load_async: bool = False
+    # Of ``pages``, the leading ones L2 holds (the rest come from L3).
+    l2_pages: int = 0
 
 
 @dataclass
@@ -114,6 +117,8 @@ class _Tracked:
     hit: _Hit | None = None
     # Allocated by vLLM (update_state_after_alloc ran).
     running: bool = False
+    # The external hit tokens vLLM took, by tier (get_external_cache_hit_sources).
+    sources: dict[CacheHitSource, int] = field(default_factory=dict)
 
 
 def namespace_of(request: Request, tenant: str) -> Namespace | None:
@@ -207,7 +212,8 @@ class SchedulerSide:
         mode = self.settings.load_async
         from_l3 = start + n > p.start + found.l2_pages
         load_async = n > 0 and (mode == "always" or (mode == "auto" and from_l3))
-        return _Hit(start, n, found.save_pages, load_async)
+        l2 = max(0, min(p.start + found.l2_pages, start + n) - start)
+        return _Hit(start, n, found.save_pages, load_async, l2)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -271,6 +277,15 @@ class SchedulerSide:
         start, n = hit.start, hit.pages
         # Pages vLLM had and pages about to be loaded need no save.
         t.saved = max(t.saved, start + num_external_tokens // bs)
+        host = min(hit.l2_pages * bs, num_external_tokens)
+        t.sources = {
+            k: v
+            for k, v in (
+                (CacheHitSource.HOST, host),
+                (CacheHitSource.DISK, num_external_tokens - host),
+            )
+            if v > 0
+        }
         if n <= 0 or num_external_tokens <= 0:
             return
         self.counts.external_tokens += num_external_tokens
@@ -292,6 +307,15 @@ class SchedulerSide:
                 load_async=hit.load_async,
             )
         )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The request's external hits by tier: L2 as ``host``, L3 as ``disk``."""
+        t = self._tracked.get(request.request_id)
+        if t is None or sum(t.sources.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return dict(t.sources)
 
     def _count_jobs(self, jobs: list[Job]) -> None:
         for j in jobs:

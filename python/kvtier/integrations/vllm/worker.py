@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.common import (
     parallel_rank,
 )
 from kvtier.integrations.vllm.staging import Staging
+from kvtier.integrations.vllm.stats import COUNTERS, KvtierStats
 from kvtier.layout import LayoutSpec, State
 from kvtier.v1 import common_pb2
 
@@ -67,6 +68,8 @@ class WorkerSide:
         self._block_bytes = 0
         self._descriptor = common_pb2.LayoutDescriptor()
         self._load_errors: set[int] = set()
+        # This interval's transfer figures for vLLM's stats (get_kv_connector_stats).
+        self._stats = KvtierStats()
         # Requests whose async loads ended since vLLM last asked (get_finished).
         self._recved: set[str] = set()
         self._pending_saves = 0
@@ -227,6 +230,22 @@ class WorkerSide:
         with self._lock:
             for k, v in add.items():
                 setattr(self.counts, k, getattr(self.counts, k) + v)
+            self._stats.count(**{k: v for k, v in add.items() if k in COUNTERS})
+
+    def _took(self, op: str, since: float) -> None:
+        with self._lock:
+            self._stats.took(op, time.monotonic() - since)
+
+    def _page_bytes(self) -> int:
+        return self._block_bytes * len(self._layers)
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        """This interval's loads and saves (then a new interval starts)."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KvtierStats()
+        return out
 
     # ------------------------------------------------------------------ loads
 
@@ -271,6 +290,7 @@ class WorkerSide:
         leading pages loaded; the rest are load errors."""
         staging = self._staging
         assert staging is not None
+        t0 = time.monotonic()
         n = len(job.blocks)
         slots = staging.take(n, wait)
         loaded = 0
@@ -306,7 +326,12 @@ class WorkerSide:
         staging.give(slots)
         with self._lock:
             self._load_errors.update(job.blocks[loaded:])
-        self._count(loaded_pages=loaded, load_error_pages=n - loaded)
+        self._count(
+            loaded_pages=loaded,
+            loaded_bytes=loaded * self._page_bytes(),
+            load_error_pages=n - loaded,
+        )
+        self._took("load", t0)
         return loaded
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -361,6 +386,7 @@ class WorkerSide:
 
     def _save(self, staging: Staging, job: Job, slots: list[int]) -> None:
         """On the save thread: the agent copies the staging pages into L2."""
+        t0 = time.monotonic()
         try:
             r = self._call(
                 staging,
@@ -384,7 +410,11 @@ class WorkerSide:
             staging.give(slots)
             with self._lock:
                 self._pending_saves -= 1
-        self._count(saved_pages=r.stored + r.present, save_failed_pages=r.failed)
+        saved = r.stored + r.present
+        self._count(
+            saved_pages=saved, saved_bytes=saved * self._page_bytes(), save_failed_pages=r.failed
+        )
+        self._took("save", t0)
         if r.failed:
             logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
 
