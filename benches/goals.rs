@@ -77,6 +77,27 @@ const GOALS: &[(&str, &str, Goal)] = &[
     // P9: remote near raw loopback TCP.
     ("l3_remote", "set 2 MiB vs raw TCP", Goal::RatioAtLeast(0.7)),
     ("l3_remote", "get 2 MiB vs raw TCP", Goal::RatioAtLeast(0.7)),
+    // Issue 41: the vLLM connector at engine speed.
+    (
+        "vllm",
+        "scheduler time per waiting request p99, ",
+        Goal::ValueAtMost(0.2),
+    ),
+    (
+        "vllm",
+        "Save of a decode step's one page, ",
+        Goal::ValueAtMost(0.5),
+    ),
+    (
+        "vllm",
+        "connector time per decode step, ",
+        Goal::RatioAtLeast(1.0 / 1.5),
+    ),
+    (
+        "vllm",
+        "decode step while one request loads from a 2 s L3",
+        Goal::RatioAtLeast(1.0 / 1.1),
+    ),
     // P3: s3 near the raw object_store client.
     (
         "l3_s3",

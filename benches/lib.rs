@@ -25,6 +25,7 @@ pub mod scenarios {
     pub mod prefetch;
     pub mod sglang;
     pub mod sim;
+    pub mod vllm;
 }
 
 /// The single-node Ceph cluster helper shared with kvtier-storage's S3 tests.

@@ -33,7 +33,7 @@ fn main() {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     // (name, run, needs Ceph)
-    let all: [Scenario; 13] = [
+    let all: [Scenario; 14] = [
         ("keys", scenarios::keys::run, false),
         ("agent", scenarios::agent::run, false),
         ("host_rpc", scenarios::host_rpc::run, false),
@@ -49,6 +49,8 @@ fn main() {
         ("peers", scenarios::peers::run, false),
         // Measures only where there is an NVIDIA GPU (scripts/gpu-check).
         ("gpu", scenarios::gpu::run, false),
+        // benches/vllm_bench.py in the Python environment, against the binaries beside this.
+        ("vllm", scenarios::vllm::run, false),
     ];
     // Human-readable progress goes to stderr when the JSON is wanted on stdout.
     for (name, run, ceph) in all {

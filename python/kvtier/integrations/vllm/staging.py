@@ -70,7 +70,9 @@ class Staging:
                     "kv_connector_extra_config.staging_dir to a larger directory, or lower "
                     "staging_pages"
                 ) from None
-            self._map = mmap.mmap(fd, size)
+            # Mapped in up front (MAP_POPULATE), so the step's copies never fault pages in.
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         finally:
             os.close(fd)
         self.view = torch.frombuffer(self._map, dtype=torch.uint8).view(layers, pages, block_bytes)
@@ -97,8 +99,17 @@ class Staging:
             self.close()
 
     def from_blocks(self, layers: Sequence[torch.Tensor], blocks: list[int], slots: list[int]):
-        """Copies vLLM blocks into staging pages."""
+        """Copies vLLM blocks into staging pages: on CPU, one gather per layer straight into
+        the staging pages when they are consecutive (the usual case)."""
         idx = torch.tensor(blocks, dtype=torch.long)
+        n = len(slots)
+        run = n > 0 and slots == list(range(slots[0], slots[0] + n))
+        if run and all(t.device.type == "cpu" and t.is_contiguous() for t in layers):
+            s0 = slots[0]
+            for i, t in enumerate(layers):
+                rows = t.view(torch.uint8).view(t.shape[0], -1)
+                torch.index_select(rows, 0, idx, out=self.view[i, s0 : s0 + n])
+            return
         dst = torch.tensor(slots, dtype=torch.long)
         for i, t in enumerate(layers):
             src = t.index_select(0, idx.to(t.device)).contiguous()

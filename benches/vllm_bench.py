@@ -1,0 +1,462 @@
+"""kvtier's vLLM connector at engine speed: vLLM's real Scheduler and the connector's
+scheduler and worker sides in this process (as vLLM runs them, minus the forward pass),
+against a kvtierd and a kvtier-agent, each figure beside a baseline measured in the same run.
+
+    KVTIERD_BIN=.../release/kvtierd KVTIER_AGENT_BIN=.../release/kvtier-agent \\
+        python benches/vllm_bench.py [--quick] [--json]
+
+Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):
+
+- **scheduler-thread time per waiting request, p99**, prompts of 1k, 16k and 128k tokens:
+  the time ``get_num_new_matched_tokens`` spends on the scheduler's thread for a request,
+  over every pass until it is answered (the lookup runs on a background thread); baseline:
+  one blocking lookup of the same prompt, what the scheduler paid before.
+- **Save of the one page a decode step completes**, at 1k, 16k and 128k tokens: the Save
+  named after its parent page's key, carrying 16 tokens; baseline: the same Save carrying
+  the whole prefix.
+- **worker-side connector time per decode step**, 32 and 256 running requests: the time
+  the step spends in the connector's hooks (``start_load_kv``, ``wait_for_save``) against a
+  memcpy of the step's new KV bytes.
+- **decode-step time while one request's pages come from an L3 delayed 2 s**: the median
+  step time of 32 running requests while a 33rd loads from a slow L3, against the median
+  step time of the same requests before it arrived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCK = 16
+LAYERS, HEADS, HEAD = 8, 8, 128  # 64 KiB per block per layer: an 8B model's shape
+ROWS: list[dict] = []
+
+
+def row(figure: str, value: float, unit: str, baseline: str, base: float, ratio: float | None):
+    ROWS.append(
+        dict(
+            figure=figure,
+            value=value,
+            unit=unit,
+            baseline=baseline,
+            baseline_value=base,
+            ratio=ratio,
+        )
+    )
+    r = "-" if ratio is None else f"{ratio:.3f}"
+    print(f"{figure:<56} {value:>9.3f} {unit:<4} baseline {base:>9.3f}  ratio {r}", file=sys.stderr)
+
+
+def model_dir(max_len: int) -> str:
+    d = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-model-"))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HEADS * 2 * HEAD,
+                "num_attention_heads": HEADS * 2,
+                "num_key_value_heads": HEADS,
+                "num_hidden_layers": LAYERS,
+                "intermediate_size": 256,
+                "vocab_size": 32000,
+                "max_position_embeddings": max_len,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    return str(d)
+
+
+def flag(agent: str, **extra) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"agent": agent, **extra},
+        }
+    )
+
+
+class Engine:
+    """vLLM's Scheduler and one worker's connector over CPU KV tensors; ``step()`` is one
+    engine step with the model runner's connector hooks around an empty forward pass."""
+
+    def __init__(self, agent: str, max_len: int, seqs: int, blocks: int, **extra):
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--kv-transfer-config", flag(agent, **extra)])
+        ktc = EngineArgs.from_cli_args(args).kv_transfer_config
+        vc = VllmConfig(
+            model_config=ModelConfig(
+                model=model_dir(max_len),
+                skip_tokenizer_init=True,
+                max_model_len=max_len,
+                dtype="bfloat16",
+            ),
+            parallel_config=ParallelConfig(),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=8192,
+                max_num_seqs=seqs,
+                max_model_len=max_len,
+                is_encoder_decoder=False,
+            ),
+            kv_transfer_config=ktc,
+            device_config=DeviceConfig("cpu"),
+        )
+        vc.cache_config.num_gpu_blocks = blocks
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+        )
+        kcc = KVCacheConfig(
+            num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+        )
+        self.vc = vc
+        self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        # Written once, as the forward passes would have: copies read mapped memory.
+        self.kv = {
+            n: torch.full((blocks, HEADS, BLOCK, 2 * HEAD), float(i), dtype=torch.bfloat16)
+            for i, n in enumerate(names)
+        }
+        self.worker.register_kv_caches(self.kv)
+        self.sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.page_bytes = LAYERS * HEADS * BLOCK * 2 * HEAD * 2
+        self.hook_s = 0.0
+        self.saved_pages = 0
+        self.n = 0
+
+    def add(self, tokens: list[int], max_tokens: int) -> str:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        self.n += 1
+        rid = f"r{self.n}"
+        self.sched.add_request(
+            Request(
+                rid,
+                tokens,
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                None,
+                block_hasher=self.hasher,
+            )
+        )
+        return rid
+
+    def step(self) -> None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        self.saved_pages = sum(len(j.blocks) for j in getattr(meta, "saves", []))
+        t = time.perf_counter()
+        with (
+            set_forward_context(None, self.vc),
+            KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out,
+        ):
+            pass
+        self.hook_s = time.perf_counter() - t
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            r = self.sched.requests[rid]
+            done = r.num_computed_tokens >= r.num_tokens
+            sampled.append([random.randrange(32000)] if done else [])
+        self.sched.update_from_output(
+            so,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_out,
+            ),
+        )
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.connector.shutdown()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32000) for _ in range(n)]
+
+
+def scheduler_lookups(agent, quick: bool) -> None:
+    """Scheduler-thread time per waiting request, against one blocking lookup."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvtier.agent import AgentClient
+
+    e = Engine(agent.socket, 131072 + 1024, 8, 64)
+    conn = KVConnectorFactory.create_connector(
+        e.vc, KVConnectorRole.SCHEDULER, e.sched.kv_cache_config
+    )
+    client = AgentClient(agent.socket)
+    # The first lookup starts the background threads and the agent's connection.
+    warm = Request("warm", tokens(64, 1), SamplingParams(max_tokens=1), None)
+    while conn.get_num_new_matched_tokens(warm, 0)[0] is None:
+        time.sleep(0.001)
+    conn.request_finished(warm, [])
+    for length, count in ((1024, 32), (16384, 16), (131072, 8 if not quick else 3)):
+        reqs = [
+            Request(
+                f"L{length}-{i}",
+                tokens(length, length + i),
+                SamplingParams(max_tokens=1),
+                None,
+            )
+            for i in range(count)
+        ]
+        spent = {r.request_id: 0.0 for r in reqs}
+        waiting = list(reqs)
+        while waiting:
+            left = []
+            for r in waiting:
+                t = time.perf_counter()
+                n, _ = conn.get_num_new_matched_tokens(r, 0)
+                spent[r.request_id] += time.perf_counter() - t
+                if n is None:
+                    left.append(r)
+            waiting = left
+            # The rest of the scheduler's step.
+            time.sleep(0.002)
+        blocking = []
+        for r in reqs[:3]:
+            t = time.perf_counter()
+            client.lookup_pages(list(r.all_token_ids)[: (length - 1) // BLOCK * BLOCK])
+            blocking.append(time.perf_counter() - t)
+        times = sorted(spent.values())
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
+        base = statistics.median(blocking) * 1e3
+        row(
+            f"scheduler time per waiting request p99, {length // 1024}k tokens",
+            p99,
+            "ms",
+            "blocking lookup p50",
+            base,
+            base / p99 if p99 else None,
+        )
+        for r in reqs:
+            conn.request_finished(r, [])
+    conn.shutdown()
+    client.close()
+    e.close()
+
+
+def save_one_page(agent, quick: bool) -> None:
+    """The Save of one decode page after its parent's key, against the whole prefix."""
+    from kvtier.agent import After, AgentClient
+    from kvtier.integrations.vllm.staging import Staging
+    from kvtier.keys import Namespace, page_keys
+    from kvtier.layout import LayoutSpec, State
+
+    client = AgentClient(agent.socket, timeout=30)
+    staging = Staging(LAYERS, 8, HEADS * BLOCK * 2 * HEAD * 2)
+    desc = LayoutSpec(
+        model_id="bench-save",
+        model_version="",
+        dtype="uint8",
+        num_layers=LAYERS,
+        page_size=BLOCK,
+        shape=State(HEADS * 2 * HEAD * 2),
+        tp_rank=0,
+        tp_size=1,
+    ).descriptor()
+    client.register_pool(desc, 8 * BLOCK, cpu_path=staging.path, engine_cache=True)
+    ns = Namespace(tenant="bench")
+    rounds = 5 if quick else 15
+    for length in (1024, 16384, 131072):
+        prefix = tokens(length - BLOCK, 7 + length)
+        parent = page_keys(prefix, BLOCK, ns)[-1]
+        last = length // BLOCK - 1
+        sub, base = [], []
+        for r in range(rounds):
+            fresh = tokens(BLOCK, 1000 * length + 2 * r)
+            t = time.perf_counter()
+            s = client.save_pages(After(parent, fresh), ns, last, [0])
+            sub.append(time.perf_counter() - t)
+            assert s.stored == 1, s
+            whole = prefix + tokens(BLOCK, 1000 * length + 2 * r + 1)
+            t = time.perf_counter()
+            s = client.save_pages(whole, ns, last, [1])
+            base.append(time.perf_counter() - t)
+            assert s.stored == 1, s
+        m, b = statistics.median(sub) * 1e3, statistics.median(base) * 1e3
+        row(
+            f"Save of a decode step's one page, {length // 1024}k tokens",
+            m,
+            "ms",
+            "Save with the whole prefix",
+            b,
+            b / m,
+        )
+    client.close()
+    staging.close()
+
+
+def decode_steps(agent, running: int, quick: bool) -> None:
+    """Connector time per decode step against a memcpy of the step's new KV bytes."""
+    prompt = 64
+    e = Engine(agent.socket, 4096, running, running * 24 + 64)
+    for i in range(running):
+        e.add(tokens(prompt, 50_000 + i), 400)
+    src = np.random.default_rng(0).integers(0, 255, 64 * e.page_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)  # touched: the baseline copies into memory already mapped
+    hooks = mem = 0.0
+    pages = 0
+    steps = 60 if quick else 200
+    warm = 20
+    for s in range(warm + steps):
+        e.step()
+        if s < warm or not e.saved_pages:
+            continue
+        nbytes = min(e.saved_pages * e.page_bytes, len(src))
+        t = time.perf_counter()
+        np.copyto(dst[:nbytes], src[:nbytes])
+        mem += time.perf_counter() - t
+        hooks += e.hook_s
+        pages += e.saved_pages
+    e.worker.worker.drain()
+    e.close()
+    row(
+        f"connector time per decode step, {running} running ({pages} pages)",
+        hooks * 1e3 / steps,
+        "ms",
+        "memcpy of the new KV",
+        mem * 1e3 / steps,
+        mem / hooks if hooks else None,
+    )
+
+
+def slow_l3(work: Path, quick: bool) -> None:
+    """Step time of 32 decoding requests while a 33rd loads from an L3 delayed 2 s."""
+    from kvtier.testing import Agent, Kvtierd
+
+    l3 = work / "l3"
+    d1 = Kvtierd(work / "d1", "l2.pool_pages=2048", f"l3.file.path={l3}")
+    a1 = Agent(work, "l3a", d1.socket)
+    e = Engine(a1.socket, 4096, 40, 2048)
+    cached = tokens(1024, 4242)
+    e.add(cached, 1)
+    while e.sched.has_requests():
+        e.step()
+    e.worker.worker.drain()
+    e.close()
+    deadline = time.time() + 60
+    while len([f for f in (l3 / "objects").rglob("*") if f.is_file()]) < 60:
+        assert time.time() < deadline, "the pages never reached L3"
+        time.sleep(0.1)
+    time.sleep(1)
+    a1.stop()
+    d1.stop()
+    d2 = Kvtierd(work / "d2", "l2.pool_pages=2048", f"l3.file.path={l3}", "l3.fault_get_delay=2s")
+    a2 = Agent(work, "l3b", d2.socket)
+    try:
+        e = Engine(a2.socket, 4096, 40, 2048)
+        for i in range(32):
+            e.add(tokens(64, 70_000 + i), 100_000)
+        for _ in range(30):
+            e.step()
+        before = []
+        for _ in range(60 if quick else 150):
+            t = time.perf_counter()
+            e.step()
+            before.append(time.perf_counter() - t)
+        e.add(cached + tokens(32, 1), 4)
+        during = []
+        t_end = time.monotonic() + 2.0
+        while time.monotonic() < t_end:
+            t = time.perf_counter()
+            e.step()
+            during.append(time.perf_counter() - t)
+        b, d = statistics.median(before) * 1e3, statistics.median(during) * 1e3
+        e.worker.worker.drain()
+        e.close()
+        row(
+            "decode step while one request loads from a 2 s L3",
+            d,
+            "ms",
+            "decode step before it",
+            b,
+            b / d,
+        )
+    finally:
+        a2.stop()
+        d2.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    a = ap.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's PyPI wheel is built for CUDA: on a machine without one, its CPU platform.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from kvtier.testing import Agent, Kvtierd
+
+    work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
+    d = Kvtierd(work / "d", "l2.pool_pages=2048", "l3.backend=none")
+    try:
+        # An agent serves one engine's pool: one agent per part, on one kvtierd.
+        parts = [
+            ("lookups", lambda ag: scheduler_lookups(ag, a.quick)),
+            ("save", lambda ag: save_one_page(ag, a.quick)),
+            ("decode32", lambda ag: decode_steps(ag, 32, a.quick)),
+            ("decode256", lambda ag: decode_steps(ag, 256, a.quick)),
+        ]
+        for name, run in parts:
+            agent = Agent(work, name, d.socket)
+            try:
+                run(agent)
+            finally:
+                agent.stop()
+    finally:
+        d.stop()
+    slow_l3(work / "slow", a.quick)
+    if a.json:
+        print(json.dumps(ROWS))
+
+
+if __name__ == "__main__":
+    main()
