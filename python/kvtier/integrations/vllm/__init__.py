@@ -9,11 +9,31 @@
 - ``common.py``: settings, ranks, the step's jobs (:class:`KvtierMetadata`), counters.
 """
 
-from kvtier.integrations.vllm.common import Counts, Job, KvtierMetadata, Ranks, Settings
-from kvtier.integrations.vllm.connector import KvtierConnector
-from kvtier.integrations.vllm.scheduler import SchedulerSide, namespace_of
-from kvtier.integrations.vllm.staging import Staging
-from kvtier.integrations.vllm.worker import WorkerSide
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use, so that a submodule that needs no vLLM (staging.py) imports without it.
+_WHERE = {
+    "Counts": "common",
+    "Job": "common",
+    "KvtierMetadata": "common",
+    "Ranks": "common",
+    "Settings": "common",
+    "KvtierConnector": "connector",
+    "SchedulerSide": "scheduler",
+    "namespace_of": "scheduler",
+    "Staging": "staging",
+    "WorkerSide": "worker",
+}
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.common import Counts, Job, KvtierMetadata, Ranks, Settings
+    from kvtier.integrations.vllm.connector import KvtierConnector
+    from kvtier.integrations.vllm.scheduler import SchedulerSide, namespace_of
+    from kvtier.integrations.vllm.staging import Staging
+    from kvtier.integrations.vllm.worker import WorkerSide
 
 __all__ = [
     "Counts",
@@ -27,3 +47,9 @@ __all__ = [
     "WorkerSide",
     "namespace_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

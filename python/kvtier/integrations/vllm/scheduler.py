@@ -155,7 +155,7 @@ class SchedulerSide:
         self.epoch = WeightEpoch()
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[Job] = []
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-lookup")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup")
 
     def _namespace(self, request: Request) -> Namespace | None:
         ns = namespace_of(request, self.settings.tenant)

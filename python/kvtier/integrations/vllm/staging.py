@@ -83,6 +83,21 @@ class Staging:
         self._closed = False
         # The owner token of its registration with the agent (set when registered).
         self.owner = ""
+        # Registered with CUDA (page-locked), so device copies are asynchronous DMA.
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Registers the pool with CUDA (page-locked), for workers whose KV is on a GPU: its
+        device-host copies are then DMA that needs no host sync. False where that is refused
+        (memlock limits): copies still work, synchronously."""
+        if self.pinned or not torch.cuda.is_available():
+            return self.pinned
+        rt = torch.cuda.cudart()
+        if rt is None:
+            return False
+        r = rt.cudaHostRegister(self.view.data_ptr(), self.view.numel(), 0)
+        self.pinned = int(getattr(r, "value", r)) == 0
+        return self.pinned
 
     def take(self, most: int, wait: float = 0.0) -> list[int]:
         """Free pages to copy through (none from a retired pool)."""
@@ -98,25 +113,62 @@ class Staging:
         if self.slots.give(()):
             self.close()
 
-    def from_blocks(self, layers: Sequence[torch.Tensor], blocks: list[int], slots: list[int]):
-        """Copies vLLM blocks into staging pages: on CPU, one gather per layer straight into
-        the staging pages when they are consecutive (the usual case)."""
+    def from_blocks(
+        self, layers: Sequence[torch.Tensor], blocks: list[int], slots: list[int]
+    ) -> torch.cuda.Event | None:
+        """Copies vLLM blocks into staging pages. On CPU: one gather per layer and run of
+        consecutive staging pages (usually one), straight into the pages. On a GPU: a gather
+        on the device and an asynchronous copy into the (pinned) pages per layer and run,
+        all on the current stream, with no host sync; returns the event after the last copy,
+        which whoever reads the pages waits for (the blocks may be reused at once: later
+        work on the stream runs after the gather)."""
+        if _rows_ok(layers):
+            for s0, b0, n in _runs(slots):
+                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long)
+                for i, t in enumerate(layers):
+                    rows = t.view(torch.uint8).view(t.shape[0], -1)
+                    torch.index_select(rows, 0, idx, out=self.view[i, s0 : s0 + n])
+            return None
+        if all(t.device.type == "cuda" for t in layers):
+            dev = layers[0].device
+            for s0, b0, n in _runs(slots):
+                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
+                for i, t in enumerate(layers):
+                    g = t.index_select(0, idx).contiguous().view(torch.uint8).reshape(n, -1)
+                    self.view[i, s0 : s0 + n].copy_(g, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return done
         idx = torch.tensor(blocks, dtype=torch.long)
-        n = len(slots)
-        run = n > 0 and slots == list(range(slots[0], slots[0] + n))
-        if run and all(t.device.type == "cpu" and t.is_contiguous() for t in layers):
-            s0 = slots[0]
-            for i, t in enumerate(layers):
-                rows = t.view(torch.uint8).view(t.shape[0], -1)
-                torch.index_select(rows, 0, idx, out=self.view[i, s0 : s0 + n])
-            return
         dst = torch.tensor(slots, dtype=torch.long)
         for i, t in enumerate(layers):
             src = t.index_select(0, idx.to(t.device)).contiguous()
             self.view[i].index_copy_(0, dst, src.view(torch.uint8).reshape(len(blocks), -1).cpu())
+        return None
 
     def to_blocks(self, layers: Sequence[torch.Tensor], slots: list[int], blocks: list[int]):
-        """Copies staging pages into vLLM blocks."""
+        """Copies staging pages into vLLM blocks. On CPU: one scatter per layer and run of
+        consecutive staging pages, straight from the pages. On a GPU: an asynchronous copy
+        per layer and run and a scatter on the device, on the current stream; returns once
+        the copies have read the pages (they may be reused then)."""
+        if _rows_ok(layers):
+            for s0, b0, n in _runs(slots):
+                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long)
+                for i, t in enumerate(layers):
+                    rows = t.view(torch.uint8).view(t.shape[0], -1)
+                    rows.index_copy_(0, idx, self.view[i, s0 : s0 + n])
+            return
+        if all(t.device.type == "cuda" for t in layers):
+            dev = layers[0].device
+            for s0, b0, n in _runs(slots):
+                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
+                for i, t in enumerate(layers):
+                    d = self.view[i, s0 : s0 + n].to(dev, non_blocking=True)
+                    t.index_copy_(0, idx, d.view(t.dtype).reshape(n, *t.shape[1:]))
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            return
         src = torch.tensor(slots, dtype=torch.long)
         for i, t in enumerate(layers):
             idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
@@ -127,6 +179,10 @@ class Staging:
         if self._closed:
             return
         self._closed = True
+        rt = torch.cuda.cudart() if self.pinned else None
+        if rt is not None:
+            rt.cudaHostUnregister(self.view.data_ptr())
+        self.pinned = False
         del self.view
         try:
             self._map.close()
@@ -136,3 +192,21 @@ class Staging:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _rows_ok(layers: Sequence[torch.Tensor]) -> bool:
+    """Whether every layer is a contiguous CPU tensor, so a block is one row of bytes."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive pages: (first page, index in ``slots``, length)."""
+    out: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        out.append((slots[i], i, j - i))
+        i = j
+    return out

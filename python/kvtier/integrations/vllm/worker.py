@@ -106,13 +106,19 @@ class WorkerSide:
         self._register()
 
     def _new_staging(self) -> Staging:
-        return Staging(
+        st = Staging(
             len(self._layers),
             self.settings.staging_pages,
             self._block_bytes,
             self.settings.staging_dir,
             self.settings.staging_file_mode(),
         )
+        if any(t.device.type == "cuda" for t in self._layers) and not st.pin():
+            logger.warning(
+                "kvtier: CUDA refused to page-lock the staging pool (memlock limit?); device "
+                "copies through it are synchronous"
+            )
+        return st
 
     def identity(self, sample: torch.Tensor) -> CacheIdentity:
         """This worker's cache identity (docs/identity.md)."""
@@ -374,15 +380,28 @@ class WorkerSide:
         blocks = [b for part, _ in planned for b in part.blocks]
         slots = [x for _, sl in planned for x in sl]
         try:
-            staging.from_blocks(self._layers, blocks, slots)
+            ready = staging.from_blocks(self._layers, blocks, slots)
         except Exception as e:  # noqa: BLE001 - a failed copy is a skipped save, never a dead worker
             logger.warning("kvtier: copying %d pages to staging failed: %s", len(slots), e)
             self._count(save_failed_pages=len(slots))
             staging.give(slots)
             return
-        for part, sl in planned:
-            self._pending_saves += 1
-            self._savers.submit(self._save, staging, part, sl)
+        with self._lock:
+            self._pending_saves += len(planned)
+        self._savers.submit(self._save_all, staging, planned, ready)
+
+    def _save_all(
+        self,
+        staging: Staging,
+        planned: list[tuple[Job, list[int]]],
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        """On the save thread: a step's saves, in order, once the copies into their staging
+        pages have landed (a GPU's asynchronous copies: their event)."""
+        if ready is not None:
+            ready.synchronize()
+        for job, slots in planned:
+            self._save(staging, job, slots)
 
     def _save(self, staging: Staging, job: Job, slots: list[int]) -> None:
         """On the save thread: the agent copies the staging pages into L2."""
