@@ -205,6 +205,36 @@ def test_pages_from_a_slow_l3_load_asynchronously_while_other_requests_step(tmp_
         d2.stop()
 
 
+def test_async_loads_under_preemption_and_chunked_prefill(tmp_path, node):
+    """Every load announced as asynchronous (load_async=always), with a KV pool so small
+    that vLLM preempts requests, chunked prefills, and TP = 2 (a request's load is done when
+    both ranks finished it): nothing loaded differs from recomputing it, and the outputs are
+    those of a worker with nothing cached."""
+    _, agent = node
+
+    def engine(name: str, role: str = "kv_both", **extra) -> str:
+        for r in (0, 1):
+            agent(f"{name}{r}", socket=tmp_path / f"{name}-{r}.sock")
+        return flag(str(tmp_path / f"{name}-{{tp_rank}}.sock"), role, **extra)
+
+    ps = prompts(21, prefixes=3, each=3)
+    r1 = run_worker(tmp_path, "p1", engine("p1"), ps, "--tp", "2")
+    assert r1["wrong_blocks"] == 0
+    # Long answers: running requests outgrow the small pool, so vLLM preempts some.
+    again = [dict(p, max_tokens=64) for p in same_prompts_again(ps, 22)]
+    small = ("--blocks", "30", "--tp", "2")
+    r2 = run_worker(tmp_path, "p2", engine("p2", load_async="always"), again, *small)
+    assert r2["wrong_blocks"] == 0, r2
+    assert r2["scheduler"]["async_loads"] > 0, r2["scheduler"]
+    assert r2["vllm_stats"]["preemptions"] > 0, "the pool was not small enough to preempt"
+    assert all(w["loaded_pages"] > 0 for w in r2["workers"]), r2["workers"]
+    # Nothing cached: a tenant of its own that saves nothing (its preempted requests would
+    # otherwise find what they saved themselves).
+    solo = run_worker(tmp_path, "p3", engine("p3", "kv_consumer", tenant="alone"), again, *small)
+    assert solo["scheduler"]["external_tokens"] == 0
+    assert r2["outputs"] == solo["outputs"]
+
+
 def test_kvtierd_down_or_the_agent_killed_costs_recompute_only(tmp_path, node):
     d, agent = node
     a1 = agent("f1")

@@ -5,6 +5,7 @@ Run as a script (one process per worker, as vLLM runs them)::
     python vllm_engine.py --kv-transfer-config JSON --prompts FILE --out FILE [--kill PID@STEP]
         [--served-name NAME] [--variant N] [--kv-dtype DTYPE] [--dp-rank N] [--pp-stage N]
         [--reset-then FILE] [--fail-copy load|save] [--time-out load|save] [--tp N] [--mla]
+        [--blocks N]
 
 The options set up the deployments users run: a served alias (``--served-name``) over one
 of several checkpoints (``--variant``: another config, so other weights), an fp8 KV cache
@@ -254,6 +255,7 @@ class VllmStats:
         self.prom = KVConnectorProm(vc, ["model_name", "engine"], {0: ["tiny", "0"]})
         self.log = KVConnectorLogging(vc.kv_transfer_config)
         self.hits: dict[str, int] = {}
+        self.preemptions = 0
 
     def report(self) -> dict:
         from prometheus_client import REGISTRY
@@ -269,6 +271,7 @@ class VllmStats:
             "prom": prom,
             "logged": acc.reduce() if acc is not None and not acc.is_empty() else {},
             "hits_by_source": self.hits,
+            "preemptions": self.preemptions,
         }
 
 
@@ -519,6 +522,7 @@ def _phase(
         assert step - idle < 10_000 and time.monotonic() < deadline, "the engine loop does not end"
     for rid, r in reqs.items():
         outputs[rid] = list(r.output_token_ids)
+        vllm_stats.preemptions += r.num_preemptions
     return step, load_errors
 
 
@@ -538,7 +542,11 @@ def main() -> None:
     ap.add_argument("--time-out", choices=["load", "save"], help="the first call times out")
     ap.add_argument("--tp", type=int, default=1, help="TP ranks, one worker each")
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
+    ap.add_argument("--blocks", type=int, help="KV blocks (fewer: vLLM preempts requests)")
     a = ap.parse_args()
+    if a.blocks:
+        global NUM_BLOCKS
+        NUM_BLOCKS = a.blocks
     kill = None
     if a.kill:
         pid, at = a.kill.split("@")
