@@ -74,7 +74,7 @@ class Keys:
         have = len(self)
         if have >= pages:
             return
-        new = list(tokens[have * bs : pages * bs])
+        new = _slice(tokens, have * bs, pages * bs)
         for k in extend_keys(self.parent_of(have), new, bs, ns):
             self._packed += k
 
@@ -119,6 +119,12 @@ class _Tracked:
     running: bool = False
     # The external hit tokens vLLM took, by tier (get_external_cache_hit_sources).
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
+
+
+def _slice(tokens: Sequence[int], start: int, end: int) -> list[int]:
+    """``tokens[start:end]`` as a list, copied once (vLLM's token lists slice to lists)."""
+    part = tokens[start:end]
+    return part if isinstance(part, list) else list(part)
 
 
 def namespace_of(request: Request, tenant: str) -> Namespace | None:
@@ -178,11 +184,11 @@ class SchedulerSide:
         known = len(t.keys)
         if 0 < start <= known:
             parent = t.keys[start - 1]
-            prompt = After(parent, list(tokens[start * bs : limit * bs]))
+            prompt = After(parent, _slice(tokens, start * bs, limit * bs))
             found = self.agent.lookup_pages(prompt, t.namespace, start, want_keys=known < limit)
             return found, start
         found = self.agent.lookup_pages(
-            list(tokens[: limit * bs]), t.namespace, start, want_keys=known < limit
+            _slice(tokens, 0, limit * bs), t.namespace, start, want_keys=known < limit
         )
         return found, 0
 
@@ -299,7 +305,7 @@ class SchedulerSide:
         self._loads.append(
             Job(
                 request.request_id,
-                list(tokens[start * bs : (start + n) * bs]),
+                _slice(tokens, start * bs, (start + n) * bs),
                 ns,
                 start,
                 block_ids[start : start + n],
@@ -363,7 +369,7 @@ class SchedulerSide:
             meta.saves.append(
                 Job(
                     req_id,
-                    list(tokens[t.saved * bs : done * bs]),
+                    _slice(tokens, t.saved * bs, done * bs),
                     t.namespace,
                     t.saved,
                     t.blocks[t.saved : done],
