@@ -4,6 +4,7 @@ counters both keep."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,23 @@ class Job:
     def prompt(self) -> Sequence[int] | After:
         """The tokens as the agent's calls take them."""
         return self.tokens if self.parent is None else After(self.parent, self.tokens)
+
+    def split(self, n: int, page_size: int) -> tuple[Job, Job | None]:
+        """The job's first ``n`` pages, and the rest (None when nothing is left), which
+        follows the key of page ``start + n - 1``."""
+        if n >= len(self.blocks):
+            return self, None
+        bs = page_size
+        parent = extend_keys(self.parent, self.tokens[: n * bs], bs, self.namespace)[-1]
+        first = dataclasses.replace(self, tokens=self.tokens[: n * bs], blocks=self.blocks[:n])
+        rest = dataclasses.replace(
+            self,
+            tokens=self.tokens[n * bs :],
+            start=self.start + n,
+            blocks=self.blocks[n:],
+            parent=parent,
+        )
+        return first, rest
 
     def chunks(self, most: int, page_size: int) -> Iterator[Job]:
         """The job in pieces of at most ``most`` pages, in order, each after its parent."""

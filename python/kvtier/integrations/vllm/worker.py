@@ -356,25 +356,40 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         """Copies the step's new blocks into staging pages in one gather per layer, then
-        hands their Saves to the save thread: the step waits for a memcpy, never for the
-        agent. Pages with no free staging page (saves backed up behind a slow L2) are
-        dropped and counted."""
+        hands their Saves to the save thread: the step waits for a memcpy, not for the
+        agent. A step with more new blocks than free staging pages (a burst of prefills,
+        or saves behind a slow L2) waits, up to ``timeout_s``, for the save thread to free
+        pages, so a burst is saved whole; pages that still find none are dropped, counted
+        (``save_dropped_pages``)."""
         staging = self._staging
         if staging is None or not self.saves or not meta.saves:
             return
         planned: list[tuple[Job, list[int]]] = []
         for job in meta.saves:
-            slots = staging.take(len(job.blocks))
-            if len(slots) < len(job.blocks):
-                dropped = len(job.blocks) - len(slots)
-                self._count(save_dropped_pages=dropped)
-                logger.warning(
-                    "kvtier: %d pages not saved: the staging pool is full (saves are behind)",
-                    dropped,
-                )
-            if slots:
-                part = next(job.chunks(len(slots), self.block_size))
+            rest: Job | None = job
+            while rest is not None:
+                slots = staging.take(len(rest.blocks))
+                if not slots:
+                    # Hand over what is planned (its pages come back as it is saved), then
+                    # wait for pages.
+                    self._hand_over(staging, planned)
+                    planned = []
+                    slots = staging.take(len(rest.blocks), wait=self.settings.timeout_s)
+                if not slots:
+                    self._count(save_dropped_pages=len(rest.blocks))
+                    logger.warning(
+                        "kvtier: %d pages not saved: no staging page came free in %.1f s",
+                        len(rest.blocks),
+                        self.settings.timeout_s,
+                    )
+                    break
+                part, rest = rest.split(len(slots), self.block_size)
                 planned.append((part, slots))
+        self._hand_over(staging, planned)
+
+    def _hand_over(self, staging: Staging, planned: list[tuple[Job, list[int]]]) -> None:
+        """Copies the planned blocks into their staging pages (one gather per layer) and
+        queues their Saves on the save thread."""
         if not planned:
             return
         blocks = [b for part, _ in planned for b in part.blocks]

@@ -1,0 +1,48 @@
+"""The vLLM connector's jobs in pieces: every piece of a split or chunked job names its pages
+by the key of the page before it, so each piece's keys are the whole prompt's keys at its
+pages (what the agent computes from a piece is what it would compute from the prompt)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.integrations.vllm.common import Job
+from kvtier.keys import Namespace, extend_keys, page_keys
+
+BS = 4
+
+
+def prompt(pages: int) -> list[int]:
+    return [(i * 7919 + 13) % 32000 for i in range(pages * BS)]
+
+
+def keys_of(piece: Job, ns: Namespace) -> list[bytes]:
+    return extend_keys(piece.parent, piece.tokens, BS, ns)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_split_and_chunks_keep_every_pieces_parent(start: int) -> None:
+    ns = Namespace(tenant="jobs")
+    tokens = prompt(start + 7)
+    whole = page_keys(tokens, BS, ns)
+    job = Job(
+        "r",
+        tokens[start * BS :],
+        ns,
+        start,
+        list(range(100, 107)),
+        parent=whole[start - 1] if start else None,
+    )
+    assert keys_of(job, ns) == whole[start:]
+    for n in (1, 3, 6):
+        first, rest = job.split(n, BS)
+        assert (first.start, first.blocks) == (start, job.blocks[:n])
+        assert keys_of(first, ns) == whole[start : start + n]
+        assert rest is not None and rest.start == start + n
+        assert rest.blocks == job.blocks[n:]
+        assert keys_of(rest, ns) == whole[start + n :]
+    assert job.split(7, BS) == (job, None)
+    pieces = list(job.chunks(3, BS))
+    assert [p.start for p in pieces] == [start, start + 3, start + 6]
+    for p in pieces:
+        assert keys_of(p, ns)[: len(p.blocks)] == whole[p.start : p.start + len(p.blocks)]
