@@ -370,7 +370,7 @@ def decode_steps(agent, running: int, quick: bool) -> None:
 
 def slow_l3(work: Path, quick: bool) -> None:
     """Step time of 32 decoding requests while a 33rd loads from an L3 delayed 2 s."""
-    from kvtier.testing import Agent, Kvtierd
+    from kvtier.testing import Agent, Kvtierd, l3_objects
 
     l3 = work / "l3"
     d1 = Kvtierd(work / "d1", "l2.pool_pages=2048", f"l3.file.path={l3}")
@@ -383,7 +383,7 @@ def slow_l3(work: Path, quick: bool) -> None:
     e.worker.worker.drain()
     e.close()
     deadline = time.time() + 60
-    while len([f for f in (l3 / "objects").rglob("*") if f.is_file()]) < 60:
+    while len(l3_objects(l3)) < 60:
         assert time.time() < deadline, "the pages never reached L3"
         time.sleep(0.1)
     time.sleep(1)

@@ -1,4 +1,4 @@
-"""The vLLM connector's jobs in pieces: every piece of a split or chunked job names its pages
+"""The vLLM connector's jobs in pieces: every piece of a split job names its pages
 by the key of the page before it, so each piece's keys are the whole prompt's keys at its
 pages (what the agent computes from a piece is what it would compute from the prompt)."""
 
@@ -21,7 +21,7 @@ def keys_of(piece: Job, ns: Namespace) -> list[bytes]:
 
 
 @pytest.mark.parametrize("start", [0, 3])
-def test_split_and_chunks_keep_every_pieces_parent(start: int) -> None:
+def test_split_keeps_every_pieces_parent(start: int) -> None:
     ns = Namespace(tenant="jobs")
     tokens = prompt(start + 7)
     whole = page_keys(tokens, BS, ns)
@@ -42,7 +42,11 @@ def test_split_and_chunks_keep_every_pieces_parent(start: int) -> None:
         assert rest.blocks == job.blocks[n:]
         assert keys_of(rest, ns) == whole[start + n :]
     assert job.split(7, BS) == (job, None)
-    pieces = list(job.chunks(3, BS))
+    # Split again and again, as a job goes through a staging pool 3 pages at a time.
+    pieces, rest = [], job
+    while rest is not None:
+        piece, rest = rest.split(3, BS)
+        pieces.append(piece)
     assert [p.start for p in pieces] == [start, start + 3, start + 6]
     for p in pieces:
         assert keys_of(p, ns)[: len(p.blocks)] == whole[p.start : p.start + len(p.blocks)]

@@ -11,7 +11,6 @@ are the same with the cache as without it.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 from vllm_harness import (
@@ -22,6 +21,8 @@ from vllm_harness import (
     run_worker,
     same_prompts_again,
 )
+
+from kvtier.testing import l3_objects
 
 
 def test_a_second_worker_loads_the_prefixes_the_first_computed(tmp_path, node):
@@ -117,17 +118,11 @@ def test_a_corrupt_l3_page_is_recomputed_never_loaded(tmp_path):
     # Let the writes to L3 land, then stop the node.
     deadline = time.time() + 30
 
-    def objects() -> list[Path]:
-        # The file L3's objects: its directory marker and temp files are no pages.
-        return sorted(
-            f for f in (l3 / "objects").rglob("*") if f.is_file() and not f.name.startswith(".")
-        )
-
-    while len(objects()) < 10 and time.time() < deadline:
+    while len(l3_objects(l3)) < 10 and time.time() < deadline:
         time.sleep(0.1)
     a1.stop()
     d1.stop()
-    files = objects()
+    files = l3_objects(l3)
     assert files, "nothing reached L3"
     for f in files[::2]:
         b = bytearray(f.read_bytes())
@@ -164,7 +159,7 @@ def test_pages_from_a_slow_l3_load_asynchronously_while_other_requests_step(tmp_
     r1 = run_worker(tmp_path, "s1", flag(a1), cached)
     assert r1["wrong_blocks"] == 0
     deadline = time.time() + 30
-    while len([f for f in (l3 / "objects").rglob("*") if f.is_file()]) < 10:
+    while len(l3_objects(l3)) < 10:
         assert time.time() < deadline, "nothing reached L3"
         time.sleep(0.1)
     time.sleep(1)

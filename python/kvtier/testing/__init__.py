@@ -8,6 +8,14 @@ The processes run the binaries of the checkout the package is installed from (ed
 ``scripts/setup`` installs it); nothing here is needed to run kvtier.
 """
 
-from kvtier.testing.processes import ROOT, Agent, Kvtierd, debug_binary, metric, run_as
+from kvtier.testing.processes import (
+    ROOT,
+    Agent,
+    Kvtierd,
+    debug_binary,
+    l3_objects,
+    metric,
+    run_as,
+)
 
-__all__ = ["ROOT", "Agent", "Kvtierd", "debug_binary", "metric", "run_as"]
+__all__ = ["ROOT", "Agent", "Kvtierd", "debug_binary", "l3_objects", "metric", "run_as"]

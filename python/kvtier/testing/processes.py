@@ -148,9 +148,16 @@ class Kvtierd:
         return self.proc.poll() is None
 
     def l3_files(self) -> list[Path]:
-        """The object files of the file L3 (its directory marker and temp files left out)."""
-        objects = self.data_dir / "l3" / "objects"
-        return [p for p in objects.rglob("*") if p.is_file() and not p.name.startswith(".")]
+        """The object files of its file L3 (<data_dir>/l3)."""
+        return l3_objects(self.data_dir / "l3")
+
+
+def l3_objects(l3: Path) -> list[Path]:
+    """The object files of the file L3 at ``l3`` (its directory marker and temp files left
+    out), sorted."""
+    return sorted(
+        p for p in (l3 / "objects").rglob("*") if p.is_file() and not p.name.startswith(".")
+    )
 
 
 def agent_bin() -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -196,24 +196,6 @@ class Job:
             parent=parent,
         )
         return first, rest
-
-    def chunks(self, most: int, page_size: int) -> Iterator[Job]:
-        """The job in pieces of at most ``most`` pages, in order, each after its parent."""
-        if len(self.blocks) <= most:
-            yield self
-            return
-        keys = extend_keys(self.parent, self.tokens, page_size, self.namespace)
-        for i in range(0, len(self.blocks), most):
-            yield Job(
-                self.req_id,
-                self.tokens[i * page_size : (i + most) * page_size],
-                self.namespace,
-                self.start + i,
-                self.blocks[i : i + most],
-                self.selected,
-                keys[i - 1] if i else self.parent,
-                self.load_async,
-            )
 
 
 @dataclass

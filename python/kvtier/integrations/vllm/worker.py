@@ -272,71 +272,71 @@ class WorkerSide:
             self._load_job(job, wait=self.settings.timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a miss, never a lost request
             logger.warning("kvtier: async load of %s failed: %s", job.req_id, e)
-            with self._lock:
-                self._load_errors.update(job.blocks)
+            self._missed(job.blocks)
         with self._lock:
             self._recved.add(job.req_id)
 
-    def _load_job(self, job: Job, wait: float) -> None:
-        """Loads the job in pieces that fit the staging pool's free pages; from the first
-        piece that falls short, the rest are load errors (vLLM recomputes from the first)."""
-        most = max(1, self.settings.staging_pages // 2)
-        failed_from: int | None = None
-        for part in job.chunks(most, self.block_size):
-            if failed_from is not None:
-                with self._lock:
-                    self._load_errors.update(part.blocks)
-                self._count(load_error_pages=len(part.blocks))
-                continue
-            if self._load(part, wait) < len(part.blocks):
-                failed_from = part.start
+    def _missed(self, blocks: Sequence[int]) -> None:
+        """Blocks a load did not fill: reported to vLLM, which recomputes from the first."""
+        with self._lock:
+            self._load_errors.update(blocks)
+        self._count(load_error_pages=len(blocks))
 
-    def _load(self, job: Job, wait: float) -> int:
-        """One piece: Load into staging pages, then into vLLM's blocks. Returns how many
-        leading pages loaded; the rest are load errors."""
-        staging = self._staging
-        assert staging is not None
+    def _load_job(self, job: Job, wait: float) -> None:
+        """Loads the job in pieces of the staging pages free (at most half the pool each);
+        from the first piece that falls short, the rest are load errors."""
+        most = max(1, self.settings.staging_pages // 2)
+        rest: Job | None = job
+        while rest is not None:
+            staging = self._staging
+            assert staging is not None
+            slots = staging.take(min(most, len(rest.blocks)), wait)
+            if not slots:
+                logger.warning(
+                    "kvtier: no staging page free for a load of %d; vLLM recomputes",
+                    len(rest.blocks),
+                )
+                self._missed(rest.blocks)
+                return
+            part, rest = rest.split(len(slots), self.block_size)
+            if self._load(staging, part, slots) < len(part.blocks) and rest is not None:
+                self._missed(rest.blocks)
+                return
+
+    def _load(self, staging: Staging, job: Job, slots: list[int]) -> int:
+        """One piece through ``slots``: Load into the staging pages, then into vLLM's
+        blocks. Returns how many leading pages loaded; the rest are load errors."""
         t0 = time.monotonic()
         n = len(job.blocks)
-        slots = staging.take(n, wait)
-        loaded = 0
-        if len(slots) == n:
-            s = self.settings
+        s = self.settings
+        try:
+            loaded = self._call(
+                staging,
+                lambda: self.agent.load_pages(
+                    job.prompt(),
+                    job.namespace,
+                    job.start,
+                    slots,
+                    policy=s.load_policy or None,
+                    timeout_ms=s.load_timeout_ms,
+                    timeout=s.timeout_s + s.load_timeout_ms / 1000,
+                    owner=staging.owner,
+                ),
+            )
+        except KvtierError as e:
+            logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
+            self._retire_staging(staging, e)
+            loaded = 0
+        loaded = max(0, min(loaded, n))
+        if loaded:
             try:
-                loaded = self._call(
-                    staging,
-                    lambda: self.agent.load_pages(
-                        job.prompt(),
-                        job.namespace,
-                        job.start,
-                        slots,
-                        policy=s.load_policy or None,
-                        timeout_ms=s.load_timeout_ms,
-                        timeout=s.timeout_s + s.load_timeout_ms / 1000,
-                        owner=staging.owner,
-                    ),
-                )
-            except KvtierError as e:
-                logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
-                self._retire_staging(staging, e)
+                staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
+            except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never a dead worker
+                logger.warning("kvtier: copying %d loaded pages failed: %s", loaded, e)
                 loaded = 0
-            loaded = max(0, min(loaded, n))
-            if loaded:
-                try:
-                    staging.to_blocks(self._layers, slots[:loaded], job.blocks[:loaded])
-                except Exception as e:  # noqa: BLE001 - a failed copy is a miss, never a dead worker
-                    logger.warning("kvtier: copying %d loaded pages failed: %s", loaded, e)
-                    loaded = 0
-        else:
-            logger.warning("kvtier: no staging pages free for a load of %d; vLLM recomputes", n)
         staging.give(slots)
-        with self._lock:
-            self._load_errors.update(job.blocks[loaded:])
-        self._count(
-            loaded_pages=loaded,
-            loaded_bytes=loaded * self._page_bytes(),
-            load_error_pages=n - loaded,
-        )
+        self._missed(job.blocks[loaded:])
+        self._count(loaded_pages=loaded, loaded_bytes=loaded * self._page_bytes())
         self._took("load", t0)
         return loaded
 
