@@ -208,9 +208,26 @@ fn is_temp(file_name: &std::ffi::OsStr) -> bool {
     file_name.as_encoded_bytes().first() == Some(&b'.')
 }
 
+/// How much older than the store's opening a temp file of another process must be to count
+/// as a write that never completed. File times come from the kernel's coarse clock, which
+/// can read a few milliseconds behind `SystemTime::now()`: a write that starts right after
+/// the store opens may carry an earlier time than `opened`.
+const STALE_TEMP: Duration = Duration::from_secs(5);
+
+/// Whether a temp file (`.t<pid>-<n>`) belongs to this process: a write of this process is
+/// still running (a crashed one's process is gone).
+fn is_own_temp(file_name: &std::ffi::OsStr) -> bool {
+    let name = file_name.as_encoded_bytes();
+    let pid = std::process::id().to_string();
+    name.strip_prefix(b".t")
+        .and_then(|rest| rest.strip_prefix(pid.as_bytes()))
+        .is_some_and(|rest| rest.first() == Some(&b'-'))
+}
+
 /// Adds every object file under `dir` to the index (entries already there are newer) and
-/// removes temp files: a write that never completed, never visible. (Temp files of writes
-/// still running are younger than this store and are left.)
+/// removes temp files: a write that never completed, never visible. (Temp files of this
+/// process, and of writes still running elsewhere, which are younger than the store's
+/// opening by more than [`STALE_TEMP`], are left.)
 fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime) -> usize {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return 0;
@@ -229,7 +246,8 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
         }
         let Ok(meta) = e.metadata() else { continue };
         if is_temp(&e.file_name()) {
-            if meta.modified().is_ok_and(|m| m < opened)
+            if !is_own_temp(&e.file_name())
+                && meta.modified().is_ok_and(|m| m + STALE_TEMP < opened)
                 && let Err(err) = std::fs::remove_file(&path)
                 && err.kind() != ErrorKind::NotFound
             {
@@ -604,6 +622,18 @@ mod tests {
             b.resize(end, 0);
             fill(&mut b[offset as usize..end])
         }
+    }
+
+    /// A temp file of this process is a write still running; one of another pid, or one
+    /// whose name only starts with this pid's digits, is not.
+    #[test]
+    fn own_temp_files_are_told_by_their_pid() {
+        use std::ffi::OsStr;
+        let pid = std::process::id();
+        assert!(is_own_temp(OsStr::new(&format!(".t{pid}-3"))));
+        assert!(!is_own_temp(OsStr::new(&format!(".t{pid}7-3"))));
+        assert!(!is_own_temp(OsStr::new(&format!(".t{}-3", pid + 1))));
+        assert!(!is_own_temp(OsStr::new(".tmp")));
     }
 
     /// Sinks that lend their memory receive the same bytes as sinks that do not, in pieces of

@@ -122,6 +122,14 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     let temp = dir.join(rel).with_file_name(".t999-0");
     std::fs::create_dir_all(temp.parent().unwrap()).unwrap();
     std::fs::write(&temp, b"half a page").unwrap();
+    // Left by a process that crashed a minute ago (a fresher temp file may be a write still
+    // running in another process, and is left).
+    std::fs::File::options()
+        .write(true)
+        .open(&temp)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(60))
+        .unwrap();
     std::fs::create_dir_all(dir.join("tmp")).unwrap();
     std::fs::write(dir.join("tmp/999-0.tmp"), b"half a page").unwrap();
     let store = FileStore::open(&dir, &FileSection::unbounded(), &[])
