@@ -27,6 +27,45 @@ impl std::fmt::Display for Goal {
 /// matches and whose pattern begins its figure; a `*` in the pattern stands for any text (the
 /// figure then begins with what is before it and ends with what is after it).
 const GOALS: &[(&str, &str, Goal)] = &[
+    // P1: the cpu device's copy plan (one memcpy per run) near one memcpy of the same bytes.
+    ("agent", "cpu device plan, ", Goal::RatioAtLeast(0.9)),
+    // Issue 42: the cuda device's `auto` method near a pinned cuMemcpyAsync of the same bytes
+    // (measured only where there is a GPU: `scripts/gpu-check`).
+    (
+        "gpu",
+        "backup D→H, 2 MiB pages, 32 KiB runs, auto",
+        Goal::RatioAtLeast(0.8),
+    ),
+    (
+        "gpu",
+        "load H→D, 2 MiB pages, 32 KiB runs, auto",
+        Goal::RatioAtLeast(0.8),
+    ),
+    (
+        "gpu",
+        "backup D→H, 2 MiB pages, 256 KiB runs, auto",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "gpu",
+        "load H→D, 2 MiB pages, 256 KiB runs, auto",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "gpu",
+        "backup D→H, 8 MiB pages, 128 KiB runs, auto",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "gpu",
+        "load H→D, 8 MiB pages, 128 KiB runs, auto",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "gpu",
+        "first 2 MiB backup after attach",
+        Goal::ValueAtMost(10.0),
+    ),
     // P5: match + release of a 1,000-page prefix within 3× an empty call on the same socket.
     (
         "agent",

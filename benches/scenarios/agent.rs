@@ -36,9 +36,64 @@ fn spec(layers: u32) -> LayoutSpec {
 /// Runs the scenario: 1,000 pages (200 when `quick`) of 128 KiB, 512 KiB and 2 MiB (only
 /// 512 KiB when `quick`), and the match latency at 512 KiB.
 pub fn run(quick: bool) {
+    device_plan(quick);
     let sizes: &[u32] = if quick { &[8] } else { &[2, 8, 32] };
     for &layers in sizes {
         one(quick, layers, layers == 8);
+    }
+}
+
+/// The cpu device alone, on one thread, executing its copy plan (one memcpy per (layer, K|V)
+/// run of every page) against one memcpy of the same bytes: what the plan costs (P1).
+fn device_plan(quick: bool) {
+    use kvtier_device::cpu::CpuDevice;
+    use kvtier_device::{Device, PageCopy};
+    let layout = Layout::new(LayoutSpec {
+        page_size: 16,
+        ..spec(32)
+    })
+    .unwrap();
+    let pages: u32 = if quick { 32 } else { 128 };
+    let rounds = if quick { 5 } else { 15 };
+    let pool = DevicePool::new(layout.clone(), u64::from(pages) * 16).unwrap();
+    let path = std::env::temp_dir().join(format!("kvtier-bench-plan-{}", std::process::id()));
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(pool.total_bytes() as u64).unwrap();
+    let dev = CpuDevice::open(pool, &path, 1).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let host = super::gpu::host_pool(layout.slot_stride(), pages, "plan");
+    let copies: Vec<PageCopy> = (0..pages)
+        .map(|i| PageCopy {
+            device_page: i,
+            host_slot: pages - 1 - i,
+        })
+        .collect();
+    let bytes = pages as usize * layout.page_bytes();
+    let src = vec![5u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let name = format!(
+        "cpu device plan, {} KiB pages of {} KiB runs",
+        layout.page_bytes() >> 10,
+        layout.run_bytes() >> 10
+    );
+    for (what, to_host) in [("backup", true), ("load", false)] {
+        let c = compare(
+            &format!("{name}, {what}"),
+            bytes as u64,
+            rounds,
+            || {
+                dst.copy_from_slice(&src);
+                dst[7]
+            },
+            || {
+                if to_host {
+                    dev.copy_to_host(&host, &copies).unwrap();
+                } else {
+                    dev.copy_from_host(&host, &copies).unwrap();
+                }
+            },
+        );
+        crate::say!("{}", c.line("GiB/s", f64::from(1 << 30)));
     }
 }
 

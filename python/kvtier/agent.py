@@ -139,6 +139,16 @@ class Saved:
 
 
 @dataclass(frozen=True)
+class RunPlacement:
+    """Where one run (one layer's K or V, or MLA latent) of every page of a CUDA pool lives:
+    allocation ``allocation`` + ``offset`` + page × ``page_stride`` bytes."""
+
+    allocation: int
+    offset: int
+    page_stride: int
+
+
+@dataclass(frozen=True)
 class PoolInfo:
     """What the agent derived from the registered pool."""
 
@@ -178,9 +188,13 @@ class AgentClient:
         cuda_ordinal: int | None = None,
         cuda_ipc_handles: Sequence[bytes] = (),
         engine_cache: bool = False,
+        cuda_allocation_bytes: Sequence[int] = (),
+        cuda_runs: Sequence[RunPlacement] = (),
     ) -> PoolInfo:
         """Registers the engine's KV pool: a CPU shared-memory file of layer-first buffers
-        (``cpu_path``), or CUDA IPC handles, one per buffer, on device ``cuda_ordinal``.
+        (``cpu_path``), or CUDA IPC handles on device ``cuda_ordinal``: one per buffer, or
+        (with ``cuda_runs``) one per allocation, ``cuda_allocation_bytes`` long, with each
+        run of a page placed in them (every layer's K, then every layer's V).
         ``engine_cache``: the engine keeps its own prefix cache (see the module doc)."""
         req = agent_pb2.RegisterPoolRequest(
             layout=layout, num_token_slots=num_token_slots, engine_cache=engine_cache
@@ -191,7 +205,17 @@ class AgentClient:
             req.cpu.CopyFrom(agent_pb2.CpuPool(path=cpu_path))
         else:
             req.cuda.CopyFrom(
-                agent_pb2.CudaPool(device_ordinal=cuda_ordinal, ipc_handles=list(cuda_ipc_handles))
+                agent_pb2.CudaPool(
+                    device_ordinal=cuda_ordinal,
+                    ipc_handles=list(cuda_ipc_handles),
+                    allocation_bytes=list(cuda_allocation_bytes),
+                    runs=[
+                        agent_pb2.RunPlacement(
+                            allocation=r.allocation, offset=r.offset, page_stride=r.page_stride
+                        )
+                        for r in cuda_runs
+                    ],
+                )
             )
         r = self._call(self.stub.RegisterPool, req)
         self._owner = [(OWNER_HEADER, r.owner)]

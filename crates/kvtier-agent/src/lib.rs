@@ -121,7 +121,7 @@ pub async fn run(
         let svc = service.clone();
         link.set_reporter(Arc::new(move || svc.report()));
         let svc = service.clone();
-        link.set_on_linked(Arc::new(move |generation| svc.relinked(generation)));
+        link.set_on_linked(Arc::new(move |linked| svc.relinked(linked)));
     }
     let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
     let backups = tokio::spawn(service.run_backups(worker, shutdown.clone()));

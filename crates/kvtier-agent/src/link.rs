@@ -51,8 +51,8 @@ pub struct Link {
     linked: watch::Sender<u64>,
 }
 
-/// Called with a new session's generation before the session is used.
-pub type OnLinked = Arc<dyn Fn(u64) + Send + Sync>;
+/// Called with a new session (its generation set) before the session is used.
+pub type OnLinked = Arc<dyn Fn(&Linked) + Send + Sync>;
 
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -234,7 +234,7 @@ impl Link {
                             tracing::info!(session = %linked.session, generation, address = %self.address, "registered with kvtierd");
                             let hook = read(&self.on_linked).clone();
                             if let Some(hook) = hook {
-                                hook(generation);
+                                hook(&linked);
                             }
                             let ttl = linked.ttl;
                             *write(&self.current) = Some(Arc::new(linked));

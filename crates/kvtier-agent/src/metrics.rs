@@ -4,7 +4,7 @@
 //! every one (a test holds the two together).
 
 use kvtier_server::metrics::{MetricRegistry, Result};
-use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 /// Every metric of the agent.
 #[derive(Clone, Debug)]
@@ -53,6 +53,12 @@ pub struct Metrics {
     pub open_handles: IntGauge,
     /// `kvtier_agent_daemon_connected`.
     pub daemon_connected: IntGauge,
+    /// `kvtier_agent_copy_method{method, state}`: 1 for the method in use (`selected`) and
+    /// for each method's self-check result (`passed`, `disabled`).
+    pub copy_method: IntGaugeVec,
+    /// `kvtier_agent_host_register_duration_seconds`: registering kvtierd's pool with the
+    /// GPU driver at attach.
+    pub host_register_seconds: Histogram,
 }
 
 const SECONDS: [f64; 12] = [
@@ -178,6 +184,19 @@ impl Metrics {
                 "kvtier_agent_daemon_connected",
                 "1 while the agent has a session with kvtierd",
             )?,
+            copy_method: r.gauge_vec(
+                "kvtier_agent_copy_method",
+                "1 for the device's copy method in use (state selected) and for what each \
+                 method's start-up self-check found (state passed or disabled; the log \
+                 says why)",
+                &["method", "state"],
+            )?,
+            host_register_seconds: r.histogram(
+                "kvtier_agent_host_register_duration_seconds",
+                "Time to register kvtierd's host pool with the GPU driver when the agent \
+                 attaches it (page-locking, in chunks of at most 64 GiB)",
+                &[0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0],
+            )?,
         };
         for tier in ["device", "l2", "l3", "miss"] {
             m.match_pages.with_label_values(&[tier]);
@@ -193,6 +212,43 @@ impl Metrics {
             m.backup_wait_seconds.with_label_values(&[at]);
         }
         Ok(m)
+    }
+}
+
+impl Metrics {
+    /// Records (and logs) which copy method the device uses and what every method's
+    /// self-check found, replacing what an earlier registration recorded.
+    pub fn copy_methods(&self, r: &kvtier_device::CopyReport<'_>) {
+        use kvtier_core::copy_method::Check;
+        self.copy_method.reset();
+        self.copy_method
+            .with_label_values(&[r.method, "selected"])
+            .set(1);
+        for (m, c) in r.checks {
+            match c {
+                Check::Passed { bytes_per_sec } => {
+                    self.copy_method
+                        .with_label_values(&[m.name(), "passed"])
+                        .set(1);
+                    tracing::info!(
+                        method = m.name(),
+                        gbps = bytes_per_sec / 1e9,
+                        "copy method passed its self-check"
+                    );
+                }
+                Check::Disabled { reason } => {
+                    self.copy_method
+                        .with_label_values(&[m.name(), "disabled"])
+                        .set(1);
+                    tracing::warn!(method = m.name(), %reason, "copy method disabled");
+                }
+            }
+        }
+        if let Some((m, why)) = r.fallback_from {
+            tracing::warn!(configured = m.name(), using = r.method, %why, "device.copy_method is not usable here; using another");
+        } else {
+            tracing::info!(method = r.method, "device copy method");
+        }
     }
 }
 

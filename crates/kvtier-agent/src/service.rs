@@ -13,15 +13,17 @@ use kvtier_config::agent::AgentConfig;
 use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree};
 use kvtier_device::cpu::CpuDevice;
 use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
+use kvtier_device::plan::{DeviceMap, RunPlace};
 use kvtier_device::{Device, DeviceError};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1::{self, agent_server};
+use kvtier_shm::ShmPool;
 use tonic::{Request, Response, Status};
 
 use crate::backup::BackupWorker;
 use crate::engine_cache::{CacheMode, Pages};
 use crate::l2::L2;
-use crate::link::Link;
+use crate::link::{Link, Linked};
 use crate::metrics::Metrics;
 use crate::owner::{Caller, Owner};
 use crate::shared::{Engine, Mode, Settings, Shared};
@@ -66,6 +68,52 @@ fn namespace(ns: Option<v1::Namespace>) -> Result<Namespace, ApiError> {
 fn prefetch_policy(p: i32) -> Result<v1::PrefetchPolicy, ApiError> {
     v1::PrefetchPolicy::try_from(p)
         .map_err(|_| ApiError::invalid("policy", format!("{p} is not a PrefetchPolicy value")))
+}
+
+/// The engine's GPU memory as the registration describes it: per-buffer handles alone
+/// (layer-first), or allocations with each run's placement. Checked here, before any handle
+/// is opened; errors name the `cuda.*` field.
+fn cuda_map(pool: &DevicePool, c: &v1::CudaPool) -> Result<DeviceMap, ApiError> {
+    if c.runs.is_empty() {
+        if !c.allocation_bytes.is_empty() {
+            return Err(ApiError::invalid(
+                "cuda.allocation_bytes",
+                "given without runs: per-buffer handles need neither",
+            ));
+        }
+        if c.ipc_handles.len() != pool.num_buffers() {
+            return Err(ApiError::invalid(
+                "cuda.ipc_handles",
+                format!(
+                    "{} handles for a layout of {} buffers (or give runs)",
+                    c.ipc_handles.len(),
+                    pool.num_buffers()
+                ),
+            ));
+        }
+        return Ok(DeviceMap::layer_first(pool));
+    }
+    if c.allocation_bytes.len() != c.ipc_handles.len() {
+        return Err(ApiError::invalid(
+            "cuda.allocation_bytes",
+            format!(
+                "{} sizes for {} handles",
+                c.allocation_bytes.len(),
+                c.ipc_handles.len()
+            ),
+        ));
+    }
+    let places = c
+        .runs
+        .iter()
+        .map(|r| RunPlace {
+            region: r.allocation as usize,
+            offset: r.offset,
+            page_stride: r.page_stride,
+        })
+        .collect();
+    DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), places)
+        .map_err(|e| device_error("cuda", e))
 }
 
 fn device_error(field: &str, e: DeviceError) -> ApiError {
@@ -129,7 +177,34 @@ impl AgentService {
     /// A new kvtierd session: what the tree believed L2 held may be gone (a restarted
     /// kvtierd), so every mark is cleared and each page is backed up again (or found in L2)
     /// before its eviction. Runs before the session is used.
-    pub(crate) fn relinked(&self, generation: u64) {
+    /// Attaches kvtierd's pool to the registered device (the cuda device registers it with
+    /// the driver) on a blocking thread; copies that come meanwhile wait for it. `None`
+    /// without a registered engine.
+    fn attach(&self, pool: Arc<ShmPool>) -> Option<tokio::task::JoinHandle<()>> {
+        let device = self.s.lock().engine.as_ref().map(|e| e.device.clone())?;
+        let metrics = self.s.metrics.clone();
+        Some(tokio::task::spawn_blocking(move || {
+            match device.attach_host(&pool) {
+                Ok(a) if a.registered => {
+                    metrics.host_register_seconds.observe(a.took.as_secs_f64());
+                    tracing::info!(
+                        bytes = pool.len(),
+                        seconds = a.took.as_secs_f64(),
+                        "host pool registered with the GPU driver"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!("host pool not attached; copies will fail until it is: {e}")
+                }
+            }
+        }))
+    }
+
+    pub(crate) fn relinked(&self, linked: &Linked) {
+        let generation = linked.generation;
+        // Copies on the new session's pool wait for this rather than run unregistered.
+        let _ = self.attach(linked.pool.clone());
         let s = &self.s;
         let mut st = s.lock();
         let (_, marked) = st.tree.forget_backups();
@@ -240,10 +315,12 @@ impl AgentService {
                     })?;
                     handles.push(h);
                 }
-                Arc::new(
-                    CudaDevice::open(pool.clone(), c.device_ordinal, &handles)
-                        .map_err(|e| device_error("cuda", e))?,
-                )
+                let map = cuda_map(pool, &c)?;
+                let dev =
+                    CudaDevice::open(map, c.device_ordinal, &handles, self.s.settings.copy_method)
+                        .map_err(|e| device_error("cuda", e))?;
+                self.s.metrics.copy_methods(&dev.copy_report());
+                Arc::new(dev)
             }
             None => return Err(ApiError::invalid("device", "required: cpu or cuda")),
         })
@@ -314,6 +391,13 @@ impl AgentService {
         // want of it (a daemon that does not answer in time costs that wait once; saves
         // after it still wait up to cache.evict_wait for the link).
         let linked = s.link.current_or_wait(s.link.timeout()).await;
+        if let Some(l) = &linked {
+            // Ready means ready: the host pool is registered before the engine hears back,
+            // so its first copy does not pay for it.
+            if let Some(attach) = self.attach(l.pool.clone()) {
+                let _ = attach.await;
+            }
+        }
         Ok(v1::RegisterPoolResponse {
             layout: Some(v1::LayoutInfo::from(&layout)),
             num_pages: num_pages as u32,

@@ -160,6 +160,7 @@ pub(crate) struct Settings {
     /// How long an owner whose process is not visible keeps the pool without a call.
     pub(crate) pool_lease: Duration,
     pub(crate) copy_threads: usize,
+    pub(crate) copy_method: kvtier_core::CopyMethod,
     pub(crate) eviction: PolicyKind,
     /// Longest a write waits for room in L2 without progress (and an Evict for backups).
     pub(crate) evict_wait: Duration,
@@ -177,6 +178,7 @@ impl Settings {
             max_tokens: cfg.server.max_tokens as usize,
             pool_lease: cfg.server.pool_lease.0,
             copy_threads: cfg.device.copy_threads as usize,
+            copy_method: cfg.device.copy_method,
             eviction: cfg.cache.eviction_policy,
             evict_wait: cfg.cache.evict_wait.0,
             backup_queue_pages: cfg.cache.backup_queue,

@@ -34,6 +34,29 @@ pub enum PoolMemory {
         /// `cudaIpcMemHandle_t` bytes per buffer, in the layout's buffer order.
         ipc_handles: Vec<Vec<u8>>,
     },
+    /// A CUDA pool in a few allocations (vLLM's layouts): one IPC handle per allocation and
+    /// where each run of a page lives in them.
+    CudaMapped {
+        /// The CUDA device.
+        ordinal: u32,
+        /// `cudaIpcMemHandle_t` bytes per allocation.
+        ipc_handles: Vec<Vec<u8>>,
+        /// Bytes of each allocation the runs use, from the handle's address.
+        allocation_bytes: Vec<u64>,
+        /// Per run of a page (page-first order): allocation, offset, page stride.
+        runs: Vec<RunPlacement>,
+    },
+}
+
+/// Where one run of every page lives: `allocation` + `offset` + page × `page_stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunPlacement {
+    /// Index into the pool's allocations.
+    pub allocation: u32,
+    /// Bytes from the allocation's start to page 0's run.
+    pub offset: u64,
+    /// Bytes between consecutive pages' runs.
+    pub page_stride: u64,
 }
 
 impl From<PoolMemory> for v1::register_pool_request::Device {
@@ -48,6 +71,26 @@ impl From<PoolMemory> for v1::register_pool_request::Device {
             } => Self::Cuda(v1::CudaPool {
                 device_ordinal: ordinal,
                 ipc_handles,
+                allocation_bytes: Vec::new(),
+                runs: Vec::new(),
+            }),
+            PoolMemory::CudaMapped {
+                ordinal,
+                ipc_handles,
+                allocation_bytes,
+                runs,
+            } => Self::Cuda(v1::CudaPool {
+                device_ordinal: ordinal,
+                ipc_handles,
+                allocation_bytes,
+                runs: runs
+                    .into_iter()
+                    .map(|r| v1::RunPlacement {
+                        allocation: r.allocation,
+                        offset: r.offset,
+                        page_stride: r.page_stride,
+                    })
+                    .collect(),
             }),
         }
     }

@@ -86,6 +86,12 @@ evict_wait = "5s"
 [device]
 # Threads that share one batch of cpu-device copies (1 to 64).
 copy_threads = 4
+# How a cuda device moves pages between the GPU and kvtierd's pool: auto (the fastest
+# method that passes its start-up self-check), batch (cuMemcpyBatchAsync, driver 12.8+),
+# kernel (a gather/scatter kernel over the mapped host pool) or per_run (one cuMemcpyAsync
+# per contiguous run). A named method that fails its self-check gives way to the fastest
+# that passed, logged and shown in kvtier_agent_copy_method.
+copy_method = "auto"
 
 [metrics]
 # Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
@@ -184,6 +190,8 @@ pub struct CacheConfig {
 pub struct DeviceConfig {
     /// Threads per cpu copy batch.
     pub copy_threads: u32,
+    /// How the cuda device moves pages: `auto`, `batch`, `kernel` or `per_run`.
+    pub copy_method: kvtier_core::CopyMethod,
 }
 
 /// `[metrics]`.
@@ -233,7 +241,10 @@ impl Default for AgentConfig {
                 backup_queue: 256,
                 evict_wait: Dur(Duration::from_secs(5)),
             },
-            device: DeviceConfig { copy_threads: 4 },
+            device: DeviceConfig {
+                copy_threads: 4,
+                copy_method: kvtier_core::CopyMethod::Auto,
+            },
             metrics: AgentMetricsConfig {
                 listen: Some("127.0.0.1:9465".into()),
             },
@@ -318,7 +329,11 @@ impl AgentConfig {
                     backup_queue,
                     evict_wait,
                 },
-            device: DeviceConfig { copy_threads },
+            device:
+                DeviceConfig {
+                    copy_threads,
+                    copy_method: _,
+                },
             metrics: AgentMetricsConfig { listen },
             log: AgentLogConfig { level },
         } = self;
@@ -448,6 +463,7 @@ mod tests {
             ("cache.evict_wait=1h", "cache.evict_wait"),
             ("cache.eviction_policy=random", "cache.eviction_policy"),
             ("device.copy_threads=0", "device.copy_threads"),
+            ("device.copy_method=fast", "device.copy_method"),
             ("daemon.reconnect_max=20ms", "daemon.reconnect_max"),
             ("metrics.listen=nowhere", "metrics.listen"),
             ("cache.nope=1", "cache.nope"),
@@ -467,6 +483,20 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("KVTIER_AGENT_CACHE_WRITEPOLICY"), "{e}");
+        // An unknown copy method lists the allowed ones; a known one is taken as typed.
+        let e = AgentConfig::load(&Sources {
+            sets: vec!["device.copy_method=fast".into()],
+            ..Sources::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("auto") && e.contains("per_run"), "{e}");
+        let c = AgentConfig::load(&Sources {
+            sets: vec!["device.copy_method=kernel".into()],
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(c.device.copy_method, kvtier_core::CopyMethod::Kernel);
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //! - [`write_policy`]: when a tier copies pages to the tier below (`write_through`,
 //!   `write_through_selective`, `write_back`), one type for the agent and the daemon.
 //!
+//! - [`copy_method`]: how a GPU device moves a batch of runs (`device.copy_method`), and
+//!   which method it uses once each has passed or failed its start-up self-check.
 //! - [`checksum`]: CRC32C, the checksum of stored pages and records, in one place.
 //! - [`ids`]: session ids (random, stamped with the issuing kvtierd run) and their wire form.
 //!
@@ -22,6 +24,7 @@
 //! policy.
 
 pub mod checksum;
+pub mod copy_method;
 pub mod host_index;
 pub mod ids;
 pub mod key_map;
@@ -34,6 +37,7 @@ pub mod slots;
 pub mod tenant;
 pub mod write_policy;
 
+pub use copy_method::CopyMethod;
 pub use ids::{Epoch, SessionId};
 pub use key_map::{KeyMap, KeySet, KeyTable};
 pub use keys::{Namespace, PageHasher, PageKey};

@@ -8,7 +8,9 @@ use std::path::Path;
 use kvtier_core::DevicePool;
 use kvtier_shm::{ShmPool, ShmRegion};
 
-use crate::{Device, DeviceError, PageCopy, check_copies};
+use crate::method::Direction;
+use crate::plan::{DeviceMap, Plan, Run};
+use crate::{Attached, CopyReport, Device, DeviceError, PageCopy, check_copies};
 
 /// Copies below this many pages run on the calling thread: spawning costs more than it saves.
 const PARALLEL_MIN_PAGES: usize = 8;
@@ -17,14 +19,9 @@ const PARALLEL_MIN_PAGES: usize = 8;
 #[derive(Debug)]
 pub struct CpuDevice {
     pool: DevicePool,
+    map: DeviceMap,
     region: ShmRegion,
     threads: usize,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Dir {
-    ToHost,
-    FromHost,
 }
 
 impl CpuDevice {
@@ -37,6 +34,7 @@ impl CpuDevice {
                 reason: e.to_string(),
             })?;
         Ok(Self {
+            map: DeviceMap::layer_first(&pool),
             pool,
             region,
             threads: threads.max(1),
@@ -48,51 +46,46 @@ impl CpuDevice {
         &self.region
     }
 
-    fn copy_pages(&self, host: &ShmPool, copies: &[PageCopy], dir: Dir) {
-        let layout = self.pool.layout();
-        let buffer_bytes = self.pool.buffer_bytes();
-        let base = self.region.ptr().as_ptr();
-        for c in copies {
-            // `check_copies` proved both indices in range, so these cannot fail.
-            let Ok(slot) = host.slot_ptr(c.host_slot) else {
-                continue;
-            };
-            for (layer, part) in layout.runs() {
-                let Ok(run) = self.pool.run(c.device_page as usize, layer, part) else {
-                    continue;
-                };
-                let dev_off = run.buffer * buffer_bytes + run.offset;
-                let host_off = layout.host_run_offset(layer, part);
-                // SAFETY: `run` lies inside buffer `run.buffer` (DevicePool::run checks the
-                // page and run), so `dev_off + run.len <= total_bytes()`, the region's mapped
-                // length (checked at open). `host_off + run.len <= page_bytes <= stride`
-                // (check_copies), so the host range is inside slot `c.host_slot`, inside the
-                // live host mapping. The two mappings are distinct files, so the ranges do not
-                // overlap. No Rust reference into either mapping exists; concurrent access to
-                // these bytes is excluded by the agent's locks (device page) and the daemon's
-                // reserve/acquire protocol (host slot).
-                unsafe {
-                    let dev = base.add(dev_off);
-                    let hst = slot.as_ptr().add(host_off);
-                    match dir {
-                        Dir::ToHost => std::ptr::copy_nonoverlapping(dev, hst, run.len),
-                        Dir::FromHost => std::ptr::copy_nonoverlapping(hst, dev, run.len),
-                    }
+    /// The copy plan of `copies` over this pool and `host` (checked first).
+    fn plan(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<Plan, DeviceError> {
+        let slots = check_copies(&self.pool, host, copies)?;
+        let base = self.region.ptr().as_ptr() as u64;
+        let buffer = self.pool.buffer_bytes() as u64;
+        let bases: Vec<u64> = (0..self.pool.num_buffers() as u64)
+            .map(|b| base + b * buffer)
+            .collect();
+        Ok(Plan::build(&self.map, &bases, slots, copies))
+    }
+
+    fn copy_runs(runs: &[Run], dir: Direction) {
+        for r in runs {
+            let (dev, hst) = (r.device as usize as *mut u8, r.host as usize as *mut u8);
+            // SAFETY: the plan was built by `plan` from a copy list `check_copies` accepted:
+            // every device run lies inside a buffer of this device's mapped pool file (the
+            // map is `layer_first` of the pool the region was opened with, so offset + page ×
+            // stride + len ≤ buffer_bytes), and every host run inside a slot of the live host
+            // mapping (run index × run_bytes + len ≤ page_bytes ≤ stride). The two mappings
+            // are distinct files, so the ranges do not overlap. No Rust reference into either
+            // mapping exists; concurrent access to these bytes is excluded by the agent's locks
+            // (device page) and the daemon's reserve/acquire protocol (host slot).
+            unsafe {
+                match dir {
+                    Direction::ToHost => std::ptr::copy_nonoverlapping(dev, hst, r.len as usize),
+                    Direction::FromHost => std::ptr::copy_nonoverlapping(hst, dev, r.len as usize),
                 }
             }
         }
     }
 
-    fn copy(&self, host: &ShmPool, copies: &[PageCopy], dir: Dir) -> Result<(), DeviceError> {
-        check_copies(&self.pool, host, copies)?;
+    fn copy(&self, host: &ShmPool, copies: &[PageCopy], dir: Direction) -> Result<(), DeviceError> {
+        let plan = self.plan(host, copies)?;
         if self.threads == 1 || copies.len() < PARALLEL_MIN_PAGES {
-            self.copy_pages(host, copies, dir);
+            Self::copy_runs(plan.runs(), dir);
             return Ok(());
         }
-        let per = copies.len().div_ceil(self.threads);
         std::thread::scope(|s| {
-            for chunk in copies.chunks(per) {
-                s.spawn(move || self.copy_pages(host, chunk, dir));
+            for part in plan.split(self.threads) {
+                s.spawn(move || Self::copy_runs(part, dir));
             }
         });
         Ok(())
@@ -108,11 +101,23 @@ impl Device for CpuDevice {
         &self.pool
     }
 
+    fn attach_host(&self, _host: &ShmPool) -> Result<Attached, DeviceError> {
+        Ok(Attached::default())
+    }
+
+    fn copy_report(&self) -> CopyReport<'_> {
+        CopyReport {
+            method: "memcpy",
+            fallback_from: None,
+            checks: &[],
+        }
+    }
+
     fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError> {
-        self.copy(host, copies, Dir::ToHost)
+        self.copy(host, copies, Direction::ToHost)
     }
 
     fn copy_from_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError> {
-        self.copy(host, copies, Dir::FromHost)
+        self.copy(host, copies, Direction::FromHost)
     }
 }

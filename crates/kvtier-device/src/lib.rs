@@ -18,10 +18,13 @@
 //! byte moves, so a bad request changes nothing.
 
 use kvtier_core::DevicePool;
+use kvtier_core::copy_method::{Check, Method};
 use kvtier_shm::ShmPool;
 
 pub mod cpu;
 pub mod cuda;
+pub mod method;
+pub mod plan;
 
 /// Errors of a device.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +54,27 @@ pub struct PageCopy {
     pub host_slot: u32,
 }
 
+/// What attaching a host pool did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Attached {
+    /// Whether this call registered the pool with the driver (false: nothing to do, or
+    /// already registered).
+    pub registered: bool,
+    /// How long registering took.
+    pub took: std::time::Duration,
+}
+
+/// How a device copies, for logs and metrics.
+#[derive(Clone, Copy, Debug)]
+pub struct CopyReport<'a> {
+    /// The method in use (`memcpy` on the cpu device).
+    pub method: &'static str,
+    /// The configured method when it was not usable, and why.
+    pub fallback_from: Option<&'a (Method, String)>,
+    /// Every method's self-check (none on the cpu device).
+    pub checks: &'a [(Method, Check)],
+}
+
 /// The engine's KV pool and copies to and from the host pool.
 pub trait Device: Send + Sync + std::fmt::Debug {
     /// `cpu` or `cuda`, for metrics and logs.
@@ -59,6 +83,14 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// The pool's geometry.
     fn pool(&self) -> &DevicePool;
 
+    /// Prepares `host` for copies before the first one needs it: the cuda device registers
+    /// it with the driver (page-locked, in chunks); the cpu device has nothing to do. Copies
+    /// into a pool that was not attached attach it first.
+    fn attach_host(&self, host: &ShmPool) -> Result<Attached, DeviceError>;
+
+    /// The copy method in use and what its self-checks found.
+    fn copy_report(&self) -> CopyReport<'_>;
+
     /// Copies device pages into host slots (device → host). Returns when every byte landed.
     fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
 
@@ -66,12 +98,13 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     fn copy_from_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
 }
 
-/// Checks a copy list against the pool and the host pool before anything moves.
+/// Checks a copy list against the pool and the host pool before anything moves, and returns
+/// where the host pool's slots are, for [`plan::Plan::build`].
 pub fn check_copies(
     pool: &DevicePool,
     host: &ShmPool,
     copies: &[PageCopy],
-) -> Result<(), DeviceError> {
+) -> Result<plan::HostSlots, DeviceError> {
     let page_bytes = pool.layout().page_bytes();
     if host.stride() < page_bytes {
         return Err(DeviceError::Invalid {
@@ -104,5 +137,11 @@ pub fn check_copies(
             });
         }
     }
-    Ok(())
+    let slot0 = host
+        .slot_ptr(0)
+        .map_err(|e| DeviceError::Copy(e.to_string()))?;
+    Ok(plan::HostSlots {
+        base: slot0.as_ptr() as u64,
+        stride: host.stride() as u64,
+    })
 }

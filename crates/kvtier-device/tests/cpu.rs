@@ -231,7 +231,8 @@ fn cuda_without_a_driver_is_a_clear_error() {
     .unwrap();
     let pool = DevicePool::new(layout, 64).unwrap();
     let handles = vec![[0u8; 64]; pool.num_buffers()];
-    let e = kvtier_device::cuda::CudaDevice::open(pool, 0, &handles)
+    let map = kvtier_device::plan::DeviceMap::layer_first(&pool);
+    let e = kvtier_device::cuda::CudaDevice::open(map, 0, &handles, kvtier_core::CopyMethod::Auto)
         .unwrap_err()
         .to_string();
     assert!(e.contains("libcuda"), "{e}");

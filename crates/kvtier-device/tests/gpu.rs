@@ -8,8 +8,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvtier_core::{DType, DevicePool, KvKind, Layout, LayoutSpec};
+use kvtier_core::{CopyMethod, DType, DevicePool, KvKind, Layout, LayoutSpec};
 use kvtier_device::cuda::{CudaDevice, DeviceBuffer, IPC_HANDLE_BYTES};
+use kvtier_device::plan::{DeviceMap, RunPlace};
 use kvtier_device::{Device, DeviceError, PageCopy};
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
@@ -45,16 +46,43 @@ fn host_pool(layout: &Layout, slots: u32, tag: &str) -> ShmPool {
     .unwrap()
 }
 
+/// The methods every test runs with. A named method that fails its self-check falls back;
+/// that is only acceptable for `batch` on a driver older than 12.8.
+const METHODS: [CopyMethod; 3] = [CopyMethod::Batch, CopyMethod::Kernel, CopyMethod::PerRun];
+
+fn pool_of(layout: &Layout) -> DevicePool {
+    DevicePool::new(layout.clone(), u64::from(PAGES) * layout.page_size() as u64).unwrap()
+}
+
+/// Opens `map` over `ptrs` with `method`; `None` when the method is not usable here for an
+/// acceptable reason (printed), a panic when it failed its self-check.
+fn open_with(map: DeviceMap, ptrs: &[u64], method: CopyMethod) -> Option<CudaDevice> {
+    let dev = CudaDevice::from_device_ptrs(map, 0, ptrs, method).unwrap();
+    for (m, c) in dev.checks() {
+        eprintln!("{}: {c:?}", m.name());
+    }
+    if let Some((m, why)) = &dev.choice().fallback_from {
+        assert!(
+            why.contains("needs 12.8"),
+            "{} failed its self-check: {why}",
+            m.name()
+        );
+        eprintln!("{} skipped: {why}", m.name());
+        return None;
+    }
+    assert_eq!(dev.choice().method.name(), method.name());
+    Some(dev)
+}
+
 /// A device over freshly allocated buffers; the buffers must outlive it.
-fn device(layout: &Layout) -> (CudaDevice, Vec<DeviceBuffer>) {
-    let pool =
-        DevicePool::new(layout.clone(), u64::from(PAGES) * layout.page_size() as u64).unwrap();
+fn device(layout: &Layout, method: CopyMethod) -> Option<(CudaDevice, Vec<DeviceBuffer>)> {
+    let pool = pool_of(layout);
     let buffers: Vec<DeviceBuffer> = (0..pool.num_buffers())
         .map(|_| DeviceBuffer::new(0, pool.buffer_bytes()).unwrap())
         .collect();
     let ptrs: Vec<u64> = buffers.iter().map(DeviceBuffer::ptr).collect();
-    let dev = CudaDevice::from_device_ptrs(pool, 0, &ptrs).unwrap();
-    (dev, buffers)
+    let dev = open_with(DeviceMap::layer_first(&pool), &ptrs, method)?;
+    Some((dev, buffers))
 }
 
 /// A page's bytes: different in every slot and at every offset, never all zero.
@@ -70,7 +98,14 @@ fn page(layout: &Layout, seed: u32) -> Vec<u8> {
 }
 
 fn round_trip(layout: &Layout) {
-    let (dev, _buffers) = device(layout);
+    for method in METHODS {
+        if let Some((dev, _buffers)) = device(layout, method) {
+            round_trip_on(&dev, layout);
+        }
+    }
+}
+
+fn round_trip_on(dev: &CudaDevice, layout: &Layout) {
     let host = host_pool(layout, 2 * PAGES, "rt");
     for s in 0..PAGES {
         host.write(s, 0, &page(layout, s)).unwrap();
@@ -138,8 +173,15 @@ fn a_backup_and_a_load_at_once_do_not_mix() {
         16,
         8,
     );
-    let (dev, _buffers) = device(&layout);
-    let dev = Arc::new(dev);
+    for method in METHODS {
+        if let Some((dev, _buffers)) = device(&layout, method) {
+            both_at_once(Arc::new(dev), &layout);
+        }
+    }
+}
+
+fn both_at_once(dev: Arc<CudaDevice>, layout: &Layout) {
+    let layout = layout.clone();
     let host = Arc::new(host_pool(&layout, 2 * PAGES, "both"));
     // Pages 0..32 hold slots 0..32; then back them up to slots 64.. while slots 32..64 load
     // into pages 32..64, at the same time on the two streams.
@@ -206,7 +248,7 @@ fn bad_copy_lists_and_bad_ipc_handles_are_refused() {
         16,
         2,
     );
-    let (dev, _buffers) = device(&layout);
+    let (dev, _buffers) = device(&layout, CopyMethod::Auto).unwrap();
     let host = host_pool(&layout, 4, "bad");
     host.write(0, 0, &page(&layout, 7)).unwrap();
     let out_of_pool = [PageCopy {
@@ -248,13 +290,153 @@ fn bad_copy_lists_and_bad_ipc_handles_are_refused() {
     // Garbage IPC handles: an error naming the handle, not a crash.
     let pool = DevicePool::new(layout.clone(), u64::from(PAGES) * 16).unwrap();
     let junk = vec![[0xabu8; IPC_HANDLE_BYTES]; pool.num_buffers()];
-    match CudaDevice::open(pool.clone(), 0, &junk) {
+    let map = DeviceMap::layer_first(&pool);
+    match CudaDevice::open(map.clone(), 0, &junk, CopyMethod::Auto) {
         Err(DeviceError::Copy(m)) => assert!(m.contains("ipc_handles[0]"), "{m}"),
         other => panic!("junk IPC handles gave {other:?}"),
     }
     let few = vec![[0u8; IPC_HANDLE_BYTES]; 1];
     assert!(matches!(
-        CudaDevice::open(pool, 0, &few),
+        CudaDevice::open(map, 0, &few, CopyMethod::Auto),
         Err(DeviceError::Invalid { .. })
     ));
+}
+
+/// vLLM's layouts over one allocation each: K and V of every layer in one tensor `[2, blocks,
+/// ...]` at an offset per layer, and all layers of a block together `[blocks, layers, 2, ...]`.
+fn vllm_maps(layout: &Layout) -> Vec<(&'static str, DeviceMap, u64)> {
+    let pool = pool_of(layout);
+    let (run, n, layers) = (
+        layout.run_bytes() as u64,
+        u64::from(PAGES),
+        layout.num_layers() as u64,
+    );
+    let per_layer = 2 * n * run + 4096; // a gap between layers, as an allocator leaves
+    let k_then_v: Vec<RunPlace> = (0..2)
+        .flat_map(|part| {
+            (0..layers).map(move |l| RunPlace {
+                region: 0,
+                offset: 512 + l * per_layer + part * n * run,
+                page_stride: run,
+            })
+        })
+        .collect();
+    let runs = layout.runs_per_page() as u64;
+    let block_first: Vec<RunPlace> = (0..runs)
+        .map(|i| RunPlace {
+            region: 0,
+            offset: i * run,
+            page_stride: runs * run,
+        })
+        .collect();
+    let a = 512 + layers * per_layer;
+    let b = n * runs * run;
+    vec![
+        (
+            "k_then_v",
+            DeviceMap::new(pool.clone(), vec![a], k_then_v).unwrap(),
+            a,
+        ),
+        (
+            "block_first",
+            DeviceMap::new(pool, vec![b], block_first).unwrap(),
+            b,
+        ),
+    ]
+}
+
+/// 8 KV heads of 128 bf16, 16-token pages, 4 layers.
+fn mha_16x4() -> Layout {
+    layout(
+        KvKind::Mha {
+            kv_heads: 8,
+            head_dim: 128,
+        },
+        16,
+        4,
+    )
+}
+
+#[test]
+fn vllm_layouts_over_one_allocation_round_trip_with_every_method() {
+    let layout = mha_16x4();
+    for (name, map, bytes) in vllm_maps(&layout) {
+        let mem = DeviceBuffer::new(0, bytes as usize).unwrap();
+        for method in METHODS {
+            eprintln!("{name} with {}", method.name());
+            if let Some(dev) = open_with(map.clone(), &[mem.ptr()], method) {
+                round_trip_on(&dev, &layout);
+            }
+        }
+    }
+}
+
+const CHILD: &str = "KVTIER_GPU_TEST_IPC_CHILD";
+
+/// The exporting engine, run as a child process by the next test: allocates, prints the
+/// allocation's IPC handle in hex, and keeps it alive until its stdin closes.
+#[test]
+fn ipc_exporter_child() {
+    let Ok(bytes) = std::env::var(CHILD) else {
+        return;
+    };
+    let mem = DeviceBuffer::new(0, bytes.parse().unwrap()).unwrap();
+    let hex: String = mem
+        .ipc_handle()
+        .unwrap()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!("HANDLE {hex}");
+    use std::io::Read;
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+}
+
+#[test]
+fn an_allocation_imported_by_ipc_handle_with_offsets_round_trips() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let layout = mha_16x4();
+    for (name, map, bytes) in vllm_maps(&layout) {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "ipc_exporter_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, bytes.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let line = out
+            .lines()
+            .map(Result::unwrap)
+            .find(|l| l.starts_with("HANDLE "))
+            .expect("the child printed no handle");
+        let hex = &line["HANDLE ".len()..];
+        let mut handle = [0u8; IPC_HANDLE_BYTES];
+        for (i, b) in handle.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        let dev = CudaDevice::open(map.clone(), 0, &[handle], CopyMethod::Auto).unwrap();
+        eprintln!(
+            "{name}: imported, copies with {}",
+            dev.choice().method.name()
+        );
+        round_trip_on(&dev, &layout);
+        // A map that claims more than the allocation holds is refused by handle.
+        let pool = map.pool().clone();
+        let places = map.places().to_vec();
+        let too_big = DeviceMap::new(pool, vec![bytes + (64 << 20)], places).unwrap();
+        drop(dev);
+        match CudaDevice::open(too_big, 0, &[handle], CopyMethod::Auto) {
+            Err(DeviceError::Invalid { field, .. }) => assert_eq!(field, "ipc_handles[0]"),
+            other => panic!("an oversized map gave {other:?}"),
+        }
+        drop(child.stdin.take());
+        child.wait().unwrap();
+    }
 }
