@@ -139,13 +139,15 @@ class Saved:
 
 
 @dataclass(frozen=True)
-class RunPlacement:
-    """Where one run (one layer's K or V, or MLA latent) of every page of a CUDA pool lives:
-    allocation ``allocation`` + ``offset`` + page × ``page_stride`` bytes."""
+class PagePiece:
+    """``length`` bytes of every page of a CUDA pool: page p's at allocation ``allocation`` +
+    ``offset`` + p × ``page_stride``. A page's pieces, in order, are its bytes in a host
+    slot."""
 
     allocation: int
     offset: int
     page_stride: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -189,12 +191,12 @@ class AgentClient:
         cuda_ipc_handles: Sequence[bytes] = (),
         engine_cache: bool = False,
         cuda_allocation_bytes: Sequence[int] = (),
-        cuda_runs: Sequence[RunPlacement] = (),
+        cuda_pieces: Sequence[PagePiece] = (),
     ) -> PoolInfo:
         """Registers the engine's KV pool: a CPU shared-memory file of layer-first buffers
         (``cpu_path``), or CUDA IPC handles on device ``cuda_ordinal``: one per buffer, or
-        (with ``cuda_runs``) one per allocation, ``cuda_allocation_bytes`` long, with each
-        run of a page placed in them (every layer's K, then every layer's V).
+        (with ``cuda_pieces``) one per allocation, ``cuda_allocation_bytes`` long, with the
+        pieces of a page placed in them (in the order of the page's bytes).
         ``engine_cache``: the engine keeps its own prefix cache (see the module doc)."""
         req = agent_pb2.RegisterPoolRequest(
             layout=layout, num_token_slots=num_token_slots, engine_cache=engine_cache
@@ -209,11 +211,14 @@ class AgentClient:
                     device_ordinal=cuda_ordinal,
                     ipc_handles=list(cuda_ipc_handles),
                     allocation_bytes=list(cuda_allocation_bytes),
-                    runs=[
-                        agent_pb2.RunPlacement(
-                            allocation=r.allocation, offset=r.offset, page_stride=r.page_stride
+                    pieces=[
+                        agent_pb2.PagePiece(
+                            allocation=p.allocation,
+                            offset=p.offset,
+                            page_stride=p.page_stride,
+                            length=p.length,
                         )
-                        for r in cuda_runs
+                        for p in cuda_pieces
                     ],
                 )
             )

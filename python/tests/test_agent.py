@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvtier.agent import After, AgentClient, RunPlacement, packed
+from kvtier.agent import After, AgentClient, PagePiece, packed
 from kvtier.host import KvtierError
 from kvtier.keys import Namespace, page_keys
 from kvtier.v1 import common_pb2
@@ -109,29 +109,29 @@ def test_bad_input_is_refused_by_name(engine) -> None:
 
 
 def test_a_cuda_pool_map_is_checked_by_field_before_any_handle_is_opened(agent) -> None:
-    """vLLM's layouts register one IPC handle per allocation with each run placed in it; a
-    map that runs past its allocation or overlaps itself is refused naming the run, on any
-    machine (the GPU is only touched once the map is sound)."""
+    """vLLM's layouts register one IPC handle per allocation with a page's pieces placed in
+    it; a map that runs past its allocation or overlaps itself is refused naming the piece,
+    on any machine (the GPU is only touched once the map is sound)."""
     c = AgentClient(agent.socket)
     pages = SLOTS // PAGE
-    runs = [RunPlacement(0, b * pages * RUN, RUN) for b in range(BUFFERS)]
+    pieces = [PagePiece(0, b * pages * RUN, RUN, RUN) for b in range(BUFFERS)]
     whole = BUFFERS * pages * RUN
     handle = [bytes(64)]
     with pytest.raises(KvtierError) as e:
         c.register_pool(
             layout(), SLOTS, cuda_ordinal=0, cuda_ipc_handles=handle,
-            cuda_allocation_bytes=[whole - 1], cuda_runs=runs,
+            cuda_allocation_bytes=[whole - 1], cuda_pieces=pieces,
         )  # fmt: skip
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"cuda.runs[{BUFFERS - 1}]" in str(e.value)
-    overlapping = [*runs[:2], RunPlacement(0, runs[1].offset + RUN, RUN), *runs[3:]]
+    assert f"cuda.pieces[{BUFFERS - 1}]" in str(e.value)
+    overlapping = [*pieces[:2], PagePiece(0, pieces[1].offset + RUN, RUN, RUN), *pieces[3:]]
     with pytest.raises(KvtierError) as e:
         c.register_pool(
             layout(), SLOTS, cuda_ordinal=0, cuda_ipc_handles=handle,
-            cuda_allocation_bytes=[whole], cuda_runs=overlapping,
+            cuda_allocation_bytes=[whole], cuda_pieces=overlapping,
         )  # fmt: skip
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "overlaps runs[1]" in str(e.value)
+    assert "overlaps pieces[1]" in str(e.value)
     c.close()
 
 

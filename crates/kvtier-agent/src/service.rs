@@ -13,7 +13,7 @@ use kvtier_config::agent::AgentConfig;
 use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree};
 use kvtier_device::cpu::CpuDevice;
 use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
-use kvtier_device::plan::{DeviceMap, RunPlace};
+use kvtier_device::plan::{DeviceMap, Piece};
 use kvtier_device::{Device, DeviceError};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1::{self, agent_server};
@@ -71,21 +71,21 @@ fn prefetch_policy(p: i32) -> Result<v1::PrefetchPolicy, ApiError> {
 }
 
 /// The engine's GPU memory as the registration describes it: per-buffer handles alone
-/// (layer-first), or allocations with each run's placement. Checked here, before any handle
+/// (layer-first), or allocations with the pieces of a page placed in them. Checked here, before any handle
 /// is opened; errors name the `cuda.*` field.
 fn cuda_map(pool: &DevicePool, c: &v1::CudaPool) -> Result<DeviceMap, ApiError> {
-    if c.runs.is_empty() {
+    if c.pieces.is_empty() {
         if !c.allocation_bytes.is_empty() {
             return Err(ApiError::invalid(
                 "cuda.allocation_bytes",
-                "given without runs: per-buffer handles need neither",
+                "given without pieces: per-buffer handles need neither",
             ));
         }
         if c.ipc_handles.len() != pool.num_buffers() {
             return Err(ApiError::invalid(
                 "cuda.ipc_handles",
                 format!(
-                    "{} handles for a layout of {} buffers (or give runs)",
+                    "{} handles for a layout of {} buffers (or give pieces)",
                     c.ipc_handles.len(),
                     pool.num_buffers()
                 ),
@@ -103,16 +103,17 @@ fn cuda_map(pool: &DevicePool, c: &v1::CudaPool) -> Result<DeviceMap, ApiError> 
             ),
         ));
     }
-    let places = c
-        .runs
+    let pieces = c
+        .pieces
         .iter()
-        .map(|r| RunPlace {
+        .map(|r| Piece {
             region: r.allocation as usize,
             offset: r.offset,
             page_stride: r.page_stride,
+            len: r.length,
         })
         .collect();
-    DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), places)
+    DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), pieces)
         .map_err(|e| device_error("cuda", e))
 }
 

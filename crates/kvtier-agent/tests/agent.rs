@@ -414,49 +414,49 @@ fn bad_engine_input_is_refused_by_field() {
             .unwrap_err();
         assert!(e.message().contains("num_token_slots"), "{}", e.message());
         // A CUDA pool's map is checked before any handle is opened (so on any machine): the
-        // wrong number of per-buffer handles, sizes without runs, a run past its allocation,
-        // overlapping runs. A good map on a machine without a GPU says so.
+        // wrong number of per-buffer handles, sizes without pieces, a piece past its allocation,
+        // pieces that do not add up to a page, overlapping pieces. A good map on a machine without a GPU says so.
         let layers = mha(0, 1).num_layers as u64;
         let run_bytes = {
             let l = kvtier_core::Layout::new(mha(0, 1)).unwrap();
             l.run_bytes() as u64
         };
         let pages = 1024 / u64::from(mha(0, 1).page_size);
-        let good_runs = |gap: u64| -> Vec<v1::RunPlacement> {
+        let good_pieces = |gap: u64| -> Vec<v1::PagePiece> {
             (0..2 * layers)
-                .map(|i| v1::RunPlacement {
+                .map(|i| v1::PagePiece {
                     allocation: 0,
                     offset: i * (pages * run_bytes + gap),
                     page_stride: run_bytes,
+                    length: run_bytes,
                 })
                 .collect()
         };
         let whole = 2 * layers * pages * run_bytes;
-        let cuda = |handles: usize, sizes: Vec<u64>, runs: Vec<v1::RunPlacement>| {
-            v1::RegisterPoolRequest {
+        let cuda =
+            |handles: usize, sizes: Vec<u64>, pieces: Vec<v1::PagePiece>| v1::RegisterPoolRequest {
                 layout: Some((&mha(0, 1)).into()),
                 num_token_slots: 1024,
                 device: Some(v1::register_pool_request::Device::Cuda(v1::CudaPool {
                     device_ordinal: 0,
                     ipc_handles: vec![vec![0u8; 64]; handles],
                     allocation_bytes: sizes,
-                    runs,
+                    pieces,
                 })),
                 engine_cache: false,
-            }
-        };
-        let mut overlapping = good_runs(0);
+            };
+        let mut overlapping = good_pieces(0);
         overlapping[3].offset = overlapping[2].offset + run_bytes;
         for (req, field) in [
             (cuda(3, vec![], vec![]), "cuda.ipc_handles"),
             (cuda(1, vec![whole], vec![]), "cuda.allocation_bytes"),
-            (cuda(1, vec![], good_runs(0)), "cuda.allocation_bytes"),
-            (cuda(1, vec![whole - 1], good_runs(0)), "cuda.runs["),
+            (cuda(1, vec![], good_pieces(0)), "cuda.allocation_bytes"),
+            (cuda(1, vec![whole - 1], good_pieces(0)), "cuda.pieces["),
             (
-                cuda(1, vec![whole], good_runs(0)[1..].to_vec()),
-                "cuda.runs",
+                cuda(1, vec![whole], good_pieces(0)[1..].to_vec()),
+                "cuda.pieces",
             ),
-            (cuda(1, vec![whole], overlapping), "overlaps runs[2]"),
+            (cuda(1, vec![whole], overlapping), "overlaps pieces[2]"),
         ] {
             let e = raw.register_pool(req).await.unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
@@ -464,7 +464,7 @@ fn bad_engine_input_is_refused_by_field() {
         }
         if !kvtier_device::cuda::driver_present() {
             let e = raw
-                .register_pool(cuda(1, vec![whole + 2 * layers * 512], good_runs(512)))
+                .register_pool(cuda(1, vec![whole + 2 * layers * 512], good_pieces(512)))
                 .await
                 .unwrap_err();
             assert_eq!(e.code(), tonic::Code::FailedPrecondition);

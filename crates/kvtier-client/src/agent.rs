@@ -35,28 +35,30 @@ pub enum PoolMemory {
         ipc_handles: Vec<Vec<u8>>,
     },
     /// A CUDA pool in a few allocations (vLLM's layouts): one IPC handle per allocation and
-    /// where each run of a page lives in them.
+    /// where each piece of a page lives in them.
     CudaMapped {
         /// The CUDA device.
         ordinal: u32,
         /// `cudaIpcMemHandle_t` bytes per allocation.
         ipc_handles: Vec<Vec<u8>>,
-        /// Bytes of each allocation the runs use, from the handle's address.
+        /// Bytes of each allocation the pieces use, from the handle's address.
         allocation_bytes: Vec<u64>,
-        /// Per run of a page (page-first order): allocation, offset, page stride.
-        runs: Vec<RunPlacement>,
+        /// A page's pieces, in the order of its bytes in a host slot.
+        pieces: Vec<PagePiece>,
     },
 }
 
-/// Where one run of every page lives: `allocation` + `offset` + page × `page_stride`.
+/// `length` bytes of every page: page p's at `allocation` + `offset` + p × `page_stride`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RunPlacement {
+pub struct PagePiece {
     /// Index into the pool's allocations.
     pub allocation: u32,
-    /// Bytes from the allocation's start to page 0's run.
+    /// Bytes from the allocation's start to page 0's piece.
     pub offset: u64,
-    /// Bytes between consecutive pages' runs.
+    /// Bytes between consecutive pages' pieces.
     pub page_stride: u64,
+    /// Bytes of the piece.
+    pub length: u64,
 }
 
 impl From<PoolMemory> for v1::register_pool_request::Device {
@@ -72,23 +74,24 @@ impl From<PoolMemory> for v1::register_pool_request::Device {
                 device_ordinal: ordinal,
                 ipc_handles,
                 allocation_bytes: Vec::new(),
-                runs: Vec::new(),
+                pieces: Vec::new(),
             }),
             PoolMemory::CudaMapped {
                 ordinal,
                 ipc_handles,
                 allocation_bytes,
-                runs,
+                pieces,
             } => Self::Cuda(v1::CudaPool {
                 device_ordinal: ordinal,
                 ipc_handles,
                 allocation_bytes,
-                runs: runs
+                pieces: pieces
                     .into_iter()
-                    .map(|r| v1::RunPlacement {
+                    .map(|r| v1::PagePiece {
                         allocation: r.allocation,
                         offset: r.offset,
                         page_stride: r.page_stride,
+                        length: r.length,
                     })
                     .collect(),
             }),

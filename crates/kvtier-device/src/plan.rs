@@ -4,14 +4,14 @@
 //! byte-by-byte reference.
 //!
 //! The engine's memory is described by a [`DeviceMap`]: regions (buffers or whole
-//! allocations) and, for each run of a page (one (layer, part), in the host slot's page-first
-//! order), the region it lives in, its offset there and the distance between consecutive
+//! allocations) and a page's pieces, in the order of its bytes in the host slot: for each, the
+//! region it lives in, its offset there, its length and the distance between consecutive
 //! pages. SGLang's layer-first buffers are one region per run with the run length as stride
 //! ([`DeviceMap::layer_first`]); vLLM's layouts (K and V in one tensor per layer, blocks
 //! first, or all layers of a block together) are other offsets and strides over the same
 //! regions ([`DeviceMap::new`]).
 //!
-//! [`Plan::build`] walks pages in request order and runs in slot order, and merges a run into
+//! [`Plan::build`] walks pages in request order and pieces in slot order, and merges a run into
 //! the one before whenever both sides continue where it ended: all runs of a page when the
 //! engine keeps a block's layers together, and consecutive pages into consecutive slots.
 
@@ -19,23 +19,26 @@ use kvtier_core::DevicePool;
 
 use crate::{DeviceError, PageCopy};
 
-/// Where one run of every page lives: `region` base + `offset` + page × `page_stride`.
+/// One piece of every page: `len` bytes at `region` base + `offset` + page × `page_stride`.
+/// A page's pieces, in order, are its bytes in the host slot, back to back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RunPlace {
+pub struct Piece {
     /// Index of the region (buffer or allocation).
     pub region: usize,
-    /// Byte offset of page 0's run in the region.
+    /// Byte offset of page 0's piece in the region.
     pub offset: u64,
-    /// Bytes from one page's run to the next page's.
+    /// Bytes from one page's piece to the next page's.
     pub page_stride: u64,
+    /// Bytes of the piece.
+    pub len: u64,
 }
 
-/// The engine's memory: its regions' lengths and where each run of a page lives.
+/// The engine's memory: its regions' lengths and where each piece of a page lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceMap {
     pool: DevicePool,
     region_bytes: Vec<u64>,
-    places: Vec<RunPlace>,
+    pieces: Vec<Piece>,
 }
 
 fn invalid(field: String, reason: String) -> DeviceError {
@@ -44,46 +47,54 @@ fn invalid(field: String, reason: String) -> DeviceError {
 
 impl DeviceMap {
     /// One buffer per run, pages back to back (`[token_slot][...]`): the cpu device's pool
-    /// file and the per-buffer IPC handles.
+    /// file and the per-buffer IPC handles. A piece is a run.
     pub fn layer_first(pool: &DevicePool) -> Self {
         let run = pool.layout().run_bytes() as u64;
         Self {
             region_bytes: vec![pool.buffer_bytes() as u64; pool.num_buffers()],
-            places: (0..pool.num_buffers())
-                .map(|region| RunPlace {
+            pieces: (0..pool.num_buffers())
+                .map(|region| Piece {
                     region,
                     offset: 0,
                     page_stride: run,
+                    len: run,
                 })
                 .collect(),
             pool: pool.clone(),
         }
     }
 
-    /// Validates an explicit map: one place per run of the layout (page-first order: every
-    /// layer's K, then every layer's V), each page of each run inside its region, and no two
-    /// runs of any pages overlapping. Errors name the run (`runs[i]`) and what is wrong.
+    /// Validates an explicit map: pieces that add up to the page, each page of each piece
+    /// inside its region, and no two pieces of any pages overlapping. Errors name the piece
+    /// (`pieces[i]`) and what is wrong.
     pub fn new(
         pool: DevicePool,
         region_bytes: Vec<u64>,
-        places: Vec<RunPlace>,
+        pieces: Vec<Piece>,
     ) -> Result<Self, DeviceError> {
-        let runs = pool.layout().runs_per_page();
-        if places.len() != runs {
+        let page = pool.layout().page_bytes() as u64;
+        let total = pieces.iter().try_fold(0u64, |a, p| a.checked_add(p.len));
+        if total != Some(page) {
             return Err(invalid(
-                "runs".into(),
+                "pieces".into(),
                 format!(
-                    "{} places for a layout of {runs} runs per page",
-                    places.len()
+                    "{} pieces of {} bytes in all, for pages of {page} bytes",
+                    pieces.len(),
+                    total.map_or_else(|| "overflowing".to_string(), |t| t.to_string())
                 ),
             ));
         }
-        let len = pool.layout().run_bytes() as u64;
         let pages = pool.num_pages() as u64;
-        for (i, p) in places.iter().enumerate() {
+        for (i, p) in pieces.iter().enumerate() {
+            if p.len == 0 {
+                return Err(invalid(
+                    format!("pieces[{i}].len"),
+                    "must be at least 1".into(),
+                ));
+            }
             let Some(&region) = region_bytes.get(p.region) else {
                 return Err(invalid(
-                    format!("runs[{i}].region"),
+                    format!("pieces[{i}].region"),
                     format!(
                         "{} is not one of the {} regions",
                         p.region,
@@ -91,22 +102,22 @@ impl DeviceMap {
                     ),
                 ));
             };
-            if pages > 1 && p.page_stride < len {
+            if pages > 1 && p.page_stride < p.len {
                 return Err(invalid(
-                    format!("runs[{i}].page_stride"),
+                    format!("pieces[{i}].page_stride"),
                     format!(
-                        "{} is below the run length {len}: pages would overlap",
-                        p.page_stride
+                        "{} is below the piece's {} bytes: pages would overlap",
+                        p.page_stride, p.len
                     ),
                 ));
             }
             let end = (pages - 1)
                 .checked_mul(p.page_stride)
                 .and_then(|b| b.checked_add(p.offset))
-                .and_then(|b| b.checked_add(len));
+                .and_then(|b| b.checked_add(p.len));
             if end.is_none_or(|e| e > region) {
                 return Err(invalid(
-                    format!("runs[{i}]"),
+                    format!("pieces[{i}]"),
                     format!(
                         "page {} at offset {} + {} × {} runs past region {} of {region} bytes",
                         pages - 1,
@@ -118,14 +129,14 @@ impl DeviceMap {
                 ));
             }
         }
-        for a in 0..places.len() {
-            for b in a + 1..places.len() {
-                if overlap(&places[a], &places[b], len, pages) {
+        for a in 0..pieces.len() {
+            for b in a + 1..pieces.len() {
+                if overlap(&pieces[a], &pieces[b], pages) {
                     return Err(invalid(
-                        format!("runs[{b}]"),
+                        format!("pieces[{b}]"),
                         format!(
-                            "overlaps runs[{a}] for some pages in region {}",
-                            places[a].region
+                            "overlaps pieces[{a}] for some pages in region {}",
+                            pieces[a].region
                         ),
                     ));
                 }
@@ -134,7 +145,7 @@ impl DeviceMap {
         Ok(Self {
             pool,
             region_bytes,
-            places,
+            pieces,
         })
     }
 
@@ -148,36 +159,39 @@ impl DeviceMap {
         &self.region_bytes
     }
 
-    /// Where each run lives, in page-first order.
-    pub fn places(&self) -> &[RunPlace] {
-        &self.places
+    /// The pieces of a page, in host order.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
     }
 }
 
-/// Whether some page of run `a` overlaps some page of run `b` (both `len` long, `pages`
-/// pages each). Runs of one stride are checked exactly; runs of different strides must keep
-/// to disjoint spans.
-fn overlap(a: &RunPlace, b: &RunPlace, len: u64, pages: u64) -> bool {
+/// Whether some page of piece `a` overlaps some page of piece `b` (`pages` pages each).
+/// Pieces of one stride are checked exactly; pieces of different strides must keep to
+/// disjoint spans.
+fn overlap(a: &Piece, b: &Piece, pages: u64) -> bool {
     if a.region != b.region {
         return false;
     }
-    let (len, n) = (i128::from(len), i128::from(pages));
+    let n = i128::from(pages);
+    let (la, lb) = (i128::from(a.len), i128::from(b.len));
     let (oa, ob) = (i128::from(a.offset), i128::from(b.offset));
     if a.page_stride == b.page_stride || pages == 1 {
-        // Page p of a and page q of b start `d + k·s` apart, k = q − p in (−n, n).
+        // Page q of b starts x = d + k·s after page p of a (k = q − p in (−n, n)); they
+        // overlap when −lb < x < la. The x nearest 0 from either side decides.
         let s = i128::from(a.page_stride);
         let d = ob - oa;
+        let hits = |x: i128| -lb < x && x < la;
         if s == 0 || pages == 1 {
-            return d.abs() < len;
+            return hits(d);
         }
         let k0 = (-d).div_euclid(s);
         return [k0, k0 + 1]
             .into_iter()
             .map(|k| k.clamp(-(n - 1), n - 1))
-            .any(|k| (d + k * s).abs() < len);
+            .any(|k| hits(d + k * s));
     }
-    let end = |o: i128, s: u64| o + (n - 1) * i128::from(s) + len;
-    oa < end(ob, b.page_stride) && ob < end(oa, a.page_stride)
+    let end = |o: i128, s: u64, l: i128| o + (n - 1) * i128::from(s) + l;
+    oa < end(ob, b.page_stride, lb) && ob < end(oa, a.page_stride, la)
 }
 
 /// One contiguous run to move: addresses on both sides, and its length.
@@ -211,25 +225,25 @@ impl Plan {
     /// Plans `copies` (already checked against the pool and host pool: see
     /// [`crate::check_copies`]) with `bases[r]` the address of region `r`.
     pub fn build(map: &DeviceMap, bases: &[u64], host: HostSlots, copies: &[PageCopy]) -> Self {
-        let len = map.pool.layout().run_bytes() as u64;
         let mut runs: Vec<Run> = Vec::with_capacity(copies.len());
         let mut bytes = 0;
         for c in copies {
-            let slot = host.base + u64::from(c.host_slot) * host.stride;
+            let mut host_at = host.base + u64::from(c.host_slot) * host.stride;
             let page = u64::from(c.device_page);
-            for (i, p) in map.places.iter().enumerate() {
+            for p in &map.pieces {
                 let run = Run {
                     device: bases[p.region] + p.offset + page * p.page_stride,
-                    host: slot + i as u64 * len,
-                    len,
+                    host: host_at,
+                    len: p.len,
                 };
-                bytes += len;
+                host_at += p.len;
+                bytes += p.len;
                 match runs.last_mut() {
                     Some(last)
                         if last.device + last.len == run.device
                             && last.host + last.len == run.host =>
                     {
-                        last.len += len;
+                        last.len += run.len;
                     }
                     _ => runs.push(run),
                 }
@@ -320,10 +334,11 @@ mod tests {
         );
         let places = (0..2)
             .flat_map(|part| {
-                (0..layers).map(move |l| RunPlace {
+                (0..layers).map(move |l| Piece {
                     region: l,
                     offset: part * n * run,
                     page_stride: run,
+                    len: run,
                 })
             })
             .collect();
@@ -338,13 +353,45 @@ mod tests {
             p.layout().runs_per_page() as u64,
         );
         let places = (0..runs)
-            .map(|i| RunPlace {
+            .map(|i| Piece {
                 region: 0,
                 offset: i * run,
                 page_stride: runs * run,
+                len: run,
             })
             .collect();
         DeviceMap::new(p.clone(), vec![n * runs * run], places).unwrap()
+    }
+
+    /// Every run in two uneven pieces in two regions: the first 5 bytes of each run's pages
+    /// back to back in region 0, the rest in region 1 (a layout whose block is not one
+    /// contiguous span per layer).
+    fn split_runs(p: &DevicePool) -> DeviceMap {
+        let (run, n, runs) = (
+            p.layout().run_bytes() as u64,
+            p.num_pages() as u64,
+            p.layout().runs_per_page() as u64,
+        );
+        let (a, b) = (5, run - 5);
+        let pieces = (0..runs)
+            .flat_map(|r| {
+                [
+                    Piece {
+                        region: 0,
+                        offset: r * n * a,
+                        page_stride: a,
+                        len: a,
+                    },
+                    Piece {
+                        region: 1,
+                        offset: r * n * b,
+                        page_stride: b,
+                        len: b,
+                    },
+                ]
+            })
+            .collect();
+        DeviceMap::new(p.clone(), vec![runs * n * a, runs * n * b], pieces).unwrap()
     }
 
     fn copies(pairs: &[(u32, u32)]) -> Vec<PageCopy> {
@@ -434,32 +481,36 @@ mod tests {
         let p = mha(2, 8);
         let run = p.layout().run_bytes() as u64;
         let ok = k_then_v_per_layer(&p);
-        let mut places = ok.places().to_vec();
-        let err = |places: Vec<RunPlace>, regions: Vec<u64>| {
+        let mut places = ok.pieces().to_vec();
+        let err = |places: Vec<Piece>, regions: Vec<u64>| {
             DeviceMap::new(p.clone(), regions, places)
                 .unwrap_err()
                 .to_string()
         };
         let regions = ok.region_bytes().to_vec();
-        assert!(err(places[..3].to_vec(), regions.clone()).contains("4 runs per page"));
+        assert!(err(places[..3].to_vec(), regions.clone()).contains("for pages of"));
         places[2].region = 9;
-        assert!(err(places.clone(), regions.clone()).contains("runs[2].region"));
-        places[2] = ok.places()[2];
+        assert!(err(places.clone(), regions.clone()).contains("pieces[2].region"));
+        places[2] = ok.pieces()[2];
         places[3].offset += 1;
-        assert!(err(places.clone(), regions.clone()).contains("runs[3]"));
-        places[3] = ok.places()[3];
+        assert!(err(places.clone(), regions.clone()).contains("pieces[3]"));
+        places[3] = ok.pieces()[3];
         places[1].page_stride = run - 2;
-        assert!(err(places.clone(), regions.clone()).contains("runs[1].page_stride"));
-        places[1] = ok.places()[1];
+        assert!(err(places.clone(), regions.clone()).contains("pieces[1].page_stride"));
+        places[1] = ok.pieces()[1];
         // Layer 0's V placed one page into its K: K's page 1 is V's page 0.
         places[2].offset = run;
         places[2].region = 0;
-        assert!(err(places, regions).contains("overlaps runs[0]"));
+        assert!(err(places.clone(), regions.clone()).contains("overlaps pieces[0]"));
+        places[2] = ok.pieces()[2];
+        places[0].len = 0;
+        places[1].len += run;
+        assert!(err(places, regions).contains("pieces[0].len"));
     }
 
     /// A layout from proptest: one of the map shapes, pages in a small pool.
     fn any_map() -> impl Strategy<Value = DeviceMap> {
-        (1u32..4, 1u64..7, 0u8..3, any::<bool>()).prop_map(|(layers, pages, shape, mla)| {
+        (1u32..4, 1u64..7, 0u8..4, any::<bool>()).prop_map(|(layers, pages, shape, mla)| {
             let p = if mla {
                 pool(
                     KvKind::Mla {
@@ -476,6 +527,7 @@ mod tests {
             match shape {
                 0 => DeviceMap::layer_first(&p),
                 1 if !mla => k_then_v_per_layer(&p),
+                3 => split_runs(&p),
                 _ => block_first(&p),
             }
         })
@@ -492,7 +544,6 @@ mod tests {
         ) {
             let pool = map.pool().clone();
             let n = pool.num_pages() as u32;
-            let run = pool.layout().run_bytes() as u64;
             let page = pool.layout().page_bytes() as u64;
             let slots = 12u32;
             // Distinct pages and slots, as the agent sends them.
@@ -524,47 +575,46 @@ mod tests {
                 }
                 let mut want = mem.clone();
                 for c in &list {
-                    for (i, p) in map.places().iter().enumerate() {
-                        for b in 0..run {
+                    let mut at = 0;
+                    for p in map.pieces() {
+                        for b in 0..p.len {
                             let dev = bases[p.region] + p.offset
                                 + u64::from(c.device_page) * p.page_stride + b;
                             let hst = host.base + u64::from(c.host_slot) * host.stride
-                                + i as u64 * run + b;
+                                + at + b;
                             let (s, d) = if to_host { (dev, hst) } else { (hst, dev) };
                             want[d as usize] = mem[s as usize];
                         }
+                        at += p.len;
                     }
                 }
                 prop_assert!(got == want, "to_host={} runs={:?}", to_host, plan.runs());
             }
         }
 
-        /// A map is accepted exactly when no two of its runs share a byte on any pair of pages.
+        /// `overlap` is exact for pieces of one stride (any lengths) and never misses an
+        /// overlap of pieces of different strides.
         #[test]
-        fn accepted_maps_never_overlap(
-            offs in proptest::collection::vec(0u64..64, 2..5),
-            stride in 4u64..24,
-            pages in 1u64..6,
+        fn overlap_agrees_with_a_byte_walk(
+            oa in 0u64..48, la in 1u64..9, ob in 0u64..48, lb in 1u64..9,
+            sa in 1u64..20, sb in 1u64..20, pages in 1u64..6, same in any::<bool>(),
         ) {
-            let p = pool(KvKind::Mla { kv_lora_rank: 1, rope_dim: 0 }, offs.len() as u32, 2, pages);
-            let run = p.layout().run_bytes() as u64;
-            let places: Vec<RunPlace> = offs
-                .iter()
-                .map(|&o| RunPlace { region: 0, offset: o, page_stride: stride })
-                .collect();
-            let mut owner = vec![usize::MAX; 1 << 12];
-            let mut clash = false;
-            for (i, pl) in places.iter().enumerate() {
-                for page in 0..pages {
-                    for b in 0..run {
-                        let at = (pl.offset + page * pl.page_stride + b) as usize;
-                        clash |= owner[at] != usize::MAX;
-                        owner[at] = i;
-                    }
-                }
+            let sb = if same { sa } else { sb };
+            let a = Piece { region: 0, offset: oa, page_stride: sa, len: la };
+            let b = Piece { region: 0, offset: ob, page_stride: sb, len: lb };
+            let bytes = |p: &Piece| -> std::collections::HashSet<u64> {
+                (0..pages)
+                    .flat_map(|q| (0..p.len).map(move |x| p.offset + q * p.page_stride + x))
+                    .collect()
+            };
+            let clash = !bytes(&a).is_disjoint(&bytes(&b));
+            if same || pages == 1 {
+                prop_assert_eq!(overlap(&a, &b, pages), clash);
+            } else if clash {
+                prop_assert!(overlap(&a, &b, pages));
             }
-            let accepted = DeviceMap::new(p, vec![1 << 12], places).is_ok();
-            prop_assert_eq!(accepted, !clash);
+            let elsewhere = Piece { region: 1, ..b };
+            prop_assert!(!overlap(&a, &elsewhere, pages));
         }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use kvtier_core::{CopyMethod, DType, DevicePool, KvKind, Layout, LayoutSpec};
 use kvtier_device::cuda::{CudaDevice, DeviceBuffer, IPC_HANDLE_BYTES};
-use kvtier_device::plan::{DeviceMap, RunPlace};
+use kvtier_device::plan::{DeviceMap, Piece};
 use kvtier_device::{Device, DeviceError, PageCopy};
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
@@ -312,21 +312,23 @@ fn vllm_maps(layout: &Layout) -> Vec<(&'static str, DeviceMap, u64)> {
         layout.num_layers() as u64,
     );
     let per_layer = 2 * n * run + 4096; // a gap between layers, as an allocator leaves
-    let k_then_v: Vec<RunPlace> = (0..2)
+    let k_then_v: Vec<Piece> = (0..2)
         .flat_map(|part| {
-            (0..layers).map(move |l| RunPlace {
+            (0..layers).map(move |l| Piece {
                 region: 0,
                 offset: 512 + l * per_layer + part * n * run,
                 page_stride: run,
+                len: run,
             })
         })
         .collect();
     let runs = layout.runs_per_page() as u64;
-    let block_first: Vec<RunPlace> = (0..runs)
-        .map(|i| RunPlace {
+    let block_first: Vec<Piece> = (0..runs)
+        .map(|i| Piece {
             region: 0,
             offset: i * run,
             page_stride: runs * run,
+            len: run,
         })
         .collect();
     let a = 512 + layers * per_layer;
@@ -429,8 +431,8 @@ fn an_allocation_imported_by_ipc_handle_with_offsets_round_trips() {
         round_trip_on(&dev, &layout);
         // A map that claims more than the allocation holds is refused by handle.
         let pool = map.pool().clone();
-        let places = map.places().to_vec();
-        let too_big = DeviceMap::new(pool, vec![bytes + (64 << 20)], places).unwrap();
+        let pieces = map.pieces().to_vec();
+        let too_big = DeviceMap::new(pool, vec![bytes + (64 << 20)], pieces).unwrap();
         drop(dev);
         match CudaDevice::open(too_big, 0, &[handle], CopyMethod::Auto) {
             Err(DeviceError::Invalid { field, .. }) => assert_eq!(field, "ipc_handles[0]"),

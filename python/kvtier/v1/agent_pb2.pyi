@@ -15,26 +15,28 @@ class CpuPool(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class CudaPool(_message.Message):
-    __slots__ = ("device_ordinal", "ipc_handles", "allocation_bytes", "runs")
+    __slots__ = ("device_ordinal", "ipc_handles", "allocation_bytes", "pieces")
     DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
-    RUNS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     device_ordinal: int
     ipc_handles: _containers.RepeatedScalarFieldContainer[bytes]
     allocation_bytes: _containers.RepeatedScalarFieldContainer[int]
-    runs: _containers.RepeatedCompositeFieldContainer[RunPlacement]
-    def __init__(self, device_ordinal: _Optional[int] = ..., ipc_handles: _Optional[_Iterable[bytes]] = ..., allocation_bytes: _Optional[_Iterable[int]] = ..., runs: _Optional[_Iterable[_Union[RunPlacement, _Mapping]]] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[PagePiece]
+    def __init__(self, device_ordinal: _Optional[int] = ..., ipc_handles: _Optional[_Iterable[bytes]] = ..., allocation_bytes: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[_Union[PagePiece, _Mapping]]] = ...) -> None: ...
 
-class RunPlacement(_message.Message):
-    __slots__ = ("allocation", "offset", "page_stride")
+class PagePiece(_message.Message):
+    __slots__ = ("allocation", "offset", "page_stride", "length")
     ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAGE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     allocation: int
     offset: int
     page_stride: int
-    def __init__(self, allocation: _Optional[int] = ..., offset: _Optional[int] = ..., page_stride: _Optional[int] = ...) -> None: ...
+    length: int
+    def __init__(self, allocation: _Optional[int] = ..., offset: _Optional[int] = ..., page_stride: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("layout", "num_token_slots", "cpu", "cuda", "engine_cache")

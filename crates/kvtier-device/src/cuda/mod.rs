@@ -227,11 +227,11 @@ impl CudaDevice {
     }
 
     /// The imported memory, checked without writing to it: page 0 (its first
-    /// [`SCRATCH_BYTES`]) read through the chosen method equals the same bytes read run by run
+    /// [`SCRATCH_BYTES`]) read through the chosen method equals the same bytes read piece by piece
     /// with plain synchronous copies.
     fn verify_import(&self, scratch: &buffer::CudaScratch) -> Result<(), DeviceError> {
         let layout = self.map.pool().layout();
-        let (page, run) = (layout.page_bytes(), layout.run_bytes());
+        let page = layout.page_bytes();
         let covered = page.min(SCRATCH_BYTES);
         let base = scratch.host_base();
         let plan = Plan::build(
@@ -259,17 +259,18 @@ impl CudaDevice {
         let mut through = vec![0u8; SCRATCH_BYTES];
         scratch.read_host(&mut through);
         let mut plain = vec![0u8; covered];
-        for (i, p) in self.map.places().iter().enumerate() {
-            let at = i * run;
+        let mut at = 0;
+        for p in self.map.pieces() {
             if at >= covered {
                 break;
             }
-            let n = run.min(covered - at);
+            let n = (p.len as usize).min(covered - at);
             let src = self.bases[p.region] + p.offset;
-            // SAFETY: run `i` of page 0 lies inside region `p.region` (DeviceMap::new) and
+            // SAFETY: page 0 of the piece lies inside region `p.region` (DeviceMap::new) and
             // `plain[at..at + n]` inside the vector; the copy is synchronous.
             let r = unsafe { sys::cuMemcpyDtoH_v2(plain[at..].as_mut_ptr().cast(), src, n) };
             check(r, "cuMemcpyDtoH (import check)")?;
+            at += p.len as usize;
         }
         if through[..covered] != plain[..] {
             return Err(DeviceError::Unavailable(format!(
