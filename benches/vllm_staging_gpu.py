@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvtier.integrations.vllm.blocks import block_bytes, storage_bytes
 from kvtier.integrations.vllm.staging import Staging
 
 LAYERS, BLOCK, HEADS, HEAD = 32, 16, 8, 128
@@ -44,6 +45,7 @@ def med(f, rounds: int = 20) -> float:
 def measure(n: int, layers: list[torch.Tensor]) -> None:
     """One step's copies of ``n`` blocks, printed as rows."""
     dev, blocks = layers[0].device, layers[0].shape[0]
+    views = [block_bytes("l", t, blocks).view(storage_bytes(t)) for t in layers]
     block_bytes = BLOCK * HEADS * HEAD * 2
     try:
         st = Staging(LAYERS, 256, block_bytes)
@@ -56,10 +58,10 @@ def measure(n: int, layers: list[torch.Tensor]) -> None:
     ids = torch.randperm(blocks)[:n].tolist()
     slots = list(range(n))
     base = med(lambda: (pinned.copy_(src, non_blocking=True), torch.cuda.synchronize()))
-    enqueue = med(lambda: st.from_blocks(layers, ids, slots))
+    enqueue = med(lambda: st.from_blocks(views, ids, slots))
 
     def landed():
-        ev = st.from_blocks(layers, ids, slots)
+        ev = st.from_blocks(views, ids, slots)
         assert ev is not None
         ev.synchronize()
 
@@ -73,7 +75,7 @@ def measure(n: int, layers: list[torch.Tensor]) -> None:
             st.view[i].index_copy_(0, dst, g)
 
     was = med(old, 5)
-    load = med(lambda: st.to_blocks(layers, slots, ids))
+    load = med(lambda: st.to_blocks(views, slots, ids))
     load_base = med(lambda: (src.copy_(pinned, non_blocking=True), torch.cuda.synchronize()))
     for what, s, b in (
         ("save: step-thread time", enqueue, base),

@@ -40,6 +40,11 @@ class KvtierError(Exception):
         )
 
     @property
+    def invalid_input(self) -> bool:
+        """The request itself was wrong; the message names the field."""
+        return self.code == grpc.StatusCode.INVALID_ARGUMENT
+
+    @property
     def timed_out(self) -> bool:
         """The call's deadline passed; the server may still be working on it."""
         return self.code == grpc.StatusCode.DEADLINE_EXCEEDED

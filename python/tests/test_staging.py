@@ -1,6 +1,7 @@
 """The vLLM connector's staging pool: blocks copy into staging pages and back byte for byte,
-whether the pages are one run, several, or scattered, for contiguous CPU layers (one copy per
-run), for layers whose block dimension is not first (the general path), and, where there is
+whether the pages are one run, several, or scattered, for layers whose block is one span of
+memory and for layers with a K/V axis before the block axis (a block in two spans), each
+page holding the block's spans in order (what the agent's DMA moves), and, where there is
 a GPU (``scripts/gpu-check`` runs this file there), for CUDA layers through the pinned pool
 with asynchronous copies and an event."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.integrations.vllm.blocks import block_bytes, storage_bytes
 from kvtier.integrations.vllm.staging import Staging, _runs
 
 
@@ -39,20 +41,34 @@ def test_blocks_round_trip_through_staging(
     def layer() -> torch.Tensor:
         raw = torch.randint(-30000, 30000, (blocks, heads, bs, 2 * head), generator=g)
         t = raw.to(torch.int16).view(torch.bfloat16)
-        # Block dimension second (a K/V dimension first) is a view that is not contiguous.
-        t = t if block_first else t.movedim(0, 1).contiguous().movedim(1, 0)
+        # A K/V axis before the block axis: a block is two spans of memory.
+        if not block_first:
+            t = t.view(blocks, heads, bs, 2, head).permute(3, 0, 1, 2, 4).contiguous()
         return t.to(device)
 
     layers = [layer() for _ in range(3)]
-    block_bytes = heads * bs * 2 * head * 2
+    geo = [block_bytes(f"l{i}", t, blocks) for i, t in enumerate(layers)]
+    assert all(len(x.spans()) == (1 if block_first else 2) for x in geo)
+    views = [x.view(storage_bytes(t)) for x, t in zip(geo, layers, strict=True)]
+    block_size = heads * bs * 2 * head * 2
+    assert all(x.block_bytes == block_size for x in geo)
     # On a GPU, in /dev/shm as the connector puts it (CUDA page-locks shared memory).
-    st = Staging(len(layers), 8, block_bytes, "" if device == "cuda" else str(tmp_path))
+    st = Staging(len(layers), 8, block_size, "" if device == "cuda" else str(tmp_path))
     try:
         if device == "cuda":
             assert st.pin(), "CUDA refused to page-lock the staging pool"
         src, dst = [1, 9, 4, 6], [0, 2, 11, 5]
-        before = [t[src].clone() for t in layers]
-        ready = st.from_blocks(layers, src, slots)
+        before = [t.clone() for t in layers]
+        # A page holds each layer's block as its spans of memory, in order.
+        want = [
+            [
+                torch.cat([storage_bytes(t)[x.origin + b * x.block_stride + o :][:n]
+                           for o, n in x.spans()]).cpu()
+                for b in src
+            ]
+            for x, t in zip(geo, layers, strict=True)
+        ]  # fmt: skip
+        ready = st.from_blocks(views, src, slots)
         if device == "cuda":
             # The copies are asynchronous: whoever reads the pages waits for this event.
             assert ready is not None
@@ -61,14 +77,19 @@ def test_blocks_round_trip_through_staging(
             assert ready is None
         # Overwritten at once, as vLLM may reuse the blocks: the pages hold what was copied.
         for t in layers:
-            t[src] = torch.zeros_like(t[src])
-            t[dst] = torch.zeros_like(t[dst])
+            t.zero_()
         for i in range(len(layers)):
             for j, s in enumerate(slots):
-                want = before[i][j].contiguous().view(torch.uint8).reshape(-1).cpu()
-                assert torch.equal(st.view[i, s], want), (i, s)
-        st.to_blocks(layers, slots, dst)
-        for t, want in zip(layers, before, strict=True):
-            assert torch.equal(t[dst].view(torch.int16), want.view(torch.int16))
+                assert torch.equal(st.view[i, s], want[i][j]), (i, s)
+        st.to_blocks(views, slots, dst)
+        axis = 0 if block_first else 1
+        for t, b in zip(layers, before, strict=True):
+            got = t.index_select(axis, torch.tensor(dst, device=t.device))
+            exp = b.index_select(axis, torch.tensor(src, device=b.device))
+            assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
+            # Nothing but the loaded blocks was written.
+            assert int(t.view(torch.int16).count_nonzero()) == int(
+                got.view(torch.int16).count_nonzero()
+            )
     finally:
         st.close()

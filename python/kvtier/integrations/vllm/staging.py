@@ -114,66 +114,49 @@ class Staging:
             self.close()
 
     def from_blocks(
-        self, layers: Sequence[torch.Tensor], blocks: list[int], slots: list[int]
+        self, views: Sequence[torch.Tensor], blocks: list[int], slots: list[int]
     ) -> torch.cuda.Event | None:
-        """Copies vLLM blocks into staging pages. On CPU: one gather per layer and run of
-        consecutive staging pages (usually one), straight into the pages. On a GPU: a gather
-        on the device and an asynchronous copy into the (pinned) pages per layer and run,
-        all on the current stream, with no host sync; returns the event after the last copy,
-        which whoever reads the pages waits for (the blocks may be reused at once: later
-        work on the stream runs after the gather)."""
-        if _rows_ok(layers):
-            for s0, b0, n in _runs(slots):
-                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long)
-                for i, t in enumerate(layers):
-                    rows = t.view(torch.uint8).view(t.shape[0], -1)
-                    torch.index_select(rows, 0, idx, out=self.view[i, s0 : s0 + n])
+        """Copies vLLM blocks into staging pages. ``views`` are the layers' canonical block
+        views (:meth:`kvtier.integrations.vllm.blocks.BlockBytes.view`: block ``b`` is its
+        bytes in kvtier's order, whatever vLLM's layout). On CPU: one gather per layer and
+        run of consecutive staging pages (usually one), straight into the pages. On a GPU: a
+        gather on the device and an asynchronous copy into the (pinned) pages per layer and
+        run, all on the current stream, with no host sync; returns the event after the last
+        copy, which whoever reads the pages waits for (the blocks may be reused at once:
+        later work on the stream runs after the gather)."""
+        dev = views[0].device
+        for s0, b0, n in _runs(slots):
+            idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
+            for i, v in enumerate(views):
+                page = self.view[i, s0 : s0 + n]
+                if dev.type == "cpu":
+                    torch.index_select(v, 0, idx, out=page.view(n, *v.shape[1:]))
+                else:
+                    page.copy_(v.index_select(0, idx).view(n, -1), non_blocking=True)
+        if dev.type != "cuda":
             return None
-        if all(t.device.type == "cuda" for t in layers):
-            dev = layers[0].device
-            for s0, b0, n in _runs(slots):
-                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
-                for i, t in enumerate(layers):
-                    g = t.index_select(0, idx).contiguous().view(torch.uint8).reshape(n, -1)
-                    self.view[i, s0 : s0 + n].copy_(g, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return done
-        idx = torch.tensor(blocks, dtype=torch.long)
-        dst = torch.tensor(slots, dtype=torch.long)
-        for i, t in enumerate(layers):
-            src = t.index_select(0, idx.to(t.device)).contiguous()
-            self.view[i].index_copy_(0, dst, src.view(torch.uint8).reshape(len(blocks), -1).cpu())
-        return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
-    def to_blocks(self, layers: Sequence[torch.Tensor], slots: list[int], blocks: list[int]):
-        """Copies staging pages into vLLM blocks. On CPU: one scatter per layer and run of
-        consecutive staging pages, straight from the pages. On a GPU: an asynchronous copy
-        per layer and run and a scatter on the device, on the current stream; returns once
-        the copies have read the pages (they may be reused then)."""
-        if _rows_ok(layers):
-            for s0, b0, n in _runs(slots):
-                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long)
-                for i, t in enumerate(layers):
-                    rows = t.view(torch.uint8).view(t.shape[0], -1)
-                    rows.index_copy_(0, idx, self.view[i, s0 : s0 + n])
-            return
-        if all(t.device.type == "cuda" for t in layers):
-            dev = layers[0].device
-            for s0, b0, n in _runs(slots):
-                idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
-                for i, t in enumerate(layers):
-                    d = self.view[i, s0 : s0 + n].to(dev, non_blocking=True)
-                    t.index_copy_(0, idx, d.view(t.dtype).reshape(n, *t.shape[1:]))
+    def to_blocks(self, views: Sequence[torch.Tensor], slots: list[int], blocks: list[int]):
+        """Copies staging pages into vLLM blocks through their canonical views. On CPU: one
+        scatter per layer and run of consecutive staging pages, straight from the pages. On
+        a GPU: an asynchronous copy per layer and run and a scatter on the device, on the
+        current stream; returns once the copies have read the pages (they may be reused
+        then)."""
+        dev = views[0].device
+        for s0, b0, n in _runs(slots):
+            idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
+            for i, v in enumerate(views):
+                page = self.view[i, s0 : s0 + n]
+                if dev.type != "cpu":
+                    page = page.to(dev, non_blocking=True)
+                v.index_copy_(0, idx, page.view(n, *v.shape[1:]))
+        if dev.type == "cuda":
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
-            return
-        src = torch.tensor(slots, dtype=torch.long)
-        for i, t in enumerate(layers):
-            idx = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            data = self.view[i].index_select(0, src).to(t.device)
-            t.index_copy_(0, idx, data.view(t.dtype).reshape(len(blocks), *t.shape[1:]))
 
     def close(self) -> None:
         if self._closed:
@@ -192,11 +175,6 @@ class Staging:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-def _rows_ok(layers: Sequence[torch.Tensor]) -> bool:
-    """Whether every layer is a contiguous CPU tensor, so a block is one row of bytes."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

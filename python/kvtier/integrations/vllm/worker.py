@@ -19,6 +19,7 @@ import torch
 from kvtier.agent import AgentClient
 from kvtier.host import KvtierError
 from kvtier.identity import CacheIdentity, config_digest
+from kvtier.integrations.vllm.blocks import BlockBytes, block_bytes, storage_bytes
 from kvtier.integrations.vllm.common import (
     Counts,
     Job,
@@ -63,6 +64,8 @@ class WorkerSide:
         # Names this instance where its pages are its own (scales computed at run time).
         self._instance = os.urandom(8).hex()
         self._staging: Staging | None = None
+        self._tensors: list[torch.Tensor] = []
+        self._geometry: list[BlockBytes] = []
         self._layers: list[torch.Tensor] = []
         self._layer_names: list[str] = []
         self._block_bytes = 0
@@ -83,25 +86,30 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        layers = [_block_major(name, t, num_blocks) for name, t in kv_caches.items()]
-        if not layers:
+        if not kv_caches:
             raise ValueError("kvtier: vLLM registered no KV cache tensors")
-        per_block = {int(t[0].numel() * t.element_size()) for t in layers}
-        if len(per_block) != 1:
+        geometry = [block_bytes(name, t, num_blocks) for name, t in kv_caches.items()]
+        per_block = {g.block_bytes for g in geometry}
+        forms = {g.form for g in geometry}
+        if len(per_block) != 1 or len(forms) != 1:
             raise ValueError(
-                f"kvtier: KV layers of different sizes per block {sorted(per_block)}; "
-                "the connector supports models whose layers are alike"
+                f"kvtier: KV layers of different sizes per block {sorted(per_block)} or "
+                f"layouts {sorted(forms)}; the connector supports models whose layers are alike"
             )
-        block_bytes = per_block.pop()
-        if block_bytes % self.block_size:
+        size = per_block.pop()
+        if size % self.block_size:
             raise ValueError(
-                f"kvtier: {block_bytes} bytes per block is not a whole number per token "
+                f"kvtier: {size} bytes per block is not a whole number per token "
                 f"(block size {self.block_size})"
             )
-        self._layers = layers
+        tensors = list(kv_caches.values())
+        self._tensors = tensors
+        self._geometry = geometry
+        # Each layer's blocks in kvtier's byte order (blocks.py), over vLLM's memory.
+        self._layers = [g.view(storage_bytes(t)) for g, t in zip(geometry, tensors, strict=True)]
         self._layer_names = list(kv_caches)
-        self._block_bytes = block_bytes
-        self._descriptor = self._layout(layers[0], block_bytes)
+        self._block_bytes = size
+        self._descriptor = self._layout(tensors[0], geometry[0])
         self._staging = self._new_staging()
         self._register()
 
@@ -113,14 +121,14 @@ class WorkerSide:
             self.settings.staging_dir,
             self.settings.staging_file_mode(),
         )
-        if any(t.device.type == "cuda" for t in self._layers) and not st.pin():
+        if any(t.device.type == "cuda" for t in self._tensors) and not st.pin():
             logger.warning(
                 "kvtier: CUDA refused to page-lock the staging pool (memlock limit?); device "
                 "copies through it are synchronous"
             )
         return st
 
-    def identity(self, sample: torch.Tensor) -> CacheIdentity:
+    def identity(self, sample: torch.Tensor, geometry: BlockBytes) -> CacheIdentity:
         """This worker's cache identity (docs/identity.md)."""
         vc = self.vllm_config
         mc, cc, pc = vc.model_config, vc.cache_config, vc.parallel_config
@@ -148,10 +156,8 @@ class WorkerSide:
             if size > 1:
                 rank = parallel_rank(lambda ps, fn=rank_fn: getattr(ps, fn)())
                 shards.append(f"{name}{rank}of{size}")
-        # vLLM's bytes of a block are opaque to kvtier: its version and the block's shape
-        # and strides keep apart workers that lay blocks out differently.
-        block_shape = "x".join(str(d) for d in sample.shape[1:])
-        order = ",".join(str(st) for st in sample.stride()[1:])
+        # vLLM's bytes of a block are opaque to kvtier: its version and the block's axes in
+        # the order a page stores them (blocks.py) keep apart workers whose bytes differ.
         return CacheIdentity(
             engine="vllm",
             model=str(model),
@@ -162,19 +168,19 @@ class WorkerSide:
             kv_scales=scales,
             layers=_layer_range(self._layer_names),
             shards="/".join(shards),
-            layout=f"vllm-{vllm.__version__}|{sample.dtype}|{block_shape}|{order}",
+            layout=f"vllm-{vllm.__version__}|{sample.dtype}|{geometry.form}",
         )
 
-    def _layout(self, sample: torch.Tensor, block_bytes: int) -> common_pb2.LayoutDescriptor:
+    def _layout(self, sample: torch.Tensor, geometry: BlockBytes) -> common_pb2.LayoutDescriptor:
         pc = self.vllm_config.parallel_config
-        model_id, version = self.identity(sample).descriptor_fields()
+        model_id, version = self.identity(sample, geometry).descriptor_fields()
         return LayoutSpec(
             model_id=model_id,
             model_version=version,
             dtype="uint8",
             num_layers=len(self._layers),
             page_size=self.block_size,
-            shape=State(block_bytes // self.block_size),
+            shape=State(geometry.block_bytes // self.block_size),
             tp_rank=0 if self.mla else self.ranks.tp,
             tp_size=1 if self.mla else pc.tensor_parallel_size,
         ).descriptor()
@@ -483,15 +489,3 @@ def _layer_range(names: Sequence[str]) -> str:
     if idx == list(range(idx[0], idx[0] + len(idx))):
         return f"{idx[0]}-{idx[-1]}"
     return "set:" + config_digest(idx)
-
-
-def _block_major(name: str, t: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """A view of a layer's KV with the block index first (vLLM's layouts put it first, or
-    second after a K/V dimension of 2)."""
-    for d in range(min(t.dim(), 2)):
-        if t.shape[d] == num_blocks:
-            return t.movedim(d, 0) if d else t
-    raise ValueError(
-        f"kvtier: KV layer {name!r} of shape {tuple(t.shape)} has no dimension of "
-        f"{num_blocks} blocks among its first two"
-    )

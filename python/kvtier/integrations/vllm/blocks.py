@@ -1,0 +1,134 @@
+"""Where a vLLM layer's blocks lie in memory, and the order of a block's bytes in a kvtier
+page.
+
+vLLM 0.33 views every layer's KV as ``[B, H, N, C]`` over one backing allocation, with the
+physical order of those axes (and of the layers) set by its ``KVCacheLayout``; older layouts
+put a K/V axis of 2 before the block axis. kvtier stores a page as, for each layer in turn,
+the layer's block in its **canonical order**: the block's axes sorted by their strides in
+memory (outermost first), so a block that is one span in memory is stored as that span. The
+staging path and the agent's DMA path (``pieces``) both move blocks in this order, so a page
+stored by one loads bit-identical through the other.
+
+:class:`BlockBytes` is that geometry for one layer: the stride between blocks, where block 0
+starts in the layer's storage, and the block's spans (offset, length) in canonical order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.agent import PagePiece
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """One layer's blocks as bytes of its storage: block ``b`` starts at ``origin + b *
+    block_stride``; its canonical bytes are the spans of ``inner`` bytes at every index of
+    ``dims`` (size, byte stride), outermost first."""
+
+    num_blocks: int
+    block_stride: int
+    origin: int
+    dims: tuple[tuple[int, int], ...]
+    inner: int
+    # The canonical order as logical axes of the block (the view's axis index, or "e" for
+    # an element's bytes) and their sizes: what a page's bytes mean, whatever vLLM's
+    # strides or number of blocks; part of the cache identity.
+    form: str
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(size for size, _ in self.dims) * self.inner
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The block's (offset from its start, length) spans in canonical order."""
+        offsets = [0]
+        for size, stride in self.dims:
+            offsets = [o + i * stride for o in offsets for i in range(size)]
+        return [(o, self.inner) for o in offsets]
+
+    def view(self, storage: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, *dims, inner]`` uint8 view of the layer's ``storage`` (a flat uint8
+        tensor over it, :func:`storage_bytes`): indexing block ``b`` gives its canonical
+        bytes, and writing into it writes the block."""
+        sizes = [self.num_blocks, *(s for s, _ in self.dims), self.inner]
+        strides = [self.block_stride, *(st for _, st in self.dims), 1]
+        return torch.as_strided(storage, sizes, strides, self.origin)
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``t``'s storage."""
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+
+
+def block_bytes(name: str, t: torch.Tensor, num_blocks: int) -> BlockBytes:
+    """The block geometry of vLLM layer ``name``'s KV view ``t``: its block axis is the
+    first of size ``num_blocks`` among the first two (a K/V axis of 2 may come first), or
+    the first axis holding ``num_blocks`` groups of kernel blocks (vLLM splits a block into
+    kernel blocks a constant stride apart)."""
+    e = t.element_size()
+    shape, strides = list(t.shape), [s * e for s in t.stride()]
+    axis = next((d for d in range(min(t.dim(), 2)) if shape[d] == num_blocks), None)
+    if axis is None and t.dim() and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+        ratio = shape[0] // num_blocks
+        shape = [num_blocks, ratio, *shape[1:]]
+        strides = [strides[0] * ratio, strides[0], *strides[1:]]
+        axis = 0
+    if axis is None:
+        raise ValueError(
+            f"kvtier: KV layer {name!r} of shape {tuple(t.shape)} has no axis of "
+            f"{num_blocks} blocks among its first two"
+        )
+    axes = [
+        (str(d), n, s)
+        for d, (n, s) in enumerate(zip(shape, strides, strict=True))
+        if d != axis and n > 1  # axes of one element do not move anything
+    ]
+    # Element bytes are the innermost axis.
+    axes.append(("e", e, 1))
+    axes.sort(key=lambda a: -a[2])
+    form = ",".join(f"{a}:{n}" for a, n, _ in axes)
+    merged: list[tuple[int, int]] = []
+    for _, n, s in reversed(axes):
+        if merged and s == merged[-1][0] * merged[-1][1]:
+            inner_n, inner_s = merged.pop()
+            merged.append((n * inner_n, inner_s))
+        else:
+            merged.append((n, s))
+    merged.reverse()
+    inner_n, inner_s = merged.pop()
+    if inner_s != 1:
+        raise ValueError(f"kvtier: KV layer {name!r}: its elements are not contiguous bytes")
+    return BlockBytes(
+        num_blocks=num_blocks,
+        block_stride=strides[axis],
+        origin=int(t.storage_offset()) * e,
+        dims=tuple(merged),
+        inner=inner_n,
+        form=form,
+    )
+
+
+def pieces(layers: list[BlockBytes], bases: list[tuple[int, int]]) -> list[PagePiece]:
+    """A page's pieces for the agent: for each layer, its block's spans, placed at
+    allocation ``bases[l][0]``, byte ``bases[l][1]`` being where the layer's storage starts
+    in that allocation. Spans that continue one another merge."""
+    out: list[PagePiece] = []
+    for bb, (alloc, base) in zip(layers, bases, strict=True):
+        for off, length in bb.spans():
+            at = base + bb.origin + off
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and last.allocation == alloc
+                and last.page_stride == bb.block_stride
+                and last.offset + last.length == at
+            ):
+                out[-1] = PagePiece(alloc, last.offset, last.page_stride, last.length + length)
+            else:
+                out.append(PagePiece(alloc, at, bb.block_stride, length))
+    return out
