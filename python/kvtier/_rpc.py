@@ -36,6 +36,7 @@ class KvtierError(Exception):
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.ALREADY_EXISTS,
             grpc.StatusCode.PERMISSION_DENIED,
         )
 
@@ -72,7 +73,7 @@ class KvtierError(Exception):
     @property
     def pool_taken(self) -> bool:
         """An agent refused a registration: another live client owns its pool."""
-        return self.code == grpc.StatusCode.FAILED_PRECONDITION
+        return self.code == grpc.StatusCode.ALREADY_EXISTS
 
 
 def packed(keys: Sequence[bytes]) -> bytes:

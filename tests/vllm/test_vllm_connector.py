@@ -273,3 +273,52 @@ def test_settings_errors_name_the_key():
     assert Settings().agent_socket(r) == "kvtier-data/kvtier-agent-7.sock"
     with pytest.raises(ValueError, match=r"unknown placeholder \{gpu\}"):
         Settings.parse({"agent": "/run/a-{gpu}.sock"}).agent_socket(r)
+    with pytest.raises(ValueError, match=r"extra_config.transfer: 'rdma' is not one of"):
+        Settings.parse({"transfer": "rdma"})
+    # Finished requests' blocks are held for saves only where the agent may read them after
+    # the step: DMA from a GPU.
+    assert Settings().holds_blocks("cuda")
+    assert not Settings().holds_blocks("cpu")
+    assert not Settings.parse({"transfer": "staging"}).holds_blocks("cuda")
+
+
+def test_the_transfer_falls_back_to_staging_only_where_it_may_and_says_why():
+    """``choose_transfer`` with registrations that succeed, are refused by the agent (no
+    driver, a failed import check), cannot export (torch's allocator), or find the pool
+    owned by another client."""
+    import grpc
+
+    from kvtier.host import KvtierError
+    from kvtier.integrations.vllm.common import choose_transfer
+
+    calls = []
+
+    def ok() -> None:
+        calls.append("ok")
+
+    def refused() -> None:
+        raise KvtierError("device unavailable: no libcuda", grpc.StatusCode.FAILED_PRECONDITION)
+
+    def taken() -> None:
+        raise KvtierError("owned by pid 7", grpc.StatusCode.ALREADY_EXISTS)
+
+    def no_export() -> None:
+        raise RuntimeError("expandable segments cannot be shared")
+
+    assert choose_transfer("auto", "cuda:0", True, ok) == (True, None)
+    assert choose_transfer("dma", "cuda:0", True, ok) == (True, None)
+    assert choose_transfer("staging", "cuda:0", True, ok) == (False, None)
+    assert choose_transfer("auto", "cpu", False, ok) == (False, None)
+    assert calls == ["ok", "ok"]  # staging, and CPU workers, never try
+    dma, why = choose_transfer("auto", "cuda:0", True, refused)
+    assert not dma and why is not None and "no libcuda" in why
+    dma, why = choose_transfer("auto", "cuda:0", True, no_export)
+    assert not dma and why is not None and "expandable segments" in why
+    with pytest.raises(KvtierError, match="no libcuda"):
+        choose_transfer("dma", "cuda:0", True, refused)
+    with pytest.raises(KvtierError, match="owned by pid 7"):
+        choose_transfer("auto", "cuda:0", True, taken)
+    with pytest.raises(ValueError, match="transfer: dma: cannot export"):
+        choose_transfer("dma", "cuda:0", True, no_export)
+    with pytest.raises(ValueError, match="transfer: dma needs the KV cache on a CUDA GPU; .* cpu"):
+        choose_transfer("dma", "cpu", False, ok)

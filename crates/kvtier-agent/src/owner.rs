@@ -9,7 +9,7 @@
 //! - `RegisterPool` answers an owner token (128 random bits, hex); every later call that
 //!   touches the pool presents it in the `kvtier-pool-owner` metadata header, and the
 //!   [`Caller`] built from each request carries it to the pool's accessors.
-//! - A registration from another client is refused (`FAILED_PRECONDITION`, naming the owner's
+//! - A registration from another client is refused (`ALREADY_EXISTS`, naming the owner's
 //!   pid and uid) while the owner lives: while its process exists (its pid and start time,
 //!   from the socket's peer credentials) or, when its pid is not visible (another pid
 //!   namespace, TCP), until it has made no call for the lease (`server.pool_lease`).
@@ -144,7 +144,7 @@ impl From<Owned> for ApiError {
             }
             None => "a client over TCP".to_string(),
         };
-        ApiError::FailedPrecondition(format!(
+        ApiError::AlreadyExists(format!(
             "pool: this agent's pool is registered by {who}, last seen {:.1}s ago; one agent \
              serves one engine worker: give each worker its own agent (vLLM: the connector's \
              socket template takes {{local_rank}}, {{dp_rank}}, {{pp_rank}} and {{tp_rank}})",

@@ -156,6 +156,7 @@ impl HostService {
             Err(ApiError::InvalidArgument { .. }) => "invalid_argument",
             Err(ApiError::NotFound(_)) => "not_found",
             Err(ApiError::FailedPrecondition(_)) => "failed_precondition",
+            Err(ApiError::AlreadyExists(_)) => "already_exists",
             Err(ApiError::ResourceExhausted(_)) => "resource_exhausted",
             Err(ApiError::PermissionDenied(_)) => "permission_denied",
             Err(ApiError::Unavailable(_)) => "unavailable",

@@ -44,6 +44,10 @@ pub enum ApiError {
     /// self-test that disagrees with the daemon's (`FAILED_PRECONDITION`).
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The thing to create is there already and belongs to another client, e.g. an agent's
+    /// pool registered by another live engine worker (`ALREADY_EXISTS`).
+    #[error("{0}")]
+    AlreadyExists(String),
     /// A configured limit was reached (`RESOURCE_EXHAUSTED`).
     #[error("{0}")]
     ResourceExhausted(String),
@@ -105,6 +109,7 @@ impl From<ApiError> for tonic::Status {
             ApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(msg),
             ApiError::NotFound(_) => tonic::Status::not_found(msg),
             ApiError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
+            ApiError::AlreadyExists(_) => tonic::Status::already_exists(msg),
             ApiError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),
             ApiError::PermissionDenied(_) => tonic::Status::permission_denied(msg),
             ApiError::Unavailable(_) => tonic::Status::unavailable(msg),

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.agent import PagePiece
+if TYPE_CHECKING:
+    from kvtier.agent import PagePiece
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ def pieces(layers: list[BlockBytes], bases: list[tuple[int, int]]) -> list[PageP
     """A page's pieces for the agent: for each layer, its block's spans, placed at
     allocation ``bases[l][0]``, byte ``bases[l][1]`` being where the layer's storage starts
     in that allocation. Spans that continue one another merge."""
+    from kvtier.agent import PagePiece  # the gRPC client, only where pieces are registered
+
     out: list[PagePiece] = []
     for bb, (alloc, base) in zip(layers, bases, strict=True):
         for off, length in bb.spans():
@@ -132,3 +136,39 @@ def pieces(layers: list[BlockBytes], bases: list[tuple[int, int]]) -> list[PageP
             else:
                 out.append(PagePiece(alloc, at, bb.block_stride, length))
     return out
+
+
+@dataclass(frozen=True)
+class CudaExport:
+    """A worker's KV cache as the agent opens it: the GPU, one CUDA IPC handle per backing
+    allocation (vLLM 0.33 allocates one for all layers), how many bytes of each the layers
+    use from the handle's address, and where each layer's storage starts in them."""
+
+    ordinal: int
+    handles: list[bytes]
+    allocation_bytes: list[int]
+    bases: list[tuple[int, int]]
+
+
+def cuda_export(tensors: list[torch.Tensor]) -> CudaExport:
+    """Exports the allocations behind ``tensors`` (CUDA tensors) by IPC handle, once per
+    allocation. Raises (RuntimeError from torch) where the allocator's memory cannot be
+    shared that way, e.g. expandable segments."""
+    handles: list[bytes] = []
+    sizes: list[int] = []
+    bases: list[tuple[int, int]] = []
+    index: dict[bytes, int] = {}
+    for t in tensors:
+        if t.device.type != "cuda":
+            raise ValueError(f"kvtier: a KV tensor is on {t.device}, not a CUDA GPU")
+        # (device, handle, storage bytes, storage's offset in the allocation, ...): what
+        # torch.multiprocessing sends another process for the same storage.
+        share = t.untyped_storage()._share_cuda_()  # pyright: ignore[reportAttributeAccessIssue]
+        handle, size, offset = bytes(share[1]), int(share[2]), int(share[3])
+        a = index.setdefault(handle, len(handles))
+        if a == len(handles):
+            handles.append(handle)
+            sizes.append(0)
+        sizes[a] = max(sizes[a], offset + size)
+        bases.append((a, offset))
+    return CudaExport(tensors[0].device.index or 0, handles, sizes, bases)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.agent import After
-from kvtier.host import POLICIES
+from kvtier.host import POLICIES, KvtierError
 from kvtier.keys import Namespace, extend_keys
 from kvtier.settings import fill
 
@@ -61,6 +61,12 @@ class Settings:
     # its pages are in; other requests keep stepping): "auto" when some of its pages come
     # from L3, "always", or "never" (every load before the step that needs it).
     load_async: str = "auto"
+    # How blocks move between vLLM's KV cache and L2: "dma" (the agent copies them itself,
+    # from the GPU allocation the worker exports by CUDA IPC handle: no staging pool, no
+    # copy on the worker's side), "staging" (the worker copies them through a shared-memory
+    # pool the agent maps), or "auto": dma where the KV cache is on a GPU and the agent's
+    # import passes its check, else staging (a fallback is logged and counted).
+    transfer: str = "auto"
 
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Settings:
@@ -76,6 +82,10 @@ class Settings:
             raise ValueError(
                 f"kvtier: {where}.load_async: {s.load_async!r} is not one of auto, always, never"
             )
+        if s.transfer not in ("auto", "dma", "staging"):
+            raise ValueError(
+                f"kvtier: {where}.transfer: {s.transfer!r} is not one of auto, dma, staging"
+            )
         if s.staging_pages < 1:
             raise ValueError(f"kvtier: {where}.staging_pages: must be at least 1")
         if s.load_timeout_ms < 0:
@@ -84,6 +94,12 @@ class Settings:
             raise ValueError(f"kvtier: {where}.timeout_s: must be above 0")
         s.staging_file_mode()
         return s
+
+    def holds_blocks(self, device_type: str) -> bool:
+        """Whether the agent may still be reading a finished request's blocks after the step
+        (DMA saves run after it): then the scheduler keeps them until every worker reports the
+        request's saves done (``get_finished``)."""
+        return self.transfer != "staging" and device_type == "cuda"
 
     def staging_file_mode(self) -> int:
         """``staging_mode`` as bits; an error names the key unless it is octal, keeps the
@@ -120,6 +136,33 @@ class Settings:
             return str(values[name])
 
         return re.sub(r"\{([^{}]*)\}", sub, self.agent)
+
+
+def choose_transfer(
+    transfer: str, device: str, on_gpu: bool, register_dma: Callable[[], None]
+) -> tuple[bool, str | None]:
+    """Whether a worker's blocks move by DMA (``register_dma`` succeeded: the agent opened
+    the KV cache and its check passed), and, when ``auto`` fell back to staging on a GPU,
+    why. ``dma`` that cannot be had is an error naming the setting; a registration refused
+    because another client owns the agent's pool is raised as it is, whatever the setting."""
+    where = "kv_connector_extra_config.transfer"
+    if transfer == "staging" or (transfer == "auto" and not on_gpu):
+        return False, None
+    if not on_gpu:
+        raise ValueError(
+            f"kvtier: {where}: dma needs the KV cache on a CUDA GPU; this worker's is on {device}"
+        )
+    try:
+        register_dma()
+        return True, None
+    except KvtierError as e:
+        if e.pool_taken or transfer == "dma":
+            raise
+        return False, f"the agent refused the KV cache: {e}"
+    except (RuntimeError, ValueError) as e:
+        if transfer == "dma":
+            raise ValueError(f"kvtier: {where}: dma: cannot export the KV cache: {e}") from e
+        return False, f"cannot export the KV cache: {e}"
 
 
 @dataclass(frozen=True)
@@ -204,6 +247,9 @@ class KvtierMetadata(KVConnectorMetadata):
 
     loads: list[Job] = field(default_factory=list)
     saves: list[Job] = field(default_factory=list)
+    # Requests preempted this step: their blocks are reused once the step starts, so saves
+    # still reading them finish first (``handle_preemptions``).
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -232,6 +278,8 @@ class Counts:
     saved_bytes: int = 0
     # Staging pools given up after a call that may have left a copy running in them.
     retired_staging: int = 0
+    # Workers whose KV is on a GPU that fell back from the agent's DMA to the staging pool.
+    dma_fallbacks: int = 0
 
 
 def parallel_rank(get: Any, default: int = 0) -> int:

@@ -15,8 +15,14 @@ engine-cache mode (proto/kvtier/v1/agent.proto): it keeps no tree, and the conne
   allocated (``Load``); a page not loaded is reported through
   ``get_block_ids_with_load_errors`` and vLLM recomputes from there;
 - after the forward pass, to save every block that became full in it (``Save``), under the
-  agent's write policy, before vLLM may reuse it: saves are synchronous, so
-  ``request_finished`` never holds blocks back.
+  agent's write policy, on a save thread.
+
+Blocks move one of two ways (``transfer``): on a GPU, the agent copies them itself from the
+KV cache the worker exported once by CUDA IPC handle (``dma``: no staging, nothing copied on
+the worker's side; a finished request's blocks are held until its saves are done, and a
+preemption waits for the saves of its blocks); otherwise, or when the agent's import fails
+its check (logged, counted ``dma_fallbacks``), through a staging pool in shared memory that
+the worker copies into and the agent maps (``staging``).
 
 Pages are keyed by kvtier's hash of their tokens (docs/hash-spec.md) in a namespace of the
 tenant, vLLM's ``cache_salt``, the LoRA adapter and the weight epoch (``reset_cache`` starts a
@@ -114,8 +120,14 @@ class KvtierConnector(KVConnectorBase_V1):
         # kv_role: kv_both and kv_producer save; kv_consumer only loads.
         produces = ktc.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
+            device = str(getattr(vllm_config.device_config, "device_type", "") or "")
             self.scheduler = SchedulerSide(
-                self.settings, block_size, self.agent, self.counts, produces
+                self.settings,
+                block_size,
+                self.agent,
+                self.counts,
+                produces,
+                holds=self.settings.holds_blocks(device),
             )
         else:
             self.worker = WorkerSide(
@@ -169,8 +181,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler().request_finished(request)
-        return False, None
+        return self._scheduler().request_finished(request), None
 
     # ------------------------------------------------------------------ worker side
 
@@ -193,6 +204,12 @@ class KvtierConnector(KVConnectorBase_V1):
         **kwargs: Any,
     ) -> None:
         return
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step reuses preempted requests' blocks: saves still reading them
+        finish first."""
+        if isinstance(kv_connector_metadata, KvtierMetadata) and kv_connector_metadata.preempted:
+            self._worker().handle_preemptions(kv_connector_metadata.preempted)
 
     def wait_for_save(self) -> None:
         meta = self._meta()

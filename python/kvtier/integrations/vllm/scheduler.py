@@ -149,6 +149,7 @@ class SchedulerSide:
         agent: AgentClient,
         counts: Counts,
         produces: bool = True,
+        holds: bool = False,
     ):
         self.settings, self.block_size, self.agent, self.counts = (
             settings,
@@ -158,6 +159,12 @@ class SchedulerSide:
         )
         # kv_role kv_consumer: this instance only loads; it plans no saves.
         self.produces = produces
+        # Finished requests with saves keep their blocks until the workers say the saves are
+        # done (Settings.holds_blocks).
+        self.holds = holds
+        # Requests that had saves handed out (kept apart from _tracked, which reset_cache
+        # clears: a worker holds those requests' blocks all the same).
+        self._saving: set[str] = set()
         self.epoch = WeightEpoch()
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[Job] = []
@@ -329,7 +336,9 @@ class SchedulerSide:
             self.counts.job_tokens += len(j.tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
-        meta = KvtierMetadata(loads=self._loads)
+        meta = KvtierMetadata(
+            loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ())
+        )
         self._loads = []
         self._count_jobs(meta.loads)
         for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
@@ -378,6 +387,7 @@ class SchedulerSide:
                 )
             )
             t.saved = done
+            self._saving.add(req_id)
 
     def reset_cache(self) -> None:
         """Moves this instance to a new weight epoch, so nothing stored before is served to
@@ -388,9 +398,13 @@ class SchedulerSide:
         self._loads = []
         logger.info("kvtier: connector cache reset: a new weight epoch; earlier pages unused")
 
-    def request_finished(self, request: Request) -> None:
-        # Saves ran in the step that computed each block: nothing to hold back.
+    def request_finished(self, request: Request) -> bool:
+        """Whether vLLM must keep the request's blocks until the workers report its saves
+        done: only where saves may run after the step (DMA) and the request had some."""
         self._tracked.pop(request.request_id, None)
+        saving = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        return self.holds and saving
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

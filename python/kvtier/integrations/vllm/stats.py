@@ -33,6 +33,8 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "Bytes of the pages saved to L2.",
     "save_failed_pages": "Pages a save did not get into L2 (L2 full or unreachable).",
     "save_dropped_pages": "Pages not saved: no staging page was free (saves were behind).",
+    "dma_fallbacks": "Workers with the KV cache on a GPU that copy through a staging pool "
+    "because the agent could not copy their blocks directly (transfer auto).",
 }
 # Per-call durations, each exported as the histogram vllm:kvtier_<name>_seconds.
 DURATIONS: dict[str, str] = {

@@ -1,7 +1,13 @@
-"""The worker side of the vLLM connector: the staging pool registered with the worker's
+"""The worker side of the vLLM connector: vLLM's KV cache registered with the worker's
 kvtier-agent in engine-cache mode, loads into vLLM's blocks before the forward pass (a page
 not loaded is reported to vLLM, which recomputes it), and saves of the blocks that became
-full after it, under the agent's write policy, before vLLM may reuse them."""
+full after it, under the agent's write policy.
+
+Two transfers (``Settings.transfer``): **dma**, where the agent maps the GPU allocation the
+worker exports by CUDA IPC handle and copies blocks itself (saves run on the save thread once
+the step's event completes; finished requests' blocks are held until then, and preemptions
+wait for them), and **staging**, where the worker copies blocks through a shared-memory pool
+the agent maps (on CPU, and wherever the agent's import fails its check)."""
 
 from __future__ import annotations
 
@@ -19,13 +25,20 @@ import torch
 from kvtier.agent import AgentClient
 from kvtier.host import KvtierError
 from kvtier.identity import CacheIdentity, config_digest
-from kvtier.integrations.vllm.blocks import BlockBytes, block_bytes, storage_bytes
+from kvtier.integrations.vllm.blocks import (
+    BlockBytes,
+    block_bytes,
+    cuda_export,
+    pieces,
+    storage_bytes,
+)
 from kvtier.integrations.vllm.common import (
     Counts,
     Job,
     KvtierMetadata,
     Ranks,
     Settings,
+    choose_transfer,
     parallel_rank,
 )
 from kvtier.integrations.vllm.staging import Staging
@@ -77,6 +90,20 @@ class WorkerSide:
         self._recved: set[str] = set()
         self._pending_saves = 0
         self._lock = threading.Lock()
+        # DMA: the agent reads vLLM's blocks itself, after the step; the owner token of that
+        # registration.
+        self._dma = False
+        self._owner = ""
+        # Whether finished requests with saves keep their blocks until the saves are done;
+        # the scheduler side decides the same from the same settings (Settings.holds_blocks).
+        device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+        self._holds = settings.holds_blocks(device)
+        # Requests that had saves; DMA save jobs not yet done, by request; finished requests
+        # held for their saves, not yet reported.
+        self._had_saves: set[str] = set()
+        self._saving: dict[str, int] = {}
+        self._held: set[str] = set()
+        self._saves_done = threading.Condition(self._lock)
         # Serialises replacing the staging pool and registering it.
         self._registering = threading.RLock()
         # Async loads (several requests' L3 fetches at once) and saves (in order), off the
@@ -110,8 +137,38 @@ class WorkerSide:
         self._layer_names = list(kv_caches)
         self._block_bytes = size
         self._descriptor = self._layout(tensors[0], geometry[0])
+        self._choose_transfer()
+
+    def _choose_transfer(self) -> None:
+        """DMA where the KV cache is on a GPU and the agent opens it, else the staging pool
+        (a fallback from an ``auto`` that could not use DMA is logged and counted)."""
+        device = str(self._tensors[0].device)
+        on_gpu = all(t.device.type == "cuda" for t in self._tensors)
+        self._dma, why = choose_transfer(self.settings.transfer, device, on_gpu, self._register_dma)
+        if self._dma:
+            logger.info("kvtier: the agent copies vLLM's blocks itself (DMA)")
+            return
+        if why is not None:
+            self._count(dma_fallbacks=1)
+            logger.warning("kvtier: %s; the worker copies through a staging pool", why)
         self._staging = self._new_staging()
         self._register()
+
+    def _register_dma(self) -> None:
+        """Registers vLLM's KV cache itself: its allocations by IPC handle and the pieces of
+        a page in them (blocks.py). The agent checks the map and reads a page through its
+        copy method against plain copies before it accepts."""
+        ex = cuda_export(self._tensors)
+        info = self.agent.register_pool(
+            self._descriptor,
+            self.kv_cache_config.num_blocks * self.block_size,
+            cuda_ordinal=ex.ordinal,
+            cuda_ipc_handles=ex.handles,
+            cuda_allocation_bytes=ex.allocation_bytes,
+            cuda_pieces=pieces(self._geometry, ex.bases),
+            engine_cache=True,
+        )
+        self._owner = info.owner
 
     def _new_staging(self) -> Staging:
         st = Staging(
@@ -202,15 +259,20 @@ class WorkerSide:
                 self.agent.address,
             )
 
-    def _call(self, staging: Staging, fn: Callable[[], T]) -> T:
-        """An agent call through ``staging``; after an agent restart (the pool unknown to
-        it) registers again and retries once, unless the pool was replaced meanwhile."""
+    def _call(self, staging: Staging | None, fn: Callable[[], T]) -> T:
+        """An agent call through ``staging`` (None: vLLM's blocks, DMA); after an agent
+        restart (the pool unknown to it) registers again and retries once, unless the
+        staging pool was replaced meanwhile."""
         try:
             return fn()
         except KvtierError as e:
             if not e.pool_lost:
                 raise
             with self._registering:
+                if staging is None:
+                    logger.warning("kvtier: the agent lost the KV cache (restarted?); again")
+                    self._register_dma()
+                    return fn()
                 if staging is not self._staging or staging.retired:
                     raise
                 logger.warning("kvtier: the agent lost the pool (restarted?); registering again")
@@ -262,6 +324,13 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
+        if self._dma:
+            for job in meta.loads:
+                if job.load_async:
+                    self._loaders.submit(self._load_async, job)
+                else:
+                    self._load_dma(job)
+            return
         if self._staging is None:
             return
         for job in meta.loads:
@@ -275,7 +344,10 @@ class WorkerSide:
         reported finished receiving; pages that did not load are reported as load errors
         no later than that."""
         try:
-            self._load_job(job, wait=self.settings.timeout_s)
+            if self._dma:
+                self._load_dma(job)
+            else:
+                self._load_job(job, wait=self.settings.timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a miss, never a lost request
             logger.warning("kvtier: async load of %s failed: %s", job.req_id, e)
             self._missed(job.blocks)
@@ -308,6 +380,35 @@ class WorkerSide:
             if self._load(staging, part, slots) < len(part.blocks) and rest is not None:
                 self._missed(rest.blocks)
                 return
+
+    def _load_dma(self, job: Job) -> None:
+        """The agent copies the job's pages from L2 straight into vLLM's blocks, returning
+        once they landed; pages it could not load are load errors."""
+        t0 = time.monotonic()
+        s = self.settings
+        try:
+            loaded = self._call(
+                None,
+                lambda: self.agent.load_pages(
+                    job.prompt(),
+                    job.namespace,
+                    job.start,
+                    job.blocks,
+                    policy=s.load_policy or None,
+                    timeout_ms=s.load_timeout_ms,
+                    timeout=s.timeout_s + s.load_timeout_ms / 1000,
+                    owner=self._owner,
+                ),
+            )
+        except KvtierError as e:
+            logger.warning(
+                "kvtier: load of %d pages failed, vLLM recomputes: %s", len(job.blocks), e
+            )
+            loaded = 0
+        loaded = max(0, min(loaded, len(job.blocks)))
+        self._missed(job.blocks[loaded:])
+        self._count(loaded_pages=loaded, loaded_bytes=loaded * self._page_bytes())
+        self._took("load", t0)
 
     def _load(self, staging: Staging, job: Job, slots: list[int]) -> int:
         """One piece through ``slots``: Load into the staging pages, then into vLLM's
@@ -347,11 +448,34 @@ class WorkerSide:
         return loaded
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose async loads ended (their failed pages already reported). Saves
-        copy out of vLLM's blocks before the step ends, so no request's blocks are held."""
+        """(Finished requests whose blocks were held for their saves and may go now, requests
+        whose async loads ended). A request is held by every worker, so every worker reports
+        it, once its own saves of it are done (at once on the staging path, whose saves
+        copied out of the blocks within the step)."""
         with self._lock:
             done, self._recved = self._recved, set()
-        return None, (done or None)
+            sending: set[str] = set()
+            if self._holds:
+                self._held |= finished_req_ids & self._had_saves
+                self._had_saves -= finished_req_ids
+                sending = {r for r in self._held if not self._saving.get(r)}
+                self._held -= sending
+        return (sending or None), (done or None)
+
+    def handle_preemptions(self, preempted: Sequence[str]) -> None:
+        """Before a step reuses preempted requests' blocks: waits for DMA saves still
+        reading them (up to the agent calls' deadline, after which the agent commits
+        nothing of them)."""
+        if not self._dma:
+            return
+        deadline = time.monotonic() + self.settings.timeout_s + 1.0
+        with self._lock:
+            while any(self._saving.get(r) for r in preempted):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("kvtier: saves of preempted requests still running")
+                    return
+                self._saves_done.wait(left)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -367,6 +491,11 @@ class WorkerSide:
         or saves behind a slow L2) waits, up to ``timeout_s``, for the save thread to free
         pages, so a burst is saved whole; pages that still find none are dropped, counted
         (``save_dropped_pages``)."""
+        with self._lock:
+            self._had_saves.update(j.req_id for j in meta.saves)
+        if self._dma:
+            self._save_dma_step(meta.saves)
+            return
         staging = self._staging
         if staging is None or not self.saves or not meta.saves:
             return
@@ -392,6 +521,63 @@ class WorkerSide:
                 part, rest = rest.split(len(slots), self.block_size)
                 planned.append((part, slots))
         self._hand_over(staging, planned)
+
+    def _save_dma_step(self, jobs: list[Job]) -> None:
+        """DMA saves: an event after the step's work on the current stream, and the step's
+        Saves to the save thread, which waits for the event and has the agent copy the
+        blocks. Nothing waits on the step's thread."""
+        if not self.saves or not jobs:
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        with self._lock:
+            for j in jobs:
+                self._saving[j.req_id] = self._saving.get(j.req_id, 0) + 1
+            self._pending_saves += 1
+        self._savers.submit(self._save_dma_all, jobs, ready)
+
+    def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event) -> None:
+        try:
+            ready.synchronize()
+            for job in jobs:
+                try:
+                    self._save_dma(job)
+                finally:
+                    with self._lock:
+                        left = self._saving.get(job.req_id, 1) - 1
+                        if left:
+                            self._saving[job.req_id] = left
+                        else:
+                            self._saving.pop(job.req_id, None)
+                        self._saves_done.notify_all()
+        finally:
+            with self._lock:
+                self._pending_saves -= 1
+
+    def _save_dma(self, job: Job) -> None:
+        """On the save thread: the agent copies the job's blocks into L2."""
+        t0 = time.monotonic()
+        try:
+            r = self._call(
+                None,
+                lambda: self.agent.save_pages(
+                    job.prompt(),
+                    job.namespace,
+                    job.start,
+                    job.blocks,
+                    selected=job.selected,
+                    owner=self._owner,
+                ),
+            )
+        except KvtierError as e:
+            logger.warning("kvtier: save of %d pages failed: %s", len(job.blocks), e)
+            self._count(save_failed_pages=len(job.blocks))
+            return
+        saved = r.stored + r.present
+        self._count(
+            saved_pages=saved, saved_bytes=saved * self._page_bytes(), save_failed_pages=r.failed
+        )
+        self._took("save", t0)
 
     def _hand_over(self, staging: Staging, planned: list[tuple[Job, list[int]]]) -> None:
         """Copies the planned blocks into their staging pages (one gather per layer) and
