@@ -119,6 +119,7 @@ fn simulate(reqs: Vec<Request>, run: Run) -> Report {
     let opts = Options {
         layout: layout(),
         device_pages: run.device_pages,
+        device: Default::default(),
         prefetch: run.prefetch,
         sequential: run.sequential,
         time_scale: 0.0,

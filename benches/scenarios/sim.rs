@@ -43,6 +43,7 @@ pub fn run(quick: bool) {
             tp_size: 1,
         },
         device_pages: 4096,
+        device: Default::default(),
         prefetch: Some(PrefetchPolicy::WaitComplete),
         sequential: false,
         time_scale: 0.0,

@@ -6,12 +6,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use kvtier_client::{AgentClient, PoolMemory};
+use kvtier_client::AgentClient;
 use kvtier_core::{DevicePool, Layout, LayoutSpec, Namespace, PageHasher, PageKey};
 use kvtier_proto::v1;
-use kvtier_shm::ShmRegion;
 
-use crate::kv::KvPool;
+use crate::kv::{KvPool, SimDevice};
 use crate::workload::Request;
 
 /// Most load rounds (prefetch, then load back) for one request.
@@ -72,7 +71,6 @@ pub struct Worker {
     spec: LayoutSpec,
     layout: Layout,
     kv: KvPool,
-    path: PathBuf,
     pages: u64,
     client: Option<AgentClient>,
     free: Vec<u32>,
@@ -90,7 +88,8 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
-    /// A worker with a pool of `pages` pages in /dev/shm, talking to the agent at `socket`.
+    /// A worker with a pool of `pages` pages on `device` (in /dev/shm, or on GPU 0), talking
+    /// to the agent at `socket`.
     pub fn new(
         id: usize,
         socket: PathBuf,
@@ -98,20 +97,19 @@ impl Worker {
         pages: u64,
         prefetch: Option<v1::PrefetchPolicy>,
         run_id: &str,
+        device: SimDevice,
     ) -> Result<Self> {
         let layout = Layout::new(spec.clone()).context("layout")?;
         let page_size = layout.page_size();
         let pool = DevicePool::new(layout.clone(), pages * page_size as u64).context("pool")?;
         let path = PathBuf::from("/dev/shm").join(format!("kvtier-sim-{run_id}-worker-{id}"));
-        let region = ShmRegion::create(&path, pool.total_bytes())
-            .with_context(|| format!("creating the KV pool {}", path.display()))?;
+        let kv = KvPool::new(pool, device, &path)?;
         Ok(Self {
             id,
             socket,
             spec,
             layout,
-            kv: KvPool { pool, region },
-            path,
+            kv,
             pages,
             client: None,
             free: Vec::new(),
@@ -146,9 +144,7 @@ impl Worker {
         c.register_pool(
             &self.spec,
             self.pages * self.layout.page_size() as u64,
-            PoolMemory::Cpu {
-                path: self.path.clone(),
-            },
+            self.kv.memory()?,
         )
         .await
         .context("registering the KV pool")?;
@@ -421,11 +417,5 @@ impl Worker {
         self.free.extend(ins.duplicate_pages);
         client.release(handle).await?;
         Ok(out)
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
     }
 }

@@ -2,8 +2,18 @@
 //! page key (which is itself a function of the whole token prefix up to and including the
 //! page). So "what recomputing this page would give" is known anywhere, and every page an
 //! engine receives from any tier can be checked byte for byte.
+//!
+//! The simulated engine's pool is CPU shared memory (the agent's cpu device maps the file) or,
+//! with `--device cuda`, GPU memory: one allocation per (layer, K|V) buffer, registered with
+//! the agent by CUDA IPC handle, so the agent's cuda device (its copy methods) moves every page.
 
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use anyhow::{Context, Result};
+use kvtier_client::PoolMemory;
 use kvtier_core::{DevicePool, KvPart, Layout, PageKey};
+use kvtier_device::cuda::DeviceBuffer;
 use kvtier_shm::ShmRegion;
 
 /// Fills `out` with the bytes of run `run` of the page with key `key` (SplitMix64 stream seeded
@@ -28,25 +38,116 @@ pub fn fill_run(key: &PageKey, run: usize, out: &mut [u8]) {
     rest.copy_from_slice(&tail[..rest.len()]);
 }
 
-/// An engine's KV pool in CPU shared memory, with "compute" and "check" of pages.
-#[derive(Debug)]
+/// Which memory the simulated engine's pool is in (`--device`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SimDevice {
+    /// A shared-memory file in /dev/shm (the agent's cpu device).
+    #[default]
+    Cpu,
+    /// GPU 0's memory, by CUDA IPC handle (the agent's cuda device).
+    Cuda,
+}
+
+enum Memory {
+    Cpu { region: ShmRegion, path: PathBuf },
+    // One allocation per buffer; each copy in or out takes its buffer's lock (its stream).
+    Cuda(Vec<Mutex<DeviceBuffer>>),
+}
+
+/// An engine's KV pool, with "compute" and "check" of pages.
 pub struct KvPool {
     /// Geometry.
     pub pool: DevicePool,
-    /// The mapped pool file.
-    pub region: ShmRegion,
+    mem: Memory,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.mem {
+            Memory::Cpu { .. } => "cpu",
+            Memory::Cuda(_) => "cuda",
+        };
+        f.debug_struct("KvPool").field("memory", &kind).finish()
+    }
 }
 
 impl KvPool {
+    /// A pool on `device`; a cpu pool is the file at `path`.
+    pub fn new(pool: DevicePool, device: SimDevice, path: &Path) -> Result<Self> {
+        let mem = match device {
+            SimDevice::Cpu => Memory::Cpu {
+                region: ShmRegion::create(path, pool.total_bytes())
+                    .with_context(|| format!("creating the KV pool {}", path.display()))?,
+                path: path.to_path_buf(),
+            },
+            SimDevice::Cuda => Memory::Cuda(
+                (0..pool.num_buffers())
+                    .map(|b| {
+                        DeviceBuffer::new(0, pool.buffer_bytes())
+                            .map(Mutex::new)
+                            .with_context(|| format!("allocating KV buffer {b} on GPU 0"))
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+        };
+        Ok(Self { pool, mem })
+    }
+
+    /// How the agent opens this pool (`RegisterPool`).
+    pub fn memory(&self) -> Result<PoolMemory> {
+        Ok(match &self.mem {
+            Memory::Cpu { path, .. } => PoolMemory::Cpu { path: path.clone() },
+            Memory::Cuda(buffers) => PoolMemory::Cuda {
+                ordinal: 0,
+                ipc_handles: buffers
+                    .iter()
+                    .map(|b| {
+                        let b = b.lock().unwrap_or_else(|p| p.into_inner());
+                        b.ipc_handle().map(|h| h.to_vec())
+                    })
+                    .collect::<Result<_, _>>()
+                    .context("exporting the KV buffers by CUDA IPC handle")?,
+            },
+        })
+    }
+
     fn runs(layout: &Layout) -> impl Iterator<Item = (usize, KvPart)> + '_ {
         layout.runs()
     }
 
-    fn offset(&self, page: u32, layer: usize, part: KvPart) -> (usize, usize) {
+    /// (buffer, offset in it) of run `(layer, part)` of `page`.
+    fn place(&self, page: u32, layer: usize, part: KvPart) -> (usize, usize) {
         // Callers only pass pages below num_pages and runs of the layout.
         match self.pool.run(page as usize, layer, part) {
-            Ok(run) => (run.buffer * self.pool.buffer_bytes() + run.offset, run.len),
+            Ok(run) => (run.buffer, run.offset),
             Err(_) => (0, 0),
+        }
+    }
+
+    fn write(&self, (buffer, offset): (usize, usize), bytes: &[u8]) -> bool {
+        match &self.mem {
+            Memory::Cpu { region, .. } => region
+                .write(buffer * self.pool.buffer_bytes() + offset, bytes)
+                .is_ok(),
+            Memory::Cuda(b) => b[buffer]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .write_at(offset, bytes)
+                .is_ok(),
+        }
+    }
+
+    fn read(&self, (buffer, offset): (usize, usize), out: &mut [u8]) -> bool {
+        match &self.mem {
+            Memory::Cpu { region, .. } => region
+                .read(buffer * self.pool.buffer_bytes() + offset, out)
+                .is_ok(),
+            Memory::Cuda(b) => b[buffer]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .read_at(offset, out)
+                .is_ok(),
         }
     }
 
@@ -56,9 +157,8 @@ impl KvPool {
         scratch.resize(layout.run_bytes(), 0);
         for (layer, part) in Self::runs(layout) {
             fill_run(key, layout.run_index(layer, part), scratch);
-            let (at, _) = self.offset(page, layer, part);
-            // In range: `page` is a page of this pool.
-            let _ = self.region.write(at, scratch);
+            // In range: `page` is a page of this pool; a failed write shows at the check.
+            let _ = self.write(self.place(page, layer, part), scratch);
         }
     }
 
@@ -75,8 +175,7 @@ impl KvPool {
         got.resize(layout.run_bytes(), 0);
         Self::runs(layout).all(|(layer, part)| {
             fill_run(key, layout.run_index(layer, part), scratch);
-            let (at, _) = self.offset(page, layer, part);
-            self.region.read(at, got).is_ok() && got == scratch
+            self.read(self.place(page, layer, part), got) && got == scratch
         })
     }
 
@@ -87,8 +186,15 @@ impl KvPool {
         scratch.clear();
         scratch.resize(layout.run_bytes(), 0xA5);
         for (layer, part) in Self::runs(layout) {
-            let (at, _) = self.offset(page, layer, part);
-            let _ = self.region.write(at, scratch);
+            let _ = self.write(self.place(page, layer, part), scratch);
+        }
+    }
+}
+
+impl Drop for KvPool {
+    fn drop(&mut self) {
+        if let Memory::Cpu { path, .. } = &self.mem {
+            let _ = std::fs::remove_file(path);
         }
     }
 }

@@ -78,6 +78,8 @@ pub struct Options {
     pub layout: LayoutSpec,
     /// Device pages per worker.
     pub device_pages: u64,
+    /// Where the workers' pools are: CPU shared memory or GPU 0.
+    pub device: kv::SimDevice,
     /// Prefetch policy for L3 hits (`None`: no prefetch; only L2 is loaded).
     pub prefetch: Option<v1::PrefetchPolicy>,
     /// Run requests one at a time, in order (the deterministic mode tests use); otherwise
@@ -256,6 +258,7 @@ pub async fn run(
             opts.device_pages,
             opts.prefetch,
             &id,
+            opts.device,
         )?;
         w.set_compute_time(opts.prefill_tokens_per_second, opts.time_scale);
         w.connect().await?;

@@ -63,6 +63,12 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
 #[derive(Debug, Args)]
 struct Common {
     /// Print one JSON object instead of progress and a table.
@@ -74,6 +80,10 @@ struct Common {
     /// Device (L1) pages per worker.
     #[arg(long, default_value_t = 4096)]
     device_pages: u64,
+    /// Where each worker's KV pool is: cpu (shared memory, the agent's cpu device) or cuda
+    /// (GPU 0, opened by the agent by CUDA IPC handle: its copy methods move every page).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
     /// L2 pages (kvtierd's pool).
     #[arg(long, default_value_t = 8192)]
     l2_pages: u64,
@@ -219,6 +229,10 @@ fn main() -> Result<()> {
     let opts = Options {
         layout,
         device_pages: common.device_pages,
+        device: match common.device {
+            Device::Cpu => kvtier_sim::kv::SimDevice::Cpu,
+            Device::Cuda => kvtier_sim::kv::SimDevice::Cuda,
+        },
         prefetch: prefetch_policy(&common.prefetch)?,
         sequential: common.sequential,
         time_scale: common.time_scale,

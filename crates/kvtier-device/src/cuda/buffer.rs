@@ -82,12 +82,22 @@ impl DeviceBuffer {
 
     /// Copies `src` to the start of the buffer and waits.
     pub fn write(&mut self, src: &[u8]) -> Result<(), DeviceError> {
-        self.check_len(src.len())?;
+        self.write_at(0, src)
+    }
+
+    /// Copies `src` to byte `offset` of the buffer and waits.
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<(), DeviceError> {
+        self.check_range(offset, src.len())?;
         self.ctx.make_current()?;
-        // SAFETY: `src` is a live host slice of `src.len() <= bytes` bytes and the device
-        // range lies in this allocation; the stream is synchronised before returning.
+        // SAFETY: `src` is a live host slice and [offset, offset + len) lies in this
+        // allocation (checked above); the stream is synchronised before returning.
         let r = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(self.ptr, src.as_ptr().cast(), src.len(), self.stream.0)
+            sys::cuMemcpyHtoDAsync_v2(
+                self.ptr + offset as u64,
+                src.as_ptr().cast(),
+                src.len(),
+                self.stream.0,
+            )
         };
         check(r, "cuMemcpyHtoDAsync")?;
         self.sync()
@@ -95,11 +105,21 @@ impl DeviceBuffer {
 
     /// Copies the start of the buffer into `dst` and waits.
     pub fn read(&mut self, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.check_len(dst.len())?;
+        self.read_at(0, dst)
+    }
+
+    /// Copies bytes from `offset` of the buffer into `dst` and waits.
+    pub fn read_at(&mut self, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.check_range(offset, dst.len())?;
         self.ctx.make_current()?;
-        // SAFETY: as in `write`, the other way.
+        // SAFETY: as in `write_at`, the other way.
         let r = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len(), self.stream.0)
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast(),
+                self.ptr + offset as u64,
+                dst.len(),
+                self.stream.0,
+            )
         };
         check(r, "cuMemcpyDtoHAsync")?;
         self.sync()
@@ -147,10 +167,14 @@ impl DeviceBuffer {
     }
 
     fn check_len(&self, n: usize) -> Result<(), DeviceError> {
-        if n > self.bytes {
+        self.check_range(0, n)
+    }
+
+    fn check_range(&self, offset: usize, n: usize) -> Result<(), DeviceError> {
+        if offset.checked_add(n).is_none_or(|end| end > self.bytes) {
             return Err(DeviceError::Invalid {
                 field: "length".into(),
-                reason: format!("{n} bytes for a buffer of {}", self.bytes),
+                reason: format!("{n} bytes at {offset} for a buffer of {}", self.bytes),
             });
         }
         Ok(())

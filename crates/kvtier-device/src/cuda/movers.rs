@@ -355,10 +355,15 @@ impl Mover for Kernel {
                 *desc = Descriptors { ptr, bytes };
             }
             check(
-                // SAFETY: `table` is `bytes` long and the allocation at least that; the copy is
-                // synchronous with respect to `table` (pageable source).
-                unsafe { sys::cuMemcpyHtoD_v2(desc.ptr, table.as_ptr().cast(), bytes) },
-                "cuMemcpyHtoD (descriptors)",
+                // SAFETY: `table` is `bytes` long and the allocation at least that. Issued on
+                // the lane's stream, so the launch below reads the descriptors after they
+                // land (a synchronous copy from pageable memory may return before its DMA
+                // does, and the lanes are non-blocking streams); `table` lives until the
+                // stream is synchronised at the end of this iteration.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(desc.ptr, table.as_ptr().cast(), bytes, stream.0)
+                },
+                "cuMemcpyHtoDAsync (descriptors)",
             )?;
             let mut runs_ptr = desc.ptr;
             let mut count = batch.len() as u64;
@@ -386,8 +391,10 @@ impl Mover for Kernel {
                     std::ptr::null_mut(),
                 )
             };
+            // Synchronised first either way: the descriptor copy may still read `table`.
+            let synced = stream.sync();
             check(r, "cuLaunchKernel (kvtier_copy)")?;
-            stream.sync()?;
+            synced?;
         }
         Ok(())
     }
