@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::{ClientError, PageError, StoredPages};
 use kvtier_core::PageKey;
+use kvtier_device::method::Direction;
 use kvtier_device::{Device, DeviceError, PageCopy};
 use kvtier_shm::ShmPool;
 
@@ -44,12 +45,6 @@ pub(crate) struct Stored {
     pub(crate) present: usize,
     /// Why the pages after `done` are not in L2, when some are not.
     pub(crate) failure: Option<Loss>,
-}
-
-#[derive(Clone, Copy)]
-enum Direction {
-    ToHost,
-    FromHost,
 }
 
 /// Runs a device copy on a blocking thread (a DMA wait or a large memcpy must not stall the

@@ -131,15 +131,10 @@ fn check(mover: &dyn Mover, s: &dyn Scratch) -> Result<f64, String> {
         mover
             .copy(&runs, dir)
             .map_err(|e| fail(&format!("{dir:?}"), e))?;
-        let mut want = if dir == Direction::FromHost {
-            dev
-        } else {
-            host
-        };
-        let src = if dir == Direction::FromHost {
-            pattern(len, 0xa7)
-        } else {
-            pattern(len, 0x11)
+        // What the destination should hold: its own pattern with the runs' source bytes.
+        let (src, mut want) = match dir {
+            Direction::FromHost => (host, dev),
+            Direction::ToHost => (dev, host),
         };
         for r in &runs {
             let (from, to) = match dir {

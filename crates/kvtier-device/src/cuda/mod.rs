@@ -99,6 +99,18 @@ fn register(base: usize, len: usize) -> Result<Registered, DeviceError> {
     Ok(reg)
 }
 
+/// Refuses `given` regions (handles or pointers, named `field`) for a map of another number.
+fn one_per_region(map: &DeviceMap, given: usize, field: &str) -> Result<(), DeviceError> {
+    let want = map.region_bytes().len();
+    if given == want {
+        return Ok(());
+    }
+    Err(DeviceError::Invalid {
+        field: field.into(),
+        reason: format!("{given} {field} for a map of {want} regions"),
+    })
+}
+
 /// An engine pool in GPU memory. Field order is drop order: registrations, the mover (its
 /// streams and module) and regions go before the context they belong to.
 #[derive(Debug)]
@@ -131,16 +143,7 @@ impl CudaDevice {
         handles: &[[u8; IPC_HANDLE_BYTES]],
         method: CopyMethod,
     ) -> Result<Self, DeviceError> {
-        if handles.len() != map.region_bytes().len() {
-            return Err(DeviceError::Invalid {
-                field: "ipc_handles".into(),
-                reason: format!(
-                    "{} handles for a map of {} regions",
-                    handles.len(),
-                    map.region_bytes().len()
-                ),
-            });
-        }
+        one_per_region(&map, handles.len(), "ipc_handles")?;
         let ctx = Arc::new(Context::retain(ordinal)?);
         let mut regions = Vec::with_capacity(handles.len());
         for (i, h) in handles.iter().enumerate() {
@@ -185,16 +188,7 @@ impl CudaDevice {
         ptrs: &[u64],
         method: CopyMethod,
     ) -> Result<Self, DeviceError> {
-        if ptrs.len() != map.region_bytes().len() {
-            return Err(DeviceError::Invalid {
-                field: "buffers".into(),
-                reason: format!(
-                    "{} buffers for a map of {} regions",
-                    ptrs.len(),
-                    map.region_bytes().len()
-                ),
-            });
-        }
+        one_per_region(&map, ptrs.len(), "buffers")?;
         let ctx = Arc::new(Context::retain(ordinal)?);
         let regions = ptrs.iter().map(|&ptr| Region { ptr, ipc: false }).collect();
         Self::with_regions(map, ctx, regions, method, false)

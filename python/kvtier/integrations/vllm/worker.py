@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kvtier.agent import AgentClient
+from kvtier.agent import AgentClient, Saved
 from kvtier.host import KvtierError
 from kvtier.identity import CacheIdentity, config_digest
 from kvtier.integrations.vllm.blocks import (
@@ -491,8 +491,11 @@ class WorkerSide:
         or saves behind a slow L2) waits, up to ``timeout_s``, for the save thread to free
         pages, so a burst is saved whole; pages that still find none are dropped, counted
         (``save_dropped_pages``)."""
-        with self._lock:
-            self._had_saves.update(j.req_id for j in meta.saves)
+        if self._holds:
+            # Only where the scheduler holds finished requests' blocks: get_finished reports
+            # (and forgets) exactly these.
+            with self._lock:
+                self._had_saves.update(j.req_id for j in meta.saves)
         if self._dma:
             self._save_dma_step(meta.saves)
             return
@@ -573,11 +576,17 @@ class WorkerSide:
             logger.warning("kvtier: save of %d pages failed: %s", len(job.blocks), e)
             self._count(save_failed_pages=len(job.blocks))
             return
+        self._saved(r, t0)
+
+    def _saved(self, r: Saved, since: float) -> None:
+        """Counts a Save's answer, for either transfer."""
         saved = r.stored + r.present
         self._count(
             saved_pages=saved, saved_bytes=saved * self._page_bytes(), save_failed_pages=r.failed
         )
-        self._took("save", t0)
+        self._took("save", since)
+        if r.failed:
+            logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
 
     def _hand_over(self, staging: Staging, planned: list[tuple[Job, list[int]]]) -> None:
         """Copies the planned blocks into their staging pages (one gather per layer) and
@@ -636,13 +645,7 @@ class WorkerSide:
             staging.give(slots)
             with self._lock:
                 self._pending_saves -= 1
-        saved = r.stored + r.present
-        self._count(
-            saved_pages=saved, saved_bytes=saved * self._page_bytes(), save_failed_pages=r.failed
-        )
-        self._took("save", t0)
-        if r.failed:
-            logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
+        self._saved(r, t0)
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Waits for the saves handed to the save thread; True when none is left."""
