@@ -47,20 +47,29 @@ pub(crate) struct Stored {
     pub(crate) failure: Option<Loss>,
 }
 
-/// Runs a device copy on a blocking thread (a DMA wait or a large memcpy must not stall the
-/// runtime).
+/// Runs a device copy: on a blocking thread (a DMA wait or a large memcpy must not stall the
+/// runtime), or here when the device says it is a short memcpy.
 async fn copy(
     device: Arc<dyn Device>,
     pool: Arc<ShmPool>,
     copies: Vec<PageCopy>,
     dir: Direction,
 ) -> Result<(), DeviceError> {
-    let r = tokio::task::spawn_blocking(move || match dir {
+    let inline = device.copies_inline(copies_bytes(&device, copies.len()));
+    let run = move || match dir {
         Direction::ToHost => device.copy_to_host(&pool, &copies),
         Direction::FromHost => device.copy_from_host(&pool, &copies),
-    })
-    .await;
-    r.unwrap_or_else(|e| Err(DeviceError::Copy(format!("copy task failed: {e}"))))
+    };
+    if inline {
+        return run();
+    }
+    tokio::task::spawn_blocking(run)
+        .await
+        .unwrap_or_else(|e| Err(DeviceError::Copy(format!("copy task failed: {e}"))))
+}
+
+fn copies_bytes(device: &Arc<dyn Device>, pages: usize) -> usize {
+    pages.saturating_mul(device.pool().layout().page_bytes())
 }
 
 /// The L2 port: kvtierd calls with the link's deadline, and the page moves.

@@ -15,6 +15,11 @@ use crate::{Attached, CopyReport, Device, DeviceError, PageCopy, check_copies};
 /// Copies below this many pages run on the calling thread: spawning costs more than it saves.
 const PARALLEL_MIN_PAGES: usize = 8;
 
+/// Copies up to this many bytes may run on an async runtime's thread ([`Device::copies_inline`]):
+/// about 0.1 ms of memcpy, less than the two thread hand-offs of a blocking task cost on a
+/// busy machine (measured: 60 µs off a one-page Save of 512 KiB on 2 cores).
+const INLINE_COPY_BYTES: usize = 1 << 20;
+
 /// An engine pool in CPU shared memory.
 #[derive(Debug)]
 pub struct CpuDevice {
@@ -111,6 +116,10 @@ impl Device for CpuDevice {
             fallback_from: None,
             checks: &[],
         }
+    }
+
+    fn copies_inline(&self, bytes: usize) -> bool {
+        bytes <= INLINE_COPY_BYTES
     }
 
     fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError> {

@@ -91,6 +91,12 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// The copy method in use and what its self-checks found.
     fn copy_report(&self) -> CopyReport<'_>;
 
+    /// Whether a copy of `bytes` may run on the calling thread (an async runtime's): a plain
+    /// memcpy short enough not to hold up the calls sharing that thread. Longer copies, and
+    /// any that wait on a device, run on a blocking thread, whose hand-offs cost more than a
+    /// short copy does.
+    fn copies_inline(&self, bytes: usize) -> bool;
+
     /// Copies device pages into host slots (device → host). Returns when every byte landed.
     fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
 

@@ -343,6 +343,11 @@ impl Device for CudaDevice {
         }
     }
 
+    fn copies_inline(&self, _bytes: usize) -> bool {
+        // Every copy waits on the GPU's stream.
+        false
+    }
+
     fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError> {
         self.copy(host, copies, Direction::ToHost)
     }
