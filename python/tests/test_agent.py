@@ -5,13 +5,14 @@ refused by name."""
 from __future__ import annotations
 
 import os
+import struct
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kvtier.agent import After, AgentClient, PagePiece, packed
+from kvtier.agent import After, AgentClient, PagePiece, SaveItem, packed
 from kvtier.host import KvtierError
 from kvtier.keys import Namespace, page_keys
 from kvtier.v1 import common_pb2
@@ -142,6 +143,14 @@ def test_packed_tokens_are_little_endian_u32s_and_refuse_what_does_not_fit():
         packed([2**32])
     with pytest.raises(ValueError, match="tokens"):
         packed([-1])
+    # Long prompts are packed in chunks (the GIL changes hands between them): the same bytes,
+    # from a list, a tuple, or any sequence that slices; a bad token in a later chunk is
+    # refused all the same.
+    long = [(i * 2_654_435_761) % 2**32 for i in range(3 * 4096 + 17)]
+    want = struct.pack(f"<{len(long)}I", *long)
+    assert packed(long) == packed(tuple(long)) == want
+    with pytest.raises(ValueError, match="tokens"):
+        packed(long + [2**32])
 
 
 _REGISTER = """
@@ -218,17 +227,24 @@ def test_a_pool_whose_owner_exited_can_be_registered_again(agent, tmp_path) -> N
     c.close()
 
 
-def test_engine_cache_calls_after_a_parent_key_carry_only_their_pages(agent, tmp_path) -> None:
-    """Engine-cache mode (vLLM): the first lookup sends the prompt and brings back its page
-    keys; saves and loads then name their pages by the key before them (``After``) and
-    carry only their own tokens, and what loads is what was saved."""
+def _engine_cache(agent, path: Path) -> tuple[AgentClient, CpuPool]:
+    """A client with a CPU pool registered in engine-cache mode, once the agent has its
+    kvtierd session."""
     c = AgentClient(agent.socket)
-    pool = CpuPool(tmp_path / "engine-cache-pool")
+    pool = CpuPool(path)
     c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True)
     deadline = time.monotonic() + 10
     while not c.stats().daemon_connected:
         assert time.monotonic() < deadline, "the agent never connected to kvtierd"
         time.sleep(0.05)
+    return c, pool
+
+
+def test_engine_cache_calls_after_a_parent_key_carry_only_their_pages(agent, tmp_path) -> None:
+    """Engine-cache mode (vLLM): the first lookup sends the prompt and brings back its page
+    keys; saves and loads then name their pages by the key before them (``After``) and
+    carry only their own tokens, and what loads is what was saved."""
+    c, pool = _engine_cache(agent, tmp_path / "engine-cache-pool")
     tokens = list(range(500, 500 + 6 * PAGE + 1))
     ns = Namespace(tenant="after")
     found = c.lookup_pages(tokens, ns, 0, want_keys=True)
@@ -251,4 +267,34 @@ def test_engine_cache_calls_after_a_parent_key_carry_only_their_pages(agent, tmp
     with pytest.raises(KvtierError, match="parent_key") as e:
         c.lookup_pages(After(b"\x01" * 31, tokens[PAGE:]), ns, 1)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.refused
+    c.close()
+
+
+def test_a_save_batch_saves_each_request_and_a_bad_one_refuses_it_all(agent, tmp_path) -> None:
+    """One SaveBatch per engine step: each request's pages reach L2 and load back as saved,
+    answers come in request order, and a malformed request refuses the whole call by name
+    before any page moves."""
+    c, pool = _engine_cache(agent, tmp_path / "batch-pool")
+    ns = Namespace(tenant="batch")
+    prompts = [list(range(1000 * i, 1000 * i + 3 * PAGE)) for i in range(1, 4)]
+    want = [pool.fill(p, seed=p + 70) for p in range(9)]
+    keys0 = page_keys(prompts[0], PAGE, ns)
+    items = [SaveItem(t, ns, 0, [3 * i, 3 * i + 1]) for i, t in enumerate(prompts)]
+    # Prompt 0's third page continues its first request, named after its page 1.
+    items.append(SaveItem(After(keys0[1], prompts[0][2 * PAGE :]), ns, 2, [2]))
+    saved = c.save_batch(items)
+    assert [(s.stored, s.failed) for s in saved] == [(2, 0), (2, 0), (2, 0), (1, 0)]
+    assert c.save_batch([]) == []
+    pool.clear()
+    assert c.load_pages(prompts[0], ns, 0, [9, 10, 11]) == 3
+    assert [pool.page(p) for p in (9, 10, 11)] == want[0:3]
+    assert c.load_pages(prompts[2][: 2 * PAGE], ns, 0, [12, 13]) == 2
+    assert [pool.page(p) for p in (12, 13)] == want[6:8]
+    # A page outside the pool in the second request: refused whole, naming it.
+    fresh = list(range(90_000, 90_000 + 2 * PAGE))
+    good = SaveItem(fresh, ns, 0, [14, 15])
+    with pytest.raises(KvtierError, match=r"requests\[1\]\.device_pages") as e:
+        c.save_batch([good, SaveItem(fresh, ns, 0, [14, SLOTS + 5])])
+    assert e.value.invalid_input
+    assert c.lookup_pages(fresh, ns, 0).l2_pages == 0
     c.close()

@@ -388,7 +388,7 @@ def _time_out_first(which: str) -> None:
     from kvtier.agent import AgentClient
     from kvtier.host import KvtierError
 
-    name = {"load": "load_pages", "save": "save_pages"}[which]
+    name = {"load": "load_pages", "save": "save_batch"}[which]
     real = getattr(AgentClient, name)
     fired = []
 

@@ -8,7 +8,8 @@
 //!   prefetch policy), copy them into the engine's pages, unpin; a page not loaded is a miss
 //!   the engine computes, counted by reason;
 //! - `Save`: copy the engine's computed pages into L2 (reserve, copy, commit) before the call
-//!   returns, so the engine may reuse them afterwards.
+//!   returns, so the engine may reuse them afterwards; `SaveBatch`: a step's Saves in one
+//!   call, checked together and written together.
 //!
 //! The write policy decides what Save copies ([`WritePolicy::saves_looked_up`]): a lookup is
 //! the engine asking for the prompt again, the same signal as a hit in the agent's tree.
@@ -314,31 +315,85 @@ impl CacheMode {
         req: &Pages<'_>,
         selected: Option<u32>,
     ) -> Result<Saved, ApiError> {
+        let plan = self.plan_save(caller, req, selected)?;
+        Ok(self.write_save(&plan).await)
+    }
+
+    /// `SaveBatch`: several Saves in one call. Every request is checked before any page
+    /// moves (a malformed one refuses the call, naming `requests[i]`); then their writes run
+    /// together, except that a request continuing an earlier one's prompt (its parent is
+    /// that request's last page) runs after it, so each page's parent is in L2 first.
+    pub(crate) async fn save_batch(
+        &self,
+        caller: &Caller,
+        reqs: &[(Pages<'_>, Option<u32>)],
+    ) -> Result<Vec<Saved>, ApiError> {
+        let plans = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, (req, selected))| {
+                self.plan_save(caller, req, *selected)
+                    .map_err(|e| e.within(&format!("requests[{i}]")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let chains = chains(&plans);
+        let plans = &plans;
+        let written = futures::future::join_all(chains.iter().map(|chain| async move {
+            let mut out = Vec::with_capacity(chain.len());
+            for &i in chain {
+                out.push((i, self.write_save(&plans[i]).await));
+            }
+            out
+        }))
+        .await;
+        let mut out = vec![Saved::default(); plans.len()];
+        for (i, saved) in written.into_iter().flatten() {
+            out[i] = saved;
+        }
+        Ok(out)
+    }
+
+    /// Checks a Save and takes the write policy's selection for it.
+    fn plan_save<'a>(
+        &self,
+        caller: &Caller,
+        req: &Pages<'a>,
+        selected: Option<u32>,
+    ) -> Result<SavePlan<'a>, ApiError> {
         let span = self.span(Some(caller), req)?;
-        let s = &self.s;
         let n = req.device_pages.len();
         let selected = match selected {
             // The policy's selection as the lookup answered it (possibly another rank's
             // agent): every rank saves the same pages.
             Some(upto) => (upto as usize).saturating_sub(span.start).min(n),
-            None => self.selected(&s.lock(), span.keys(span.start, n)),
+            None => self.selected(&self.s.lock(), span.keys(span.start, n)),
         };
-        s.count_backup("skipped", n - selected);
+        Ok(SavePlan {
+            span,
+            device_pages: req.device_pages,
+            selected,
+        })
+    }
+
+    /// Writes a checked Save's selected pages into L2; counts what it skipped and lost.
+    async fn write_save(&self, plan: &SavePlan<'_>) -> Saved {
+        let (span, selected) = (&plan.span, plan.selected);
+        let n = plan.device_pages.len();
+        self.s.count_backup("skipped", n - selected);
         let mut out = Saved {
             skipped: (n - selected) as u32,
             ..Saved::default()
         };
         if selected == 0 {
-            return Ok(out);
+            return out;
         }
-        let keys = span.keys(span.start, selected);
         let stored = self
             .l2
             .write(
                 Writer::Engine,
                 &span.device,
-                keys,
-                &req.device_pages[..selected],
+                span.keys(span.start, selected),
+                &plan.device_pages[..selected],
                 span.parent_of(span.start),
                 |_, _| {},
             )
@@ -347,8 +402,51 @@ impl CacheMode {
         out.present = stored.present as u32;
         out.failed = (selected - stored.done) as u32;
         if let Some(why) = stored.failure {
-            s.count_lost(why, u64::from(out.failed));
+            self.s.count_lost(why, u64::from(out.failed));
         }
-        Ok(out)
+        out
     }
+}
+
+/// A checked Save: its keys, the engine's pages, and how many leading ones the write policy
+/// saves.
+struct SavePlan<'a> {
+    span: Span,
+    device_pages: &'a [u32],
+    selected: usize,
+}
+
+impl SavePlan<'_> {
+    /// The key of the last page this Save writes, when it writes any.
+    fn last_key(&self) -> Option<PageKey> {
+        (self.selected > 0)
+            .then(|| self.span.keys(self.span.start, self.selected)[self.selected - 1])
+    }
+}
+
+/// Groups a batch's Saves into chains that run one after another: a Save whose parent is an
+/// earlier Save's last page joins that Save's chain, after it. Chains run together.
+fn chains(plans: &[SavePlan<'_>]) -> Vec<Vec<usize>> {
+    let mut chains: Vec<Vec<usize>> = Vec::new();
+    let mut ends: std::collections::HashMap<PageKey, usize> = std::collections::HashMap::new();
+    for (i, p) in plans.iter().enumerate() {
+        let joined = p
+            .span
+            .parent_of(p.span.start)
+            .and_then(|parent| ends.get(&parent).copied());
+        let c = match joined {
+            Some(c) => {
+                chains[c].push(i);
+                c
+            }
+            None => {
+                chains.push(vec![i]);
+                chains.len() - 1
+            }
+        };
+        if let Some(last) = p.last_key() {
+            ends.insert(last, c);
+        }
+    }
+    chains
 }

@@ -27,6 +27,10 @@ use crate::link::{Link, Linked};
 use crate::metrics::Metrics;
 use crate::owner::{Caller, Owner};
 use crate::shared::{Engine, Mode, Settings, Shared};
+
+/// Most Saves one SaveBatch carries (an engine step's requests; vLLM runs at most a few
+/// thousand at once).
+const MAX_SAVE_BATCH: usize = 4096;
 use crate::tree::{Progress, TreeMode};
 
 /// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
@@ -672,5 +676,54 @@ impl agent_server::Agent for AgentService {
             self.cache.save(&caller, &p, req.selected).await
         };
         to_status(r.await)
+    }
+
+    async fn save_batch(
+        &self,
+        request: Request<v1::SaveBatchRequest>,
+    ) -> Result<Response<v1::SaveBatchResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let reqs = request.into_inner().requests;
+        let r = async {
+            if reqs.len() > MAX_SAVE_BATCH {
+                return Err(ApiError::invalid(
+                    "requests",
+                    format!(
+                        "{} Saves in one call; at most {MAX_SAVE_BATCH} (send the rest in \
+                         another SaveBatch)",
+                        reqs.len()
+                    ),
+                ));
+            }
+            let tokens = reqs
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    request_tokens(&[], &r.packed_tokens)
+                        .map_err(|e| e.within(&format!("requests[{i}]")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let pages = reqs
+                .iter()
+                .zip(&tokens)
+                .enumerate()
+                .map(|(i, (r, t))| {
+                    pages(
+                        t,
+                        &r.parent_key,
+                        r.namespace.clone(),
+                        r.start_page,
+                        &r.device_pages,
+                    )
+                    .map(|p| (p, r.selected))
+                    .map_err(|e| e.within(&format!("requests[{i}]")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let saved = self.cache.save_batch(&caller, &pages).await?;
+            Ok(v1::SaveBatchResponse {
+                responses: saved.into_iter().map(Into::into).collect(),
+            })
+        };
+        to_status::<v1::SaveBatchResponse, _>(r.await)
     }
 }

@@ -480,6 +480,146 @@ fn a_dead_daemon_makes_loads_miss_and_saves_fail_counted_never_hang() {
 }
 
 #[test]
+fn a_step_saves_every_request_in_one_batch_continuations_in_order_and_a_bad_request_refuses_it_all()
+{
+    use kvtier_client::{PromptTokens, SaveRequest};
+    let d = dir("ec-batch");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=512", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "ecb", &[]);
+        let mut e = Engine::start_cache(&a, spec.clone(), 256, "ecb").await;
+        e.wait_connected().await;
+        // 12 prompts of 6 pages, each computed into its own 6 pages.
+        let prompts: Vec<Vec<u32>> = (0..12u32).map(|i| tokens(300 + i, 6)).collect();
+        let ks: Vec<_> = prompts.iter().map(|t| keys(&spec, t)).collect();
+        for (i, k) in ks.iter().enumerate() {
+            for (j, k) in k.iter().enumerate() {
+                e.compute((i * 6 + j) as u32, k);
+            }
+        }
+        let pages = |i: usize, from: usize, to: usize| -> Vec<u32> {
+            (from..to).map(|j| (i * 6 + j) as u32).collect()
+        };
+        // One step: every prompt's first 3 pages; prompt 0's last 3 named after its page 2
+        // (the same request split in two: it must run after the first part); prompt 1
+        // twice (two requests with one prompt: the second finds its pages there).
+        let mut batch: Vec<SaveRequest<'_>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| SaveRequest {
+                tokens: PromptTokens::Whole(&t[..48]),
+                namespace: None,
+                start_page: 0,
+                device_pages: pages(i, 0, 3),
+                selected: None,
+            })
+            .collect();
+        batch.push(SaveRequest {
+            tokens: PromptTokens::After {
+                parent: ks[0][2],
+                tokens: &prompts[0][48..],
+            },
+            namespace: None,
+            start_page: 3,
+            device_pages: pages(0, 3, 6),
+            selected: None,
+        });
+        batch.push(batch[1].clone());
+        let r = e.client.save_batch(&batch).await.unwrap();
+        assert_eq!(r.len(), 14);
+        for s in &r {
+            assert_eq!(
+                (s.failed, s.skipped, s.stored + s.present),
+                (0, 0, 3),
+                "{s:?}"
+            );
+        }
+        assert_eq!(r.iter().map(|s| s.stored).sum::<u32>(), 12 * 3 + 3);
+        assert_eq!(r[1].stored + r[13].stored, 3, "prompt 1 is copied once");
+        // Everything saved loads back byte for byte into other pages (the engine reused its
+        // own at once).
+        for p in 0..72 {
+            e.wipe(p);
+        }
+        let n = e
+            .client
+            .load_pages(
+                &prompts[0],
+                None,
+                0,
+                (100..106).collect(),
+                PrefetchPolicy::Unspecified,
+            )
+            .await
+            .unwrap();
+        assert_eq!(n, 6, "prompt 0's two parts form one prefix in L2");
+        for (k, p) in ks[0].iter().zip(100..106) {
+            assert!(e.holds(p, k), "page {p} differs from what was saved");
+        }
+        for i in 1..12 {
+            let dst: Vec<u32> = (110..113).collect();
+            let n = e
+                .client
+                .load_pages(
+                    &prompts[i][..48],
+                    None,
+                    0,
+                    dst.clone(),
+                    PrefetchPolicy::Unspecified,
+                )
+                .await
+                .unwrap();
+            assert_eq!(n, 3);
+            for (k, &p) in ks[i].iter().zip(&dst) {
+                assert!(
+                    e.holds(p, k),
+                    "prompt {i}: page {p} differs from what was saved"
+                );
+            }
+        }
+        let page = a.metrics_page();
+        assert_eq!(
+            metric(
+                &page,
+                "kvtier_agent_backup_pages_total{outcome=\"stored\",policy=\"write_through\"}"
+            ),
+            f64::from(12 * 3 + 3)
+        );
+        // A batch with one malformed request (a page outside the pool) is refused whole,
+        // naming it, before any page moves.
+        let fresh = tokens(900, 2);
+        let fk = keys(&spec, &fresh);
+        e.compute(200, &fk[0]);
+        e.compute(201, &fk[1]);
+        let good = SaveRequest {
+            tokens: PromptTokens::Whole(&fresh),
+            namespace: None,
+            start_page: 0,
+            device_pages: vec![200, 201],
+            selected: None,
+        };
+        let bad = SaveRequest {
+            device_pages: vec![202, 9_999],
+            ..good.clone()
+        };
+        let (c, m) = code(e.client.save_batch(&[good.clone(), bad]).await.unwrap_err());
+        assert_eq!(c, tonic::Code::InvalidArgument);
+        assert!(m.contains("requests[1].device_pages"), "{m}");
+        let l = e.client.lookup_pages(&fresh, None, 0).await.unwrap();
+        assert_eq!(l.l2_pages, 0, "nothing of a refused batch was saved");
+        // Too many requests in one call: refused, naming the limit.
+        let many = vec![good.clone(); 4097];
+        let (c, m) = code(e.client.save_batch(&many).await.unwrap_err());
+        assert_eq!(c, tonic::Code::InvalidArgument);
+        assert!(m.contains("requests") && m.contains("4096"), "{m}");
+        // And the good request alone goes through.
+        let r = e.client.save_batch(&[good]).await.unwrap();
+        assert_eq!(r[0].stored, 2);
+    });
+}
+
+#[test]
 fn saves_issued_right_after_registration_all_reach_l2() {
     // The engine saves the pages of its first requests as soon as register_kv_caches
     // returns; the agent's kvtierd session must be up by then (or the saves wait for it),

@@ -221,6 +221,21 @@ impl PromptTokens<'_> {
     }
 }
 
+/// One Save of a [`AgentClient::save_batch`]: as [`AgentClient::save_selected`]'s arguments.
+#[derive(Clone, Debug)]
+pub struct SaveRequest<'a> {
+    /// The prompt, whole or after its start page's parent key.
+    pub tokens: PromptTokens<'a>,
+    /// The prompt's namespace (none: the default).
+    pub namespace: Option<&'a Namespace>,
+    /// The first page to save.
+    pub start_page: u32,
+    /// The engine's pages holding pages `start_page..`.
+    pub device_pages: Vec<u32>,
+    /// The write policy's selection as a Lookup answered it (none: the agent's own counts).
+    pub selected: Option<u32>,
+}
+
 /// The outcome of an engine-cache Save.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Saved {
@@ -725,6 +740,45 @@ impl AgentClient {
             .await?
             .into_inner()
             .into())
+    }
+
+    /// Engine-cache mode: several Saves in one call (an engine step's new pages for all its
+    /// requests). Every request is checked before any page moves; a malformed one refuses
+    /// the call, naming `requests[i]`. Answers in request order.
+    pub async fn save_batch(
+        &mut self,
+        saves: &[SaveRequest<'_>],
+    ) -> Result<Vec<Saved>, ClientError> {
+        let requests = saves
+            .iter()
+            .map(|s| {
+                let (packed_tokens, parent_key) = s.tokens.wire();
+                v1::SavePagesRequest {
+                    packed_tokens,
+                    namespace: s.namespace.map(Into::into),
+                    start_page: s.start_page,
+                    device_pages: s.device_pages.clone(),
+                    selected: s.selected,
+                    parent_key,
+                }
+            })
+            .collect();
+        let r = self
+            .inner
+            .save_batch(Self::with_owner(
+                &self.owner,
+                v1::SaveBatchRequest { requests },
+            ))
+            .await?
+            .into_inner();
+        if r.responses.len() != saves.len() {
+            return Err(ClientError::Protocol(format!(
+                "{} answers to {} Saves",
+                r.responses.len(),
+                saves.len()
+            )));
+        }
+        Ok(r.responses.into_iter().map(Into::into).collect())
     }
 
     /// The agent's counters.

@@ -15,7 +15,7 @@ mod secure;
 
 pub use agent::{
     AgentClient, Evicted, Handle, Insert, Inserted, Loaded, Match, OWNER_HEADER, PagesLookup,
-    PoolInfo, PoolMemory, PromptTokens, Saved,
+    PoolInfo, PoolMemory, PromptTokens, SaveRequest, Saved,
 };
 
 use std::path::{Path, PathBuf};

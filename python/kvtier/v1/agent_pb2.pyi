@@ -308,6 +308,18 @@ class SavePagesRequest(_message.Message):
     parent_key: bytes
     def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., selected: _Optional[int] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
+class SaveBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[SavePagesRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[SavePagesRequest, _Mapping]]] = ...) -> None: ...
+
+class SaveBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[SavePagesResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[SavePagesResponse, _Mapping]]] = ...) -> None: ...
+
 class SavePagesResponse(_message.Message):
     __slots__ = ("stored", "present", "skipped", "failed")
     STORED_FIELD_NUMBER: _ClassVar[int]

@@ -105,6 +105,11 @@ class AgentStub:
                 request_serializer=kvtier_dot_v1_dot_agent__pb2.SavePagesRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_agent__pb2.SavePagesResponse.FromString,
                 _registered_method=True)
+        self.SaveBatch = channel.unary_unary(
+                '/kvtier.v1.Agent/SaveBatch',
+                request_serializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -200,6 +205,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveBatch(self, request, context):
+        """Several Saves in one call (an engine step's new pages for all its requests): one round
+        trip from the engine, the requests' L2 writes in flight together.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -272,6 +285,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=kvtier_dot_v1_dot_agent__pb2.SavePagesRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_agent__pb2.SavePagesResponse.SerializeToString,
+            ),
+            'SaveBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveBatch,
+                    request_deserializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -652,6 +670,33 @@ class Agent:
             '/kvtier.v1.Agent/Save',
             kvtier_dot_v1_dot_agent__pb2.SavePagesRequest.SerializeToString,
             kvtier_dot_v1_dot_agent__pb2.SavePagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Agent/SaveBatch',
+            kvtier_dot_v1_dot_agent__pb2.SaveBatchRequest.SerializeToString,
+            kvtier_dot_v1_dot_agent__pb2.SaveBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

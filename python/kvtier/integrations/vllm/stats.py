@@ -39,7 +39,7 @@ COUNTERS: dict[str, str] = {
 # Per-call durations, each exported as the histogram vllm:kvtier_<name>_seconds.
 DURATIONS: dict[str, str] = {
     "load": "Time of one load: the agent's Load (L3 fetch included) and the copy to blocks.",
-    "save": "Time of one save on the save thread: the agent's Save into L2.",
+    "save": "Time of one step's saves on the save thread: the agent's SaveBatch into L2.",
 }
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kvtier.agent import AgentClient, Saved
+from kvtier.agent import AgentClient, Saved, SaveItem
 from kvtier.host import KvtierError
 from kvtier.identity import CacheIdentity, config_digest
 from kvtier.integrations.vllm.blocks import (
@@ -540,51 +540,59 @@ class WorkerSide:
         self._savers.submit(self._save_dma_all, jobs, ready)
 
     def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event) -> None:
+        """On the save thread: once the step's work is done, the agent copies every job's
+        blocks into L2, in one SaveBatch."""
         try:
             ready.synchronize()
-            for job in jobs:
-                try:
-                    self._save_dma(job)
-                finally:
-                    with self._lock:
-                        left = self._saving.get(job.req_id, 1) - 1
-                        if left:
-                            self._saving[job.req_id] = left
-                        else:
-                            self._saving.pop(job.req_id, None)
-                        self._saves_done.notify_all()
+            self._save_batch(None, [self._item(job, job.blocks) for job in jobs])
         finally:
             with self._lock:
+                for job in jobs:
+                    left = self._saving.get(job.req_id, 1) - 1
+                    if left:
+                        self._saving[job.req_id] = left
+                    else:
+                        self._saving.pop(job.req_id, None)
+                self._saves_done.notify_all()
                 self._pending_saves -= 1
 
-    def _save_dma(self, job: Job) -> None:
-        """On the save thread: the agent copies the job's blocks into L2."""
+    @staticmethod
+    def _item(job: Job, pages: Sequence[int]) -> SaveItem:
+        return SaveItem(job.prompt(), job.namespace, job.start, pages, job.selected)
+
+    def _save_batch(self, staging: Staging | None, items: list[SaveItem]) -> None:
+        """On the save thread: one SaveBatch for a step's jobs (the agent copies the pages
+        from ``staging``, or from vLLM's blocks when None), counting every answer; a call
+        that fails counts every page failed."""
         t0 = time.monotonic()
         try:
-            r = self._call(
-                None,
-                lambda: self.agent.save_pages(
-                    job.prompt(),
-                    job.namespace,
-                    job.start,
-                    job.blocks,
-                    selected=job.selected,
-                    owner=self._owner,
+            # The owner token is read at each try: a retry after registering again presents
+            # the new one.
+            answers = self._call(
+                staging,
+                lambda: self.agent.save_batch(
+                    items, owner=self._owner if staging is None else staging.owner
                 ),
             )
         except KvtierError as e:
-            logger.warning("kvtier: save of %d pages failed: %s", len(job.blocks), e)
-            self._count(save_failed_pages=len(job.blocks))
+            # The agent counts what it could not save; an agent that cannot be reached
+            # cannot count, so it is said here.
+            pages = sum(len(i.device_pages) for i in items)
+            logger.warning("kvtier: save of %d pages failed: %s", pages, e)
+            self._count(save_failed_pages=pages)
+            if staging is not None:
+                self._retire_staging(staging, e)
             return
-        self._saved(r, t0)
+        for r in answers:
+            self._saved(r)
+        self._took("save", t0)
 
-    def _saved(self, r: Saved, since: float) -> None:
+    def _saved(self, r: Saved) -> None:
         """Counts a Save's answer, for either transfer."""
         saved = r.stored + r.present
         self._count(
             saved_pages=saved, saved_bytes=saved * self._page_bytes(), save_failed_pages=r.failed
         )
-        self._took("save", since)
         if r.failed:
             logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
 
@@ -603,7 +611,7 @@ class WorkerSide:
             staging.give(slots)
             return
         with self._lock:
-            self._pending_saves += len(planned)
+            self._pending_saves += 1
         self._savers.submit(self._save_all, staging, planned, ready)
 
     def _save_all(
@@ -612,40 +620,18 @@ class WorkerSide:
         planned: list[tuple[Job, list[int]]],
         ready: torch.cuda.Event | None,
     ) -> None:
-        """On the save thread: a step's saves, in order, once the copies into their staging
-        pages have landed (a GPU's asynchronous copies: their event)."""
-        if ready is not None:
-            ready.synchronize()
-        for job, slots in planned:
-            self._save(staging, job, slots)
-
-    def _save(self, staging: Staging, job: Job, slots: list[int]) -> None:
-        """On the save thread: the agent copies the staging pages into L2."""
-        t0 = time.monotonic()
+        """On the save thread: a step's saves in one SaveBatch, once the copies into their
+        staging pages have landed (a GPU's asynchronous copies: their event); then the
+        staging pages are free again."""
         try:
-            r = self._call(
-                staging,
-                lambda: self.agent.save_pages(
-                    job.prompt(),
-                    job.namespace,
-                    job.start,
-                    slots,
-                    selected=job.selected,
-                    owner=staging.owner,
-                ),
-            )
-        except KvtierError as e:
-            # The agent counts what it could not save; an agent that cannot be reached
-            # cannot count, so it is said here.
-            logger.warning("kvtier: save of %d pages failed: %s", len(slots), e)
-            self._count(save_failed_pages=len(slots))
-            self._retire_staging(staging, e)
-            return
+            if ready is not None:
+                ready.synchronize()
+            self._save_batch(staging, [self._item(job, slots) for job, slots in planned])
         finally:
-            staging.give(slots)
+            for _, slots in planned:
+                staging.give(slots)
             with self._lock:
                 self._pending_saves -= 1
-        self._saved(r, t0)
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Waits for the saves handed to the save thread; True when none is left."""
