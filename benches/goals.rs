@@ -129,6 +129,11 @@ const GOALS: &[(&str, &str, Goal)] = &[
     ),
     (
         "vllm",
+        "SaveBatch of a decode step, ",
+        Goal::ValueAtMost(0.5),
+    ),
+    (
+        "vllm",
         "connector time per decode step, ",
         Goal::RatioAtLeast(1.0 / 1.5),
     ),

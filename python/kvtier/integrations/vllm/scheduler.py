@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -121,6 +121,32 @@ class _Tracked:
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
 
 
+class _Window(Sequence[int]):
+    """``tokens[start:end]`` without copying it: the lookup thread hands a whole prompt to
+    :func:`kvtier.agent.packed`, which slices it in chunks, so no single copy of a
+    128k-token prompt holds the GIL while vLLM's scheduler thread waits for it."""
+
+    def __init__(self, tokens: Sequence[int], start: int, end: int):
+        self._tokens, self._start, self._len = tokens, start, max(0, end - start)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            a, b, step = i.indices(self._len)
+            if step != 1:
+                raise ValueError("a token window slices with step 1 only")
+            return self._tokens[self._start + a : self._start + max(a, b)]
+        if not -self._len <= i < self._len:
+            raise IndexError(i)
+        return self._tokens[self._start + (i % self._len)]
+
+
 def _slice(tokens: Sequence[int], start: int, end: int) -> list[int]:
     """``tokens[start:end]`` as a list, copied once (vLLM's token lists slice to lists)."""
     part = tokens[start:end]
@@ -195,7 +221,7 @@ class SchedulerSide:
             found = self.agent.lookup_pages(prompt, t.namespace, start, want_keys=known < limit)
             return found, start
         found = self.agent.lookup_pages(
-            _slice(tokens, 0, limit * bs), t.namespace, start, want_keys=known < limit
+            _Window(tokens, 0, limit * bs), t.namespace, start, want_keys=known < limit
         )
         return found, 0
 
