@@ -3,7 +3,9 @@
 //! (under a minute here); `--no-s3` skips the scenarios that need a local Ceph;
 //! `--only a,b` runs the named scenarios. Each row shows its goal (benches/goals.rs) and
 //! `MISS` where it falls short by more than the run's noise; `--check` then exits with
-//! status 1, listing those rows.
+//! status 1, listing those rows. After the table it says what the host was like during the
+//! run (`host.rs`: CPU, stolen time, a calibration at start and end), so that two runs'
+//! values can be told apart.
 #![allow(missing_docs)]
 
 use kvtier_bench::scenarios;
@@ -52,6 +54,8 @@ fn main() {
         // benches/vllm_bench.py in the Python environment, against the binaries beside this.
         ("vllm", scenarios::vllm::run, false),
     ];
+    // The host's calibration before the first scenario and after the last.
+    let probe = kvtier_bench::host::Probe::take();
     // Human-readable progress goes to stderr when the JSON is wanted on stdout.
     for (name, run, ceph) in all {
         if !only.is_empty() && !only.iter().any(|o| o == name) {
@@ -65,6 +69,7 @@ fn main() {
         run(quick);
     }
     kvtier_bench::stop_shared_ceph();
+    let host = kvtier_bench::host::HostReport::finish(probe);
     let rows = kvtier_bench::recorded();
     if json {
         match serde_json::to_string(&rows) {
@@ -73,6 +78,12 @@ fn main() {
         }
     } else {
         print!("\n{}", kvtier_bench::table(&rows));
+    }
+    // Why this run's values may differ from another's (with --json, beside the rows).
+    if json {
+        eprint!("{host}");
+    } else {
+        print!("{host}");
     }
     if check {
         let misses = kvtier_bench::goals::misses(&rows);
