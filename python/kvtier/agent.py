@@ -29,6 +29,9 @@ from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 # The metadata header that presents a registration's owner token (agent.proto).
 OWNER_HEADER = "kvtier-pool-owner"
 
+# Most Saves the agent takes in one SaveBatch (agent.proto); save_batch sends more in parts.
+MAX_SAVE_BATCH = 4096
+
 
 # Tokens converted per C call: each call holds the GIL (about 0.07 ms for 4k tokens here), and
 # another thread (vLLM's scheduler, while a lookup thread packs a 128k-token prompt) waits
@@ -404,17 +407,20 @@ class AgentClient:
     ) -> list[Saved]:
         """Several Saves in one call (an engine step's new pages for all its requests), in
         the order given. Every item is checked before any page moves: a malformed one
-        refuses the call (``KvtierError.invalid_input``, naming ``requests[i]``). At most
-        4096 items."""
-        if not items:
-            return []
-        req = agent_pb2.SaveBatchRequest(requests=[i.request() for i in items])
-        r = self._call(self.stub.SaveBatch, req, timeout, owner)
-        if len(r.responses) != len(items):
-            raise KvtierError(
-                f"SaveBatch: the agent answered {len(r.responses)} of {len(items)} Saves"
-            )
-        return [Saved(x.stored, x.present, x.skipped, x.failed) for x in r.responses]
+        refuses the call (``KvtierError.invalid_input``, naming ``requests[i]``). More
+        items than the agent takes in one call (``MAX_SAVE_BATCH``) go in several, in
+        order."""
+        out: list[Saved] = []
+        for at in range(0, len(items), MAX_SAVE_BATCH):
+            part = items[at : at + MAX_SAVE_BATCH]
+            req = agent_pb2.SaveBatchRequest(requests=[i.request() for i in part])
+            r = self._call(self.stub.SaveBatch, req, timeout, owner)
+            if len(r.responses) != len(part):
+                raise KvtierError(
+                    f"SaveBatch: the agent answered {len(r.responses)} of {len(part)} Saves"
+                )
+            out += [Saved(x.stored, x.present, x.skipped, x.failed) for x in r.responses]
+        return out
 
     def stats(self) -> agent_pb2.AgentStatsResponse:
         return self._call(self.stub.AgentStats, agent_pb2.AgentStatsRequest())

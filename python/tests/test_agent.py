@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvtier.agent import After, AgentClient, PagePiece, SaveItem, packed
+from kvtier.agent import MAX_SAVE_BATCH, After, AgentClient, PagePiece, SaveItem, packed
 from kvtier.host import KvtierError
 from kvtier.keys import Namespace, page_keys
 from kvtier.v1 import common_pb2
@@ -297,4 +297,10 @@ def test_a_save_batch_saves_each_request_and_a_bad_one_refuses_it_all(agent, tmp
         c.save_batch([good, SaveItem(fresh, ns, 0, [14, SLOTS + 5])])
     assert e.value.invalid_input
     assert c.lookup_pages(fresh, ns, 0).l2_pages == 0
+    # More than one call's worth goes in parts, an answer for each: the pages copied once,
+    # found present by every other request.
+    many = c.save_batch([good] * (MAX_SAVE_BATCH + 1))
+    assert len(many) == MAX_SAVE_BATCH + 1
+    assert sum(s.stored for s in many) == 2
+    assert all(s.stored + s.present == 2 and s.failed == 0 for s in many)
     c.close()
