@@ -27,11 +27,11 @@ use crate::link::{Link, Linked};
 use crate::metrics::Metrics;
 use crate::owner::{Caller, Owner};
 use crate::shared::{Engine, Mode, Settings, Shared};
+use crate::tree::{Progress, TreeMode};
 
 /// Most Saves one SaveBatch carries (an engine step's requests; vLLM runs at most a few
 /// thousand at once).
 const MAX_SAVE_BATCH: usize = 4096;
-use crate::tree::{Progress, TreeMode};
 
 /// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
 /// (little-endian u32s). Both set, or a packed length that is not a multiple of 4, is refused.
@@ -475,6 +475,17 @@ impl AgentService {
 
 /// An engine-cache request in domain terms (`tokens` decoded by the caller, which keeps
 /// them alive).
+/// A Save's pages, from its request and the tokens decoded from it.
+fn save_pages<'a>(req: &'a v1::SavePagesRequest, tokens: &'a [u32]) -> Result<Pages<'a>, ApiError> {
+    pages(
+        tokens,
+        &req.parent_key,
+        req.namespace.clone(),
+        req.start_page,
+        &req.device_pages,
+    )
+}
+
 fn pages<'a>(
     tokens: &'a [u32],
     parent_key: &[u8],
@@ -666,13 +677,7 @@ impl agent_server::Agent for AgentService {
         let req = request.into_inner();
         let r = async {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
-            let p = pages(
-                &tokens,
-                &req.parent_key,
-                req.namespace,
-                req.start_page,
-                &req.device_pages,
-            )?;
+            let p = save_pages(&req, &tokens)?;
             self.cache.save(&caller, &p, req.selected).await
         };
         to_status(r.await)
@@ -708,15 +713,9 @@ impl agent_server::Agent for AgentService {
                 .zip(&tokens)
                 .enumerate()
                 .map(|(i, (r, t))| {
-                    pages(
-                        t,
-                        &r.parent_key,
-                        r.namespace.clone(),
-                        r.start_page,
-                        &r.device_pages,
-                    )
-                    .map(|p| (p, r.selected))
-                    .map_err(|e| e.within(&format!("requests[{i}]")))
+                    save_pages(r, t)
+                        .map(|p| (p, r.selected))
+                        .map_err(|e| e.within(&format!("requests[{i}]")))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let saved = self.cache.save_batch(&caller, &pages).await?;
