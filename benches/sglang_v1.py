@@ -56,7 +56,7 @@ def main() -> None:
             w = sp.worker(
                 d.socket, layout, heads=a.heads, head_dim=a.head_dim, tokens=4 * a.pages * a.page
             )
-            w.host.kv_buffer.view(-1).view(dtype=torch.uint8).random_(0, 255)
+            w.kv.view(-1).view(dtype=torch.uint8).random_(0, 255)
             mem, put, get = [], [], []
             for r in range(a.rounds + 1):
                 t = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
                 f"{layout:<18} {gbs / m:>11.2f} {gbs / p:>9.2f} {m / p:>10.2f} "
                 f"{gbs / g:>9.2f} {m / g:>10.2f}"
             )
-            w.backend.close()
+            w.close()
     finally:
         d.stop()
 

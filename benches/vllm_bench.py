@@ -119,8 +119,11 @@ class Engine:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
+        from kvtier.integrations.vllm.connector import KvtierConnector
+
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         args = parser.parse_args(["--kv-transfer-config", flag(agent, **extra)])
+        assert args is not None
         ktc = EngineArgs.from_cli_args(args).kv_transfer_config
         vc = VllmConfig(
             model_config=ModelConfig(
@@ -149,8 +152,10 @@ class Engine:
             num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
         )
         self.vc = vc
-        self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
+        assert isinstance(worker, KvtierConnector), type(worker)
+        self.worker = worker
+        kv_transfer_state._KV_CONNECTOR_AGENT = worker
         # Written once, as the forward passes would have: copies read mapped memory.
         self.kv = {
             n: torch.full((blocks, HEADS, BLOCK, 2 * HEAD), float(i), dtype=torch.bfloat16)
@@ -158,6 +163,8 @@ class Engine:
         }
         self.worker.register_kv_caches(self.kv)
         self.sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK)
+        assert self.sched.connector is not None, "vLLM's scheduler made no connector"
+        self.sched_connector = self.sched.connector
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.page_bytes = LAYERS * HEADS * BLOCK * 2 * HEAD * 2
@@ -218,9 +225,15 @@ class Engine:
             ),
         )
 
+    def drain(self) -> None:
+        """Waits for the worker's saves in flight."""
+        side = self.worker.worker
+        assert side is not None, "a worker connector without its worker side"
+        side.drain()
+
     def close(self) -> None:
         self.worker.shutdown()
-        self.sched.connector.shutdown()
+        self.sched_connector.shutdown()
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -408,7 +421,7 @@ def decode_steps(agent, running: int, quick: bool) -> None:
         at_dst += nbytes
         hooks += e.hook_s
         pages += e.saved_pages
-    e.worker.worker.drain()
+    e.drain()
     e.close()
     row(
         f"connector time per decode step, {running} running ({pages} pages)",
@@ -432,7 +445,7 @@ def slow_l3(work: Path, quick: bool) -> None:
     e.add(cached, 1)
     while e.sched.has_requests():
         e.step()
-    e.worker.worker.drain()
+    e.drain()
     e.close()
     deadline = time.time() + 60
     while len(l3_objects(l3)) < 60:
@@ -464,7 +477,7 @@ def slow_l3(work: Path, quick: bool) -> None:
             e.step()
             during.append(time.perf_counter() - t)
         b, d = statistics.median(before) * 1e3, statistics.median(during) * 1e3
-        e.worker.worker.drain()
+        e.drain()
         e.close()
         row(
             "decode step while one request loads from a 2 s L3",

@@ -46,13 +46,13 @@ def measure(n: int, layers: list[torch.Tensor]) -> None:
     """One step's copies of ``n`` blocks, printed as rows."""
     dev, blocks = layers[0].device, layers[0].shape[0]
     views = [block_bytes("l", t, blocks).view(storage_bytes(t)) for t in layers]
-    block_bytes = BLOCK * HEADS * HEAD * 2
+    per_block = BLOCK * HEADS * HEAD * 2
     try:
-        st = Staging(LAYERS, 256, block_bytes)
+        st = Staging(LAYERS, 256, per_block)
     except ValueError:  # a /dev/shm too small for it
-        st = Staging(LAYERS, 256, block_bytes, tempfile.gettempdir())
+        st = Staging(LAYERS, 256, per_block, tempfile.gettempdir())
     assert st.pin(), "CUDA refused to page-lock the staging pool"
-    nbytes = n * block_bytes * LAYERS
+    nbytes = n * per_block * LAYERS
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     ids = torch.randperm(blocks)[:n].tolist()

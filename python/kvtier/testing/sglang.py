@@ -46,6 +46,13 @@ class Worker:
         assert kv is not None, "the host pool's buffer was released"
         return kv
 
+    def close(self) -> None:
+        """Closes the backend: its agent link and its staging maps."""
+        from kvtier.integrations.sglang.backend import KvtierStorage
+
+        assert isinstance(self.backend, KvtierStorage), type(self.backend)
+        self.backend.close()
+
     def indices(self, first_page: int, pages: int) -> torch.Tensor:
         return torch.arange(first_page * PAGE, (first_page + pages) * PAGE, dtype=torch.int64)
 
