@@ -28,7 +28,7 @@ use kvtier_shm::ShmPool;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 pub use kvtier_proto::v1::ReserveStatus;
-pub use pages::{PageError, StoredPages};
+pub use pages::{PageError, PendingCommit, StoredPages};
 pub use secure::{
     AuthChannel, Bearer, TcpSecurity, connect_lazy_with, connect_with, install_crypto_provider,
 };
