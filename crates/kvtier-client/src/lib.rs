@@ -9,6 +9,7 @@
 //! debugging). (What the servers themselves share lives in kvtier-server.)
 
 mod agent;
+mod events;
 mod pages;
 pub mod raw;
 mod secure;
@@ -27,6 +28,7 @@ use kvtier_proto::{pack_keys, v1};
 use kvtier_shm::ShmPool;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+pub use events::{EventBatch, EventStream};
 pub use kvtier_proto::v1::ReserveStatus;
 pub use pages::{PageError, PendingCommit, StoredPages};
 pub use secure::{
@@ -542,6 +544,24 @@ impl HostClient {
             })
             .await?;
         Ok(())
+    }
+
+    /// What kvtierd's L2 holds, as events (docs/routing.md): from a snapshot, or resuming
+    /// after `after_seq` of stream `stream_id` (0, 0: a snapshot first).
+    pub async fn watch_events(
+        &mut self,
+        stream_id: u64,
+        after_seq: u64,
+    ) -> Result<EventStream, ClientError> {
+        Ok(EventStream(
+            self.inner
+                .watch_events(v1::WatchEventsRequest {
+                    stream_id,
+                    after_seq,
+                })
+                .await?
+                .into_inner(),
+        ))
     }
 
     /// A snapshot of every daemon metric each `interval` (0: the daemon's default).

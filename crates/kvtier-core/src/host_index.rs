@@ -44,11 +44,13 @@
 //! the operator's bulk moves in `operator.rs`; the invariant check in `check.rs`. The
 //! model-based property test is `tests/host_index_model.rs`.
 
+mod changes;
 mod check;
 mod l3;
 mod operator;
 mod order;
 mod quota;
+pub use changes::IndexChange;
 pub use l3::{L3Mark, L3Mode};
 pub use operator::Cleared;
 pub use quota::TenantUse;
@@ -210,6 +212,8 @@ pub struct HostIndex {
     quotas: quota::Quotas,
     clock: u64,
     stats: HostIndexStats,
+    /// Changes to what is readable, while recorded ([`Self::record_changes`]).
+    changes: Option<Vec<IndexChange>>,
 }
 
 impl std::fmt::Debug for HostIndex {
@@ -256,6 +260,7 @@ impl HostIndex {
                 capacity,
                 ..HostIndexStats::default()
             },
+            changes: None,
         }
     }
 
@@ -403,7 +408,10 @@ impl HostIndex {
         let g = &mut self.generations[slot as usize];
         *g = g.wrapping_add(1);
         match e.state {
-            PageState::Ready => self.stats.ready -= 1,
+            PageState::Ready => {
+                self.stats.ready -= 1;
+                self.log_removed(e.key);
+            }
             PageState::Writing => self.stats.writing -= 1,
         }
         if e.dirty {
@@ -497,6 +505,7 @@ impl HostIndex {
         self.stats.dirty += 1;
         self.adjust_children(link, 1);
         self.refresh(slot);
+        self.log_stored(slot);
         Some(slot)
     }
 
@@ -630,6 +639,7 @@ impl HostIndex {
             });
             self.stats.writing -= 1;
             self.stats.ready += 1;
+            self.log_stored(s);
         }
         Ok(())
     }
@@ -659,6 +669,7 @@ impl HostIndex {
             });
             self.stats.writing -= 1;
             self.stats.ready += 1;
+            self.log_stored(s);
         }
         Ok(slots)
     }

@@ -497,6 +497,23 @@ impl LayoutFingerprint {
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
+
+    /// Parses [`Self::to_hex`]'s form; an error names `field`.
+    pub fn from_hex(field: &'static str, hex: &str) -> Result<Self, Error> {
+        let bad = |why: &str| Error::InvalidField {
+            field,
+            reason: format!("{hex:?}: {why}"),
+        };
+        if hex.len() != 32 || !hex.is_ascii() {
+            return Err(bad("not 32 hex digits"));
+        }
+        let mut out = [0u8; 16];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+                .map_err(|_| bad("not 32 hex digits"))?;
+        }
+        Ok(Self(out))
+    }
 }
 
 impl fmt::Display for LayoutFingerprint {
@@ -513,6 +530,19 @@ impl fmt::Debug for LayoutFingerprint {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_fingerprint_reads_back_from_its_hex_and_bad_hex_names_the_field() {
+        let fp = LayoutFingerprint([0xa5; 16]);
+        assert_eq!(
+            LayoutFingerprint::from_hex("layout", &fp.to_hex()).unwrap(),
+            fp
+        );
+        for bad in ["", "zz", &"g".repeat(32), &"a".repeat(33)] {
+            let e = LayoutFingerprint::from_hex("layout", bad).unwrap_err();
+            assert!(e.to_string().contains("layout"), "{e}");
+        }
+    }
+
     use super::*;
 
     pub(crate) fn llama() -> LayoutSpec {

@@ -17,6 +17,8 @@
 //! - [`copy_method`]: how a GPU device moves a batch of runs (`device.copy_method`), and
 //!   which method it uses once each has passed or failed its start-up self-check.
 //! - [`checksum`]: CRC32C, the checksum of stored pages and records, in one place.
+//! - [`events`]: the events that publish what a kvtierd's L2 holds (stored, removed,
+//!   cleared, resync), and which tenant sees which.
 //! - [`ids`]: session ids (random, stamped with the issuing kvtierd run) and their wire form.
 //!
 //! Everything that decides *which* page goes *where* lives here, so it can be tested
@@ -25,6 +27,7 @@
 
 pub mod checksum;
 pub mod copy_method;
+pub mod events;
 pub mod host_index;
 pub mod ids;
 pub mod key_map;

@@ -118,6 +118,25 @@ impl TenantScope {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_scope_is_the_formula_routing_md_gives_routers() {
+        use sha2::{Digest, Sha256};
+        let key = PageKey([3; 32]);
+        let id: [u8; 32] = Sha256::new()
+            .chain_update(b"kvtier/tenant-scope/v1")
+            .chain_update(b"acme")
+            .finalize()
+            .into();
+        let mut want: [u8; 32] = Sha256::new()
+            .chain_update(b"kvtier/tenant-scope/v1")
+            .chain_update(id)
+            .chain_update(key.as_bytes())
+            .finalize()
+            .into();
+        want[..8].copy_from_slice(&id[..8]);
+        assert_eq!(TenantScope::new("acme").apply(&key), PageKey(want));
+    }
+
     use super::*;
 
     #[test]

@@ -8,6 +8,7 @@
 //! logging and calls it, and tests start the same `run` in-process or the binary as a process.
 
 pub mod admin;
+pub mod events;
 pub mod ids;
 pub mod l3;
 mod parts;

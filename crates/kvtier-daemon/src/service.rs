@@ -2,7 +2,7 @@
 //! calls into [`HostState`]. Errors are [`ApiError`]s, turned into gRPC status codes by the
 //! one conversion in kvtier-proto.
 
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_core::host_index::Reserve;
@@ -17,7 +17,7 @@ use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
 use crate::roles::Roles;
 use crate::state::Shared;
-use crate::state::{HostState, L2Metrics};
+use crate::state::{HostState, L2Metrics, StateGuard};
 use kvtier_config::tenants::Tenants;
 use kvtier_server::metrics::MetricRegistry;
 
@@ -32,6 +32,10 @@ const WATCH_MAX_MS: u64 = 60_000;
 /// The stream a WatchMetrics call returns.
 type SnapshotStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
+
+/// The stream a WatchEvents call returns.
+type EventStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::EventBatch, Status>> + Send>>;
 
 /// The stream a Prefetch call returns.
 type WireProgressStream =
@@ -70,6 +74,9 @@ impl HostService {
         prefetcher: Arc<Prefetcher>,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Result<Self, prometheus::Error> {
+        state
+            .lock()
+            .set_event_metrics(crate::events::EventMetrics::new(&registry)?);
         Ok(Self {
             metrics: L2Metrics::new(&registry, state.clone())?,
             state,
@@ -110,7 +117,7 @@ impl HostService {
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, HostState> {
+    fn state(&self) -> StateGuard<'_> {
         self.state.lock()
     }
 
@@ -775,6 +782,28 @@ impl HostTier for HostService {
                 }
             });
             Ok(Box::pin(stream) as SnapshotStream)
+        })
+    }
+
+    type WatchEventsStream = EventStream;
+
+    async fn watch_events(
+        &self,
+        request: Request<v1::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        // A tenant sees only its own pages (its keys' tag): the same rule as WatchMetrics.
+        let role = self.roles.of(&request);
+        let tenant = (!self.roles.sees_all(&role)).then(|| TenantScope::new(role.tenant()).tag());
+        self.observe("watch_events", || {
+            let r = request.get_ref();
+            let stream = crate::events::watch(
+                self.state.clone(),
+                r.stream_id,
+                r.after_seq,
+                tenant,
+                self.shutdown.clone(),
+            );
+            Ok(Box::pin(stream) as EventStream)
         })
     }
 }

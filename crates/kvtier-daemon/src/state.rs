@@ -16,7 +16,11 @@ use kvtier_core::{
 };
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
+use crate::events::EventBus;
+pub use events::Subscription;
+
 mod error;
+mod events;
 mod l3_writes;
 mod metrics;
 mod operator;
@@ -102,13 +106,43 @@ impl Shared {
         Self(std::sync::Mutex::new(state))
     }
 
-    /// The state, locked.
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, HostState> {
-        match self.0.lock() {
+    /// The state, locked. What the holder changed in L2 is published as events when the
+    /// guard goes, before the lock is let go (`HostState::publish_changes`).
+    pub fn lock(&self) -> StateGuard<'_> {
+        StateGuard(match self.0.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
-        }
+        })
     }
+}
+
+/// The locked state ([`Shared::lock`]); publishes the holder's changes to L2 when dropped.
+pub struct StateGuard<'a>(std::sync::MutexGuard<'a, HostState>);
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = HostState;
+    fn deref(&self) -> &HostState {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut HostState {
+        &mut self.0
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        self.0.publish_changes();
+    }
+}
+
+/// This node's name in events: its hostname.
+fn node_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// What an agent tells the daemon about its worker with each heartbeat: counters since
@@ -199,6 +233,8 @@ pub struct Registered {
 #[derive(Debug)]
 pub struct HostState {
     pools: HashMap<LayoutFingerprint, Pool>,
+    /// What L2 holds, published for routers (`events.rs`).
+    events: EventBus,
     sessions: HashMap<SessionId, Session>,
     /// This run's start: every session id it issues carries it.
     epoch: Epoch,
@@ -262,8 +298,13 @@ fn unknown_session(id: SessionId, epoch: Epoch) -> StateError {
 impl HostState {
     /// Empty state configured by `cfg` (already validated).
     pub fn new(cfg: &DaemonConfig) -> Self {
+        let mut events = EventBus::new(node_name());
+        // A new run holds nothing of what an earlier one published: its first event says so
+        // (pages it takes over from a crashed run are published as stored after it).
+        events.cleared(None);
         Self {
             pools: HashMap::new(),
+            events,
             sessions: HashMap::new(),
             epoch: crate::ids::epoch_now(),
             next_owner: 1,
@@ -494,6 +535,7 @@ impl HostState {
                 None
             };
             let mut index = HostIndex::new(slots, self.policy);
+            index.record_changes(true);
             for (_, tag, quota) in &self.tenants {
                 index.set_tenant_quota(*tag, *quota);
             }

@@ -198,6 +198,44 @@ pub fn samples(
     out
 }
 
+/// One batch of a WatchEvents stream.
+pub fn event_batch(stream_id: u64, node: &str, events: &[crate::events::Event]) -> v1::EventBatch {
+    use crate::events::EventKind;
+    let events = events
+        .iter()
+        .map(|e| {
+            let (kind, key, parent) = match e.kind {
+                EventKind::Stored { key, parent } => (
+                    v1::PageEventKind::Stored,
+                    key.as_bytes().to_vec(),
+                    parent.map(|p| p.as_bytes().to_vec()).unwrap_or_default(),
+                ),
+                EventKind::Removed { key } => (
+                    v1::PageEventKind::Removed,
+                    key.as_bytes().to_vec(),
+                    Vec::new(),
+                ),
+                EventKind::Cleared => (v1::PageEventKind::Cleared, Vec::new(), Vec::new()),
+                EventKind::Resync => (v1::PageEventKind::Resync, Vec::new(), Vec::new()),
+            };
+            v1::PageEvent {
+                seq: e.seq,
+                unix_nanos: e.unix_nanos,
+                kind: kind as i32,
+                tier: v1::EventTier::L2Host as i32,
+                key,
+                parent,
+                layout: e.layout.map(|l| l.to_hex()).unwrap_or_default(),
+            }
+        })
+        .collect();
+    v1::EventBatch {
+        stream_id,
+        node: node.to_string(),
+        events,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -400,15 +400,21 @@ fn a_tenant_at_its_quotas_evicts_only_its_own_pages_in_l2_and_l3() {
     );
 }
 
+/// A daemon with tenants acme and globex, by token, and its TCP address.
+fn acme_and_globex(name: &str) -> (Daemon, String) {
+    let d = start(
+        name,
+        "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n",
+    );
+    let tcp = format!("http://{}", d.tcp);
+    (d, tcp)
+}
+
 #[test]
 fn a_tenant_that_reserves_and_never_commits_cannot_block_the_others() {
     // 64 slots, a dirty limit of 32 (l2.dirty_fraction 0.5): each session, and each tenant,
     // may hold 16 reserved (l2.reserve_share 0.5).
-    let d = start(
-        "tenant-reserve",
-        "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n",
-    );
-    let tcp = format!("http://{}", d.tcp);
+    let (_d, tcp) = acme_and_globex("tenant-reserve");
     let spec = layout("reserve");
     rt().block_on(async {
         let reserved = |r: Vec<kvtier_client::Reserved>| {
@@ -447,5 +453,71 @@ fn a_tenant_that_reserves_and_never_commits_cannot_block_the_others() {
         a.close(sa.id).await.unwrap();
         let got = reserved(a.reserve(sa2.id, None, &chain(2, 8)).await.unwrap());
         assert_eq!(got, 8, "acme's budget did not come back with its session");
+    });
+}
+
+/// The pages a WatchEvents stream says are held, once it has been quiet for a while.
+async fn watched(c: &mut HostClient) -> std::collections::BTreeSet<kvtier_core::PageKey> {
+    use kvtier_core::events::EventKind;
+    let mut w = c.watch_events(0, 0).await.unwrap();
+    let mut held = std::collections::BTreeSet::new();
+    while let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(300), w.next())
+        .await
+        .map(|r| r.unwrap())
+    {
+        for e in b.events {
+            match e.kind {
+                EventKind::Stored { key, .. } => {
+                    held.insert(key);
+                }
+                EventKind::Removed { key } => {
+                    held.remove(&key);
+                }
+                EventKind::Cleared | EventKind::Resync => held.clear(),
+            }
+        }
+    }
+    held
+}
+
+#[test]
+fn a_tenant_watches_only_its_own_pages_and_the_operator_all() {
+    let (_d, tcp) = acme_and_globex("tenant-events");
+    let spec = layout("tenant-events");
+    rt().block_on(async {
+        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
+            .await
+            .unwrap();
+        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
+            .await
+            .unwrap();
+        let (sa, sg) = (
+            a.register("acme-worker", &spec).await.unwrap(),
+            g.register("globex-worker", &spec).await.unwrap(),
+        );
+        let len = sa.layout.page_bytes();
+        let (ka, kg) = (chain(5, 4), chain(6, 3));
+        let bytes = |n: usize| {
+            (0..n as u64)
+                .map(|i| seeded_bytes(i, len))
+                .collect::<Vec<_>>()
+        };
+        write(&mut a, &sa, &ka, &bytes(4)).await;
+        write(&mut g, &sg, &kg, &bytes(3)).await;
+        // Each tenant hears of its own pages, by the keys kvtierd holds them under.
+        let scoped = |t: &str, keys: &[kvtier_core::PageKey]| {
+            let mut k = keys.to_vec();
+            kvtier_core::TenantScope::new(t).apply_all(&mut k);
+            k.into_iter().collect::<std::collections::BTreeSet<_>>()
+        };
+        assert_eq!(watched(&mut a).await, scoped("acme", &ka));
+        assert_eq!(watched(&mut g).await, scoped("globex", &kg));
+        // The operator hears of every page.
+        let mut op = HostClient::connect_with(&tcp, &token("tok-admin"))
+            .await
+            .unwrap();
+        let all = watched(&mut op).await;
+        assert_eq!(all.len(), 7);
+        assert!(all.is_superset(&scoped("acme", &ka)) && all.is_superset(&scoped("globex", &kg)));
     });
 }

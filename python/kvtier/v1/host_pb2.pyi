@@ -38,6 +38,19 @@ class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESERVE_STATUS_RESERVED: _ClassVar[ReserveStatus]
     RESERVE_STATUS_PRESENT: _ClassVar[ReserveStatus]
     RESERVE_STATUS_NO_SPACE: _ClassVar[ReserveStatus]
+
+class PageEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_EVENT_KIND_UNSPECIFIED: _ClassVar[PageEventKind]
+    PAGE_EVENT_KIND_STORED: _ClassVar[PageEventKind]
+    PAGE_EVENT_KIND_REMOVED: _ClassVar[PageEventKind]
+    PAGE_EVENT_KIND_CLEARED: _ClassVar[PageEventKind]
+    PAGE_EVENT_KIND_RESYNC: _ClassVar[PageEventKind]
+
+class EventTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_TIER_UNSPECIFIED: _ClassVar[EventTier]
+    EVENT_TIER_L2_HOST: _ClassVar[EventTier]
 PREFETCH_POLICY_UNSPECIFIED: PrefetchPolicy
 PREFETCH_POLICY_BEST_EFFORT: PrefetchPolicy
 PREFETCH_POLICY_WAIT_COMPLETE: PrefetchPolicy
@@ -57,6 +70,13 @@ RESERVE_STATUS_UNSPECIFIED: ReserveStatus
 RESERVE_STATUS_RESERVED: ReserveStatus
 RESERVE_STATUS_PRESENT: ReserveStatus
 RESERVE_STATUS_NO_SPACE: ReserveStatus
+PAGE_EVENT_KIND_UNSPECIFIED: PageEventKind
+PAGE_EVENT_KIND_STORED: PageEventKind
+PAGE_EVENT_KIND_REMOVED: PageEventKind
+PAGE_EVENT_KIND_CLEARED: PageEventKind
+PAGE_EVENT_KIND_RESYNC: PageEventKind
+EVENT_TIER_UNSPECIFIED: EventTier
+EVENT_TIER_L2_HOST: EventTier
 
 class PrefetchHints(_message.Message):
     __slots__ = ("timeout_ms", "threshold_tokens", "recompute_tokens_per_second")
@@ -509,3 +529,39 @@ class L3Stats(_message.Message):
     queued_pages: int
     evictions: int
     def __init__(self, backend: _Optional[str] = ..., write_policy: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., failed_pages: _Optional[int] = ..., deferred_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("stream_id", "after_seq")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    after_seq: int
+    def __init__(self, stream_id: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class PageEvent(_message.Message):
+    __slots__ = ("seq", "unix_nanos", "kind", "tier", "key", "parent", "layout")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    unix_nanos: int
+    kind: PageEventKind
+    tier: EventTier
+    key: bytes
+    parent: bytes
+    layout: str
+    def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., kind: _Optional[_Union[PageEventKind, str]] = ..., tier: _Optional[_Union[EventTier, str]] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("stream_id", "node", "events")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    node: str
+    events: _containers.RepeatedCompositeFieldContainer[PageEvent]
+    def __init__(self, stream_id: _Optional[int] = ..., node: _Optional[str] = ..., events: _Optional[_Iterable[_Union[PageEvent, _Mapping]]] = ...) -> None: ...

@@ -109,6 +109,11 @@ class HostTierStub:
                 request_serializer=kvtier_dot_v1_dot_host__pb2.WatchMetricsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_host__pb2.MetricsSnapshot.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvtier.v1.HostTier/WatchEvents',
+                request_serializer=kvtier_dot_v1_dot_host__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_host__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class HostTierServicer:
@@ -216,6 +221,17 @@ class HostTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """What this kvtierd's L2 holds, as an ordered stream of changes, for routers
+        (docs/routing.md). A tenant sees its own pages only. The stream starts with a snapshot
+        (RESYNC, then STORED for every page held) or resumes after `after_seq` of `stream_id`
+        within the replay window; a subscriber that falls behind gets a RESYNC and a snapshot
+        again. Commits never wait for a subscriber.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -293,6 +309,11 @@ def add_HostTierServicer_to_server(servicer, server):
                     servicer.WatchMetrics,
                     request_deserializer=kvtier_dot_v1_dot_host__pb2.WatchMetricsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_host__pb2.MetricsSnapshot.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvtier_dot_v1_dot_host__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_host__pb2.EventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -700,6 +721,33 @@ class HostTier:
             '/kvtier.v1.HostTier/WatchMetrics',
             kvtier_dot_v1_dot_host__pb2.WatchMetricsRequest.SerializeToString,
             kvtier_dot_v1_dot_host__pb2.MetricsSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.HostTier/WatchEvents',
+            kvtier_dot_v1_dot_host__pb2.WatchEventsRequest.SerializeToString,
+            kvtier_dot_v1_dot_host__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

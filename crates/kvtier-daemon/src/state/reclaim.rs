@@ -42,9 +42,12 @@ impl HostState {
             if !(expired || (make_room && i == 0)) {
                 continue;
             }
+            // Its last changes, then the pool itself goes: one CLEARED for its layout.
+            self.publish_changes();
             let Some(pool) = self.pools.remove(&fp) else {
                 continue;
             };
+            self.events.cleared(Some(fp));
             let s = pool.index.stats();
             if self.l3_mode() == L3Mode::Absent {
                 self.counters.lost_no_l3 += u64::from(s.ready);

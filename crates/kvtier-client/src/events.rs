@@ -1,0 +1,71 @@
+//! kvtierd's `WatchEvents` stream, read into domain events (`kvtier_core::events`).
+
+use kvtier_core::events::{Event, EventKind};
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_proto::v1;
+
+use crate::ClientError;
+
+/// One message of the stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventBatch {
+    /// The stream's id (a new one after each kvtierd restart): what a resume names.
+    pub stream_id: u64,
+    /// The node's name.
+    pub node: String,
+    /// The events, in order.
+    pub events: Vec<Event>,
+}
+
+/// The events of one `WatchEvents` call ([`crate::HostClient::watch_events`]).
+pub struct EventStream(pub(crate) tonic::Streaming<v1::EventBatch>);
+
+impl EventStream {
+    /// The next batch; `None` when kvtierd ended the stream. A malformed event is an error
+    /// naming its field.
+    pub async fn next(&mut self) -> Result<Option<EventBatch>, ClientError> {
+        let Some(b) = self.0.message().await? else {
+            return Ok(None);
+        };
+        let events = b
+            .events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                event(e).map_err(|why| ClientError::Protocol(format!("events[{i}]: {why}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Some(EventBatch {
+            stream_id: b.stream_id,
+            node: b.node,
+            events,
+        }))
+    }
+}
+
+fn event(e: &v1::PageEvent) -> Result<Event, String> {
+    let key = || PageKey::from_slice("key", &e.key).map_err(|x| x.to_string());
+    let kind = match v1::PageEventKind::try_from(e.kind) {
+        Ok(v1::PageEventKind::Stored) => EventKind::Stored {
+            key: key()?,
+            parent: match e.parent.len() {
+                0 => None,
+                _ => Some(PageKey::from_slice("parent", &e.parent).map_err(|x| x.to_string())?),
+            },
+        },
+        Ok(v1::PageEventKind::Removed) => EventKind::Removed { key: key()? },
+        Ok(v1::PageEventKind::Cleared) => EventKind::Cleared,
+        Ok(v1::PageEventKind::Resync) => EventKind::Resync,
+        _ => return Err(format!("kind: {} is not an event kind", e.kind)),
+    };
+    let layout = match e.layout.as_str() {
+        "" => None,
+        hex => Some(LayoutFingerprint::from_hex("layout", hex).map_err(|x| x.to_string())?),
+    };
+    Ok(Event {
+        seq: e.seq,
+        unix_nanos: e.unix_nanos,
+        kind,
+        layout,
+    })
+}

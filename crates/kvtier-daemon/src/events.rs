@@ -1,0 +1,524 @@
+//! What this kvtierd's L2 holds, published as events for routers (`WatchEvents`,
+//! docs/routing.md).
+//!
+//! The index logs every page that becomes readable or leaves (`HostIndex::take_changes`);
+//! [`HostState::publish_changes`](crate::state::HostState::publish_changes) drains the logs
+//! each time the state lock is let go, so no path that changes L2 can forget to publish, and
+//! the order of events is the order of the changes. [`EventBus::publish`] numbers them,
+//! keeps the last [`REPLAY`] in a ring for subscribers that resume, and hands each batch to
+//! a broadcast channel. Publishing never waits: a subscriber that falls more than
+//! [`BACKLOG`] batches behind loses its place, and its stream sends a RESYNC and a snapshot
+//! instead (counted in `kvtier_events_resyncs_total{reason}`).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+pub use kvtier_core::events::{Event, EventKind};
+use kvtier_core::host_index::IndexChange;
+use kvtier_core::{LayoutFingerprint, PageKey, TenantTag};
+use kvtier_server::metrics::MetricRegistry;
+use prometheus::{IntCounter, IntCounterVec, IntGauge};
+use tokio::sync::broadcast;
+
+/// Events kept for resuming subscribers.
+pub const REPLAY: usize = 65_536;
+/// Batches a subscriber may fall behind before it must resync.
+pub const BACKLOG: usize = 4_096;
+
+fn now_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or_default()
+}
+
+/// The series the bus and its streams report.
+#[derive(Clone, Debug)]
+pub struct EventMetrics {
+    /// `kvtier_events_published_total`.
+    pub published: IntCounter,
+    /// `kvtier_events_subscribers`.
+    pub subscribers: IntGauge,
+    /// `kvtier_events_resyncs_total{reason}`: `new` (a fresh subscriber, or one resuming
+    /// another stream or outside the window) and `lagged` (it fell behind).
+    pub resyncs: IntCounterVec,
+}
+
+impl EventMetrics {
+    /// Registers the series.
+    pub fn new(r: &MetricRegistry) -> prometheus::Result<Self> {
+        let m = Self {
+            published: r.counter(
+                "kvtier_events_published_total",
+                "L2 page events published (stored, removed, cleared)",
+            )?,
+            subscribers: r.gauge("kvtier_events_subscribers", "WatchEvents streams open now")?,
+            resyncs: r.counter_vec(
+                "kvtier_events_resyncs_total",
+                "Event streams that started over from a snapshot, by reason: new (a fresh \
+                 subscriber, or one resuming another stream or outside the replay window), \
+                 lagged (it fell more than the backlog behind)",
+                &["reason"],
+            )?,
+        };
+        // Every reason shows from the start, at 0.
+        for why in ["new", "lagged"] {
+            m.resyncs.with_label_values(&[why]);
+        }
+        Ok(m)
+    }
+}
+
+/// The event stream of one kvtierd.
+#[derive(Debug)]
+pub struct EventBus {
+    stream_id: u64,
+    node: String,
+    next_seq: u64,
+    ring: VecDeque<Event>,
+    tx: broadcast::Sender<Arc<[Event]>>,
+    metrics: Option<EventMetrics>,
+}
+
+/// Where a new subscriber starts.
+#[derive(Debug)]
+pub enum Start {
+    /// The events after the seq it asked for, from the ring.
+    Resume(Vec<Event>),
+    /// A RESYNC first (its reason for the metric), then a snapshot.
+    Resync(&'static str),
+}
+
+impl EventBus {
+    /// A new stream (a fresh id) for `node`.
+    pub fn new(node: String) -> Self {
+        let mut id = [0u8; 8];
+        // An id collision only costs a resuming subscriber a resync it would have needed.
+        let _ = getrandom::fill(&mut id);
+        Self {
+            stream_id: u64::from_le_bytes(id).max(1),
+            node,
+            next_seq: 1,
+            ring: VecDeque::with_capacity(1024),
+            tx: broadcast::channel(BACKLOG).0,
+            metrics: None,
+        }
+    }
+
+    /// Reports through `m` from now on.
+    pub fn set_metrics(&mut self, m: EventMetrics) {
+        self.metrics = Some(m);
+    }
+
+    /// The series, when set.
+    pub fn metrics(&self) -> Option<&EventMetrics> {
+        self.metrics.as_ref()
+    }
+
+    /// This stream's id.
+    pub fn stream_id(&self) -> u64 {
+        self.stream_id
+    }
+
+    /// The node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The seq of the last event published (0 before the first).
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// Publishes `changes` of the pool `layout`, in order.
+    pub fn publish(&mut self, layout: LayoutFingerprint, changes: Vec<IndexChange>) {
+        let events = changes.into_iter().map(|c| match c {
+            IndexChange::Stored { key, parent } => EventKind::Stored { key, parent },
+            IndexChange::Removed { key } => EventKind::Removed { key },
+        });
+        self.publish_kinds(Some(layout), events);
+    }
+
+    /// Publishes that every page of `layout` (every pool's, when `None`) is gone.
+    pub fn cleared(&mut self, layout: Option<LayoutFingerprint>) {
+        self.publish_kinds(layout, std::iter::once(EventKind::Cleared));
+    }
+
+    fn publish_kinds(
+        &mut self,
+        layout: Option<LayoutFingerprint>,
+        kinds: impl Iterator<Item = EventKind>,
+    ) {
+        let unix_nanos = now_nanos();
+        let start = self.next_seq;
+        let batch: Arc<[Event]> = kinds
+            .map(|kind| {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                Event {
+                    seq,
+                    unix_nanos,
+                    kind,
+                    layout,
+                }
+            })
+            .collect();
+        if batch.is_empty() {
+            return;
+        }
+        for e in batch.iter() {
+            if self.ring.len() == REPLAY {
+                self.ring.pop_front();
+            }
+            self.ring.push_back(*e);
+        }
+        if let Some(m) = &self.metrics {
+            m.published.inc_by(self.next_seq - start);
+        }
+        // No receiver is fine: the ring keeps them for the next one.
+        let _ = self.tx.send(batch);
+    }
+
+    /// Subscribes a reader that last saw `after_seq` of stream `stream_id`: where it starts,
+    /// and the channel of what is published from now on. Called under the state lock, so
+    /// nothing is published between the two.
+    pub fn subscribe(
+        &self,
+        stream_id: u64,
+        after_seq: u64,
+    ) -> (Start, broadcast::Receiver<Arc<[Event]>>) {
+        let rx = self.tx.subscribe();
+        let oldest = self.ring.front().map_or(self.next_seq, |e| e.seq);
+        let start = if stream_id == self.stream_id
+            && after_seq <= self.last_seq()
+            && after_seq + 1 >= oldest
+        {
+            let skip = (after_seq + 1 - oldest) as usize;
+            Start::Resume(self.ring.iter().skip(skip).copied().collect())
+        } else {
+            Start::Resync("new")
+        };
+        (start, rx)
+    }
+
+    /// A RESYNC at the current seq, then `pages` (every ready page of each pool, parents
+    /// first) as STORED events with seq 0.
+    pub fn snapshot(
+        &self,
+        pools: impl Iterator<Item = (LayoutFingerprint, Vec<(PageKey, Option<PageKey>)>)>,
+    ) -> Vec<Event> {
+        let unix_nanos = now_nanos();
+        let mut out = vec![Event {
+            seq: self.last_seq(),
+            unix_nanos,
+            kind: EventKind::Resync,
+            layout: None,
+        }];
+        for (layout, pages) in pools {
+            out.extend(pages.into_iter().map(|(key, parent)| Event {
+                seq: 0,
+                unix_nanos,
+                kind: EventKind::Stored { key, parent },
+                layout: Some(layout),
+            }));
+        }
+        out
+    }
+}
+
+/// Most events in one streamed batch.
+pub const MAX_BATCH_EVENTS: usize = 1_024;
+/// Batches a stream holds ready for its caller beyond what the connection buffers: with
+/// [`BACKLOG`], what one stalled subscriber can cost in memory.
+const STREAM_DEPTH: usize = 4;
+
+/// The stream of one WatchEvents call: where the subscriber starts (a replay, or a RESYNC
+/// and a snapshot), then what is published, in batches of at most [`MAX_BATCH_EVENTS`],
+/// limited to `tenant`'s pages when given. It ends when the caller goes or kvtierd shuts
+/// down. A caller that reads too slowly only delays its own stream: when it falls
+/// [`BACKLOG`] batches behind it gets a RESYNC and a fresh snapshot.
+pub fn watch(
+    state: Arc<crate::state::Shared>,
+    stream_id: u64,
+    after_seq: u64,
+    tenant: Option<TenantTag>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> tokio_stream::wrappers::ReceiverStream<Result<kvtier_proto::v1::EventBatch, tonic::Status>> {
+    let (tx, out) = tokio::sync::mpsc::channel(STREAM_DEPTH);
+    let (sub, id, node, metrics) = {
+        let mut st = state.lock();
+        let sub = st.subscribe_events(stream_id, after_seq);
+        let bus = st.events();
+        (
+            sub,
+            bus.stream_id(),
+            bus.node().to_string(),
+            bus.metrics().cloned(),
+        )
+    };
+    tokio::spawn(async move {
+        let _open = metrics
+            .as_ref()
+            .map(|m| Subscribed::new(m.subscribers.clone()));
+        let send = |events: Vec<Event>| {
+            let (tx, node) = (tx.clone(), node.clone());
+            async move {
+                for chunk in events.chunks(MAX_BATCH_EVENTS) {
+                    let batch = crate::wire::event_batch(id, &node, chunk);
+                    if tx.send(Ok(batch)).await.is_err() {
+                        return false;
+                    }
+                }
+                true
+            }
+        };
+        let resynced = |why: Option<&'static str>| {
+            if let (Some(m), Some(why)) = (&metrics, why) {
+                m.resyncs.with_label_values(&[why]).inc();
+            }
+        };
+        resynced(sub.resync);
+        let visible = |evs: &[Event]| -> Vec<Event> {
+            evs.iter()
+                .filter(|e| e.visible_to(tenant))
+                .copied()
+                .collect()
+        };
+        if !send(visible(&sub.first)).await {
+            return;
+        }
+        let mut rx = sub.rx;
+        loop {
+            let got = tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tx.closed() => return,
+                r = rx.recv() => r,
+            };
+            let events = match got {
+                Ok(batch) => {
+                    // What else is already waiting goes in the same message.
+                    let mut events = visible(&batch);
+                    while events.len() < MAX_BATCH_EVENTS {
+                        match rx.try_recv() {
+                            Ok(more) => events.extend(visible(&more)),
+                            Err(_) => break,
+                        }
+                    }
+                    events
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let sub = state.lock().resubscribe_events();
+                    resynced(sub.resync);
+                    rx = sub.rx;
+                    visible(&sub.first)
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            if !events.is_empty() && !send(events).await {
+                return;
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(out)
+}
+
+/// Counts an open stream in `kvtier_events_subscribers` for as long as it lives.
+struct Subscribed(IntGauge);
+
+impl Subscribed {
+    fn new(g: IntGauge) -> Self {
+        g.inc();
+        Self(g)
+    }
+}
+
+impl Drop for Subscribed {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u8) -> PageKey {
+        PageKey([i; 32])
+    }
+
+    const FP: LayoutFingerprint = LayoutFingerprint([7; 16]);
+
+    fn stored(i: u8) -> IndexChange {
+        IndexChange::Stored {
+            key: k(i),
+            parent: None,
+        }
+    }
+
+    #[test]
+    fn events_are_numbered_kept_for_resuming_and_broadcast_in_batches() {
+        let mut bus = EventBus::new("n1".into());
+        let (start, mut early) = bus.subscribe(0, 0);
+        assert!(matches!(start, Start::Resync("new")));
+        bus.publish(FP, vec![stored(1), stored(2)]);
+        bus.publish(FP, vec![]);
+        bus.publish(FP, vec![IndexChange::Removed { key: k(1) }]);
+        bus.cleared(None);
+        assert_eq!(bus.last_seq(), 4);
+        let first = early.try_recv().unwrap();
+        assert_eq!(
+            first.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2],
+            "one batch per publish"
+        );
+        assert_eq!(
+            early.try_recv().unwrap()[0].kind,
+            EventKind::Removed { key: k(1) }
+        );
+        let last = early.try_recv().unwrap();
+        assert_eq!((last[0].kind, last[0].layout), (EventKind::Cleared, None));
+        // Resuming after seq 1 of this stream replays 2..=4; another stream's id, or a seq
+        // not published yet, starts over.
+        let (start, _) = bus.subscribe(bus.stream_id(), 1);
+        match start {
+            Start::Resume(evs) => {
+                assert_eq!(evs.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![2, 3, 4])
+            }
+            other => panic!("{other:?}"),
+        }
+        let (start, _) = bus.subscribe(bus.stream_id(), 4);
+        assert!(
+            matches!(start, Start::Resume(ref v) if v.is_empty()),
+            "{start:?}"
+        );
+        assert!(matches!(
+            bus.subscribe(bus.stream_id() ^ 1, 1).0,
+            Start::Resync(_)
+        ));
+        assert!(matches!(
+            bus.subscribe(bus.stream_id(), 5).0,
+            Start::Resync(_)
+        ));
+    }
+
+    #[test]
+    fn the_ring_keeps_the_last_events_only_and_older_resumes_resync() {
+        let mut bus = EventBus::new("n1".into());
+        for i in 0..(REPLAY + 10) {
+            bus.publish(FP, vec![stored(i as u8)]);
+        }
+        let id = bus.stream_id();
+        assert!(
+            matches!(bus.subscribe(id, 5).0, Start::Resync(_)),
+            "fell out"
+        );
+        match bus.subscribe(id, 10).0 {
+            Start::Resume(evs) => {
+                assert_eq!(evs.len(), REPLAY);
+                assert_eq!(evs[0].seq, 11);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_tenant_sees_its_own_pages_and_every_clear() {
+        let scope = kvtier_core::TenantScope::new("a");
+        let mine = scope.apply(&k(1));
+        let theirs = kvtier_core::TenantScope::new("b").apply(&k(1));
+        let ev = |kind| Event {
+            seq: 1,
+            unix_nanos: 0,
+            kind,
+            layout: Some(FP),
+        };
+        let t = Some(scope.tag());
+        assert!(ev(EventKind::Removed { key: mine }).visible_to(t));
+        assert!(
+            !ev(EventKind::Stored {
+                key: theirs,
+                parent: None
+            })
+            .visible_to(t)
+        );
+        assert!(
+            ev(EventKind::Stored {
+                key: theirs,
+                parent: None
+            })
+            .visible_to(None)
+        );
+        assert!(ev(EventKind::Cleared).visible_to(t));
+    }
+
+    #[test]
+    fn a_stream_that_falls_behind_gets_a_resync_and_a_snapshot_and_commits_never_wait() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let state = Arc::new(crate::state::Shared::new(crate::state::HostState::new(
+                &kvtier_config::daemon::DaemonConfig::default(),
+            )));
+            let m = EventMetrics::new(&MetricRegistry::new()).unwrap();
+            state.lock().set_event_metrics(m.clone());
+            let stop = tokio_util::sync::CancellationToken::new();
+            let mut s = watch(state.clone(), 0, 0, None, stop.clone());
+            use futures::StreamExt;
+            let first = s.next().await.unwrap().unwrap();
+            assert_eq!(
+                first.events[0].kind,
+                kvtier_proto::v1::PageEventKind::Resync as i32
+            );
+            assert_eq!(m.subscribers.get(), 1);
+            // Far more batches than the stream and its backlog hold, while it is not read:
+            // publishing never waits.
+            let n = BACKLOG + (STREAM_DEPTH + 2) * MAX_BATCH_EVENTS;
+            for i in 0..n {
+                state.lock().publish_for_test(FP, vec![stored(i as u8)]);
+                if i % 1024 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            tokio::task::yield_now().await;
+            let mut kinds = Vec::new();
+            while let Ok(Some(b)) =
+                tokio::time::timeout(std::time::Duration::from_millis(200), s.next()).await
+            {
+                kinds.extend(b.unwrap().events.iter().map(|e| e.kind));
+            }
+            let resync = kinds
+                .iter()
+                .position(|k| *k == kvtier_proto::v1::PageEventKind::Resync as i32)
+                .expect("no resync after falling behind");
+            assert!(resync > 0 && kinds.len() < n, "{} of {n}", kinds.len());
+            assert_eq!(m.resyncs.with_label_values(&["lagged"]).get(), 1);
+            assert_eq!(m.resyncs.with_label_values(&["new"]).get(), 1);
+            stop.cancel();
+            assert!(s.next().await.is_none(), "the stream ends with kvtierd");
+            tokio::task::yield_now().await;
+            assert_eq!(m.subscribers.get(), 0);
+        });
+    }
+
+    #[test]
+    fn a_snapshot_is_a_resync_at_the_current_seq_then_every_page() {
+        let mut bus = EventBus::new("n1".into());
+        bus.publish(FP, vec![stored(1), stored(2)]);
+        let snap = bus.snapshot(std::iter::once((
+            FP,
+            vec![(k(1), None), (k(2), Some(k(1)))],
+        )));
+        assert_eq!((snap[0].kind, snap[0].seq), (EventKind::Resync, 2));
+        assert_eq!(
+            snap[2].kind,
+            EventKind::Stored {
+                key: k(2),
+                parent: Some(k(1))
+            }
+        );
+        assert!(snap[1..].iter().all(|e| e.seq == 0 && e.layout == Some(FP)));
+    }
+}

@@ -1,0 +1,237 @@
+//! kvtierd's event stream (`WatchEvents`, docs/routing.md) against a real daemon: the events
+//! rebuild exactly what L2 holds through commits, eviction and a clear; a resume replays
+//! what was missed; a restart is a new stream; and a subscriber that never reads does not
+//! slow commits down, and catches up when it reads.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use kvtier_client::{EventStream, HostClient};
+use kvtier_core::PageKey;
+use kvtier_core::events::{Event, EventKind};
+use kvtier_proto::v1;
+
+/// What a router keeps from one node's events: each page held, with its parent.
+#[derive(Default, Debug)]
+struct Held {
+    pages: HashMap<PageKey, Option<PageKey>>,
+    last_seq: u64,
+    stream_id: u64,
+    resyncs: usize,
+}
+
+impl Held {
+    fn apply(&mut self, stream_id: u64, events: &[Event]) {
+        self.stream_id = stream_id;
+        for e in events {
+            match e.kind {
+                EventKind::Resync => {
+                    self.pages.clear();
+                    self.resyncs += 1;
+                }
+                EventKind::Cleared => self.pages.clear(),
+                EventKind::Stored { key, parent } => {
+                    self.pages.insert(key, parent);
+                }
+                EventKind::Removed { key } => {
+                    assert!(self.pages.remove(&key).is_some(), "removed before stored");
+                }
+            }
+            if e.seq != 0 {
+                assert!(
+                    e.seq > self.last_seq || e.kind == EventKind::Resync,
+                    "{e:?}"
+                );
+                self.last_seq = e.seq;
+            }
+        }
+    }
+
+    /// Reads until the node has nothing more to say for a while.
+    async fn catch_up(&mut self, s: &mut EventStream) {
+        while let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(300), s.next())
+            .await
+            .map(|r| r.unwrap())
+        {
+            self.apply(b.stream_id, &b.events);
+        }
+    }
+}
+
+/// The keys L2 holds of `keys`, from a lookup of each.
+async fn in_l2(c: &mut HostClient, sid: kvtier_core::SessionId, keys: &[PageKey]) -> Vec<PageKey> {
+    let mut out = Vec::new();
+    for k in keys {
+        if c.lookup(sid, std::slice::from_ref(k)).await.unwrap() == 1 {
+            out.push(*k);
+        }
+    }
+    out
+}
+
+#[test]
+fn events_rebuild_what_l2_holds_through_commits_evictions_and_a_clear() {
+    // No L3: a full pool evicts leaves, each a removed event.
+    let d = Daemon::start("events", &["l2.pool_pages=32", "l3.backend=none"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        let first = chain(1, 8);
+        store(&mut c, &s, &first).await;
+        // A new subscriber starts from a snapshot of what is there.
+        let mut w = c.watch_events(0, 0).await.unwrap();
+        let mut held = Held::default();
+        held.catch_up(&mut w).await;
+        assert_eq!(held.resyncs, 1);
+        assert_eq!(held.pages.len(), 8);
+        assert_eq!(
+            held.pages[&first[3]],
+            Some(first[2]),
+            "parents come with pages"
+        );
+        // Concurrent writers fill the pool past its size: events follow every commit and
+        // eviction, in order.
+        let mut all = first.clone();
+        let mut tasks = Vec::new();
+        for w in 0..4u32 {
+            let keys = chain(100 + w, 12);
+            all.extend(&keys);
+            let target = d.target();
+            tasks.push(tokio::spawn(async move {
+                let mut c = HostClient::connect(&target).await.unwrap();
+                let s = c.register(&format!("w{w}"), &layout("m")).await.unwrap();
+                store(&mut c, &s, &keys).await;
+                c.close(s.id).await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        held.catch_up(&mut w).await;
+        let mut want = in_l2(&mut c, s.id, &all).await;
+        let mut got: Vec<PageKey> = held.pages.keys().copied().collect();
+        want.sort();
+        got.sort();
+        assert!(
+            want.len() <= 32 && want.len() < all.len(),
+            "some were evicted"
+        );
+        assert_eq!(got, want, "the events say what L2 holds");
+        // The operator's clear removes every idle page: one removed event each.
+        let ch = kvtier_client::connect(&d.target()).await.unwrap();
+        let r = v1::admin_client::AdminClient::new(ch)
+            .clear(v1::ClearRequest {
+                tier: v1::Tier::Host as i32,
+                dry_run: false,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.removed > 0);
+        held.catch_up(&mut w).await;
+        assert!(held.pages.is_empty(), "{:?}", held.pages.len());
+        assert_eq!(held.resyncs, 1, "a reader that keeps up never resyncs");
+    });
+}
+
+#[test]
+fn a_resume_replays_what_was_missed_and_a_restart_is_a_new_stream() {
+    let d = Daemon::start("events-resume", &["l2.pool_pages=64", "l3.backend=none"]);
+    let dir = rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        let mut w = c.watch_events(0, 0).await.unwrap();
+        let mut held = Held::default();
+        held.catch_up(&mut w).await;
+        let a = chain(1, 4);
+        store(&mut c, &s, &a).await;
+        held.catch_up(&mut w).await;
+        drop(w);
+        // While nobody listens: four more pages.
+        let b = chain(2, 4);
+        store(&mut c, &s, &b).await;
+        let mut w = c.watch_events(held.stream_id, held.last_seq).await.unwrap();
+        let batch = w.next().await.unwrap().unwrap();
+        assert!(
+            batch
+                .events
+                .iter()
+                .all(|e| matches!(e.kind, EventKind::Stored { .. }) && e.seq > 0),
+            "a replay, not a snapshot: {batch:?}"
+        );
+        held.apply(batch.stream_id, &batch.events);
+        held.catch_up(&mut w).await;
+        assert_eq!(held.pages.len(), 8);
+        assert_eq!(held.resyncs, 1);
+        (held.stream_id, held.last_seq)
+    });
+    let (old_stream, old_seq) = dir;
+    let dir = d.stop_keeping_dir();
+    let d = Daemon::start_in(dir, &["l2.pool_pages=64", "l3.backend=none"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let mut w = c.watch_events(old_stream, old_seq).await.unwrap();
+        let b = w.next().await.unwrap().unwrap();
+        assert_ne!(b.stream_id, old_stream, "a restart is a new stream");
+        assert_eq!(b.events[0].kind, EventKind::Resync, "{b:?}");
+        // The new run's first event says it holds nothing of the old one's.
+        let mut w = c.watch_events(b.stream_id, 0).await.unwrap();
+        let b = w.next().await.unwrap().unwrap();
+        assert_eq!((b.events[0].seq, b.events[0].kind), (1, EventKind::Cleared));
+    });
+}
+
+#[test]
+fn a_subscriber_that_never_reads_does_not_slow_commits_and_catches_up_when_it_reads() {
+    // No L3 and a small pool: every store past 256 pages evicts one, so each store is two
+    // batches of events (the eviction at reserve, the page at commit).
+    let d = Daemon::start("events-stalled", &["l2.pool_pages=256", "l3.backend=none"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        // Distinct pages, each the first of its prompt.
+        let mut next = 0u64;
+        let mut stores = |n: usize| -> Vec<PageKey> {
+            (0..n)
+                .map(|_| {
+                    next += 1;
+                    let mut k = [0xe7u8; 32];
+                    k[..8].copy_from_slice(&next.to_le_bytes());
+                    PageKey(k)
+                })
+                .collect()
+        };
+        let first = stores(1000);
+        let t = std::time::Instant::now();
+        for k in &first {
+            store(&mut c, &s, std::slice::from_ref(k)).await;
+        }
+        let alone = t.elapsed();
+        // A subscriber that reads nothing while far more batches than its backlog go by.
+        let mut stalled = c.watch_events(0, 0).await.unwrap();
+        let more = stores(3000);
+        let t = std::time::Instant::now();
+        for k in &more[..1000] {
+            store(&mut c, &s, std::slice::from_ref(k)).await;
+        }
+        let with = t.elapsed();
+        for k in &more[1000..] {
+            store(&mut c, &s, std::slice::from_ref(k)).await;
+        }
+        assert!(
+            with.as_secs_f64() < alone.as_secs_f64() * 3.0,
+            "commits slowed by a stalled subscriber: {alone:?} for 1000 alone, {with:?} with it"
+        );
+        // When it reads again it catches up to what L2 holds (through the connection's
+        // buffers here; one that falls further behind resyncs: events.rs's unit tests).
+        let mut held = Held::default();
+        held.catch_up(&mut stalled).await;
+        let ready = c.stats().await.unwrap().pools[0].ready_pages as usize;
+        assert_eq!(held.pages.len(), ready);
+        assert_eq!(ready, 256);
+    });
+}
