@@ -10,6 +10,7 @@
 //!   everything L3 lacks, or drain the daemon before a stop.
 //! - `watch`: a live, refreshing view of a running kvtierd built on its `WatchMetrics`
 //!   stream (tiers, hit rates, prefetch and backup rates and bandwidth, queues, breaker).
+//! - `events` ([`events`]): a running kvtierd's `WatchEvents` stream, one line per event.
 //!
 //! The live view (`watch`, [`render_view`]) and the tier operations ([`tiers`]) have modules of
 //! their own; a new family of subcommands with its own types goes in a module of its own.
@@ -20,6 +21,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use kvtier_core::{DType, KvKind, Layout, LayoutSpec, Namespace, PageHasher};
 
+pub mod events;
 pub mod tiers;
 mod watch;
 pub use tiers::{ClearArgs, DrainArgs, FlushArgs, TierArg};
@@ -61,6 +63,9 @@ pub enum Command {
     /// A live view of a running kvtierd: tiers, hit rates, prefetch and backup throughput,
     /// queues and breaker state, refreshed every interval until Ctrl-C.
     Watch(WatchArgs),
+    /// What a running kvtierd's L2 gains and loses, one line per event, live (its
+    /// WatchEvents stream: a snapshot first, or a resume with --after).
+    Events(events::EventsArgs),
 }
 
 /// Flags of `kvtierctl watch`.
@@ -192,6 +197,10 @@ pub fn run(cli: Cli) -> Result<String> {
             let stdout = std::io::stdout();
             let redraw = !a.plain && std::io::IsTerminal::is_terminal(&stdout);
             watch(&a, redraw, &mut stdout.lock())?;
+            Ok(String::new())
+        }
+        Command::Events(a) => {
+            events::events(&a, &mut std::io::stdout().lock())?;
             Ok(String::new())
         }
     }
@@ -492,6 +501,27 @@ pub fn config(a: &StatusArgs) -> Result<String> {
             .await
     })?;
     Ok(r.toml)
+}
+
+/// Runs `work` with a HostTier client of kvtierd at `socket` (TCP security from the
+/// environment), on a runtime of its own; a failure to connect names `socket`.
+pub(crate) fn with_host<T, F, Fut>(socket: &str, work: F) -> Result<T>
+where
+    F: FnOnce(kvtier_client::HostClient) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let c = kvtier_client::HostClient::connect_with(
+            socket,
+            &kvtier_client::TcpSecurity::from_env()?,
+        )
+        .await
+        .with_context(|| format!("connecting to kvtierd at {socket}"))?;
+        work(c).await
+    })
 }
 
 /// Makes one `Admin` call on kvtierd at `socket`, on a runtime of its own.

@@ -12,16 +12,7 @@ use crate::WatchArgs;
 /// daemon cannot be reached or goes away.
 pub fn watch(a: &WatchArgs, redraw: bool, out: &mut dyn std::io::Write) -> Result<()> {
     use kvtier_proto::v1::MetricsSnapshot;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let mut c = kvtier_client::HostClient::connect_with(
-            &a.socket,
-            &kvtier_client::TcpSecurity::from_env()?,
-        )
-        .await
-        .with_context(|| format!("connecting to kvtierd at {}", a.socket))?;
+    crate::with_host(&a.socket, |mut c| async move {
         let mut stream = c
             .watch_metrics(std::time::Duration::from_millis(a.interval_ms))
             .await

@@ -229,3 +229,99 @@ fn clear_needs_a_terminal_or_yes_and_drain_reports() {
     let (ok, _, err) = run(&["flush", "--wait-secs", "0"]);
     assert!(!ok && err.contains("wait-secs"), "{err}");
 }
+
+#[test]
+fn events_prints_a_snapshot_of_l2_then_what_it_gains() {
+    use kvtier_core::{DType, KvKind, LayoutSpec, Namespace, PageHasher};
+    let d = Daemon::start("events");
+    let socket = d.socket.display().to_string();
+    let spec = LayoutSpec {
+        model_id: "ctl-events".into(),
+        model_version: String::new(),
+        dtype: DType::Bf16,
+        num_layers: 2,
+        kind: KvKind::Mha {
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        page_size: 16,
+        tp_rank: 0,
+        tp_size: 1,
+    };
+    let tokens: Vec<u32> = (0..48).collect();
+    let keys = PageHasher::new(16, &Namespace::default())
+        .unwrap()
+        .keys(&tokens);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = |keys: Vec<kvtier_core::PageKey>, parent: Option<kvtier_core::PageKey>| {
+        let socket = socket.clone();
+        let spec = spec.clone();
+        rt.block_on(async move {
+            let mut c = kvtier_client::HostClient::connect(&socket).await.unwrap();
+            let s = c.register("ctl-events", &spec).await.unwrap();
+            let page = vec![7u8; s.layout.page_bytes()];
+            let pool = &s.pool;
+            let r = c
+                .store_pages(
+                    s.id,
+                    parent.as_ref(),
+                    &keys,
+                    Duration::from_secs(10),
+                    |mine| async move {
+                        for (_, slot) in mine {
+                            pool.write(slot, 0, &page).map_err(|e| e.to_string())?;
+                        }
+                        Ok::<_, String>(())
+                    },
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.held, keys.len());
+        });
+    };
+    store(keys[..2].to_vec(), None);
+    // The snapshot: the stream's header, a resync, the two pages (the second after the first).
+    let args = |count| kvtier_ctl::events::EventsArgs {
+        socket: socket.clone(),
+        after: None,
+        count,
+    };
+    let mut out = Vec::new();
+    kvtier_ctl::events::events(&args(3), &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    assert!(
+        lines[0].starts_with("node ") && lines[0].contains("--after"),
+        "{text}"
+    );
+    assert!(lines[1].contains("resync"), "{text}");
+    let hex = |k: &kvtier_core::PageKey| k.to_hex()[..16].to_string();
+    assert!(
+        lines[2].contains("stored") && lines[2].contains(&hex(&keys[0])),
+        "{text}"
+    );
+    assert!(
+        lines[3].ends_with(&format!("{} after {}", hex(&keys[1]), hex(&keys[0]))),
+        "{text}"
+    );
+    // Resuming after the snapshot's resync shows only what came later.
+    let (stream, seq) = {
+        let l = lines[0];
+        let id: u64 = l.split_whitespace().nth(3).unwrap().parse().unwrap();
+        let seq: u64 = lines[1].split_whitespace().next().unwrap().parse().unwrap();
+        (id, seq)
+    };
+    store(keys[2..].to_vec(), Some(keys[1]));
+    let mut out = Vec::new();
+    let resume = kvtier_ctl::events::EventsArgs {
+        after: Some((stream, seq)),
+        ..args(1)
+    };
+    kvtier_ctl::events::events(&resume, &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.lines().nth(1).unwrap().contains(&hex(&keys[2])),
+        "{text}"
+    );
+}

@@ -1,0 +1,217 @@
+"""What kvtierd nodes hold, from their ``WatchEvents`` streams (docs/routing.md), for routers.
+
+- :func:`watch` reads one node's stream as typed :class:`EventBatch` es.
+- :class:`NodeView` applies a node's events: the keys it holds per layout, the stream's id and
+  the last ``seq`` applied (what a resume names).
+- :class:`FleetIndex` keeps a view per node, follows each node's stream on a thread (resuming
+  after a disconnect, rebuilding from the snapshot after a restart or a resync), and answers
+  where a prompt's pages are: :meth:`FleetIndex.locate` (leading pages per node) and
+  :meth:`FleetIndex.route` (the node with the longest prefix).
+
+Keys are kvtierd's: a prompt's page keys (:func:`kvtier.keys.page_keys`), scoped by tenant
+when the nodes run with ``[tenants]`` (docs/routing.md gives the scope).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvtier._rpc import KvtierError
+from kvtier.host import DaemonClient
+from kvtier.v1 import host_pb2
+
+
+class EventKind(enum.Enum):
+    STORED = host_pb2.PAGE_EVENT_KIND_STORED
+    REMOVED = host_pb2.PAGE_EVENT_KIND_REMOVED
+    CLEARED = host_pb2.PAGE_EVENT_KIND_CLEARED
+    RESYNC = host_pb2.PAGE_EVENT_KIND_RESYNC
+
+
+@dataclass(frozen=True)
+class PageEvent:
+    """One event. ``seq`` is 0 on a snapshot's pages; ``layout`` is empty on a CLEARED of every
+    layout and on a RESYNC."""
+
+    seq: int
+    unix_nanos: int
+    kind: EventKind
+    key: bytes
+    parent: bytes | None
+    layout: str
+
+    @staticmethod
+    def of(e: host_pb2.PageEvent) -> PageEvent:
+        try:
+            kind = EventKind(e.kind)
+        except ValueError:
+            raise KvtierError(f"events: kind {e.kind} is not an event kind") from None
+        if kind in (EventKind.STORED, EventKind.REMOVED) and len(e.key) != 32:
+            raise KvtierError(f"events: key: a page key is 32 bytes, got {len(e.key)}")
+        return PageEvent(e.seq, e.unix_nanos, kind, e.key, e.parent or None, e.layout)
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    stream_id: int
+    node: str
+    events: tuple[PageEvent, ...]
+
+
+def watch(client: DaemonClient, stream_id: int = 0, after_seq: int = 0) -> Iterator[EventBatch]:
+    """A node's events: after ``after_seq`` of stream ``stream_id`` when it still has them, else
+    from a RESYNC and a snapshot. Ends when the caller stops iterating; a broken stream raises
+    :class:`KvtierError` with its code."""
+    stream = client.host.WatchEvents(
+        host_pb2.WatchEventsRequest(stream_id=stream_id, after_seq=after_seq)
+    )
+    try:
+        for b in stream:
+            yield EventBatch(b.stream_id, b.node, tuple(PageEvent.of(e) for e in b.events))
+    except grpc.RpcError as e:
+        raise KvtierError(f"WatchEvents: {e.code().name}: {e.details()}", e.code()) from None
+    finally:
+        stream.cancel()
+
+
+@dataclass
+class NodeView:
+    """What one node holds, from its events: keys per layout fingerprint."""
+
+    pages: dict[str, set[bytes]] = field(default_factory=dict)
+    stream_id: int = 0
+    last_seq: int = 0
+    resyncs: int = 0
+
+    def apply(self, batch: EventBatch) -> None:
+        self.stream_id = batch.stream_id
+        for e in batch.events:
+            if e.kind is EventKind.STORED:
+                self.pages.setdefault(e.layout, set()).add(e.key)
+            elif e.kind is EventKind.REMOVED:
+                held = self.pages.get(e.layout)
+                if held is not None:
+                    held.discard(e.key)
+            elif e.kind is EventKind.CLEARED:
+                if e.layout:
+                    self.pages.pop(e.layout, None)
+                else:
+                    self.pages.clear()
+            else:  # RESYNC: a snapshot follows
+                self.pages.clear()
+                self.resyncs += 1
+            if e.seq:
+                self.last_seq = e.seq
+
+    def held(self) -> int:
+        """Pages held, over every layout."""
+        return sum(len(s) for s in self.pages.values())
+
+    def prefix(self, keys: Sequence[bytes], layout: str | None = None) -> int:
+        """Leading ``keys`` held in ``layout`` (the longest over every layout when ``None``)."""
+        layouts = self.pages.values() if layout is None else [self.pages.get(layout, set())]
+        best = 0
+        for held in layouts:
+            n = 0
+            for k in keys:
+                if k not in held:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
+
+class FleetIndex:
+    """Views of many nodes, each kept by following its stream (:meth:`follow`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeView] = {}
+        self._followers: dict[str, _Follower] = {}
+
+    def apply(self, node: str, batch: EventBatch) -> None:
+        with self._lock:
+            self._nodes.setdefault(node, NodeView()).apply(batch)
+
+    def view(self, node: str) -> NodeView:
+        """A copy of ``node``'s view now."""
+        with self._lock:
+            v = self._nodes.get(node, NodeView())
+            return NodeView(
+                {k: set(s) for k, s in v.pages.items()}, v.stream_id, v.last_seq, v.resyncs
+            )
+
+    def locate(self, keys: Sequence[bytes], layout: str | None = None) -> dict[str, int]:
+        """For each node, how many leading ``keys`` it holds."""
+        with self._lock:
+            return {name: v.prefix(keys, layout) for name, v in self._nodes.items()}
+
+    def route(self, keys: Sequence[bytes], layout: str | None = None) -> tuple[str, int] | None:
+        """The node holding the longest prefix of ``keys`` and its length; ``None`` when no node
+        holds the first page (any node will do)."""
+        found = self.locate(keys, layout)
+        best = max(sorted(found.items()), key=lambda kv: kv[1], default=None)
+        return best if best is not None and best[1] > 0 else None
+
+    def follow(self, node: str, address: str, retry_s: float = 0.2) -> None:
+        """Follows the stream of the kvtierd at ``address`` as ``node``, on a thread, until
+        :meth:`close`: it resumes after a disconnect from the last event applied, and rebuilds
+        from the snapshot when the node restarted or the resume fell out of its window."""
+        f = _Follower(self, node, address, retry_s)
+        with self._lock:
+            self._nodes.setdefault(node, NodeView())
+            self._followers[node] = f
+        f.start()
+
+    def close(self) -> None:
+        with self._lock:
+            followers = list(self._followers.values())
+            self._followers.clear()
+        for f in followers:
+            f.stop()
+
+    def __enter__(self) -> FleetIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Follower(threading.Thread):
+    def __init__(self, fleet: FleetIndex, node: str, address: str, retry_s: float):
+        super().__init__(name=f"kvtier-events-{node}", daemon=True)
+        self.fleet, self.node, self.address, self.retry_s = fleet, node, address, retry_s
+        self._stop_event = threading.Event()
+        self._client: DaemonClient | None = None
+        self._client_lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            v = self.fleet.view(self.node)
+            try:
+                with self._client_lock:
+                    self._client = DaemonClient(self.address)
+                for batch in watch(self._client, v.stream_id, v.last_seq):
+                    if self._stop_event.is_set():
+                        return
+                    self.fleet.apply(self.node, batch)
+            except KvtierError:
+                pass  # the node went away or restarted: resume (or resync) when it is back
+            finally:
+                with self._client_lock:
+                    if self._client is not None:
+                        self._client.close()
+                        self._client = None
+            self._stop_event.wait(self.retry_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+        self.join(timeout=5)

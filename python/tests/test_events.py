@@ -1,0 +1,133 @@
+"""kvtier.events against three real kvtierds: the fleet index follows each node's WatchEvents
+stream and routes a shared-prefix workload to the node that holds the longest prefix, then
+follows a node's restart (a new stream: resync) and an operator's clear."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtier.events import EventKind, FleetIndex, NodeView, PageEvent, watch
+from kvtier.host import DaemonClient, HostSession, KvtierError
+from kvtier.keys import page_keys
+from kvtier.testing import Kvtierd
+from kvtier.v1 import admin_pb2, common_pb2, host_pb2
+
+PAGE = 4
+
+
+def layout() -> common_pb2.LayoutDescriptor:
+    d = common_pb2.LayoutDescriptor(
+        model_id="m", dtype=common_pb2.DTYPE_BF16, num_layers=2, page_size=PAGE, tp_size=1
+    )
+    d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=1, head_dim=8))
+    return d
+
+
+def store(s: HostSession, keys: list[bytes]) -> None:
+    r = s.store(keys, lambda i, addr: ctypes.memset(addr, i + 1, s.page_bytes))
+    assert r.held == len(keys), r
+
+
+def until(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path):
+    ds = [Kvtierd(tmp_path / f"n{i}", "l2.pool_pages=256") for i in range(3)]
+    yield ds
+    for d in ds:
+        d.stop()
+
+
+def test_the_fleet_index_routes_a_shared_prefix_to_the_node_that_holds_most(nodes) -> None:
+    prompt = list(range(1000, 1000 + 8 * PAGE))
+    keys = page_keys(prompt, PAGE)
+    other = page_keys(list(range(5000, 5000 + 3 * PAGE)), PAGE)
+    clients = [DaemonClient(d.socket) for d in nodes]
+    sessions = [c.register(f"w{i}", layout()) for i, c in enumerate(clients)]
+    # Node 0 computed the first 2 pages of the prompt, node 1 the first 6, node 2 another
+    # prompt; node 1 stores its pages from concurrent requests' saves, a page at a time.
+    store(sessions[0], keys[:2])
+    store(sessions[2], other)
+    with FleetIndex() as fleet:
+        for i, d in enumerate(nodes):
+            fleet.follow(f"n{i}", d.socket)
+        for k in keys[:6]:
+            store(sessions[1], [k])
+        until("node 1's six pages", lambda: fleet.view("n1").held() == 6)
+        until("node 0's two pages", lambda: fleet.view("n0").held() == 2)
+        until("node 2's pages", lambda: fleet.view("n2").held() == 3)
+        assert fleet.locate(keys) == {"n0": 2, "n1": 6, "n2": 0}
+        assert fleet.route(keys) == ("n1", 6)
+        assert fleet.route(other) == ("n2", 3)
+        assert fleet.route(page_keys(list(range(9000, 9000 + PAGE)), PAGE)) is None
+        # Pages of another layout do not count for this one.
+        fp = next(iter(fleet.view("n1").pages))
+        assert fleet.locate(keys, layout=fp)["n1"] == 6
+        assert fleet.locate(keys, layout="0" * 32)["n1"] == 0
+
+        # Node 1 restarts: a new stream. Its follower resyncs from the new run's snapshot,
+        # which holds nothing of the old run's pool (a clean stop gives L2 back).
+        sessions[1].close()
+        before = fleet.view("n1")
+        nodes[1].stop()
+        nodes[1].start()
+        until(
+            "node 1's new stream",
+            lambda: fleet.view("n1").stream_id not in (0, before.stream_id),
+        )
+        until("node 1 empty", lambda: fleet.view("n1").held() == 0)
+        assert fleet.view("n1").resyncs > before.resyncs
+        assert fleet.route(keys) == ("n0", 2)
+
+        # The operator clears node 0's L2: every page removed, and the route goes.
+        admin = DaemonClient(nodes[0].socket)
+        r = admin.admin.Clear(admin_pb2.ClearRequest(tier=common_pb2.TIER_HOST))
+        assert r.removed == 2
+        until("node 0 empty", lambda: fleet.view("n0").held() == 0)
+        assert fleet.route(keys) is None
+        admin.close()
+    for s in (sessions[0], sessions[2]):
+        s.close()
+    for c in clients:
+        c.close()
+
+
+def test_a_resume_replays_and_a_reader_decodes_every_kind(kvtierd) -> None:
+    c = DaemonClient(kvtierd.socket)
+    s = c.register("w", layout())
+    keys = page_keys(list(range(12)), PAGE)
+    store(s, keys[:1])
+    stream = watch(c)
+    first = next(stream)
+    assert first.events[0].kind is EventKind.RESYNC and first.node
+    view = NodeView()
+    view.apply(first)
+    store(s, keys[1:])
+    while view.held() < 3:
+        view.apply(next(stream))
+    stream.close()
+    assert view.pages[next(iter(view.pages))] == set(keys)
+    # A resume from the last event applied replays nothing twice and needs no snapshot.
+    store(s, page_keys(list(range(100, 104)), PAGE))
+    again = next(watch(c, view.stream_id, view.last_seq))
+    assert [e.kind for e in again.events] == [EventKind.STORED]
+    assert again.events[0].seq == view.last_seq + 1
+    s.close()
+    c.close()
+
+
+def test_a_malformed_event_is_an_error_naming_the_field() -> None:
+    with pytest.raises(KvtierError, match="kind 9 is not an event kind"):
+        PageEvent.of(host_pb2.PageEvent(kind=9))
+    with pytest.raises(KvtierError, match="key: a page key is 32 bytes, got 3"):
+        PageEvent.of(host_pb2.PageEvent(kind=host_pb2.PAGE_EVENT_KIND_STORED, key=b"abc"))
