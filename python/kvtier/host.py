@@ -60,6 +60,21 @@ class DaemonClient:
         finally:
             stream.cancel()
 
+    def locate(
+        self, layout: str, keys: Sequence[bytes], include_storage: bool = False
+    ) -> tuple[int, int]:
+        """How many leading ``keys`` (a prompt's page keys, in the caller's tenant) this node
+        holds in the pool of layout fingerprint ``layout`` (32 hex digits): ready in L2, and
+        after those in L3 when ``include_storage``. No session needed (docs/routing.md)."""
+        r = _call(
+            self.host.Locate,
+            host_pb2.LocateRequest(
+                layout=layout, packed_keys=_packed(keys), include_storage=include_storage
+            ),
+            self.timeout,
+        )
+        return r.l2_pages, r.l3_pages
+
     def register(
         self,
         name: str,

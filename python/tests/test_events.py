@@ -74,6 +74,10 @@ def test_the_fleet_index_routes_a_shared_prefix_to_the_node_that_holds_most(node
         fp = next(iter(fleet.view("n1").pages))
         assert fleet.locate(keys, layout=fp)["n1"] == 6
         assert fleet.locate(keys, layout="0" * 32)["n1"] == 0
+        # Asking the nodes directly (Locate) gives the same answers as their events.
+        assert [c.locate(fp, keys) for c in clients] == [(2, 0), (6, 0), (0, 0)]
+        with pytest.raises(KvtierError, match="layout"):
+            clients[0].locate("not-hex", keys)
 
         # Node 1 restarts: a new stream. Its follower resyncs from the new run's snapshot,
         # which holds nothing of the old run's pool (a clean stop gives L2 back).

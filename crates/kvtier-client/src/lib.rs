@@ -546,6 +546,32 @@ impl HostClient {
         Ok(())
     }
 
+    /// How many leading pages of `keys` (a prompt's, in the caller's tenant) this node
+    /// holds in the pool of `layout`: ready in L2, and after those in L3 when
+    /// `include_storage` (docs/routing.md). No session needed.
+    pub async fn locate(
+        &mut self,
+        layout: &kvtier_core::LayoutFingerprint,
+        keys: &[PageKey],
+        include_storage: bool,
+    ) -> Result<Located, ClientError> {
+        let r = self
+            .inner
+            .locate(v1::LocateRequest {
+                layout: layout.to_hex(),
+                packed_keys: kvtier_proto::pack_keys(keys),
+                include_storage,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        Ok(Located {
+            l2_pages: r.l2_pages as usize,
+            l3_pages: r.l3_pages as usize,
+            node: r.node,
+        })
+    }
+
     /// What kvtierd's L2 holds, as events (docs/routing.md): from a snapshot, or resuming
     /// after `after_seq` of stream `stream_id` (0, 0: a snapshot first).
     pub async fn watch_events(
@@ -577,6 +603,17 @@ impl HostClient {
             .await?
             .into_inner())
     }
+}
+
+/// Where a node holds a prompt's pages ([`HostClient::locate`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Located {
+    /// Leading pages ready in L2.
+    pub l2_pages: usize,
+    /// Pages after those in L3 (when asked).
+    pub l3_pages: usize,
+    /// The node's name.
+    pub node: String,
 }
 
 /// How to run a prefetch; the default is the daemon's configuration.

@@ -33,6 +33,8 @@ const WATCH_MAX_MS: u64 = 60_000;
 type SnapshotStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
 
+mod routing;
+
 /// The stream a WatchEvents call returns.
 type EventStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::EventBatch, Status>> + Send>>;
@@ -791,19 +793,13 @@ impl HostTier for HostService {
         &self,
         request: Request<v1::WatchEventsRequest>,
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
-        // A tenant sees only its own pages (its keys' tag): the same rule as WatchMetrics.
-        let role = self.roles.of(&request);
-        let tenant = (!self.roles.sees_all(&role)).then(|| TenantScope::new(role.tenant()).tag());
-        self.observe("watch_events", || {
-            let r = request.get_ref();
-            let stream = crate::events::watch(
-                self.state.clone(),
-                r.stream_id,
-                r.after_seq,
-                tenant,
-                self.shutdown.clone(),
-            );
-            Ok(Box::pin(stream) as EventStream)
-        })
+        self.watch_events_call(request)
+    }
+
+    async fn locate(
+        &self,
+        request: Request<v1::LocateRequest>,
+    ) -> Result<Response<v1::LocateResponse>, Status> {
+        self.locate_call(request).await
     }
 }

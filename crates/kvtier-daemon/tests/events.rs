@@ -163,6 +163,11 @@ fn a_resume_replays_what_was_missed_and_a_restart_is_a_new_stream() {
                 .all(|e| matches!(e.kind, EventKind::Stored { .. }) && e.seq > 0),
             "a replay, not a snapshot: {batch:?}"
         );
+        let fp = s.layout.fingerprint();
+        assert!(
+            batch.events.iter().all(|e| e.layout == Some(fp)),
+            "events name the layout's fingerprint"
+        );
         held.apply(batch.stream_id, &batch.events);
         held.catch_up(&mut w).await;
         assert_eq!(held.pages.len(), 8);
@@ -233,5 +238,93 @@ fn a_subscriber_that_never_reads_does_not_slow_commits_and_catches_up_when_it_re
         let ready = c.stats().await.unwrap().pools[0].ready_pages as usize;
         assert_eq!(held.pages.len(), ready);
         assert_eq!(ready, 256);
+    });
+}
+
+#[test]
+fn locate_answers_per_tier_with_no_session_and_names_bad_input() {
+    // File L3, written through: after L2 is cleared, the pages are in L3 only.
+    let d = Daemon::start("locate", &["l2.pool_pages=64"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        let fp = s.layout.fingerprint();
+        let keys = chain(3, 6);
+        store(&mut c, &s, &keys[..5]).await;
+        let mut router = HostClient::connect(&d.target()).await.unwrap();
+        let got = router.locate(&fp, &keys, true).await.unwrap();
+        assert_eq!((got.l2_pages, got.l3_pages), (5, 0));
+        assert!(!got.node.is_empty());
+        // By tokens: kvtierd hashes them as the engine did (chain's tokens, 16 a page).
+        let tokens: Vec<u32> = (0..6 * 16).map(|i| 3 * 1_000_003 + i).collect();
+        let by_tokens = router
+            .raw()
+            .locate(v1::LocateRequest {
+                layout: fp.to_hex(),
+                tokens: tokens.clone(),
+                page_size: 16,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(by_tokens.l2_pages, 5);
+        // Another layout holds nothing.
+        let other = kvtier_core::LayoutFingerprint([9; 16]);
+        assert_eq!(
+            router.locate(&other, &keys, true).await.unwrap().l2_pages,
+            0
+        );
+        // Once L3 holds them and L2 is cleared: all in L3.
+        eventually("5 pages in L3", Duration::from_secs(20), || {
+            l3_files(&d.dir) >= 5
+        });
+        v1::admin_client::AdminClient::new(kvtier_client::connect(&d.target()).await.unwrap())
+            .clear(v1::ClearRequest {
+                tier: v1::Tier::Host as i32,
+                dry_run: false,
+            })
+            .await
+            .unwrap();
+        let got = router.locate(&fp, &keys, true).await.unwrap();
+        assert_eq!((got.l2_pages, got.l3_pages), (0, 5));
+        // Bad input is refused by name.
+        let raw = router.raw().clone();
+        let bad = |req: v1::LocateRequest, field: &'static str| {
+            let mut r = raw.clone();
+            async move {
+                let e = r.locate(req).await.unwrap_err();
+                assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+                assert!(e.message().contains(field), "{field}: {}", e.message());
+            }
+        };
+        bad(
+            v1::LocateRequest {
+                layout: "xyz".into(),
+                ..Default::default()
+            },
+            "layout",
+        )
+        .await;
+        bad(
+            v1::LocateRequest {
+                layout: fp.to_hex(),
+                tokens: tokens.clone(),
+                ..Default::default()
+            },
+            "page_size",
+        )
+        .await;
+        bad(
+            v1::LocateRequest {
+                layout: fp.to_hex(),
+                tokens,
+                page_size: 16,
+                packed_keys: kvtier_proto::pack_keys(&keys),
+                ..Default::default()
+            },
+            "tokens",
+        )
+        .await;
     });
 }

@@ -224,6 +224,32 @@ fn methods(
             enc(&|| v1::WatchMetricsRequest { interval_ms: 10 }.encode_to_vec()),
         ),
         (
+            "/kvtier.v1.HostTier/WatchEvents",
+            ServerStream,
+            enc(&|| {
+                v1::WatchEventsRequest {
+                    stream_id: 7,
+                    after_seq: 3,
+                }
+                .encode_to_vec()
+            }),
+        ),
+        (
+            "/kvtier.v1.HostTier/Locate",
+            Unary,
+            enc(&|| {
+                v1::LocateRequest {
+                    layout: "00112233445566778899aabbccddeeff".into(),
+                    packed_keys: packed.clone(),
+                    tokens: vec![1, 2, 3, 4],
+                    page_size: 2,
+                    include_storage: true,
+                    ..Default::default()
+                }
+                .encode_to_vec()
+            }),
+        ),
+        (
             "/kvtier.v1.ObjectStorage/Get",
             ServerStream,
             enc(&|| {

@@ -565,3 +565,29 @@ class EventBatch(_message.Message):
     node: str
     events: _containers.RepeatedCompositeFieldContainer[PageEvent]
     def __init__(self, stream_id: _Optional[int] = ..., node: _Optional[str] = ..., events: _Optional[_Iterable[_Union[PageEvent, _Mapping]]] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("layout", "packed_keys", "tokens", "page_size", "namespace", "include_storage")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    packed_keys: bytes
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    page_size: int
+    namespace: _common_pb2.Namespace
+    include_storage: bool
+    def __init__(self, layout: _Optional[str] = ..., packed_keys: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., include_storage: _Optional[bool] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("l2_pages", "l3_pages", "node")
+    L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L3_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    l2_pages: int
+    l3_pages: int
+    node: str
+    def __init__(self, l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...

@@ -114,6 +114,11 @@ class HostTierStub:
                 request_serializer=kvtier_dot_v1_dot_host__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_host__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvtier.v1.HostTier/Locate',
+                request_serializer=kvtier_dot_v1_dot_host__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_host__pb2.LocateResponse.FromString,
+                _registered_method=True)
 
 
 class HostTierServicer:
@@ -232,6 +237,14 @@ class HostTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """How many leading pages of a prompt this node holds, per tier, with no session: for
+        routers that ask instead of subscribing (docs/routing.md). Keys are the caller's tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -314,6 +327,11 @@ def add_HostTierServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvtier_dot_v1_dot_host__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_host__pb2.EventBatch.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvtier_dot_v1_dot_host__pb2.LocateRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_host__pb2.LocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -748,6 +766,33 @@ class HostTier:
             '/kvtier.v1.HostTier/WatchEvents',
             kvtier_dot_v1_dot_host__pb2.WatchEventsRequest.SerializeToString,
             kvtier_dot_v1_dot_host__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.HostTier/Locate',
+            kvtier_dot_v1_dot_host__pb2.LocateRequest.SerializeToString,
+            kvtier_dot_v1_dot_host__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,9 +20,12 @@ impl HostState {
     /// Publishes what changed in every pool since the last call (`Shared::lock`'s guard
     /// calls it when it goes).
     pub fn publish_changes(&mut self) {
+        // Events name a page's layout by its fingerprint (what a router computes from the
+        // model), also for a tenant's own pool, whose key is derived from it.
         for pool in self.pools.values_mut() {
             if pool.index.has_changes() {
-                self.events.publish(pool.key, pool.index.take_changes());
+                let fp = pool.layout.fingerprint();
+                self.events.publish(fp, pool.index.take_changes());
             }
         }
     }
@@ -58,8 +61,11 @@ impl HostState {
     /// A RESYNC at the last published seq, then every page L2 holds now.
     pub fn event_snapshot(&mut self) -> Vec<Event> {
         self.publish_changes();
-        self.events
-            .snapshot(self.pools.values().map(|p| (p.key, p.index.ready_pages())))
+        self.events.snapshot(
+            self.pools
+                .values()
+                .map(|p| (p.layout.fingerprint(), p.index.ready_pages())),
+        )
     }
 
     /// A resubscription for a stream that fell behind: a snapshot and a fresh channel.

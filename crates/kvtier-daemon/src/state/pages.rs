@@ -22,6 +22,30 @@ impl HostState {
         Ok(pool.index.lookup(keys))
     }
 
+    /// With no session: how many leading `keys` are ready in the pool of layout `fp` (the
+    /// tenant's own pool when it has one), and which are, each on its own. Nothing held:
+    /// (0, all false).
+    pub fn locate(
+        &self,
+        fp: &kvtier_core::LayoutFingerprint,
+        tenant: &str,
+        keys: &[PageKey],
+    ) -> (usize, Vec<bool>) {
+        let pool = self
+            .pools
+            .get(&super::pool_key(fp, tenant))
+            .or_else(|| self.pools.get(fp));
+        match pool {
+            Some(p) => (
+                p.index.lookup(keys),
+                keys.iter()
+                    .map(|k| matches!(p.index.get(k), Some((_, PageState::Ready))))
+                    .collect(),
+            ),
+            None => (0, vec![false; keys.len()]),
+        }
+    }
+
     /// Which of `keys` are ready in the session's pool, each on its own (L2 may hold a page
     /// whose prefix left it for L3).
     pub fn ready_mask(

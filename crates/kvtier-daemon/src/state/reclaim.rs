@@ -47,7 +47,7 @@ impl HostState {
             let Some(pool) = self.pools.remove(&fp) else {
                 continue;
             };
-            self.events.cleared(Some(fp));
+            self.events.cleared(Some(pool.layout.fingerprint()));
             let s = pool.index.stats();
             if self.l3_mode() == L3Mode::Absent {
                 self.counters.lost_no_l3 += u64::from(s.ready);
