@@ -27,6 +27,14 @@ impl std::fmt::Display for Goal {
 /// matches and whose pattern begins its figure; a `*` in the pattern stands for any text (the
 /// figure then begins with what is before it and ends with what is after it).
 const GOALS: &[(&str, &str, Goal)] = &[
+    // Issue 43: events reach 4 subscribers within 50 ms at 10k commits a second, and
+    // subscribers cost commits at most 5%.
+    ("events", "delivery lag p99, ", Goal::ValueAtMost(50.0)),
+    (
+        "events",
+        "commit throughput with ",
+        Goal::RatioAtLeast(0.95),
+    ),
     // P1: the cpu device's copy plan (one memcpy per run) near one memcpy of the same bytes.
     ("agent", "cpu device plan, ", Goal::RatioAtLeast(0.9)),
     // Issue 42: the cuda device's `auto` method near a pinned cuMemcpyAsync of the same bytes

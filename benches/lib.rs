@@ -14,6 +14,7 @@ pub mod host;
 /// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
 pub mod scenarios {
     pub mod agent;
+    pub mod events;
     pub mod gpu;
     pub mod host_rpc;
     pub mod index;

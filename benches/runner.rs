@@ -35,10 +35,11 @@ fn main() {
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
     // (name, run, needs Ceph)
-    let all: [Scenario; 14] = [
+    let all: [Scenario; 15] = [
         ("keys", scenarios::keys::run, false),
         ("agent", scenarios::agent::run, false),
         ("host_rpc", scenarios::host_rpc::run, false),
+        ("events", scenarios::events::run, false),
         ("index", scenarios::index::run, false),
         ("l3_file", scenarios::l3_file::run, false),
         ("l3_rocksdb", scenarios::l3_rocksdb::run, false),
