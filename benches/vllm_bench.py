@@ -496,10 +496,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
-    names = ["lookups", "save", "decode32", "decode256", "slow_l3"]
-    ap.add_argument(
-        "--only", nargs="+", choices=names, default=names, help="the parts to run (all of them)"
-    )
     a = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's PyPI wheel is built for CUDA: on a machine without one, its CPU platform.
@@ -517,8 +513,6 @@ def main() -> None:
             ("decode256", lambda ag: decode_steps(ag, 256, a.quick)),
         ]
         for name, run in parts:
-            if name not in a.only:
-                continue
             agent = Agent(work, name, d.socket)
             try:
                 run(agent)
@@ -526,8 +520,7 @@ def main() -> None:
                 agent.stop()
     finally:
         d.stop()
-    if "slow_l3" in a.only:
-        slow_l3(work / "slow", a.quick)
+    slow_l3(work / "slow", a.quick)
     if a.json:
         print(json.dumps(ROWS))
 

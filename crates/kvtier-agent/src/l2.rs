@@ -3,8 +3,7 @@
 //!
 //! - [`L2::read`]: pages pinned in L2 → the engine's device pages, then unpinned; a page
 //!   counts as loaded only when its pin was still held at the end.
-//! - [`L2::write`]: the engine's device pages → L2 (reserve, copy, commit; the commit after
-//!   the write has answered, and before this agent's next kvtierd call). While L2 has no
+//! - [`L2::write`]: the engine's device pages → L2 (reserve, copy, commit). While L2 has no
 //!   room it tries again as long as each `cache.evict_wait` brings progress (writes to L3
 //!   landing make room), and it waits that long for a restarting kvtierd: slow storage is
 //!   backpressure, not a reason to give a page up. What still fails comes back with its
@@ -16,7 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{ClientError, PageError, PendingCommit, StoredPages};
+use kvtier_client::{ClientError, PageError, StoredPages};
 use kvtier_core::PageKey;
 use kvtier_device::method::Direction;
 use kvtier_device::{Device, DeviceError, PageCopy};
@@ -110,8 +109,6 @@ impl L2 {
         fut: impl Future<Output = Result<T, ClientError>>,
         about_prefetch: bool,
     ) -> Option<T> {
-        // What this agent reported stored is visible to its own next call.
-        self.s.link.settled().await;
         let r = match tokio::time::timeout(self.s.link.timeout(), fut).await {
             Ok(r) => r,
             Err(_) => Err(ClientError::Protocol("kvtierd call timed out".into())),
@@ -196,10 +193,7 @@ impl L2 {
         }
     }
 
-    /// One reserve → copy → commit of `pages` (the device pages of `keys`). It returns once
-    /// the bytes are in their slots; the commit runs after, on its own task (one round trip
-    /// off the caller's answer), and this agent's next kvtierd call waits for it
-    /// (`Link::settled`). A commit that fails counts its pages lost, with the reason.
+    /// One reserve → copy → commit of `pages` (the device pages of `keys`).
     async fn store(
         &self,
         linked: &Arc<Linked>,
@@ -212,7 +206,7 @@ impl L2 {
         let (pool, device) = (linked.pool.clone(), device.clone());
         let pages = pages.to_vec();
         let r = c
-            .store_pages_deferred(
+            .store_pages(
                 linked.session,
                 parent.as_ref(),
                 keys,
@@ -229,15 +223,6 @@ impl L2 {
                 },
             )
             .await;
-        let r = match r {
-            Ok((stored, commit)) => {
-                if let Some(commit) = commit {
-                    self.commit_later(linked, commit).await;
-                }
-                Ok(stored)
-            }
-            Err(e) => Err(e),
-        };
         r.map_err(|e| match e {
             PageError::Copy(e) => {
                 tracing::warn!("copy to L2 failed: {e}");
@@ -253,27 +238,6 @@ impl L2 {
                 }
             }
         })
-    }
-
-    /// Runs `commit` on its own task, holding a commit guard until kvtierd has answered.
-    async fn commit_later(&self, linked: &Arc<Linked>, commit: PendingCommit) {
-        let guard = self.s.link.commit_guard().await;
-        let (s, linked) = (self.s.clone(), linked.clone());
-        tokio::spawn(async move {
-            let n = commit.len();
-            if let Err(e) = commit.run().await {
-                let why = if is_link_error(&e) || matches!(e, ClientError::Protocol(_)) {
-                    s.link.broken(&linked, &e);
-                    Loss::DaemonUnreachable
-                } else {
-                    Loss::Refused
-                };
-                tracing::warn!("kvtierd did not commit {n} stored pages, they are lost: {e}");
-                s.count_backup("uncommitted", n);
-                s.count_lost(why, n as u64);
-            }
-            drop(guard);
-        });
     }
 
     /// Writes `pages` (the device pages of `keys`, whose prompt has `parent` before them)

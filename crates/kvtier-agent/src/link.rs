@@ -49,12 +49,6 @@ pub struct Link {
     wake: Notify,
     /// Bumped each time a session is published, for waiters.
     linked: watch::Sender<u64>,
-    /// Commits still in flight: a write commits after it has answered (`L2::store`), each
-    /// commit holding a read guard until kvtierd has answered it. Every other kvtierd call
-    /// of this agent first takes the write side for a moment ([`Self::settled`]), so it sees
-    /// every page this agent has reported stored. The lock is fair: a waiting call holds
-    /// back later commits, never starves behind them.
-    commits: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// Called with a new session (its generation set) before the session is used.
@@ -119,7 +113,6 @@ impl Link {
             down_since: Mutex::new(None),
             wake: Notify::new(),
             linked: watch::channel(0).0,
-            commits: Arc::default(),
         }
     }
 
@@ -169,16 +162,6 @@ impl Link {
     /// Sets what each heartbeat reports to kvtierd (its per-session view of this worker).
     pub fn set_reporter(&self, r: Reporter) {
         *write(&self.reporter) = Some(r);
-    }
-
-    /// A guard a deferred commit holds while it runs.
-    pub(crate) async fn commit_guard(&self) -> tokio::sync::OwnedRwLockReadGuard<()> {
-        self.commits.clone().read_owned().await
-    }
-
-    /// Waits for the commits in flight when called (those started later wait for this).
-    pub(crate) async fn settled(&self) {
-        drop(self.commits.write().await);
     }
 
     /// Per-call deadline.
@@ -302,9 +285,6 @@ impl Link {
             }
         }
         if let Some(linked) = self.current() {
-            // What was reported stored is committed before the session (and its
-            // reservations) ends.
-            let _ = tokio::time::timeout(self.timeout, self.settled()).await;
             let mut c = linked.client.clone();
             let _ = tokio::time::timeout(self.timeout, c.close(linked.session)).await;
         }

@@ -22,7 +22,7 @@ pub struct Metrics {
     /// `kvtier_agent_load_back_duration_seconds`.
     pub load_back_seconds: Histogram,
     /// `kvtier_agent_backup_pages_total{policy, outcome}`: stored, present, failed,
-    /// deferred, skipped, uncommitted.
+    /// deferred.
     pub backup_pages: IntCounterVec,
     /// `kvtier_agent_lost_pages_total{reason}`: pages evicted without a copy in L2.
     pub lost_pages: IntCounterVec,
@@ -117,9 +117,7 @@ impl Metrics {
                 "kvtier_agent_backup_pages_total",
                 "Device pages sent to L2 by policy and outcome: stored, present \
                  (already in L2), failed (retried before eviction), deferred (the \
-                 early-backup queue was full; backed up before eviction), skipped (not \
-                 selected by the write policy), uncommitted (copied, then kvtierd's \
-                 commit failed: lost)",
+                 early-backup queue was full; backed up before eviction)",
                 &["policy", "outcome"],
             )?,
             lost_pages: r.counter_vec(

@@ -345,8 +345,6 @@ impl TreeMode {
             policy,
             hints,
         };
-        // Sees what this agent's writes reported stored (their commits may be in flight).
-        s.link.settled().await;
         let mut c = linked.client.clone();
         let stream = match c.prefetch(linked.session, &id, &keys[dev..], opts).await {
             Ok(s) => s,

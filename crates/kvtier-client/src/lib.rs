@@ -30,7 +30,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 pub use events::{EventBatch, EventStream};
 pub use kvtier_proto::v1::ReserveStatus;
-pub use pages::{PageError, PendingCommit, StoredPages};
+pub use pages::{PageError, StoredPages};
 pub use secure::{
     AuthChannel, Bearer, TcpSecurity, connect_lazy_with, connect_with, install_crypto_provider,
 };

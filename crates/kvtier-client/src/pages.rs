@@ -40,39 +40,6 @@ async fn timed<T>(
     }
 }
 
-/// The commit that ends a [`HostClient::store_pages_deferred`]: the copied pages become
-/// visible to other sessions when it runs. Until then they are reserved (a reserve of the
-/// same key answers present; nothing reads them), and they expire with the session when it
-/// never runs.
-#[must_use = "the pages stay invisible until the commit runs"]
-pub struct PendingCommit {
-    client: HostClient,
-    session: SessionId,
-    keys: Vec<PageKey>,
-    call_timeout: Duration,
-}
-
-impl PendingCommit {
-    /// How many pages it commits.
-    pub fn len(&self) -> usize {
-        self.keys.len()
-    }
-
-    /// Whether it commits nothing (never: a store with nothing copied returns none).
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
-    }
-
-    /// Commits the pages.
-    pub async fn run(mut self) -> Result<(), ClientError> {
-        timed(
-            self.call_timeout,
-            self.client.commit(self.session, &self.keys),
-        )
-        .await
-    }
-}
-
 impl HostClient {
     /// Writes the pages of `keys` (`parent`: the key before them in their prompt): reserves
     /// slots, lets `copy` fill those it got — `(index into keys, slot)` pairs — and commits
@@ -86,31 +53,6 @@ impl HostClient {
         call_timeout: Duration,
         copy: F,
     ) -> Result<StoredPages, PageError<E>>
-    where
-        F: FnOnce(Vec<(usize, u32)>) -> Fut,
-        Fut: Future<Output = Result<(), E>>,
-    {
-        let (stored, commit) = self
-            .store_pages_deferred(session, parent, keys, call_timeout, copy)
-            .await?;
-        if let Some(commit) = commit {
-            commit.run().await.map_err(PageError::Daemon)?;
-        }
-        Ok(stored)
-    }
-
-    /// [`Self::store_pages`] up to the commit, which it returns for the caller to run when it
-    /// chooses (`None` when nothing was copied): the bytes are in their slots once this
-    /// returns, so the caller's source may be reused, and the pages become visible when the
-    /// commit runs.
-    pub async fn store_pages_deferred<E, F, Fut>(
-        &mut self,
-        session: SessionId,
-        parent: Option<&PageKey>,
-        keys: &[PageKey],
-        call_timeout: Duration,
-        copy: F,
-    ) -> Result<(StoredPages, Option<PendingCommit>), PageError<E>>
     where
         F: FnOnce(Vec<(usize, u32)>) -> Fut,
         Fut: Future<Output = Result<(), E>>,
@@ -133,7 +75,7 @@ impl HostClient {
             })
             .collect();
         if mine.is_empty() {
-            return Ok((StoredPages { held, copied: 0 }, None));
+            return Ok(StoredPages { held, copied: 0 });
         }
         let reserved: Vec<PageKey> = mine.iter().map(|&(i, _)| keys[i]).collect();
         if let Err(e) = copy(mine).await {
@@ -141,17 +83,13 @@ impl HostClient {
             let _ = timed(call_timeout, self.abort(session, &reserved)).await;
             return Err(PageError::Copy(e));
         }
-        let stored = StoredPages {
+        timed(call_timeout, self.commit(session, &reserved))
+            .await
+            .map_err(PageError::Daemon)?;
+        Ok(StoredPages {
             held,
             copied: reserved.len(),
-        };
-        let commit = PendingCommit {
-            client: self.clone(),
-            session,
-            keys: reserved,
-            call_timeout,
-        };
-        Ok((stored, Some(commit)))
+        })
     }
 
     /// Reads pinned pages: `copy` reads from `slots` (pinned for `pinned`, by `acquire` or

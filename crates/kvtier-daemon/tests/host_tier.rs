@@ -202,45 +202,6 @@ fn the_client_page_protocol_aborts_a_failed_copy_and_keeps_only_released_reads()
             .load_pages(s2.id, &keys, &slots, t, |_| async { Ok::<_, ()>(()) })
             .await;
         assert!(matches!(r, Err(PageError::Daemon(_))), "{r:?}");
-        // A deferred store: the bytes are in their slots when it returns, but no session
-        // sees the pages (a reserve answers present, a lookup misses) until its commit runs;
-        // one never run expires with its session.
-        let more = chain(8, 4);
-        let ms = &more;
-        let (r, commit) = c
-            .store_pages_deferred(s.id, None, &more, t, |mine| async move {
-                for (i, slot) in mine {
-                    pool.write(slot, 0, &page_bytes(&ms[i], page)).unwrap();
-                }
-                Ok::<_, ()>(())
-            })
-            .await
-            .unwrap();
-        assert_eq!((r.held, r.copied), (4, 4));
-        let commit = commit.expect("four pages copied, one commit");
-        assert_eq!(commit.len(), 4);
-        let s3 = c.register("reader", &layout("m")).await.unwrap();
-        assert_eq!(
-            c.lookup(s3.id, &more).await.unwrap(),
-            0,
-            "visible before commit"
-        );
-        assert!(
-            c.reserve(s3.id, None, &more)
-                .await
-                .unwrap()
-                .iter()
-                .all(|r| *r == Reserved::Present)
-        );
-        commit.run().await.unwrap();
-        let want: Vec<Vec<u8>> = more.iter().map(|k| page_bytes(k, page)).collect();
-        assert_eq!(load(&mut c, &s3, &more).await, want, "committed bytes");
-        // Nothing copied: no commit to run.
-        let (r, commit) = c
-            .store_pages_deferred(s.id, None, &more, t, |_| async { Ok::<_, ()>(()) })
-            .await
-            .unwrap();
-        assert_eq!((r.held, r.copied, commit.is_none()), (4, 0, true));
     });
 }
 
