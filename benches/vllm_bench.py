@@ -496,7 +496,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    parts_names = ["lookups", "save", "decode32", "decode256", "slow_l3"]
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=parts_names,
+        help="run only these parts (repeatable; default: all)",
+    )
     a = ap.parse_args()
+    only = set(a.only or parts_names)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # vLLM's PyPI wheel is built for CUDA: on a machine without one, its CPU platform.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -513,6 +521,8 @@ def main() -> None:
             ("decode256", lambda ag: decode_steps(ag, 256, a.quick)),
         ]
         for name, run in parts:
+            if name not in only:
+                continue
             agent = Agent(work, name, d.socket)
             try:
                 run(agent)
@@ -520,7 +530,8 @@ def main() -> None:
                 agent.stop()
     finally:
         d.stop()
-    slow_l3(work / "slow", a.quick)
+    if "slow_l3" in only:
+        slow_l3(work / "slow", a.quick)
     if a.json:
         print(json.dumps(ROWS))
 

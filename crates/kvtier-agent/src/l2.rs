@@ -193,7 +193,8 @@ impl L2 {
         }
     }
 
-    /// One reserve → copy → commit of `pages` (the device pages of `keys`).
+    /// One reserve → copy → commit of `pages` (the device pages of `keys`), or for a few
+    /// pages, copy into leased slots → commit.
     async fn store(
         &self,
         linked: &Arc<Linked>,
@@ -206,8 +207,9 @@ impl L2 {
         let (pool, device) = (linked.pool.clone(), device.clone());
         let pages = pages.to_vec();
         let r = c
-            .store_pages(
+            .store_pages_with(
                 linked.session,
+                Some(&linked.lease),
                 parent.as_ref(),
                 keys,
                 self.s.link.timeout(),

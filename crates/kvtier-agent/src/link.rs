@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{ClientError, HostClient};
+use kvtier_client::{ClientError, HostClient, SlotLease};
 use kvtier_config::agent::AgentConfig;
 use kvtier_core::LayoutSpec;
 use kvtier_shm::ShmPool;
@@ -29,7 +29,13 @@ pub struct Linked {
     pub ttl: Duration,
     /// Which link this is: 1 for the first session, one more for each one after.
     pub generation: u64,
+    /// L2 slots the session holds leased, for one-call small writes.
+    pub lease: SlotLease,
 }
+
+/// Slots the agent asks kvtierd to keep leased per session: a decode step's pages for a few
+/// concurrent saves (kvtierd grants at most 16, none in a small pool).
+pub const LEASE_SLOTS: u32 = 16;
 
 /// The link, shared by the service and the background task that maintains it.
 pub struct Link {
@@ -210,6 +216,7 @@ impl Link {
             pool: Arc::new(s.pool),
             ttl: s.ttl,
             generation: 0,
+            lease: SlotLease::new(LEASE_SLOTS),
         })
     }
 

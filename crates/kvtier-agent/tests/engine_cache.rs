@@ -703,3 +703,82 @@ fn tp_ranks_save_the_pages_the_lookup_selected_though_only_rank_0_sees_lookups()
         );
     });
 }
+
+#[test]
+fn decode_step_saves_land_in_leased_slots_with_one_kvtierd_call_each() {
+    // A decode step completes one page per request: the agent copies it into an L2 slot its
+    // session holds leased and lands it with CommitLeased, no Reserve. Another worker loads
+    // every page byte for byte, and the lease goes with the agent's session.
+    use kvtier_client::PromptTokens;
+    let d = dir("ec-lease");
+    let kvtierd = daemon(&d, &["l2.pool_pages=1024", "l3.backend=none"]);
+    let spec = mha(0, 1);
+    let socket = d.join("kvtierd.sock").display().to_string();
+    rt().block_on(async {
+        let a1 = agent(&d, "el1", &[]);
+        let a2 = agent(&d, "el2", &[]);
+        let mut e1 = Engine::start_cache(&a1, spec.clone(), 64, "el1").await;
+        let mut e2 = Engine::start_cache(&a2, spec.clone(), 64, "el2").await;
+        e1.wait_connected().await;
+        e2.wait_connected().await;
+        let t = tokens(9090, 20);
+        let ks = keys(&spec, &t);
+        for (p, k) in ks.iter().enumerate() {
+            e1.compute(p as u32, k);
+        }
+        // The prompt: reserved, and its commit leases slots for what follows.
+        let r = e1
+            .client
+            .save_pages(&t[..64], None, 0, (0..4).collect())
+            .await
+            .unwrap();
+        assert_eq!(r.stored, 4, "{r:?}");
+        let mut c = kvtier_client::HostClient::connect(&socket).await.unwrap();
+        let reserves = c.stats().await.unwrap().reserve_calls;
+        // Sixteen decode steps, one page each, named by the page before.
+        for page in 4..20usize {
+            let after = PromptTokens::After {
+                parent: ks[page - 1],
+                tokens: &t[page * 16..(page + 1) * 16],
+            };
+            let r = e1
+                .client
+                .save_pages(after, None, page as u32, vec![page as u32])
+                .await
+                .unwrap();
+            assert_eq!((r.stored, r.failed), (1, 0), "{r:?}");
+        }
+        assert_eq!(
+            c.stats().await.unwrap().reserve_calls,
+            reserves,
+            "one-page saves reserved instead of using the lease"
+        );
+        let leased = || {
+            metric(
+                &kvtierd.metrics_page(),
+                "kvtier_l2_pool_pages{state=\"leased\"}",
+            )
+        };
+        assert!(leased() > 0.0);
+        let pages: Vec<u32> = (30..50).collect();
+        let n = e2
+            .client
+            .load_pages(&t[..], None, 0, pages.clone(), PrefetchPolicy::Unspecified)
+            .await
+            .unwrap();
+        assert_eq!(n, 20);
+        for (k, &p) in ks.iter().zip(&pages) {
+            assert!(e2.holds(p, k), "page {p} differs from what was saved");
+        }
+        drop(e1);
+        drop(a1);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while leased() > 0.0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the stopped agent's lease was never freed"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}

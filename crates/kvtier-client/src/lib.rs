@@ -22,6 +22,7 @@ pub use agent::{
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kvtier_core::host_index::Landed;
 use kvtier_core::{Layout, LayoutSpec, Namespace, PageHasher, PageKey, SessionId};
 use kvtier_proto::v1::host_tier_client::HostTierClient;
 use kvtier_proto::{pack_keys, v1};
@@ -30,7 +31,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 pub use events::{EventBatch, EventStream};
 pub use kvtier_proto::v1::ReserveStatus;
-pub use pages::{PageError, StoredPages};
+pub use pages::{PageError, SlotLease, StoredPages};
 pub use secure::{
     AuthChannel, Bearer, TcpSecurity, connect_lazy_with, connect_with, install_crypto_provider,
 };
@@ -405,14 +406,70 @@ impl HostClient {
         session: SessionId,
         keys: &[PageKey],
     ) -> Result<(), ClientError> {
-        self.inner
+        self.commit_leasing(session, keys, 0).await.map(|_| ())
+    }
+
+    /// [`Self::commit`], asking kvtierd to top the session's slot lease up to `lease_want`
+    /// slots (see [`Self::commit_leased`]). Returns the slots newly leased.
+    pub async fn commit_leasing(
+        &mut self,
+        session: SessionId,
+        keys: &[PageKey],
+        lease_want: u32,
+    ) -> Result<Vec<u32>, ClientError> {
+        let r = self
+            .inner
             .commit(v1::CommitRequest {
                 session_id: session.to_bytes().to_vec(),
                 keys: Vec::new(),
                 packed_keys: pack_keys(keys),
+                lease_want,
             })
-            .await?;
-        Ok(())
+            .await?
+            .into_inner();
+        Ok(r.leased)
+    }
+
+    /// Lands pages copied into leased slots (`slots[i]` holds the page of `keys[i]`; `parent`
+    /// is the key before `keys[0]`) and asks for the lease to be topped up to `want` slots.
+    /// Returns what became of each page and the slots newly leased.
+    pub async fn commit_leased(
+        &mut self,
+        session: SessionId,
+        parent: Option<&PageKey>,
+        keys: &[PageKey],
+        slots: &[u32],
+        want: u32,
+    ) -> Result<(Vec<Landed>, Vec<u32>), ClientError> {
+        let r = self
+            .inner
+            .commit_leased(v1::CommitLeasedRequest {
+                session_id: session.to_bytes().to_vec(),
+                parent: parent.map(|p| p.0.to_vec()).unwrap_or_default(),
+                packed_keys: pack_keys(keys),
+                slots: slots.to_vec(),
+                want,
+            })
+            .await?
+            .into_inner();
+        if r.status.len() != keys.len() {
+            return Err(ClientError::Protocol(format!(
+                "{} statuses for {} keys",
+                r.status.len(),
+                keys.len()
+            )));
+        }
+        let landed = r
+            .status
+            .iter()
+            .map(|&st| match v1::LandedStatus::try_from(st) {
+                Ok(v1::LandedStatus::Stored) => Ok(Landed::Stored),
+                Ok(v1::LandedStatus::Present) => Ok(Landed::Present),
+                Ok(v1::LandedStatus::NoRoom) => Ok(Landed::NoRoom),
+                _ => Err(ClientError::Protocol(format!("unknown landed status {st}"))),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok((landed, r.granted))
     }
 
     /// Drops reservations.

@@ -3,11 +3,16 @@
 //! pinned slots, then releasing the pins. Bytes move by the caller's copy (memcpy or DMA into
 //! the mapped pool), never through gRPC; these methods order the calls around it.
 //!
+//! A writer that holds a [`SlotLease`] writes a few pages in one call instead: copy into
+//! leased slots, then `CommitLeased` (each commit tops the lease up).
+//!
 //! Every daemon call here runs under `call_timeout`: a kvtierd that stops answering is an
 //! error ([`PageError::Daemon`]), never a hung caller.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
+use kvtier_core::host_index::Landed;
 use kvtier_core::{PageKey, SessionId};
 
 use crate::{ClientError, HostClient, Reserved};
@@ -28,6 +33,52 @@ pub struct StoredPages {
     pub held: usize,
     /// Of those, how many this call copied (the rest were there already).
     pub copied: usize,
+}
+
+/// Slots a session holds leased in kvtierd's pool (no page in them, invisible to everyone),
+/// shared by the session's concurrent writers. A write of at most [`SlotLease::MAX_WRITE`]
+/// pages that finds that many copies straight into them and lands with one call; every commit
+/// asks kvtierd to top the lease up to `want`. It belongs to one session: kvtierd frees the
+/// slots when the session ends, so a new session starts with a new lease.
+#[derive(Debug)]
+pub struct SlotLease {
+    slots: Mutex<Vec<u32>>,
+    want: u32,
+}
+
+impl SlotLease {
+    /// The most pages one leased write takes: a decode step's few; larger writes reserve
+    /// (their dedup check before the copy is worth its call).
+    pub const MAX_WRITE: usize = 4;
+
+    /// An empty lease that asks to hold `want` slots (0: never lease).
+    pub fn new(want: u32) -> Self {
+        Self {
+            slots: Mutex::new(Vec::new()),
+            want,
+        }
+    }
+
+    /// Slots held and not in use by a write.
+    pub fn held(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        // A poisoned lease is a list of slot numbers: still right.
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `n` slots, or none when fewer are held.
+    fn take(&self, n: usize) -> Option<Vec<u32>> {
+        let mut s = self.lock();
+        let len = s.len();
+        (len >= n).then(|| s.split_off(len - n))
+    }
+
+    fn give(&self, slots: impl IntoIterator<Item = u32>) {
+        self.lock().extend(slots);
+    }
 }
 
 async fn timed<T>(
@@ -57,6 +108,35 @@ impl HostClient {
         F: FnOnce(Vec<(usize, u32)>) -> Fut,
         Fut: Future<Output = Result<(), E>>,
     {
+        self.store_pages_with(session, None, parent, keys, call_timeout, copy)
+            .await
+    }
+
+    /// [`Self::store_pages`] for a writer holding `lease`: a small write that finds enough
+    /// leased slots is one copy and one call (pages already in L2 are copied for nothing and
+    /// their slots stay leased); any other reserves, and its commit tops the lease up.
+    pub async fn store_pages_with<E, F, Fut>(
+        &mut self,
+        session: SessionId,
+        lease: Option<&SlotLease>,
+        parent: Option<&PageKey>,
+        keys: &[PageKey],
+        call_timeout: Duration,
+        copy: F,
+    ) -> Result<StoredPages, PageError<E>>
+    where
+        F: FnOnce(Vec<(usize, u32)>) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+    {
+        if let Some(lease) = lease
+            && !keys.is_empty()
+            && keys.len() <= SlotLease::MAX_WRITE
+            && let Some(slots) = lease.take(keys.len())
+        {
+            return self
+                .store_leased(session, lease, slots, parent, keys, call_timeout, copy)
+                .await;
+        }
         let r = timed(call_timeout, self.reserve(session, parent, keys))
             .await
             .map_err(PageError::Daemon)?;
@@ -83,12 +163,59 @@ impl HostClient {
             let _ = timed(call_timeout, self.abort(session, &reserved)).await;
             return Err(PageError::Copy(e));
         }
-        timed(call_timeout, self.commit(session, &reserved))
+        let want = lease.map_or(0, |l| l.want);
+        let granted = timed(call_timeout, self.commit_leasing(session, &reserved, want))
             .await
             .map_err(PageError::Daemon)?;
+        if let Some(lease) = lease {
+            lease.give(granted);
+        }
         Ok(StoredPages {
             held,
             copied: reserved.len(),
+        })
+    }
+
+    /// Copies `keys`' pages into the leased `slots`, then lands them in one call.
+    #[allow(clippy::too_many_arguments)]
+    async fn store_leased<E, F, Fut>(
+        &mut self,
+        session: SessionId,
+        lease: &SlotLease,
+        slots: Vec<u32>,
+        parent: Option<&PageKey>,
+        keys: &[PageKey],
+        call_timeout: Duration,
+        copy: F,
+    ) -> Result<StoredPages, PageError<E>>
+    where
+        F: FnOnce(Vec<(usize, u32)>) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+    {
+        if let Err(e) = copy(slots.iter().copied().enumerate().collect()).await {
+            // Nothing names them yet: they stay leased, whatever the copy left in them.
+            lease.give(slots);
+            return Err(PageError::Copy(e));
+        }
+        // A failed call leaves the slots' fate unknown (landed or not): they are not used
+        // again, and kvtierd frees them with the session.
+        let (landed, granted) = timed(
+            call_timeout,
+            self.commit_leased(session, parent, keys, &slots, lease.want),
+        )
+        .await
+        .map_err(PageError::Daemon)?;
+        lease.give(granted);
+        lease.give(
+            slots
+                .iter()
+                .zip(&landed)
+                .filter(|(_, l)| **l != Landed::Stored)
+                .map(|(s, _)| *s),
+        );
+        Ok(StoredPages {
+            held: landed.iter().take_while(|l| **l != Landed::NoRoom).count(),
+            copied: landed.iter().filter(|l| **l == Landed::Stored).count(),
         })
     }
 

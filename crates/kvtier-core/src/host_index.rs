@@ -41,17 +41,20 @@
 //!
 //! Where things are: the entries, slots, links, pins and eviction order here; the L3 side
 //! (modes, dirty limit, write marks) in `l3.rs`; tenants' counts and quotas in `quota.rs`;
-//! the operator's bulk moves in `operator.rs`; the invariant check in `check.rs`. The
+//! the operator's bulk moves in `operator.rs`; slots leased to writers before they know their
+//! keys in `lease.rs`; the invariant check in `check.rs`. The
 //! model-based property test is `tests/host_index_model.rs`.
 
 mod changes;
 mod check;
 mod l3;
+mod lease;
 mod operator;
 mod order;
 mod quota;
 pub use changes::IndexChange;
 pub use l3::{L3Mark, L3Mode};
+pub use lease::Landed;
 pub use operator::Cleared;
 pub use quota::TenantUse;
 
@@ -191,6 +194,9 @@ pub struct HostIndexStats {
     pub unwritten_evictions: u64,
     /// Pages clients wrote (reserved, committed) that L3 does not hold yet.
     pub dirty: u32,
+    /// Slots leased to writers ([`HostIndex::lease`]): no page yet, counted toward the dirty
+    /// limit.
+    pub leased: u32,
 }
 
 /// The index of one pool class.
@@ -214,6 +220,8 @@ pub struct HostIndex {
     stats: HostIndexStats,
     /// Changes to what is readable, while recorded ([`Self::record_changes`]).
     changes: Option<Vec<IndexChange>>,
+    /// Slots leased to writers, with no entry yet.
+    leases: lease::Leases,
 }
 
 impl std::fmt::Debug for HostIndex {
@@ -261,6 +269,7 @@ impl HostIndex {
                 ..HostIndexStats::default()
             },
             changes: None,
+            leases: lease::Leases::default(),
         }
     }
 
@@ -305,6 +314,12 @@ impl HostIndex {
             slot,
             generation: self.generations[slot as usize],
         }
+    }
+
+    /// A link to the page `key` names, if indexed (else no link).
+    fn link_to_key(&self, key: Option<PageKey>) -> Link {
+        key.and_then(|k| self.slot_of(&k))
+            .map_or(NO_LINK, |s| self.link_to(s))
     }
 
     /// The slot a link names, if that incarnation is still there.
@@ -495,9 +510,7 @@ impl HostIndex {
         }
         let slot = self.alloc.alloc()?;
         let now = self.tick();
-        let link = parent
-            .and_then(|p| self.slot_of(&p))
-            .map_or(NO_LINK, |p| self.link_to(p));
+        let link = self.link_to_key(parent);
         let mut e = Entry::new(key, link, PageState::Ready, 0, now);
         e.dirty = true;
         self.place(slot, e);
@@ -568,16 +581,16 @@ impl HostIndex {
         let mut evicted = Vec::new();
         // Taken before any eviction below, so a parent evicted to make room (with L3
         // attached, interior pages may go) leaves a dead link, never one to its slot's reuse.
-        let mut parent = parent
-            .and_then(|p| self.slot_of(&p))
-            .map_or(NO_LINK, |p| self.link_to(p));
+        let mut parent = self.link_to_key(parent);
         for key in keys {
             if let Some(s) = self.slot_of(key) {
                 out.push(Reserve::Present);
                 parent = self.link_to(s);
                 continue;
             }
-            if handed >= max_new || (throttled && self.stats.dirty >= self.dirty_limit) {
+            if handed >= max_new
+                || (throttled && self.stats.dirty + self.stats.leased >= self.dirty_limit)
+            {
                 out.resize(keys.len(), Reserve::NoSpace);
                 break;
             }

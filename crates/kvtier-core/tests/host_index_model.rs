@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use kvtier_core::host_index::{HostIndex, L3Mark, L3Mode, PageState, Reserve};
+use kvtier_core::host_index::{HostIndex, L3Mark, L3Mode, Landed, PageState, Reserve};
 use kvtier_core::{PageKey, PolicyKind, TenantTag};
 use proptest::prelude::*;
 
@@ -43,6 +43,8 @@ struct Entry {
 struct Model {
     entries: HashMap<PageKey, Entry>,
     next_instance: u64,
+    /// Slots leased, by owner.
+    leases: HashMap<u64, Vec<u32>>,
 }
 
 impl Model {
@@ -56,10 +58,15 @@ impl Model {
             .count()
     }
 
-    fn has_children(&self, instance: u64) -> bool {
+    fn leased(&self) -> u32 {
+        self.leases.values().map(|l| l.len() as u32).sum()
+    }
+
+    /// Whether a page other than those in `gone` was created under `instance`.
+    fn has_children(&self, instance: u64, gone: &[u64]) -> bool {
         self.entries
             .values()
-            .any(|e| e.parent_instance == Some(instance))
+            .any(|e| e.parent_instance == Some(instance) && !gone.contains(&e.instance))
     }
 }
 
@@ -105,6 +112,18 @@ enum Op {
     },
     /// With L3 attached: it goes down (breaker open) or comes back.
     L3Down(bool),
+    /// A writer leases up to `n` more slots.
+    Lease {
+        owner: u64,
+        n: usize,
+    },
+    /// A writer lands pages `from..from + len` of a chain in slots it leased.
+    Land {
+        owner: u64,
+        chain: u8,
+        from: u8,
+        len: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -124,13 +143,33 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0usize..4).prop_map(Op::Flush),
         1 => any::<bool>().prop_map(Op::L3Down),
         1 => (0u8..4, 0u8..4).prop_map(|(chain, i)| Op::Adopt { chain, i }),
+        2 => (1u64..3, 1usize..3).prop_map(|(owner, n)| Op::Lease { owner, n }),
+        2 => (1u64..3, 0u8..4, 0u8..3, 1u8..3).prop_map(|(owner, chain, from, len)| Op::Land { owner, chain, from, len }),
     ]
 }
 
 /// Checks what eviction took against the mode; returns how many L3 did not hold.
 fn check_evicted(m: &mut Model, evicted: &[PageKey], mode: L3Mode) -> u64 {
+    check_evicted_in(m, evicted, evicted, mode)
+}
+
+/// [`check_evicted`] for `keys`, part of a call's `evicted` (in the order the index evicted
+/// them): a child evicted before its parent left it a leaf, though the model may still hold
+/// the child (it is checked later when the call reserved a page afresh in between).
+fn check_evicted_in(m: &mut Model, keys: &[PageKey], evicted: &[PageKey], mode: L3Mode) -> u64 {
     let mut unwritten = 0;
-    for k in evicted {
+    for k in keys {
+        let at = evicted
+            .iter()
+            .position(|e| e == k)
+            .expect("key was evicted");
+        // Of those, the ones the model still holds (checked in the other part).
+        let gone_before: Vec<u64> = evicted[..at]
+            .iter()
+            .filter(|g| !keys.contains(g))
+            .filter_map(|g| m.entries.get(g))
+            .map(|e| e.instance)
+            .collect();
         let e = m.entries.remove(k).expect("evicted key was indexed");
         assert_eq!(e.state, PageState::Ready, "evicted a page being written");
         assert_eq!(e.pins, 0, "evicted a pinned page");
@@ -139,7 +178,7 @@ fn check_evicted(m: &mut Model, evicted: &[PageKey], mode: L3Mode) -> u64 {
             L3Mark::Queued,
             "evicted a page while writing it to L3"
         );
-        let leaf = !m.has_children(e.instance);
+        let leaf = !m.has_children(e.instance, &gone_before);
         match (mode, e.l3) {
             // Without L3 only leaves leave, so prefixes stay reachable.
             (L3Mode::Absent, _) => assert!(leaf, "evicted a page with a resident child"),
@@ -214,7 +253,7 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, quota: Option<u32>, ops: &[
                         .zip(&out)
                         .any(|(key, r)| key == *k && matches!(r, Reserve::Reserved(_)))
                 });
-                unwritten += check_evicted(&mut m, &before, mode);
+                unwritten += check_evicted_in(&mut m, &before, &evicted, mode);
                 let mut seen_no_space = false;
                 let mut parent: Option<u64> = None;
                 for (k, r) in keys.iter().zip(&out) {
@@ -244,7 +283,7 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, quota: Option<u32>, ops: &[
                     }
                     parent = m.entries.get(k).map(|e| e.instance);
                 }
-                unwritten += check_evicted(&mut m, &after, mode);
+                unwritten += check_evicted_in(&mut m, &after, &evicted, mode);
                 // A tenant at its quota makes room among its own pages only, and never
                 // reserves past it.
                 let q = ix.tenant_usage(tenant(0)).unwrap();
@@ -386,7 +425,8 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, quota: Option<u32>, ops: &[
                 let k = key(*c, *i);
                 let parent = i.checked_sub(1).map(|p| key(*c, p));
                 let got = ix.adopt(k, parent);
-                let fits = !m.entries.contains_key(&k) && (m.entries.len() as u32) < CAPACITY;
+                let fits =
+                    !m.entries.contains_key(&k) && (m.entries.len() as u32) + m.leased() < CAPACITY;
                 assert_eq!(got.is_some(), fits, "adopt of {k:?}");
                 if let Some(slot) = got {
                     assert_eq!(ix.get(&k), Some((slot, PageState::Ready)));
@@ -415,7 +455,104 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, quota: Option<u32>, ops: &[
                     ix.set_l3_mode(mode);
                 }
             }
+            Op::Lease { owner, n } => {
+                let before = ix.stats();
+                let (slots, evicted) = ix.lease(*owner, *n);
+                assert!(slots.len() <= *n);
+                unwritten += check_evicted(&mut m, &evicted, mode);
+                let held: Vec<u32> = m
+                    .entries
+                    .keys()
+                    .filter_map(|k| ix.get(k))
+                    .map(|g| g.0)
+                    .collect();
+                for s in &slots {
+                    assert!(!held.contains(s), "leased slot {s} holds a page");
+                    assert!(
+                        !m.leases.values().flatten().any(|l| l == s),
+                        "slot {s} leased twice"
+                    );
+                }
+                if mode == L3Mode::Up {
+                    let s = ix.stats();
+                    assert!(
+                        s.dirty + s.leased <= dirty_limit.max(before.dirty + before.leased),
+                        "a lease went past the dirty limit"
+                    );
+                }
+                m.leases.entry(*owner).or_default().extend(slots);
+            }
+            Op::Land {
+                owner,
+                chain: c,
+                from,
+                len,
+            } => {
+                let keys: Vec<PageKey> = (*from..from + len).map(|i| key(*c, i)).collect();
+                let parent = from.checked_sub(1).map(|p| key(*c, p));
+                let mine = m.leases.entry(*owner).or_default();
+                if mine.len() < keys.len() {
+                    // Slots it does not hold are refused, and nothing changes.
+                    let other = (0..CAPACITY).find(|s| !mine.contains(s));
+                    let mut bad = mine.clone();
+                    bad.extend(other);
+                    bad.truncate(keys.len());
+                    if bad.len() == keys.len() {
+                        assert!(ix.commit_leased(*owner, parent, &keys, &bad).is_err());
+                    }
+                    continue;
+                }
+                let slots = mine.split_off(mine.len() - keys.len());
+                let (landed, evicted) = ix.commit_leased(*owner, parent, &keys, &slots).unwrap();
+                // As for a reservation: a page evicted (for a tenant's quota) may land afresh
+                // later in the call, and one reported present may leave after.
+                let (before, after): (Vec<PageKey>, Vec<PageKey>) = evicted.iter().partition(|k| {
+                    keys.iter()
+                        .zip(&landed)
+                        .any(|(key, l)| key == *k && *l == Landed::Stored)
+                });
+                unwritten += check_evicted_in(&mut m, &before, &evicted, mode);
+                let mut parent_instance =
+                    parent.and_then(|p| m.entries.get(&p)).map(|e| e.instance);
+                let mut no_room = false;
+                for ((k, s), l) in keys.iter().zip(&slots).zip(&landed) {
+                    match l {
+                        Landed::Present => {
+                            assert!(!no_room);
+                            assert!(m.entries.contains_key(k), "Present for an absent key");
+                            m.leases.get_mut(owner).unwrap().push(*s);
+                        }
+                        Landed::Stored => {
+                            assert!(!no_room, "landed after NoRoom");
+                            assert!(!m.entries.contains_key(k), "landed a present key");
+                            assert_eq!(ix.get(k), Some((*s, PageState::Ready)));
+                            m.next_instance += 1;
+                            m.entries.insert(
+                                *k,
+                                Entry {
+                                    state: PageState::Ready,
+                                    owner: *owner,
+                                    pins: 0,
+                                    instance: m.next_instance,
+                                    parent_instance,
+                                    l3: L3Mark::None,
+                                    dirty: true,
+                                },
+                            );
+                        }
+                        Landed::NoRoom => {
+                            assert!(*c == 0 && quota.is_some(), "no room without a quota");
+                            no_room = true;
+                            m.leases.get_mut(owner).unwrap().push(*s);
+                        }
+                    }
+                    parent_instance = m.entries.get(k).map(|e| e.instance);
+                }
+                unwritten += check_evicted_in(&mut m, &after, &evicted, mode);
+            }
             Op::EndOwner(owner) => {
+                let freed = ix.end_leases(*owner);
+                assert_eq!(freed, m.leases.remove(owner).map_or(0, |l| l.len()));
                 let n = ix.abort_owner(*owner);
                 let before = m.entries.len();
                 m.entries
@@ -445,7 +582,11 @@ fn run(kind: PolicyKind, l3: bool, dirty_limit: u32, quota: Option<u32>, ops: &[
         let total = |e: &Entry| u64::from(e.pins) + u64::from(e.l3 == L3Mark::Queued);
         assert_eq!(s.pinned, count(&|e| total(e) > 0));
         assert_eq!(s.pins, m.entries.values().map(total).sum::<u64>());
-        assert_eq!(ix.free_slots(), CAPACITY - m.entries.len() as u32);
+        assert_eq!(s.leased, m.leased());
+        assert_eq!(
+            ix.free_slots(),
+            CAPACITY - m.entries.len() as u32 - m.leased()
+        );
         assert_eq!(
             s.unwritten_evictions, unwritten,
             "pages evicted without L3 holding them"

@@ -33,6 +33,7 @@ const WATCH_MAX_MS: u64 = 60_000;
 type SnapshotStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
 
+mod lease;
 mod routing;
 
 /// The stream a WatchEvents call returns.
@@ -543,10 +544,22 @@ impl HostTier for HostService {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
             let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
-            let jobs = self.state().commit(id, &keys, Instant::now())?;
+            let (jobs, leased) =
+                self.state()
+                    .commit(id, &keys, r.lease_want as usize, Instant::now())?;
             self.enqueue(jobs);
             self.pages("committed", keys.len());
-            Ok(v1::CommitResponse {})
+            self.pages("leased", leased.len());
+            Ok(v1::CommitResponse { leased })
+        })
+    }
+
+    async fn commit_leased(
+        &self,
+        request: Request<v1::CommitLeasedRequest>,
+    ) -> Result<Response<v1::CommitLeasedResponse>, Status> {
+        self.observe("commit_leased", || {
+            self.commit_leased_inner(request.get_ref())
         })
     }
 

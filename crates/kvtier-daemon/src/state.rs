@@ -677,6 +677,7 @@ impl HostState {
                 "session reservations disagree with the index: {e}"
             );
         }
+        pool.index.end_leases(s.owner);
         Ok(())
     }
 
@@ -717,6 +718,7 @@ impl HostState {
             t.evictions += s.evictions;
             t.unwritten_evictions += s.unwritten_evictions;
             t.dirty += s.dirty;
+            t.leased += s.leased;
         }
         t
     }

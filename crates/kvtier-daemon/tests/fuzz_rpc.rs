@@ -126,6 +126,20 @@ fn methods(
             }),
         ),
         (
+            "/kvtier.v1.HostTier/CommitLeased",
+            Unary,
+            enc(&|| {
+                v1::CommitLeasedRequest {
+                    session_id: sid.clone(),
+                    packed_keys: packed.clone(),
+                    parent: k[0].clone(),
+                    slots: vec![0, 1, u32::MAX],
+                    want: u32::MAX,
+                }
+                .encode_to_vec()
+            }),
+        ),
+        (
             "/kvtier.v1.HostTier/Abort",
             Unary,
             enc(&|| {

@@ -348,6 +348,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
                 session_id: s.id.to_bytes().to_vec(),
                 keys: vec![keys[0].0.to_vec()],
                 packed_keys: kvtier_proto::pack_keys(&keys[..1]),
+                lease_want: 0,
             })
             .await,
             InvalidArgument,
@@ -369,6 +370,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
                 packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: short.clone(),
+                lease_want: 0,
             })
             .await,
             InvalidArgument,
@@ -414,6 +416,7 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
                 packed_keys: Vec::new(),
                 session_id: s.id.to_bytes().to_vec(),
                 keys: k0.clone(),
+                lease_want: 0,
             })
             .await,
             InvalidArgument,

@@ -39,6 +39,13 @@ class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESERVE_STATUS_PRESENT: _ClassVar[ReserveStatus]
     RESERVE_STATUS_NO_SPACE: _ClassVar[ReserveStatus]
 
+class LandedStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANDED_STATUS_UNSPECIFIED: _ClassVar[LandedStatus]
+    LANDED_STATUS_STORED: _ClassVar[LandedStatus]
+    LANDED_STATUS_PRESENT: _ClassVar[LandedStatus]
+    LANDED_STATUS_NO_ROOM: _ClassVar[LandedStatus]
+
 class PageEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PAGE_EVENT_KIND_UNSPECIFIED: _ClassVar[PageEventKind]
@@ -70,6 +77,10 @@ RESERVE_STATUS_UNSPECIFIED: ReserveStatus
 RESERVE_STATUS_RESERVED: ReserveStatus
 RESERVE_STATUS_PRESENT: ReserveStatus
 RESERVE_STATUS_NO_SPACE: ReserveStatus
+LANDED_STATUS_UNSPECIFIED: LandedStatus
+LANDED_STATUS_STORED: LandedStatus
+LANDED_STATUS_PRESENT: LandedStatus
+LANDED_STATUS_NO_ROOM: LandedStatus
 PAGE_EVENT_KIND_UNSPECIFIED: PageEventKind
 PAGE_EVENT_KIND_STORED: PageEventKind
 PAGE_EVENT_KIND_REMOVED: PageEventKind
@@ -343,18 +354,44 @@ class ReserveResponse(_message.Message):
     def __init__(self, status: _Optional[_Iterable[_Union[ReserveStatus, str]]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "packed_keys")
+    __slots__ = ("session_id", "keys", "packed_keys", "lease_want")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_WANT_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     packed_keys: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
+    lease_want: int
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ..., lease_want: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("leased",)
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    leased: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leased: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitLeasedRequest(_message.Message):
+    __slots__ = ("session_id", "parent", "packed_keys", "slots", "want")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    parent: bytes
+    packed_keys: bytes
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    want: int
+    def __init__(self, session_id: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., packed_keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., want: _Optional[int] = ...) -> None: ...
+
+class CommitLeasedResponse(_message.Message):
+    __slots__ = ("status", "granted")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    status: _containers.RepeatedScalarFieldContainer[LandedStatus]
+    granted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Iterable[_Union[LandedStatus, str]]] = ..., granted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("session_id", "keys", "packed_keys")

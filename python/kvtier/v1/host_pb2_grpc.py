@@ -69,6 +69,11 @@ class HostTierStub:
                 request_serializer=kvtier_dot_v1_dot_host__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_host__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.CommitLeased = channel.unary_unary(
+                '/kvtier.v1.HostTier/CommitLeased',
+                request_serializer=kvtier_dot_v1_dot_host__pb2.CommitLeasedRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_host__pb2.CommitLeasedResponse.FromString,
+                _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/kvtier.v1.HostTier/Acquire',
                 request_serializer=kvtier_dot_v1_dot_host__pb2.AcquireRequest.SerializeToString,
@@ -163,6 +168,16 @@ class HostTierServicer:
 
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitLeased(self, request, context):
+        """A small write in one call: the session holds a few leased slots (no page in them,
+        invisible to everyone), copies pages into some of them, and names the keys and slots
+        here; each page becomes ready at once. The reply tops the lease up toward `want`. Leased
+        slots are freed when the session ends. With no keys, this only leases.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -282,6 +297,11 @@ def add_HostTierServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvtier_dot_v1_dot_host__pb2.AbortRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_host__pb2.AbortResponse.SerializeToString,
+            ),
+            'CommitLeased': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitLeased,
+                    request_deserializer=kvtier_dot_v1_dot_host__pb2.CommitLeasedRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_host__pb2.CommitLeasedResponse.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
@@ -523,6 +543,33 @@ class HostTier:
             '/kvtier.v1.HostTier/Abort',
             kvtier_dot_v1_dot_host__pb2.AbortRequest.SerializeToString,
             kvtier_dot_v1_dot_host__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitLeased(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.HostTier/CommitLeased',
+            kvtier_dot_v1_dot_host__pb2.CommitLeasedRequest.SerializeToString,
+            kvtier_dot_v1_dot_host__pb2.CommitLeasedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,11 +16,21 @@ impl HostIndex {
         let (mut filed, mut flush_filed) = (0, 0);
         for (slot, e) in self.entries.iter().enumerate() {
             let Some(e) = e else {
+                if self.leases.contains_key(&(slot as u32)) {
+                    s.leased += 1;
+                    if !self.alloc.is_allocated(slot as u32) {
+                        return Err(format!("slot {slot} leased but free"));
+                    }
+                    continue;
+                }
                 if self.alloc.is_allocated(slot as u32) {
                     return Err(format!("slot {slot} allocated but empty"));
                 }
                 continue;
             };
+            if self.leases.contains_key(&(slot as u32)) {
+                return Err(format!("slot {slot} leased but holds a page"));
+            }
             if self.slot_of(&e.key) != Some(slot as u32) || !self.alloc.is_allocated(slot as u32) {
                 return Err(format!("slot {slot} is not mapped or not allocated"));
             }

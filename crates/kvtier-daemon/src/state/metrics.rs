@@ -191,7 +191,8 @@ impl L2Metrics {
         for (state, n) in [
             ("ready", t.ready),
             ("writing", t.writing),
-            ("free", t.capacity - t.ready - t.writing),
+            ("leased", t.leased),
+            ("free", t.capacity - t.ready - t.writing - t.leased),
         ] {
             self.pool_pages
                 .with_label_values(&[state])

@@ -1,14 +1,56 @@
-//! The L2 page protocol, daemon side: lookup, reserve → commit (or abort), acquire →
-//! release, per session. A page is visible to other sessions only once committed, and a
+//! The L2 page protocol, daemon side: lookup, reserve → commit (or abort), leased slots →
+//! commit_leased, acquire → release, per session. A page is visible to other sessions only once committed, and a
 //! pinned page is never evicted or overwritten. Committed pages become L3 write jobs per the
 //! write policy (`l3_writes.rs`).
 
 use std::time::Instant;
 
-use kvtier_core::host_index::{L3Mark, L3Mode, PageState, Reserve};
+use kvtier_core::host_index::{L3Mark, L3Mode, Landed, OwnerId, PageState, Reserve};
 use kvtier_core::{KeyMap, PageKey, SessionId};
 
-use super::{HostState, Job, StateError};
+use super::{HostState, Job, Pool, StateError};
+
+/// Most slots one session may hold leased: enough for a decode step's pages, small against
+/// any pool a lease is worth it in.
+pub(super) const MAX_LEASE: usize = 16;
+
+/// A pool leases at most one slot per session for this many slots it has: a small pool
+/// (a test's, a tiny model's) leases none, and its writers reserve as before.
+pub(super) const LEASE_POOL_SHARE: usize = 64;
+
+/// What [`HostState::commit_leased`] did.
+#[derive(Debug)]
+pub struct LeasedCommit {
+    /// One per key.
+    pub landed: Vec<Landed>,
+    /// Slots newly leased to the session.
+    pub granted: Vec<u32>,
+    /// Pages evicted to make room (a tenant's quota, the new lease).
+    pub evicted: usize,
+    /// L3 writes write-through asks for.
+    pub jobs: Vec<Job>,
+}
+
+/// Leases `owner` more slots of `pool`, up to `want` held (at most [`MAX_LEASE`], and one per
+/// [`LEASE_POOL_SHARE`] slots of the pool); none while kvtierd takes no new pages. Returns
+/// the new slots and the keys evicted for them.
+fn top_up(
+    pool: &mut Pool,
+    owner: OwnerId,
+    want: usize,
+    admitting: bool,
+) -> (Vec<u32>, Vec<PageKey>) {
+    let cap = want
+        .min(MAX_LEASE)
+        .min(pool.index.stats().capacity as usize / LEASE_POOL_SHARE);
+    let held = pool.index.leases_of(owner);
+    if !admitting || held >= cap {
+        return (Vec::new(), Vec::new());
+    }
+    let (granted, evicted) = pool.index.lease(owner, cap - held);
+    pool.handed_out(granted.iter().copied());
+    (granted, evicted)
+}
 
 impl HostState {
     /// Leading keys ready in the session's pool.
@@ -125,13 +167,17 @@ impl HostState {
         Ok((out, evicted.len()))
     }
 
-    /// Makes reserved pages visible. Returns the L3 writes write-through asks for.
+    /// Makes reserved pages visible, then tops the session's slot lease up toward
+    /// `lease_want` (see [`MAX_LEASE`]). Returns the L3 writes write-through asks for, and
+    /// the slots newly leased.
     pub fn commit(
         &mut self,
         id: SessionId,
         keys: &[PageKey],
+        lease_want: usize,
         now: Instant,
-    ) -> Result<Vec<Job>, StateError> {
+    ) -> Result<(Vec<Job>, Vec<u32>), StateError> {
+        let admitting = self.admitting("new pages").is_ok();
         let (write, epoch) = (self.write, self.l3_epoch);
         let (session, pool) = self.session_pool(id, now)?;
         pool.index.commit(session.owner, keys)?;
@@ -146,9 +192,63 @@ impl HostState {
             }
             _ => Vec::new(),
         };
+        let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
+        let (granted, _) = top_up(pool, session.owner, lease_want, admitting);
+        let lost_after = pool.index.stats().unwritten_evictions;
         self.counters.commit_calls += 1;
         self.counters.committed_pages += keys.len() as u64;
-        Ok(jobs)
+        self.count_lost(mode, lost, lost_after);
+        Ok((jobs, granted))
+    }
+
+    /// Lands pages a session copied into its leased slots, then tops its lease up toward
+    /// `want` (see [`MAX_LEASE`]; nothing while draining). Returns what became of each key,
+    /// the newly leased slots, the pages evicted, and the L3 writes write-through asks for.
+    pub fn commit_leased(
+        &mut self,
+        id: SessionId,
+        parent: Option<PageKey>,
+        keys: &[PageKey],
+        slots: &[u32],
+        want: usize,
+        now: Instant,
+    ) -> Result<LeasedCommit, StateError> {
+        let admitting = self.admitting("new pages").is_ok();
+        let (write, epoch) = (self.write, self.l3_epoch);
+        let (session, pool) = self.session_pool(id, now)?;
+        let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
+        let (landed, mut evicted) = pool
+            .index
+            .commit_leased(session.owner, parent, keys, slots)?;
+        let stored: Vec<PageKey> = keys
+            .iter()
+            .zip(&landed)
+            .filter(|(_, l)| **l == Landed::Stored)
+            .map(|(k, _)| *k)
+            .collect();
+        pool.committed(&stored);
+        let jobs = match write {
+            Some(p) if p.on_store() && !stored.is_empty() => {
+                let queued = pool.index.queue_for_l3(&stored);
+                Self::jobs(pool, queued, epoch)
+            }
+            _ => Vec::new(),
+        };
+        let (granted, more) = top_up(pool, session.owner, want, admitting);
+        evicted.extend(more);
+        let lost_after = pool.index.stats().unwritten_evictions;
+        let c = &mut self.counters;
+        c.commit_calls += u64::from(!keys.is_empty());
+        c.committed_pages += stored.len() as u64;
+        c.dedup_pages += landed.iter().filter(|l| **l == Landed::Present).count() as u64;
+        c.no_space_pages += landed.iter().filter(|l| **l == Landed::NoRoom).count() as u64;
+        self.count_lost(mode, lost, lost_after);
+        Ok(LeasedCommit {
+            landed,
+            granted,
+            evicted: evicted.len(),
+            jobs,
+        })
     }
 
     /// Frees reserved pages.

@@ -22,7 +22,12 @@ impl HostState {
         let s = p.index.stats();
         let in_use = self.sessions.values().any(|x| x.pool == *fp);
         let unwritten = self.l3_mode() != L3Mode::Absent && s.dirty > 0;
-        !in_use && s.pinned == 0 && s.writing == 0 && p.prefetch_held == 0 && !unwritten
+        !in_use
+            && s.pinned == 0
+            && s.writing == 0
+            && s.leased == 0
+            && p.prefetch_held == 0
+            && !unwritten
     }
 
     /// Removes the pools unused for `l2.idle_pool_ttl` (with `make_room`: also the least
