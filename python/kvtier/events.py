@@ -3,6 +3,7 @@
 - :func:`watch` reads one node's stream as typed :class:`EventBatch` es.
 - :class:`NodeView` applies a node's events: the keys it holds per layout, the stream's id and
   the last ``seq`` applied (what a resume names).
+- :class:`Follower` follows one node's stream on a thread, resuming after a disconnect.
 - :class:`FleetIndex` keeps a view per node, follows each node's stream on a thread (resuming
   after a disconnect, rebuilding from the snapshot after a restart or a resync), and answers
   where a prompt's pages are: :meth:`FleetIndex.locate` (leading pages per node) and
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +34,12 @@ class EventKind(enum.Enum):
     RESYNC = host_pb2.PAGE_EVENT_KIND_RESYNC
 
 
+class EventTier(enum.Enum):
+    """Where the page is: kvtierd's shared host memory (L2)."""
+
+    L2_HOST = host_pb2.EVENT_TIER_L2_HOST
+
+
 @dataclass(frozen=True)
 class PageEvent:
     """One event. ``seq`` is 0 on a snapshot's pages; ``layout`` is empty on a CLEARED of every
@@ -44,6 +51,7 @@ class PageEvent:
     key: bytes
     parent: bytes | None
     layout: str
+    tier: EventTier
 
     @staticmethod
     def of(e: host_pb2.PageEvent) -> PageEvent:
@@ -53,7 +61,11 @@ class PageEvent:
             raise KvtierError(f"events: kind {e.kind} is not an event kind") from None
         if kind in (EventKind.STORED, EventKind.REMOVED) and len(e.key) != 32:
             raise KvtierError(f"events: key: a page key is 32 bytes, got {len(e.key)}")
-        return PageEvent(e.seq, e.unix_nanos, kind, e.key, e.parent or None, e.layout)
+        try:
+            tier = EventTier(e.tier)
+        except ValueError:
+            raise KvtierError(f"events: tier {e.tier} is not a tier") from None
+        return PageEvent(e.seq, e.unix_nanos, kind, e.key, e.parent or None, e.layout, tier)
 
 
 @dataclass(frozen=True)
@@ -132,7 +144,7 @@ class FleetIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeView] = {}
-        self._followers: dict[str, _Follower] = {}
+        self._followers: dict[str, Follower] = {}
 
     def apply(self, node: str, batch: EventBatch) -> None:
         with self._lock:
@@ -162,7 +174,18 @@ class FleetIndex:
         """Follows the stream of the kvtierd at ``address`` as ``node``, on a thread, until
         :meth:`close`: it resumes after a disconnect from the last event applied, and rebuilds
         from the snapshot when the node restarted or the resume fell out of its window."""
-        f = _Follower(self, node, address, retry_s)
+
+        def position() -> tuple[int, int]:
+            v = self.view(node)
+            return v.stream_id, v.last_seq
+
+        f = Follower(
+            address,
+            lambda b: self.apply(node, b),
+            position,
+            retry_s,
+            name=f"kvtier-events-{node}",
+        )
         with self._lock:
             self._nodes.setdefault(node, NodeView())
             self._followers[node] = f
@@ -182,24 +205,38 @@ class FleetIndex:
         self.close()
 
 
-class _Follower(threading.Thread):
-    def __init__(self, fleet: FleetIndex, node: str, address: str, retry_s: float):
-        super().__init__(name=f"kvtier-events-{node}", daemon=True)
-        self.fleet, self.node, self.address, self.retry_s = fleet, node, address, retry_s
+class Follower(threading.Thread):
+    """Follows one kvtierd's stream on a thread until :meth:`stop`: each batch goes to
+    ``apply``; after a disconnect it resumes from ``position()`` (the stream id and last
+    ``seq`` applied), and a node that restarted or a resume past its window starts over from
+    a RESYNC and a snapshot. What :class:`FleetIndex` and the vLLM event bridge
+    (:mod:`kvtier.integrations.vllm.kv_events`) follow nodes with."""
+
+    def __init__(
+        self,
+        address: str,
+        apply: Callable[[EventBatch], None],
+        position: Callable[[], tuple[int, int]],
+        retry_s: float = 0.2,
+        name: str = "kvtier-events",
+    ):
+        super().__init__(name=name, daemon=True)
+        self.address, self.retry_s = address, retry_s
+        self._apply, self._position = apply, position
         self._stop_event = threading.Event()
         self._client: DaemonClient | None = None
         self._client_lock = threading.Lock()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            v = self.fleet.view(self.node)
+            stream_id, last_seq = self._position()
             try:
                 with self._client_lock:
                     self._client = DaemonClient(self.address)
-                for batch in watch(self._client, v.stream_id, v.last_seq):
+                for batch in watch(self._client, stream_id, last_seq):
                     if self._stop_event.is_set():
                         return
-                    self.fleet.apply(self.node, batch)
+                    self._apply(batch)
             except KvtierError:
                 pass  # the node went away or restarted: resume (or resync) when it is back
             finally:

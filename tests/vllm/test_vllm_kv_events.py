@@ -1,0 +1,247 @@
+"""kvtierd's page events on ZMQ in vLLM's KV-event format (``kvtier.integrations.vllm.kv_events``),
+read the way a router that indexes vLLM's events reads them: a SUB socket, a DEALER asking the
+replay socket for what it missed, and every payload decoded with vLLM's own ``KVEventBatch``
+decoder from PyPI. Nothing here imitates vLLM's classes."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+from kvtier.events import EventBatch, EventKind, EventTier, PageEvent
+from kvtier.host import DaemonClient, HostSession
+from kvtier.integrations.vllm.kv_events import END_SEQ, KvEventsBridge, translate
+from kvtier.keys import page_keys
+from kvtier.testing import Kvtierd
+from kvtier.v1 import admin_pb2, common_pb2
+
+PAGE = 4
+POOL = 16
+
+
+def layout() -> common_pb2.LayoutDescriptor:
+    d = common_pb2.LayoutDescriptor(
+        model_id="m", dtype=common_pb2.DTYPE_BF16, num_layers=2, page_size=PAGE, tp_size=1
+    )
+    d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=1, head_dim=8))
+    return d
+
+
+def store(s: HostSession, keys: list[bytes], parent: bytes = b"") -> None:
+    r = s.store(keys, lambda i, addr: ctypes.memset(addr, i + 1, s.page_bytes), parent)
+    assert r.held == len(keys), r
+
+
+class Router:
+    """A subscriber as routers write them: live messages from the PUB socket, and on a gap
+    (or at the start) the missing ones from the replay socket; it keeps the index vLLM's
+    events describe (block hash → parent) and checks the sequence has no holes."""
+
+    def __init__(self, bridge: KvEventsBridge):
+        ctx = zmq.Context.instance()
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(bridge.endpoint)
+        self.replay = ctx.socket(zmq.DEALER)
+        assert bridge.replay_endpoint is not None
+        self.replay.connect(bridge.replay_endpoint)
+        self.decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self.next_seq = 0
+        self.blocks: dict[bytes, bytes | None] = {}
+        self.events: list[object] = []
+        self.replayed = 0
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        if seq < self.next_seq:
+            return  # already applied (a replay overlapping the live stream)
+        assert seq == self.next_seq, f"hole: got {seq}, expected {self.next_seq}"
+        self.next_seq += 1
+        batch = self.decode(payload)
+        assert batch.ts > 0 and batch.data_parallel_rank is None
+        for e in batch.events:
+            self.events.append(e)
+            if isinstance(e, BlockStored):
+                assert e.medium == MEDIUM_CPU and e.block_size == PAGE, e
+                assert e.token_ids == [] and e.lora_id is None, e
+                parent = e.parent_block_hash
+                for h in e.block_hashes:
+                    assert isinstance(h, bytes) and len(h) == 32, h
+                    self.blocks[h] = parent
+                    parent = h
+            elif isinstance(e, BlockRemoved):
+                assert e.medium == MEDIUM_CPU, e
+                for h in e.block_hashes:
+                    assert h in self.blocks, "removed a block never stored"
+                    del self.blocks[h]
+            else:
+                assert isinstance(e, AllBlocksCleared), e
+                self.blocks.clear()
+
+    def _ask_replay(self) -> None:
+        self.replay.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+        while True:
+            assert self.replay.poll(5000), "no answer from the replay socket"
+            _, _topic, seq, payload = self.replay.recv_multipart()
+            if seq == END_SEQ:
+                return
+            self.replayed += 1
+            self._apply(int.from_bytes(seq, "big"), payload)
+
+    def poll(self) -> None:
+        while self.sub.poll(20):
+            _topic, seq_b, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_b, "big")
+            if seq > self.next_seq:
+                self._ask_replay()
+            self._apply(seq, payload)
+
+    def until(self, what: str, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        self._ask_replay()
+        while not cond():
+            assert time.monotonic() < end, f"timed out waiting for {what}"
+            self.poll()
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.replay.close(linger=0)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    d = Kvtierd(tmp_path / "d", f"l2.pool_pages={POOL}", "l3.backend=none")
+    yield d
+    d.stop()
+
+
+def test_a_router_rebuilds_what_l2_holds_from_the_bridge_with_vllms_decoder(daemon) -> None:
+    client = DaemonClient(daemon.socket)
+    s = client.register("writer", layout())
+    prompt = page_keys(list(range(100, 100 + 6 * PAGE)), PAGE)
+    store(s, prompt[:2])
+    with KvEventsBridge(
+        str(daemon.socket), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=PAGE
+    ) as bridge:
+        router = Router(bridge)
+        try:
+            # What L2 held before the bridge came: a clear, then the snapshot.
+            router.until("the snapshot", lambda: len(router.blocks) == 2)
+            assert isinstance(router.events[0], AllBlocksCleared)
+            assert router.replayed > 0, "the first batches come from the replay socket"
+            # A prompt's pages continue the first two: one BlockStored per run of a chain,
+            # linked to the page before.
+            store(s, prompt[2:], parent=prompt[1])
+            router.until("the prompt", lambda: len(router.blocks) == 6)
+            assert list(router.blocks) == prompt
+            assert [router.blocks[k] for k in prompt] == [None, *prompt[:-1]]
+            stored = [e for e in router.events if isinstance(e, BlockStored)]
+            assert stored[-1].parent_block_hash in prompt[:2]
+            # A second prompt larger than what is left evicts the first's leaves (no L3):
+            # BlockRemoved, and the router's index is what kvtierd holds.
+            other = page_keys(list(range(9000, 9000 + POOL * PAGE)), PAGE)
+            for i in range(0, POOL, 4):
+                store(s, other[i : i + 4], parent=other[i - 1] if i else b"")
+            router.until(
+                "the evictions", lambda: any(isinstance(e, BlockRemoved) for e in router.events)
+            )
+            every = prompt + other
+
+            def agrees() -> bool:
+                return [k in router.blocks for k in every] == s.lookup_each(every)
+
+            router.until("the index to agree with L2", agrees)
+            assert 0 < sum(k in router.blocks for k in every) <= POOL
+            # An operator's clear removes every page: BlockRemoved for each.
+            admin = DaemonClient(daemon.socket)
+            admin.admin.Clear(admin_pb2.ClearRequest(tier=common_pb2.TIER_HOST))
+            admin.close()
+            router.until("the clear", lambda: not router.blocks)
+            # A restart is a new stream: the router hears AllBlocksCleared, then the new
+            # run's snapshot (empty: a clean stop gives L2 back).
+            store(s, prompt[:3])
+            router.until("the new pages", lambda: len(router.blocks) == 3)
+            n = len(router.events)
+            s.close()
+            daemon.stop()
+            daemon.start()
+            router.until(
+                "the restart",
+                lambda: any(isinstance(e, AllBlocksCleared) for e in router.events[n:]),
+            )
+            assert not router.blocks
+            client.close()
+            client = DaemonClient(daemon.socket)
+            s = client.register("writer-2", layout())
+            store(s, prompt[:1])
+            router.until("a page of the new run", lambda: list(router.blocks) == prompt[:1])
+        finally:
+            router.close()
+    s.close()
+    client.close()
+
+
+def test_runs_merge_and_a_layout_filter_keeps_only_its_pages() -> None:
+    """``translate`` on its own, decoded with vLLM's classes: a chain's pages share one
+    BlockStored, a page that does not continue the run starts another, removals merge, and
+    with a layout set another layout's pages and clears are left out."""
+    a, b = "a" * 32, "b" * 32
+    k = [bytes([i]) * 32 for i in range(6)]
+
+    def ev(kind: EventKind, key: bytes = b"", parent: bytes | None = None, lay: str = a):
+        return PageEvent(1, 1, kind, key, parent, lay, EventTier.L2_HOST)
+
+    batch = EventBatch(
+        7,
+        "n",
+        (
+            ev(EventKind.RESYNC, lay=""),
+            ev(EventKind.STORED, k[0]),
+            ev(EventKind.STORED, k[1], k[0]),
+            ev(EventKind.STORED, k[2], k[1]),
+            ev(EventKind.STORED, k[4], k[3]),
+            ev(EventKind.STORED, k[5], None, b),
+            ev(EventKind.REMOVED, k[2]),
+            ev(EventKind.REMOVED, k[1]),
+            ev(EventKind.CLEARED, lay=b),
+        ),
+    )
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+
+    def as_vllm(layout_filter: str | None) -> list[object]:
+        payload = msgspec.msgpack.encode([1.0, translate(batch, PAGE, layout_filter), None])
+        return list(decode(payload).events)
+
+    got = as_vllm(a)
+    assert [type(e) for e in got] == [AllBlocksCleared, BlockStored, BlockStored, BlockRemoved]
+    first, second, removed = got[1], got[2], got[3]
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert (first.block_hashes, first.parent_block_hash) == (k[:3], None)
+    assert (second.block_hashes, second.parent_block_hash) == ([k[4]], k[3])
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [k[2], k[1]]
+    # Without a filter: layout b's page and its clear too.
+    got = as_vllm(None)
+    assert [type(e) for e in got][-1] is AllBlocksCleared
+    assert any(isinstance(e, BlockStored) and e.block_hashes == [k[5]] for e in got)
+
+
+def test_the_bridge_refuses_bad_settings_by_name(daemon) -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        KvEventsBridge(str(daemon.socket), "tcp://127.0.0.1:0", block_size=0)
+    with pytest.raises(ValueError, match="^endpoint: cannot bind 'bogus'"):
+        KvEventsBridge(str(daemon.socket), "bogus", block_size=PAGE)
+    with KvEventsBridge(str(daemon.socket), "tcp://127.0.0.1:0", block_size=PAGE) as taken:
+        with pytest.raises(ValueError, match="^replay_endpoint: cannot bind"):
+            KvEventsBridge(str(daemon.socket), "tcp://127.0.0.1:0", taken.endpoint, block_size=PAGE)
