@@ -35,6 +35,12 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "commit throughput with ",
         Goal::RatioAtLeast(0.95),
     ),
+    // ... and a router's fleet index keeps at most 64 bytes a page per node.
+    (
+        "events",
+        "fleet index bytes per page",
+        Goal::ValueAtMost(64.0),
+    ),
     // P1: the cpu device's copy plan (one memcpy per run) near one memcpy of the same bytes.
     ("agent", "cpu device plan, ", Goal::RatioAtLeast(0.9)),
     // Issue 42: the cuda device's `auto` method near a pinned cuMemcpyAsync of the same bytes

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 pub mod goals;
 pub mod host;
+pub mod python;
 
 /// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
 pub mod scenarios {

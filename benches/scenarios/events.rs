@@ -1,7 +1,8 @@
 //! kvtierd's event stream under load (issue 43, docs/routing.md): commits at a steady 10k
 //! pages a second with 4 `WatchEvents` subscribers, and the time from each page's
 //! publication (at its commit) to its arrival at a subscriber; then commit throughput at full
-//! speed with those 4 subscribers against none, in the same run.
+//! speed with those 4 subscribers against none, in the same run; then the router's fleet
+//! index (`benches/fleet_index_bench.py`): its bytes per page, and a prefix lookup.
 //!
 //! The daemon runs in-process on its own runtime (one worker per core, as kvtierd's); the
 //! writer and the subscribers are clients on runtimes of their own, so every event crosses
@@ -279,4 +280,12 @@ pub fn run(quick: bool) {
     });
     drop(readers);
     drop(daemon);
+    // The router's side: the fleet index's bytes per page (kvtier.events, in Python).
+    let args: &[&str] = if quick { &["--quick"] } else { &[] };
+    crate::python::run_rows(
+        "events",
+        &crate::python::script("fleet_index_bench.py"),
+        args,
+        &[],
+    );
 }

@@ -7,24 +7,11 @@
 
 use std::path::PathBuf;
 
-use crate::{record, say};
-
-#[derive(serde::Deserialize)]
-struct PyRow {
-    figure: String,
-    value: f64,
-    unit: String,
-    baseline: String,
-    baseline_value: f64,
-    ratio: Option<f64>,
-}
+use crate::python::{python, run_rows, script};
+use crate::say;
 
 /// Runs the scenario (`quick`: fewer rounds and steps).
 pub fn run(quick: bool) {
-    let env = std::env::var("KVTIER_PYENV").unwrap_or_else(|_| "/var/tmp/kvtier-pyenv".into());
-    let python = PathBuf::from(env).join("bin/python");
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let script = root.join("benches/vllm_bench.py");
     let bins = std::env::current_exe()
         .ok()
         .and_then(|p| p.parent().map(PathBuf::from));
@@ -34,7 +21,7 @@ pub fn run(quick: bool) {
     };
     let (kvtierd, agent) = (bins.join("kvtierd"), bins.join("kvtier-agent"));
     for (what, path) in [
-        ("python", &python),
+        ("python", &python()),
         ("kvtierd", &kvtierd),
         ("kvtier-agent", &agent),
     ] {
@@ -47,48 +34,11 @@ pub fn run(quick: bool) {
             return;
         }
     }
-    let mut cmd = std::process::Command::new(&python);
-    cmd.arg(&script)
-        .arg("--json")
-        .env("KVTIERD_BIN", &kvtierd)
-        .env("KVTIER_AGENT_BIN", &agent)
-        .stderr(std::process::Stdio::inherit());
-    if quick {
-        cmd.arg("--quick");
-    }
-    let out = match cmd.output() {
-        Ok(o) => o,
-        Err(e) => {
-            say!("vllm: could not run {}: {e}", script.display());
-            return;
-        }
-    };
-    if !out.status.success() {
-        say!(
-            "vllm: {} failed ({}), nothing recorded",
-            script.display(),
-            out.status
-        );
-        return;
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let Some(line) = text.lines().rev().find(|l| l.starts_with('[')) else {
-        say!("vllm: {} printed no rows", script.display());
-        return;
-    };
-    match serde_json::from_str::<Vec<PyRow>>(line) {
-        Ok(rows) => {
-            for r in rows {
-                record(
-                    &r.figure,
-                    r.value,
-                    &r.unit,
-                    &r.baseline,
-                    r.baseline_value,
-                    r.ratio,
-                );
-            }
-        }
-        Err(e) => say!("vllm: the rows do not parse: {e}"),
-    }
+    let args: &[&str] = if quick { &["--quick"] } else { &[] };
+    run_rows(
+        "vllm",
+        &script("vllm_bench.py"),
+        args,
+        &[("KVTIERD_BIN", &kvtierd), ("KVTIER_AGENT_BIN", &agent)],
+    );
 }
