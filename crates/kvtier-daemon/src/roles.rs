@@ -210,6 +210,12 @@ impl Roles {
         }
     }
 
+    /// The one tenant whose sessions, usage, metric series and pages `role` may see (Stats,
+    /// WatchMetrics, WatchEvents); `None` when it sees every tenant's.
+    pub fn only_tenant<'r>(&self, role: &'r Role) -> Option<&'r str> {
+        (!self.sees_all(role)).then(|| role.tenant())
+    }
+
     /// An interceptor admitting only the roles that may use `door`; the rest get
     /// `PERMISSION_DENIED` naming what would admit them, and are counted.
     pub fn guard(
@@ -339,10 +345,17 @@ mod tests {
         assert!(r.may(&Role::Peer, Door::Objects));
         assert!(!r.may(&Role::Peer, Door::Admin));
         assert!(!r.sees_all(&acme) && r.sees_all(&Role::Operator));
+        assert_eq!(r.only_tenant(&acme), Some("acme"));
+        assert_eq!(r.only_tenant(&default), Some(""));
+        assert_eq!(
+            (r.only_tenant(&Role::Operator), r.only_tenant(&Role::Peer)),
+            (None, None)
+        );
         // No tenants, no peer token: the default tenant is everyone, objects included.
         let open = roles(&[], &[], "");
         assert!(open.may(&default, Door::Objects) && !open.may(&default, Door::Admin));
         assert!(open.sees_all(&default));
+        assert_eq!(open.only_tenant(&default), None);
         // A peer token closes objects to the default tenant.
         let closed = roles(&[], &[], "peer");
         assert!(!closed.may(&default, Door::Objects));

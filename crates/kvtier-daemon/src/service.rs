@@ -612,7 +612,7 @@ impl HostTier for HostService {
     ) -> Result<Response<v1::StatsResponse>, Status> {
         // A tenant sees its own sessions, the pools they use and its own usage only.
         let role = self.roles.of(&request);
-        let only = (!self.roles.sees_all(&role)).then(|| role.tenant().to_string());
+        let only = self.roles.only_tenant(&role).map(str::to_string);
         let mine = |tenant: &str| only.as_deref().is_none_or(|t| t == tenant);
         self.observe("stats", || {
             let st = self.state();
@@ -760,7 +760,7 @@ impl HostTier for HostService {
     ) -> Result<Response<Self::WatchMetricsStream>, Status> {
         // A tenant gets no series labelled with another tenant.
         let role = self.roles.of(&request);
-        let only = (!self.roles.sees_all(&role)).then(|| role.tenant().to_string());
+        let only = self.roles.only_tenant(&role).map(str::to_string);
         self.observe("watch_metrics", || {
             let ms = match request.get_ref().interval_ms {
                 0 => WATCH_DEFAULT_MS,

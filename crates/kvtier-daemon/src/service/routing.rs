@@ -14,7 +14,9 @@ impl HostService {
     /// The tenant whose pages a caller may see (`None`: all of them).
     fn seen_tenant<T>(&self, request: &Request<T>) -> Option<TenantTag> {
         let role = self.roles.of(request);
-        (!self.roles.sees_all(&role)).then(|| TenantScope::new(role.tenant()).tag())
+        self.roles
+            .only_tenant(&role)
+            .map(|t| TenantScope::new(t).tag())
     }
 
     pub(super) fn watch_events_call(
