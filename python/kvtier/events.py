@@ -37,9 +37,11 @@ class EventKind(enum.Enum):
 
 
 class EventTier(enum.Enum):
-    """Where the page is: kvtierd's shared host memory (L2)."""
+    """Where the page is: kvtierd's shared host memory (L2), or its storage tier (L3) as far
+    as that kvtierd knows (docs/routing.md)."""
 
     L2_HOST = host_pb2.EVENT_TIER_L2_HOST
+    L3_STORAGE = host_pb2.EVENT_TIER_L3_STORAGE
 
 
 @dataclass(frozen=True)
@@ -182,44 +184,80 @@ class KeySet:
 
 @dataclass
 class NodeView:
-    """What one node holds, from its events: keys per layout fingerprint."""
+    """What one node holds, from its events: keys per layout fingerprint, in L2 (``pages``)
+    and in L3 as far as the node knows (``storage``)."""
 
     pages: dict[str, KeySet] = field(default_factory=dict)
     stream_id: int = 0
     last_seq: int = 0
     resyncs: int = 0
+    storage: dict[str, KeySet] = field(default_factory=dict)
+
+    def _tier(self, tier: EventTier) -> dict[str, KeySet]:
+        return self.pages if tier is EventTier.L2_HOST else self.storage
 
     def apply(self, batch: EventBatch) -> None:
         self.stream_id = batch.stream_id
         for e in batch.events:
+            tier = self._tier(e.tier)
             if e.kind is EventKind.STORED:
-                held = self.pages.get(e.layout)
+                held = tier.get(e.layout)
                 if held is None:
-                    held = self.pages[e.layout] = KeySet()
+                    held = tier[e.layout] = KeySet()
                 held.add(e.key)
             elif e.kind is EventKind.REMOVED:
-                held = self.pages.get(e.layout)
+                held = tier.get(e.layout)
                 if held is not None:
                     held.discard(e.key)
             elif e.kind is EventKind.CLEARED:
                 if e.layout:
-                    self.pages.pop(e.layout, None)
+                    tier.pop(e.layout, None)
                 else:
-                    self.pages.clear()
+                    tier.clear()
             else:  # RESYNC: a snapshot follows
                 self.pages.clear()
+                self.storage.clear()
                 self.resyncs += 1
             if e.seq:
                 self.last_seq = e.seq
 
-    def held(self) -> int:
-        """Pages held, over every layout."""
-        return sum(len(s) for s in self.pages.values())
+    def held(self, tier: EventTier = EventTier.L2_HOST) -> int:
+        """Pages held in ``tier``, over every layout."""
+        return sum(len(s) for s in self._tier(tier).values())
 
-    def prefix(self, keys: Sequence[bytes], layout: str | None = None) -> int:
-        """Leading ``keys`` held in ``layout`` (the longest over every layout when ``None``)."""
-        layouts = self.pages.values() if layout is None else [self.pages.get(layout, KeySet())]
-        return max((held.leading(keys) for held in layouts), default=0)
+    def prefix(
+        self,
+        keys: Sequence[bytes],
+        layout: str | None = None,
+        tier: EventTier | None = EventTier.L2_HOST,
+    ) -> int:
+        """Leading ``keys`` held in ``layout`` (the longest over every layout when ``None``)
+        in ``tier``; with ``tier=None``, each page in L2 or L3."""
+        names = self.pages.keys() | self.storage.keys() if layout is None else [layout]
+        best = 0
+        for name in names:
+            l2, l3 = self.pages.get(name, KeySet()), self.storage.get(name, KeySet())
+            if tier is EventTier.L2_HOST:
+                n = l2.leading(keys)
+            elif tier is EventTier.L3_STORAGE:
+                n = l3.leading(keys)
+            else:
+                n = 0
+                for k in keys:
+                    if k not in l2 and k not in l3:
+                        break
+                    n += 1
+            best = max(best, n)
+        return best
+
+    def copy(self) -> NodeView:
+        return NodeView(
+            {k: s.copy() for k, s in self.pages.items()},
+            self.stream_id,
+            self.last_seq,
+            self.resyncs,
+            {k: s.copy() for k, s in self.storage.items()},
+        )
 
 
 class FleetIndex:
@@ -237,20 +275,28 @@ class FleetIndex:
     def view(self, node: str) -> NodeView:
         """A copy of ``node``'s view now."""
         with self._lock:
-            v = self._nodes.get(node, NodeView())
-            return NodeView(
-                {k: s.copy() for k, s in v.pages.items()}, v.stream_id, v.last_seq, v.resyncs
-            )
+            return self._nodes.get(node, NodeView()).copy()
 
-    def locate(self, keys: Sequence[bytes], layout: str | None = None) -> dict[str, int]:
-        """For each node, how many leading ``keys`` it holds."""
+    def locate(
+        self,
+        keys: Sequence[bytes],
+        layout: str | None = None,
+        tier: EventTier | None = EventTier.L2_HOST,
+    ) -> dict[str, int]:
+        """For each node, how many leading ``keys`` it holds in ``tier`` (``None``: each page in
+        L2 or L3)."""
         with self._lock:
-            return {name: v.prefix(keys, layout) for name, v in self._nodes.items()}
+            return {name: v.prefix(keys, layout, tier) for name, v in self._nodes.items()}
 
-    def route(self, keys: Sequence[bytes], layout: str | None = None) -> tuple[str, int] | None:
-        """The node holding the longest prefix of ``keys`` and its length; ``None`` when no node
-        holds the first page (any node will do)."""
-        found = self.locate(keys, layout)
+    def route(
+        self,
+        keys: Sequence[bytes],
+        layout: str | None = None,
+        tier: EventTier | None = EventTier.L2_HOST,
+    ) -> tuple[str, int] | None:
+        """The node holding the longest prefix of ``keys`` in ``tier`` and its length; ``None``
+        when no node holds the first page (any node will do)."""
+        found = self.locate(keys, layout, tier)
         best = max(sorted(found.items()), key=lambda kv: kv[1], default=None)
         return best if best is not None and best[1] > 0 else None
 
@@ -308,12 +354,19 @@ class Follower(threading.Thread):
         self.address, self.retry_s = address, retry_s
         self._apply, self._position = apply, position
         self._stop_event = threading.Event()
+        self._resync = threading.Event()
         self._client: DaemonClient | None = None
         self._client_lock = threading.Lock()
 
+    def resync(self) -> None:
+        """Starts over from a RESYNC and a snapshot, after the batch being applied (callable
+        from ``apply`` itself)."""
+        self._resync.set()
+
     def run(self) -> None:
         while not self._stop_event.is_set():
-            stream_id, last_seq = self._position()
+            stream_id, last_seq = (0, 0) if self._resync.is_set() else self._position()
+            self._resync.clear()
             try:
                 with self._client_lock:
                     self._client = DaemonClient(self.address)
@@ -321,6 +374,8 @@ class Follower(threading.Thread):
                     if self._stop_event.is_set():
                         return
                     self._apply(batch)
+                    if self._resync.is_set():
+                        break
             except KvtierError:
                 pass  # the node went away or restarted: resume (or resync) when it is back
             finally:
@@ -328,7 +383,8 @@ class Follower(threading.Thread):
                     if self._client is not None:
                         self._client.close()
                         self._client = None
-            self._stop_event.wait(self.retry_s)
+            if not self._resync.is_set():
+                self._stop_event.wait(self.retry_s)
 
     def stop(self) -> None:
         self._stop_event.set()

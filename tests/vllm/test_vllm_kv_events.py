@@ -15,6 +15,7 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -60,7 +61,8 @@ class Router:
         self.replay.connect(bridge.replay_endpoint)
         self.decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self.next_seq = 0
-        self.blocks: dict[bytes, bytes | None] = {}
+        self.blocks: dict[bytes, bytes | None] = {}  # CPU (kvtierd's L2)
+        self.storage: dict[bytes, bytes | None] = {}  # STORAGE (its L3)
         self.events: list[object] = []
         self.replayed = 0
 
@@ -74,21 +76,28 @@ class Router:
         for e in batch.events:
             self.events.append(e)
             if isinstance(e, BlockStored):
-                assert e.medium == MEDIUM_CPU and e.block_size == PAGE, e
+                assert e.block_size == PAGE, e
                 assert e.token_ids == [] and e.lora_id is None, e
+                held = self._medium(e.medium)
                 parent = e.parent_block_hash
                 for h in e.block_hashes:
                     assert isinstance(h, bytes) and len(h) == 32, h
-                    self.blocks[h] = parent
+                    held[h] = parent
                     parent = h
             elif isinstance(e, BlockRemoved):
-                assert e.medium == MEDIUM_CPU, e
+                held = self._medium(e.medium)
                 for h in e.block_hashes:
-                    assert h in self.blocks, "removed a block never stored"
-                    del self.blocks[h]
+                    if e.medium == MEDIUM_CPU:
+                        assert h in held, "removed a block never stored"
+                    held.pop(h, None)
             else:
                 assert isinstance(e, AllBlocksCleared), e
                 self.blocks.clear()
+                self.storage.clear()
+
+    def _medium(self, medium: str | None) -> dict[bytes, bytes | None]:
+        assert medium in (MEDIUM_CPU, MEDIUM_STORAGE), medium
+        return self.blocks if medium == MEDIUM_CPU else self.storage
 
     def _ask_replay(self) -> None:
         self.replay.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
@@ -200,8 +209,14 @@ def test_runs_merge_and_a_layout_filter_keeps_only_its_pages() -> None:
     a, b = "a" * 32, "b" * 32
     k = [bytes([i]) * 32 for i in range(6)]
 
-    def ev(kind: EventKind, key: bytes = b"", parent: bytes | None = None, lay: str = a):
-        return PageEvent(1, 1, kind, key, parent, lay, EventTier.L2_HOST)
+    def ev(
+        kind: EventKind,
+        key: bytes = b"",
+        parent: bytes | None = None,
+        lay: str = a,
+        tier: EventTier = EventTier.L2_HOST,
+    ):
+        return PageEvent(1, 1, kind, key, parent, lay, tier)
 
     batch = EventBatch(
         7,
@@ -216,6 +231,7 @@ def test_runs_merge_and_a_layout_filter_keeps_only_its_pages() -> None:
             ev(EventKind.REMOVED, k[2]),
             ev(EventKind.REMOVED, k[1]),
             ev(EventKind.CLEARED, lay=b),
+            ev(EventKind.STORED, k[2], k[1], tier=EventTier.L3_STORAGE),
         ),
     )
     decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
@@ -225,16 +241,59 @@ def test_runs_merge_and_a_layout_filter_keeps_only_its_pages() -> None:
         return list(decode(payload).events)
 
     got = as_vllm(a)
-    assert [type(e) for e in got] == [AllBlocksCleared, BlockStored, BlockStored, BlockRemoved]
-    first, second, removed = got[1], got[2], got[3]
+    kinds = [AllBlocksCleared, BlockStored, BlockStored, BlockRemoved, BlockStored]
+    assert [type(e) for e in got] == kinds
+    first, second, removed, stored_l3 = got[1], got[2], got[3], got[4]
+    # L3's pages carry vLLM's STORAGE medium.
+    assert isinstance(stored_l3, BlockStored) and stored_l3.medium == MEDIUM_STORAGE
+    assert stored_l3.block_hashes == [k[2]] and stored_l3.parent_block_hash == k[1]
     assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
     assert (first.block_hashes, first.parent_block_hash) == (k[:3], None)
     assert (second.block_hashes, second.parent_block_hash) == ([k[4]], k[3])
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [k[2], k[1]]
     # Without a filter: layout b's page and its clear too.
     got = as_vllm(None)
-    assert [type(e) for e in got][-1] is AllBlocksCleared
+    assert [type(e) for e in got][-2] is AllBlocksCleared
     assert any(isinstance(e, BlockStored) and e.block_hashes == [k[5]] for e in got)
+
+
+def test_l3_pages_carry_storage_and_an_l3_clear_gives_back_what_l2_holds(tmp_path) -> None:
+    """With a file L3 written through, pages come twice: CPU (L2) and STORAGE (L3). vLLM's
+    AllBlocksCleared names no medium, so after the operator clears L3 the bridge has kvtierd
+    send a snapshot, and the router gets L2's pages back."""
+    d = Kvtierd(tmp_path / "d", "l2.pool_pages=64", "l3.write_policy=write_through")
+    client = DaemonClient(d.socket)
+    s = client.register("writer", layout())
+    prompt = page_keys(list(range(700, 700 + 6 * PAGE)), PAGE)
+    with KvEventsBridge(
+        str(d.socket), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=PAGE
+    ) as bridge:
+        router = Router(bridge)
+        try:
+            store(s, prompt)
+            router.until(
+                "both tiers",
+                lambda: list(router.blocks) == prompt and set(router.storage) == set(prompt),
+            )
+            n = len(router.events)
+            admin = DaemonClient(d.socket)
+            admin.admin.Clear(admin_pb2.ClearRequest(tier=common_pb2.TIER_STORAGE))
+            admin.close()
+            router.until(
+                "L2's pages after the clear",
+                lambda: (
+                    any(isinstance(e, AllBlocksCleared) for e in router.events[n:])
+                    and list(router.blocks) == prompt
+                ),
+            )
+            cleared = max(i for i, e in enumerate(router.events) if isinstance(e, AllBlocksCleared))
+            stored_after = [e for e in router.events[cleared:] if isinstance(e, BlockStored)]
+            assert any(e.medium == MEDIUM_CPU for e in stored_after)
+        finally:
+            router.close()
+    s.close()
+    client.close()
+    d.stop()
 
 
 def test_the_bridge_refuses_bad_settings_by_name(daemon) -> None:

@@ -1,6 +1,6 @@
 //! kvtierd's `WatchEvents` stream, read into domain events (`kvtier_core::events`).
 
-use kvtier_core::events::{Event, EventKind};
+use kvtier_core::events::{Event, EventKind, EventTier};
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_proto::v1;
 
@@ -62,10 +62,16 @@ fn event(e: &v1::PageEvent) -> Result<Event, String> {
         "" => None,
         hex => Some(LayoutFingerprint::from_hex("layout", hex).map_err(|x| x.to_string())?),
     };
+    let tier = match v1::EventTier::try_from(e.tier) {
+        Ok(v1::EventTier::L2Host) => EventTier::L2Host,
+        Ok(v1::EventTier::L3Storage) => EventTier::L3Storage,
+        _ => return Err(format!("tier: {} is not a tier", e.tier)),
+    };
     Ok(Event {
         seq: e.seq,
         unix_nanos: e.unix_nanos,
         kind,
         layout,
+        tier,
     })
 }

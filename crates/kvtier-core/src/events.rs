@@ -26,6 +26,16 @@ pub enum EventKind {
     Resync,
 }
 
+/// Which tier an event is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventTier {
+    /// kvtierd's shared host memory.
+    L2Host,
+    /// Its storage tier, as far as this kvtierd knows: pages its writes landed there, pages
+    /// its backend evicted, an operator's clear.
+    L3Storage,
+}
+
 /// One event of the stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
@@ -38,6 +48,8 @@ pub struct Event {
     /// The pool's layout; `None` only for a [`EventKind::Cleared`] of every pool or a
     /// [`EventKind::Resync`].
     pub layout: Option<LayoutFingerprint>,
+    /// The tier it is about (a [`EventKind::Resync`]: every tier).
+    pub tier: EventTier,
 }
 
 impl Event {

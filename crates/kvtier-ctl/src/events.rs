@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvtier_core::events::{Event, EventKind};
+use kvtier_core::events::{Event, EventKind, EventTier};
 
 /// Flags of `kvtierctl events`.
 #[derive(Debug, Args)]
@@ -33,22 +33,31 @@ pub fn render_event(e: &Event) -> String {
     let short = |k: &kvtier_core::PageKey| k.to_hex()[..16].to_string();
     let layout = e.layout.map(|l| l.to_hex()[..16].to_string());
     let layout = layout.as_deref().unwrap_or("*");
+    let tier = match e.tier {
+        EventTier::L2Host => "l2",
+        EventTier::L3Storage => "l3",
+    };
     let mut line = String::new();
     let _ = match e.kind {
         EventKind::Stored { key, parent } => write!(
             line,
-            "{:>10} stored   {layout} {} after {}",
+            "{:>10} stored   {tier} {layout} {} after {}",
             e.seq,
             short(&key),
             parent.as_ref().map_or("-".into(), short)
         ),
         EventKind::Removed { key } => {
-            write!(line, "{:>10} removed  {layout} {}", e.seq, short(&key))
+            write!(
+                line,
+                "{:>10} removed  {tier} {layout} {}",
+                e.seq,
+                short(&key)
+            )
         }
-        EventKind::Cleared => write!(line, "{:>10} cleared  {layout}", e.seq),
+        EventKind::Cleared => write!(line, "{:>10} cleared  {tier} {layout}", e.seq),
         EventKind::Resync => write!(
             line,
-            "{:>10} resync   (a snapshot of what L2 holds follows)",
+            "{:>10} resync      (a snapshot of what the node holds follows)",
             e.seq
         ),
     };
@@ -111,6 +120,7 @@ mod tests {
             unix_nanos: 0,
             kind,
             layout,
+            tier: EventTier::L2Host,
         };
         let fp = Some(LayoutFingerprint([0xab; 16]));
         let stored = render_event(&ev(
@@ -122,7 +132,7 @@ mod tests {
         ));
         assert_eq!(
             stored,
-            "         7 stored   abababababababab 0101010101010101 after -"
+            "         7 stored   l2 abababababababab 0101010101010101 after -"
         );
         let removed = render_event(&ev(
             EventKind::Removed {
@@ -130,8 +140,13 @@ mod tests {
             },
             fp,
         ));
-        assert!(removed.contains("removed  abababababababab 0202020202020202"));
-        assert!(render_event(&ev(EventKind::Cleared, None)).ends_with("cleared  *"));
+        assert!(removed.contains("removed  l2 abababababababab 0202020202020202"));
+        assert!(render_event(&ev(EventKind::Cleared, None)).ends_with("cleared  l2 *"));
+        let l3 = Event {
+            tier: EventTier::L3Storage,
+            ..ev(EventKind::Cleared, None)
+        };
+        assert!(render_event(&l3).ends_with("cleared  l3 *"));
         assert!(render_event(&ev(EventKind::Resync, None)).contains("resync"));
         assert_eq!(parse_resume("12:34"), Ok((12, 34)));
         assert!(parse_resume("12").unwrap_err().contains("--after"));

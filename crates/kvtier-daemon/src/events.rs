@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-pub use kvtier_core::events::{Event, EventKind};
+pub use kvtier_core::events::{Event, EventKind, EventTier};
 use kvtier_core::host_index::IndexChange;
 use kvtier_core::{LayoutFingerprint, PageKey, TenantTag};
 use kvtier_server::metrics::MetricRegistry;
@@ -131,29 +131,44 @@ impl EventBus {
         self.next_seq - 1
     }
 
-    /// Publishes `changes` of the pool `layout`, in order.
+    /// Publishes `changes` of the L2 pool `layout`, in order.
     pub fn publish(&mut self, layout: LayoutFingerprint, changes: Vec<IndexChange>) {
-        let events = changes.into_iter().map(|c| match c {
-            IndexChange::Stored { key, parent } => EventKind::Stored { key, parent },
-            IndexChange::Removed { key } => EventKind::Removed { key },
+        let events = changes.into_iter().map(|c| {
+            let kind = match c {
+                IndexChange::Stored { key, parent } => EventKind::Stored { key, parent },
+                IndexChange::Removed { key } => EventKind::Removed { key },
+            };
+            (Some(layout), kind, EventTier::L2Host)
         });
-        self.publish_kinds(Some(layout), events);
+        self.publish_kinds(events);
     }
 
-    /// Publishes that every page of `layout` (every pool's, when `None`) is gone.
+    /// Publishes L3 changes (`layout`, what happened), in order.
+    pub fn publish_l3(&mut self, changes: Vec<(Option<LayoutFingerprint>, EventKind)>) {
+        self.publish_kinds(
+            changes
+                .into_iter()
+                .map(|(layout, kind)| (layout, kind, EventTier::L3Storage)),
+        );
+    }
+
+    /// Publishes that every L2 page of `layout` (every pool's, when `None`) is gone.
     pub fn cleared(&mut self, layout: Option<LayoutFingerprint>) {
-        self.publish_kinds(layout, std::iter::once(EventKind::Cleared));
+        self.publish_kinds(std::iter::once((
+            layout,
+            EventKind::Cleared,
+            EventTier::L2Host,
+        )));
     }
 
     fn publish_kinds(
         &mut self,
-        layout: Option<LayoutFingerprint>,
-        kinds: impl Iterator<Item = EventKind>,
+        kinds: impl Iterator<Item = (Option<LayoutFingerprint>, EventKind, EventTier)>,
     ) {
         let unix_nanos = now_nanos();
         let start = self.next_seq;
         let batch: Arc<[Event]> = kinds
-            .map(|kind| {
+            .map(|(layout, kind, tier)| {
                 let seq = self.next_seq;
                 self.next_seq += 1;
                 Event {
@@ -161,6 +176,7 @@ impl EventBus {
                     unix_nanos,
                     kind,
                     layout,
+                    tier,
                 }
             })
             .collect();
@@ -202,11 +218,17 @@ impl EventBus {
         (start, rx)
     }
 
-    /// A RESYNC at the current seq, then `pages` (every ready page of each pool, parents
-    /// first) as STORED events with seq 0.
+    /// A RESYNC at the current seq, then `pages` (per pool and tier, parents first) as
+    /// STORED events with seq 0.
     pub fn snapshot(
         &self,
-        pools: impl Iterator<Item = (LayoutFingerprint, Vec<(PageKey, Option<PageKey>)>)>,
+        pools: impl Iterator<
+            Item = (
+                LayoutFingerprint,
+                EventTier,
+                Vec<(PageKey, Option<PageKey>)>,
+            ),
+        >,
     ) -> Vec<Event> {
         let unix_nanos = now_nanos();
         let mut out = vec![Event {
@@ -214,13 +236,15 @@ impl EventBus {
             unix_nanos,
             kind: EventKind::Resync,
             layout: None,
+            tier: EventTier::L2Host,
         }];
-        for (layout, pages) in pools {
+        for (layout, tier, pages) in pools {
             out.extend(pages.into_iter().map(|(key, parent)| Event {
                 seq: 0,
                 unix_nanos,
                 kind: EventKind::Stored { key, parent },
                 layout: Some(layout),
+                tier,
             }));
         }
         out
@@ -438,6 +462,7 @@ mod tests {
             unix_nanos: 0,
             kind,
             layout: Some(FP),
+            tier: EventTier::L2Host,
         };
         let t = Some(scope.tag());
         assert!(ev(EventKind::Removed { key: mine }).visible_to(t));
@@ -516,6 +541,7 @@ mod tests {
         bus.publish(FP, vec![stored(1), stored(2)]);
         let snap = bus.snapshot(std::iter::once((
             FP,
+            EventTier::L2Host,
             vec![(k(1), None), (k(2), Some(k(1)))],
         )));
         assert_eq!((snap[0].kind, snap[0].seq), (EventKind::Resync, 2));

@@ -320,7 +320,8 @@ pub async fn run_writer(
 }
 
 /// Keeps enough cold pages in L3 that reserves find evictable slots, under every write
-/// policy, and tells the state whether L3 is down. Every 20 ms: the breaker's state goes to
+/// policy, tells the state whether L3 is down, and hands it what the backend evicted on its
+/// own (the L3 events' REMOVED). Every 20 ms: the breaker's state goes to
 /// [`HostState::set_l3_down`]; each pool with fewer than a quarter of its slots free (every
 /// pool while a flush or drain runs) gets its coldest unwritten pages queued (none while L3
 /// is down).
@@ -331,8 +332,13 @@ pub async fn run_flusher(l3: Arc<L3>, state: Arc<Shared>, batch: usize, stop: Ca
             () = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        // What the backend evicted on its own since the last tick, for the L3 events.
+        let removed = l3.store.store().take_removed();
         let jobs = {
             let mut st = state.lock();
+            if !removed.is_empty() {
+                st.l3_removed(removed);
+            }
             st.set_l3_down(l3.breaker_open());
             // No more than the queue takes: a flush of the whole pool waits its turn in L2
             // rather than being counted as deferred.

@@ -273,6 +273,11 @@ pub struct HostState {
     /// L3's generation: advanced when L3 is cleared, so writes and loads from before the
     /// clear do not mark pages held.
     l3_epoch: u64,
+    /// What this kvtierd learned of L3 since the last publication (`state/events.rs`).
+    l3_events: Vec<(
+        Option<kvtier_core::LayoutFingerprint>,
+        crate::events::EventKind,
+    )>,
     /// Draining (`kvtierctl drain`): no new sessions, writes or prefetches; every page L3
     /// lacks is written.
     draining: bool,
@@ -331,6 +336,7 @@ impl HostState {
             write: cfg.l3.backend.stores().then(|| cfg.l3.write_policy()),
             l3_down: false,
             l3_epoch: 0,
+            l3_events: Vec::new(),
             draining: false,
             flushes: 0,
             prefetches: Prefetches::new(cfg.prefetch.budget_fraction),

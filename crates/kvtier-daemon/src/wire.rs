@@ -222,7 +222,10 @@ pub fn event_batch(stream_id: u64, node: &str, events: &[crate::events::Event]) 
                 seq: e.seq,
                 unix_nanos: e.unix_nanos,
                 kind: kind as i32,
-                tier: v1::EventTier::L2Host as i32,
+                tier: match e.tier {
+                    crate::events::EventTier::L2Host => v1::EventTier::L2Host,
+                    crate::events::EventTier::L3Storage => v1::EventTier::L3Storage,
+                } as i32,
                 key,
                 parent,
                 layout: e.layout.map(|l| l.to_hex()).unwrap_or_default(),

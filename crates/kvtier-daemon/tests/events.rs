@@ -1,7 +1,8 @@
 //! kvtierd's event stream (`WatchEvents`, docs/routing.md) against a real daemon: the events
 //! rebuild exactly what L2 holds through commits, eviction and a clear; a resume replays
 //! what was missed; a restart is a new stream; and a subscriber that never reads does not
-//! slow commits down, and catches up when it reads.
+//! slow commits down, and catches up when it reads; L3's events follow write-through, the
+//! backend's evictions and a clear.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -12,13 +13,15 @@ use std::time::Duration;
 use common::*;
 use kvtier_client::{EventStream, HostClient};
 use kvtier_core::PageKey;
-use kvtier_core::events::{Event, EventKind};
+use kvtier_core::events::{Event, EventKind, EventTier};
 use kvtier_proto::v1;
 
-/// What a router keeps from one node's events: each page held, with its parent.
+/// What a router keeps from one node's events: each page held, with its parent, in L2
+/// (`pages`) and in L3 (`l3`).
 #[derive(Default, Debug)]
 struct Held {
     pages: HashMap<PageKey, Option<PageKey>>,
+    l3: HashMap<PageKey, Option<PageKey>>,
     last_seq: u64,
     stream_id: u64,
     resyncs: usize,
@@ -28,17 +31,22 @@ impl Held {
     fn apply(&mut self, stream_id: u64, events: &[Event]) {
         self.stream_id = stream_id;
         for e in events {
+            let tier = match e.tier {
+                EventTier::L2Host => &mut self.pages,
+                EventTier::L3Storage => &mut self.l3,
+            };
             match e.kind {
                 EventKind::Resync => {
                     self.pages.clear();
+                    self.l3.clear();
                     self.resyncs += 1;
                 }
-                EventKind::Cleared => self.pages.clear(),
+                EventKind::Cleared => tier.clear(),
                 EventKind::Stored { key, parent } => {
-                    self.pages.insert(key, parent);
+                    tier.insert(key, parent);
                 }
                 EventKind::Removed { key } => {
-                    assert!(self.pages.remove(&key).is_some(), "removed before stored");
+                    assert!(tier.remove(&key).is_some(), "removed before stored: {e:?}");
                 }
             }
             if e.seq != 0 {
@@ -326,5 +334,64 @@ fn locate_answers_per_tier_with_no_session_and_names_bad_input() {
             "tokens",
         )
         .await;
+    });
+}
+
+#[test]
+fn l3_events_follow_write_through_the_backends_evictions_and_a_clear() {
+    // A file L3 bounded to 10 pages: write-through lands each committed page there (STORED,
+    // tier L3), the bound evicts the oldest (REMOVED, tier L3), and the operator's clear of
+    // L3 is a CLEARED of that tier only.
+    let object = 16_384 + 72;
+    let cap = format!("l3.file.capacity_bytes={}", 10 * object);
+    let d = Daemon::start(
+        "events-l3",
+        &["l2.pool_pages=64", "l3.write_policy=write_through", &cap],
+    );
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        let (first, second) = (chain(1, 8), chain(2, 8));
+        store(&mut c, &s, &first).await;
+        let mut w = c.watch_events(0, 0).await.unwrap();
+        let mut held = Held::default();
+        held.catch_up(&mut w).await;
+        assert_eq!(held.pages.len(), 8);
+        let l3: Vec<PageKey> = first
+            .iter()
+            .filter(|k| held.l3.contains_key(k))
+            .copied()
+            .collect();
+        assert_eq!(
+            l3, first,
+            "every page landed in L3: in the snapshot or after it"
+        );
+        assert_eq!(
+            held.l3[&first[3]],
+            Some(first[2]),
+            "parents come with L3 pages too"
+        );
+        // Eight more: L3 keeps 10, the six least recently used go, each a REMOVED of L3.
+        store(&mut c, &s, &second).await;
+        eventually("the L3 writes", Duration::from_secs(10), || {
+            l3_files(&d.dir) == 10
+        });
+        held.catch_up(&mut w).await;
+        assert_eq!(held.pages.len(), 16, "L2 keeps them all");
+        assert_eq!(held.l3.len(), 10, "{:?}", held.l3.len());
+        assert!(first[..6].iter().all(|k| !held.l3.contains_key(k)));
+        assert!(second.iter().all(|k| held.l3.contains_key(k)));
+        // The operator clears L3: a CLEARED of L3; L2's pages stay.
+        let ch = kvtier_client::connect(&d.target()).await.unwrap();
+        v1::admin_client::AdminClient::new(ch)
+            .clear(v1::ClearRequest {
+                tier: v1::Tier::Storage as i32,
+                dry_run: false,
+            })
+            .await
+            .unwrap();
+        held.catch_up(&mut w).await;
+        assert!(held.l3.is_empty());
+        assert_eq!(held.pages.len(), 16);
     });
 }

@@ -35,7 +35,7 @@ use kvtier_config::l3::FileSection;
 use kvtier_core::TenantTag;
 
 use crate::lru::{Index, blocking, check_fits, lock, now_ns};
-use crate::{ObjectSink, StorageError, Store, StoreStats, check_name};
+use crate::{ObjectSink, Removed, StorageError, Store, StoreStats, check_name};
 
 /// Bytes per read of [`Store::read_into`]: large enough for few syscalls, small enough to
 /// stay in cache between the read and the copy out.
@@ -555,6 +555,10 @@ impl Store for FileStore {
     async fn clear(&self) -> Result<u64, StorageError> {
         let (objects, index) = (self.objects.clone(), self.index.clone());
         blocking("file", move || clear_dir(&objects, &objects, &index)).await
+    }
+
+    fn take_removed(&self) -> Removed {
+        lock(&self.index).removed.take()
     }
 
     fn stats(&self) -> StoreStats {

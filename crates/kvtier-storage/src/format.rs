@@ -31,6 +31,20 @@ pub fn object_name(fp: &LayoutFingerprint, key: &PageKey) -> String {
     format!("{}/{}", fp.to_hex(), key.to_hex())
 }
 
+/// The layout and key an [`object_name`] names; `None` for any other name.
+pub fn parse_object_name(name: &str) -> Option<(LayoutFingerprint, PageKey)> {
+    let (fp, key) = name.split_once('/')?;
+    let fp = LayoutFingerprint::from_hex("name", fp).ok()?;
+    if key.len() != 64 {
+        return None;
+    }
+    let mut k = [0u8; 32];
+    for (i, b) in k.iter_mut().enumerate() {
+        *b = u8::from_str_radix(key.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some((fp, PageKey(k)))
+}
+
 /// Builds the header for `payload`.
 pub fn header(fp: &LayoutFingerprint, key: &PageKey, payload: &[u8]) -> Bytes {
     let mut h = BytesMut::with_capacity(HEADER_LEN);
@@ -97,6 +111,21 @@ pub fn verify_head(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn object_names_parse_back_and_others_do_not() {
+        let (fp, key) = (LayoutFingerprint([0xa5; 16]), PageKey([0x3c; 32]));
+        assert_eq!(parse_object_name(&object_name(&fp, &key)), Some((fp, key)));
+        for bad in [
+            "",
+            "ab/cd",
+            "zz/00",
+            &format!("{}/{}", fp.to_hex(), "g".repeat(64)),
+        ] {
+            assert_eq!(parse_object_name(bad), None, "{bad:?}");
+        }
+    }
+
     use super::*;
     use kvtier_core::checksum::crc32c;
 

@@ -163,6 +163,48 @@ pub struct StoreStats {
     pub tenants: Vec<TenantBytes>,
 }
 
+/// Objects a backend removed on its own since it was last asked ([`Store::take_removed`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Removed {
+    /// Their names, oldest first.
+    pub names: Vec<String>,
+    /// More were removed between two calls than a backend remembers ([`REMOVED_LOG`]): the
+    /// names are incomplete, and a listener should forget what it knew this store held.
+    pub overflowed: bool,
+}
+
+impl Removed {
+    /// Whether nothing was removed.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty() && !self.overflowed
+    }
+}
+
+/// Most removals a backend remembers between two [`Store::take_removed`] calls.
+pub const REMOVED_LOG: usize = 65_536;
+
+/// A backend's log of its own removals, bounded by [`REMOVED_LOG`].
+#[derive(Debug, Default)]
+pub(crate) struct RemovedLog(Removed);
+
+impl RemovedLog {
+    pub(crate) fn push(&mut self, name: &str) {
+        if self.0.overflowed {
+            return;
+        }
+        if self.0.names.len() == REMOVED_LOG {
+            self.0.names = Vec::new();
+            self.0.overflowed = true;
+            return;
+        }
+        self.0.names.push(name.to_string());
+    }
+
+    pub(crate) fn take(&mut self) -> Removed {
+        std::mem::take(&mut self.0)
+    }
+}
+
 /// A backend: named, opaque objects.
 ///
 /// Contract, for every implementation:
@@ -234,6 +276,11 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Current statistics.
     fn stats(&self) -> StoreStats;
+
+    /// The objects it removed on its own (capacity or quota evictions) since the last call,
+    /// for kvtierd's L3 events. Backends that never remove objects themselves (S3, and
+    /// `remote`, whose peer's store does its own) return none.
+    fn take_removed(&self) -> Removed;
 }
 
 /// What a backend hands [`ObjectSink::fill_at`]: fills the destination it is given, all of it.
@@ -278,5 +325,23 @@ pub fn check_name(name: &str) -> Result<(), StorageError> {
         Err(StorageError::Invalid(format!(
             "object name {name:?} is not [0-9a-f/]{{1,256}} without empty segments"
         )))
+    }
+}
+
+#[cfg(test)]
+mod removed_log_tests {
+    use super::*;
+
+    #[test]
+    fn a_full_log_says_it_overflowed_instead_of_growing() {
+        let mut log = RemovedLog::default();
+        log.push("a/1");
+        assert_eq!(log.take().names, vec!["a/1".to_string()]);
+        for i in 0..=REMOVED_LOG {
+            log.push(&format!("a/{i:x}"));
+        }
+        let r = log.take();
+        assert!(r.overflowed && r.names.is_empty());
+        assert_eq!(log.take(), Removed::default(), "taking starts a new log");
     }
 }

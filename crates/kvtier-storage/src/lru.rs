@@ -79,6 +79,8 @@ pub(crate) struct Index {
     /// serving: the names writers inserted or removed meanwhile. Their word is newer than
     /// the disk listing's (an object evicted, its file not yet deleted, must not come back).
     since_open: Option<HashSet<String>>,
+    /// What eviction took, for [`crate::Store::take_removed`].
+    pub(crate) removed: crate::RemovedLog,
 }
 
 impl Index {
@@ -220,6 +222,7 @@ impl Index {
             g.usage.evictions += 1;
             self.remove(&first.1);
             self.evictions += 1;
+            self.removed.push(&first.1);
             out.push(first.1);
         }
         while capacity > 0 && self.bytes > capacity {
@@ -228,6 +231,7 @@ impl Index {
             };
             self.remove(&first.1);
             self.evictions += 1;
+            self.removed.push(&first.1);
             out.push(first.1);
         }
         out

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 
-use crate::{StorageError, Store, StoreStats, check_name};
+use crate::{Removed, StorageError, Store, StoreStats, check_name};
 
 #[derive(Debug, Default)]
 struct Inner {
@@ -15,6 +15,7 @@ struct Inner {
     order: VecDeque<String>,
     bytes: u64,
     evictions: u64,
+    removed: crate::RemovedLog,
 }
 
 /// An in-memory store.
@@ -98,6 +99,7 @@ impl Store for MemoryStore {
             if let Some(o) = g.objects.remove(&victim) {
                 g.bytes -= o.len() as u64;
                 g.evictions += 1;
+                g.removed.push(&victim);
             }
         }
         Ok(())
@@ -125,6 +127,10 @@ impl Store for MemoryStore {
         g.order.clear();
         g.bytes = 0;
         Ok(n)
+    }
+
+    fn take_removed(&self) -> Removed {
+        self.lock().removed.take()
     }
 
     fn stats(&self) -> StoreStats {

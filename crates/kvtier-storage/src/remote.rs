@@ -9,7 +9,7 @@ use kvtier_client::{AuthChannel, TcpSecurity};
 use kvtier_proto::v1;
 use kvtier_proto::v1::object_storage_client::ObjectStorageClient;
 
-use crate::{StorageError, Store, StoreStats, check_name};
+use crate::{Removed, StorageError, Store, StoreStats, check_name};
 
 /// Bytes per streamed get message when the client does not say (kvtier ≤ 0.1 clients).
 pub const CHUNK: usize = 1 << 20;
@@ -217,6 +217,10 @@ impl Store for RemoteStore {
             "remote: the tier belongs to the kvtierd at {}; clear it there (kvtierctl clear l3 on that node)",
             self.target
         )))
+    }
+
+    fn take_removed(&self) -> Removed {
+        Removed::default()
     }
 
     fn stats(&self) -> StoreStats {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::{ObjectSink, StorageError, Store, StoreStats};
+use crate::{ObjectSink, Removed, StorageError, Store, StoreStats};
 
 /// How [`Retrying`] retries.
 #[derive(Clone, Copy, Debug)]
@@ -182,6 +182,9 @@ impl Store for Retrying {
     }
     fn stats(&self) -> StoreStats {
         self.inner.stats()
+    }
+    fn take_removed(&self) -> Removed {
+        self.inner.take_removed()
     }
 }
 

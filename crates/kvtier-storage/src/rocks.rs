@@ -22,7 +22,7 @@ use rocksdb::{
 };
 
 use crate::lru::{Index, blocking, check_fits, lock, now_ns};
-use crate::{StorageError, Store, StoreStats, check_name};
+use crate::{Removed, StorageError, Store, StoreStats, check_name};
 
 const SIZES: &str = "sizes";
 
@@ -270,6 +270,10 @@ impl Store for RocksStore {
             Ok(n)
         })
         .await
+    }
+
+    fn take_removed(&self) -> Removed {
+        lock(&self.index).removed.take()
     }
 
     fn stats(&self) -> StoreStats {

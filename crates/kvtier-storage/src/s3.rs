@@ -19,7 +19,7 @@ use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
 
-use crate::{StorageError, Store, StoreStats, check_name};
+use crate::{Removed, StorageError, Store, StoreStats, check_name};
 
 /// The S3 backend.
 #[derive(Debug)]
@@ -182,6 +182,10 @@ impl Store for S3Store {
             }
         }
         Ok(n)
+    }
+
+    fn take_removed(&self) -> Removed {
+        Removed::default()
     }
 
     fn stats(&self) -> StoreStats {

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use std::sync::Arc;
 
-use crate::{ObjectSink, StorageError, Store, StoreStats};
+use crate::{ObjectSink, Removed, StorageError, Store, StoreStats};
 
 /// Breaker settings.
 #[derive(Clone, Copy, Debug)]
@@ -322,6 +322,9 @@ impl Store for Breaker {
     fn stats(&self) -> StoreStats {
         self.inner.stats()
     }
+    fn take_removed(&self) -> Removed {
+        self.inner.take_removed()
+    }
 }
 
 /// How [`Faulty`] misbehaves while failing.
@@ -425,6 +428,9 @@ impl Store for Faulty {
     fn stats(&self) -> StoreStats {
         self.inner.stats()
     }
+    fn take_removed(&self) -> Removed {
+        self.inner.take_removed()
+    }
 }
 
 /// A slow backend, for chaos drills and tests: every `get` waits `delay` before it starts,
@@ -493,6 +499,9 @@ impl Store for Delayed {
     }
     fn stats(&self) -> StoreStats {
         self.inner.stats()
+    }
+    fn take_removed(&self) -> Removed {
+        self.inner.take_removed()
     }
 }
 
@@ -576,6 +585,9 @@ impl Store for Flaky {
     }
     fn stats(&self) -> StoreStats {
         self.inner.stats()
+    }
+    fn take_removed(&self) -> Removed {
+        self.inner.take_removed()
     }
 }
 
@@ -700,5 +712,8 @@ impl Store for Metered {
     }
     fn stats(&self) -> StoreStats {
         self.inner.stats()
+    }
+    fn take_removed(&self) -> Removed {
+        self.inner.take_removed()
     }
 }

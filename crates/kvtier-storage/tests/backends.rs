@@ -194,6 +194,10 @@ async fn file_capacity_evicts_least_recently_used() {
     assert!(s.exists(&n(4)).await.unwrap());
     let st = s.stats();
     assert_eq!((st.objects, st.bytes, st.evictions), (4, 4000, 1));
+    // The eviction is reported once, by name (kvtierd's L3 events).
+    let removed = s.take_removed();
+    assert_eq!((removed.names, removed.overflowed), (vec![n(1)], false));
+    assert_eq!(s.take_removed(), kvtier_storage::Removed::default());
     // An object larger than the whole capacity is refused.
     assert!(matches!(
         s.set(&n(9), Bytes::new(), Bytes::from(vec![0u8; 5000]))
@@ -264,6 +268,9 @@ async fn deadlines_and_cancellation_become_misses() {
         async fn clear(&self) -> Result<u64, StorageError> {
             std::future::pending().await
         }
+        fn take_removed(&self) -> kvtier_storage::Removed {
+            kvtier_storage::Removed::default()
+        }
         fn stats(&self) -> kvtier_storage::StoreStats {
             Default::default()
         }
@@ -320,6 +327,10 @@ async fn rocksdb_pages_survive_reopen_and_capacity_holds() {
         // Ten pages into a capacity of eight: the two least recently used went.
         let st = s.stats();
         assert_eq!((st.objects, st.bytes, st.evictions), (8, 8 * obj, 2));
+        let removed = s.take_removed().names;
+        let first = |k: &PageKey| removed.iter().any(|n| n.ends_with(&k.to_hex()));
+        assert_eq!(removed.len(), 2);
+        assert!(first(&keys[0]) && first(&keys[1]), "{removed:?}");
         assert!(ps.get(&ctx(), &fp, &keys[0], None).await.hit().is_none());
     }
     let s = RocksStore::open(&dir, &RocksdbSection::default(), &[])

@@ -58,6 +58,7 @@ class EventTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EVENT_TIER_UNSPECIFIED: _ClassVar[EventTier]
     EVENT_TIER_L2_HOST: _ClassVar[EventTier]
+    EVENT_TIER_L3_STORAGE: _ClassVar[EventTier]
 PREFETCH_POLICY_UNSPECIFIED: PrefetchPolicy
 PREFETCH_POLICY_BEST_EFFORT: PrefetchPolicy
 PREFETCH_POLICY_WAIT_COMPLETE: PrefetchPolicy
@@ -88,6 +89,7 @@ PAGE_EVENT_KIND_CLEARED: PageEventKind
 PAGE_EVENT_KIND_RESYNC: PageEventKind
 EVENT_TIER_UNSPECIFIED: EventTier
 EVENT_TIER_L2_HOST: EventTier
+EVENT_TIER_L3_STORAGE: EventTier
 
 class PrefetchHints(_message.Message):
     __slots__ = ("timeout_ms", "threshold_tokens", "recompute_tokens_per_second")

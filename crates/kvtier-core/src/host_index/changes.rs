@@ -47,11 +47,21 @@ impl HostIndex {
     /// Every ready page with its indexed parent, parents before their children: what a
     /// reader that lost the log rebuilds from.
     pub fn ready_pages(&self) -> Vec<(PageKey, Option<PageKey>)> {
+        self.pages_where(|e| e.state == PageState::Ready)
+    }
+
+    /// The ready pages L3 holds (as this index knows: their writes landed), as
+    /// [`Self::ready_pages`] lists them.
+    pub fn persisted_pages(&self) -> Vec<(PageKey, Option<PageKey>)> {
+        self.pages_where(|e| e.state == PageState::Ready && e.l3 == super::L3Mark::Persisted)
+    }
+
+    fn pages_where(&self, pred: impl Fn(&super::Entry) -> bool) -> Vec<(PageKey, Option<PageKey>)> {
         let mut out: Vec<(u64, PageKey, Option<PageKey>)> = self
             .entries
             .iter()
             .flatten()
-            .filter(|e| e.state == PageState::Ready)
+            .filter(|e| pred(e))
             .map(|e| {
                 let parent = self.live(e.parent).map(|p| self.entry(p).key);
                 (e.created, e.key, parent)

@@ -3,8 +3,12 @@
 
 use tokio::sync::broadcast;
 
+use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_storage::Removed;
+use kvtier_storage::format::parse_object_name;
+
 use super::HostState;
-use crate::events::{Event, EventBus, EventMetrics, Start};
+use crate::events::{Event, EventBus, EventKind, EventMetrics, EventTier, Start};
 
 /// Where a new `WatchEvents` stream starts, and what it hears after.
 pub struct Subscription {
@@ -26,6 +30,38 @@ impl HostState {
             if pool.index.has_changes() {
                 let fp = pool.layout.fingerprint();
                 self.events.publish(fp, pool.index.take_changes());
+            }
+        }
+        if !self.l3_events.is_empty() {
+            self.events.publish_l3(std::mem::take(&mut self.l3_events));
+        }
+    }
+
+    /// This kvtierd's write of `key` (of layout `fp`, after `parent`) landed in L3.
+    pub(super) fn l3_stored(
+        &mut self,
+        fp: LayoutFingerprint,
+        key: PageKey,
+        parent: Option<PageKey>,
+    ) {
+        self.l3_events
+            .push((Some(fp), EventKind::Stored { key, parent }));
+    }
+
+    /// L3 was cleared by the operator: every page of every layout is gone from it.
+    pub(super) fn l3_cleared(&mut self) {
+        self.l3_events.push((None, EventKind::Cleared));
+    }
+
+    /// What L3's backend removed on its own (capacity or quota evictions): REMOVED events
+    /// for kvtier's pages, or a CLEARED when it removed more than it could name.
+    pub fn l3_removed(&mut self, removed: Removed) {
+        if removed.overflowed {
+            self.l3_cleared();
+        }
+        for name in removed.names {
+            if let Some((fp, key)) = parse_object_name(&name) {
+                self.l3_events.push((Some(fp), EventKind::Removed { key }));
             }
         }
     }
@@ -61,11 +97,15 @@ impl HostState {
     /// A RESYNC at the last published seq, then every page L2 holds now.
     pub fn event_snapshot(&mut self) -> Vec<Event> {
         self.publish_changes();
-        self.events.snapshot(
-            self.pools
-                .values()
-                .map(|p| (p.layout.fingerprint(), p.index.ready_pages())),
-        )
+        // L2's pages, then those L3 holds as far as this kvtierd knows (its writes landed,
+        // the page is still indexed): pages only L3 holds are not listed (Locate finds them).
+        self.events.snapshot(self.pools.values().flat_map(|p| {
+            let fp = p.layout.fingerprint();
+            [
+                (fp, EventTier::L2Host, p.index.ready_pages()),
+                (fp, EventTier::L3Storage, p.index.persisted_pages()),
+            ]
+        }))
     }
 
     /// A resubscription for a stream that fell behind: a snapshot and a fresh channel.

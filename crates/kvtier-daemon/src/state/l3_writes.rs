@@ -112,6 +112,10 @@ impl HostState {
         let landed = landed && job.epoch == self.l3_epoch;
         if let Some(p) = self.pools.get_mut(&job.pool_key) {
             p.index.finish_l3(&job.key, landed);
+            if landed {
+                let parent = p.index.parent(&job.key);
+                self.l3_stored(job.fp, job.key, parent);
+            }
         }
     }
 

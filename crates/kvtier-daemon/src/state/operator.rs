@@ -88,6 +88,7 @@ impl HostState {
     /// before do not count as holding. Returns how many pages were marked held.
     pub fn forget_l3(&mut self) -> u64 {
         self.l3_epoch += 1;
+        self.l3_cleared();
         self.pools
             .values_mut()
             .map(|p| u64::from(p.index.forget_l3()))

@@ -18,10 +18,13 @@ Mapping (docs/routing.md has the table):
   parent as ``parent_block_hash``. Block hashes are kvtier's 32-byte page keys (vLLM's
   ``ExternalBlockHash`` allows bytes): a router hashes a prompt with kvtier's hash spec
   (docs/hash-spec.md) and matches on them. ``token_ids`` is empty, since kvtierd keeps pages
-  by key and never sees tokens. ``medium`` is ``CPU`` for L2.
+  by key and never sees tokens.
 - REMOVED → ``BlockRemoved``.
+- The tier sets ``medium``: ``CPU`` for L2, ``STORAGE`` for L3 (pages this kvtierd wrote
+  there, and its backend's evictions).
 - CLEARED of every layout or of the bridged one, and RESYNC (the snapshot's pages follow) →
-  ``AllBlocksCleared``.
+  ``AllBlocksCleared``. That event names no medium, so after an L3 clear the bridge asks
+  kvtierd for a snapshot, which gives the subscribers back what L2 still holds.
 
 With ``layout`` set, only that layout's pages are published (one model per socket, as vLLM
 publishes); without it, every layout's.
@@ -47,7 +50,7 @@ from kvtier.events import EventBatch, EventKind, EventTier, Follower, PageEvent
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 # vLLM's media (vllm.distributed.kv_events.MEDIUM_*), by kvtier tier.
-MEDIUM = {EventTier.L2_HOST: "CPU"}
+MEDIUM = {EventTier.L2_HOST: "CPU", EventTier.L3_STORAGE: "STORAGE"}
 
 
 def _stored(events: Sequence[PageEvent], block_size: int) -> dict[str, Any]:
@@ -94,7 +97,9 @@ def translate(
             else:
                 out.append({"type": "BlockRemoved", "block_hashes": [e.key], "medium": medium})
         elif e.kind is EventKind.RESYNC or not e.layout or not layout or e.layout == layout:
-            # CLEARED (of everything, or of this layout) and RESYNC.
+            # CLEARED (of everything, or of this layout) and RESYNC. vLLM's AllBlocksCleared
+            # names no medium: an L3 clear sends it too, and the bridge then has kvtierd
+            # resend what it still holds (KvEventsBridge asks for a snapshot).
             if not (out and out[-1]["type"] == "AllBlocksCleared"):
                 out.append({"type": "AllBlocksCleared"})
     flush()
@@ -171,6 +176,15 @@ class KvEventsBridge:
         events = translate(batch, self.block_size, self.layout)
         if events:
             self._queue.put(self._encode([time.time(), events, self.rank]))
+        # vLLM's AllBlocksCleared has no medium, so an L3 clear cleared the subscribers' L2
+        # view too: a snapshot from kvtierd gives it back.
+        if any(
+            e.kind is EventKind.CLEARED
+            and e.tier is EventTier.L3_STORAGE
+            and (not self.layout or not e.layout or e.layout == self.layout)
+            for e in batch.events
+        ):
+            self._follower.resync()
 
     def _publish_loop(self) -> None:
         # Both sockets live on this thread only (ZMQ sockets are not thread-safe).
