@@ -37,16 +37,20 @@ impl PageKey {
 
     /// Lower-case hex, 64 characters.
     pub fn to_hex(&self) -> String {
-        let mut s = String::with_capacity(KEY_LEN * 2);
-        for b in self.0 {
-            s.push(HEX[(b >> 4) as usize] as char);
-            s.push(HEX[(b & 0xf) as usize] as char);
-        }
-        s
+        hex(&self.0)
     }
 }
 
-const HEX: &[u8; 16] = b"0123456789abcdef";
+/// `bytes` in lower-case hex, in one allocation.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for &b in bytes {
+        s.push(HEX[(b >> 4) as usize] as char);
+        s.push(HEX[(b & 0xf) as usize] as char);
+    }
+    s
+}
 
 impl fmt::Display for PageKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -495,7 +495,7 @@ impl LayoutFingerprint {
 
     /// Lower-case hex, 32 characters.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        crate::keys::hex(&self.0)
     }
 
     /// Parses [`Self::to_hex`]'s form; an error names `field`.

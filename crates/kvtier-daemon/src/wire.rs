@@ -201,6 +201,12 @@ pub fn samples(
 /// One batch of a WatchEvents stream.
 pub fn event_batch(stream_id: u64, node: &str, events: &[crate::events::Event]) -> v1::EventBatch {
     use crate::events::EventKind;
+    // A batch's events are nearly always of one layout: its hex is made once.
+    let mut hex: Option<(kvtier_core::LayoutFingerprint, String)> = None;
+    let mut layout_hex = |l: kvtier_core::LayoutFingerprint| match &hex {
+        Some((fp, h)) if *fp == l => h.clone(),
+        _ => hex.insert((l, l.to_hex())).1.clone(),
+    };
     let events = events
         .iter()
         .map(|e| {
@@ -228,7 +234,7 @@ pub fn event_batch(stream_id: u64, node: &str, events: &[crate::events::Event]) 
                 } as i32,
                 key,
                 parent,
-                layout: e.layout.map(|l| l.to_hex()).unwrap_or_default(),
+                layout: e.layout.map(&mut layout_hex).unwrap_or_default(),
             }
         })
         .collect();
