@@ -19,7 +19,7 @@ import enum
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -112,12 +112,10 @@ class KeySet:
 
     __slots__ = ("_leaves", "_mins", "_len")
 
-    def __init__(self, keys: Iterable[bytes] = ()) -> None:
+    def __init__(self) -> None:
         self._leaves: list[array[int]] = [array("Q")]
         self._mins: list[int] = [0]
         self._len = 0
-        for k in keys:
-            self.add(k)
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, bytes):

@@ -193,8 +193,8 @@ impl HostClient {
         Fut: Future<Output = Result<(), E>>,
     {
         if let Err(e) = copy(slots.iter().copied().enumerate().collect()).await {
-            // Nothing names them yet: they stay leased, whatever the copy left in them.
-            lease.give(slots);
+            // Not used again (a slot the copy cannot reach would fail every write it went
+            // to): nothing names them, and kvtierd frees them with the session.
             return Err(PageError::Copy(e));
         }
         // A failed call leaves the slots' fate unknown (landed or not): they are not used

@@ -65,6 +65,15 @@ pub struct HostService {
     tenants: Arc<Tenants>,
 }
 
+/// A request's `parent` field (empty: none), in the session's tenant scope when given.
+fn scoped_parent(raw: &[u8], scope: Option<&TenantScope>) -> Result<Option<PageKey>, ApiError> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    let p = PageKey::from_slice("parent", raw)?;
+    Ok(Some(scope.map_or(p, |s| s.apply(&p))))
+}
+
 impl HostService {
     /// A service over `state`, with its series declared in `registry` (what WatchMetrics
     /// streams).
@@ -497,13 +506,7 @@ impl HostTier for HostService {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
             let (keys, scope) = self.session_keys(id, &r.keys, &r.packed_keys)?;
-            let parent = match r.parent.len() {
-                0 => None,
-                _ => {
-                    let p = PageKey::from_slice("parent", &r.parent)?;
-                    Some(scope.map_or(p, |s| s.apply(&p)))
-                }
-            };
+            let parent = scoped_parent(&r.parent, scope.as_ref())?;
             let (out, evicted) = self.state().reserve(id, parent, &keys, Instant::now())?;
             self.metrics.evictions.inc_by(evicted as u64);
             let mut resp = v1::ReserveResponse {
@@ -544,9 +547,10 @@ impl HostTier for HostService {
             let r = request.get_ref();
             let id = session_id(&r.session_id)?;
             let (keys, _) = self.session_keys(id, &r.keys, &r.packed_keys)?;
-            let (jobs, leased) =
+            let (jobs, leased, evicted) =
                 self.state()
                     .commit(id, &keys, r.lease_want as usize, Instant::now())?;
+            self.metrics.evictions.inc_by(evicted as u64);
             self.enqueue(jobs);
             self.pages("committed", keys.len());
             self.pages("leased", leased.len());

@@ -4,7 +4,6 @@
 
 use std::time::Instant;
 
-use kvtier_core::PageKey;
 use kvtier_core::host_index::Landed;
 use kvtier_proto::{ApiError, session_id, v1};
 
@@ -17,13 +16,7 @@ impl HostService {
     ) -> Result<v1::CommitLeasedResponse, ApiError> {
         let id = session_id(&r.session_id)?;
         let (keys, scope) = self.session_keys(id, &[], &r.packed_keys)?;
-        let parent = match r.parent.len() {
-            0 => None,
-            _ => {
-                let p = PageKey::from_slice("parent", &r.parent)?;
-                Some(scope.map_or(p, |s| s.apply(&p)))
-            }
-        };
+        let parent = super::scoped_parent(&r.parent, scope.as_ref())?;
         let done = self.state().commit_leased(
             id,
             parent,

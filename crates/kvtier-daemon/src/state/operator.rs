@@ -204,7 +204,7 @@ mod tests {
         let (mut st, id) = state();
         let ks = keys(4);
         st.reserve(id, None, &ks, Instant::now()).unwrap();
-        let (jobs, _) = st.commit(id, &ks, 0, Instant::now()).unwrap();
+        let (jobs, ..) = st.commit(id, &ks, 0, Instant::now()).unwrap();
         assert_eq!(jobs.len(), 4);
         // Two writes land before the clear, two after it.
         for j in &jobs[..2] {
@@ -259,7 +259,7 @@ mod tests {
         let (mut st, id) = state();
         let ks = keys(3);
         st.reserve(id, None, &ks, Instant::now()).unwrap();
-        let (jobs, _) = st.commit(id, &ks, 0, Instant::now()).unwrap();
+        let (jobs, ..) = st.commit(id, &ks, 0, Instant::now()).unwrap();
         st.finish_l3(&jobs[0], true);
         st.finish_l3(&jobs[1], false);
         // jobs[2] is still queued (pinned): it stays.

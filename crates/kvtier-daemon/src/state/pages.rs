@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use kvtier_core::host_index::{L3Mark, L3Mode, Landed, OwnerId, PageState, Reserve};
-use kvtier_core::{KeyMap, PageKey, SessionId};
+use kvtier_core::{KeyMap, PageKey, SessionId, WritePolicy};
 
 use super::{HostState, Job, Pool, StateError};
 
@@ -43,8 +43,11 @@ fn top_up(
     let cap = want
         .min(MAX_LEASE)
         .min(pool.index.stats().capacity as usize / LEASE_POOL_SHARE);
+    if !admitting || cap == 0 {
+        return (Vec::new(), Vec::new());
+    }
     let held = pool.index.leases_of(owner);
-    if !admitting || held >= cap {
+    if held >= cap {
         return (Vec::new(), Vec::new());
     }
     let (granted, evicted) = pool.index.lease(owner, cap - held);
@@ -168,15 +171,15 @@ impl HostState {
     }
 
     /// Makes reserved pages visible, then tops the session's slot lease up toward
-    /// `lease_want` (see [`MAX_LEASE`]). Returns the L3 writes write-through asks for, and
-    /// the slots newly leased.
+    /// `lease_want` (see [`MAX_LEASE`]). Returns the L3 writes write-through asks for, the
+    /// slots newly leased, and how many pages were evicted for them.
     pub fn commit(
         &mut self,
         id: SessionId,
         keys: &[PageKey],
         lease_want: usize,
         now: Instant,
-    ) -> Result<(Vec<Job>, Vec<u32>), StateError> {
+    ) -> Result<(Vec<Job>, Vec<u32>, usize), StateError> {
         let admitting = self.admitting("new pages").is_ok();
         let (write, epoch) = (self.write, self.l3_epoch);
         let (session, pool) = self.session_pool(id, now)?;
@@ -185,20 +188,14 @@ impl HostState {
         for k in keys {
             session.writing.remove(k);
         }
-        let jobs = match write {
-            Some(p) if p.on_store() => {
-                let queued = pool.index.queue_for_l3(keys);
-                Self::jobs(pool, queued, epoch)
-            }
-            _ => Vec::new(),
-        };
+        let jobs = Self::stored_jobs(write, epoch, pool, keys);
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
-        let (granted, _) = top_up(pool, session.owner, lease_want, admitting);
+        let (granted, evicted) = top_up(pool, session.owner, lease_want, admitting);
         let lost_after = pool.index.stats().unwritten_evictions;
         self.counters.commit_calls += 1;
         self.counters.committed_pages += keys.len() as u64;
         self.count_lost(mode, lost, lost_after);
-        Ok((jobs, granted))
+        Ok((jobs, granted, evicted.len()))
     }
 
     /// Lands pages a session copied into its leased slots, then tops its lease up toward
@@ -227,13 +224,7 @@ impl HostState {
             .map(|(k, _)| *k)
             .collect();
         pool.committed(&stored);
-        let jobs = match write {
-            Some(p) if p.on_store() && !stored.is_empty() => {
-                let queued = pool.index.queue_for_l3(&stored);
-                Self::jobs(pool, queued, epoch)
-            }
-            _ => Vec::new(),
-        };
+        let jobs = Self::stored_jobs(write, epoch, pool, &stored);
         let (granted, more) = top_up(pool, session.owner, want, admitting);
         evicted.extend(more);
         let lost_after = pool.index.stats().unwritten_evictions;
@@ -249,6 +240,22 @@ impl HostState {
             evicted: evicted.len(),
             jobs,
         })
+    }
+
+    /// The L3 writes the write policy asks for when `keys` were stored in `pool`.
+    fn stored_jobs(
+        write: Option<WritePolicy>,
+        epoch: u64,
+        pool: &mut Pool,
+        keys: &[PageKey],
+    ) -> Vec<Job> {
+        match write {
+            Some(p) if p.on_store() && !keys.is_empty() => {
+                let queued = pool.index.queue_for_l3(keys);
+                Self::jobs(pool, queued, epoch)
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// Frees reserved pages.
