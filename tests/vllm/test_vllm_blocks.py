@@ -190,3 +190,31 @@ def test_a_lookup_window_slices_like_the_list_it_views_without_copying_it():
     with pytest.raises(ValueError, match="step"):
         w[::2]
     assert len(_Window(tokens, 50, 10)) == 0
+
+
+def test_the_ipc_handle_is_read_out_of_every_framing_torch_uses():
+    """torch frames a storage's handle as [version][b"c"][64 bytes] (version 2 up to 2.12, 3
+    since 2.13); the agent takes the 64 bytes. Found on an H200: the framed 66 bytes reached
+    the agent, which refused them, and every DMA registration fell back to staging."""
+    from kvtier.integrations.vllm.blocks import CUDA_IPC_HANDLE_BYTES, ipc_mem_handle
+    from kvtier.integrations.vllm.common import choose_transfer
+
+    raw = bytes(range(7, 7 + CUDA_IPC_HANDLE_BYTES))
+    for version in (2, 3):
+        assert ipc_mem_handle(bytes([version]) + b"c" + raw) == raw
+    assert ipc_mem_handle(raw) == raw, "a bare handle (older torch) passes unchanged"
+    with pytest.raises(ValueError, match="expandable segment"):
+        ipc_mem_handle(b"\x03e" + b"\0" * 40)
+    for bad in (b"", b"\x03", b"\x03c" + raw[:63], b"\x03x" + raw, raw + b"\0"):
+        with pytest.raises(ValueError, match="64-byte handle"):
+            ipc_mem_handle(bad)
+
+    # What the worker makes of an export that fails that way: staging under auto, with the
+    # reason; an error naming the setting under dma.
+    def export() -> None:
+        ipc_mem_handle(b"\x03e" + b"\0" * 40)
+
+    dma, why = choose_transfer("auto", "cuda:0", True, export)
+    assert not dma and why is not None and "expandable segment" in why
+    with pytest.raises(ValueError, match="transfer: dma: cannot export"):
+        choose_transfer("dma", "cuda:0", True, export)

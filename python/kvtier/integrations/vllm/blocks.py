@@ -150,10 +150,40 @@ class CudaExport:
     bases: list[tuple[int, int]]
 
 
+#: The bytes of a ``cudaIpcMemHandle_t``: what the agent's ``cuIpcOpenMemHandle`` takes.
+CUDA_IPC_HANDLE_BYTES = 64
+
+
+def ipc_mem_handle(shared: bytes) -> bytes:
+    """The ``cudaIpcMemHandle_t`` inside what ``_share_cuda_()`` returns for a storage.
+
+    torch's caching allocator frames it as ``[version][type][payload]``: the version byte
+    changes between torch releases (2, then 3) without changing a ``cudaMalloc`` block's
+    payload, type ``c`` is such a block followed by its 64-byte handle, and type ``e`` is an
+    expandable segment, which has no such handle. Releases before the framing hand over the
+    bare 64 bytes. Raises ValueError, naming what it got, for anything else (the worker then
+    copies through its staging pool, or refuses ``transfer = "dma"``)."""
+    n = CUDA_IPC_HANDLE_BYTES
+    if len(shared) == n:
+        return shared
+    if len(shared) == n + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    if len(shared) >= 2 and shared[1:2] == b"e":
+        raise ValueError(
+            "the KV cache lies in an expandable segment (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True), which has no CUDA IPC handle"
+        )
+    kind = repr(shared[1:2]) if len(shared) >= 2 else "none"
+    raise ValueError(
+        f"torch shared the KV cache as {len(shared)} bytes of type {kind}; kvtier reads a "
+        f"{n}-byte handle, bare or framed as version, b'c', handle"
+    )
+
+
 def cuda_export(tensors: list[torch.Tensor]) -> CudaExport:
     """Exports the allocations behind ``tensors`` (CUDA tensors) by IPC handle, once per
-    allocation. Raises (RuntimeError from torch) where the allocator's memory cannot be
-    shared that way, e.g. expandable segments."""
+    allocation. Raises (RuntimeError from torch, ValueError from :func:`ipc_mem_handle`)
+    where the allocator's memory cannot be shared that way, e.g. expandable segments."""
     handles: list[bytes] = []
     sizes: list[int] = []
     bases: list[tuple[int, int]] = []
@@ -164,7 +194,7 @@ def cuda_export(tensors: list[torch.Tensor]) -> CudaExport:
         # (device, handle, storage bytes, storage's offset in the allocation, ...): what
         # torch.multiprocessing sends another process for the same storage.
         share = t.untyped_storage()._share_cuda_()  # pyright: ignore[reportAttributeAccessIssue]
-        handle, size, offset = bytes(share[1]), int(share[2]), int(share[3])
+        handle, size, offset = ipc_mem_handle(bytes(share[1])), int(share[2]), int(share[3])
         a = index.setdefault(handle, len(handles))
         if a == len(handles):
             handles.append(handle)
