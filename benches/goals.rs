@@ -122,6 +122,13 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "set 2 MiB pages vs std::fs::write",
         Goal::RatioAtLeast(0.9),
     ),
+    // Issue 44: where the raw goal is out of reach for a read that checks its bytes, within
+    // 0.9 of what such a read costs an async caller (docs/BENCHMARKS.md).
+    (
+        "l3_file",
+        "get vs the verified-read floor behind one blocking hop",
+        Goal::RatioAtLeast(0.9),
+    ),
     (
         "l3_rocksdb",
         "rocksdb get vs file get",

@@ -8,6 +8,7 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+pub mod diag;
 pub mod goals;
 pub mod host;
 pub mod python;

@@ -35,7 +35,7 @@ use kvtier_config::l3::FileSection;
 use kvtier_core::TenantTag;
 
 use crate::lru::{Index, blocking, check_fits, lock, now_ns};
-use crate::{ObjectSink, Removed, StorageError, Store, StoreStats, check_name};
+use crate::{ObjectSink, Removed, SinkReadError, StorageError, Store, StoreStats, check_name};
 
 /// Bytes per read of [`Store::read_into`]: large enough for few syscalls, small enough to
 /// stay in cache between the read and the copy out.
@@ -317,18 +317,20 @@ fn object_name(objects: &Path, path: &Path) -> Option<String> {
     }
 }
 
-/// Why the rest of an object did not reach its sink.
-enum RestError {
-    Io(std::io::Error),
-    Sink(String),
-}
-
-/// Reads the `total` bytes after the head of `f` into `sink`: straight into the sink's memory
-/// where it lends it (one copy, page cache to destination), else through one reused,
+/// Reads the `total` bytes after the head of `f` into `sink`: into memory of the sink's own
+/// that it need not zero first where it takes the file itself, else straight into the sink's
+/// memory where it lends it (one copy, page cache to destination), else through one reused,
 /// cache-sized buffer per thread (no page-sized allocation, and its page faults, per read).
 /// Returns how many bytes went.
-fn read_rest(f: &mut std::fs::File, total: u64, sink: &dyn ObjectSink) -> Result<u64, RestError> {
+fn read_rest(
+    f: &mut std::fs::File,
+    total: u64,
+    sink: &dyn ObjectSink,
+) -> Result<u64, SinkReadError> {
     use std::io::Read as _;
+    if let Some(r) = sink.append_from(0, total, f, &mut |_| {}) {
+        return r;
+    }
     let mut off = 0u64;
     let mut failed = None;
     while off < total {
@@ -343,7 +345,9 @@ fn read_rest(f: &mut std::fs::File, total: u64, sink: &dyn ObjectSink) -> Result
         match lent {
             Some(Ok(())) => off += n as u64,
             Some(Err(why)) => {
-                return Err(failed.take().map_or(RestError::Sink(why), RestError::Io));
+                return Err(failed
+                    .take()
+                    .map_or(SinkReadError::Sink(why), SinkReadError::Io));
             }
             None => break,
         }
@@ -358,9 +362,9 @@ fn read_rest(f: &mut std::fs::File, total: u64, sink: &dyn ObjectSink) -> Result
                 Ok(0) => return Ok(off),
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => return Err(RestError::Io(e)),
+                Err(e) => return Err(SinkReadError::Io(e)),
             };
-            sink.write_at(off, &buf[..n]).map_err(RestError::Sink)?;
+            sink.write_at(off, &buf[..n]).map_err(SinkReadError::Sink)?;
             off += n as u64;
         }
     })
@@ -430,8 +434,8 @@ impl Store for FileStore {
             std::io::Read::read_exact(&mut f, &mut head).map_err(io("read", &path))?;
             let total = meta.len() - head_len as u64;
             let rest = read_rest(&mut f, total, sink.as_ref()).map_err(|e| match e {
-                RestError::Io(e) => io("read", &path)(e),
-                RestError::Sink(why) => StorageError::Invalid(why),
+                SinkReadError::Io(e) => io("read", &path)(e),
+                SinkReadError::Sink(why) => StorageError::Invalid(why),
             })?;
             lock(&index).touch(&name_owned, now_ns());
             Ok(Some((Bytes::from(head), rest)))
@@ -628,6 +632,44 @@ mod tests {
         }
     }
 
+    /// A sink that reads the rest itself when it is no longer than `expect`.
+    struct Appending {
+        plain: Sink,
+        expect: u64,
+        calls: AtomicU64,
+    }
+
+    impl ObjectSink for Appending {
+        fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+            self.plain.write_at(offset, bytes)
+        }
+
+        fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
+            self.plain.fill_at(offset, len, fill)
+        }
+
+        fn append_from(
+            &self,
+            offset: u64,
+            len: u64,
+            src: &mut dyn std::io::Read,
+            seen: &mut dyn FnMut(&[u8]),
+        ) -> Option<Result<u64, SinkReadError>> {
+            if offset != 0 || len > self.expect {
+                return None;
+            }
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            let mut b = self.plain.buf.lock().unwrap();
+            Some(match src.read_to_end(&mut b) {
+                Ok(n) => {
+                    seen(&b);
+                    Ok(n as u64)
+                }
+                Err(e) => Err(SinkReadError::Io(e)),
+            })
+        }
+    }
+
     /// A temp file of this process is a write still running; one of another pid, or one
     /// whose name only starts with this pid's digits, is not.
     #[test]
@@ -664,14 +706,28 @@ mod tests {
                 "one piece per chunk"
             );
         }
+        // A sink that reads the file itself gets it in one call, and sees every byte; one
+        // that declines (the rest is longer than it expects) gets it piece by piece instead.
+        for (expect, appended) in [(data.len(), 1), (data.len() - 1, 0)] {
+            let sink = Appending {
+                plain: Sink::new(true, usize::MAX),
+                expect: expect as u64,
+                calls: AtomicU64::new(0),
+            };
+            let mut f = std::fs::File::open(&path).unwrap();
+            let n = read_rest(&mut f, data.len() as u64, &sink).ok().unwrap();
+            assert_eq!(n, data.len() as u64);
+            assert_eq!(*sink.plain.buf.lock().unwrap(), data, "expect {expect}");
+            assert_eq!(sink.calls.load(Ordering::Relaxed), appended);
+        }
         // The file is shorter than the caller was told: an I/O error.
         let mut f = std::fs::File::open(&path).unwrap();
         let short = read_rest(&mut f, data.len() as u64 + 10, &Sink::new(true, usize::MAX));
-        assert!(matches!(short, Err(RestError::Io(_))));
+        assert!(matches!(short, Err(SinkReadError::Io(_))));
         // The sink refuses part-way: its reason comes back.
         let mut f = std::fs::File::open(&path).unwrap();
         match read_rest(&mut f, data.len() as u64, &Sink::new(true, READ_CHUNK + 5)) {
-            Err(RestError::Sink(why)) => assert!(why.contains("do not fit"), "{why}"),
+            Err(SinkReadError::Sink(why)) => assert!(why.contains("do not fit"), "{why}"),
             _ => panic!("a refusing sink must stop the read"),
         }
         std::fs::remove_dir_all(&dir).unwrap();

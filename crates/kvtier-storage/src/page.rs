@@ -8,7 +8,7 @@ use kvtier_core::{LayoutFingerprint, PageKey};
 
 use crate::format::{HEADER_LEN, header, object_name, verify_head};
 use crate::lru::lock;
-use crate::{Fill, ObjectSink, OpCtx, StorageError, Store, StoreStats};
+use crate::{Fill, ObjectSink, OpCtx, SinkReadError, StorageError, Store, StoreStats};
 use kvtier_core::checksum::crc32c_append;
 
 /// Why a page was not served.
@@ -119,6 +119,29 @@ impl ObjectSink for Checksummed {
         self.inner.take(rest)
     }
 
+    /// Checksums what the sink read as it hands it over.
+    fn append_from(
+        &self,
+        offset: u64,
+        len: u64,
+        src: &mut dyn std::io::Read,
+        seen: &mut dyn FnMut(&[u8]),
+    ) -> Option<Result<u64, SinkReadError>> {
+        let mut g = lock(&self.crc);
+        if let Err(e) = in_order(&g, offset) {
+            return Some(Err(SinkReadError::Sink(e)));
+        }
+        let mut crc = g.0;
+        let r = self.inner.append_from(offset, len, src, &mut |b| {
+            crc = crc32c_append(crc, b);
+            seen(b);
+        })?;
+        if let Ok(n) = r {
+            *g = (crc, g.1 + n);
+        }
+        Some(r)
+    }
+
     /// Checksums each piece right after the backend filled it, while it is still in cache.
     fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
         let mut g = lock(&self.crc);
@@ -138,21 +161,25 @@ impl ObjectSink for Checksummed {
     }
 }
 
-/// The destination of [`PageStore::get`]: the payload in memory of its own, sized up front
-/// when the length is known so the backend can read straight into it.
+/// The destination of [`PageStore::get`]: the payload in memory of its own, reserved up front
+/// when the length is known, and filled without zeroing it first where the backend reads a
+/// file ([`ObjectSink::append_from`]).
 struct HeapSink(std::sync::Mutex<HeapBuf>);
 
 enum HeapBuf {
-    /// Filled in place or appended to; `filled` bytes are payload.
-    Owned { buf: Vec<u8>, filled: usize },
+    /// Filled in place or appended to: all of it is payload, `reserved` is the length asked.
+    Owned { buf: Vec<u8>, reserved: usize },
     /// Handed over whole by a backend that had it in memory.
     Taken(Bytes),
 }
 
 impl HeapSink {
     fn new(expected_len: Option<usize>) -> Self {
-        let buf = expected_len.map_or_else(Vec::new, |n| vec![0; n]);
-        Self(std::sync::Mutex::new(HeapBuf::Owned { buf, filled: 0 }))
+        let reserved = expected_len.unwrap_or(0);
+        Self(std::sync::Mutex::new(HeapBuf::Owned {
+            buf: Vec::with_capacity(reserved),
+            reserved,
+        }))
     }
 
     /// The payload received so far (the whole of it after a hit); leaves the sink empty, so a
@@ -160,35 +187,30 @@ impl HeapSink {
     fn take_bytes(&self) -> Bytes {
         let empty = HeapBuf::Owned {
             buf: Vec::new(),
-            filled: 0,
+            reserved: 0,
         };
         match std::mem::replace(&mut *lock(&self.0), empty) {
-            HeapBuf::Owned { mut buf, filled } => {
-                buf.truncate(filled);
-                Bytes::from(buf)
-            }
+            HeapBuf::Owned { buf, .. } => Bytes::from(buf),
             HeapBuf::Taken(b) => b,
         }
     }
-}
 
-impl HeapSink {
-    /// Fills the next `len` bytes, growing the buffer when the object is longer than expected.
+    /// Fills the next `len` bytes, growing the buffer (zeroed pieces, on the reading thread).
     fn put(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
         let mut g = lock(&self.0);
-        let HeapBuf::Owned { buf, filled } = &mut *g else {
+        let HeapBuf::Owned { buf, .. } = &mut *g else {
             return Err("bytes arrived after a whole object".into());
         };
-        if offset != *filled as u64 {
-            return Err(format!("chunk at {offset}, expected {filled}"));
+        let start = buf.len();
+        if offset != start as u64 {
+            return Err(format!("chunk at {offset}, expected {start}"));
         }
-        let end = *filled + len;
-        if buf.len() < end {
-            buf.resize(end, 0);
+        buf.resize(start + len, 0);
+        let r = fill(&mut buf[start..]);
+        if r.is_err() {
+            buf.truncate(start);
         }
-        fill(&mut buf[*filled..end])?;
-        *filled = end;
-        Ok(())
+        r
     }
 }
 
@@ -203,7 +225,7 @@ impl ObjectSink for HeapSink {
     fn take(&self, rest: Bytes) -> Result<(), String> {
         let mut g = lock(&self.0);
         match &*g {
-            HeapBuf::Owned { filled: 0, .. } => {
+            HeapBuf::Owned { buf, .. } if buf.is_empty() => {
                 *g = HeapBuf::Taken(rest);
                 Ok(())
             }
@@ -213,6 +235,39 @@ impl ObjectSink for HeapSink {
 
     fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
         Some(self.put(offset, len, fill))
+    }
+
+    /// Reads the whole rest into the reserved capacity: one copy, no zeroing. Declines a rest
+    /// longer than the length asked (a wrong object is then read piece by piece and refused
+    /// by its header, as before), so a stray large file costs no large allocation.
+    fn append_from(
+        &self,
+        offset: u64,
+        len: u64,
+        src: &mut dyn std::io::Read,
+        seen: &mut dyn FnMut(&[u8]),
+    ) -> Option<Result<u64, SinkReadError>> {
+        let mut g = lock(&self.0);
+        let HeapBuf::Owned { buf, reserved } = &mut *g else {
+            return Some(Err(SinkReadError::Sink(
+                "bytes arrived after a whole object".into(),
+            )));
+        };
+        if offset != 0 || !buf.is_empty() || len > *reserved as u64 {
+            return None;
+        }
+        // A file's own read_to_end sizes its read from the file's length: one read(2) into
+        // the spare capacity, then one that finds the end.
+        Some(match src.read_to_end(buf) {
+            Ok(n) => {
+                seen(buf);
+                Ok(n as u64)
+            }
+            Err(e) => {
+                buf.clear();
+                Err(SinkReadError::Io(e))
+            }
+        })
     }
 }
 
