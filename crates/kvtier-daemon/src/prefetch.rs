@@ -142,7 +142,8 @@ impl ObjectSink for SlotSink {
     }
 }
 
-/// One page read straight into its slot and verified, or why not.
+/// One page read straight into its slot and verified (its CRC32C, which seals the slot's
+/// record when it lands), or why not.
 async fn fetch_one(
     store: &PageStore,
     ctx: OpCtx,
@@ -150,14 +151,14 @@ async fn fetch_one(
     key: PageKey,
     sink: SlotSink,
     page_bytes: usize,
-) -> Result<(), MissReason> {
+) -> Result<u32, MissReason> {
     // The slot is reserved under the prefetch's own owner id: nobody else writes it, and it
     // is not freed before the fence has closed.
     match store
         .get_into(&ctx, &fp, &key, Some(page_bytes), Arc::new(sink))
         .await
     {
-        Landed::Hit(_) => Ok(()),
+        Landed::Hit(v) => Ok(v.crc32c),
         Landed::Miss(why) => Err(why),
     }
 }
@@ -481,9 +482,11 @@ impl Prefetcher {
             });
         };
         // Pages ready in L2 already have nothing to fetch: they have arrived.
-        let mut arrived: Vec<Option<Result<(), MissReason>>> = in_place
+        // Each arrival: the CRC32C of the bytes read into its slot (none for a page that was
+        // in place), or why it missed.
+        let mut arrived: Vec<Option<Result<Option<u32>, MissReason>>> = in_place
             .iter()
-            .map(|&there| there.then_some(Ok(())))
+            .map(|&there| there.then_some(Ok(None)))
             .collect();
         let fetch: Vec<usize> = (0..hit.len()).filter(|&i| !in_place[i]).collect();
         let mut rereads = vec![0u8; hit.len()];
@@ -500,16 +503,19 @@ impl Prefetcher {
         let (state, reason) = 'fetch: loop {
             // Land the contiguous prefix that has arrived.
             while let Some(r) = arrived.get_mut(landed).and_then(Option::take) {
-                if let Err(why) = r {
-                    let key = hit[landed].0;
-                    if !matches!(why, MissReason::Cancelled) {
-                        self.remember_failed(fp, key);
+                let crc = match r {
+                    Ok(crc) => crc,
+                    Err(why) => {
+                        let key = hit[landed].0;
+                        if !matches!(why, MissReason::Cancelled) {
+                            self.remember_failed(fp, key);
+                        }
+                        tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
+                        break 'fetch (Phase::Failed, why.label().to_string());
                     }
-                    tracing::debug!(prefetch = id, key = %key, "prefetch stopped at a page: {why:?}");
-                    break 'fetch (Phase::Failed, why.label().to_string());
-                }
+                };
                 let mut st = self.state.lock();
-                if !st.prefetch_land(id) {
+                if !st.prefetch_land(id, crc) {
                     break 'fetch (Phase::Failed, "cancelled".to_string());
                 }
                 if !in_place[landed] {
@@ -545,7 +551,7 @@ impl Prefetcher {
                     if r.is_ok() {
                         lock(&tier.read_window).observe(took);
                     }
-                    arrived[i] = Some(r);
+                    arrived[i] = Some(r.map(Some));
                 }
                 Some(Err(e)) => {
                     tracing::error!(prefetch = id, "a prefetch read task failed: {e}");

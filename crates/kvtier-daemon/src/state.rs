@@ -210,6 +210,9 @@ pub struct Counters {
     pub lost_cleared: u64,
     /// Committed pages whose slot records were sealed (they would survive a crash).
     pub sealed_pages: u64,
+    /// Of those, pages sealed with the CRC32C of the verified L3 read that wrote them (no
+    /// second pass over their bytes).
+    pub sealed_from_reads: u64,
     /// Pools removed because no session used them (idle, or their place was needed).
     pub pools_reclaimed: u64,
     /// What the start-up takeover of dead kvtierd pools did.

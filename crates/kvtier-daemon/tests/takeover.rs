@@ -248,3 +248,109 @@ fn a_planted_pool_file_or_symlink_under_our_name_is_neither_adopted_nor_followed
     assert_eq!(takeover_outcome(&d), (8.0, 0.0), "{}", d.metrics());
     assert!(!pool.exists());
 }
+
+/// A page a prefetch reads from L3 into L2 is sealed as it lands, with the CRC32C its verified
+/// read computed (no second pass over its bytes by the sealer), and that record is right: a
+/// kvtierd started after a crash takes the page over, bit-identical.
+#[test]
+fn prefetched_pages_are_sealed_by_their_verified_read_and_taken_over() {
+    use kvtier_client::{PrefetchOptions, outcome};
+    use kvtier_proto::v1::PrefetchPolicy;
+
+    let dir = std::env::temp_dir().join(format!(
+        "kvtierd-test-{}-takeover-prefetched",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let shm = dir.join("shm");
+    std::fs::create_dir_all(&shm).unwrap();
+    let shm_dir = format!("l2.shm_dir={}", shm.display());
+    let keys = chain(41, 12);
+    // A writer puts the pages in L3 and dies; its pool has no table to take over.
+    let d = Daemon::start_in(
+        dir.clone(),
+        &[
+            shm_dir.as_str(),
+            "l2.pool_pages=256",
+            "l2.take_over_after_crash=false",
+        ],
+    );
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        store(&mut c, &s, &keys).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while c.stats().await.unwrap().l3.unwrap().objects < keys.len() as u64 {
+            assert!(Instant::now() < deadline, "L3 never held every page");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let dir = d.kill();
+
+    // A daemon with an empty L2 prefetches them (never revoked for speed or budget: this
+    // test is about what lands).
+    let sets = [
+        shm_dir.as_str(),
+        "l2.pool_pages=256",
+        "prefetch.budget_fraction=1.0",
+        "prefetch.recompute_tokens_per_second=0",
+        "prefetch.threshold_tokens=0",
+    ];
+    let d = Daemon::start_in(dir, &sets);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        assert_eq!(c.lookup(s.id, &keys).await.unwrap(), 0, "L2 starts empty");
+        let opts = PrefetchOptions::policy(PrefetchPolicy::WaitComplete);
+        let mut stream = c.prefetch(s.id, "p", &keys, opts).await.unwrap();
+        let first = stream.message().await.unwrap().expect("a first message");
+        assert_eq!(outcome(&first), "running", "{first:?}");
+        let (p, slots) = c.take_prefetch(s.id, "p").await.unwrap();
+        assert_eq!(
+            (outcome(&p).as_str(), slots.len()),
+            ("completed", keys.len())
+        );
+        c.release(s.id, &keys).await.unwrap();
+    });
+    let m = d.metrics();
+    assert_eq!(
+        metric(&m, "kvtier_l2_sealed_from_reads_total"),
+        keys.len() as f64,
+        "every prefetched page is sealed as it lands: {m}"
+    );
+    let dir = d.kill();
+
+    // Its successor, with no L3 to fall back on, takes them over from the pool.
+    let no_l3: Vec<&str> = sets.iter().copied().chain(["l3.backend=none"]).collect();
+    let d = Daemon::start_in(dir, &no_l3);
+    let m = d.metrics();
+    assert_eq!(
+        metric(&m, "kvtier_l2_takeover_pages_total{outcome=\"adopted\"}"),
+        keys.len() as f64,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "kvtier_l2_takeover_pages_total{outcome=\"refused_checksum\"}"
+        ),
+        0.0
+    );
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        assert_eq!(c.lookup(s.id, &keys).await.unwrap(), keys.len());
+        let slots = c.acquire(s.id, &keys).await.unwrap();
+        let len = s.layout.page_bytes();
+        let mut buf = vec![0u8; len];
+        for (k, &slot) in keys.iter().zip(&slots) {
+            s.pool.read(slot, 0, &mut buf).unwrap();
+            assert!(
+                buf == page_bytes(k, len),
+                "a taken-over page is not what was stored"
+            );
+        }
+        c.release(s.id, &keys).await.unwrap();
+    });
+    let _ = std::fs::remove_dir_all(d.kill());
+}

@@ -270,7 +270,10 @@ pub async fn pages_into(store: Arc<dyn Store>) {
         .get_into(&ctx, &fp, &key, Some(payload.len()), sink.clone())
         .await
     {
-        Landed::Hit(n) => assert_eq!(n, payload.len() as u64),
+        Landed::Hit(v) => {
+            assert_eq!(v.len, payload.len() as u64);
+            assert_eq!(v.crc32c, kvtier_core::checksum::crc32c(&payload));
+        }
         Landed::Miss(r) => panic!("stored page missed through get_into: {r:?}"),
     }
     assert!(sink.bytes() == payload.to_vec(), "get_into bytes differ");

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use lru::TenantBytes;
 pub use open::open_backend;
-pub use page::{Fetch, Landed, MissReason, PageStore, PageStoreStats};
+pub use page::{Fetch, Landed, MissReason, PageStore, PageStoreStats, Verified};
 
 /// Why a storage operation failed. Absence is not an error: `get` returns `Ok(None)`.
 #[derive(Debug, thiserror::Error)]

@@ -73,11 +73,21 @@ impl From<StorageError> for MissReason {
     }
 }
 
+/// A page [`PageStore::get_into`] put in its sink and verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verified {
+    /// Its payload bytes.
+    pub len: u64,
+    /// Their CRC32C, as computed while they passed into the sink (equal to the header's).
+    /// Whoever keeps the bytes where they landed can record it instead of reading them again.
+    pub crc32c: u32,
+}
+
 /// The outcome of [`PageStore::get_into`].
 #[derive(Debug)]
 pub enum Landed {
-    /// The page's bytes are in the sink and verified; this many.
-    Hit(u64),
+    /// The page's bytes are in the sink and verified.
+    Hit(Verified),
     /// The sink holds nothing usable, and why.
     Miss(MissReason),
 }
@@ -387,7 +397,7 @@ impl PageStore {
                 match check {
                     Ok(()) => {
                         bump(&c.hits);
-                        Landed::Hit(len)
+                        Landed::Hit(Verified { len, crc32c: crc })
                     }
                     Err(why) => {
                         bump(&c.corrupt);

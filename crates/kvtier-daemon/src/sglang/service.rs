@@ -399,7 +399,7 @@ impl Objects {
         // The backend is done with the sink (or its late writes find an empty buffer).
         let buf = std::mem::take(&mut *lock(&sink.buf));
         let c = match landed {
-            Landed::Hit(len) if len as usize == total && !sink.overflow.load(Ordering::Relaxed) => {
+            Landed::Hit(v) if v.len as usize == total && !sink.overflow.load(Ordering::Relaxed) => {
                 let c = Self::scatter(&pool, &ranges, &buf);
                 if c == code::OK {
                     self.served("get", "l3");
@@ -410,7 +410,7 @@ impl Objects {
                 }
                 c
             }
-            Landed::Hit(len) => wrong_length(len as usize),
+            Landed::Hit(v) => wrong_length(v.len as usize),
             Landed::Miss(_) if sink.overflow.load(Ordering::Relaxed) => wrong_length(total + 1),
             // Absent, corrupt or torn: not found, bytes untouched.
             Landed::Miss(MissReason::Absent | MissReason::Corrupt(_)) => code::NOT_FOUND,

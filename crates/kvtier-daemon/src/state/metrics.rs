@@ -31,6 +31,7 @@ pub struct L2Metrics {
     takeover_pages: IntCounterVec,
     takeover_pools: IntCounterVec,
     sealed_pages: IntCounter,
+    sealed_from_reads: IntCounter,
     pools_reclaimed: IntCounter,
     cleared_pages: IntCounter,
     draining: IntGauge,
@@ -110,6 +111,11 @@ impl L2Metrics {
                 "kvtier_l2_sealed_pages_total",
                 "Committed L2 pages checksummed and recorded beside their pool, so a kvtierd \
                  started after a crash can take them over",
+            )?,
+            sealed_from_reads: r.counter(
+                "kvtier_l2_sealed_from_reads_total",
+                "Of the sealed pages, those a prefetch read from L3: sealed with the CRC32C \
+                 their verified read computed, without a second pass over their bytes",
             )?,
             cleared_pages: r.counter(
                 "kvtier_l2_cleared_pages_total",
@@ -234,6 +240,7 @@ impl L2Metrics {
         catch_up(&self.cleared_pages, c.cleared_pages);
         self.draining.set(i64::from(st.draining()));
         catch_up(&self.sealed_pages, c.sealed_pages);
+        catch_up(&self.sealed_from_reads, c.sealed_from_reads);
         catch_up(&self.pools_reclaimed, c.pools_reclaimed);
         for (outcome, n) in [
             ("adopted", c.takeover.adopted),

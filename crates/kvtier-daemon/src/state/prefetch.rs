@@ -442,9 +442,11 @@ impl HostState {
         })
     }
 
-    /// A fetched page is in its slot: make it ready, pinned, and persisted. `false` when the
-    /// prefetch is gone or the page is not its next one (the caller then stops).
-    pub fn prefetch_land(&mut self, id: u64) -> bool {
+    /// A fetched page is in its slot: make it ready, pinned, and persisted, and seal its
+    /// slot's record with `crc`, the CRC32C its verified read computed of the bytes it wrote
+    /// there (none: the sealer checksums it later). `false` when the prefetch is gone or the
+    /// page is not its next one (the caller then stops).
+    pub fn prefetch_land(&mut self, id: u64, crc: Option<u32>) -> bool {
         let Some(e) = self.prefetches.entries.get_mut(&id) else {
             return false;
         };
@@ -465,7 +467,12 @@ impl HostState {
             .commit_pinned(PrefetchEntry::owner(id), &[key], held)
         {
             Ok(_) => {
-                pool.committed(&[key]);
+                if crc.is_some_and(|crc| pool.committed_read(key, crc)) {
+                    self.counters.sealed_pages += 1;
+                    self.counters.sealed_from_reads += 1;
+                } else {
+                    pool.committed(&[key]);
+                }
                 e.landed += 1;
                 true
             }

@@ -123,6 +123,33 @@ impl Pool {
         }
     }
 
+    /// Seals committed `key` at once with `crc`, the CRC32C of its bytes as a verified L3
+    /// read wrote them into the slot: the same value the sealer would compute, without a
+    /// second pass over the page. (Had anything written the slot since, the record would not
+    /// match the bytes and a takeover refuses the page: the same guarantee as a sealer's.)
+    /// `false` when there is no table or the page is not ready in a slot.
+    pub(super) fn committed_read(&mut self, key: PageKey, crc: u32) -> bool {
+        let Some(s) = &mut self.seals else {
+            return false;
+        };
+        let Some((slot, PageState::Ready)) = self.index.get(&key) else {
+            return false;
+        };
+        let rec = SlotRecord {
+            key: key.0,
+            parent: self.index.parent(&key).map(|p| p.0),
+            len: self.layout.page_bytes() as u32,
+            crc,
+        };
+        match s.table.seal(slot, &rec) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(slot, "sealing a slot record: {e}");
+                false
+            }
+        }
+    }
+
     /// Queues committed keys for sealing.
     pub(super) fn committed(&mut self, keys: &[PageKey]) {
         if let Some(s) = &mut self.seals {
