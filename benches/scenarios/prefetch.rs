@@ -182,14 +182,6 @@ where
     row
 }
 
-/// Prints one diagnostic throughput line: `pages` pages of `page_bytes` since `t`.
-fn diag_rate(what: &str, pages: usize, page_bytes: usize, t: Instant) {
-    crate::say!(
-        "diag   {what} x{pages}: {:.3} GB/s",
-        (pages * page_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9
-    );
-}
-
 /// Runs the scenario (`quick`: fewer pages and rounds).
 pub fn run(quick: bool) {
     let no_s3 = std::env::args().any(|a| a == "--no-s3");
@@ -238,78 +230,10 @@ pub fn run(quick: bool) {
                 .await
         }
     }));
+    let row_page = median(row.prefetch.clone()) / pages as f64;
     row.print("file", page_bytes);
-    if std::env::args().any(|a| a == "--diag") {
-        // Where the time goes: one core's CRC32C, and the backend's verified get alone, at
-        // the same concurrency.
-        let buf = vec![7u8; page_bytes];
-        let t = Instant::now();
-        let mut x = 0u32;
-        for _ in 0..50 {
-            x ^= kvtier_core::checksum::crc32c(&buf);
-        }
-        crate::say!(
-            "diag   crc32c one core: {:.3} GB/s ({x:x})",
-            (50 * page_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9
-        );
-        let ps = kvtier_storage::PageStore::new(store.clone());
-        for keys in &chains {
-            let t = Instant::now();
-            let n = rt.block_on(
-                futures::stream::iter(keys.clone())
-                    .map(|k| {
-                        let ps = ps.clone();
-                        tokio::spawn(async move {
-                            let ctx = kvtier_storage::OpCtx::timeout(Duration::from_secs(60));
-                            match ps.get(&ctx, &fp, &k, Some(page_bytes)).await {
-                                kvtier_storage::Fetch::Hit(b) => b.len(),
-                                kvtier_storage::Fetch::Miss(m) => panic!("{m:?}"),
-                            }
-                        })
-                    })
-                    .buffer_unordered(CONCURRENCY)
-                    .count(),
-            );
-            diag_rate("PageStore::get", n, page_bytes, t);
-            let t = Instant::now();
-            let n = rt.block_on(
-                futures::stream::iter(keys.clone())
-                    .map(|k| {
-                        let store = store.clone();
-                        tokio::spawn(async move {
-                            use kvtier_storage::Store as _;
-                            let name = kvtier_storage::format::object_name(&fp, &k);
-                            store.get(&name).await.unwrap().unwrap().len()
-                        })
-                    })
-                    .buffer_unordered(CONCURRENCY)
-                    .count(),
-            );
-            diag_rate("FileStore::get", n, page_bytes, t);
-            let t = Instant::now();
-            let n = rt.block_on(
-                futures::stream::iter(keys.clone())
-                    .map(|k| {
-                        let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
-                        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap().len())
-                    })
-                    .buffer_unordered(CONCURRENCY)
-                    .count(),
-            );
-            diag_rate("std::fs::read", n, page_bytes, t);
-            let t = Instant::now();
-            let n = rt.block_on(
-                futures::stream::iter(keys.clone())
-                    .map(|k| {
-                        let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
-                        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap())
-                    })
-                    .buffer_unordered(CONCURRENCY)
-                    .map(|v| v.unwrap().len())
-                    .count(),
-            );
-            diag_rate("std::fs::read, buffer freed elsewhere", n, page_bytes, t);
-        }
+    if crate::diag::wanted() {
+        diagnose(&rt, &store, &fp, &chains[0], page_bytes, rounds, row_page);
     }
     let _ = std::fs::remove_dir_all(&root);
 
@@ -367,4 +291,113 @@ pub fn run(quick: bool) {
         }
     }));
     row.print("s3", page_bytes);
+}
+
+/// A shared-memory slot as a backend read's destination, the way kvtierd's prefetch writes one
+/// (kvtier-shm lends no references into shared memory: bytes arrive through `write_at`).
+struct ShmSlot {
+    pool: Arc<kvtier_shm::ShmPool>,
+    slot: u32,
+}
+
+impl kvtier_storage::ObjectSink for ShmSlot {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        self.pool
+            .write(self.slot, offset as usize, bytes)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// One page's work in a blocking task: (its index, its object's path).
+type PageWork = Arc<dyn Fn(usize, &std::path::Path) + Send + Sync>;
+
+/// `--diag`: the prefetch row split into its costs, 16 reads in flight as in the row
+/// (benches/diag.rs), then the row's own time per page for comparison.
+fn diagnose(
+    rt: &tokio::runtime::Runtime,
+    store: &Arc<kvtier_storage::file::FileStore>,
+    fp: &kvtier_core::LayoutFingerprint,
+    keys: &[PageKey],
+    page_bytes: usize,
+    rounds: usize,
+    row_page: f64,
+) {
+    let paths: Vec<PathBuf> = keys
+        .iter()
+        .map(|k| store.path_of(&kvtier_storage::format::object_name(fp, k)))
+        .collect();
+    let pool = Arc::new(crate::scenarios::gpu::host_pool(
+        page_bytes,
+        keys.len() as u32,
+        "prefetch-diag",
+    ));
+    let ps = kvtier_storage::PageStore::new(store.clone());
+    let at = kvtier_storage::format::HEADER_LEN;
+    // Runs `f(page index, path)` for every page in a blocking task, 16 in flight.
+    let in_flight = |f: PageWork| {
+        rt.block_on(
+            futures::stream::iter(paths.iter().cloned().enumerate())
+                .map(|(i, p)| {
+                    let f = f.clone();
+                    tokio::task::spawn_blocking(move || f(i, &p))
+                })
+                .buffer_unordered(CONCURRENCY)
+                .count(),
+        )
+    };
+    let crc_of = |b: &[u8]| kvtier_core::checksum::crc32c(b);
+    let slot_pool = pool.clone();
+    crate::diag::Ladder::new(
+        &format!("prefetch of one 2 MiB page from file, {CONCURRENCY} in flight"),
+        keys.len(),
+    )
+    .rung(
+        "std::fs::read in a blocking task (the row's baseline)",
+        || {
+            in_flight(Arc::new(|_, p| {
+                std::hint::black_box(std::fs::read(p).unwrap());
+            }));
+        },
+    )
+    .rung("+ CRC32C of the page in the same task", || {
+        in_flight(Arc::new(move |_, p| {
+            std::hint::black_box(crc_of(&std::fs::read(p).unwrap()[at..]));
+        }));
+    })
+    .rung("+ the page copied into its shared-memory slot", || {
+        let pool = slot_pool.clone();
+        in_flight(Arc::new(move |i, p| {
+            let b = std::fs::read(p).unwrap();
+            std::hint::black_box(crc_of(&b[at..]));
+            pool.write(i as u32, 0, &b[at..]).unwrap();
+        }));
+    })
+    .rung("PageStore::get_into the slot (kvtierd's L3 read)", || {
+        rt.block_on(
+            futures::stream::iter(keys.iter().copied().enumerate())
+                .map(|(i, k)| {
+                    let (ps, fp) = (ps.clone(), *fp);
+                    let sink = Arc::new(ShmSlot {
+                        pool: pool.clone(),
+                        slot: i as u32,
+                    });
+                    tokio::spawn(async move {
+                        let ctx = kvtier_storage::OpCtx::timeout(Duration::from_secs(60));
+                        let l = ps.get_into(&ctx, &fp, &k, Some(page_bytes), sink).await;
+                        assert!(matches!(l, kvtier_storage::Landed::Hit(_)), "{l:?}");
+                    })
+                })
+                .buffer_unordered(CONCURRENCY)
+                .count(),
+        );
+    })
+    .aside("the hop alone: empty blocking tasks, 16 in flight", || {
+        in_flight(Arc::new(|_, _| {}));
+    })
+    .run(rounds);
+    crate::say!(
+        "diag     {:<58} {:>9.1} µs     (the row)",
+        "prefetch -> take -> release through kvtierd",
+        row_page * 1e6
+    );
 }
