@@ -89,15 +89,9 @@ pub fn run(quick: bool) {
     // it is what its own overheads cost (the hop to the blocking pool, allocation, framing).
     let mut chunk_buf = vec![0u8; page_bytes];
     let mut floor = || {
-        let mut x = 0u32;
-        for i in 0..pages {
-            let mut f = std::fs::File::open(raw_dir.join(format!("{i}"))).unwrap();
-            for c in chunk_buf.chunks_mut(256 << 10) {
-                std::io::Read::read_exact(&mut f, c).unwrap();
-                x ^= kvtier_core::checksum::crc32c(c);
-            }
-        }
-        x
+        (0..pages)
+            .map(|i| read_verified(&raw_dir.join(format!("{i}")), 0, &mut chunk_buf))
+            .fold(0u32, |x, c| x ^ c)
     };
     let gib = f64::from(1 << 30);
     let get = compare(

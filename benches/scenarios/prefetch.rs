@@ -345,7 +345,6 @@ fn diagnose(
                 .count(),
         )
     };
-    let crc_of = |b: &[u8]| kvtier_core::checksum::crc32c(b);
     let slot_pool = pool.clone();
     crate::diag::Ladder::new(
         &format!("prefetch of one 2 MiB page from file, {CONCURRENCY} in flight"),
@@ -361,14 +360,16 @@ fn diagnose(
     )
     .rung("+ CRC32C of the page in the same task", || {
         in_flight(Arc::new(move |_, p| {
-            std::hint::black_box(crc_of(&std::fs::read(p).unwrap()[at..]));
+            std::hint::black_box(kvtier_core::checksum::crc32c(
+                &std::fs::read(p).unwrap()[at..],
+            ));
         }));
     })
     .rung("+ the page copied into its shared-memory slot", || {
         let pool = slot_pool.clone();
         in_flight(Arc::new(move |i, p| {
             let b = std::fs::read(p).unwrap();
-            std::hint::black_box(crc_of(&b[at..]));
+            std::hint::black_box(kvtier_core::checksum::crc32c(&b[at..]));
             pool.write(i as u32, 0, &b[at..]).unwrap();
         }));
     })

@@ -177,30 +177,24 @@ impl ObjectSink for Checksummed {
 struct HeapSink(std::sync::Mutex<HeapBuf>);
 
 enum HeapBuf {
-    /// Filled in place or appended to: all of it is payload, `reserved` is the length asked.
-    Owned { buf: Vec<u8>, reserved: usize },
+    /// Filled in place or appended to: all of it is payload; its capacity is the length asked.
+    Owned(Vec<u8>),
     /// Handed over whole by a backend that had it in memory.
     Taken(Bytes),
 }
 
 impl HeapSink {
     fn new(expected_len: Option<usize>) -> Self {
-        let reserved = expected_len.unwrap_or(0);
-        Self(std::sync::Mutex::new(HeapBuf::Owned {
-            buf: Vec::with_capacity(reserved),
-            reserved,
-        }))
+        Self(std::sync::Mutex::new(HeapBuf::Owned(Vec::with_capacity(
+            expected_len.unwrap_or(0),
+        ))))
     }
 
     /// The payload received so far (the whole of it after a hit); leaves the sink empty, so a
     /// late write from a read that outlived its caller lands nowhere that matters.
     fn take_bytes(&self) -> Bytes {
-        let empty = HeapBuf::Owned {
-            buf: Vec::new(),
-            reserved: 0,
-        };
-        match std::mem::replace(&mut *lock(&self.0), empty) {
-            HeapBuf::Owned { buf, .. } => Bytes::from(buf),
+        match std::mem::replace(&mut *lock(&self.0), HeapBuf::Owned(Vec::new())) {
+            HeapBuf::Owned(buf) => Bytes::from(buf),
             HeapBuf::Taken(b) => b,
         }
     }
@@ -208,7 +202,7 @@ impl HeapSink {
     /// Fills the next `len` bytes, growing the buffer (zeroed pieces, on the reading thread).
     fn put(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
         let mut g = lock(&self.0);
-        let HeapBuf::Owned { buf, .. } = &mut *g else {
+        let HeapBuf::Owned(buf) = &mut *g else {
             return Err("bytes arrived after a whole object".into());
         };
         let start = buf.len();
@@ -235,7 +229,7 @@ impl ObjectSink for HeapSink {
     fn take(&self, rest: Bytes) -> Result<(), String> {
         let mut g = lock(&self.0);
         match &*g {
-            HeapBuf::Owned { buf, .. } if buf.is_empty() => {
+            HeapBuf::Owned(buf) if buf.is_empty() => {
                 *g = HeapBuf::Taken(rest);
                 Ok(())
             }
@@ -258,12 +252,12 @@ impl ObjectSink for HeapSink {
         seen: &mut dyn FnMut(&[u8]),
     ) -> Option<Result<u64, SinkReadError>> {
         let mut g = lock(&self.0);
-        let HeapBuf::Owned { buf, reserved } = &mut *g else {
+        let HeapBuf::Owned(buf) = &mut *g else {
             return Some(Err(SinkReadError::Sink(
                 "bytes arrived after a whole object".into(),
             )));
         };
-        if offset != 0 || !buf.is_empty() || len > *reserved as u64 {
+        if offset != 0 || !buf.is_empty() || len > buf.capacity() as u64 {
             return None;
         }
         // A file's own read_to_end sizes its read from the file's length: one read(2) into

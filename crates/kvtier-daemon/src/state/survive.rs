@@ -129,10 +129,16 @@ impl Pool {
     /// match the bytes and a takeover refuses the page: the same guarantee as a sealer's.)
     /// `false` when there is no table or the page is not ready in a slot.
     pub(super) fn committed_read(&mut self, key: PageKey, crc: u32) -> bool {
-        let Some(s) = &mut self.seals else {
-            return false;
-        };
-        let Some((slot, PageState::Ready)) = self.index.get(&key) else {
+        match self.index.get(&key) {
+            Some((slot, PageState::Ready)) => self.seal_slot(slot, key, crc),
+            _ => false,
+        }
+    }
+
+    /// Writes `slot`'s record: it holds page `key` (with its parent), whose bytes have CRC32C
+    /// `crc`. `false` when the pool has no table or the write failed (logged).
+    fn seal_slot(&mut self, slot: u32, key: PageKey, crc: u32) -> bool {
+        let Some(s) = &self.seals else {
             return false;
         };
         let rec = SlotRecord {
@@ -196,21 +202,9 @@ impl HostState {
             let Some(s) = &pool.seals else { continue };
             let same = s.epochs.get(job.slot as usize) == Some(&job.epoch)
                 && pool.index.get(&job.key) == Some((job.slot, PageState::Ready));
-            if !same {
-                continue;
-            }
-            let rec = SlotRecord {
-                key: job.key.0,
-                parent: pool.index.parent(&job.key).map(|p| p.0),
-                len: job.len as u32,
-                crc,
-            };
-            match s.table.seal(job.slot, &rec) {
-                Ok(()) => {
-                    sealed += 1;
-                    self.counters.sealed_pages += 1;
-                }
-                Err(e) => tracing::error!(slot = job.slot, "sealing a slot record: {e}"),
+            if same && pool.seal_slot(job.slot, job.key, crc) {
+                sealed += 1;
+                self.counters.sealed_pages += 1;
             }
         }
         sealed
