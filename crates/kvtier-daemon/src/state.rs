@@ -758,6 +758,27 @@ pub fn pool_key(fp: &LayoutFingerprint, tenant: &str) -> LayoutFingerprint {
     LayoutFingerprint(k)
 }
 
+/// The smallest layout the state's unit tests use: one layer, one head of 8, 4 tokens a page.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn tiny_layout() -> Layout {
+    use kvtier_core::{DType, KvKind, LayoutSpec};
+    Layout::new(LayoutSpec {
+        model_id: "m".into(),
+        model_version: String::new(),
+        dtype: DType::Bf16,
+        num_layers: 1,
+        kind: KvKind::Mha {
+            kv_heads: 1,
+            head_dim: 8,
+        },
+        page_size: 4,
+        tp_rank: 0,
+        tp_size: 1,
+    })
+    .unwrap()
+}
+
 #[cfg(test)]
 mod pool_access_tests {
     use super::*;

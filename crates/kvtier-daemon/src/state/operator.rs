@@ -162,7 +162,7 @@ mod tests {
 
     use kvtier_config::daemon::{DaemonConfig, L2Backing};
     use kvtier_config::l3::L3Backend;
-    use kvtier_core::{DType, KvKind, Layout, LayoutSpec, WritePolicy};
+    use kvtier_core::WritePolicy;
 
     use super::*;
 
@@ -174,20 +174,7 @@ mod tests {
         cfg.l3.backend = L3Backend::Memory;
         let mut st = HostState::new(&cfg);
         st.set_write(Some(WritePolicy::WriteThrough));
-        let layout = Layout::new(LayoutSpec {
-            model_id: "m".into(),
-            model_version: String::new(),
-            dtype: DType::Bf16,
-            num_layers: 1,
-            kind: KvKind::Mha {
-                kv_heads: 1,
-                head_dim: 8,
-            },
-            page_size: 4,
-            tp_rank: 0,
-            tp_size: 1,
-        })
-        .unwrap();
+        let layout = crate::state::tiny_layout();
         let id = st
             .register("t".into(), "", &layout, Instant::now())
             .unwrap()

@@ -17,7 +17,7 @@
 //! table are removed. The copy also means that an agent still mapping the dead pool can
 //! never write into the new one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -36,8 +36,10 @@ pub struct Seals {
     table: SlotTable,
     /// Bumped each time a slot is handed out for writing.
     epochs: Vec<u32>,
-    /// Committed slots not yet sealed: (slot, key, epoch at commit).
-    pending: Vec<(u32, PageKey, u32)>,
+    /// Committed slots not yet sealed, oldest first: (slot, key, epoch at commit). Taken
+    /// from the front in batches, so a backlog costs nothing per batch (a `Vec` drained from
+    /// the front moved the whole backlog under the state lock each time).
+    pending: VecDeque<(u32, PageKey, u32)>,
 }
 
 impl Seals {
@@ -54,7 +56,7 @@ impl Seals {
         Ok(Self {
             table,
             epochs: vec![0; slots as usize],
-            pending: Vec::new(),
+            pending: VecDeque::new(),
         })
     }
 
@@ -71,7 +73,22 @@ impl Seals {
     /// `key` was committed into `slot`: to be checksummed and sealed.
     pub fn committed(&mut self, slot: u32, key: PageKey) {
         let epoch = self.epochs.get(slot as usize).copied().unwrap_or(0);
-        self.pending.push((slot, key, epoch));
+        // Each slot has one current epoch, so at most `slots` entries are live; the rest
+        // name slots handed out again since, which `seal` would skip. Dropping those when the
+        // backlog reaches twice the pool keeps a sealer that falls behind from growing it
+        // without bound.
+        if self.pending.len() >= 2 * self.epochs.len().max(1) {
+            let epochs = &self.epochs;
+            self.pending
+                .retain(|&(slot, _, e)| epochs.get(slot as usize) == Some(&e));
+        }
+        self.pending.push_back((slot, key, epoch));
+    }
+
+    /// Committed slots waiting to be sealed (stale ones included until dropped).
+    #[cfg(test)]
+    pub fn backlog(&self) -> usize {
+        self.pending.len()
     }
 }
 
@@ -453,6 +470,35 @@ fn take_over_one(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sealer_that_never_runs_keeps_at_most_twice_the_pool_in_its_backlog() {
+        let layout = crate::state::tiny_layout();
+        let dir = std::env::temp_dir().join(format!("kvtier-seals-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let slots = 8u32;
+        let mut s = Seals::create(&dir.join("pool"), &layout, slots).unwrap();
+        let key = |i: u32| PageKey([(i % 251) as u8; 32]);
+        // Every slot written and committed 100 times over: only the last round is live.
+        for i in 0..100 * slots {
+            let slot = i % slots;
+            s.handed_out(slot);
+            s.committed(slot, key(i));
+        }
+        assert!(s.backlog() <= 2 * slots as usize, "backlog {}", s.backlog());
+        let live: Vec<_> = s
+            .pending
+            .iter()
+            .filter(|&&(slot, _, e)| s.epochs[slot as usize] == e)
+            .map(|&(slot, k, _)| (slot, k))
+            .collect();
+        let last: Vec<_> = (99 * slots..100 * slots)
+            .map(|i| (i % slots, key(i)))
+            .collect();
+        assert_eq!(live, last, "the live commits are kept, in order");
+        drop(s);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn pool_names_are_classified_by_instance_and_liveness() {
