@@ -12,6 +12,7 @@ pub mod diag;
 pub mod goals;
 pub mod host;
 pub mod python;
+pub mod sink;
 
 /// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
 pub mod scenarios {
@@ -366,8 +367,10 @@ where
     let (tx, rx) = std::sync::mpsc::channel();
     let token = stop.clone();
     let thread = std::thread::spawn(move || {
+        // Named after the server, so a profile tells kvtierd's threads from the bench's.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers)
+            .thread_name(what)
             .enable_all()
             .build()
             .expect("benchmark runtime");

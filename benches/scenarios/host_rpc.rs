@@ -3,12 +3,51 @@
 //!
 //! The daemon runs in-process on its own runtime thread (the same `run` the binary calls); the
 //! client is a separate runtime, so every call crosses the socket.
+//!
+//! The 1,000-page pairs also run against their floor, interleaved: the same two calls' bytes
+//! each way through a server that does nothing ([`crate::sink`], same settings, socket kind
+//! and runtime size), plus the index's own work on the same keys in this thread
+//! (`HostIndex`, the pool's size and policy). What a pair takes beyond that floor is
+//! kvtierd's own handling (the state lock, events, the sealer's queue, metrics) and the
+//! sealer's checksums sharing the cores.
 #![allow(clippy::unwrap_used)]
 
+use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kvtier_client::HostClient;
-use kvtier_core::{DType, KvKind, LayoutSpec, Namespace, PageHasher, PageKey};
+use kvtier_core::host_index::HostIndex;
+use kvtier_core::{DType, KvKind, LayoutSpec, Namespace, PageHasher, PageKey, PolicyKind};
+use kvtier_proto::v1;
+use prost::Message as _;
+
+/// Pages in the daemon's pool, and in the floor's index.
+const POOL: u32 = 65_536;
+
+/// The bytes each way of a call pair on `pages` keys, as the client and kvtierd encode them:
+/// (first request, its reply, second request, its reply). Both requests carry the session
+/// and the packed keys; the first reply carries a slot per key (numbers near the top of a
+/// [`POOL`]-slot pool, 3 varint bytes), with a status per key when `with_status` (Reserve);
+/// the second reply is empty (Commit, Release).
+fn pair_sizes(pages: usize, with_status: bool) -> [usize; 4] {
+    let keyed = v1::AcquireRequest {
+        session_id: vec![1; 16],
+        keys: Vec::new(),
+        packed_keys: vec![1; 32 * pages],
+    }
+    .encoded_len();
+    let slots: Vec<u32> = (0..pages as u32).map(|i| POOL - 1 - i).collect();
+    let reply = if with_status {
+        v1::ReserveResponse {
+            status: vec![1; pages],
+            slots,
+        }
+        .encoded_len()
+    } else {
+        v1::AcquireResponse { slots }.encoded_len()
+    };
+    [keyed, reply, keyed, 0]
+}
 
 fn pct(mut v: Vec<Duration>, p: f64) -> Duration {
     v.sort_unstable();
@@ -21,8 +60,10 @@ fn us(d: Duration) -> f64 {
 
 /// Runs the scenario (`quick`: fewer pages and rounds).
 pub fn run(quick: bool) {
-    let daemon = crate::InProcessDaemon::start("rpc", &["l2.pool_pages=65536", "l3.backend=none"]);
+    let pool = format!("l2.pool_pages={POOL}");
+    let daemon = crate::InProcessDaemon::start("rpc", &[&pool, "l3.backend=none"]);
     let socket = daemon.ready.socket.clone();
+    let sink = crate::sink::Sink::start("rpc", 1);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -116,8 +157,129 @@ pub fn run(quick: bool) {
                 );
             }
         }
+        // The floor of the 1,000-page pairs, interleaved with them: the same bytes through
+        // the sink, and the index's work on the same keys here (also timed on its own).
+        let pages = 1000;
+        let mut sc = crate::sink::SinkClient::connect(&sink).await;
+        let mut index = HostIndex::new(POOL, PolicyKind::default());
+        // And kvtierd's whole state (sessions, events, the sealer's queue) in this thread,
+        // configured as the daemon is: the index's work plus kvtierd's bookkeeping, no server.
+        let (cfg, state_dir) = daemon_config(&pool);
+        let mut state = kvtier_daemon::state::HostState::new(&cfg);
+        let layout = kvtier_core::Layout::new(spec.clone()).unwrap();
+        let sid = state
+            .register("floor".into(), "", &layout, Instant::now())
+            .unwrap()
+            .session_id;
+        let held = fresh(pages);
+        c.reserve(s.id, None, &held).await.unwrap();
+        c.commit(s.id, &held).await.unwrap();
+        black_box(index.reserve(0, None, &held));
+        index.commit(0, &held).unwrap();
+        state.reserve(sid, None, &held, Instant::now()).unwrap();
+        state.commit(sid, &held, 0, Instant::now()).unwrap();
+        let (mut rcs, mut ars) = (Vec::new(), Vec::new());
+        let [r1, r2, r3, r4] = pair_sizes(pages, true);
+        let [a1, a2, a3, a4] = pair_sizes(pages, false);
+        let (mut rc, mut rcf, mut rci) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ar, mut arf, mut ari) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..iters(pages) {
+            let keys = fresh(pages);
+            let t = Instant::now();
+            c.reserve(s.id, None, &keys).await.unwrap();
+            c.commit(s.id, &keys).await.unwrap();
+            rc.push(t.elapsed());
+
+            let keys = fresh(pages);
+            let t = Instant::now();
+            sc.call(r1, r2).await;
+            let i = Instant::now();
+            black_box(index.reserve(1, None, &keys));
+            let mut work = i.elapsed();
+            sc.call(r3, r4).await;
+            let i = Instant::now();
+            index.commit(1, &keys).unwrap();
+            work += i.elapsed();
+            rcf.push(t.elapsed());
+            rci.push(work);
+
+            let t = Instant::now();
+            c.acquire(s.id, &held).await.unwrap();
+            c.release(s.id, &held).await.unwrap();
+            ar.push(t.elapsed());
+
+            let t = Instant::now();
+            sc.call(a1, a2).await;
+            let i = Instant::now();
+            black_box(index.acquire(&held));
+            let mut work = i.elapsed();
+            sc.call(a3, a4).await;
+            let i = Instant::now();
+            index.release(&held).unwrap();
+            work += i.elapsed();
+            arf.push(t.elapsed());
+            ari.push(work);
+
+            let keys = fresh(pages);
+            let t = Instant::now();
+            black_box(state.reserve(sid, None, &keys, Instant::now()).unwrap());
+            black_box(state.commit(sid, &keys, 0, Instant::now()).unwrap());
+            rcs.push(t.elapsed());
+            let t = Instant::now();
+            black_box(state.acquire(sid, &held, Instant::now()).unwrap());
+            state.release(sid, &held, Instant::now()).unwrap();
+            ars.push(t.elapsed());
+        }
+        crate::say!(
+            "the 1,000-page pairs against their floor (interleaved, p50 µs): the same bytes through a no-op server + the index's work here"
+        );
+        for (name, row, floor, work, whole) in [
+            ("reserve+commit", rc, rcf, rci, rcs),
+            ("acquire+release", ar, arf, ari, ars),
+        ] {
+            let (row, floor, work) = (pct(row, 0.5), pct(floor, 0.5), pct(work, 0.5));
+            let whole = pct(whole, 0.5);
+            crate::say!(
+                "{name:<17} {:>8.1}  floor {:>8.1} (index {:>6.1}; kvtierd's state in-process {:>6.1})  floor / pair {:.2}",
+                us(row),
+                us(floor),
+                us(work),
+                us(whole),
+                floor.as_secs_f64() / row.as_secs_f64()
+            );
+            crate::record(
+                &format!("{name} {pages} pages vs their floor"),
+                us(row),
+                "µs",
+                "no-op server + index",
+                us(floor),
+                Some(floor.as_secs_f64() / row.as_secs_f64()),
+            );
+        }
         c.close(s.id).await.unwrap();
+        // As kvtierd does when it stops: its pools' files go (their memory with the state).
+        for p in state.pools() {
+            p.shm.unlink();
+        }
+        let _ = std::fs::remove_dir_all(&state_dir);
     });
     drop(rt);
+    sink.stop();
     daemon.stop();
+}
+
+/// A daemon config as [`crate::InProcessDaemon`] gives kvtierd, for the state measured
+/// in-process (its pool file in the default shm directory, unlinked at the end).
+fn daemon_config(pool: &str) -> (kvtier_config::daemon::DaemonConfig, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kvtier-bench-rpc-state-{}", std::process::id()));
+    let cfg = kvtier_config::daemon::DaemonConfig::load(&kvtier_config::Sources {
+        sets: vec![
+            format!("data_dir={}", dir.display()),
+            pool.to_string(),
+            "l3.backend=none".into(),
+        ],
+        ..kvtier_config::Sources::default()
+    })
+    .unwrap();
+    (cfg, dir)
 }

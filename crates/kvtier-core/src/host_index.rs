@@ -640,12 +640,12 @@ impl HostIndex {
             .collect()
     }
 
-    /// Makes reserved pages ready. All-or-nothing: if any key is not being written by `owner`,
-    /// nothing changes.
-    pub fn commit(&mut self, owner: OwnerId, keys: &[PageKey]) -> Result<(), Error> {
+    /// Makes reserved pages ready, returning their slots in key order. All-or-nothing: if any
+    /// key is not being written by `owner`, nothing changes.
+    pub fn commit(&mut self, owner: OwnerId, keys: &[PageKey]) -> Result<Vec<u32>, Error> {
         let slots = self.check_writing(owner, keys)?;
         let now = self.tick();
-        for s in slots {
+        for &s in &slots {
             self.touch(s, |e| {
                 e.state = PageState::Ready;
                 e.last_access = now;
@@ -654,7 +654,7 @@ impl HostIndex {
             self.stats.ready += 1;
             self.log_stored(s);
         }
-        Ok(())
+        Ok(slots)
     }
 
     /// Makes reserved pages ready and pins each once, in one step (no instant in which they

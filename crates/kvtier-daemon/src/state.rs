@@ -758,6 +758,40 @@ pub fn pool_key(fp: &LayoutFingerprint, tenant: &str) -> LayoutFingerprint {
     LayoutFingerprint(k)
 }
 
+/// What the state's unit tests share.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) mod testing {
+    use std::time::Instant;
+
+    use kvtier_config::daemon::{DaemonConfig, L2Backing};
+    use kvtier_config::l3::L3Backend;
+    use kvtier_core::{PageKey, SessionId, WritePolicy};
+
+    use super::HostState;
+
+    /// A state with a 16-page memfd pool, write-through to an in-memory L3, and one session.
+    pub(crate) fn state() -> (HostState, SessionId) {
+        let mut cfg = DaemonConfig::default();
+        cfg.l2.backing = L2Backing::Memfd;
+        cfg.l2.pool_pages = 16;
+        cfg.l2.take_over_after_crash = false;
+        cfg.l3.backend = L3Backend::Memory;
+        let mut st = HostState::new(&cfg);
+        st.set_write(Some(WritePolicy::WriteThrough));
+        let id = st
+            .register("t".into(), "", &super::tiny_layout(), Instant::now())
+            .unwrap()
+            .session_id;
+        (st, id)
+    }
+
+    /// `n` distinct keys.
+    pub(crate) fn keys(n: u8) -> Vec<PageKey> {
+        (1..=n).map(|i| PageKey([i; 32])).collect()
+    }
+}
+
 /// The smallest layout the state's unit tests use: one layer, one head of 8, 4 tokens a page.
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]

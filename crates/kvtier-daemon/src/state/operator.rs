@@ -160,31 +160,9 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use std::time::Instant;
 
-    use kvtier_config::daemon::{DaemonConfig, L2Backing};
-    use kvtier_config::l3::L3Backend;
-    use kvtier_core::WritePolicy;
-
     use super::*;
 
-    fn state() -> (HostState, kvtier_core::SessionId) {
-        let mut cfg = DaemonConfig::default();
-        cfg.l2.backing = L2Backing::Memfd;
-        cfg.l2.pool_pages = 16;
-        cfg.l2.take_over_after_crash = false;
-        cfg.l3.backend = L3Backend::Memory;
-        let mut st = HostState::new(&cfg);
-        st.set_write(Some(WritePolicy::WriteThrough));
-        let layout = crate::state::tiny_layout();
-        let id = st
-            .register("t".into(), "", &layout, Instant::now())
-            .unwrap()
-            .session_id;
-        (st, id)
-    }
-
-    fn keys(n: u8) -> Vec<PageKey> {
-        (1..=n).map(|i| PageKey([i; 32])).collect()
-    }
+    use crate::state::testing::{keys, state};
 
     #[test]
     fn a_write_that_lands_after_l3_was_cleared_does_not_count_as_held() {

@@ -183,8 +183,8 @@ impl HostState {
         let admitting = self.admitting("new pages").is_ok();
         let (write, epoch) = (self.write, self.l3_epoch);
         let (session, pool) = self.session_pool(id, now)?;
-        pool.index.commit(session.owner, keys)?;
-        pool.committed(keys);
+        let slots = pool.index.commit(session.owner, keys)?;
+        pool.committed_at(keys, &slots);
         for k in keys {
             session.writing.remove(k);
         }
@@ -317,26 +317,78 @@ impl HostState {
         now: Instant,
     ) -> Result<(), StateError> {
         let (session, pool) = self.session_pool(id, now)?;
-        let mut want: KeyMap<u32> = KeyMap::default();
-        for (i, k) in keys.iter().enumerate() {
-            let n = want.entry(*k).or_insert(0);
-            *n += 1;
-            if session.pins.get(k).copied().unwrap_or(0) < *n {
-                return Err(StateError::invalid(
-                    format!("keys[{i}]"),
-                    format!("{} is not pinned by this session", k.to_hex()),
-                ));
+        // The session's pins are taken in place, undone on the first key it does not hold
+        // (a repeated key needs as many pins as it appears), so no map of counts is built
+        // per call; then the index's, undone too if it refuses.
+        let undo = |pins: &mut KeyMap<u32>, taken: &[PageKey]| {
+            for k in taken {
+                *pins.entry(*k).or_insert(0) += 1;
             }
-        }
-        pool.index.release(keys)?;
-        for (k, n) in want {
-            if let Some(p) = session.pins.get_mut(&k) {
-                *p -= n;
-                if *p == 0 {
-                    session.pins.remove(&k);
+        };
+        for (i, k) in keys.iter().enumerate() {
+            match session.pins.get_mut(k) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    if *n == 0 {
+                        session.pins.remove(k);
+                    }
+                }
+                _ => {
+                    undo(&mut session.pins, &keys[..i]);
+                    return Err(StateError::invalid(
+                        format!("keys[{i}]"),
+                        format!("{} is not pinned by this session", k.to_hex()),
+                    ));
                 }
             }
         }
+        if let Err(e) = pool.index.release(keys) {
+            undo(&mut session.pins, keys);
+            return Err(e.into());
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::time::Instant;
+
+    use crate::state::testing::{keys, state};
+
+    #[test]
+    fn a_release_is_all_or_nothing_and_a_repeated_key_needs_a_pin_per_mention() {
+        let (mut st, id) = state();
+        let ks = keys(3);
+        let now = Instant::now();
+        st.reserve(id, None, &ks, now).unwrap();
+        st.commit(id, &ks, 0, now).unwrap();
+        // k1 pinned twice, k2 once, k3 not at all.
+        st.acquire(id, &ks[..2], now).unwrap();
+        st.acquire(id, &ks[..1], now).unwrap();
+        let pins = |st: &crate::state::HostState| {
+            let s = st.sessions().find(|(sid, _)| **sid == id).unwrap().1;
+            let mut v: Vec<_> = s.pins.iter().map(|(k, n)| (k.0[0], *n)).collect();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(pins(&st), [(1, 2), (2, 1)]);
+        // k3 is not held: nothing is released, and the error names it.
+        let e = st.release(id, &ks, now).unwrap_err().to_string();
+        assert!(e.contains("keys[2]"), "{e}");
+        assert_eq!(pins(&st), [(1, 2), (2, 1)]);
+        // k2 named twice but pinned once: refused whole as well.
+        let e = st
+            .release(id, &[ks[0], ks[1], ks[1]], now)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("keys[2]"), "{e}");
+        assert_eq!(pins(&st), [(1, 2), (2, 1)]);
+        // k1 twice and k2 once: every pin of the session goes.
+        st.release(id, &[ks[0], ks[1], ks[0]], now).unwrap();
+        assert_eq!(pins(&st), []);
+        let e = st.release(id, &ks[..1], now).unwrap_err().to_string();
+        assert!(e.contains("keys[0]"), "{e}");
     }
 }

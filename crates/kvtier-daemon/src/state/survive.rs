@@ -173,6 +173,16 @@ impl Pool {
         }
     }
 
+    /// [`Self::committed`] for keys whose slots the commit already found (`slots[i]` holds
+    /// `keys[i]`, ready): no second lookup per key.
+    pub(super) fn committed_at(&mut self, keys: &[PageKey], slots: &[u32]) {
+        if let Some(s) = &mut self.seals {
+            for (k, &slot) in keys.iter().zip(slots) {
+                s.committed(slot, *k);
+            }
+        }
+    }
+
     /// Queues committed keys for sealing.
     pub(super) fn committed(&mut self, keys: &[PageKey]) {
         if let Some(s) = &mut self.seals {
