@@ -766,7 +766,7 @@ pub(crate) mod testing {
 
     use kvtier_config::daemon::{DaemonConfig, L2Backing};
     use kvtier_config::l3::L3Backend;
-    use kvtier_core::{PageKey, SessionId, WritePolicy};
+    use kvtier_core::{Layout, PageKey, SessionId, WritePolicy};
 
     use super::HostState;
 
@@ -780,7 +780,7 @@ pub(crate) mod testing {
         let mut st = HostState::new(&cfg);
         st.set_write(Some(WritePolicy::WriteThrough));
         let id = st
-            .register("t".into(), "", &super::tiny_layout(), Instant::now())
+            .register("t".into(), "", &tiny_layout(), Instant::now())
             .unwrap()
             .session_id;
         (st, id)
@@ -790,27 +790,25 @@ pub(crate) mod testing {
     pub(crate) fn keys(n: u8) -> Vec<PageKey> {
         (1..=n).map(|i| PageKey([i; 32])).collect()
     }
-}
 
-/// The smallest layout the state's unit tests use: one layer, one head of 8, 4 tokens a page.
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-pub(crate) fn tiny_layout() -> Layout {
-    use kvtier_core::{DType, KvKind, LayoutSpec};
-    Layout::new(LayoutSpec {
-        model_id: "m".into(),
-        model_version: String::new(),
-        dtype: DType::Bf16,
-        num_layers: 1,
-        kind: KvKind::Mha {
-            kv_heads: 1,
-            head_dim: 8,
-        },
-        page_size: 4,
-        tp_rank: 0,
-        tp_size: 1,
-    })
-    .unwrap()
+    /// The smallest layout the state's unit tests use: one layer, one head of 8, 4 tokens a page.
+    pub(crate) fn tiny_layout() -> Layout {
+        use kvtier_core::{DType, KvKind, LayoutSpec};
+        Layout::new(LayoutSpec {
+            model_id: "m".into(),
+            model_version: String::new(),
+            dtype: DType::Bf16,
+            num_layers: 1,
+            kind: KvKind::Mha {
+                kv_heads: 1,
+                head_dim: 8,
+            },
+            page_size: 4,
+            tp_rank: 0,
+            tp_size: 1,
+        })
+        .unwrap()
+    }
 }
 
 #[cfg(test)]

@@ -483,7 +483,7 @@ mod tests {
 
     #[test]
     fn a_sealer_that_never_runs_keeps_at_most_twice_the_pool_in_its_backlog() {
-        let layout = crate::state::tiny_layout();
+        let layout = crate::state::testing::tiny_layout();
         let dir = std::env::temp_dir().join(format!("kvtier-seals-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let slots = 8u32;
