@@ -17,10 +17,14 @@ Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):
 - **SaveBatch of a decode step**, 32 requests completing one page each (16k-token
   prompts): the time per page of the one SaveBatch the connector sends per step; baseline:
   one Save per page.
-- **worker-side connector time per decode step**, 32 and 256 running requests: the time
-  the step spends in the connector's hooks (``start_load_kv``, ``wait_for_save``) against a
-  memcpy of the step's new KV bytes from memory as cold as the KV cache's, into a ring the
-  size of the staging pool.
+- **worker-side connector time per decode step**, 32 and 256 running requests of
+  staggered ages (each step completes some pages): the time the step spends in the
+  connector's hooks (``handle_preemptions``, ``start_load_kv``, ``wait_for_save``; the
+  forward, a 2 ms wait with the GIL released, left out) against a memcpy of the step's new
+  KV bytes from memory as cold as the KV cache's, into a ring the size of the staging pool.
+- **save thread's gather per page**, the same runs: the copy of a page from vLLM's blocks
+  into the staging pool, which runs after the step on the save thread, against the same
+  memcpy per page.
 - **decode-step time while one request's pages come from an L3 delayed 2 s**: the median
   step time of 32 running requests while a 33rd loads from a slow L3, against the median
   step time of the same requests with no load waiting, over 4 interleaved rounds (quiet
@@ -101,7 +105,9 @@ class Engine:
     """vLLM's Scheduler and one worker's connector over CPU KV tensors; ``step()`` is one
     engine step with the model runner's connector hooks around an empty forward pass."""
 
-    def __init__(self, agent: str, max_len: int, seqs: int, blocks: int, **extra):
+    def __init__(
+        self, agent: str, max_len: int, seqs: int, blocks: int, forward_s: float = 0.0, **extra
+    ):
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -175,6 +181,9 @@ class Engine:
         from vllm.utils.gc_utils import freeze_gc_heap
 
         freeze_gc_heap()
+        # The forward pass's stand-in: a wait with the GIL released, as a forward's kernels
+        # (or a CPU forward's torch ops) release it; 0: an empty forward.
+        self.forward_s = forward_s
         self.hook_s = 0.0
         self.saved_pages = 0
         self.n = 0
@@ -205,12 +214,19 @@ class Engine:
         meta = so.kv_connector_metadata
         self.saved_pages = sum(len(j.blocks) for j in getattr(meta, "saves", []))
         t = time.perf_counter()
+        forward = 0.0
+        # As vLLM's model runner does before the forward.
+        if meta is not None:
+            self.worker.handle_preemptions(meta)
         with (
             set_forward_context(None, self.vc),
             KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out,
         ):
-            pass
-        self.hook_s = time.perf_counter() - t
+            if self.forward_s:
+                f = time.perf_counter()
+                time.sleep(self.forward_s)
+                forward = time.perf_counter() - f
+        self.hook_s = time.perf_counter() - t - forward
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -227,11 +243,11 @@ class Engine:
             ),
         )
 
-    def drain(self) -> None:
-        """Waits for the worker's saves in flight."""
+    def drain(self) -> bool:
+        """Waits for the worker's saves in flight; True when none is left."""
         side = self.worker.worker
         assert side is not None, "a worker connector without its worker side"
-        side.drain()
+        return side.drain()
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -391,11 +407,36 @@ def save_one_page(agent, quick: bool) -> None:
 
 
 def decode_steps(agent, running: int, quick: bool) -> None:
-    """Connector time per decode step against a memcpy of the step's new KV bytes."""
-    prompt = 64
-    e = Engine(agent.socket, 4096, running, running * 24 + 64)
+    """Connector time per decode step against a memcpy of the step's new KV bytes, and the
+    save thread's gather of those pages against the same memcpy."""
+    from kvtier.integrations.vllm.staging import Staging
+
+    # A forward pass stands in as a 2 ms wait with the GIL released (a GPU's decode step of
+    # an 8B model takes 10-20 ms); the hooks' time is measured without it. The save
+    # thread's gathers run beside it, as they would beside a forward.
+    e = Engine(agent.socket, 4096, running, running * 24 + 64, forward_s=0.002)
+    # Prompts of 64 to 79 tokens: the requests complete their pages on different steps, as
+    # a batch of requests of different ages does, rather than all on every 16th step.
     for i in range(running):
-        e.add(tokens(prompt, 50_000 + i), 400)
+        e.add(tokens(64 + i % 16, 50_000 + i), 400)
+    deadline = time.monotonic() + 60
+    while len(e.sched.running) < running:
+        assert time.monotonic() < deadline, f"only {len(e.sched.running)} requests running"
+        e.step()
+    for _ in range(16):
+        e.step()
+    gather = {"s": 0.0, "pages": 0}
+    real = Staging.from_blocks
+
+    def timed(self, views, blocks, slots):
+        t = time.perf_counter()
+        try:
+            return real(self, views, blocks, slots)
+        finally:
+            gather["s"] += time.perf_counter() - t
+            gather["pages"] += len(slots)
+
+    Staging.from_blocks = timed  # the save thread's gathers, timed
     # The baseline reads as the gather does: the step's blocks sit in a KV cache far larger
     # than the CPU's caches, written long before, and land in a staging ring of 256 pages.
     # So the memcpy walks a 1 GiB source and a destination of the staging's size (both
@@ -406,25 +447,29 @@ def decode_steps(agent, running: int, quick: bool) -> None:
     hooks = mem = 0.0
     pages = 0
     steps = 60 if quick else 200
-    warm = 20
-    for s in range(warm + steps):
-        e.step()
-        if s < warm or not e.saved_pages:
-            continue
-        nbytes = min(e.saved_pages * e.page_bytes, len(dst))
-        if at_src + nbytes > len(src):
-            at_src = 0
-        if at_dst + nbytes > len(dst):
-            at_dst = 0
-        t = time.perf_counter()
-        np.copyto(dst[at_dst : at_dst + nbytes], src[at_src : at_src + nbytes])
-        mem += time.perf_counter() - t
-        at_src += nbytes
-        at_dst += nbytes
-        hooks += e.hook_s
-        pages += e.saved_pages
-    e.drain()
+    try:
+        for _ in range(steps):
+            e.step()
+            # The baseline's copy runs alone, not beside the save thread's (a real step is
+            # long enough for the saves to end within it).
+            assert e.drain(), "the saves did not drain"
+            nbytes = min(e.saved_pages * e.page_bytes, len(dst))
+            if at_src + nbytes > len(src):
+                at_src = 0
+            if at_dst + nbytes > len(dst):
+                at_dst = 0
+            t = time.perf_counter()
+            np.copyto(dst[at_dst : at_dst + nbytes], src[at_src : at_src + nbytes])
+            mem += time.perf_counter() - t
+            at_src += nbytes
+            at_dst += nbytes
+            hooks += e.hook_s
+            pages += e.saved_pages
+        assert e.drain(), "the saves did not drain"
+    finally:
+        Staging.from_blocks = real
     e.close()
+    assert len(e.sched.running) == running, "a request ended or was preempted mid-run"
     row(
         f"connector time per decode step, {running} running ({pages} pages)",
         hooks * 1e3 / steps,
@@ -432,6 +477,17 @@ def decode_steps(agent, running: int, quick: bool) -> None:
         "memcpy of the new KV",
         mem * 1e3 / steps,
         mem / hooks if hooks else None,
+    )
+    # Each step's pages are gathered after it, on the save thread: per page, against the
+    # memcpy's per page.
+    per_page = mem / pages if pages else 0.0
+    row(
+        f"save thread's gather per page, {running} running ({gather['pages']} pages)",
+        gather["s"] * 1e6 / max(gather["pages"], 1),
+        "us",
+        "memcpy per page",
+        per_page * 1e6,
+        per_page * gather["pages"] / gather["s"] if gather["s"] else None,
     )
 
 

@@ -126,6 +126,13 @@ def test_pieces_and_staging_move_the_same_bytes_for_every_vllm_layout(
         }
         changed = (mem != before).nonzero().reshape(-1).tolist()
         assert set(changed) <= written
+        # A block id outside the KV cache is an error before anything moves, either way.
+        pages, blocks_before = st.view.clone(), mem.clone()
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            st.from_blocks(canon, [1, NUM_BLOCKS], [0, 1])
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            st.to_blocks(canon, [0, 1], [-1, 2])
+        assert torch.equal(st.view, pages) and torch.equal(mem, blocks_before)
     finally:
         st.close()
 

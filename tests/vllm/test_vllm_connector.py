@@ -230,6 +230,48 @@ def test_async_loads_under_preemption_and_chunked_prefill(tmp_path, node):
     assert r2["outputs"] == solo["outputs"]
 
 
+def test_saves_copied_after_the_step_read_only_blocks_vllm_still_holds(tmp_path, node):
+    """On CPU the save thread copies a step's new blocks after the step. With every save
+    30 ms late (so are the copies queued behind it) and a KV pool so small that vLLM
+    preempts requests and hands their blocks to others at once: vLLM keeps a finished
+    request's blocks until the worker reports its saves done, and the step waits for a
+    preempted request's copies, so every saved page is its request's own: a second worker
+    loads them, and none differs from recomputing."""
+    _, agent = node
+    ps = [dict(p, max_tokens=48) for p in prompts(31, prefixes=3, each=3)]
+    a1 = agent("h1")
+    r1 = run_worker(tmp_path, "h1", flag(a1), ps, "--blocks", "30", "--slow-save", "0.03")
+    assert r1["wrong_blocks"] == 0
+    assert r1["vllm_stats"]["preemptions"] > 0, "the pool was not small enough to preempt"
+    w = r1["worker"]
+    assert w["saved_pages"] > 0, w
+    assert w["save_dropped_pages"] == 0 and w["save_preempted_pages"] == 0, w
+    # Every request had saves: vLLM held each one's blocks and freed them when told.
+    assert r1["vllm_stats"]["held_released"] == len(ps), r1["vllm_stats"]
+    a2 = agent("h2")
+    r2 = run_worker(tmp_path, "h2", flag(a2), same_prompts_again(ps, 32))
+    assert r2["wrong_blocks"] == 0
+    assert r2["worker"]["loaded_pages"] > 0, r2["worker"]
+
+
+def test_copies_too_late_for_a_preempted_request_are_given_up_and_counted(tmp_path, node):
+    """Copies queued behind saves so slow that they start later than a preempted request
+    can wait for (``timeout_s``): the step goes on and vLLM reuses the blocks, and the save
+    thread gives those copies up, counted as ``save_preempted_pages``, rather than save
+    what another request wrote there since. Nothing saved differs from recomputing."""
+    _, agent = node
+    ps = [dict(p, max_tokens=48) for p in prompts(33, prefixes=3, each=3)]
+    a1 = agent("g1")
+    late = flag(a1, timeout_s=0.3, staging_pages=8)
+    r1 = run_worker(tmp_path, "g1", late, ps, "--blocks", "30", "--slow-save", "0.5")
+    assert r1["wrong_blocks"] == 0
+    assert r1["vllm_stats"]["preemptions"] > 0, "the pool was not small enough to preempt"
+    assert r1["worker"]["save_preempted_pages"] > 0, r1["worker"]
+    a2 = agent("g2")
+    r2 = run_worker(tmp_path, "g2", flag(a2), same_prompts_again(ps, 34))
+    assert r2["wrong_blocks"] == 0
+
+
 def test_kvtierd_down_or_the_agent_killed_costs_recompute_only(tmp_path, node):
     d, agent = node
     a1 = agent("f1")
@@ -275,10 +317,11 @@ def test_settings_errors_name_the_key():
         Settings.parse({"agent": "/run/a-{gpu}.sock"}).agent_socket(r)
     with pytest.raises(ValueError, match=r"extra_config.transfer: 'rdma' is not one of"):
         Settings.parse({"transfer": "rdma"})
-    # Finished requests' blocks are held for saves only where the agent may read them after
-    # the step: DMA from a GPU.
+    # Finished requests' blocks are held for saves only where they may be read after the
+    # step: DMA from a GPU (the agent) and staging on CPU (the save thread's gather).
     assert Settings().holds_blocks("cuda")
-    assert not Settings().holds_blocks("cpu")
+    assert Settings().holds_blocks("cpu")
+    assert Settings.parse({"transfer": "staging"}).holds_blocks("cpu")
     assert not Settings.parse({"transfer": "staging"}).holds_blocks("cuda")
 
 

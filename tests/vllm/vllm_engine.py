@@ -256,6 +256,9 @@ class VllmStats:
         self.log = KVConnectorLogging(vc.kv_transfer_config)
         self.hits: dict[str, int] = {}
         self.preemptions = 0
+        # Finished requests whose blocks vLLM kept for the workers' saves, then freed once
+        # every worker reported them done (finished_sending).
+        self.held_released = 0
 
     def report(self) -> dict:
         from prometheus_client import REGISTRY
@@ -272,6 +275,7 @@ class VllmStats:
             "logged": acc.reduce() if acc is not None and not acc.is_empty() else {},
             "hits_by_source": self.hits,
             "preemptions": self.preemptions,
+            "held_released": self.held_released,
         }
 
 
@@ -282,6 +286,7 @@ def run(
     then: list[dict] | None = None,
     fail_copy: str | None = None,
     time_out: str | None = None,
+    slow_save: float = 0.0,
 ) -> dict:
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -310,6 +315,18 @@ def run(
         setattr(Staging, method, failing)
     if time_out:
         _time_out_first(time_out)
+    if slow_save:
+        # Every SaveBatch goes out late, as to an L2 that answers slowly: the save thread
+        # runs behind the engine, and each step's copies start that much later.
+        from kvtier.agent import AgentClient
+
+        save_batch = AgentClient.save_batch
+
+        def late(self, *a, **k):
+            time.sleep(slow_save)
+            return save_batch(self, *a, **k)
+
+        AgentClient.save_batch = late
     # Each TP rank's connector, made by vLLM's factory from the flag, registered as the
     # model runner registers it, while vLLM's parallel state says which rank it is.
     from vllm.distributed import parallel_state
@@ -457,6 +474,9 @@ def _phase(
         outs = []
         for worker, kv in ranks:
             kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            # As vLLM's model runner does before the forward: saves still reading preempted
+            # requests' blocks end before the step writes into them.
+            worker.handle_preemptions(so.kv_connector_metadata)
             with (
                 set_forward_context(None, vc),
                 KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out,
@@ -489,6 +509,7 @@ def _phase(
         )
         assert out is not None and out.kv_connector_output is not None
         load_errors += len(out.kv_connector_output.invalid_block_ids or ())
+        vllm_stats.held_released += len(out.kv_connector_output.finished_sending or ())
         # Invalid blocks go back to the scheduler, which rolls their requests back. Its
         # stats go where vLLM's stat loggers take them: the connector's transfer figures to
         # its Prometheus metrics and its log, the hits by tier to its prefix-cache stats.
@@ -541,6 +562,7 @@ def main() -> None:
     ap.add_argument("--fail-copy", choices=["load", "save"], help="the first copy raises")
     ap.add_argument("--time-out", choices=["load", "save"], help="the first call times out")
     ap.add_argument("--tp", type=int, default=1, help="TP ranks, one worker each")
+    ap.add_argument("--slow-save", type=float, default=0.0, help="SECONDS before every save")
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
     ap.add_argument("--blocks", type=int, help="KV blocks (fewer: vLLM preempts requests)")
     a = ap.parse_args()
@@ -565,7 +587,15 @@ def main() -> None:
         tp=a.tp,
     )
     then = json.loads(Path(a.reset_then).read_text()) if a.reset_then else None
-    result = run(vc, json.loads(Path(a.prompts).read_text()), kill, then, a.fail_copy, a.time_out)
+    result = run(
+        vc,
+        json.loads(Path(a.prompts).read_text()),
+        kill,
+        then,
+        a.fail_copy,
+        a.time_out,
+        a.slow_save,
+    )
     Path(a.out).write_text(json.dumps(result))
 
 

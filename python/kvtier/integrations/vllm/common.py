@@ -96,9 +96,13 @@ class Settings:
         return s
 
     def holds_blocks(self, device_type: str) -> bool:
-        """Whether the agent may still be reading a finished request's blocks after the step
-        (DMA saves run after it): then the scheduler keeps them until every worker reports the
-        request's saves done (``get_finished``)."""
+        """Whether a worker may still be reading a finished request's blocks after the step:
+        DMA saves on a GPU (the agent copies after the step) and staging saves on CPU (the
+        save thread gathers after the step). Then the scheduler keeps them until every worker
+        reports the request's saves done (``get_finished``). A GPU's staging copies are
+        ordered on its stream within the step, and hold nothing back."""
+        if device_type == "cpu":
+            return True
         return self.transfer != "staging" and device_type == "cuda"
 
     def staging_file_mode(self) -> int:
@@ -274,6 +278,10 @@ class Counts:
     save_failed_pages: int = 0
     # Pages not saved because every staging page was taken by saves still in flight.
     save_dropped_pages: int = 0
+    # Pages not saved because their request was preempted while the save thread had not
+    # gathered them yet and the step could wait no longer (timeout_s): vLLM reuses the
+    # blocks, so the copy is given up rather than read another request's KV.
+    save_preempted_pages: int = 0
     loaded_bytes: int = 0
     saved_bytes: int = 0
     # Staging pools given up after a call that may have left a copy running in them.

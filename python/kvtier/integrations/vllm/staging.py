@@ -8,8 +8,9 @@ import mmap
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -85,6 +86,8 @@ class Staging:
         self.owner = ""
         # Registered with CUDA (page-locked), so device copies are asynchronous DMA.
         self.pinned = False
+        # The views last copied from, as numpy arrays (_host_arrays).
+        self._arrays: tuple[Sequence[torch.Tensor], list[np.ndarray], np.ndarray] | None = None
 
     def pin(self) -> bool:
         """Registers the pool with CUDA (page-locked), for workers whose KV is on a GPU: its
@@ -125,19 +128,50 @@ class Staging:
         copy, which whoever reads the pages waits for (the blocks may be reused at once:
         later work on the stream runs after the gather)."""
         dev = views[0].device
+        if dev.type == "cpu":
+            # numpy's take: one memmove per block on this thread, the GIL released once per
+            # layer. torch's index_select spreads each layer's copy over its OpenMP pool,
+            # whose wake-ups cost more than the copy beside a busy engine (measured: 4-5x
+            # slower per page in the vLLM bench, docs/BENCHMARKS.md).
+            # mode="clip" writes straight into the pages ("raise" buffers a copy); the block
+            # ids are checked first (_host_runs).
+            for v, page, idx in self._host_runs(views, blocks, slots):
+                v.take(idx, axis=0, out=page, mode="clip")
+            return None
         for s0, b0, n in _runs(slots):
             idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
             for i, v in enumerate(views):
                 page = self.view[i, s0 : s0 + n]
-                if dev.type == "cpu":
-                    torch.index_select(v, 0, idx, out=page.view(n, *v.shape[1:]))
-                else:
-                    page.copy_(v.index_select(0, idx).view(n, -1), non_blocking=True)
+                page.copy_(v.index_select(0, idx).view(n, -1), non_blocking=True)
         if dev.type != "cuda":
             return None
         done = torch.cuda.Event()
         done.record()
         return done
+
+    def _host_runs(
+        self, views: Sequence[torch.Tensor], blocks: list[int], slots: list[int]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """For host-memory views: (a layer's blocks, that layer's run of staging pages, the
+        run's block ids) per layer and run of consecutive pages. A block id outside the KV
+        cache is an error before anything is copied, never a page."""
+        layers, pages = self._host_arrays(views)
+        if blocks and (min(blocks) < 0 or max(blocks) >= len(layers[0])):
+            raise IndexError(f"kvtier: block ids {blocks} outside the KV cache")
+        for s0, b0, n in _runs(slots):
+            idx = np.asarray(blocks[b0 : b0 + n], dtype=np.intp)
+            for i, v in enumerate(layers):
+                yield v, pages[i, s0 : s0 + n], idx
+
+    def _host_arrays(self, views: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], np.ndarray]:
+        """numpy arrays over host-memory block views and over this pool's pages shaped like
+        one layer's blocks, made once per list of views (a worker passes the same one)."""
+        cached = self._arrays
+        if cached is None or cached[0] is not views:
+            layers = [v.numpy() for v in views]
+            pages = self.view.numpy().reshape(self.layers, self.pages, *layers[0].shape[1:])
+            cached = self._arrays = (views, layers, pages)
+        return cached[1], cached[2]
 
     def to_blocks(self, views: Sequence[torch.Tensor], slots: list[int], blocks: list[int]):
         """Copies staging pages into vLLM blocks through their canonical views. On CPU: one
@@ -146,12 +180,15 @@ class Staging:
         current stream; returns once the copies have read the pages (they may be reused
         then)."""
         dev = views[0].device
+        if dev.type == "cpu":
+            # numpy, for the reason from_blocks gives.
+            for v, page, idx in self._host_runs(views, blocks, slots):
+                v[idx] = page
+            return
         for s0, b0, n in _runs(slots):
             idx = torch.tensor(blocks[b0 : b0 + n], dtype=torch.long, device=dev)
             for i, v in enumerate(views):
-                page = self.view[i, s0 : s0 + n]
-                if dev.type != "cpu":
-                    page = page.to(dev, non_blocking=True)
+                page = self.view[i, s0 : s0 + n].to(dev, non_blocking=True)
                 v.index_copy_(0, idx, page.view(n, *v.shape[1:]))
         if dev.type == "cuda":
             done = torch.cuda.Event()
@@ -166,6 +203,7 @@ class Staging:
         if rt is not None:
             rt.cudaHostUnregister(self.view.data_ptr())
         self.pinned = False
+        self._arrays = None
         del self.view
         try:
             self._map.close()

@@ -33,6 +33,8 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "Bytes of the pages saved to L2.",
     "save_failed_pages": "Pages a save did not get into L2 (L2 full or unreachable).",
     "save_dropped_pages": "Pages not saved: no staging page was free (saves were behind).",
+    "save_preempted_pages": "Pages not saved: their request was preempted before the save "
+    "thread copied them, and vLLM reused the blocks after waiting timeout_s.",
     "dma_fallbacks": "Workers with the KV cache on a GPU that copy through a staging pool "
     "because the agent could not copy their blocks directly (transfer auto).",
 }

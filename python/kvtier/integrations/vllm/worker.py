@@ -94,6 +94,9 @@ class WorkerSide:
         # registration.
         self._dma = False
         self._owner = ""
+        # Staging with the KV cache in host memory, where the scheduler holds blocks until
+        # saved: the save thread gathers the blocks, after the step (wait_for_save).
+        self._gathers_behind = False
         # Whether finished requests with saves keep their blocks until the saves are done;
         # the scheduler side decides the same from the same settings (Settings.holds_blocks).
         device = str(getattr(vllm_config.device_config, "device_type", "") or "")
@@ -103,6 +106,11 @@ class WorkerSide:
         self._had_saves: set[str] = set()
         self._saving: dict[str, int] = {}
         self._held: set[str] = set()
+        # CPU staging saves: pages queued and not yet gathered; requests whose preemption
+        # gave up waiting for their saves (gathers skip them); those being gathered now.
+        self._queued = 0
+        self._abandoned: set[str] = set()
+        self._gathering: set[str] = set()
         self._saves_done = threading.Condition(self._lock)
         # Serialises replacing the staging pool and registering it.
         self._registering = threading.RLock()
@@ -151,6 +159,7 @@ class WorkerSide:
         if why is not None:
             self._count(dma_fallbacks=1)
             logger.warning("kvtier: %s; the worker copies through a staging pool", why)
+        self._gathers_behind = self._holds and not on_gpu
         self._staging = self._new_staging()
         self._register()
 
@@ -463,17 +472,21 @@ class WorkerSide:
         return (sending or None), (done or None)
 
     def handle_preemptions(self, preempted: Sequence[str]) -> None:
-        """Before a step reuses preempted requests' blocks: waits for DMA saves still
-        reading them (up to the agent calls' deadline, after which the agent commits
-        nothing of them)."""
-        if not self._dma:
-            return
+        """Before a step reuses preempted requests' blocks: waits for the saves still to read
+        them (DMA: the agent's copies; CPU staging: the save thread's gathers), up to the
+        agent calls' deadline. Past it the step goes on: the agent commits nothing of a late
+        DMA copy, and the save thread skips the gathers it has not begun (counted,
+        ``save_preempted_pages``), while one it is in the middle of (a memcpy) ends first."""
         deadline = time.monotonic() + self.settings.timeout_s + 1.0
         with self._lock:
             while any(self._saving.get(r) for r in preempted):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     logger.warning("kvtier: saves of preempted requests still running")
+                    late = {r for r in preempted if self._saving.get(r)}
+                    self._abandoned |= late
+                    while self._gathering & late:
+                        self._saves_done.wait()
                     return
                 self._saves_done.wait(left)
 
@@ -485,32 +498,54 @@ class WorkerSide:
     # ------------------------------------------------------------------ saves
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
-        """Copies the step's new blocks into staging pages in one gather per layer, then
-        hands their Saves to the save thread: the step waits for a memcpy, not for the
-        agent. A step with more new blocks than free staging pages (a burst of prefills,
-        or saves behind a slow L2) waits, up to ``timeout_s``, for the save thread to free
-        pages, so a burst is saved whole; pages that still find none are dropped, counted
-        (``save_dropped_pages``)."""
+        """Hands the step's new blocks to the save thread; the step waits for neither the
+        copy nor the agent. DMA: the agent copies the blocks itself after an event on the
+        stream. Staging on CPU: the save thread gathers the blocks into staging pages after
+        the step (the blocks are held until then: ``request_finished`` keeps a finished
+        request's, ``handle_preemptions`` waits for a preempted one's); the step waits only
+        when the saves before it have more pages still to gather than the staging pool
+        holds. Staging on a GPU: the step enqueues the gather on its stream (no host sync)
+        and the save thread waits for its event. Pages that find no staging page within
+        ``timeout_s`` are dropped, counted (``save_dropped_pages``)."""
         if self._holds:
             # Only where the scheduler holds finished requests' blocks: get_finished reports
             # (and forgets) exactly these.
             with self._lock:
                 self._had_saves.update(j.req_id for j in meta.saves)
+        if not self.saves or not meta.saves:
+            return
         if self._dma:
-            self._save_dma_step(meta.saves)
+            ready = torch.cuda.Event()
+            ready.record()
+            with self._lock:
+                self._reading(meta.saves)
+                self._pending_saves += 1
+            self._savers.submit(self._save_dma_all, meta.saves, ready)
             return
         staging = self._staging
-        if staging is None or not self.saves or not meta.saves:
+        if staging is None:
             return
+        if self._gathers_behind:
+            self._queue_behind(staging, meta.saves)
+            return
+        self._plan(staging, meta.saves, lambda planned, _: self._hand_over(staging, planned))
+
+    def _plan(
+        self,
+        staging: Staging,
+        jobs: list[Job],
+        run: Callable[[list[tuple[Job, list[int]]], bool], None],
+    ) -> None:
+        """Splits ``jobs`` over free staging pages and runs each batch (``run(planned,
+        last)``); when no page is free, runs what is planned (its pages come back as it is
+        saved) and waits for pages, up to ``timeout_s``."""
         planned: list[tuple[Job, list[int]]] = []
-        for job in meta.saves:
+        for job in jobs:
             rest: Job | None = job
             while rest is not None:
                 slots = staging.take(len(rest.blocks))
                 if not slots:
-                    # Hand over what is planned (its pages come back as it is saved), then
-                    # wait for pages.
-                    self._hand_over(staging, planned)
+                    run(planned, False)
                     planned = []
                     slots = staging.take(len(rest.blocks), wait=self.settings.timeout_s)
                 if not slots:
@@ -523,21 +558,105 @@ class WorkerSide:
                     break
                 part, rest = rest.split(len(slots), self.block_size)
                 planned.append((part, slots))
-        self._hand_over(staging, planned)
+        run(planned, True)
 
-    def _save_dma_step(self, jobs: list[Job]) -> None:
-        """DMA saves: an event after the step's work on the current stream, and the step's
-        Saves to the save thread, which waits for the event and has the agent copy the
-        blocks. Nothing waits on the step's thread."""
-        if not self.saves or not jobs:
-            return
-        ready = torch.cuda.Event()
-        ready.record()
+    def _reading(self, jobs: list[Job]) -> None:
+        """Under the lock: saves handed to the save thread that will read these requests'
+        blocks."""
+        for j in jobs:
+            self._saving[j.req_id] = self._saving.get(j.req_id, 0) + 1
+
+    def _read(self, jobs: list[Job]) -> None:
+        """Under the lock: these saves read their blocks, which may be reused now."""
+        for job in jobs:
+            left = self._saving.get(job.req_id, 1) - 1
+            if left:
+                self._saving[job.req_id] = left
+            else:
+                self._saving.pop(job.req_id, None)
+                self._abandoned.discard(job.req_id)
+        self._saves_done.notify_all()
+
+    def _queue_behind(self, staging: Staging, jobs: list[Job]) -> None:
+        """On the step's thread (CPU staging): queues the step's saves for the save thread.
+        Waits, up to ``timeout_s``, while the saves queued before hold more pages not yet
+        gathered than the staging pool has (saves falling behind slow the steps down rather
+        than pile up); a step's saves that still find no room are dropped, counted."""
+        pages = sum(len(j.blocks) for j in jobs)
         with self._lock:
-            for j in jobs:
-                self._saving[j.req_id] = self._saving.get(j.req_id, 0) + 1
-            self._pending_saves += 1
-        self._savers.submit(self._save_dma_all, jobs, ready)
+            room = self._saves_done.wait_for(
+                lambda: not self._queued or self._queued + pages <= staging.pages,
+                timeout=self.settings.timeout_s,
+            )
+            if room:
+                self._queued += pages
+                self._reading(jobs)
+                self._pending_saves += 1
+        if not room:
+            self._count(save_dropped_pages=pages)
+            logger.warning(
+                "kvtier: %d pages not saved: the saves before them did not gather theirs in %.1f s",
+                pages,
+                self.settings.timeout_s,
+            )
+            return
+        self._savers.submit(self._save_behind, jobs, pages)
+
+    def _save_behind(self, jobs: list[Job], pages: int) -> None:
+        """On the save thread (CPU staging): gathers a step's blocks into staging pages of
+        the current pool and saves them in one SaveBatch (more where the pool runs short);
+        the blocks are released after the last gather, before the last call."""
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                self._queued -= pages
+                self._read(jobs)
+            released = True
+
+        def run(staging: Staging, planned: list[tuple[Job, list[int]]], last: bool) -> None:
+            planned = self._gather_behind(staging, planned) if planned else []
+            if last:
+                release()
+            if planned:
+                self._save_staged(staging, planned, None)
+
+        try:
+            staging = self._staging
+            if staging is None:
+                # No pool since a retirement could not register a new one.
+                self._count(save_dropped_pages=pages)
+            else:
+                self._plan(staging, jobs, lambda planned, last: run(staging, planned, last))
+        finally:
+            if not released:
+                release()
+            with self._lock:
+                self._pending_saves -= 1
+
+    def _gather_behind(
+        self, staging: Staging, planned: list[tuple[Job, list[int]]]
+    ) -> list[tuple[Job, list[int]]]:
+        """Gathers the planned blocks, leaving out those of requests whose preemption gave
+        up waiting for them (their blocks may hold another request's KV by now; counted,
+        ``save_preempted_pages``). What is left to save, empty when the copy raised."""
+        with self._lock:
+            keep = [(j, sl) for j, sl in planned if j.req_id not in self._abandoned]
+            self._gathering = {j.req_id for j, _ in keep}
+        try:
+            gone = [sl for j, sl in planned if j.req_id in self._abandoned]
+            for sl in gone:
+                staging.give(sl)
+            if gone:
+                self._count(save_preempted_pages=sum(len(sl) for sl in gone))
+            if not keep or not self._gather(staging, keep)[0]:
+                return []
+            return keep
+        finally:
+            with self._lock:
+                self._gathering = set()
+                self._saves_done.notify_all()
 
     def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event) -> None:
         """On the save thread: once the step's work is done, the agent copies every job's
@@ -547,13 +666,7 @@ class WorkerSide:
             self._save_batch(None, [self._item(job, job.blocks) for job in jobs])
         finally:
             with self._lock:
-                for job in jobs:
-                    left = self._saving.get(job.req_id, 1) - 1
-                    if left:
-                        self._saving[job.req_id] = left
-                    else:
-                        self._saving.pop(job.req_id, None)
-                self._saves_done.notify_all()
+                self._read(jobs)
                 self._pending_saves -= 1
 
     @staticmethod
@@ -596,19 +709,29 @@ class WorkerSide:
         if r.failed:
             logger.warning("kvtier: %d pages could not be saved to L2", r.failed)
 
-    def _hand_over(self, staging: Staging, planned: list[tuple[Job, list[int]]]) -> None:
-        """Copies the planned blocks into their staging pages (one gather per layer) and
-        queues their Saves on the save thread."""
-        if not planned:
-            return
+    def _gather(
+        self, staging: Staging, planned: list[tuple[Job, list[int]]]
+    ) -> tuple[bool, torch.cuda.Event | None]:
+        """Copies the planned blocks into their staging pages (one gather per layer): (False,
+        None) when the copy raised (its pages given back and counted failed), else (True,
+        the copies' event on a GPU or None)."""
         blocks = [b for part, _ in planned for b in part.blocks]
         slots = [x for _, sl in planned for x in sl]
         try:
-            ready = staging.from_blocks(self._layers, blocks, slots)
+            return True, staging.from_blocks(self._layers, blocks, slots)
         except Exception as e:  # noqa: BLE001 - a failed copy is a skipped save, never a dead worker
             logger.warning("kvtier: copying %d pages to staging failed: %s", len(slots), e)
             self._count(save_failed_pages=len(slots))
             staging.give(slots)
+            return False, None
+
+    def _hand_over(self, staging: Staging, planned: list[tuple[Job, list[int]]]) -> None:
+        """On the step's thread (GPU staging): enqueues the planned blocks' copies into their
+        staging pages and queues their Saves on the save thread."""
+        if not planned:
+            return
+        copied, ready = self._gather(staging, planned)
+        if not copied:
             return
         with self._lock:
             self._pending_saves += 1
@@ -620,7 +743,19 @@ class WorkerSide:
         planned: list[tuple[Job, list[int]]],
         ready: torch.cuda.Event | None,
     ) -> None:
-        """On the save thread: a step's saves in one SaveBatch, once the copies into their
+        try:
+            self._save_staged(staging, planned, ready)
+        finally:
+            with self._lock:
+                self._pending_saves -= 1
+
+    def _save_staged(
+        self,
+        staging: Staging,
+        planned: list[tuple[Job, list[int]]],
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        """On the save thread: a batch's saves in one SaveBatch, once the copies into their
         staging pages have landed (a GPU's asynchronous copies: their event); then the
         staging pages are free again."""
         try:
@@ -630,8 +765,6 @@ class WorkerSide:
         finally:
             for _, slots in planned:
                 staging.give(slots)
-            with self._lock:
-                self._pending_saves -= 1
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Waits for the saves handed to the save thread; True when none is left."""
