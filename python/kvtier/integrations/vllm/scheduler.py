@@ -426,7 +426,8 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report its saves
-        done: only where saves may run after the step (DMA) and the request had some."""
+        done: only where saves may read the blocks after the step (DMA, and staging on CPU:
+        Settings.holds_blocks) and the request had some."""
         self._tracked.pop(request.request_id, None)
         saving = request.request_id in self._saving
         self._saving.discard(request.request_id)
