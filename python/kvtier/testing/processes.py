@@ -7,6 +7,7 @@ target/debug); KVTIERD_BIN and KVTIER_AGENT_BIN override them.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -60,6 +61,23 @@ def stop(proc: subprocess.Popen[str], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+_dead: list[tuple[Path, int]] = []
+
+
+def _left_pools(shm_dir: Path, pid: int) -> None:
+    """Remembers the pools a killed kvtierd left in ``shm_dir``; at exit, removes those
+    still there (``kvtier-<instance>-<pid>-<layout>`` and their slot tables)."""
+    if not _dead:
+        atexit.register(_remove_left_pools)
+    _dead.append((shm_dir, pid))
+
+
+def _remove_left_pools() -> None:
+    for shm_dir, pid in _dead:
+        for p in shm_dir.glob(f"kvtier-*-{pid}-*"):
+            p.unlink(missing_ok=True)
 
 
 def kvtierd_bin() -> str:
@@ -137,9 +155,13 @@ class Kvtierd:
         return metric(self.metrics_url, series, absent)
 
     def kill(self) -> None:
-        """SIGKILL: no flush, no cleanup."""
+        """SIGKILL: no flush, no cleanup. Its L2 pool stays in shared memory, as a crashed
+        kvtierd's does, for a restart on this directory to take over; what no restart took
+        over is removed when this process exits."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        shm = next((s.split("=", 1)[1] for s in self.sets if s.startswith("l2.shm_dir=")), None)
+        _left_pools(Path(shm or "/dev/shm"), self.proc.pid)
 
     def stop(self) -> None:
         stop(self.proc, 30)

@@ -93,12 +93,17 @@ pub struct Proc {
     pub socket: PathBuf,
     pub metrics: String,
     _lines: mpsc::Receiver<String>,
+    /// Killed with SIGKILL (`kill`): its leftovers are removed on drop.
+    killed: bool,
 }
 
 impl Proc {
+    /// SIGKILL. A kvtierd leaves its L2 pool in /dev/shm, as a crashed one does, for a
+    /// restart to take over; what is still there when this is dropped is removed.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        self.killed = true;
     }
 
     pub fn metrics_page(&self) -> String {
@@ -108,6 +113,20 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        if self.killed {
+            let pid = self.child.id().to_string();
+            for e in std::fs::read_dir("/dev/shm")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = e.file_name().to_string_lossy().into_owned();
+                // kvtier-<instance>-<pid>-<layout>[.slots]
+                if name.starts_with("kvtier-") && name.split('-').nth(2) == Some(pid.as_str()) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         if self.child.try_wait().ok().flatten().is_none() {
             let _ = Command::new("kill")
                 .args(["-TERM", &self.child.id().to_string()])
@@ -164,6 +183,7 @@ pub fn daemon(dir: &Path, sets: &[&str]) -> Proc {
         metrics: field(&ready, "metrics="),
         child,
         _lines: rx,
+        killed: false,
     }
 }
 
@@ -210,6 +230,7 @@ pub fn agent(dir: &Path, name: &str, sets: &[&str]) -> Proc {
         metrics: field(&ready, "metrics="),
         child,
         _lines: rx,
+        killed: false,
     }
 }
 
