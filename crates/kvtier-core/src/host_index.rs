@@ -222,6 +222,10 @@ pub struct HostIndex {
     changes: Option<Vec<IndexChange>>,
     /// Slots leased to writers, with no entry yet.
     leases: lease::Leases,
+    /// Per slot: the last check that saw it, and the current check's stamp (finds a key
+    /// named twice in one call without sorting or hashing).
+    seen: Vec<u32>,
+    stamp: u32,
 }
 
 impl std::fmt::Debug for HostIndex {
@@ -256,6 +260,8 @@ impl HostIndex {
             table: KeyTable::with_capacity(capacity as usize),
             entries: vec![None; capacity as usize],
             generations: vec![0; capacity as usize],
+            seen: vec![0; capacity as usize],
+            stamp: 0,
             alloc: SlotAllocator::new(capacity),
             policy: policy.build(),
             candidates: Order::new(capacity),
@@ -624,20 +630,34 @@ impl HostIndex {
     }
 
     /// Checks that every key is being written by `owner`, naming the first that is not.
-    fn check_writing(&self, owner: OwnerId, keys: &[PageKey]) -> Result<Vec<u32>, Error> {
-        keys.iter()
-            .enumerate()
-            .map(|(i, k)| match self.slot_of(k) {
+    fn check_writing(&mut self, owner: OwnerId, keys: &[PageKey]) -> Result<Vec<u32>, Error> {
+        // A fresh stamp for this call (all marks cleared when it wraps).
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.seen.fill(0);
+            self.stamp = 1;
+        }
+        let mut slots = Vec::with_capacity(keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            let s = match self.slot_of(k) {
                 Some(s)
                     if self.entry(s).state == PageState::Writing
                         && self.entry(s).owner == owner =>
                 {
-                    Ok(s)
+                    s
                 }
-                Some(_) => Err(bad_key("keys", i, k, "not reserved by this session")),
-                None => Err(bad_key("keys", i, k, "not reserved")),
-            })
-            .collect()
+                Some(_) => return Err(bad_key("keys", i, k, "not reserved by this session")),
+                None => return Err(bad_key("keys", i, k, "not reserved")),
+            };
+            // A key named twice would be committed (or freed) twice: refused whole.
+            let seen = &mut self.seen[s as usize];
+            if *seen == self.stamp {
+                return Err(bad_key("keys", i, k, "named more than once"));
+            }
+            *seen = self.stamp;
+            slots.push(s);
+        }
+        Ok(slots)
     }
 
     /// Makes reserved pages ready, returning their slots in key order. All-or-nothing: if any
@@ -813,6 +833,25 @@ mod tests {
 
     fn keys(r: std::ops::Range<u8>) -> Vec<PageKey> {
         r.map(key).collect()
+    }
+
+    #[test]
+    fn a_commit_or_abort_naming_a_key_twice_is_refused_whole() {
+        let mut ix = HostIndex::new(8, PolicyKind::Lru);
+        let ks = keys(1..3);
+        ix.reserve(1, None, &ks);
+        for twice in [vec![ks[0], ks[1], ks[0]], vec![ks[1], ks[1]]] {
+            let e = ix.commit(1, &twice).unwrap_err();
+            assert!(e.to_string().contains("more than once"), "{e}");
+            let e = ix.abort(1, &twice).unwrap_err();
+            assert!(e.to_string().contains("more than once"), "{e}");
+            assert_eq!((ix.stats().writing, ix.stats().ready), (2, 0));
+            ix.validate().unwrap();
+        }
+        assert_eq!(ix.take_changes().len(), 0, "nothing was published");
+        ix.commit(1, &ks).unwrap();
+        assert_eq!((ix.stats().writing, ix.stats().ready), (0, 2));
+        ix.validate().unwrap();
     }
 
     #[test]

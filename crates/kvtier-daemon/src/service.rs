@@ -655,7 +655,7 @@ impl HostTier for HostService {
                     name: s.name.clone(),
                     fingerprint: s.fingerprint.0.to_vec(),
                     pins: s.pins.values().map(|&n| u64::from(n)).sum(),
-                    writing_pages: s.writing.len() as u32,
+                    writing_pages: s.writing as u32,
                     idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
                     report: s.report.map(crate::wire::report_out),
                     tenant: s.tenant.clone(),

@@ -11,7 +11,7 @@ use kvtier_config::daemon::{DaemonConfig, L2Backing};
 use kvtier_config::tenants::TenantQuota;
 use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
 use kvtier_core::{
-    Epoch, KeyMap, KeySet, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, TenantScope,
+    Epoch, KeyMap, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, TenantScope,
     TenantTag, WritePolicy,
 };
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
@@ -82,8 +82,10 @@ pub struct Session {
     pub last_seen: Instant,
     /// Pins it holds, with multiplicity.
     pub pins: KeyMap<u32>,
-    /// Pages it has reserved and not yet committed or aborted.
-    pub writing: KeySet,
+    /// Pages it has reserved and not yet committed or aborted: a count, since the index
+    /// knows which (its reservations are owned by [`Session::owner`], and every commit or
+    /// abort is checked against it there, a key named twice refused).
+    pub writing: usize,
     /// The client's last report (agents send one with each heartbeat).
     pub report: Option<ClientReport>,
     /// The tenant it was bound to at registration (`""`: the default tenant).
@@ -607,7 +609,7 @@ impl HostState {
                 pool: pool_key,
                 last_seen: now,
                 pins: KeyMap::default(),
-                writing: KeySet::default(),
+                writing: 0,
                 report: None,
                 tenant: tenant.to_string(),
                 scope: TenantScope::new(tenant),
@@ -674,17 +676,21 @@ impl HostState {
             .iter()
             .flat_map(|(k, &n)| std::iter::repeat_n(*k, n as usize))
             .collect();
-        let writing: Vec<PageKey> = s.writing.iter().copied().collect();
         self.counters.dropped_pins += pins.len() as u64;
-        self.counters.dropped_reservations += writing.len() as u64;
         if let Err(e) = pool.index.release(&pins) {
             tracing::error!(session = %id, "session pins disagree with the index: {e}");
         }
-        if let Err(e) = pool.index.abort(s.owner, &writing) {
-            tracing::error!(
-                session = %id,
-                "session reservations disagree with the index: {e}"
-            );
+        // The index scans its slots for them: only when there are some.
+        if s.writing > 0 {
+            let freed = pool.index.abort_owner(s.owner);
+            self.counters.dropped_reservations += freed as u64;
+            if freed != s.writing {
+                tracing::error!(
+                    session = %id,
+                    "session reservations disagree with the index: {} counted, {freed} found",
+                    s.writing
+                );
+            }
         }
         pool.index.end_leases(s.owner);
         Ok(())

@@ -529,6 +529,40 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
             "layout mismatch",
         );
 
+        // A key named twice in a Commit or an Abort: refused whole, by name (committing or
+        // freeing it twice would miscount the pool); the reservation stands and commits.
+        let fresh = chain(22, 2);
+        let r = c.reserve(s.id, None, &fresh).await.unwrap();
+        assert_eq!(r.len(), 2);
+        let twice = vec![
+            fresh[0].0.to_vec(),
+            fresh[1].0.to_vec(),
+            fresh[0].0.to_vec(),
+        ];
+        let raw = c.raw();
+        check(
+            raw.commit(v1::CommitRequest {
+                packed_keys: Vec::new(),
+                session_id: s.id.to_bytes().to_vec(),
+                keys: twice.clone(),
+                lease_want: 0,
+            })
+            .await,
+            InvalidArgument,
+            "keys[2]",
+        );
+        check(
+            raw.abort(v1::AbortRequest {
+                packed_keys: Vec::new(),
+                session_id: s.id.to_bytes().to_vec(),
+                keys: twice,
+            })
+            .await,
+            InvalidArgument,
+            "more than once",
+        );
+        c.commit(s.id, &fresh).await.unwrap();
+
         // Nothing stored was lost or changed, and no pin leaked (the L3 writer's pins are
         // transient: wait for its queue to drain first).
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -543,7 +577,8 @@ fn bad_requests_are_refused_by_name_and_lose_nothing() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        assert_eq!(after.pools[0].ready_pages, before.pools[0].ready_pages);
+        // The two pages committed above, and nothing else.
+        assert_eq!(after.pools[0].ready_pages, before.pools[0].ready_pages + 2);
         assert_eq!(after.pools[0].pins, 0);
         assert_eq!(load(&mut c, &s, &keys).await, bytes);
     });

@@ -124,7 +124,7 @@ impl HostState {
                 .sessions
                 .values()
                 .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
-                .map(|s| s.writing.len())
+                .map(|s| s.writing)
                 .sum(),
             _ => 0,
         };
@@ -137,7 +137,7 @@ impl HostState {
         };
         let budget = ((f64::from(base) * share).ceil() as usize).max(1);
         let room = budget
-            .saturating_sub(session.writing.len())
+            .saturating_sub(session.writing)
             .min(budget.saturating_sub(tenant_writing));
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (out, evicted) = pool
@@ -151,20 +151,18 @@ impl HostState {
         let mut dedup = 0;
         let mut reserved = 0;
         let mut no_space = 0;
-        for (k, r) in keys.iter().zip(&out) {
+        for r in &out {
             match r {
-                Reserve::Reserved(_) => {
-                    session.writing.insert(*k);
-                    reserved += 1;
-                }
+                Reserve::Reserved(_) => reserved += 1,
                 Reserve::Present => dedup += 1,
                 Reserve::NoSpace => no_space += 1,
             }
         }
+        session.writing += reserved;
         let c = &mut self.counters;
         c.reserve_calls += 1;
         c.dedup_pages += dedup;
-        c.reserved_pages += reserved;
+        c.reserved_pages += reserved as u64;
         c.no_space_pages += no_space;
         self.count_lost(mode, lost, lost_after);
         Ok((out, evicted.len()))
@@ -185,9 +183,7 @@ impl HostState {
         let (session, pool) = self.session_pool(id, now)?;
         let slots = pool.index.commit(session.owner, keys)?;
         pool.committed_at(keys, &slots);
-        for k in keys {
-            session.writing.remove(k);
-        }
+        session.writing = session.writing.saturating_sub(keys.len());
         let jobs = Self::stored_jobs(write, epoch, pool, keys);
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (granted, evicted) = top_up(pool, session.owner, lease_want, admitting);
@@ -267,9 +263,7 @@ impl HostState {
     ) -> Result<(), StateError> {
         let (session, pool) = self.session_pool(id, now)?;
         pool.index.abort(session.owner, keys)?;
-        for k in keys {
-            session.writing.remove(k);
-        }
+        session.writing = session.writing.saturating_sub(keys.len());
         Ok(())
     }
 
