@@ -106,10 +106,13 @@ class WorkerSide:
         self._had_saves: set[str] = set()
         self._saving: dict[str, int] = {}
         self._held: set[str] = set()
-        # CPU staging saves: pages queued and not yet gathered; requests whose preemption
-        # gave up waiting for their saves (gathers skip them); those being gathered now.
+        # CPU staging saves: pages queued and not yet gathered; the number of the next
+        # step's batch of saves; requests whose preemption gave up waiting for their saves,
+        # with the last batch given up (gathers of it and earlier skip them; later batches
+        # are the resumed request's own); those being gathered now.
         self._queued = 0
-        self._abandoned: set[str] = set()
+        self._batches = 0
+        self._abandoned: dict[str, int] = {}
         self._gathering: set[str] = set()
         self._saves_done = threading.Condition(self._lock)
         # Serialises replacing the staging pool and registering it.
@@ -484,7 +487,8 @@ class WorkerSide:
                 if left <= 0:
                     logger.warning("kvtier: saves of preempted requests still running")
                     late = {r for r in preempted if self._saving.get(r)}
-                    self._abandoned |= late
+                    for r in late:
+                        self._abandoned[r] = self._batches - 1
                     while self._gathering & late:
                         self._saves_done.wait()
                     return
@@ -574,7 +578,7 @@ class WorkerSide:
                 self._saving[job.req_id] = left
             else:
                 self._saving.pop(job.req_id, None)
-                self._abandoned.discard(job.req_id)
+                self._abandoned.pop(job.req_id, None)
         self._saves_done.notify_all()
 
     def _queue_behind(self, staging: Staging, jobs: list[Job]) -> None:
@@ -592,6 +596,8 @@ class WorkerSide:
                 self._queued += pages
                 self._reading(jobs)
                 self._pending_saves += 1
+                batch = self._batches
+                self._batches += 1
         if not room:
             self._count(save_dropped_pages=pages)
             logger.warning(
@@ -600,9 +606,9 @@ class WorkerSide:
                 self.settings.timeout_s,
             )
             return
-        self._savers.submit(self._save_behind, jobs, pages)
+        self._savers.submit(self._save_behind, jobs, pages, batch)
 
-    def _save_behind(self, jobs: list[Job], pages: int) -> None:
+    def _save_behind(self, jobs: list[Job], pages: int, batch: int) -> None:
         """On the save thread (CPU staging): gathers a step's blocks into staging pages of
         the current pool and saves them in one SaveBatch (more where the pool runs short);
         the blocks are released after the last gather, before the last call."""
@@ -616,7 +622,7 @@ class WorkerSide:
             released = True
 
         def run(staging: Staging, planned: list[tuple[Job, list[int]]], last: bool) -> None:
-            planned = self._gather_behind(staging, planned) if planned else []
+            planned = self._gather_behind(staging, planned, batch) if planned else []
             if last:
                 release()
             if planned:
@@ -636,16 +642,22 @@ class WorkerSide:
                 self._pending_saves -= 1
 
     def _gather_behind(
-        self, staging: Staging, planned: list[tuple[Job, list[int]]]
+        self, staging: Staging, planned: list[tuple[Job, list[int]]], batch: int
     ) -> list[tuple[Job, list[int]]]:
         """Gathers the planned blocks, leaving out those of requests whose preemption gave
         up waiting for them (their blocks may hold another request's KV by now; counted,
         ``save_preempted_pages``). What is left to save, empty when the copy raised."""
+        # Which to keep and which to give up are decided under one lock: a preemption that
+        # gives up after it finds these in _gathering and waits for them.
         with self._lock:
-            keep = [(j, sl) for j, sl in planned if j.req_id not in self._abandoned]
+            keep, gone = [], []
+            for j, sl in planned:
+                if self._abandoned.get(j.req_id, -1) >= batch:
+                    gone.append(sl)
+                else:
+                    keep.append((j, sl))
             self._gathering = {j.req_id for j, _ in keep}
         try:
-            gone = [sl for j, sl in planned if j.req_id in self._abandoned]
             for sl in gone:
                 staging.give(sl)
             if gone:
