@@ -587,6 +587,7 @@ class WorkerSide:
         gathered than the staging pool has (saves falling behind slow the steps down rather
         than pile up); a step's saves that still find no room are dropped, counted."""
         pages = sum(len(j.blocks) for j in jobs)
+        batch = -1
         with self._lock:
             room = self._saves_done.wait_for(
                 lambda: not self._queued or self._queued + pages <= staging.pages,
