@@ -80,6 +80,65 @@ async fn commit(
     t.elapsed()
 }
 
+/// CPU time (ns) this process's threads have run so far, summed by thread name: the
+/// daemon's runtime (`kvtierd`), the subscribers (`events-sub`), and the writer (the main
+/// thread, whatever the binary's name: `writer`).
+fn cpu_by_thread() -> std::collections::HashMap<String, u64> {
+    let mut by = std::collections::HashMap::new();
+    let main = std::process::id().to_string();
+    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let p = t.path();
+        let is_main = t.file_name().to_str() == Some(main.as_str());
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(p.join("comm")),
+            std::fs::read_to_string(p.join("schedstat")),
+        ) else {
+            continue; // gone meanwhile
+        };
+        let ns: u64 = stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let name = if is_main { "writer" } else { comm.trim() };
+        *by.entry(name.to_string()).or_insert(0) += ns;
+    }
+    by
+}
+
+/// CPU each kind of thread spent between two [`cpu_by_thread`] readings, ns.
+#[derive(Default, Clone, Copy)]
+struct Cpu {
+    daemon: u64,
+    writer: u64,
+    subscribers: u64,
+}
+
+impl Cpu {
+    fn between(
+        a: &std::collections::HashMap<String, u64>,
+        b: &std::collections::HashMap<String, u64>,
+    ) -> Self {
+        let d = |name: &str| {
+            b.get(name)
+                .copied()
+                .unwrap_or(0)
+                .saturating_sub(a.get(name).copied().unwrap_or(0))
+        };
+        Self {
+            daemon: d("kvtierd") + d("kvtierd-sealer"),
+            writer: d("writer"),
+            subscribers: d("events-sub"),
+        }
+    }
+
+    fn add(&mut self, o: Self) {
+        self.daemon += o.daemon;
+        self.writer += o.writer;
+        self.subscribers += o.subscribers;
+    }
+}
+
 /// Starts the subscribers on a runtime of their own; each counts the live (not snapshot)
 /// stored events it receives, and records their lag (ns) while `measuring` is set. Each says
 /// so on `ready` when its first live event arrived (its snapshot is behind it).
@@ -184,6 +243,7 @@ pub fn run(quick: bool) {
         .unwrap();
     let readers = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
+        .thread_name("events-sub")
         .enable_all()
         .build()
         .unwrap();
@@ -234,11 +294,24 @@ pub fn run(quick: bool) {
 
         // Commit throughput at full speed, alone and with the subscribers, alternating
         // (this host's speed drifts between minutes): the medians.
+        // The CPU each side spends is summed over the rounds, from the first commit until
+        // every event has arrived.
         let (mut alone, mut with) = (Vec::new(), Vec::new());
+        let (mut cpu_alone, mut cpu_with) = (Cpu::default(), Cpu::default());
         for _ in 0..3 {
+            let t0 = cpu_by_thread();
             alone.push(commit(&mut c, &s, &mut next, burst, None).await);
+            cpu_alone.add(Cpu::between(&t0, &cpu_by_thread()));
             let tasks = subs.start(&mut c, &s, &mut next).await;
+            let before = received.load(Ordering::Relaxed);
+            let t0 = cpu_by_thread();
             with.push(commit(&mut c, &s, &mut next, burst, None).await);
+            let want = before + (burst * SUBSCRIBERS) as u64;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while received.load(Ordering::Relaxed) < want && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            cpu_with.add(Cpu::between(&t0, &cpu_by_thread()));
             stop(tasks).await;
         }
         c.close(s.id).await.unwrap();
@@ -276,6 +349,45 @@ pub fn run(quick: bool) {
             "no subscriber",
             rate(alone),
             Some(rate(with) / rate(alone)),
+        );
+        // Where the CPU goes (this host's cores are shared by all of it): per 1k pages
+        // committed alone, per 1k events streamed (each page is SUBSCRIBERS events).
+        let pages = (3 * burst) as f64 / 1e3;
+        let events = pages * SUBSCRIBERS as f64;
+        let us = |ns: u64| ns as f64 / 1e3;
+        let commit_cpu = us(cpu_alone.daemon + cpu_alone.writer) / pages;
+        let streams = us(cpu_with.daemon.saturating_sub(cpu_alone.daemon)) / events;
+        let subscribers = us(cpu_with.subscribers) / events;
+        crate::say!(
+            "CPU per 1k pages committed alone: kvtierd {:.0} µs, writer {:.0} µs; per 1k events \
+             streamed: kvtierd {streams:.0} µs more, subscribers {subscribers:.0} µs",
+            us(cpu_alone.daemon) / pages,
+            us(cpu_alone.writer) / pages,
+        );
+        // Were the commits bound by CPU alone, the streams' and the subscribers' CPU would
+        // cost them this much (they are not quite: alone, the cores idle now and then).
+        let extra = (streams + subscribers) * SUBSCRIBERS as f64;
+        crate::say!(
+            "were commits bound by CPU alone, these subscribers would leave them {:.2} of \
+             their rate ({:.2} with the subscribers on other cores)",
+            commit_cpu / (commit_cpu + extra),
+            commit_cpu / (commit_cpu + streams * SUBSCRIBERS as f64),
+        );
+        crate::record(
+            "kvtierd CPU per 1k events streamed",
+            streams,
+            "µs",
+            "per 1k pages committed",
+            us(cpu_alone.daemon) / pages,
+            None,
+        );
+        crate::record(
+            "subscribers' CPU per 1k events received",
+            subscribers,
+            "µs",
+            "kvtierd's per 1k streamed",
+            streams,
+            None,
         );
     });
     drop(readers);

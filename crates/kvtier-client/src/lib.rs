@@ -165,7 +165,12 @@ fn raw(keys: &[PageKey]) -> Vec<Vec<u8>> {
 #[derive(Debug, Clone)]
 pub struct HostClient {
     inner: HostTierClient<AuthChannel>,
+    /// The same connection, for calls made without the generated client (WatchEvents).
+    channel: AuthChannel,
 }
+
+/// The largest message a HostClient accepts.
+const MAX_MESSAGE: usize = 64 << 20;
 
 /// A registered session with its pool mapped.
 #[derive(Debug)]
@@ -215,9 +220,10 @@ impl HostClient {
 
     /// Connects with TLS (for `https://` targets) and a bearer token.
     pub async fn connect_with(target: &str, sec: &TcpSecurity) -> Result<Self, ClientError> {
+        let channel = connect_with(target, sec).await?;
         Ok(Self {
-            inner: HostTierClient::new(connect_with(target, sec).await?)
-                .max_decoding_message_size(64 << 20),
+            inner: HostTierClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE),
+            channel,
         })
     }
 
@@ -636,15 +642,15 @@ impl HostClient {
         stream_id: u64,
         after_seq: u64,
     ) -> Result<EventStream, ClientError> {
-        Ok(EventStream(
-            self.inner
-                .watch_events(v1::WatchEventsRequest {
-                    stream_id,
-                    after_seq,
-                })
-                .await?
-                .into_inner(),
-        ))
+        events::watch(
+            self.channel.clone(),
+            MAX_MESSAGE,
+            v1::WatchEventsRequest {
+                stream_id,
+                after_seq,
+            },
+        )
+        .await
     }
 
     /// A snapshot of every daemon metric each `interval` (0: the daemon's default).

@@ -11,8 +11,10 @@
 //! instead (counted in `kvtier_events_resyncs_total{reason}`).
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
+
+use bytes::{Bytes, BytesMut};
 
 pub use kvtier_core::events::{Event, EventKind, EventTier};
 use kvtier_core::host_index::IndexChange;
@@ -20,6 +22,8 @@ use kvtier_core::{LayoutFingerprint, PageKey, TenantTag};
 use kvtier_server::metrics::MetricRegistry;
 use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use tokio::sync::broadcast;
+
+use kvtier_proto::events::{EncodedEvents, batch_header};
 
 /// Events kept for resuming subscribers.
 pub const REPLAY: usize = 65_536;
@@ -70,6 +74,29 @@ impl EventMetrics {
     }
 }
 
+/// One publish's events, as every stream receives them. The first stream to send them
+/// encodes them for the wire, once for all (none, while nobody subscribes).
+#[derive(Debug)]
+pub struct Published {
+    /// The events, in order.
+    pub events: Box<[Event]>,
+    wire: OnceLock<EncodedEvents>,
+}
+
+impl Published {
+    fn new(events: Box<[Event]>) -> Self {
+        Self {
+            events,
+            wire: OnceLock::new(),
+        }
+    }
+
+    /// The events' wire entries.
+    pub fn wire(&self) -> &EncodedEvents {
+        self.wire.get_or_init(|| EncodedEvents::new(&self.events))
+    }
+}
+
 /// The event stream of one kvtierd.
 #[derive(Debug)]
 pub struct EventBus {
@@ -77,7 +104,7 @@ pub struct EventBus {
     node: String,
     next_seq: u64,
     ring: VecDeque<Event>,
-    tx: broadcast::Sender<Arc<[Event]>>,
+    tx: broadcast::Sender<Arc<Published>>,
     metrics: Option<EventMetrics>,
 }
 
@@ -167,7 +194,7 @@ impl EventBus {
     ) {
         let unix_nanos = now_nanos();
         let start = self.next_seq;
-        let batch: Arc<[Event]> = kinds
+        let batch: Box<[Event]> = kinds
             .map(|(layout, kind, tier)| {
                 let seq = self.next_seq;
                 self.next_seq += 1;
@@ -193,7 +220,7 @@ impl EventBus {
             m.published.inc_by(self.next_seq - start);
         }
         // No receiver is fine: the ring keeps them for the next one.
-        let _ = self.tx.send(batch);
+        let _ = self.tx.send(Arc::new(Published::new(batch)));
     }
 
     /// Subscribes a reader that last saw `after_seq` of stream `stream_id`: where it starts,
@@ -203,7 +230,7 @@ impl EventBus {
         &self,
         stream_id: u64,
         after_seq: u64,
-    ) -> (Start, broadcast::Receiver<Arc<[Event]>>) {
+    ) -> (Start, broadcast::Receiver<Arc<Published>>) {
         let rx = self.tx.subscribe();
         let oldest = self.ring.front().map_or(self.next_seq, |e| e.seq);
         let start = if stream_id == self.stream_id
@@ -261,27 +288,98 @@ pub const LINGER: std::time::Duration = std::time::Duration::from_millis(2);
 /// [`BACKLOG`], what one stalled subscriber can cost in memory.
 const STREAM_DEPTH: usize = 4;
 
+/// A stream's messages being put together: its header, then the entries of the events it
+/// sends, at most [`MAX_BATCH_EVENTS`] a message.
+struct Outgoing {
+    header: Bytes,
+    tenant: Option<TenantTag>,
+    current: BytesMut,
+    count: usize,
+    ready: Vec<Bytes>,
+}
+
+impl Outgoing {
+    fn new(stream_id: u64, node: &str, tenant: Option<TenantTag>) -> Self {
+        let header = Bytes::from(batch_header(stream_id, node));
+        Self {
+            current: BytesMut::from(&header[..]),
+            header,
+            tenant,
+            count: 0,
+            ready: Vec::new(),
+        }
+    }
+
+    /// Events waiting to be sent.
+    fn pending(&self) -> usize {
+        self.ready.len() * MAX_BATCH_EVENTS + self.count
+    }
+
+    /// Adds those of `events` (encoded as `wire`) the subscriber may see, as runs of
+    /// entries copied whole.
+    fn add(&mut self, events: &[Event], wire: &EncodedEvents) {
+        let mut i = 0;
+        while i < events.len() {
+            if !events[i].visible_to(self.tenant) {
+                i += 1;
+                continue;
+            }
+            let room = MAX_BATCH_EVENTS - self.count;
+            let mut j = i + 1;
+            while j < events.len() && j - i < room && events[j].visible_to(self.tenant) {
+                j += 1;
+            }
+            self.current.extend_from_slice(wire.entries(i, j));
+            self.count += j - i;
+            if self.count == MAX_BATCH_EVENTS {
+                self.seal();
+            }
+            i = j;
+        }
+    }
+
+    /// Adds events of this stream's own (a replay, a snapshot), encoded here.
+    fn add_own(&mut self, events: &[Event]) {
+        self.add(events, &EncodedEvents::new(events));
+    }
+
+    fn seal(&mut self) {
+        if self.count > 0 {
+            let next = BytesMut::from(&self.header[..]);
+            self.ready
+                .push(std::mem::replace(&mut self.current, next).freeze());
+            self.count = 0;
+        }
+    }
+
+    /// The messages to send now.
+    fn take(&mut self) -> Vec<Bytes> {
+        self.seal();
+        std::mem::take(&mut self.ready)
+    }
+}
+
 /// The stream of one WatchEvents call: where the subscriber starts (a replay, or a RESYNC
-/// and a snapshot), then what is published, in batches of at most [`MAX_BATCH_EVENTS`],
-/// limited to `tenant`'s pages when given. It ends when the caller goes or kvtierd shuts
-/// down. A caller that reads too slowly only delays its own stream: when it falls
-/// [`BACKLOG`] batches behind it gets a RESYNC and a fresh snapshot.
+/// and a snapshot), then what is published, in `EventBatch` messages (already encoded) of at
+/// most [`MAX_BATCH_EVENTS`] events, limited to `tenant`'s pages when given. It ends when
+/// the caller goes or kvtierd shuts down. A caller that reads too slowly only delays its
+/// own stream: when it falls [`BACKLOG`] batches behind it gets a RESYNC and a fresh
+/// snapshot.
 pub fn watch(
     state: Arc<crate::state::Shared>,
     stream_id: u64,
     after_seq: u64,
     tenant: Option<TenantTag>,
     shutdown: tokio_util::sync::CancellationToken,
-) -> tokio_stream::wrappers::ReceiverStream<Result<kvtier_proto::v1::EventBatch, tonic::Status>> {
+) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, tonic::Status>> {
     let (tx, out) = tokio::sync::mpsc::channel(STREAM_DEPTH);
-    let (sub, id, node, metrics) = {
+    let (sub, mut outgoing, metrics) = {
         let mut st = state.lock();
         let sub = st.subscribe_events(stream_id, after_seq);
         let bus = st.events();
         (
             sub,
-            bus.stream_id(),
-            bus.node().to_string(),
+            Outgoing::new(bus.stream_id(), bus.node(), tenant),
             bus.metrics().cloned(),
         )
     };
@@ -289,12 +387,11 @@ pub fn watch(
         let _open = metrics
             .as_ref()
             .map(|m| Subscribed::new(m.subscribers.clone()));
-        let send = |events: Vec<Event>| {
-            let (tx, node) = (tx.clone(), node.clone());
+        let send = |messages: Vec<Bytes>| {
+            let tx = tx.clone();
             async move {
-                for chunk in events.chunks(MAX_BATCH_EVENTS) {
-                    let batch = crate::wire::event_batch(id, &node, chunk);
-                    if tx.send(Ok(batch)).await.is_err() {
+                for m in messages {
+                    if tx.send(Ok(m)).await.is_err() {
                         return false;
                     }
                 }
@@ -307,13 +404,8 @@ pub fn watch(
             }
         };
         resynced(sub.resync);
-        let visible = |evs: &[Event]| -> Vec<Event> {
-            evs.iter()
-                .filter(|e| e.visible_to(tenant))
-                .copied()
-                .collect()
-        };
-        if !send(visible(&sub.first)).await {
+        outgoing.add_own(&sub.first);
+        if !send(outgoing.take()).await {
             return;
         }
         let mut rx = sub.rx;
@@ -323,9 +415,12 @@ pub fn watch(
                 () = tx.closed() => return,
                 r = rx.recv() => r,
             };
-            let (mut events, mut lagged) = match got {
-                Ok(batch) => (visible(&batch), false),
-                Err(broadcast::error::RecvError::Lagged(_)) => (Vec::new(), true),
+            let mut lagged = match got {
+                Ok(batch) => {
+                    outgoing.add(&batch.events, batch.wire());
+                    false
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => true,
                 Err(broadcast::error::RecvError::Closed) => return,
             };
             // What comes within LINGER goes in the same message: the stream sleeps it out and
@@ -338,9 +433,9 @@ pub fn watch(
                     () = tokio::time::sleep(LINGER) => {}
                 }
             }
-            while !lagged && events.len() < MAX_BATCH_EVENTS {
+            while !lagged && outgoing.pending() < MAX_BATCH_EVENTS {
                 match rx.try_recv() {
-                    Ok(more) => events.extend(visible(&more)),
+                    Ok(more) => outgoing.add(&more.events, more.wire()),
                     Err(broadcast::error::TryRecvError::Lagged(_)) => lagged = true,
                     Err(_) => break,
                 }
@@ -350,9 +445,10 @@ pub fn watch(
                 let sub = state.lock().resubscribe_events();
                 resynced(sub.resync);
                 rx = sub.rx;
-                events.extend(visible(&sub.first));
+                outgoing.add_own(&sub.first);
             }
-            if !events.is_empty() && !send(events).await {
+            let messages = outgoing.take();
+            if !messages.is_empty() && !send(messages).await {
                 return;
             }
         }
@@ -405,16 +501,19 @@ mod tests {
         assert_eq!(bus.last_seq(), 4);
         let first = early.try_recv().unwrap();
         assert_eq!(
-            first.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            first.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
             vec![1, 2],
             "one batch per publish"
         );
         assert_eq!(
-            early.try_recv().unwrap()[0].kind,
+            early.try_recv().unwrap().events[0].kind,
             EventKind::Removed { key: k(1) }
         );
         let last = early.try_recv().unwrap();
-        assert_eq!((last[0].kind, last[0].layout), (EventKind::Cleared, None));
+        assert_eq!(
+            (last.events[0].kind, last.events[0].layout),
+            (EventKind::Cleared, None)
+        );
         // Resuming after seq 1 of this stream replays 2..=4; another stream's id, or a seq
         // not published yet, starts over.
         let (start, _) = bus.subscribe(bus.stream_id(), 1);
@@ -505,7 +604,9 @@ mod tests {
             let stop = tokio_util::sync::CancellationToken::new();
             let mut s = watch(state.clone(), 0, 0, None, stop.clone());
             use futures::StreamExt;
-            let first = s.next().await.unwrap().unwrap();
+            use prost::Message;
+            let decode = |b: Bytes| kvtier_proto::v1::EventBatch::decode(b).unwrap();
+            let first = decode(s.next().await.unwrap().unwrap());
             assert_eq!(
                 first.events[0].kind,
                 kvtier_proto::v1::PageEventKind::Resync as i32
@@ -525,7 +626,7 @@ mod tests {
             while let Ok(Some(b)) =
                 tokio::time::timeout(std::time::Duration::from_millis(200), s.next()).await
             {
-                kinds.extend(b.unwrap().events.iter().map(|e| e.kind));
+                kinds.extend(decode(b.unwrap()).events.iter().map(|e| e.kind));
             }
             let resync = kinds
                 .iter()

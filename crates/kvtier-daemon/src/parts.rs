@@ -32,7 +32,7 @@ use tokio_util::task::TaskTracker;
 use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
 use crate::roles::{Door, Roles};
-use crate::service::HostService;
+use crate::service::{HostService, HostTierRoutes};
 use crate::state::{HostState, Shared};
 use crate::{DaemonError, admin, sealer, sglang, state, storage_service};
 
@@ -335,7 +335,7 @@ impl Control {
         );
         let router = || {
             kvtier_server::serving::grpc_server()
-                .add_service(HostTierServer::new(host.clone()))
+                .add_service(HostTierRoutes::new(host.clone()))
                 .add_service(health_service.clone())
                 .add_service(reflection.clone())
                 .add_service(objects.clone())
@@ -391,7 +391,7 @@ impl Control {
                 let mut layered = server.layer(tower::util::option_layer(check));
                 let task = ctx.tracker.spawn(
                     layered
-                        .add_service(HostTierServer::new(host.clone()))
+                        .add_service(HostTierRoutes::new(host.clone()))
                         .add_service(health_service.clone())
                         .add_service(reflection.clone())
                         .add_service(objects.clone())

@@ -33,10 +33,19 @@ const WATCH_MAX_MS: u64 = 60_000;
 type SnapshotStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
 
+mod events_route;
 mod lease;
 mod routing;
 
-/// The stream a WatchEvents call returns.
+pub use events_route::HostTierRoutes;
+
+/// The stream a WatchEvents call returns, as [`HostTierRoutes`] sends it: `EventBatch`
+/// messages, encoded.
+type EncodedEventStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, Status>> + Send>>;
+
+/// The same stream decoded, for the generated server's `watch_events` (kvtierd serves the
+/// call through [`HostTierRoutes`], which never reaches it).
 type EventStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::EventBatch, Status>> + Send>>;
 
@@ -810,7 +819,13 @@ impl HostTier for HostService {
         &self,
         request: Request<v1::WatchEventsRequest>,
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
-        self.watch_events_call(request)
+        use futures::StreamExt;
+        use prost::Message;
+        let encoded = self.watch_events_call(request)?.into_inner();
+        let decoded = encoded.map(|m| {
+            m.and_then(|b| v1::EventBatch::decode(b).map_err(|e| Status::internal(e.to_string())))
+        });
+        Ok(Response::new(Box::pin(decoded) as EventStream))
     }
 
     async fn locate(

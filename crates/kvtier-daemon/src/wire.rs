@@ -198,53 +198,6 @@ pub fn samples(
     out
 }
 
-/// One batch of a WatchEvents stream.
-pub fn event_batch(stream_id: u64, node: &str, events: &[crate::events::Event]) -> v1::EventBatch {
-    use crate::events::EventKind;
-    // A batch's events are nearly always of one layout: its hex is made once.
-    let mut hex: Option<(kvtier_core::LayoutFingerprint, String)> = None;
-    let mut layout_hex = |l: kvtier_core::LayoutFingerprint| match &hex {
-        Some((fp, h)) if *fp == l => h.clone(),
-        _ => hex.insert((l, l.to_hex())).1.clone(),
-    };
-    let events = events
-        .iter()
-        .map(|e| {
-            let (kind, key, parent) = match e.kind {
-                EventKind::Stored { key, parent } => (
-                    v1::PageEventKind::Stored,
-                    key.as_bytes().to_vec(),
-                    parent.map(|p| p.as_bytes().to_vec()).unwrap_or_default(),
-                ),
-                EventKind::Removed { key } => (
-                    v1::PageEventKind::Removed,
-                    key.as_bytes().to_vec(),
-                    Vec::new(),
-                ),
-                EventKind::Cleared => (v1::PageEventKind::Cleared, Vec::new(), Vec::new()),
-                EventKind::Resync => (v1::PageEventKind::Resync, Vec::new(), Vec::new()),
-            };
-            v1::PageEvent {
-                seq: e.seq,
-                unix_nanos: e.unix_nanos,
-                kind: kind as i32,
-                tier: match e.tier {
-                    crate::events::EventTier::L2Host => v1::EventTier::L2Host,
-                    crate::events::EventTier::L3Storage => v1::EventTier::L3Storage,
-                } as i32,
-                key,
-                parent,
-                layout: e.layout.map(&mut layout_hex).unwrap_or_default(),
-            }
-        })
-        .collect();
-    v1::EventBatch {
-        stream_id,
-        node: node.to_string(),
-        events,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

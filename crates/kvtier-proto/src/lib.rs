@@ -18,6 +18,8 @@ pub mod v1 {
     tonic::include_proto!("kvtier.v1");
 }
 
+pub mod events;
+
 /// The encoded `FileDescriptorSet` of every kvtier proto, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kvtier_descriptor");
 

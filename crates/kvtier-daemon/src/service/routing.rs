@@ -8,7 +8,7 @@ use kvtier_core::{LayoutFingerprint, Namespace, PageHasher, TenantScope, TenantT
 use kvtier_proto::{ApiError, v1};
 use tonic::{Request, Response, Status};
 
-use super::{EventStream, HostService};
+use super::{EncodedEventStream, HostService};
 
 impl HostService {
     /// The tenant whose pages a caller may see (`None`: all of them).
@@ -22,7 +22,7 @@ impl HostService {
     pub(super) fn watch_events_call(
         &self,
         request: Request<v1::WatchEventsRequest>,
-    ) -> Result<Response<EventStream>, Status> {
+    ) -> Result<Response<EncodedEventStream>, Status> {
         let tenant = self.seen_tenant(&request);
         self.observe("watch_events", || {
             let r = request.get_ref();
@@ -33,7 +33,7 @@ impl HostService {
                 tenant,
                 self.shutdown.clone(),
             );
-            Ok(Box::pin(stream) as EventStream)
+            Ok(Box::pin(stream) as EncodedEventStream)
         })
     }
 

@@ -17,7 +17,7 @@ pub struct Subscription {
     /// Why it starts from a snapshot (the resync metric's reason), if it does.
     pub resync: Option<&'static str>,
     /// What is published from now on.
-    pub rx: broadcast::Receiver<std::sync::Arc<[Event]>>,
+    pub rx: broadcast::Receiver<std::sync::Arc<crate::events::Published>>,
 }
 
 impl HostState {
