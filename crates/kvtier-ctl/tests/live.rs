@@ -22,6 +22,11 @@ struct Daemon {
 
 impl Daemon {
     fn start(name: &str) -> Daemon {
+        Self::start_with(name, "memory")
+    }
+
+    /// A daemon whose L3 is `l3` (`none`: no L3, so no L3 events either).
+    fn start_with(name: &str, l3: &str) -> Daemon {
         let dir =
             std::env::temp_dir().join(format!("kvtierctl-watch-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -29,7 +34,7 @@ impl Daemon {
             .with_overrides(&[
                 format!("data_dir={}", dir.display()),
                 "metrics.listen=".into(),
-                "l3.backend=memory".into(),
+                format!("l3.backend={l3}"),
                 "l2.pool_bytes=8MiB".into(),
             ])
             .unwrap();
@@ -233,7 +238,9 @@ fn clear_needs_a_terminal_or_yes_and_drain_reports() {
 #[test]
 fn events_prints_a_snapshot_of_l2_then_what_it_gains() {
     use kvtier_core::{DType, KvKind, LayoutSpec, Namespace, PageHasher};
-    let d = Daemon::start("events");
+    // Without L3: its STORED events land whenever the write-through does, possibly after
+    // the snapshot below, and would come first on the resumed stream.
+    let d = Daemon::start_with("events", "none");
     let socket = d.socket.display().to_string();
     let spec = LayoutSpec {
         model_id: "ctl-events".into(),
