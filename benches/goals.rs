@@ -183,6 +183,12 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "get 2 MiB pages vs object_store get",
         Goal::RatioAtLeast(0.95),
     ),
+    // Before the row above it: its figure begins the same way.
+    (
+        "prefetch",
+        "prefetch from file vs its floor",
+        Goal::RatioAtLeast(0.9),
+    ),
     (
         "prefetch",
         "prefetch 64 x 2 MiB from file",
@@ -192,6 +198,11 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "sglang",
         "BatchGet 128x1MiB, file L3 vs fs::read",
         Goal::RatioAtLeast(0.85),
+    ),
+    (
+        "sglang",
+        "BatchGet 128x1MiB, file L3 vs its floor",
+        Goal::RatioAtLeast(0.9),
     ),
     // P8: a put into the shared pool near a one-thread memcpy of the same bytes.
     (

@@ -95,6 +95,8 @@ struct Row {
     pages: usize,
     prefetch: Vec<f64>,
     raw: Vec<f64>,
+    /// The floor's time, where the backend has one (file).
+    floor: Vec<f64>,
 }
 
 impl Row {
@@ -117,15 +119,35 @@ impl Row {
             bytes / r / 1e9,
             r / p
         );
+        if !self.floor.is_empty() {
+            let f = median(self.floor);
+            crate::record(
+                &format!("prefetch from {name} vs its floor (read + CRC32C + copy into a slot)"),
+                bytes / p / 1e9,
+                "GB/s",
+                "the floor, same rounds",
+                bytes / f / 1e9,
+                Some(f / p),
+            );
+        }
     }
 }
 
 /// Prefetches each chain through a fresh daemon on the same L3, timing each against
-/// `raw` reading the same objects just before.
-async fn measure<F, Fut>(name: &str, l3: &[String], chains: &[Vec<PageKey>], raw: F) -> Row
+/// `raw` reading the same objects just before, and `floor` (the least a verified read into
+/// shared memory does with them) when given.
+async fn measure<F, Fut, G, GFut>(
+    name: &str,
+    l3: &[String],
+    chains: &[Vec<PageKey>],
+    raw: F,
+    floor: Option<G>,
+) -> Row
 where
     F: Fn(Vec<PageKey>) -> Fut,
     Fut: std::future::Future<Output = usize>,
+    G: Fn(Vec<PageKey>) -> GFut,
+    GFut: std::future::Future<Output = usize>,
 {
     let pages = chains[0].len();
     let mut sets: Vec<String> = l3.to_vec();
@@ -148,12 +170,19 @@ where
         pages,
         prefetch: Vec::new(),
         raw: Vec::new(),
+        floor: Vec::new(),
     };
     for (i, keys) in chains.iter().enumerate() {
         let t = Instant::now();
         let n = raw(keys.clone()).await;
         row.raw.push(t.elapsed().as_secs_f64());
         assert_eq!(n, pages, "the raw read missed objects");
+        if let Some(floor) = &floor {
+            let t = Instant::now();
+            let n = floor(keys.clone()).await;
+            row.floor.push(t.elapsed().as_secs_f64());
+            assert_eq!(n, pages, "the floor's read missed objects");
+        }
         let t = Instant::now();
         let opts = PrefetchOptions::policy(PrefetchPolicy::WaitComplete);
         let id = format!("r{i}");
@@ -216,20 +245,55 @@ pub fn run(quick: bool) {
             &[],
         ))
         .unwrap();
-    let row = rt.block_on(measure("file", &l3, &chains, |keys| {
-        let store = store.clone();
+    // The floor of a verified read into shared memory at the same concurrency: each page
+    // read whole, checksummed, and copied into its slot (kvtier-shm lends no references into
+    // shared memory, so the slot cannot be a read's destination), in one blocking task.
+    let floor_pool = Arc::new(crate::scenarios::gpu::host_pool(
+        page_bytes,
+        pages as u32,
+        "prefetch-floor",
+    ));
+    let floor = |keys: Vec<PageKey>| {
+        let (store, pool) = (store.clone(), floor_pool.clone());
+        let at = kvtier_storage::format::HEADER_LEN;
         async move {
-            futures::stream::iter(keys)
-                .map(|k| {
+            futures::stream::iter(keys.into_iter().enumerate())
+                .map(|(i, k)| {
                     let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
-                    tokio::task::spawn_blocking(move || std::fs::read(path).unwrap().len())
+                    let pool = pool.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let b = std::fs::read(path).unwrap();
+                        std::hint::black_box(kvtier_core::checksum::crc32c(&b[at..]));
+                        pool.write(i as u32, 0, &b[at..]).unwrap();
+                        b.len()
+                    })
                 })
                 .buffer_unordered(CONCURRENCY)
                 .filter(|r| std::future::ready(r.as_ref().is_ok_and(|&n| n > 0)))
                 .count()
                 .await
         }
-    }));
+    };
+    let row = rt.block_on(measure(
+        "file",
+        &l3,
+        &chains,
+        |keys| {
+            let store = store.clone();
+            async move {
+                futures::stream::iter(keys)
+                    .map(|k| {
+                        let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
+                        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap().len())
+                    })
+                    .buffer_unordered(CONCURRENCY)
+                    .filter(|r| std::future::ready(r.as_ref().is_ok_and(|&n| n > 0)))
+                    .count()
+                    .await
+            }
+        },
+        Some(floor),
+    ));
     let row_page = median(row.prefetch.clone()) / pages as f64;
     row.print("file", page_bytes);
     if crate::diag::wanted() {
@@ -269,27 +333,34 @@ pub fn run(quick: bool) {
             .build()
             .unwrap(),
     );
-    let row = rt.block_on(measure("s3", &l3, &chains, |keys| {
-        let raw = raw.clone();
-        async move {
-            use object_store::ObjectStoreExt;
-            futures::stream::iter(keys)
-                .map(|k| {
-                    let raw = raw.clone();
-                    async move {
-                        let path = object_store::path::Path::from(format!(
-                            "bench/{}",
-                            kvtier_storage::format::object_name(&fp, &k)
-                        ));
-                        raw.get(&path).await.unwrap().bytes().await.unwrap().len()
-                    }
-                })
-                .buffer_unordered(CONCURRENCY)
-                .filter(|&n| std::future::ready(n > 0))
-                .count()
-                .await
-        }
-    }));
+    let no_floor: Option<fn(Vec<PageKey>) -> std::future::Ready<usize>> = None;
+    let row = rt.block_on(measure(
+        "s3",
+        &l3,
+        &chains,
+        |keys| {
+            let raw = raw.clone();
+            async move {
+                use object_store::ObjectStoreExt;
+                futures::stream::iter(keys)
+                    .map(|k| {
+                        let raw = raw.clone();
+                        async move {
+                            let path = object_store::path::Path::from(format!(
+                                "bench/{}",
+                                kvtier_storage::format::object_name(&fp, &k)
+                            ));
+                            raw.get(&path).await.unwrap().bytes().await.unwrap().len()
+                        }
+                    })
+                    .buffer_unordered(CONCURRENCY)
+                    .filter(|&n| std::future::ready(n > 0))
+                    .count()
+                    .await
+            }
+        },
+        no_floor,
+    ));
     row.print("s3", page_bytes);
 }
 

@@ -10,7 +10,8 @@
 //! - **L3 path** (file backend, `sglang_rpc.memory_bytes = 0`, so every get reads L3):
 //!   BatchPut against `std::fs::write` of 128 files of 1 MiB, BatchGet against `std::fs::read`
 //!   of them (page cache warm on both sides), with the file backend's 16 calls in flight
-//!   versus one thread for the baseline.
+//!   versus one thread for the baseline; BatchGet also against its floor, each page read,
+//!   checksummed and copied into the pool on one thread.
 //!
 //! The client is a tonic client on the gRPC socket (through kvtierd's `:authority` relay, as
 //! SGLang's grpcio client is); the pool is registered over `SCM_RIGHTS` as SGLang does.
@@ -220,6 +221,25 @@ pub fn run(quick: bool) {
     );
     f.verify();
     crate::say!("{}", get.line("GiB/s", gib));
+    // The floor of a verified read into the engine's pool, on one thread: each page read,
+    // checksummed, and copied in (an engine's buffer never sees unverified bytes, and
+    // kvtier-shm lends no references into shared memory, so the pool is not the read's
+    // destination).
+    let floor = compare(
+        "BatchGet 128x1MiB, file L3 vs its floor (read + CRC32C + copy into the pool)",
+        total,
+        rounds,
+        || {
+            for i in 0..PAGES {
+                let b = std::fs::read(raw.join(format!("{i}"))).unwrap();
+                std::hint::black_box(kvtier_core::checksum::crc32c(&b));
+                f.region.write((PAGES + i) * PAGE, &b).unwrap();
+            }
+        },
+        || f.get(&rt),
+    );
+    f.verify();
+    crate::say!("{}", floor.line("GiB/s", gib));
     // Does sharing pay: a second instance's get from kvtierd's memory vs from the file L3.
     let pays = get.subject_s / memory_get_s;
     record(
