@@ -10,7 +10,7 @@ use tonic::{Request, Status};
 
 pub use kvtier_proto::events::EventBatch;
 
-use crate::ClientError;
+use crate::{AuthChannel, ClientError};
 
 /// The call, by path.
 const WATCH_EVENTS: &str = "/kvtier.v1.HostTier/WatchEvents";
@@ -31,21 +31,15 @@ impl EventStream {
 }
 
 /// Calls WatchEvents on `channel`.
-pub(crate) async fn watch<T>(
-    channel: T,
+pub(crate) async fn watch(
+    channel: AuthChannel,
     max_message: usize,
     request: v1::WatchEventsRequest,
-) -> Result<EventStream, ClientError>
-where
-    T: tonic::client::GrpcService<tonic::body::Body>,
-    T::Error: Into<tonic::codegen::StdError>,
-    T::ResponseBody: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
-    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
-{
+) -> Result<EventStream, ClientError> {
     let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(max_message);
     grpc.ready()
         .await
-        .map_err(|e| Status::unavailable(format!("kvtierd is not ready: {}", e.into())))?;
+        .map_err(|e| Status::unavailable(format!("kvtierd is not ready: {e}")))?;
     let mut req = Request::new(request);
     req.extensions_mut()
         .insert(tonic::GrpcMethod::new("kvtier.v1.HostTier", "WatchEvents"));

@@ -338,9 +338,19 @@ impl Outgoing {
         }
     }
 
-    /// Adds events of this stream's own (a replay, a snapshot), encoded here.
+    /// Adds events of this stream's own (a replay, a snapshot), encoded here: only those
+    /// its tenant may see, when it has one (a snapshot of a shared node is mostly others').
     fn add_own(&mut self, events: &[Event]) {
-        self.add(events, &EncodedEvents::new(events));
+        if self.tenant.is_none() {
+            self.add(events, &EncodedEvents::new(events));
+        } else {
+            let seen: Vec<Event> = events
+                .iter()
+                .filter(|e| e.visible_to(self.tenant))
+                .copied()
+                .collect();
+            self.add(&seen, &EncodedEvents::new(&seen));
+        }
     }
 
     fn seal(&mut self) {
