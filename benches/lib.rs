@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 pub mod diag;
 pub mod goals;
 pub mod host;
+pub mod placement;
 pub mod python;
 pub mod sink;
 
@@ -281,7 +282,7 @@ impl Comparison {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }

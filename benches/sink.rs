@@ -4,7 +4,9 @@
 //! send exactly the bytes a real call sends and receive exactly the bytes it receives,
 //! through the same h2 and tonic framing, without any of the handler's work. Bytes pass
 //! through [`kvtier_client::raw::RawCodec`] undecoded (a kvtier handler's decode of a
-//! `bytes` field is one copy).
+//! `bytes` field is one copy). The next 4 bytes, when not zero, ask for the one piece of work
+//! a server that is handed a prompt cannot skip: the page keys of the rest of the request
+//! (packed tokens, that many to a page), computed in the handler before it answers.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -30,9 +32,18 @@ impl tonic::server::UnaryService<Bytes> for Answer {
 
     fn call(&mut self, req: tonic::Request<Bytes>) -> Self::Future {
         let body = req.into_inner();
-        let want = body
-            .get(..4)
-            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+        let word = |at: usize| {
+            body.get(at..at + 4)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        };
+        let (want, page_size) = (word(0), word(4));
+        if page_size > 0
+            && let Ok(hasher) = kvtier_core::PageHasher::new(page_size, &Default::default())
+        {
+            let mut keys = Vec::new();
+            hasher.extend_ids(None, kvtier_core::TokenIds::Le(&body[8..]), &mut keys);
+            std::hint::black_box(keys);
+        }
         std::future::ready(Ok(tonic::Response::new(
             self.0.slice(..want.min(MAX_REPLY)),
         )))
@@ -134,10 +145,19 @@ impl SinkClient {
         )
     }
 
-    /// One call sending `request` bytes (at least 4) and receiving `reply` bytes.
+    /// One call sending `request` bytes (at least 8) and receiving `reply` bytes.
     pub async fn call(&mut self, request: usize, reply: usize) {
-        let mut body = vec![0u8; request.max(4)];
+        self.call_keying(request, reply, 0).await;
+    }
+
+    /// [`SinkClient::call`], the server also computing the page keys (`page_size` tokens to
+    /// a page, SHA-256 chained) of the request's bytes after its 8-byte header.
+    pub async fn call_keying(&mut self, request: usize, reply: usize, page_size: usize) {
+        // Written bytes, as a real request's are: zeros fresh from the allocator can be
+        // untouched pages that all read as the kernel's one cache-hot zero page.
+        let mut body = vec![0xA5u8; request.max(8)];
         body[..4].copy_from_slice(&(reply as u32).to_le_bytes());
+        body[4..8].copy_from_slice(&(page_size as u32).to_le_bytes());
         let got = kvtier_client::raw::call(
             self.0.clone(),
             PATH,

@@ -20,9 +20,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
     // Object bytes as `bytes::Bytes`: chunks are sliced from and into buffers without copies.
+    // So are a prompt's packed tokens (64 KB for 1,000 pages): a handler hashes them where
+    // they arrived, with no copy out of the receive buffer.
     config.bytes([
         ".kvtier.v1.ObjectChunk.data",
         ".kvtier.v1.SetObjectChunk.data",
+        ".kvtier.v1.MatchRequest.packed_tokens",
+        ".kvtier.v1.InsertRequest.packed_tokens",
+        ".kvtier.v1.PagesLookupRequest.packed_tokens",
+        ".kvtier.v1.LoadPagesRequest.packed_tokens",
+        ".kvtier.v1.SavePagesRequest.packed_tokens",
     ]);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("kvtier_descriptor.bin"))

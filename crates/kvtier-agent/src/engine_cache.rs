@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvtier_client::{PagesLookup, PrefetchOptions, Saved};
-use kvtier_core::{Namespace, PageKey};
+use kvtier_core::{Namespace, PageKey, TokenIds};
 use kvtier_device::Device;
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
@@ -43,7 +43,7 @@ const MAX_COUNTED_PAGES: usize = 1 << 20;
 /// pages from `start` on. With `parent` (the key of page `start - 1`), `tokens` begin at page
 /// `start`: the call carries and hashes only the pages it is about.
 pub(crate) struct Pages<'a> {
-    pub(crate) tokens: &'a [u32],
+    pub(crate) tokens: TokenIds<'a>,
     pub(crate) parent: Option<PageKey>,
     pub(crate) namespace: Namespace,
     pub(crate) start: u32,

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kvtier_config::agent::AgentConfig;
-use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree};
+use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree, TokenIds};
 use kvtier_device::cpu::CpuDevice;
 use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
 use kvtier_device::plan::{DeviceMap, Piece};
@@ -34,13 +34,11 @@ use crate::tree::{Progress, TreeMode};
 const MAX_SAVE_BATCH: usize = 4096;
 
 /// A request's tokens from whichever field carries them: `tokens`, or `packed_tokens`
-/// (little-endian u32s). Both set, or a packed length that is not a multiple of 4, is refused.
-fn request_tokens<'a>(
-    tokens: &'a [u32],
-    packed: &[u8],
-) -> Result<std::borrow::Cow<'a, [u32]>, ApiError> {
+/// (little-endian u32s, hashed as they are). Both set, or a packed length that is not a
+/// multiple of 4, is refused.
+fn request_tokens<'a>(tokens: &'a [u32], packed: &'a [u8]) -> Result<TokenIds<'a>, ApiError> {
     if packed.is_empty() {
-        return Ok(std::borrow::Cow::Borrowed(tokens));
+        return Ok(TokenIds::U32(tokens));
     }
     if !tokens.is_empty() {
         return Err(ApiError::invalid(
@@ -57,12 +55,7 @@ fn request_tokens<'a>(
             ),
         ));
     }
-    Ok(std::borrow::Cow::Owned(
-        packed
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-    ))
+    Ok(TokenIds::Le(packed))
 }
 
 fn namespace(ns: Option<v1::Namespace>) -> Result<Namespace, ApiError> {
@@ -421,7 +414,7 @@ impl AgentService {
     ) -> Result<(Vec<PageKey>, usize, usize), ApiError> {
         let page_size = self.tree.page_size(caller)?;
         let tokens = request_tokens(tokens, packed)?;
-        let keys = self.s.keys(&tokens, &namespace(ns)?, page_size)?;
+        let keys = self.s.keys(tokens, &namespace(ns)?, page_size)?;
         Ok((keys, tokens.len(), page_size))
     }
 
@@ -476,7 +469,10 @@ impl AgentService {
 /// An engine-cache request in domain terms (`tokens` decoded by the caller, which keeps
 /// them alive).
 /// A Save's pages, from its request and the tokens decoded from it.
-fn save_pages<'a>(req: &'a v1::SavePagesRequest, tokens: &'a [u32]) -> Result<Pages<'a>, ApiError> {
+fn save_pages<'a>(
+    req: &'a v1::SavePagesRequest,
+    tokens: TokenIds<'a>,
+) -> Result<Pages<'a>, ApiError> {
     pages(
         tokens,
         &req.parent_key,
@@ -487,7 +483,7 @@ fn save_pages<'a>(req: &'a v1::SavePagesRequest, tokens: &'a [u32]) -> Result<Pa
 }
 
 fn pages<'a>(
-    tokens: &'a [u32],
+    tokens: TokenIds<'a>,
     parent_key: &[u8],
     ns: Option<v1::Namespace>,
     start: u32,
@@ -641,7 +637,7 @@ impl agent_server::Agent for AgentService {
         let req = request.into_inner();
         let r = async {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
-            let p = pages(&tokens, &req.parent_key, req.namespace, req.start_page, &[])?;
+            let p = pages(tokens, &req.parent_key, req.namespace, req.start_page, &[])?;
             self.cache.lookup(&p, req.want_keys).await
         };
         to_status(r.await)
@@ -657,7 +653,7 @@ impl agent_server::Agent for AgentService {
             let policy = prefetch_policy(req.policy)?;
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = pages(
-                &tokens,
+                tokens,
                 &req.parent_key,
                 req.namespace,
                 req.start_page,
@@ -677,7 +673,7 @@ impl agent_server::Agent for AgentService {
         let req = request.into_inner();
         let r = async {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
-            let p = save_pages(&req, &tokens)?;
+            let p = save_pages(&req, tokens)?;
             self.cache.save(&caller, &p, req.selected).await
         };
         to_status(r.await)
@@ -713,7 +709,7 @@ impl agent_server::Agent for AgentService {
                 .zip(&tokens)
                 .enumerate()
                 .map(|(i, (r, t))| {
-                    save_pages(r, t)
+                    save_pages(r, *t)
                         .map(|p| (p, r.selected))
                         .map_err(|e| e.within(&format!("requests[{i}]")))
                 })

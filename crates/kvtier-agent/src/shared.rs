@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use kvtier_config::agent::AgentConfig;
 use kvtier_core::radix::NodeId;
-use kvtier_core::{DevicePool, Namespace, PageHasher, PageKey, PolicyKind, RadixTree, WritePolicy};
+use kvtier_core::{
+    DevicePool, Namespace, PageHasher, PageKey, PolicyKind, RadixTree, TokenIds, WritePolicy,
+};
 use kvtier_device::Device;
 use kvtier_proto::ApiError;
 
@@ -224,7 +226,7 @@ impl Shared {
     /// The page keys of `tokens` in `ns`, refused past `server.max_tokens`.
     pub(crate) fn keys(
         &self,
-        tokens: &[u32],
+        tokens: TokenIds<'_>,
         ns: &Namespace,
         page_size: usize,
     ) -> Result<Vec<PageKey>, ApiError> {
@@ -236,7 +238,7 @@ impl Shared {
     pub(crate) fn keys_after(
         &self,
         parent: Option<&PageKey>,
-        tokens: &[u32],
+        tokens: TokenIds<'_>,
         ns: &Namespace,
         page_size: usize,
     ) -> Result<Vec<PageKey>, ApiError> {
@@ -252,7 +254,7 @@ impl Shared {
         }
         let hasher = PageHasher::new(page_size, ns)?;
         let mut keys = Vec::new();
-        hasher.extend(parent, tokens, &mut keys);
+        hasher.extend_ids(parent, tokens, &mut keys);
         Ok(keys)
     }
 

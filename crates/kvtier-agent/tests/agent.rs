@@ -383,7 +383,7 @@ fn bad_engine_input_is_refused_by_field() {
             .r#match(v1::MatchRequest {
                 tokens: tokens(1, 1),
                 namespace: None,
-                packed_tokens: Vec::new(),
+                packed_tokens: Default::default(),
             })
             .await
             .unwrap_err();
@@ -479,7 +479,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: t.clone(),
                     namespace: None,
                     device_pages: vec![0, 1],
-                    packed_tokens: Vec::new(),
+                    packed_tokens: Default::default(),
                 },
                 "device_pages",
             ),
@@ -488,7 +488,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: t.clone(),
                     namespace: None,
                     device_pages: vec![0, 1, 2],
-                    packed_tokens: vec![1, 0, 0, 0],
+                    packed_tokens: vec![1, 0, 0, 0].into(),
                 },
                 "packed_tokens",
             ),
@@ -497,7 +497,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: Vec::new(),
                     namespace: None,
                     device_pages: vec![0, 1, 2],
-                    packed_tokens: vec![1; 50 * 4 + 3],
+                    packed_tokens: vec![1; 50 * 4 + 3].into(),
                 },
                 "packed_tokens",
             ),
@@ -506,7 +506,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: t.clone(),
                     namespace: None,
                     device_pages: vec![0, 1, 16],
-                    packed_tokens: Vec::new(),
+                    packed_tokens: Default::default(),
                 },
                 "device_pages[2]",
             ),
@@ -515,7 +515,7 @@ fn bad_engine_input_is_refused_by_field() {
                     tokens: t.clone(),
                     namespace: None,
                     device_pages: vec![0, 1, 1],
-                    packed_tokens: Vec::new(),
+                    packed_tokens: Default::default(),
                 },
                 "device_pages[2]",
             ),
@@ -536,7 +536,7 @@ fn bad_engine_input_is_refused_by_field() {
         let req = e.client.request(v1::MatchRequest {
             tokens: t.clone(),
             namespace: None,
-            packed_tokens: Vec::new(),
+            packed_tokens: Default::default(),
         });
         let varint = e.client.raw().r#match(req).await.unwrap().into_inner();
         assert_eq!(varint.device_pages, vec![0, 1, 2]);

@@ -256,7 +256,7 @@ fn modes_refuse_each_others_calls_and_bad_spans_are_named() {
         assert!(m.contains("Match"), "{m}");
         drop(tree);
         let mut e = Engine::start_cache(&a, spec.clone(), 16, "ecb").await;
-        let err = e.client.match_prefix(t.clone(), None).await.unwrap_err();
+        let err = e.client.match_prefix(&t, None).await.unwrap_err();
         let (c, m) = code(err);
         assert_eq!(c, tonic::Code::FailedPrecondition);
         assert!(m.contains("Lookup, Load and Save"), "{m}");
@@ -291,7 +291,7 @@ fn modes_refuse_each_others_calls_and_bad_spans_are_named() {
             }
         }
         let req = e.client.request(v1::LoadPagesRequest {
-            packed_tokens: vec![1, 2, 3],
+            packed_tokens: vec![1, 2, 3].into(),
             ..Default::default()
         });
         let err = e.client.raw().load(req).await.unwrap_err();

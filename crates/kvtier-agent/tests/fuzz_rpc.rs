@@ -22,7 +22,7 @@ fn daemon_entry() {
     assert!(daemon_child(), "run by the tests, not by hand");
 }
 
-fn packed(tokens: &[u32]) -> Vec<u8> {
+fn packed(tokens: &[u32]) -> bytes::Bytes {
     tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
 }
 

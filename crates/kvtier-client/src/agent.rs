@@ -213,7 +213,7 @@ impl<'a> From<&'a Vec<u32>> for PromptTokens<'a> {
 
 impl PromptTokens<'_> {
     /// (packed_tokens, parent_key) as the wire carries them.
-    fn wire(self) -> (Vec<u8>, Vec<u8>) {
+    fn wire(self) -> (bytes::Bytes, Vec<u8>) {
         match self {
             Self::Whole(t) => (packed(t), Vec::new()),
             Self::After { parent, tokens } => (packed(tokens), parent.as_bytes().to_vec()),
@@ -459,7 +459,7 @@ impl AgentClient {
     /// Matches a prompt's full pages against every tier and locks the device prefix.
     pub async fn match_prefix(
         &mut self,
-        tokens: Vec<u32>,
+        tokens: &[u32],
         namespace: Option<&Namespace>,
     ) -> Result<Match, ClientError> {
         let r = self
@@ -481,7 +481,7 @@ impl AgentClient {
         let n = prompts.len();
         let requests = prompts
             .into_iter()
-            .map(|(t, ns)| match_request(t, ns.as_ref()))
+            .map(|(t, ns)| match_request(&t, ns.as_ref()))
             .collect();
         let r = self
             .inner
@@ -793,15 +793,19 @@ impl AgentClient {
 
 /// Tokens as the wire's `packed_tokens`: little-endian u32s, a copy to encode and decode
 /// where the varint `tokens` field costs a loop over every token.
-fn packed(tokens: &[u32]) -> Vec<u8> {
-    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+fn packed(tokens: &[u32]) -> bytes::Bytes {
+    let mut out = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    out.into()
 }
 
-fn match_request(tokens: Vec<u32>, namespace: Option<&Namespace>) -> v1::MatchRequest {
+fn match_request(tokens: &[u32], namespace: Option<&Namespace>) -> v1::MatchRequest {
     v1::MatchRequest {
         tokens: Vec::new(),
         namespace: namespace.map(Into::into),
-        packed_tokens: packed(&tokens),
+        packed_tokens: packed(tokens),
     }
 }
 

@@ -220,17 +220,27 @@ impl PageHasher {
     /// `parent` (the key of the page just before `tokens[0]`; `None` when `tokens` starts the
     /// sequence).
     pub fn extend(&self, parent: Option<&PageKey>, tokens: &[u32], out: &mut Vec<PageKey>) {
+        self.extend_ids(parent, TokenIds::U32(tokens), out);
+    }
+
+    /// [`PageHasher::extend`] for token ids in either form: packed little-endian bytes are
+    /// hashed as they arrived, with no conversion to u32s and back.
+    pub fn extend_ids(
+        &self,
+        parent: Option<&PageKey>,
+        tokens: TokenIds<'_>,
+        out: &mut Vec<PageKey>,
+    ) {
         let mut prev = parent.copied().or(self.seed);
-        out.reserve(self.full_pages(tokens.len()));
+        let pages = self.full_pages(tokens.len());
+        out.reserve(pages);
         if self.page_size <= CHUNK_TOKENS {
             // Common case: the whole preimage (parent ‖ tokens) fits one stack buffer and is
             // hashed in one call, and each key is written where the next page's parent goes.
             let mut buf = [0u8; KEY_LEN + CHUNK_TOKENS * 4];
             let body = self.page_size * 4;
-            for page in tokens.chunks_exact(self.page_size) {
-                for (dst, t) in buf[KEY_LEN..KEY_LEN + body].chunks_exact_mut(4).zip(page) {
-                    dst.copy_from_slice(&t.to_le_bytes());
-                }
+            for page in 0..pages {
+                tokens.write_le(page * self.page_size, &mut buf[KEY_LEN..KEY_LEN + body]);
                 let pre = match &prev {
                     Some(p) => {
                         buf[..KEY_LEN].copy_from_slice(&p.0);
@@ -245,20 +255,69 @@ impl PageHasher {
             return;
         }
         let mut buf = [0u8; CHUNK_TOKENS * 4];
-        for page in tokens.chunks_exact(self.page_size) {
+        for page in 0..pages {
             let mut h = Sha256::new();
             if let Some(p) = &prev {
                 h.update(p.0);
             }
-            for chunk in page.chunks(CHUNK_TOKENS) {
-                for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
-                    dst.copy_from_slice(&t.to_le_bytes());
-                }
-                h.update(&buf[..chunk.len() * 4]);
+            let first = page * self.page_size;
+            for at in (first..first + self.page_size).step_by(CHUNK_TOKENS) {
+                let n = CHUNK_TOKENS.min(first + self.page_size - at);
+                tokens.write_le(at, &mut buf[..n * 4]);
+                h.update(&buf[..n * 4]);
             }
             let key = PageKey(h.finalize().into());
             out.push(key);
             prev = Some(key);
+        }
+    }
+}
+
+/// A prompt's token ids, as u32s or as the little-endian bytes (4 a token) clients send in
+/// `packed_tokens`. Page keys hash the bytes, so packed ids need no conversion.
+#[derive(Clone, Copy, Debug)]
+pub enum TokenIds<'a> {
+    /// One u32 per token.
+    U32(&'a [u32]),
+    /// 4 little-endian bytes per token; a length that is not a multiple of 4 ignores the
+    /// trailing bytes (callers check it first, naming their field).
+    Le(&'a [u8]),
+}
+
+impl TokenIds<'_> {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::U32(t) => t.len(),
+            Self::Le(b) => b.len() / 4,
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The ids as u32s (a copy when packed).
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            Self::U32(t) => t.to_vec(),
+            Self::Le(b) => b
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        }
+    }
+
+    /// Writes tokens `from..from + dst.len() / 4` as little-endian bytes into `dst`.
+    fn write_le(&self, from: usize, dst: &mut [u8]) {
+        match self {
+            Self::U32(t) => {
+                for (d, t) in dst.chunks_exact_mut(4).zip(&t[from..]) {
+                    d.copy_from_slice(&t.to_le_bytes());
+                }
+            }
+            Self::Le(b) => dst.copy_from_slice(&b[from * 4..from * 4 + dst.len()]),
         }
     }
 }
@@ -300,6 +359,37 @@ mod tests {
         let mut tail = Vec::new();
         h.extend(Some(&all[3]), &tokens[12..], &mut tail);
         assert_eq!(&all[4..], &tail[..]);
+    }
+
+    #[test]
+    fn packed_ids_hash_as_their_u32s() {
+        let tokens: Vec<u32> = (0..3000u32).map(|t| t.wrapping_mul(2654435761)).collect();
+        let packed: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let ns = Namespace {
+            tenant: "t".into(),
+            ..Namespace::default()
+        };
+        for page in [1, 16, CHUNK_TOKENS, CHUNK_TOKENS + 1, 1000] {
+            for ns in [Namespace::default(), ns.clone()] {
+                let h = PageHasher::new(page, &ns).unwrap();
+                let all = h.keys(&tokens);
+                assert_eq!(all.len(), tokens.len() / page);
+                let mut got = Vec::new();
+                h.extend_ids(None, TokenIds::Le(&packed), &mut got);
+                assert_eq!(got, all, "page size {page}");
+                // Continuing after a parent, with a ragged tail that has no key.
+                let mut tail = Vec::new();
+                let cut = (page * 4).min(packed.len());
+                h.extend_ids(all.first(), TokenIds::Le(&packed[cut..]), &mut tail);
+                assert_eq!(
+                    tail,
+                    all[1.min(all.len())..],
+                    "page size {page}, after a parent"
+                );
+            }
+        }
+        assert_eq!(TokenIds::Le(&packed).to_vec(), tokens);
+        assert_eq!(TokenIds::Le(&packed[..7]).len(), 1);
     }
 
     #[test]

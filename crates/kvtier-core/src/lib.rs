@@ -43,7 +43,7 @@ pub mod write_policy;
 pub use copy_method::CopyMethod;
 pub use ids::{Epoch, SessionId};
 pub use key_map::{KeyMap, KeySet, KeyTable};
-pub use keys::{Namespace, PageHasher, PageKey};
+pub use keys::{Namespace, PageHasher, PageKey, TokenIds};
 pub use layout::{DType, DevicePool, KvKind, KvPart, Layout, LayoutFingerprint, LayoutSpec};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use radix::RadixTree;

@@ -278,7 +278,7 @@ impl Worker {
             ..Outcome::default()
         };
         let client = self.client.as_mut().context("not connected")?;
-        let m = client.match_prefix(req.input.clone(), None).await?;
+        let m = client.match_prefix(&req.input, None).await?;
         let handle = m.handle;
         let mut pages: Vec<u32> = m.device_pages.clone();
         pages.truncate(keys.len());

@@ -413,7 +413,7 @@ impl Engine {
     }
 
     pub async fn do_match(&mut self, toks: &[u32]) -> Match {
-        self.client.match_prefix(toks.to_vec(), None).await.unwrap()
+        self.client.match_prefix(toks, None).await.unwrap()
     }
 
     pub async fn stats(&mut self) -> v1::AgentStatsResponse {
