@@ -24,6 +24,7 @@
 //! pools, over kvtier's L3 and the shared memory cache of [`cache`].
 
 mod authority;
+mod batch;
 pub mod cache;
 mod metrics;
 pub mod service;

@@ -20,7 +20,9 @@
 //! transfer's is `NOT_FOUND` (and stays stored); a corrupt or torn L3 object is `NOT_FOUND`
 //! (and is deleted). A request with more transfers than `sglang_rpc.max_batch` is
 //! `InvalidArgument` as a whole. Transfers of one batch run `sglang_rpc.concurrency` at a
-//! time; results keep the request's order.
+//! time; results keep the request's order. A BatchGet runs each transfer on its own task, so
+//! its copies into the engine's memory spread over the runtime's workers, and none runs once
+//! the call is over (`batch`); a BatchPut runs in one task, applying its objects in order.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::SglangMetrics;
+use super::batch::{self, CopyGate};
 use super::{ObjectCache, Pool, Pools};
 use crate::l3::L3Slot;
 
@@ -296,17 +299,21 @@ impl Objects {
         Ok((pool, ranges, total))
     }
 
-    /// Copies `data` over the ranges (already checked against the pool).
-    fn scatter(pool: &Pool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
-        let mut at = 0;
-        for &(off, len) in ranges {
-            if let Err(e) = pool.write(off, &data[at..at + len]) {
-                tracing::warn!("sglang get: copy into the pool failed: {e}");
-                return code::OUT_OF_RANGE;
+    /// Copies `data` over the transfer's ranges of the engine's pool (already checked), while the batch's call
+    /// lasts (`UNAVAILABLE`, nothing written, once it is over).
+    fn scatter(gate: &CopyGate, pool: &Pool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
+        gate.copy(|| {
+            let mut at = 0;
+            for &(off, len) in ranges {
+                if let Err(e) = pool.write(off, &data[at..at + len]) {
+                    tracing::warn!("sglang get: copy into the pool failed: {e}");
+                    return code::OUT_OF_RANGE;
+                }
+                at += len;
             }
-            at += len;
-        }
-        code::OK
+            code::OK
+        })
+        .unwrap_or(code::UNAVAILABLE)
     }
 
     async fn put_one(&self, caller: &Caller, t: &sglang::Transfer) -> i32 {
@@ -358,7 +365,7 @@ impl Objects {
         code
     }
 
-    async fn get_one(&self, caller: &Caller, t: &sglang::Transfer) -> i32 {
+    async fn get_one(&self, caller: &Caller, t: &sglang::Transfer, gate: &CopyGate) -> i32 {
         let scope = caller.scope.as_ref();
         let (pool, ranges, total) = match self.ranges(t, caller.uid) {
             Ok(r) => r,
@@ -379,7 +386,7 @@ impl Objects {
                 return wrong_length(data.len());
             }
             self.served("get", "memory");
-            return Self::scatter(&pool, &ranges, &data);
+            return Self::scatter(gate, &pool, &ranges, &data);
         }
         let Some(l3) = self.l3.as_ref().and_then(|s| s.current()) else {
             return code::NOT_FOUND;
@@ -400,7 +407,7 @@ impl Objects {
         let buf = std::mem::take(&mut *lock(&sink.buf));
         let c = match landed {
             Landed::Hit(v) if v.len as usize == total && !sink.overflow.load(Ordering::Relaxed) => {
-                let c = Self::scatter(&pool, &ranges, &buf);
+                let c = Self::scatter(gate, &pool, &ranges, &buf);
                 if c == code::OK {
                     self.served("get", "l3");
                     if self.memory.enabled() {
@@ -490,6 +497,8 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         let puts = request.into_inner().puts;
         let this = &self.inner;
         this.check_batch("BatchPut", puts.len())?;
+        // In one task, in the request's order: a later put of an id wins, and the bounded
+        // memory keeps the batch's last objects.
         let results: Vec<i32> = futures::stream::iter(puts)
             .map(|t| {
                 let (this, caller) = (this.clone(), caller.clone());
@@ -515,18 +524,15 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         let gets = request.into_inner().gets;
         let this = &self.inner;
         this.check_batch("BatchGet", gets.len())?;
-        let results: Vec<i32> = futures::stream::iter(gets)
-            .map(|t| {
-                let (this, caller) = (this.clone(), caller.clone());
-                async move {
-                    let c = this.get_one(&caller, &t).await;
-                    this.count("get", c, Objects::bytes_of(&t));
-                    c
-                }
-            })
-            .buffered(this.concurrency)
-            .collect()
-            .await;
+        let results = batch::run(gets, this.concurrency, code::UNAVAILABLE, |t, gate| {
+            let (this, caller) = (this.clone(), caller.clone());
+            async move {
+                let c = this.get_one(&caller, &t, &gate).await;
+                this.count("get", c, Objects::bytes_of(&t));
+                c
+            }
+        })
+        .await;
         this.timed("get", started);
         Ok(Response::new(sglang::BatchGetResponse { results }))
     }
