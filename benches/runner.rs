@@ -23,6 +23,14 @@ fn main() {
         return;
     }
     let args: Vec<String> = std::env::args().collect();
+    if let Err(e) = check_args(&args[1..]) {
+        eprintln!("kvtier-bench: {e}\n{USAGE}");
+        std::process::exit(2);
+    }
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return;
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");
     let check = args.iter().any(|a| a == "--check");
@@ -34,31 +42,10 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_default();
-    // (name, run, needs Ceph)
-    let all: [Scenario; 15] = [
-        ("keys", scenarios::keys::run, false),
-        ("agent", scenarios::agent::run, false),
-        ("host_rpc", scenarios::host_rpc::run, false),
-        ("events", scenarios::events::run, false),
-        ("index", scenarios::index::run, false),
-        ("l3_file", scenarios::l3_file::run, false),
-        ("l3_rocksdb", scenarios::l3_rocksdb::run, false),
-        ("l3_remote", scenarios::l3_remote::run, false),
-        ("l3_s3", scenarios::l3_s3::run, true),
-        ("prefetch", scenarios::prefetch::run, false),
-        ("sglang", scenarios::sglang::run, false),
-        ("sim", scenarios::sim::run, false),
-        // Runs kvtierd's side alone unless benches/peers/run set up Mooncake Store.
-        ("peers", scenarios::peers::run, false),
-        // Measures only where there is an NVIDIA GPU (scripts/gpu-check).
-        ("gpu", scenarios::gpu::run, false),
-        // benches/vllm_bench.py in the Python environment, against the binaries beside this.
-        ("vllm", scenarios::vllm::run, false),
-    ];
     // The host's calibration before the first scenario and after the last.
     let probe = kvtier_bench::host::Probe::take();
     // Human-readable progress goes to stderr when the JSON is wanted on stdout.
-    for (name, run, ceph) in all {
+    for (name, run, ceph) in ALL {
         if !only.is_empty() && !only.iter().any(|o| o == name) {
             continue;
         }
@@ -96,5 +83,91 @@ fn main() {
             std::process::exit(1);
         }
         eprintln!("every row with a goal meets it");
+    }
+}
+
+/// Every scenario, in the order they run: (name, run, needs Ceph). `--only` takes a
+/// comma-separated list of the names.
+const ALL: [Scenario; 15] = [
+    ("keys", scenarios::keys::run, false),
+    ("agent", scenarios::agent::run, false),
+    ("host_rpc", scenarios::host_rpc::run, false),
+    ("events", scenarios::events::run, false),
+    ("index", scenarios::index::run, false),
+    ("l3_file", scenarios::l3_file::run, false),
+    ("l3_rocksdb", scenarios::l3_rocksdb::run, false),
+    ("l3_remote", scenarios::l3_remote::run, false),
+    ("l3_s3", scenarios::l3_s3::run, true),
+    ("prefetch", scenarios::prefetch::run, false),
+    ("sglang", scenarios::sglang::run, false),
+    ("sim", scenarios::sim::run, false),
+    // Runs kvtierd's side alone unless benches/peers/run set up Mooncake Store.
+    ("peers", scenarios::peers::run, false),
+    // Measures only where there is an NVIDIA GPU (scripts/gpu-check).
+    ("gpu", scenarios::gpu::run, false),
+    // benches/vllm_bench.py in the Python environment, against the binaries beside this.
+    ("vllm", scenarios::vllm::run, false),
+];
+
+/// The flags, for `--help` and for a refused argument.
+const USAGE: &str = "usage: kvtier-bench [--only SCENARIO[,SCENARIO...]] [--quick] [--check] \
+[--json] [--no-s3] [--diag] [--sizes]
+  --only    run these scenarios (default: all)
+  --quick   fewer rounds and pages (a smoke run)
+  --check   exit with status 1 if a row misses its goal beyond the run's noise
+  --json    the rows as JSON on stdout (commentary on stderr)
+  --no-s3   skip what needs the local Ceph RGW
+  --diag    split l3_file and prefetch rows into their costs
+  --sizes   l3_remote and l3_s3 across page sizes";
+
+/// Refuses an argument that is not a flag above, and `--only` without known scenarios:
+/// a mistyped flag must not silently run every scenario for minutes.
+fn check_args(args: &[String]) -> Result<(), String> {
+    const FLAGS: [&str; 9] = [
+        "--quick", "--json", "--check", "--no-s3", "--diag", "--sizes", "--only", "--help", "-h",
+    ];
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if !FLAGS.contains(&a.as_str()) {
+            return Err(format!("unknown argument {a:?}"));
+        }
+        if a == "--only" {
+            let list = it
+                .next()
+                .ok_or("--only needs a comma-separated list of scenarios")?;
+            for name in list.split(',') {
+                if !ALL.iter().any(|s| s.0 == name) {
+                    return Err(format!(
+                        "--only: {name:?} is not a scenario; scenarios: {}",
+                        ALL.map(|s| s.0).join(", ")
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn flags_and_scenarios_are_checked_by_name() {
+        assert!(check_args(&args(&["--only", "agent,host_rpc", "--quick", "--check"])).is_ok());
+        assert!(check_args(&args(&[])).is_ok());
+        let e = check_args(&args(&["--qiuck"])).unwrap_err();
+        assert!(e.contains("\"--qiuck\""), "{e}");
+        let e = check_args(&args(&["--only", "agent,hostrpc"])).unwrap_err();
+        assert!(e.contains("\"hostrpc\"") && e.contains("host_rpc"), "{e}");
+        assert!(
+            check_args(&args(&["--only"]))
+                .unwrap_err()
+                .contains("--only")
+        );
     }
 }
