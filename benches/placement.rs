@@ -57,8 +57,8 @@ fn only(cpu: usize) -> libc::cpu_set_t {
 /// Pins the calling thread to the first CPU it may use, and every thread of this process
 /// named one of `servers` (a server runtime's workers and blocking threads share its name;
 /// helper threads such as kvtierd's sealer have their own and stay free) to the second,
-/// until the guard drops. `None`
-/// (and nothing pinned) with fewer than two CPUs, or if the kernel refuses.
+/// until the guard drops. `None` (and nothing pinned) with fewer than two CPUs, or if the
+/// kernel refuses.
 pub fn place(servers: &[&str]) -> Option<Placed> {
     // SAFETY: gettid has no preconditions.
     let me = unsafe { libc::gettid() };

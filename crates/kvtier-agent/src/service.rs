@@ -466,8 +466,6 @@ impl AgentService {
     }
 }
 
-/// An engine-cache request in domain terms (`tokens` decoded by the caller, which keeps
-/// them alive).
 /// A Save's pages, from its request and the tokens decoded from it.
 fn save_pages<'a>(
     req: &'a v1::SavePagesRequest,

@@ -298,17 +298,6 @@ impl TokenIds<'_> {
         self.len() == 0
     }
 
-    /// The ids as u32s (a copy when packed).
-    pub fn to_vec(&self) -> Vec<u32> {
-        match self {
-            Self::U32(t) => t.to_vec(),
-            Self::Le(b) => b
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        }
-    }
-
     /// Writes tokens `from..from + dst.len() / 4` as little-endian bytes into `dst`.
     fn write_le(&self, from: usize, dst: &mut [u8]) {
         match self {
@@ -388,7 +377,6 @@ mod tests {
                 );
             }
         }
-        assert_eq!(TokenIds::Le(&packed).to_vec(), tokens);
         assert_eq!(TokenIds::Le(&packed[..7]).len(), 1);
     }
 

@@ -299,8 +299,8 @@ impl Objects {
         Ok((pool, ranges, total))
     }
 
-    /// Copies `data` over the transfer's ranges of the engine's pool (already checked), while the batch's call
-    /// lasts (`UNAVAILABLE`, nothing written, once it is over).
+    /// Copies `data` over the transfer's ranges of the engine's pool (already checked), while
+    /// the batch's call lasts (`UNAVAILABLE`, nothing written, once it is over).
     fn scatter(gate: &CopyGate, pool: &Pool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
         gate.copy(|| {
             let mut at = 0;
