@@ -6,8 +6,10 @@
 //! each time the state lock is let go, so no path that changes L2 can forget to publish, and
 //! the order of events is the order of the changes. [`EventBus::publish`] numbers them,
 //! keeps the last [`REPLAY`] in a ring for subscribers that resume, and hands each batch to
-//! a broadcast channel. Publishing never waits: a subscriber that falls more than
-//! [`BACKLOG`] batches behind loses its place, and its stream sends a RESYNC and a snapshot
+//! a broadcast channel as the change log it was ([`Published`]): a batch becomes events and
+//! wire bytes when a stream first reads it, not in the commit that published it. Publishing
+//! never waits: a subscriber that falls more than [`BACKLOG`] batches behind loses its
+//! place, and its stream sends a RESYNC and a snapshot
 //! instead (counted in `kvtier_events_resyncs_total{reason}`).
 
 use std::collections::VecDeque;
@@ -74,26 +76,90 @@ impl EventMetrics {
     }
 }
 
-/// One publish's events, as every stream receives them. The first stream to send them
-/// encodes them for the wire, once for all (none, while nobody subscribes).
+/// One publish, as every stream receives it and the ring keeps it: what the state handed
+/// over, numbered from `first_seq`. It becomes [`Event`]s, and those their wire encoding, the
+/// first time a stream reads it, once for all (never, while nobody subscribes or resumes):
+/// the commit that published it, under the state lock, only moved its change log here.
 #[derive(Debug)]
 pub struct Published {
-    /// The events, in order.
-    pub events: Box<[Event]>,
+    first_seq: u64,
+    unix_nanos: u64,
+    body: Body,
+    events: OnceLock<Box<[Event]>>,
     wire: OnceLock<EncodedEvents>,
 }
 
-impl Published {
-    fn new(events: Box<[Event]>) -> Self {
-        Self {
-            events,
-            wire: OnceLock::new(),
+/// What a publish carried.
+#[derive(Debug)]
+enum Body {
+    /// An L2 pool's index changes, in order.
+    L2(LayoutFingerprint, Vec<IndexChange>),
+    /// Events that say their own layout and tier (L3's, a clear).
+    Each(Vec<(Option<LayoutFingerprint>, EventKind, EventTier)>),
+}
+
+impl Body {
+    fn len(&self) -> usize {
+        match self {
+            Body::L2(_, changes) => changes.len(),
+            Body::Each(kinds) => kinds.len(),
         }
+    }
+}
+
+impl Published {
+    /// How many events.
+    pub fn len(&self) -> usize {
+        self.body.len()
+    }
+
+    /// Whether it has none (never, once published).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The seq of its first event.
+    pub fn first_seq(&self) -> u64 {
+        self.first_seq
+    }
+
+    /// The events, in order.
+    pub fn events(&self) -> &[Event] {
+        self.events.get_or_init(|| {
+            let (seq, unix_nanos) = (self.first_seq, self.unix_nanos);
+            let event = |i: usize, layout, kind, tier| Event {
+                seq: seq + i as u64,
+                unix_nanos,
+                kind,
+                layout,
+                tier,
+            };
+            match &self.body {
+                Body::L2(layout, changes) => changes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let kind = match *c {
+                            IndexChange::Stored { key, parent } => {
+                                EventKind::Stored { key, parent }
+                            }
+                            IndexChange::Removed { key } => EventKind::Removed { key },
+                        };
+                        event(i, Some(*layout), kind, EventTier::L2Host)
+                    })
+                    .collect(),
+                Body::Each(kinds) => kinds
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(layout, kind, tier))| event(i, layout, kind, tier))
+                    .collect(),
+            }
+        })
     }
 
     /// The events' wire entries.
     pub fn wire(&self) -> &EncodedEvents {
-        self.wire.get_or_init(|| EncodedEvents::new(&self.events))
+        self.wire.get_or_init(|| EncodedEvents::new(self.events()))
     }
 }
 
@@ -103,7 +169,11 @@ pub struct EventBus {
     stream_id: u64,
     node: String,
     next_seq: u64,
-    ring: VecDeque<Event>,
+    /// The last publishes, holding at least the last [`REPLAY`] events (a publish leaves
+    /// whole, once the ones after it hold that many).
+    ring: VecDeque<Arc<Published>>,
+    /// Events in `ring`.
+    ring_events: usize,
     tx: broadcast::Sender<Arc<Published>>,
     metrics: Option<EventMetrics>,
 }
@@ -127,7 +197,8 @@ impl EventBus {
             stream_id: u64::from_le_bytes(id).max(1),
             node,
             next_seq: 1,
-            ring: VecDeque::with_capacity(1024),
+            ring: VecDeque::new(),
+            ring_events: 0,
             tx: broadcast::channel(BACKLOG).0,
             metrics: None,
         }
@@ -160,67 +231,57 @@ impl EventBus {
 
     /// Publishes `changes` of the L2 pool `layout`, in order.
     pub fn publish(&mut self, layout: LayoutFingerprint, changes: Vec<IndexChange>) {
-        let events = changes.into_iter().map(|c| {
-            let kind = match c {
-                IndexChange::Stored { key, parent } => EventKind::Stored { key, parent },
-                IndexChange::Removed { key } => EventKind::Removed { key },
-            };
-            (Some(layout), kind, EventTier::L2Host)
-        });
-        self.publish_kinds(events);
+        self.push(Body::L2(layout, changes));
     }
 
     /// Publishes L3 changes (`layout`, what happened), in order.
     pub fn publish_l3(&mut self, changes: Vec<(Option<LayoutFingerprint>, EventKind)>) {
-        self.publish_kinds(
+        self.push(Body::Each(
             changes
                 .into_iter()
-                .map(|(layout, kind)| (layout, kind, EventTier::L3Storage)),
-        );
+                .map(|(layout, kind)| (layout, kind, EventTier::L3Storage))
+                .collect(),
+        ));
     }
 
     /// Publishes that every L2 page of `layout` (every pool's, when `None`) is gone.
     pub fn cleared(&mut self, layout: Option<LayoutFingerprint>) {
-        self.publish_kinds(std::iter::once((
+        self.push(Body::Each(vec![(
             layout,
             EventKind::Cleared,
             EventTier::L2Host,
-        )));
+        )]));
     }
 
-    fn publish_kinds(
-        &mut self,
-        kinds: impl Iterator<Item = (Option<LayoutFingerprint>, EventKind, EventTier)>,
-    ) {
-        let unix_nanos = now_nanos();
-        let start = self.next_seq;
-        let batch: Box<[Event]> = kinds
-            .map(|(layout, kind, tier)| {
-                let seq = self.next_seq;
-                self.next_seq += 1;
-                Event {
-                    seq,
-                    unix_nanos,
-                    kind,
-                    layout,
-                    tier,
-                }
-            })
-            .collect();
-        if batch.is_empty() {
+    /// Numbers `body`'s events, keeps it for resuming and hands it to the streams. O(1) in
+    /// its events: nothing is converted or copied here.
+    fn push(&mut self, body: Body) {
+        let n = body.len();
+        if n == 0 {
             return;
         }
-        for e in batch.iter() {
-            if self.ring.len() == REPLAY {
-                self.ring.pop_front();
+        let published = Arc::new(Published {
+            first_seq: self.next_seq,
+            unix_nanos: now_nanos(),
+            body,
+            events: OnceLock::new(),
+            wire: OnceLock::new(),
+        });
+        self.next_seq += n as u64;
+        self.ring.push_back(published.clone());
+        self.ring_events += n;
+        while let Some(front) = self.ring.front() {
+            if self.ring_events - front.len() < REPLAY {
+                break;
             }
-            self.ring.push_back(*e);
+            self.ring_events -= front.len();
+            self.ring.pop_front();
         }
         if let Some(m) = &self.metrics {
-            m.published.inc_by(self.next_seq - start);
+            m.published.inc_by(n as u64);
         }
         // No receiver is fine: the ring keeps them for the next one.
-        let _ = self.tx.send(Arc::new(Published::new(batch)));
+        let _ = self.tx.send(published);
     }
 
     /// Subscribes a reader that last saw `after_seq` of stream `stream_id`: where it starts,
@@ -232,13 +293,21 @@ impl EventBus {
         after_seq: u64,
     ) -> (Start, broadcast::Receiver<Arc<Published>>) {
         let rx = self.tx.subscribe();
-        let oldest = self.ring.front().map_or(self.next_seq, |e| e.seq);
+        // The window is the last REPLAY events, though the ring may hold a few more.
+        let oldest = self.next_seq.saturating_sub(REPLAY as u64).max(1);
         let start = if stream_id == self.stream_id
             && after_seq <= self.last_seq()
             && after_seq + 1 >= oldest
         {
-            let skip = (after_seq + 1 - oldest) as usize;
-            Start::Resume(self.ring.iter().skip(skip).copied().collect())
+            Start::Resume(
+                self.ring
+                    .iter()
+                    .filter(|p| p.first_seq() + p.len() as u64 > after_seq + 1)
+                    .flat_map(|p| p.events())
+                    .filter(|e| e.seq > after_seq)
+                    .copied()
+                    .collect(),
+            )
         } else {
             Start::Resync("new")
         };
@@ -427,7 +496,7 @@ pub fn watch(
             };
             let mut lagged = match got {
                 Ok(batch) => {
-                    outgoing.add(&batch.events, batch.wire());
+                    outgoing.add(batch.events(), batch.wire());
                     false
                 }
                 Err(broadcast::error::RecvError::Lagged(_)) => true,
@@ -445,7 +514,7 @@ pub fn watch(
             }
             while !lagged && outgoing.pending() < MAX_BATCH_EVENTS {
                 match rx.try_recv() {
-                    Ok(more) => outgoing.add(&more.events, more.wire()),
+                    Ok(more) => outgoing.add(more.events(), more.wire()),
                     Err(broadcast::error::TryRecvError::Lagged(_)) => lagged = true,
                     Err(_) => break,
                 }
@@ -511,17 +580,17 @@ mod tests {
         assert_eq!(bus.last_seq(), 4);
         let first = early.try_recv().unwrap();
         assert_eq!(
-            first.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            first.events().iter().map(|e| e.seq).collect::<Vec<_>>(),
             vec![1, 2],
             "one batch per publish"
         );
         assert_eq!(
-            early.try_recv().unwrap().events[0].kind,
+            early.try_recv().unwrap().events()[0].kind,
             EventKind::Removed { key: k(1) }
         );
         let last = early.try_recv().unwrap();
         assert_eq!(
-            (last.events[0].kind, last.events[0].layout),
+            (last.events()[0].kind, last.events()[0].layout),
             (EventKind::Cleared, None)
         );
         // Resuming after seq 1 of this stream replays 2..=4; another stream's id, or a seq
@@ -565,6 +634,48 @@ mod tests {
                 assert_eq!(evs[0].seq, 11);
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn large_publishes_keep_the_window_exact_and_resume_inside_a_batch() {
+        // Publishes of 1,000 events (a commit's pages): the ring keeps whole publishes, but
+        // the window is still exactly the last REPLAY events, and a resume may start in the
+        // middle of one.
+        let mut bus = EventBus::new("n1".into());
+        let batch = 1000;
+        let rounds = REPLAY / batch + 3;
+        for r in 0..rounds {
+            bus.publish(FP, (0..batch).map(|i| stored((r + i) as u8)).collect());
+        }
+        let last = bus.last_seq();
+        assert_eq!(last, (rounds * batch) as u64);
+        assert!(bus.ring_events >= REPLAY && bus.ring_events < REPLAY + batch);
+        let id = bus.stream_id();
+        let oldest = last - REPLAY as u64 + 1;
+        assert!(matches!(bus.subscribe(id, oldest - 2).0, Start::Resync(_)));
+        for after in [oldest - 1, oldest + 499, last - 1] {
+            match bus.subscribe(id, after).0 {
+                Start::Resume(evs) => {
+                    let seqs: Vec<u64> = evs.iter().map(|e| e.seq).collect();
+                    assert_eq!(
+                        seqs,
+                        ((after + 1)..=last).collect::<Vec<_>>(),
+                        "after {after}"
+                    );
+                    // Each event is the change its seq numbers: publish r's i-th key.
+                    let e = &evs[0];
+                    let (r, i) = ((e.seq - 1) as usize / batch, (e.seq - 1) as usize % batch);
+                    assert_eq!(
+                        e.kind,
+                        EventKind::Stored {
+                            key: k((r + i) as u8),
+                            parent: None
+                        }
+                    );
+                }
+                other => panic!("after {after}: {other:?}"),
+            }
         }
     }
 
