@@ -784,39 +784,59 @@ impl HostIndex {
 
     /// Drops one pin from each key. All-or-nothing: a key that is not pinned changes nothing.
     pub fn release(&mut self, keys: &[PageKey]) -> Result<(), Error> {
-        // Unpin in place, undoing on the first key that cannot be released (a repeated key
-        // needs as many pins as it appears), so no map of counts is built per call. A pinned
-        // entry is filed nowhere, so changing its pins needs no unfiling.
-        let mut done = Vec::with_capacity(keys.len());
+        let slots = self.pinned_slots(keys)?;
+        self.release_slots(&slots)
+            .map_err(|i| bad_key("keys", i, &keys[i], "not pinned"))
+    }
+
+    /// The slot of each of `keys`, every one pinned: what [`Self::release_slots`] takes (a
+    /// pinned page keeps its slot until its last pin goes). The error names the first key
+    /// not in the pool or not pinned.
+    pub fn pinned_slots(&self, keys: &[PageKey]) -> Result<Vec<u32>, Error> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| match self.slot_of(k) {
+                Some(s) if self.entry(s).pins > 0 => Ok(s),
+                Some(_) => Err(bad_key("keys", i, k, "not pinned")),
+                None => Err(bad_key("keys", i, k, "not in the pool")),
+            })
+            .collect()
+    }
+
+    /// Drops one pin from the page in each of `slots` (from [`Self::acquire`] or
+    /// [`Self::pinned_slots`]). All-or-nothing: on a slot with no pin left (one named more
+    /// often than it is pinned, or empty), nothing changes and its position is the error.
+    pub fn release_slots(&mut self, slots: &[u32]) -> Result<(), usize> {
+        // Unpin in place, undoing on the first slot that cannot be released, so no map of
+        // counts is built per call. A pinned entry is filed nowhere, so changing its pins
+        // needs no unfiling.
         let mut failed = None;
-        for (i, k) in keys.iter().enumerate() {
-            let Some(s) = self.slot_of(k) else {
-                failed = Some(bad_key("keys", i, k, "not in the pool"));
-                break;
-            };
-            let e = self.entry_mut(s);
-            if e.pins == 0 {
-                failed = Some(bad_key("keys", i, k, "not pinned"));
-                break;
+        for (i, &s) in slots.iter().enumerate() {
+            match self.entries.get_mut(s as usize) {
+                Some(Some(e)) if e.pins > 0 => {
+                    e.pins -= 1;
+                    if e.pins == 0 {
+                        self.stats.pinned -= 1;
+                    }
+                }
+                _ => {
+                    failed = Some(i);
+                    break;
+                }
             }
-            e.pins -= 1;
-            if e.pins == 0 {
-                self.stats.pinned -= 1;
-            }
-            done.push(s);
         }
-        if let Some(err) = failed {
-            for s in done {
+        if let Some(i) = failed {
+            for &s in &slots[..i] {
                 let e = self.entry_mut(s);
                 e.pins += 1;
                 if e.pins == 1 {
                     self.stats.pinned += 1;
                 }
             }
-            return Err(err);
+            return Err(i);
         }
-        self.stats.pins -= done.len() as u64;
-        for s in done {
+        self.stats.pins -= slots.len() as u64;
+        for &s in slots {
             self.refresh(s);
         }
         Ok(())
@@ -871,6 +891,41 @@ mod tests {
         assert_eq!((ix.stats().pins, ix.stats().pinned), (0, 0));
         ix.validate().unwrap();
         assert!(ix.release(&ks[..1]).is_err());
+    }
+
+    #[test]
+    fn releases_by_slot_are_all_or_nothing_and_say_which_slot() {
+        let mut ix = HostIndex::new(8, PolicyKind::Lru);
+        let ks = keys(1..4);
+        ix.reserve(1, None, &ks);
+        ix.commit(1, &ks).unwrap();
+        let slots = ix.acquire(&ks[..2]);
+        // keys[2] is held but not pinned, and a key not held at all: named with their reasons.
+        let e = ix.pinned_slots(&ks).unwrap_err().to_string();
+        assert!(e.contains("keys[2]") && e.contains("not pinned"), "{e}");
+        let e = ix.pinned_slots(&[ks[0], key(9)]).unwrap_err().to_string();
+        assert!(
+            e.contains("keys[1]") && e.contains("not in the pool"),
+            "{e}"
+        );
+        assert_eq!(ix.pinned_slots(&ks[..2]).unwrap(), slots);
+        // A slot named more often than it is pinned, or one with no page: nothing changes.
+        let (unpinned, _) = ix.get(&ks[2]).unwrap();
+        for bad in [
+            vec![slots[0], slots[1], slots[1]],
+            vec![slots[0], unpinned],
+            vec![slots[0], 99],
+        ] {
+            assert_eq!(ix.release_slots(&bad), Err(bad.len() - 1));
+            assert_eq!((ix.stats().pins, ix.stats().pinned), (2, 2));
+            ix.validate().unwrap();
+        }
+        ix.release_slots(&slots).unwrap();
+        assert_eq!((ix.stats().pins, ix.stats().pinned), (0, 0));
+        ix.validate().unwrap();
+        // Unpinned, the pages can be evicted again.
+        ix.reserve(1, None, &keys(10..18));
+        assert_eq!(ix.get(&ks[0]), None);
     }
 
     #[test]

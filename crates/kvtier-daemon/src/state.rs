@@ -11,8 +11,7 @@ use kvtier_config::daemon::{DaemonConfig, L2Backing};
 use kvtier_config::tenants::TenantQuota;
 use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
 use kvtier_core::{
-    Epoch, KeyMap, Layout, LayoutFingerprint, PageKey, PolicyKind, SessionId, TenantScope,
-    TenantTag, WritePolicy,
+    Epoch, Layout, LayoutFingerprint, PolicyKind, SessionId, TenantScope, TenantTag, WritePolicy,
 };
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
@@ -80,8 +79,10 @@ pub struct Session {
     pub pool: LayoutFingerprint,
     /// Last request or heartbeat.
     pub last_seen: Instant,
-    /// Pins it holds, with multiplicity.
-    pub pins: KeyMap<u32>,
+    /// Pins it holds, by slot (a pinned page keeps its slot until its last pin goes), with
+    /// multiplicity: slot numbers hash and compare cheaper than page keys, and a release
+    /// finds its keys' slots in the index anyway.
+    pub pins: SlotPins,
     /// Pages it has reserved and not yet committed or aborted: a count, since the index
     /// knows which (its reservations are owned by [`Session::owner`], and every commit or
     /// abort is checked against it there, a key named twice refused).
@@ -95,6 +96,9 @@ pub struct Session {
     /// Who owns its reservations in the index.
     owner: OwnerId,
 }
+
+/// A session's pins: slot → how many.
+pub type SlotPins = HashMap<u32, u32, kvtier_core::key_map::BuildKeyHasher>;
 
 /// The host state as every service and task shares it: the one mutex over [`HostState`], and
 /// what a poisoned lock means. A panic while holding it is a bug, but every state update is
@@ -608,7 +612,7 @@ impl HostState {
                 fingerprint: layout.fingerprint(),
                 pool: pool_key,
                 last_seen: now,
-                pins: KeyMap::default(),
+                pins: SlotPins::default(),
                 writing: 0,
                 report: None,
                 tenant: tenant.to_string(),
@@ -671,14 +675,14 @@ impl HostState {
         let Some(pool) = self.pools.get_mut(&s.pool) else {
             return Ok(());
         };
-        let pins: Vec<PageKey> = s
+        let pins: Vec<u32> = s
             .pins
             .iter()
-            .flat_map(|(k, &n)| std::iter::repeat_n(*k, n as usize))
+            .flat_map(|(&slot, &n)| std::iter::repeat_n(slot, n as usize))
             .collect();
         self.counters.dropped_pins += pins.len() as u64;
-        if let Err(e) = pool.index.release(&pins) {
-            tracing::error!(session = %id, "session pins disagree with the index: {e}");
+        if let Err(i) = pool.index.release_slots(&pins) {
+            tracing::error!(session = %id, slot = pins[i], "session pins disagree with the index");
         }
         // The index scans its slots for them: only when there are some.
         if s.writing > 0 {

@@ -6,9 +6,9 @@
 use std::time::Instant;
 
 use kvtier_core::host_index::{L3Mark, L3Mode, Landed, OwnerId, PageState, Reserve};
-use kvtier_core::{KeyMap, PageKey, SessionId, WritePolicy};
+use kvtier_core::{PageKey, SessionId, WritePolicy};
 
-use super::{HostState, Job, Pool, StateError};
+use super::{HostState, Job, Pool, SlotPins, StateError};
 
 /// Most slots one session may hold leased: enough for a decode step's pages, small against
 /// any pool a lease is worth it in.
@@ -279,8 +279,8 @@ impl HostState {
         let (session, pool) = self.session_pool(id, now)?;
         let slots = pool.index.acquire(keys);
         let hit = &keys[..slots.len()];
-        for k in hit {
-            *session.pins.entry(*k).or_insert(0) += 1;
+        for &s in &slots {
+            *session.pins.entry(s).or_insert(0) += 1;
         }
         let jobs = match write {
             Some(p) => {
@@ -311,34 +311,41 @@ impl HostState {
         now: Instant,
     ) -> Result<(), StateError> {
         let (session, pool) = self.session_pool(id, now)?;
-        // The session's pins are taken in place, undone on the first key it does not hold
-        // (a repeated key needs as many pins as it appears), so no map of counts is built
-        // per call; then the index's, undone too if it refuses.
-        let undo = |pins: &mut KeyMap<u32>, taken: &[PageKey]| {
-            for k in taken {
-                *pins.entry(*k).or_insert(0) += 1;
+        // The keys' slots (each pinned by someone, or the error names the key), then the
+        // session's pins on them taken in place, undone on the first it does not hold (a
+        // repeated key needs as many pins as it appears), so no map is built per call; then
+        // the index's.
+        let slots = pool.index.pinned_slots(keys)?;
+        let undo = |pins: &mut SlotPins, taken: &[u32]| {
+            for s in taken {
+                *pins.entry(*s).or_insert(0) += 1;
             }
         };
-        for (i, k) in keys.iter().enumerate() {
-            match session.pins.get_mut(k) {
+        for (i, s) in slots.iter().enumerate() {
+            match session.pins.get_mut(s) {
                 Some(n) if *n > 0 => {
                     *n -= 1;
                     if *n == 0 {
-                        session.pins.remove(k);
+                        session.pins.remove(s);
                     }
                 }
                 _ => {
-                    undo(&mut session.pins, &keys[..i]);
+                    undo(&mut session.pins, &slots[..i]);
                     return Err(StateError::invalid(
                         format!("keys[{i}]"),
-                        format!("{} is not pinned by this session", k.to_hex()),
+                        format!("{} is not pinned by this session", keys[i].to_hex()),
                     ));
                 }
             }
         }
-        if let Err(e) = pool.index.release(keys) {
-            undo(&mut session.pins, keys);
-            return Err(e.into());
+        // The session held every pin, so the index has them: a refusal here means the two
+        // disagree.
+        if let Err(i) = pool.index.release_slots(&slots) {
+            undo(&mut session.pins, &slots);
+            return Err(StateError::Internal(format!(
+                "keys[{i}] ({}): pinned by the session but not in the index",
+                keys[i].to_hex()
+            )));
         }
         Ok(())
     }
@@ -361,9 +368,16 @@ mod tests {
         // k1 pinned twice, k2 once, k3 not at all.
         st.acquire(id, &ks[..2], now).unwrap();
         st.acquire(id, &ks[..1], now).unwrap();
+        // The session's pins by key (the first byte of each), through their slots.
         let pins = |st: &crate::state::HostState| {
             let s = st.sessions().find(|(sid, _)| **sid == id).unwrap().1;
-            let mut v: Vec<_> = s.pins.iter().map(|(k, n)| (k.0[0], *n)).collect();
+            let index = &st.pools().next().unwrap().index;
+            let key_in = |slot: u32| ks.iter().find(|k| index.get(k).unwrap().0 == slot);
+            let mut v: Vec<_> = s
+                .pins
+                .iter()
+                .map(|(&slot, n)| (key_in(slot).unwrap().0[0], *n))
+                .collect();
             v.sort_unstable();
             v
         };
@@ -384,5 +398,18 @@ mod tests {
         assert_eq!(pins(&st), []);
         let e = st.release(id, &ks[..1], now).unwrap_err().to_string();
         assert!(e.contains("keys[0]"), "{e}");
+        // Another session's pin is not this one's to drop.
+        let other = st
+            .register("u".into(), "", &crate::state::testing::tiny_layout(), now)
+            .unwrap()
+            .session_id;
+        // (The L3 writes the commit queued hold pins of their own.)
+        let before = st.totals().pins;
+        st.acquire(other, &ks[2..], now).unwrap();
+        let e = st.release(id, &ks[2..], now).unwrap_err().to_string();
+        assert!(e.contains("not pinned by this session"), "{e}");
+        assert_eq!(st.totals().pins, before + 1);
+        st.release(other, &ks[2..], now).unwrap();
+        assert_eq!(st.totals().pins, before);
     }
 }

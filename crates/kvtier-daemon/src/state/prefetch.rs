@@ -652,14 +652,14 @@ impl HostState {
             (e.keys[..e.l2].to_vec(), e.hit[..e.landed].to_vec());
         let (sess, pool) = self.session_pool(session, now)?;
         let mut slots = pool.index.acquire(&l2_keys);
-        for k in &l2_keys[..slots.len()] {
-            *sess.pins.entry(*k).or_insert(0) += 1;
+        for &s in &slots {
+            *sess.pins.entry(s).or_insert(0) += 1;
         }
         let usable = slots.len() == l2_keys.len();
         if usable {
-            for (k, s) in &landed {
-                *sess.pins.entry(*k).or_insert(0) += 1;
-                slots.push(*s);
+            for &(_, s) in &landed {
+                *sess.pins.entry(s).or_insert(0) += 1;
+                slots.push(s);
             }
         } else {
             let keys: Vec<PageKey> = landed.iter().map(|(k, _)| *k).collect();
