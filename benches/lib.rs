@@ -14,6 +14,7 @@ pub mod host;
 pub mod placement;
 pub mod python;
 pub mod sink;
+pub mod thread_cpu;
 
 /// The scenarios: each `run(quick)` measures and records [`Row`]s (and prints as it goes).
 pub mod scenarios {
