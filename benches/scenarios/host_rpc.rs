@@ -4,13 +4,12 @@
 //! The daemon runs in-process on its own runtime thread (the same `run` the binary calls); the
 //! client is a separate runtime, so every call crosses the socket.
 //!
-//! The 1,000-page pairs also run against their floor, interleaved (each pair in a loop of its
-//! own, so that what a commit leaves behind lands on commits): the same two calls' bytes
+//! The 1,000-page pairs also run against their floor, interleaved: the same two calls' bytes
 //! each way through a server that does nothing ([`crate::sink`], same settings, socket kind
 //! and runtime size), plus the index's own work on the same keys in this thread
 //! (`HostIndex`, the pool's size and policy). What a pair takes beyond that floor is
 //! kvtierd's own handling (the state lock, events, the sealer's queue, metrics) and the
-//! sealer's checksums sharing the cores (their CPU per commit is printed).
+//! sealer's checksums sharing the cores (their CPU per commit is reported on its own row).
 #![allow(clippy::unwrap_used)]
 
 use std::hint::black_box;
@@ -175,15 +174,21 @@ pub fn run(quick: bool) {
             .register("floor".into(), "", &layout, Instant::now())
             .unwrap()
             .session_id;
+        let held = fresh(pages);
+        c.reserve(s.id, None, &held).await.unwrap();
+        c.commit(s.id, &held).await.unwrap();
+        black_box(index.reserve(0, None, &held));
+        index.commit(0, &held).unwrap();
+        state.reserve(sid, None, &held, Instant::now()).unwrap();
+        state.commit(sid, &held, 0, Instant::now()).unwrap();
         let (mut rcs, mut ars) = (Vec::new(), Vec::new());
         let [r1, r2, r3, r4] = pair_sizes(pages, true);
         let [a1, a2, a3, a4] = pair_sizes(pages, false);
         let (mut rc, mut rcf, mut rci) = (Vec::new(), Vec::new(), Vec::new());
         let (mut ar, mut arf, mut ari) = (Vec::new(), Vec::new(), Vec::new());
-        // Each pair against its floor in a loop of its own. A commit leaves work behind it
-        // (kvtierd's sealer checksums and seals the committed pages on its next tick); in one
-        // loop with the acquires, that work landed on them more than on their floor. It is
-        // the commits' cost, which both sides of the commits' own loop meet at random.
+        // kvtierd's sealer checksums committed pages and seals their records on its own tick
+        // (`sealer::PERIOD`), after the commits answered: it meets row and floor alike at
+        // random, and its CPU per commit is reported on a row of its own.
         let sealer = crate::thread_cpu::cpu_time(SEALER);
         for _ in 0..iters(pages) {
             let keys = fresh(pages);
@@ -205,29 +210,6 @@ pub fn run(quick: bool) {
             rcf.push(t.elapsed());
             rci.push(work);
 
-            let keys = fresh(pages);
-            let t = Instant::now();
-            black_box(state.reserve(sid, None, &keys, Instant::now()).unwrap());
-            black_box(state.commit(sid, &keys, 0, Instant::now()).unwrap());
-            state.publish_changes();
-            rcs.push(t.elapsed());
-            // What kvtierd's sealer takes off the state, untimed.
-            black_box(state.seal_jobs(usize::MAX));
-        }
-        // Its last commits' seals, before the acquires are timed.
-        let window = 2 * kvtier_daemon::sealer::PERIOD;
-        crate::thread_cpu::wait_idle(SEALER, window, Duration::from_secs(10));
-        let sealer = crate::thread_cpu::cpu_time(SEALER).saturating_sub(sealer);
-        // A prefix stored everywhere, acquired and released over and over.
-        let held = fresh(pages);
-        c.reserve(s.id, None, &held).await.unwrap();
-        c.commit(s.id, &held).await.unwrap();
-        black_box(index.reserve(0, None, &held));
-        index.commit(0, &held).unwrap();
-        state.reserve(sid, None, &held, Instant::now()).unwrap();
-        state.commit(sid, &held, 0, Instant::now()).unwrap();
-        crate::thread_cpu::wait_idle(SEALER, window, Duration::from_secs(10));
-        for _ in 0..iters(pages) {
             let t = Instant::now();
             c.acquire(s.id, &held).await.unwrap();
             c.release(s.id, &held).await.unwrap();
@@ -245,15 +227,35 @@ pub fn run(quick: bool) {
             arf.push(t.elapsed());
             ari.push(work);
 
+            let keys = fresh(pages);
+            let t = Instant::now();
+            black_box(state.reserve(sid, None, &keys, Instant::now()).unwrap());
+            black_box(state.commit(sid, &keys, 0, Instant::now()).unwrap());
+            state.publish_changes();
+            rcs.push(t.elapsed());
+            // What kvtierd's sealer takes off the state, untimed.
+            black_box(state.seal_jobs(usize::MAX));
             let t = Instant::now();
             black_box(state.acquire(sid, &held, Instant::now()).unwrap());
             state.release(sid, &held, Instant::now()).unwrap();
             ars.push(t.elapsed());
         }
+        // The last commits' seals, to count their CPU too.
+        let window = 2 * kvtier_daemon::sealer::PERIOD;
+        crate::thread_cpu::wait_idle(SEALER, window, Duration::from_secs(10));
+        let sealer = crate::thread_cpu::cpu_time(SEALER).saturating_sub(sealer) / iters(pages) as u32;
+        let mib = (layout.page_bytes() * pages) >> 20;
         crate::say!(
-            "kvtierd's sealer: {:.0} µs of CPU per commit of {pages} pages ({} MiB checksummed), on its own thread after the commit answered",
-            us(sealer) / iters(pages) as f64,
-            (kvtier_core::Layout::new(spec.clone()).unwrap().page_bytes() * pages) >> 20
+            "kvtierd's sealer: {:.0} µs of CPU per commit of {pages} pages ({mib} MiB checksummed), on its own thread after the commit answered",
+            us(sealer)
+        );
+        crate::record(
+            &format!("sealer CPU per commit of {pages} pages ({mib} MiB)"),
+            us(sealer),
+            "µs",
+            "reserve+commit p50",
+            us(pct(rc.clone(), 0.5)),
+            None,
         );
         crate::say!(
             "the 1,000-page pairs against their floor (interleaved, p50 µs): the same bytes through a no-op server + the index's work here"
