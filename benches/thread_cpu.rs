@@ -2,30 +2,48 @@
 //! helper thread after it answers (kvtierd's sealer checksums every committed page) costs,
 //! and when that thread has gone quiet before the bench times something else.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// CPU time spent so far by every live thread of this process named `name`, from the
-/// kernel's per-thread scheduler accounting (`/proc/self/task/*/schedstat`). A running
-/// thread's figure is brought up to date at each scheduler tick and switch, so compare it
-/// over windows of several milliseconds.
-pub fn cpu_time(name: &str) -> Duration {
+/// The name [`by_name`] gives this process's main thread, whatever the binary is called.
+pub const MAIN: &str = "main";
+
+/// CPU time (ns) this process's live threads have run so far, summed by thread name (the
+/// main thread as [`MAIN`]), from the kernel's per-thread scheduler accounting
+/// (`/proc/self/task/*/schedstat`). A running thread's figure is brought up to date at each
+/// scheduler tick and switch, so compare readings over windows of several milliseconds.
+pub fn by_name() -> HashMap<String, u64> {
+    let mut by = HashMap::new();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Duration::ZERO;
+        return by;
     };
-    let mut ns = 0u64;
+    let main = std::process::id().to_string();
     for t in tasks.flatten() {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        if comm.trim_end() != name {
-            continue;
-        }
-        let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
-        ns += stat
+        let p = t.path();
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(p.join("comm")),
+            std::fs::read_to_string(p.join("schedstat")),
+        ) else {
+            continue; // gone meanwhile
+        };
+        let ns: u64 = stat
             .split_whitespace()
             .next()
-            .and_then(|v| v.parse::<u64>().ok())
+            .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let name = if t.file_name().to_str() == Some(main.as_str()) {
+            MAIN
+        } else {
+            comm.trim_end()
+        };
+        *by.entry(name.to_string()).or_insert(0) += ns;
     }
-    Duration::from_nanos(ns)
+    by
+}
+
+/// CPU time spent so far by the live threads named `name` ([`by_name`]).
+pub fn cpu_time(name: &str) -> Duration {
+    Duration::from_nanos(by_name().get(name).copied().unwrap_or(0))
 }
 
 /// Waits until the threads named `name` spend no CPU over a whole `window`, for at most
@@ -82,5 +100,6 @@ mod tests {
         t.thread().unpark();
         t.join().unwrap();
         assert_eq!(cpu_time("no-such-thread"), Duration::ZERO);
+        assert!(by_name()[MAIN] > 0, "the main thread is named {MAIN}");
     }
 }

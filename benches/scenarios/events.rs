@@ -80,33 +80,9 @@ async fn commit(
     t.elapsed()
 }
 
-/// CPU time (ns) this process's threads have run so far, summed by thread name: the
-/// daemon's runtime (`kvtierd`), the subscribers (`events-sub`), and the writer (the main
-/// thread, whatever the binary's name: `writer`).
-fn cpu_by_thread() -> std::collections::HashMap<String, u64> {
-    let mut by = std::collections::HashMap::new();
-    let main = std::process::id().to_string();
-    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let p = t.path();
-        let is_main = t.file_name().to_str() == Some(main.as_str());
-        let (Ok(comm), Ok(stat)) = (
-            std::fs::read_to_string(p.join("comm")),
-            std::fs::read_to_string(p.join("schedstat")),
-        ) else {
-            continue; // gone meanwhile
-        };
-        let ns: u64 = stat
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let name = if is_main { "writer" } else { comm.trim() };
-        *by.entry(name.to_string()).or_insert(0) += ns;
-    }
-    by
-}
-
-/// CPU each kind of thread spent between two [`cpu_by_thread`] readings, ns.
+/// CPU each kind of thread spent between two [`crate::thread_cpu::by_name`] readings, ns:
+/// the daemon's runtime and sealer (`kvtierd`, `kvtierd-sealer`), the writer (the main
+/// thread) and the subscribers (`events-sub`).
 #[derive(Default, Clone, Copy)]
 struct Cpu {
     daemon: u64,
@@ -127,7 +103,7 @@ impl Cpu {
         };
         Self {
             daemon: d("kvtierd") + d("kvtierd-sealer"),
-            writer: d("writer"),
+            writer: d(crate::thread_cpu::MAIN),
             subscribers: d("events-sub"),
         }
     }
@@ -299,19 +275,19 @@ pub fn run(quick: bool) {
         let (mut alone, mut with) = (Vec::new(), Vec::new());
         let (mut cpu_alone, mut cpu_with) = (Cpu::default(), Cpu::default());
         for _ in 0..3 {
-            let t0 = cpu_by_thread();
+            let t0 = crate::thread_cpu::by_name();
             alone.push(commit(&mut c, &s, &mut next, burst, None).await);
-            cpu_alone.add(Cpu::between(&t0, &cpu_by_thread()));
+            cpu_alone.add(Cpu::between(&t0, &crate::thread_cpu::by_name()));
             let tasks = subs.start(&mut c, &s, &mut next).await;
             let before = received.load(Ordering::Relaxed);
-            let t0 = cpu_by_thread();
+            let t0 = crate::thread_cpu::by_name();
             with.push(commit(&mut c, &s, &mut next, burst, None).await);
             let want = before + (burst * SUBSCRIBERS) as u64;
             let deadline = Instant::now() + Duration::from_secs(10);
             while received.load(Ordering::Relaxed) < want && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            cpu_with.add(Cpu::between(&t0, &cpu_by_thread()));
+            cpu_with.add(Cpu::between(&t0, &crate::thread_cpu::by_name()));
             stop(tasks).await;
         }
         c.close(s.id).await.unwrap();

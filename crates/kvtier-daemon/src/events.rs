@@ -109,18 +109,13 @@ impl Body {
 
 impl Published {
     /// How many events.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.body.len()
     }
 
-    /// Whether it has none (never, once published).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The seq of its first event.
-    pub fn first_seq(&self) -> u64 {
-        self.first_seq
+    /// The seq of its last event.
+    fn last_seq(&self) -> u64 {
+        self.first_seq + self.len() as u64 - 1
     }
 
     /// The events, in order.
@@ -170,7 +165,8 @@ pub struct EventBus {
     node: String,
     next_seq: u64,
     /// The last publishes, holding at least the last [`REPLAY`] events (a publish leaves
-    /// whole, once the ones after it hold that many).
+    /// whole, once the ones after it hold that many). One a stream has read also keeps its
+    /// events and wire bytes until it leaves.
     ring: VecDeque<Arc<Published>>,
     /// Events in `ring`.
     ring_events: usize,
@@ -302,7 +298,7 @@ impl EventBus {
             Start::Resume(
                 self.ring
                     .iter()
-                    .filter(|p| p.first_seq() + p.len() as u64 > after_seq + 1)
+                    .filter(|p| p.last_seq() > after_seq)
                     .flat_map(|p| p.events())
                     .filter(|e| e.seq > after_seq)
                     .copied()
