@@ -1,43 +1,37 @@
 //! The `kvtier.v1.HostTier` gRPC service: validates every request once, on receive, then
-//! calls into [`HostState`]. Errors are [`ApiError`]s, turned into gRPC status codes by the
-//! one conversion in kvtier-proto.
+//! calls into [`HostState`](crate::state::HostState). Errors are [`ApiError`]s, turned into
+//! gRPC status codes by the one conversion in kvtier-proto. Calls with a concept of their
+//! own keep their bodies beside it: `register.rs`, `lease.rs` (CommitLeased), `stats.rs`
+//! (Stats, WatchMetrics), `routing.rs` (Locate, WatchEvents) and `events_route.rs` (how
+//! WatchEvents' encoded messages are served).
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvtier_core::PageKey;
 use kvtier_core::host_index::Reserve;
-use kvtier_core::{Layout, Namespace, PageHasher, PageKey};
 use kvtier_core::{SessionId, TenantScope};
 use kvtier_proto::v1::host_tier_server::HostTier;
 use kvtier_proto::v1::{self, ReserveStatus};
-use kvtier_proto::{ApiError, page_keys, request_key_count, request_keys, session_id};
+use kvtier_proto::{ApiError, request_key_count, request_keys, session_id};
 use tonic::{Request, Response, Status};
 
 use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
 use crate::roles::Roles;
 use crate::state::Shared;
-use crate::state::{HostState, L2Metrics, StateGuard};
+use crate::state::{L2Metrics, StateGuard};
 use kvtier_config::tenants::Tenants;
 use kvtier_server::metrics::MetricRegistry;
 
-/// Shortest, default and longest interval between WatchMetrics snapshots.
-const WATCH_MIN_MS: u64 = 100;
-const WATCH_DEFAULT_MS: u64 = 1000;
-/// Most sessions one Stats answer lists (the rest are counted in `sessions_omitted`), so
-/// the answer stays far below the 4 MiB message limit however many sessions there are.
-const STATS_MAX_SESSIONS: usize = 1000;
-const WATCH_MAX_MS: u64 = 60_000;
-
-/// The stream a WatchMetrics call returns.
-type SnapshotStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
-
 mod events_route;
 mod lease;
+mod register;
 mod routing;
+mod stats;
 
 pub use events_route::HostTierRoutes;
+use stats::SnapshotStream;
 
 /// The stream a WatchEvents call returns, as [`HostTierRoutes`] sends it: `EventBatch`
 /// messages, encoded.
@@ -52,9 +46,6 @@ type EventStream =
 /// The stream a Prefetch call returns.
 type WireProgressStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::PrefetchProgress, Status>> + Send>>;
-
-/// Most tokens a hash self-test may carry.
-const MAX_SELF_TEST_TOKENS: usize = 1 << 16;
 
 /// The service.
 #[derive(Clone)]
@@ -242,150 +233,6 @@ impl HostService {
         }
         Ok((keys, scope))
     }
-
-    /// Every tenant's use of L2 and L3, for Stats.
-    fn tenant_usage(&self, st: &HostState) -> Vec<v1::TenantUsage> {
-        let l3 = self
-            .l3
-            .current()
-            .map(|l3| l3.store.store_stats().tenants)
-            .unwrap_or_default();
-        st.tenant_usage()
-            .into_iter()
-            .map(|(tenant, tag, u)| {
-                let b = l3
-                    .iter()
-                    .find(|t| t.tag == tag)
-                    .cloned()
-                    .unwrap_or_default();
-                v1::TenantUsage {
-                    tenant,
-                    l2_pages: u.pages,
-                    l2_quota_pages: u.quota.unwrap_or(0),
-                    l2_quota_evictions: u.quota_evictions,
-                    l2_quota_refusals: u.quota_refusals,
-                    l3_objects: b.objects,
-                    l3_bytes: b.bytes,
-                    l3_quota_bytes: b.quota,
-                    l3_quota_evictions: b.evictions,
-                }
-            })
-            .collect()
-    }
-
-    fn register_inner(
-        &self,
-        req: v1::RegisterRequest,
-        tenant: String,
-    ) -> Result<v1::RegisterResponse, ApiError> {
-        let layout = Layout::try_from(
-            req.layout
-                .ok_or_else(|| ApiError::invalid("layout", "required"))?,
-        )
-        .map_err(|e| e.within("layout"))?;
-        if req.name.len() > 256 {
-            return Err(ApiError::invalid("name", "longer than 256 bytes"));
-        }
-        let info = v1::LayoutInfo::from(&layout);
-        if let Some(exp) = req.expected_layout {
-            let checks = [
-                ("fingerprint", exp.fingerprint != info.fingerprint),
-                ("page_bytes", exp.page_bytes != info.page_bytes),
-                ("slot_stride", exp.slot_stride != info.slot_stride),
-                ("run_bytes", exp.run_bytes != info.run_bytes),
-                ("runs_per_page", exp.runs_per_page != info.runs_per_page),
-                ("format_version", exp.format_version != info.format_version),
-            ];
-            if let Some((field, _)) = checks.iter().find(|(_, differs)| *differs) {
-                return Err(ApiError::FailedPrecondition(format!(
-                    "layout mismatch: the client derived a different {field} from the same \
-                     descriptor (client {exp:?}, daemon {info:?}); upgrade the older side"
-                )));
-            }
-        }
-        let ns = check_self_test(&layout, req.hash_self_test)?;
-        if self.tenants.any() && !ns.tenant.is_empty() && ns.tenant != tenant {
-            return Err(ApiError::PermissionDenied(format!(
-                "hash_self_test.namespace.tenant is {:?}, but this caller is tenant {tenant:?} \
-                 (by its peer uid or token, [tenants] in kvtierd's config)",
-                ns.tenant
-            )));
-        }
-        let name = if req.name.is_empty() {
-            "unnamed".to_string()
-        } else {
-            req.name
-        };
-        let mut st = self.state();
-        let reg = st.register(name.clone(), &tenant, &layout, Instant::now())?;
-        let ttl = st.ttl();
-        drop(st);
-        tracing::info!(session = %reg.session_id, client = %name, tenant = %tenant, fingerprint = %layout.fingerprint(), "session registered");
-        Ok(v1::RegisterResponse {
-            session_id: reg.session_id.to_bytes().to_vec(),
-            ttl_ms: ttl.as_millis() as u64,
-            layout: Some(info),
-            pool_path: reg.pool_path.display().to_string(),
-            pool_slots: reg.slots,
-            slot_stride: reg.stride as u64,
-            tenant,
-        })
-    }
-}
-
-/// Recomputes the client's self-test keys; refuses a client whose hashing differs.
-fn check_self_test(layout: &Layout, t: Option<v1::HashSelfTest>) -> Result<Namespace, ApiError> {
-    let t = t.ok_or_else(|| {
-        ApiError::invalid(
-            "hash_self_test",
-            "required: the keys the client computes for a few pages of tokens",
-        )
-    })?;
-    if t.page_size as usize != layout.page_size() {
-        return Err(ApiError::invalid(
-            "hash_self_test.page_size",
-            format!(
-                "{} differs from layout.page_size {}",
-                t.page_size,
-                layout.page_size()
-            ),
-        ));
-    }
-    if t.tokens.len() > MAX_SELF_TEST_TOKENS {
-        return Err(ApiError::invalid(
-            "hash_self_test.tokens",
-            format!("more than {MAX_SELF_TEST_TOKENS} tokens"),
-        ));
-    }
-    if t.tokens.len() < layout.page_size() {
-        return Err(ApiError::invalid(
-            "hash_self_test.tokens",
-            "fewer than one full page of tokens",
-        ));
-    }
-    let ns = Namespace::try_from(t.namespace.unwrap_or_default())
-        .map_err(|e| e.within("hash_self_test.namespace"))?;
-    let theirs = page_keys("hash_self_test.keys", &t.keys)?;
-    let ours = PageHasher::new(layout.page_size(), &ns)?.keys(&t.tokens);
-    if theirs.len() != ours.len() {
-        return Err(ApiError::FailedPrecondition(format!(
-            "hash self-test failed: the client sent {} keys for {} tokens of page size {}, the \
-             daemon computes {}",
-            theirs.len(),
-            t.tokens.len(),
-            layout.page_size(),
-            ours.len()
-        )));
-    }
-    if let Some(i) = ours.iter().zip(&theirs).position(|(a, b)| a != b) {
-        return Err(ApiError::FailedPrecondition(format!(
-            "hash self-test failed at page {i}: client key {} but daemon key {}; the client \
-             does not hash pages as docs/hash-spec.md specifies",
-            theirs[i].to_hex(),
-            ours[i].to_hex()
-        )));
-    }
-    Ok(ns)
 }
 
 #[tonic::async_trait]
@@ -626,72 +473,7 @@ impl HostTier for HostService {
         // A tenant sees its own sessions, the pools they use and its own usage only.
         let role = self.roles.of(&request);
         let only = self.roles.only_tenant(&role).map(str::to_string);
-        let mine = |tenant: &str| only.as_deref().is_none_or(|t| t == tenant);
-        self.observe("stats", || {
-            let st = self.state();
-            let now = Instant::now();
-            let mut sessions: Vec<_> = st.sessions().filter(|(_, s)| mine(&s.tenant)).collect();
-            let seen: std::collections::HashSet<_> = sessions.iter().map(|(_, s)| s.pool).collect();
-            let pools = st
-                .pools()
-                .filter(|p| only.is_none() || seen.contains(&p.key))
-                .map(|p| {
-                    let s = p.index.stats();
-                    v1::PoolStats {
-                        fingerprint: p.layout.fingerprint().0.to_vec(),
-                        model_id: p.layout.spec().model_id.clone(),
-                        pool_path: p.shm.path().display().to_string(),
-                        slots: s.capacity,
-                        slot_stride: p.shm.stride() as u64,
-                        ready_pages: s.ready,
-                        writing_pages: s.writing,
-                        pinned_pages: s.pinned,
-                        pins: s.pins,
-                        evictions: s.evictions,
-                        mlocked: p.shm.is_locked(),
-                        huge_pages: p.shm.huge_pages(),
-                    }
-                })
-                .collect();
-            // The most recently seen first, at most STATS_MAX_SESSIONS of them.
-            sessions.sort_by_key(|(_, s)| std::cmp::Reverse(s.last_seen));
-            let omitted = sessions.len().saturating_sub(STATS_MAX_SESSIONS);
-            sessions.truncate(STATS_MAX_SESSIONS);
-            let sessions = sessions
-                .into_iter()
-                .map(|(id, s)| v1::SessionInfo {
-                    session_label: id.to_string(),
-                    name: s.name.clone(),
-                    fingerprint: s.fingerprint.0.to_vec(),
-                    pins: s.pins.values().map(|&n| u64::from(n)).sum(),
-                    writing_pages: s.writing as u32,
-                    idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
-                    report: s.report.map(crate::wire::report_out),
-                    tenant: s.tenant.clone(),
-                })
-                .collect();
-            let c = st.counters;
-            let mut tenants = self.tenant_usage(&st);
-            tenants.retain(|u| mine(&u.tenant));
-            Ok(v1::StatsResponse {
-                version: env!("CARGO_PKG_VERSION").to_string(),
-                uptime_ms: self.started.elapsed().as_millis() as u64,
-                pools,
-                sessions,
-                reserve_calls: c.reserve_calls,
-                commit_calls: c.commit_calls,
-                acquire_calls: c.acquire_calls,
-                dedup_pages: c.dedup_pages,
-                expired_sessions: c.expired_sessions,
-                metrics_address: self.metrics_address.clone(),
-                l3: self
-                    .l3
-                    .current()
-                    .map(|l3| crate::l3::wire_stats(&l3, st.write_policy())),
-                tenants,
-                sessions_omitted: omitted as u32,
-            })
-        })
+        self.observe("stats", || self.stats_inner(only.as_deref()))
     }
 
     type PrefetchStream = WireProgressStream;
@@ -775,41 +557,7 @@ impl HostTier for HostService {
         let role = self.roles.of(&request);
         let only = self.roles.only_tenant(&role).map(str::to_string);
         self.observe("watch_metrics", || {
-            let ms = match request.get_ref().interval_ms {
-                0 => WATCH_DEFAULT_MS,
-                ms if (WATCH_MIN_MS..=WATCH_MAX_MS).contains(&ms) => ms,
-                ms => {
-                    return Err(ApiError::invalid(
-                        "interval_ms",
-                        format!("{ms} is outside {WATCH_MIN_MS}..={WATCH_MAX_MS}"),
-                    ));
-                }
-            };
-            let svc = self.clone();
-            let only = only.clone();
-            let mut tick = tokio::time::interval(std::time::Duration::from_millis(ms));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let stream = futures::stream::unfold((svc, tick, 0u64), move |(svc, mut tick, seq)| {
-                let only = only.clone();
-                async move {
-                    tokio::select! {
-                        () = svc.shutdown.cancelled() => return None,
-                        _ = tick.tick() => {}
-                    }
-                    let families = svc.registry.gather();
-                    let snap = v1::MetricsSnapshot {
-                        seq: seq + 1,
-                        unix_ms: std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.as_millis() as u64)
-                            .unwrap_or_default(),
-                        uptime_ms: svc.started.elapsed().as_millis() as u64,
-                        samples: crate::wire::samples(&families, only.as_deref()),
-                    };
-                    Some((Ok(snap), (svc, tick, seq + 1)))
-                }
-            });
-            Ok(Box::pin(stream) as SnapshotStream)
+            self.watch_metrics_inner(request.get_ref().interval_ms, only)
         })
     }
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,6 @@ import torch
 
 from kvtier.agent import AgentClient, Saved, SaveItem
 from kvtier.host import KvtierError
-from kvtier.identity import CacheIdentity, config_digest
 from kvtier.integrations.vllm.blocks import (
     BlockBytes,
     block_bytes,
@@ -39,8 +37,8 @@ from kvtier.integrations.vllm.common import (
     Ranks,
     Settings,
     choose_transfer,
-    parallel_rank,
 )
+from kvtier.integrations.vllm.identity import cache_identity
 from kvtier.integrations.vllm.staging import Staging
 from kvtier.integrations.vllm.stats import COUNTERS, KvtierStats
 from kvtier.layout import LayoutSpec, State
@@ -197,52 +195,13 @@ class WorkerSide:
             )
         return st
 
-    def identity(self, sample: torch.Tensor, geometry: BlockBytes) -> CacheIdentity:
-        """This worker's cache identity (docs/identity.md)."""
-        vc = self.vllm_config
-        mc, cc, pc = vc.model_config, vc.cache_config, vc.parallel_config
-        import vllm
-
-        model = self.settings.model_id or mc.model
-        kv_dtype = str(cc.cache_dtype)
-        if kv_dtype == "auto":
-            kv_dtype = str(mc.dtype).removeprefix("torch.")
-        scales = ""
-        if kv_dtype.startswith(("fp8", "nvfp4")):
-            # Scales read from the checkpoint are part of the model; scales computed from the
-            # first batch are this instance's own, so its pages are its own too.
-            scales = (
-                f"calculated/{self._instance}"
-                if getattr(cc, "calculate_kv_scales", False)
-                else "checkpoint"
-            )
-        shards = []
-        for name, size_attr, rank_fn in (
-            ("dcp", "decode_context_parallel_size", "get_decode_context_model_parallel_rank"),
-            ("pcp", "prefill_context_parallel_size", "get_prefill_context_model_parallel_rank"),
-        ):
-            size = int(getattr(pc, size_attr, 1) or 1)
-            if size > 1:
-                rank = parallel_rank(lambda ps, fn=rank_fn: getattr(ps, fn)())
-                shards.append(f"{name}{rank}of{size}")
-        # vLLM's bytes of a block are opaque to kvtier: its version and the block's axes in
-        # the order a page stores them (blocks.py) keep apart workers whose bytes differ.
-        return CacheIdentity(
-            engine="vllm",
-            model=str(model),
-            revision=str(mc.revision or ""),
-            config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
-            weight_version=self.settings.weight_version,
-            kv_dtype=kv_dtype,
-            kv_scales=scales,
-            layers=_layer_range(self._layer_names),
-            shards="/".join(shards),
-            layout=f"vllm-{vllm.__version__}|{sample.dtype}|{geometry.form}",
-        )
-
     def _layout(self, sample: torch.Tensor, geometry: BlockBytes) -> common_pb2.LayoutDescriptor:
-        pc = self.vllm_config.parallel_config
-        model_id, version = self.identity(sample, geometry).descriptor_fields()
+        """The layout this worker registers: its cache identity's descriptor fields, one
+        page per vLLM block (the block's bytes as kvtier stores them), its layers and TP."""
+        ident = cache_identity(
+            self.vllm_config, self.settings, self._instance, self._layer_names, sample, geometry
+        )
+        model_id, version = ident.descriptor_fields()
         return LayoutSpec(
             model_id=model_id,
             model_version=version,
@@ -251,7 +210,7 @@ class WorkerSide:
             page_size=self.block_size,
             shape=State(geometry.block_bytes // self.block_size),
             tp_rank=0 if self.mla else self.ranks.tp,
-            tp_size=1 if self.mla else pc.tensor_parallel_size,
+            tp_size=1 if self.mla else self.vllm_config.parallel_config.tensor_parallel_size,
         ).descriptor()
 
     def _register(self) -> None:
@@ -795,18 +754,3 @@ class WorkerSide:
         self._savers.shutdown(wait=True)
         if self._staging is not None:
             self._staging.retire()
-
-
-def _layer_range(names: Sequence[str]) -> str:
-    """The model layers a worker holds, from vLLM's layer names ("model.layers.7.attn"):
-    "first-last" when contiguous, else a digest of the indices."""
-    idx = []
-    for n in names:
-        m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", n)
-        if m is None:
-            return "names:" + config_digest(sorted(names))
-        idx.append(int(m.group(1)))
-    idx.sort()
-    if idx == list(range(idx[0], idx[0] + len(idx))):
-        return f"{idx[0]}-{idx[-1]}"
-    return "set:" + config_digest(idx)

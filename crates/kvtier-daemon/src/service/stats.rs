@@ -1,0 +1,166 @@
+//! What kvtierd shows of itself over HostTier: `Stats` (pools, sessions, counters, every
+//! tenant's use of L2 and L3) and `WatchMetrics` (snapshots of the Prometheus registry at an
+//! interval). A tenant's caller sees only its own sessions, pools, usage and series.
+
+use std::time::Instant;
+
+use kvtier_proto::{ApiError, v1};
+use tonic::Status;
+
+use super::HostService;
+use crate::state::HostState;
+
+/// Shortest, default and longest interval between WatchMetrics snapshots.
+const WATCH_MIN_MS: u64 = 100;
+const WATCH_DEFAULT_MS: u64 = 1000;
+const WATCH_MAX_MS: u64 = 60_000;
+/// Most sessions one Stats answer lists (the rest are counted in `sessions_omitted`), so
+/// the answer stays far below the 4 MiB message limit however many sessions there are.
+const STATS_MAX_SESSIONS: usize = 1000;
+
+/// The stream a WatchMetrics call returns.
+pub(super) type SnapshotStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<v1::MetricsSnapshot, Status>> + Send>>;
+
+impl HostService {
+    /// Every tenant's use of L2 and L3, for Stats.
+    fn tenant_usage(&self, st: &HostState) -> Vec<v1::TenantUsage> {
+        let l3 = self
+            .l3
+            .current()
+            .map(|l3| l3.store.store_stats().tenants)
+            .unwrap_or_default();
+        st.tenant_usage()
+            .into_iter()
+            .map(|(tenant, tag, u)| {
+                let b = l3
+                    .iter()
+                    .find(|t| t.tag == tag)
+                    .cloned()
+                    .unwrap_or_default();
+                v1::TenantUsage {
+                    tenant,
+                    l2_pages: u.pages,
+                    l2_quota_pages: u.quota.unwrap_or(0),
+                    l2_quota_evictions: u.quota_evictions,
+                    l2_quota_refusals: u.quota_refusals,
+                    l3_objects: b.objects,
+                    l3_bytes: b.bytes,
+                    l3_quota_bytes: b.quota,
+                    l3_quota_evictions: b.evictions,
+                }
+            })
+            .collect()
+    }
+
+    /// The Stats answer; `only`: the tenant the caller is limited to.
+    pub(super) fn stats_inner(&self, only: Option<&str>) -> Result<v1::StatsResponse, ApiError> {
+        let mine = |tenant: &str| only.is_none_or(|t| t == tenant);
+        let st = self.state();
+        let now = Instant::now();
+        let mut sessions: Vec<_> = st.sessions().filter(|(_, s)| mine(&s.tenant)).collect();
+        let seen: std::collections::HashSet<_> = sessions.iter().map(|(_, s)| s.pool).collect();
+        let pools = st
+            .pools()
+            .filter(|p| only.is_none() || seen.contains(&p.key))
+            .map(|p| {
+                let s = p.index.stats();
+                v1::PoolStats {
+                    fingerprint: p.layout.fingerprint().0.to_vec(),
+                    model_id: p.layout.spec().model_id.clone(),
+                    pool_path: p.shm.path().display().to_string(),
+                    slots: s.capacity,
+                    slot_stride: p.shm.stride() as u64,
+                    ready_pages: s.ready,
+                    writing_pages: s.writing,
+                    pinned_pages: s.pinned,
+                    pins: s.pins,
+                    evictions: s.evictions,
+                    mlocked: p.shm.is_locked(),
+                    huge_pages: p.shm.huge_pages(),
+                }
+            })
+            .collect();
+        // The most recently seen first, at most STATS_MAX_SESSIONS of them.
+        sessions.sort_by_key(|(_, s)| std::cmp::Reverse(s.last_seen));
+        let omitted = sessions.len().saturating_sub(STATS_MAX_SESSIONS);
+        sessions.truncate(STATS_MAX_SESSIONS);
+        let sessions = sessions
+            .into_iter()
+            .map(|(id, s)| v1::SessionInfo {
+                session_label: id.to_string(),
+                name: s.name.clone(),
+                fingerprint: s.fingerprint.0.to_vec(),
+                pins: s.pins.values().map(|&n| u64::from(n)).sum(),
+                writing_pages: s.writing as u32,
+                idle_ms: now.saturating_duration_since(s.last_seen).as_millis() as u64,
+                report: s.report.map(crate::wire::report_out),
+                tenant: s.tenant.clone(),
+            })
+            .collect();
+        let c = st.counters;
+        let mut tenants = self.tenant_usage(&st);
+        tenants.retain(|u| mine(&u.tenant));
+        Ok(v1::StatsResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            pools,
+            sessions,
+            reserve_calls: c.reserve_calls,
+            commit_calls: c.commit_calls,
+            acquire_calls: c.acquire_calls,
+            dedup_pages: c.dedup_pages,
+            expired_sessions: c.expired_sessions,
+            metrics_address: self.metrics_address.clone(),
+            l3: self
+                .l3
+                .current()
+                .map(|l3| crate::l3::wire_stats(&l3, st.write_policy())),
+            tenants,
+            sessions_omitted: omitted as u32,
+        })
+    }
+
+    /// A WatchMetrics stream, a snapshot every `interval_ms` (0: the default); `only`: the
+    /// tenant whose series alone the caller may see.
+    pub(super) fn watch_metrics_inner(
+        &self,
+        interval_ms: u64,
+        only: Option<String>,
+    ) -> Result<SnapshotStream, ApiError> {
+        let ms = match interval_ms {
+            0 => WATCH_DEFAULT_MS,
+            ms if (WATCH_MIN_MS..=WATCH_MAX_MS).contains(&ms) => ms,
+            ms => {
+                return Err(ApiError::invalid(
+                    "interval_ms",
+                    format!("{ms} is outside {WATCH_MIN_MS}..={WATCH_MAX_MS}"),
+                ));
+            }
+        };
+        let svc = self.clone();
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let stream = futures::stream::unfold((svc, tick, 0u64), move |(svc, mut tick, seq)| {
+            let only = only.clone();
+            async move {
+                tokio::select! {
+                    () = svc.shutdown.cancelled() => return None,
+                    _ = tick.tick() => {}
+                }
+                let families = svc.registry.gather();
+                let snap = v1::MetricsSnapshot {
+                    seq: seq + 1,
+                    unix_ms: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_millis() as u64)
+                        .unwrap_or_default(),
+                    uptime_ms: svc.started.elapsed().as_millis() as u64,
+                    samples: crate::wire::samples(&families, only.as_deref()),
+                };
+                Some((Ok(snap), (svc, tick, seq + 1)))
+            }
+        });
+        Ok(Box::pin(stream) as SnapshotStream)
+    }
+}
