@@ -30,8 +30,8 @@ def cache_identity(
     computes are its own); ``layer_names`` are the attention layers it holds."""
     import vllm
 
-    vc = vllm_config
-    mc, cc, pc = vc.model_config, vc.cache_config, vc.parallel_config
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    pc = vllm_config.parallel_config
 
     model = settings.model_id or mc.model
     kv_dtype = str(cc.cache_dtype)
