@@ -5,9 +5,10 @@
 //!   counts as loaded only when its pin was still held at the end.
 //! - [`L2::write`]: the engine's device pages → L2 (reserve, copy, commit). While L2 has no
 //!   room it tries again as long as each `cache.evict_wait` brings progress (writes to L3
-//!   landing make room), and it waits that long for a restarting kvtierd: slow storage is
-//!   backpressure, not a reason to give a page up. What still fails comes back with its
-//!   [`Loss`] reason.
+//!   landing make room), and it waits for a restarting kvtierd (a Save `cache.evict_wait`, a
+//!   tree-mode backup, whose page is still on the device, `cache.daemon_wait`): slow storage
+//!   and a slow restart are backpressure, not a reason to give a page up. What still fails
+//!   comes back with its [`Loss`] reason.
 //!
 //! A daemon call that fails because the link is gone marks it broken, so the link task
 //! reconnects; any other failure is the daemon's answer to this call only.
@@ -259,6 +260,13 @@ impl L2 {
         let s = &self.s;
         let t = Instant::now();
         let wait = s.settings.evict_wait;
+        // How long a kvtierd that went away may take to come back: a background backup's
+        // page stays on the device meanwhile, so it waits for a restart, however slow the
+        // host (`cache.daemon_wait`); a Save the engine blocks on waits `cache.evict_wait`.
+        let link_wait = match writer {
+            Writer::Engine => wait,
+            Writer::Background => s.settings.daemon_wait,
+        };
         let mut deadline = Instant::now() + wait;
         let mut pause = Duration::from_millis(1);
         let mut out = Stored::default();
@@ -270,9 +278,10 @@ impl L2 {
                     // The session is coming up (the engine's first saves) or back: wait for
                     // it, bounded.
                     let t = Instant::now();
-                    let l = s.link.current_or_wait(wait).await;
-                    if writer == Writer::Engine {
-                        s.count_wait("link", t.elapsed());
+                    let l = s.link.current_or_wait(link_wait).await;
+                    match writer {
+                        Writer::Engine => s.count_wait("link", t.elapsed()),
+                        Writer::Background => s.count_daemon_wait(t.elapsed()),
                     }
                     l
                 }
@@ -314,7 +323,7 @@ impl L2 {
                 Err(why) => why,
             };
             let now = Instant::now();
-            if !why.retry(now < deadline, s.link.may_come_back(wait)) {
+            if !why.retry(now < deadline, s.link.may_come_back(link_wait)) {
                 break Some(why);
             }
             tokio::time::sleep(pause.min(deadline.saturating_duration_since(now))).await;

@@ -130,12 +130,13 @@ impl Metrics {
                 "kvtier_agent_backup_waits_total",
                 "Calls that waited for backups to L2 (backpressure), by where: insert \
                  (room in the early-backup queue), evict (victims backed up first), link (a \
-                 Save waiting for the kvtierd session to come up)",
+                 Save waiting for the kvtierd session to come up), daemon (a background backup \
+                 waiting for a kvtierd that went away to come back)",
                 &["at"],
             )?,
             backup_wait_seconds: r.histogram_vec(
                 "kvtier_agent_backup_wait_seconds",
-                "Time a call waited for backups to L2, by where: insert, evict, link",
+                "Time a call waited for backups to L2, by where: insert, evict, link, daemon",
                 &["at"],
                 &SECONDS,
             )?,
@@ -207,7 +208,7 @@ impl Metrics {
         for reason in crate::outcome::LoadFailure::ALL {
             m.load_failed_pages.with_label_values(&[reason.label()]);
         }
-        for at in ["insert", "evict", "link"] {
+        for at in ["insert", "evict", "link", "daemon"] {
             m.backup_waits.with_label_values(&[at]);
             m.backup_wait_seconds.with_label_values(&[at]);
         }

@@ -166,6 +166,8 @@ pub(crate) struct Settings {
     pub(crate) eviction: PolicyKind,
     /// Longest a write waits for room in L2 without progress (and an Evict for backups).
     pub(crate) evict_wait: Duration,
+    /// Longest a tree-mode backup waits for kvtierd to come back (`cache.daemon_wait`).
+    pub(crate) daemon_wait: Duration,
     /// Pages early backups may have queued or running (`cache.backup_queue`).
     pub(crate) backup_queue_pages: u32,
     /// Early backups running at once; an Evict's backups too.
@@ -183,6 +185,7 @@ impl Settings {
             copy_method: cfg.device.copy_method,
             eviction: cfg.cache.eviction_policy,
             evict_wait: cfg.cache.evict_wait.0,
+            daemon_wait: cfg.cache.daemon_wait.0,
             backup_queue_pages: cfg.cache.backup_queue,
             backup_concurrency: cfg.cache.backup_concurrency as usize,
             metrics_address,
@@ -265,6 +268,19 @@ impl Shared {
         self.metrics
             .backup_wait_seconds
             .with_label_values(&[at])
+            .observe(t.as_secs_f64());
+    }
+
+    /// Counts a background backup's wait for kvtierd to come back (`at="daemon"`): not a
+    /// call's wait (those count where the engine waits on the backup, at Insert or Evict).
+    pub(crate) fn count_daemon_wait(&self, t: Duration) {
+        self.metrics
+            .backup_waits
+            .with_label_values(&["daemon"])
+            .inc();
+        self.metrics
+            .backup_wait_seconds
+            .with_label_values(&["daemon"])
             .observe(t.as_secs_f64());
     }
 

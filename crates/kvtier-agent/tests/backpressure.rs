@@ -148,7 +148,11 @@ fn pages_l2_refuses_are_given_up_and_counted_by_reason() {
         let a = agent(
             &d,
             "w",
-            &["cache.write_policy=write_back", "cache.evict_wait=300ms"],
+            &[
+                "cache.write_policy=write_back",
+                "cache.evict_wait=300ms",
+                "cache.daemon_wait=1s",
+            ],
         );
         let mut e = Engine::start(&a, spec.clone(), 64, "refused").await;
         e.wait_connected().await;
@@ -168,7 +172,8 @@ fn pages_l2_refuses_are_given_up_and_counted_by_reason() {
             4.0
         );
 
-        // kvtierd gone: pages are given up at once, as unreachable.
+        // kvtierd gone for longer than daemon_wait: the pages are given up after it, as
+        // unreachable.
         kvtierd.kill();
         e.prefill_and_insert(&tokens(502, 2), &[4, 5]).await;
         let t = Instant::now();
@@ -190,5 +195,58 @@ fn pages_l2_refuses_are_given_up_and_counted_by_reason() {
             ]
         );
         assert_eq!(st.lost_pages, 6);
+    });
+}
+
+#[test]
+fn a_kvtierd_restart_slower_than_evict_wait_loses_no_page_still_on_the_device() {
+    // Before: a backup waited `cache.evict_wait` for the link; on a busy host a kvtierd
+    // restart (with its pool takeover) took longer, and an Evict in between gave its victims
+    // up as `daemon_unreachable` (9,409 pages in one run of tests/sim.rs). A backup whose
+    // page is still on the device now waits `cache.daemon_wait` for the restart.
+    let d = dir("slow-restart");
+    let sets = ["l2.pool_pages=128", "l3.backend=none"];
+    let mut kvtierd = daemon(&d, &sets);
+    let spec = mha(0, 1);
+    let sock = d.join("kvtierd.sock");
+    rt().block_on(async {
+        let a = agent(
+            &d,
+            "w",
+            &["cache.evict_wait=200ms", "cache.daemon_wait=30s"],
+        );
+        let mut e = Engine::start(&a, spec.clone(), 64, "slow-restart").await;
+        e.wait_connected().await;
+        kvtierd.kill();
+        // Computed while kvtierd is gone: the early backups cannot reach L2.
+        let t = tokens(40, 4);
+        let r = e.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
+        assert_eq!(r.inserted, 4);
+        // kvtierd comes back 2 s later: ten times evict_wait.
+        let d2 = d.clone();
+        let back = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            daemon(&d2, &sets)
+        });
+        // The engine wants its pages back meanwhile: the victims wait for the restart and
+        // are backed up first, never lost.
+        let t0 = Instant::now();
+        let mut evicted = 0;
+        let mut lost = 0;
+        while evicted < 4 && t0.elapsed() < Duration::from_secs(30) {
+            let ev = e.client.evict(4 - evicted).await.unwrap();
+            evicted += ev.pages.len() as u32;
+            lost += ev.lost;
+        }
+        let _kvtierd = back.join().unwrap();
+        assert_eq!((evicted, lost), (4, 0), "after {:?}", t0.elapsed());
+        wait_l2(&sock, &spec, &keys(&spec, &t), 4).await;
+        let st = e.stats().await;
+        assert_eq!(st.lost_pages, 0, "{st:?}");
+        let page = a.metrics_page();
+        assert!(
+            metric(&page, "kvtier_agent_backup_waits_total{at=\"daemon\"}") >= 1.0,
+            "no backup waited for the daemon"
+        );
     });
 }

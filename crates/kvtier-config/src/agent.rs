@@ -82,6 +82,11 @@ backup_queue = 256
 # L3) without any progress before an Evict gives their pages up, counted as lost
 # (0s to 10m). As long as L2 makes progress they wait on: slow storage is backpressure.
 evict_wait = "5s"
+# How long a backup of a page still on the device (an early backup, or an Evict's backup of
+# its victims) waits for a kvtierd that went away to come back (a restart: its successor
+# takes the pool over) before the page is given up, counted as lost (daemon_unreachable)
+# (0s to 10m). Saves of engine-cache mode wait evict_wait: their engine waits for them.
+daemon_wait = "60s"
 
 [device]
 # Threads that share one batch of cpu-device copies (1 to 64).
@@ -182,6 +187,8 @@ pub struct CacheConfig {
     pub backup_queue: u32,
     /// How long backups wait for room in L2 without progress.
     pub evict_wait: Dur,
+    /// How long tree-mode backups wait for kvtierd to come back.
+    pub daemon_wait: Dur,
 }
 
 /// `[device]`.
@@ -240,6 +247,7 @@ impl Default for AgentConfig {
                 backup_concurrency: 4,
                 backup_queue: 256,
                 evict_wait: Dur(Duration::from_secs(5)),
+                daemon_wait: Dur(Duration::from_secs(60)),
             },
             device: DeviceConfig {
                 copy_threads: 4,
@@ -328,6 +336,7 @@ impl AgentConfig {
                     backup_concurrency,
                     backup_queue,
                     evict_wait,
+                    daemon_wait,
                 },
             device:
                 DeviceConfig {
@@ -393,6 +402,12 @@ impl AgentConfig {
             return Err(ConfigError::invalid(
                 "cache.evict_wait",
                 format!("{evict_wait} is above 10m"),
+            ));
+        }
+        if daemon_wait.0 > Duration::from_secs(600) {
+            return Err(ConfigError::invalid(
+                "cache.daemon_wait",
+                format!("{daemon_wait} is above 10m"),
             ));
         }
         if reconnect_max.0 < reconnect_min.0 {
@@ -461,6 +476,7 @@ mod tests {
         for (set, key) in [
             ("cache.write_policy=sometimes", "cache.write_policy"),
             ("cache.evict_wait=1h", "cache.evict_wait"),
+            ("cache.daemon_wait=1h", "cache.daemon_wait"),
             ("cache.eviction_policy=random", "cache.eviction_policy"),
             ("device.copy_threads=0", "device.copy_threads"),
             ("device.copy_method=fast", "device.copy_method"),
