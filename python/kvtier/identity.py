@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import threading
 from dataclasses import asdict, dataclass, field
@@ -26,10 +27,18 @@ from typing import Any
 
 from kvtier.keys import Namespace
 
-__all__ = ["CacheIdentity", "WeightEpoch", "config_digest"]
+__all__ = [
+    "CacheIdentity",
+    "WeightEpoch",
+    "adapter_digest",
+    "checkpoint_digest",
+    "config_digest",
+    "file_digest",
+]
 
 # Bump when the meaning of a field changes: pages of the old meaning are then never served.
-IDENTITY_VERSION = 1
+# 2: the checkpoint by content, the resolved RoPE, LoRA adapters by content.
+IDENTITY_VERSION = 2
 # kvtier-core refuses a longer model_id or model_version.
 _MAX_FIELD = 512
 
@@ -50,6 +59,75 @@ def config_digest(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+# Weight files, by the suffixes engines load.
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# The indexes that name which weight file holds which tensor.
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Digests of whole files, by (real path, size, mtime): a file rewritten in place is read again.
+_file_digests: dict[tuple[str, int, int], str] = {}
+_digest_lock = threading.Lock()
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's content (16 hex digits), read once per version of the file."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    with _digest_lock:
+        hit = _file_digests.get(key)
+    if hit is not None:
+        return hit
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    out = h.hexdigest()[:16]
+    with _digest_lock:
+        _file_digests[key] = out
+    return out
+
+
+def checkpoint_digest(model: str) -> str:
+    """The checkpoint by content, where it is a local directory or file: its real path
+    (a hub cache's snapshot directory is named by the resolved commit), the bytes of its
+    ``config.json`` and weight index, and the name and size of every weight file (hashing
+    the weights themselves would read the whole model at every start). Empty for a hub id
+    that is not on this machine (its ``revision`` then says which commit). A volume
+    downloaded again with other weights, or a ``current`` symlink moved to another
+    checkpoint, gets another digest."""
+    if not model or not os.path.exists(model):
+        return ""
+    real = os.path.realpath(model)
+    h = hashlib.sha256(real.encode())
+    if os.path.isfile(real):
+        h.update(str(os.path.getsize(real)).encode())
+        return h.hexdigest()[:16]
+    for name in ("config.json", *_INDEXES):
+        f = os.path.join(real, name)
+        if os.path.isfile(f):
+            h.update(f"{name}={file_digest(f)}".encode())
+    for name in sorted(os.listdir(real)):
+        if name.endswith(_WEIGHTS):
+            h.update(f"{name}:{os.path.getsize(os.path.join(real, name))}".encode())
+    return h.hexdigest()[:16]
+
+
+def adapter_digest(path: str) -> str:
+    """A LoRA adapter by content: its ``adapter_config.json`` and every weight file's bytes
+    (adapters are small; each version of a file is read once). A path that is not on this
+    machine is named by itself."""
+    if not path or not os.path.exists(path):
+        return hashlib.sha256(f"path:{path}".encode()).hexdigest()[:16]
+    real = os.path.realpath(path)
+    if os.path.isfile(real):
+        return file_digest(real)
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(real)):
+        if name == "adapter_config.json" or name.endswith(_WEIGHTS):
+            h.update(f"{name}={file_digest(os.path.join(real, name))}".encode())
+    return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class CacheIdentity:
     """The fields fixed for a worker's life that decide whether its pages may be shared.
@@ -63,6 +141,8 @@ class CacheIdentity:
     model: str
     # The checkpoint's revision (a hub commit or tag), if any.
     revision: str = ""
+    # The checkpoint by content (checkpoint_digest): a path names no particular weights.
+    checkpoint: str = ""
     # Digest of the model's config and quantization config (config_digest).
     config: str = ""
     # The weight version the engine was started with (SGLang --weight-version, the vLLM
@@ -72,6 +152,9 @@ class CacheIdentity:
     # model dtype's name), and how its scales are made.
     kv_dtype: str = ""
     kv_scales: str = ""
+    # The RoPE the engine resolved where the config alone does not say it: LongRoPE's long
+    # or short factors, which vLLM picks from --max-model-len ("longrope=long").
+    rope: str = ""
     # The attention layers this worker holds (a pipeline stage's range), "first-last".
     layers: str = ""
     # Context-parallel shards, e.g. "dcp1of2"; empty without context parallelism.

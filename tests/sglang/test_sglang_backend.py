@@ -343,6 +343,33 @@ def test_clear_moves_the_instance_to_a_new_weight_epoch(daemon: Kvtierd):
     assert all(torch.equal(w.canonical(i), new[i]) for i in range(5))
 
 
+def test_a_backup_running_across_a_clear_stays_in_the_old_epoch(daemon: Kvtierd, monkeypatch):
+    """A batch_set_v1 that SGLang's backup thread began before a clear() (pages computed with
+    the old weights) keys every page in the old epoch: none is filed under the new one, and
+    the batch is not split between the two."""
+    w, peer = worker(daemon.socket), worker(daemon.socket)
+    ks = keys(6, salt="across")
+    w.fill(0, 6, seed=5)
+    backend = inner(w.backend)
+    real = type(backend)._key
+    cleared = []
+
+    def key_then_clear(key: str, seed: bytes | None) -> bytes:
+        out = real(key, seed)
+        if not cleared:
+            cleared.append(True)
+            backend.clear()  # the weight update lands after the first key
+        return out
+
+    monkeypatch.setattr(type(backend), "_key", staticmethod(key_then_clear))
+    assert w.backend.batch_set_v1(ks, w.indices(0, 6)) == [True] * 6
+    monkeypatch.undo()
+    assert cleared and backend.counters["clears"] == 1
+    # Under the old epoch, whole; under the new one, nothing.
+    assert peer.backend.batch_exists(ks) == 6
+    assert w.backend.batch_exists(ks) == 0
+
+
 def test_a_burst_faster_than_l3_drains_loses_no_page(tmp_path: Path):
     """3x L2's room in 4-page batch_set_v1 calls while every L3 write takes 20 ms: the
     calls wait for L3 to drain (backpressure) instead of refusing pages, and every page reads

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.host import POLICIES, DaemonClient
-from kvtier.identity import CacheIdentity, WeightEpoch, config_digest
+from kvtier.identity import (
+    CacheIdentity,
+    WeightEpoch,
+    checkpoint_digest,
+    config_digest,
+    file_digest,
+)
 from kvtier.integrations.sglang import pages
 from kvtier.integrations.sglang.link import PoolLink, Reporter
 from kvtier.keys import Namespace
@@ -238,12 +244,14 @@ class KvtierStorage(HiCacheStorage):
             engine="sglang",
             model=self.model_id,
             revision=str(getattr(sa, "revision", "") or ""),
+            checkpoint=checkpoint_digest(str(getattr(sa, "model_path", "") or "")),
             config=config_digest(
                 str(getattr(sa, "quantization", "") or ""),
                 str(getattr(sa, "json_model_override_args", "") or ""),
             ),
             weight_version=str(getattr(sa, "weight_version", "") or ""),
             kv_dtype=self._kv_dtype,
+            kv_scales=kv_scale_file(sa),
             layers=layers,
             shards="/".join(shards),
             extra=f"pool={pool}" if pool else "",
@@ -317,9 +325,23 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- keys ---------------------------------------------------------------------------
 
-    def _key(self, key: str) -> bytes:
+    def _keys(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> tuple[list[bytes], bytes]:
+        """The kvtier keys of a call's pages and of the page before them, all in the weight
+        epoch current when the call began: a ``clear()`` while a backup runs never splits
+        its pages between two epochs, and never files pages computed before the clear
+        under the epoch after it."""
+        seed = self._seed
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        parent = self._key(prefix[-1], seed) if prefix else b""
+        return [self._key(k, seed) for k in keys], parent
+
+    @staticmethod
+    def _key(key: str, seed: bytes | None) -> bytes:
         """A 32-byte kvtier key for an SGLang page key: SGLang's hex digest itself (so SGLang
-        and kvtier agents address a page alike), or a digest of it in a tenant namespace."""
+        and kvtier agents address a page alike), or a digest of it in a tenant namespace
+        (``seed``)."""
         raw = None
         if len(key) == 64:
             try:
@@ -328,13 +350,9 @@ class KvtierStorage(HiCacheStorage):
                 raw = None
         if raw is None:
             raw = hashlib.sha256(b"sglang-key\x00" + key.encode("utf-8")).digest()
-        if self._seed is None:
+        if seed is None:
             return raw
-        return hashlib.sha256(self._seed + raw).digest()
-
-    def _parent(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes:
-        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-        return self._key(prefix[-1]) if prefix else b""
+        return hashlib.sha256(seed + raw).digest()
 
     def _count(self, what: str, n: int, nbytes: int, seconds: float) -> None:
         with self.report.lock:
@@ -358,11 +376,7 @@ class KvtierStorage(HiCacheStorage):
             # MLA: every rank holds the same pages; one rank writes them.
             return [True] * n
         try:
-            return self._store(
-                self._kv_pages(host_indices, n),
-                [self._key(k) for k in keys],
-                self._parent(extra_info),
-            )
+            return self._store(self._kv_pages(host_indices, n), *self._keys(keys, extra_info))
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
             self.report.fail("set", e)
             return [False] * n
@@ -377,11 +391,7 @@ class KvtierStorage(HiCacheStorage):
         if n == 0:
             return []
         try:
-            got = self._load(
-                self._kv_pages(host_indices, n),
-                [self._key(k) for k in keys],
-                self._parent(extra_info),
-            )
+            got = self._load(self._kv_pages(host_indices, n), *self._keys(keys, extra_info))
         except Exception as e:  # noqa: BLE001 - never into SGLang's thread
             self.report.fail("get", e)
             return [False] * n
@@ -421,7 +431,7 @@ class KvtierStorage(HiCacheStorage):
         """Leading keys kvtierd holds in L2 or L3."""
         if not keys or self._kv is None:
             return 0
-        return self._kv.leading([self._key(k) for k in keys])
+        return self._kv.leading(self._keys(keys)[0])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -451,7 +461,7 @@ class KvtierStorage(HiCacheStorage):
             if kv is None:
                 self.report.fail("get", ValueError("targets are not flat host pool pages"))
                 return [None] * n
-            got = self._load(kv, [self._key(k) for k in keys], b"")
+            got = self._load(kv, self._keys(keys)[0], b"")
         except Exception as e:  # noqa: BLE001
             self.report.fail("get", e)
             return [None] * n
@@ -477,7 +487,7 @@ class KvtierStorage(HiCacheStorage):
             if kv is None:
                 self.report.fail("set", ValueError("values are not flat host pool pages"))
                 return False
-            return all(self._store(kv, [self._key(k) for k in keys], b""))
+            return all(self._store(kv, self._keys(keys)[0], b""))
         except Exception as e:  # noqa: BLE001
             self.report.fail("set", e)
             return False
@@ -506,7 +516,7 @@ class KvtierStorage(HiCacheStorage):
         )
 
         try:
-            kkeys = [self._key(k) for k in keys]
+            kkeys = self._keys(keys)[0]
             kv = self._kv.leading(kkeys) if self._kv is not None else 0
             kkeys = kkeys[:kv]
             hits: dict[str, int] = {PoolName.KV: kv} if kv else {}
@@ -580,7 +590,7 @@ class KvtierStorage(HiCacheStorage):
                     f"pool {name}: {got} host indices for {n} keys of {page_size} slots each"
                 )
             flat = pages.FlatPages(pool, idx[::page_size].tolist(), link.page_bytes)
-            kkeys, parent = [self._key(k) for k in keys], self._parent(extra_info)
+            kkeys, parent = self._keys(keys, extra_info)
             if load:
                 got = link.load(flat, kkeys, parent)
                 self.report.bump(f"v2_get_pages:{name}", got)
@@ -642,3 +652,15 @@ def _server_args() -> ServerArgs | None:
         return get_server_args()
     except Exception:  # noqa: BLE001 - absent or unpublished: the backend's settings decide
         return None
+
+
+def kv_scale_file(server_args: object) -> str:
+    """The fp8 KV scales SGLang loads from ``--quantization-param-path``, by content: other
+    scales, other K and V bytes for the same tokens."""
+    path = str(getattr(server_args, "quantization_param_path", "") or "")
+    if not path:
+        return ""
+    try:
+        return f"file:{file_digest(path)}"
+    except OSError:
+        return f"file-unreadable:{path}"

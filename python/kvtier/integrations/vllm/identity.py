@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.identity import CacheIdentity, config_digest
+from kvtier.identity import CacheIdentity, adapter_digest, checkpoint_digest, config_digest
 from kvtier.integrations.vllm.blocks import BlockBytes
 from kvtier.integrations.vllm.common import Settings, parallel_rank
 
@@ -59,7 +59,9 @@ def cache_identity(
         engine="vllm",
         model=str(model),
         revision=str(mc.revision or ""),
+        checkpoint=checkpoint_digest(str(mc.model)),
         config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
+        rope=resolved_rope(getattr(mc, "hf_config", None), int(mc.max_model_len)),
         weight_version=settings.weight_version,
         kv_dtype=kv_dtype,
         kv_scales=scales,
@@ -82,3 +84,42 @@ def layer_range(names: Sequence[str]) -> str:
     if idx == list(range(idx[0], idx[0] + len(idx))):
         return f"{idx[0]}-{idx[-1]}"
     return "set:" + config_digest(idx)
+
+
+def resolved_rope(hf_config: object, max_model_len: int) -> str:
+    """What vLLM decides about RoPE beyond the config: LongRoPE (Phi-3 128k, Phi-3.5,
+    Phi-4-mini) uses its long factors when ``max_model_len`` exceeds the original context,
+    else its short ones, so the same checkpoint's K differs with ``--max-model-len``."""
+    params: list[dict] = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        v = getattr(hf_config, attr, None)
+        if isinstance(v, dict):
+            # transformers 5 may key them by layer type.
+            nested = [x for x in v.values() if isinstance(x, dict)]
+            params += nested or [v]
+    for p in params:
+        kind = p.get("rope_type") or p.get("type")
+        if kind in ("longrope", "su"):
+            orig = p.get("original_max_position_embeddings") or getattr(
+                hf_config, "original_max_position_embeddings", None
+            )
+            if orig is None:
+                return f"longrope=len{max_model_len}"
+            return "longrope=long" if max_model_len > int(orig) else "longrope=short"
+    return ""
+
+
+def lora_id(lora_request: object) -> str:
+    """A LoRA adapter in the page keys' namespace: its name, path and content
+    (``adapter_digest``), so a name pointed at another adapter shares nothing with it."""
+    name = str(getattr(lora_request, "lora_name", "") or "")
+    path = str(getattr(lora_request, "lora_path", "") or "")
+    # vLLM loads an adapter once per id; so is its digest taken (the scheduler asks per call).
+    key = (name, path, int(getattr(lora_request, "lora_int_id", 0) or 0))
+    found = _lora_ids.get(key)
+    if found is None:
+        found = _lora_ids[key] = f"{name}@{adapter_digest(path)}"
+    return found
+
+
+_lora_ids: dict[tuple[str, str, int], str] = {}
