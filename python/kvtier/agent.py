@@ -333,11 +333,13 @@ class AgentClient:
         namespace: Namespace = Namespace(),
         start_page: int = 0,
         want_keys: bool = False,
+        timeout: float | None = None,
     ) -> Lookup:
         """Engine-cache mode: what L2 and L3 hold of the prompt after its first
         ``start_page`` pages (the engine's own). ``tokens``: the whole prompt, or
         :class:`After` a parent key from ``start_page`` on. ``want_keys``: also return the
-        keys of the pages ``tokens`` cover."""
+        keys of the pages ``tokens`` cover. ``timeout``: this call's deadline (None: the
+        client's)."""
         toks, parent = _prompt(tokens)
         req = agent_pb2.PagesLookupRequest(
             packed_tokens=toks,
@@ -346,7 +348,7 @@ class AgentClient:
             parent_key=parent,
             want_keys=want_keys,
         )
-        r = self._call(self.stub.Lookup, req)
+        r = self._call(self.stub.Lookup, req, timeout)
         selected = r.save_pages if r.HasField("save_pages") else None
         return Lookup(r.l2_pages, r.l3_pages, r.total_pages, selected, r.packed_keys)
 

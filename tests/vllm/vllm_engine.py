@@ -28,17 +28,27 @@ runner's connector hooks (``KVConnectorModelRunnerMixin``), step by step until e
 is done.
 
 The one part that is not vLLM's is the forward pass: vLLM's CPU attention kernels
-(``vllm._C``) are not in the PyPI wheel, which is built for CUDA. In its place each step
-writes every scheduled token's KV as a pure function of the tokens up to it (a SHA-256
-chain), into the blocks vLLM's slot mapping names, exactly where the model would write it.
-So "bit-identical to recomputing" is checked directly: after each step, every block vLLM
-counts as computed must hold the bytes recomputing would give. The sampled token is a
-function of the KV too, so a wrong block would also change the outputs.
+(``vllm._C``) are not in the PyPI wheel, which is built for CUDA. In its place (``Model``)
+each step writes every scheduled token's KV into the blocks vLLM's slot mapping names, where
+the model would write it, as a function of the token, its position and a digest of the KV
+bytes of every earlier position **as they are in the blocks at that moment**, on every TP
+rank (the all-reduce mixes them). It reads its context as attention does: a block computed
+over a stale or foreign block comes out wrong, and so does everything after it, on every
+rank. After each step, every block vLLM counts as computed is compared with an oracle that
+recomputes the request from scratch in blocks of its own. The sampled token is a function
+of the last token's KV as stored, so a wrong block also changes the outputs.
+
+Faults for the fuzzer (fuzz.py): ``--short-loads P`` (a Load asks the agent for only some of
+its pages, as when pages left L2 between lookup and load), ``--drop-saves RANK:P`` (a TP
+rank's saves are lost, so the ranks' agents disagree), ``--seed`` (their generator),
+``--max-batched-tokens`` (chunked prefill), ``--spec`` (a KV cache spec other than full
+attention).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -48,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 BLOCK = 16
@@ -60,6 +71,8 @@ NUM_BLOCKS = 203  # not 2, not 16: the block dimension is found by its size
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 # Set by --mla.
 MLA = [False]
+# Set by --spec: the KV cache spec's kind where it is not full attention.
+SPEC = ["full"]
 
 
 def model_dir(variant: int = 0) -> str:
@@ -113,6 +126,7 @@ def config(
     kv_dtype: str = "auto",
     dp_rank: int = 0,
     tp: int = 1,
+    max_batched_tokens: int = 256,
 ):
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -141,7 +155,7 @@ def config(
             block_size=BLOCK, enable_prefix_caching=True, cache_dtype=kv_dtype
         ),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=256,
+            max_num_batched_tokens=max_batched_tokens,
             max_num_seqs=16,
             max_model_len=2048,
             is_encoder_decoder=False,
@@ -161,7 +175,17 @@ def kv_cache_config():
         MLAAttentionSpec,
     )
 
-    if MLA[0]:
+    if SPEC[0] != "full":
+        from vllm.v1 import kv_cache_interface as kci
+
+        kind, extra = {
+            "sliding_window": (kci.SlidingWindowSpec, {"sliding_window": 4 * BLOCK}),
+            "chunked_local": (kci.ChunkedLocalAttentionSpec, {"attention_chunk_size": 4 * BLOCK}),
+        }[SPEC[0]]
+        spec = kind(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, **extra
+        )
+    elif MLA[0]:
         spec = MLAAttentionSpec(
             block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16
         )
@@ -177,68 +201,143 @@ def kv_cache_config():
 
 
 class Kv:
-    """One TP rank's KV of every token, as a pure function of the weights, the rank (MHA: each
-    rank holds other heads; MLA: the same latent on every rank) and the tokens up to it."""
+    """One TP rank's KV cache: vLLM's CPU attention layout per layer, ``[num_blocks,
+    num_kv_heads, block_size, 2 * head_size]`` (MLA: ``[num_blocks, block_size, kv_lora_rank
+    + rope_dim]``), with numpy views of the same memory for reading it fast."""
 
-    def __init__(self, weights: bytes = b"", rank: int = 0):
-        self.weights = weights
+    def __init__(self, rank: int = 0, num_blocks: int | None = None):
         self.rank = 0 if MLA[0] else rank
-        # vLLM's CPU attention layout: [num_blocks, num_kv_heads, block_size, 2 * head_size];
-        # MLA's: [num_blocks, block_size, kv_lora_rank + rope_dim].
-        shape = (NUM_BLOCKS, BLOCK, LORA + ROPE) if MLA[0] else (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
-        self.layers = {n: torch.zeros(*shape, dtype=torch.bfloat16) for n in LAYER_NAMES}
-        self.chains: dict[str, list[bytes]] = {}
+        n = NUM_BLOCKS if num_blocks is None else num_blocks
+        shape = (n, BLOCK, LORA + ROPE) if MLA[0] else (n, HEADS, BLOCK, 2 * HEAD)
+        self.layers = {name: torch.zeros(*shape, dtype=torch.bfloat16) for name in LAYER_NAMES}
+        # int16 bit patterns: any bytes are a valid bf16 tensor to store and compare.
+        self.raw = [t.view(torch.int16).numpy() for t in self.layers.values()]
+
+    def token(self, layer: int, block: int, off: int):
+        """One token's KV in one layer, where vLLM's slot mapping puts it (a view)."""
+        a = self.raw[layer]
+        return a[block, off, :] if MLA[0] else a[block, :, off, :]
+
+    def token_bytes(self, block: int, off: int) -> bytes:
+        return b"".join(self.token(li, block, off).tobytes() for li in range(len(self.raw)))
+
+    def block_bytes(self, block: int) -> bytes:
+        return b"".join(a[block].tobytes() for a in self.raw)
+
+
+def _expand(seed: bytes, n: int) -> bytes:
+    out = bytearray()
+    i = 0
+    while len(out) < n:
+        out += hashlib.sha256(seed + i.to_bytes(2, "little")).digest()
+        i += 1
+    return bytes(out[:n])
+
+
+class Model:
+    """The stand-in forward pass. It reads its context as attention does: a position's KV
+    (on every TP rank, in every layer) is a function of its token, its position and a
+    digest of the KV bytes of every earlier position **as they are in the blocks at that
+    moment**, on every TP rank (the all-reduce after attention mixes the ranks). A block
+    computed over a stale or foreign block is then wrong, and so is everything after it.
+
+    The digest is chunk-independent (a position's depends only on the bytes before it):
+    the full blocks' bytes chained block by block, then the tokens of the position's own
+    block before it. ``weights`` seeds it: other weights, other KV for the same tokens."""
+
+    def __init__(self, weights: bytes = b"weights"):
+        self.weights = weights
+        # The oracle: each request recomputed from scratch in blocks of its own, by the
+        # same forward pass (req_id -> (ranks' KV, tokens computed)).
+        self._oracle: dict[str, tuple[list[Kv], int]] = {}
+        # (rank, block) pairs compared with the oracle.
+        self.checked = 0
 
     def update_weights(self, weights: bytes) -> None:
         """Other weights: the same tokens' KV changes."""
         self.weights = weights
-        self.chains.clear()
+        self._oracle.clear()
 
-    def chain(self, req_id: str, tokens: list[int], upto: int) -> list[bytes]:
-        c = self.chains.setdefault(req_id, [])
-        while len(c) < upto:
-            prev = c[-1] if c else b""
-            prev = prev or self.weights
-            c.append(hashlib.sha256(prev + tokens[len(c)].to_bytes(4, "little")).digest())
-        return c
-
-    def token_kv(self, digest: bytes, layer: int) -> torch.Tensor:
-        shape = (LORA + ROPE,) if MLA[0] else (HEADS, 2 * HEAD)
-        n = 2 * int(torch.Size(shape).numel())  # bytes of one token's KV in one layer
-        raw = b""
-        i = 0
-        while len(raw) < n:
-            raw += hashlib.sha256(digest + bytes([layer, i, self.rank])).digest()
-            i += 1
-        # As int16 bit patterns: any bytes are a valid bf16 tensor to store and compare.
-        return torch.frombuffer(bytearray(raw[:n]), dtype=torch.int16).view(*shape)
-
-    def slot(self, name: str, block: int, off: int) -> torch.Tensor:
-        """One token's KV in one layer, where vLLM's slot mapping puts it."""
-        t = self.layers[name].view(torch.int16)
-        return t[block, off, :] if MLA[0] else t[block, :, off, :]
-
-    def write(self, req_id: str, tokens: list[int], blocks: list[int], start: int, end: int):
-        c = self.chain(req_id, tokens, end)
+    def forward(self, kvs: list[Kv], tokens: list[int], blocks: list[int], start: int, end: int):
+        """Computes positions ``start..end`` of a request into ``blocks`` on every rank,
+        reading positions ``0..start`` from the blocks as they are now."""
+        if end <= start:
+            return
+        per_token = len(kvs[0].token_bytes(blocks[0], 0))
+        # Each rank's chain over the full blocks before start, and a hasher over the
+        # tokens of start's block before it.
+        first = start // BLOCK
+        chains, partial = [], []
+        for kv in kvs:
+            c = self.weights
+            for b in range(first):
+                c = hashlib.sha256(c + kv.block_bytes(blocks[b])).digest()
+            h = hashlib.sha256(c)
+            for off in range(start % BLOCK):
+                h.update(kv.token_bytes(blocks[first], off))
+            chains.append(c)
+            partial.append(h)
         for pos in range(start, end):
-            b, off = blocks[pos // BLOCK], pos % BLOCK
-            for li, name in enumerate(LAYER_NAMES):
-                self.slot(name, b, off)[...] = self.token_kv(c[pos], li)
+            b, off = pos // BLOCK, pos % BLOCK
+            if off == 0 and pos > start:
+                # A block just filled: the chain takes its bytes as they are in memory.
+                for r, kv in enumerate(kvs):
+                    chains[r] = hashlib.sha256(chains[r] + kv.block_bytes(blocks[b - 1])).digest()
+                    partial[r] = hashlib.sha256(chains[r])
+            mixed = hashlib.sha256(b"".join(h.digest() for h in partial))
+            mixed.update(tokens[pos].to_bytes(4, "little") + pos.to_bytes(4, "little"))
+            seed = mixed.digest()
+            for kv, h in zip(kvs, partial, strict=True):
+                raw = _expand(seed + bytes([kv.rank]), per_token)
+                step = per_token // len(kv.raw)
+                for li in range(len(kv.raw)):
+                    dst = kv.token(li, blocks[b], off)
+                    part = raw[li * step : (li + 1) * step]
+                    dst[...] = np.frombuffer(part, dtype=np.int16).reshape(dst.shape)
+                h.update(kv.token_bytes(blocks[b], off))
 
-    def wrong_blocks(self, req_id: str, tokens: list[int], blocks: list[int], upto: int):
-        """Blocks among the first ``upto`` tokens' that differ from recomputing them."""
-        c = self.chain(req_id, tokens, upto)
+    def expected(self, req_id: str, ranks: int, tokens: list[int], upto: int) -> list[Kv]:
+        """The oracle's KV of the request's first ``upto`` tokens, recomputed from scratch
+        (block i of the request in block i of its own store)."""
+        kvs, done = self._oracle.get(req_id, (None, 0))
+        need = (upto + BLOCK - 1) // BLOCK
+        if kvs is None or kvs[0].raw[0].shape[0] < need:
+            kvs = [Kv(rank=r, num_blocks=max(need, 1) * 2) for r in range(ranks)]
+            done = 0
+        ids = list(range(kvs[0].raw[0].shape[0]))
+        self.forward(kvs, tokens, ids, done, upto)
+        self._oracle[req_id] = (kvs, max(done, upto))
+        return kvs
+
+    def wrong_blocks(
+        self, kvs: list[Kv], req_id: str, tokens: list[int], blocks: list[int], upto: int
+    ) -> set[tuple[int, int]]:
+        """(rank, block) among the first ``upto`` tokens' blocks that differ from
+        recomputing them."""
+        want = self.expected(req_id, len(kvs), tokens, upto)
         wrong = set()
-        for pos in range(upto):
-            b, off = blocks[pos // BLOCK], pos % BLOCK
-            for li, name in enumerate(LAYER_NAMES):
-                if not torch.equal(self.slot(name, b, off), self.token_kv(c[pos], li)):
-                    wrong.add(b)
+        for r, (kv, ok) in enumerate(zip(kvs, want, strict=True)):
+            self.checked += (upto + BLOCK - 1) // BLOCK
+            for i in range((upto + BLOCK - 1) // BLOCK):
+                n = min(BLOCK, upto - i * BLOCK)
+                for li in range(len(kv.raw)):
+                    got = kv.raw[li][blocks[i]]
+                    exp = ok.raw[li][i]
+                    if MLA[0]:
+                        same = np.array_equal(got[:n], exp[:n])
+                    else:
+                        same = np.array_equal(got[:, :n], exp[:, :n])
+                    if not same:
+                        wrong.add((r, blocks[i]))
+                        break
         return wrong
 
-    def sample(self, req_id: str, tokens: list[int], n: int) -> int:
-        """The next token: a function of the last token's KV as stored in its block."""
-        return int.from_bytes(self.chain(req_id, tokens, n)[n - 1][:2], "little") % 1000
+    @staticmethod
+    def sample(kv: Kv, blocks: list[int], n: int) -> int:
+        """The next token: a function of the last token's KV as it is in its block."""
+        pos = n - 1
+        digest = hashlib.sha256(kv.token_bytes(blocks[pos // BLOCK], pos % BLOCK)).digest()
+        return int.from_bytes(digest[:2], "little") % 1000
 
 
 class VllmStats:
@@ -259,6 +358,8 @@ class VllmStats:
         # Finished requests whose blocks vLLM kept for the workers' saves, then freed once
         # every worker reported them done (finished_sending).
         self.held_released = 0
+        # Seconds from the phase's start to each request's first step.
+        self.admitted: dict[str, float] = {}
 
     def report(self) -> dict:
         from prometheus_client import REGISTRY
@@ -276,17 +377,19 @@ class VllmStats:
             "hits_by_source": self.hits,
             "preemptions": self.preemptions,
             "held_released": self.held_released,
+            "admitted_s": self.admitted,
         }
 
 
 def run(
     vc,
     prompts: list[dict],
-    kill: tuple[int, int] | None,
+    kill: tuple[int, int, int] | None,
     then: list[dict] | None = None,
     fail_copy: str | None = None,
     time_out: str | None = None,
     slow_save: float = 0.0,
+    faults: Faults | None = None,
 ) -> dict:
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -327,6 +430,8 @@ def run(
             return save_batch(self, *a, **k)
 
         AgentClient.save_batch = late
+    faults = faults or Faults()
+    faults.install()
     # Each TP rank's connector, made by vLLM's factory from the flag, registered as the
     # model runner registers it, while vLLM's parallel state says which rank it is.
     from vllm.distributed import parallel_state
@@ -342,8 +447,10 @@ def run(
         finally:
             parallel_state.get_tensor_model_parallel_rank = real_rank
         kv_transfer_state._KV_CONNECTOR_AGENT = worker
+        faults.rank_of[worker.agent.address] = r
         worker.register_kv_caches(kv.layers)
         ranks.append((worker, kv))
+    model = Model()
     sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
@@ -359,11 +466,11 @@ def run(
         if phase:
             # New weights: every token's KV changes. vLLM's cache reset, as after a weight
             # update, must make the connector serve none of the old KV.
-            for _, kv in ranks:
-                kv.update_weights(b"weights-after-update")
+            model.update_weights(b"weights-after-update")
             reset_ok = sched.reset_prefix_cache(reset_connector=True)
         step, load_errors = _phase(
             vc,
+            model,
             sched,
             hasher,
             ranks,
@@ -384,14 +491,89 @@ def run(
         "reset_ok": reset_ok,
         "requires_kv_delivery": sched.requires_kv_delivery,
         "wrong_blocks": len(wrong),
+        "checked_blocks": model.checked,
         "load_error_blocks": load_errors,
         "scheduler": vars(sched.connector.counts),
         "worker": vars(ranks[0][0].counts),
         "workers": [vars(w.counts) for w, _ in ranks],
         "steps": step,
         "timeline": timeline,
+        "faults": faults.fired,
         "vllm_stats": vllm_stats.report(),
     }
+
+
+class Faults:
+    """Faults injected into the agent calls, each drawn from one seeded generator so a
+    schedule replays: ``short_loads`` (the probability that a Load asks the agent for only
+    some of its pages, as when pages left L2 between the lookup and the load: the blocks
+    past them keep whatever their last owner wrote) and ``drop_saves`` (rank -> the
+    probability that a SaveBatch of that TP rank's worker is lost before the agent sees it,
+    so the ranks' agents hold different pages). ``fired`` counts each fault that happened."""
+
+    def __init__(
+        self, seed: int = 0, short_loads: float = 0.0, drop_saves: dict[int, float] | None = None
+    ):
+        import random
+
+        self.rng = random.Random(seed)
+        self.short_loads = short_loads
+        self.drop_saves = drop_saves or {}
+        self.fired = {"short_load": 0, "drop_save": 0}
+        # Agent socket -> the TP rank whose worker calls it.
+        self.rank_of: dict[str, int] = {}
+
+    def install(self) -> None:
+        import threading
+
+        import grpc
+
+        from kvtier.agent import After, AgentClient
+        from kvtier.host import KvtierError
+
+        lock = threading.Lock()
+        load_pages, save_batch = AgentClient.load_pages, AgentClient.save_batch
+        faults = self
+
+        first: set[str] = set()
+
+        def draw(kind: str, p: float) -> bool:
+            """Whether this call meets the fault: always the first eligible one (a fault
+            asked for happens), then with probability ``p``."""
+            with lock:
+                if p <= 0:
+                    return False
+                if kind not in first:
+                    first.add(kind)
+                    return True
+                return faults.rng.random() < p
+
+        def short(self, tokens, namespace, start, pages, *a, **k):
+            if len(pages) > 1 and draw("short_load", faults.short_loads):
+                with lock:
+                    keep = faults.rng.randrange(len(pages))
+                    faults.fired["short_load"] += 1
+                if isinstance(tokens, After):
+                    tokens = After(tokens.parent, list(tokens.tokens)[: keep * BLOCK])
+                else:
+                    tokens = list(tokens)[: (start + keep) * BLOCK]
+                pages = list(pages)[:keep]
+                if not pages:
+                    return 0
+            return load_pages(self, tokens, namespace, start, pages, *a, **k)
+
+        def lossy(self, *a, **k):
+            rank = faults.rank_of.get(self.address, 0)
+            if draw("drop_save", faults.drop_saves.get(rank, 0.0)):
+                with lock:
+                    faults.fired["drop_save"] += 1
+                raise KvtierError("save_batch: lost (injected)", grpc.StatusCode.UNAVAILABLE)
+            return save_batch(self, *a, **k)
+
+        if self.short_loads:
+            AgentClient.load_pages = short
+        if self.drop_saves:
+            AgentClient.save_batch = lossy
 
 
 def _time_out_first(which: str) -> None:
@@ -430,7 +612,19 @@ def _quietly(fn, *a, **k):
 
 
 def _phase(
-    vc, sched, hasher, ranks, prompts, kill, step, load_errors, wrong, outputs, timeline, vllm_stats
+    vc,
+    model,
+    sched,
+    hasher,
+    ranks,
+    prompts,
+    kill,
+    step,
+    load_errors,
+    wrong,
+    outputs,
+    timeline,
+    vllm_stats,
 ):
     """Runs ``prompts`` through the scheduler and every TP rank's worker until all are
     done."""
@@ -454,12 +648,13 @@ def _phase(
         )
         sched.add_request(reqs[p["id"]])
     aggregator = KVOutputAggregator(len(ranks))
-    deadline = time.monotonic() + 600
+    started = time.monotonic()
+    deadline = started + 600
     idle = 0
     while sched.has_requests():
         step += 1
         if kill and step == kill[1]:
-            os.kill(kill[0], signal.SIGKILL)
+            os.kill(kill[0], kill[2])
         so = sched.schedule()
         blocks = {
             rid: list(sched.kv_cache_manager.get_block_ids(rid)[0])
@@ -471,26 +666,31 @@ def _phase(
         }
         for rid in so.num_scheduled_tokens:
             timeline.setdefault(rid, [step, step])[1] = step
+            vllm_stats.admitted.setdefault(rid, round(time.monotonic() - started, 3))
         outs = []
-        for worker, kv in ranks:
-            kv_transfer_state._KV_CONNECTOR_AGENT = worker
-            # As vLLM's model runner does before the forward: saves still reading preempted
-            # requests' blocks end before the step writes into them.
-            worker.handle_preemptions(so.kv_connector_metadata)
-            with (
-                set_forward_context(None, vc),
-                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out,
-            ):
-                for rid, n in so.num_scheduled_tokens.items():
-                    tokens = list(reqs[rid].all_token_ids)
-                    kv.write(rid, tokens, blocks[rid], starts[rid], starts[rid] + n)
-            outs.append(kv_out)
+        kvs = [kv for _, kv in ranks]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(set_forward_context(None, vc))
+            for worker, _ in ranks:
+                kv_transfer_state._KV_CONNECTOR_AGENT = worker
+                # As vLLM's model runner does before the forward: saves still reading
+                # preempted requests' blocks end before the step writes into them.
+                worker.handle_preemptions(so.kv_connector_metadata)
+                # Each rank's loads before the forward (its saves after it, on exit).
+                outs.append(
+                    stack.enter_context(KVConnectorModelRunnerMixin._get_kv_connector_output(so))
+                )
+            # The forward pass, on every rank at once (its all-reduce mixes them).
+            for rid, n in so.num_scheduled_tokens.items():
+                tokens = list(reqs[rid].all_token_ids)
+                model.forward(kvs, tokens, blocks[rid], starts[rid], starts[rid] + n)
+            # Leaving the stack ends each rank's step: its saves, then what it reports.
         req_ids, sampled = [], []
         for rid in so.num_scheduled_tokens:
             all_tokens = list(reqs[rid].all_token_ids)
             req_ids.append(rid)
             if reqs[rid].num_computed_tokens >= len(all_tokens):
-                sampled.append([ranks[0][1].sample(rid, all_tokens, len(all_tokens))])
+                sampled.append([Model.sample(kvs[0], blocks[rid], len(all_tokens))])
             else:
                 sampled.append([])
         # vLLM's output aggregator over the TP ranks, as its executor runs it: a request's
@@ -537,9 +737,8 @@ def _phase(
             upto = starts[rid] + n
             if req.num_computed_tokens < upto:
                 continue
-            for r, (_, kv) in enumerate(ranks):
-                for b in kv.wrong_blocks(rid, list(req.all_token_ids), blocks[rid], upto):
-                    wrong.add((rid, b, r))
+            for r, b in model.wrong_blocks(kvs, rid, list(req.all_token_ids), blocks[rid], upto):
+                wrong.add((rid, b, r))
         assert step - idle < 10_000 and time.monotonic() < deadline, "the engine loop does not end"
     for rid, r in reqs.items():
         outputs[rid] = list(r.output_token_ids)
@@ -553,6 +752,7 @@ def main() -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--kill", help="PID@STEP: SIGKILL PID before step STEP")
+    ap.add_argument("--stop", help="PID@STEP: SIGSTOP PID before step STEP (a hung agent)")
     ap.add_argument("--served-name", help="the served alias (--served-model-name)")
     ap.add_argument("--variant", type=int, default=0, help="which checkpoint (0, 1, ...)")
     ap.add_argument("--kv-dtype", default="auto", help="--kv-cache-dtype")
@@ -565,15 +765,29 @@ def main() -> None:
     ap.add_argument("--slow-save", type=float, default=0.0, help="SECONDS before every save")
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
     ap.add_argument("--blocks", type=int, help="KV blocks (fewer: vLLM preempts requests)")
+    ap.add_argument(
+        "--spec",
+        choices=["full", "sliding_window", "chunked_local"],
+        default="full",
+        help="the KV cache spec vLLM hands the connector",
+    )
+    ap.add_argument("--max-batched-tokens", type=int, default=256, help="fewer: chunked prefill")
+    ap.add_argument("--seed", type=int, default=0, help="the faults' random generator")
+    ap.add_argument("--short-loads", type=float, default=0.0, help="P: a Load asks for fewer")
+    ap.add_argument(
+        "--drop-saves", action="append", default=[], help="RANK:P: that rank's saves are lost"
+    )
     a = ap.parse_args()
     if a.blocks:
         global NUM_BLOCKS
         NUM_BLOCKS = a.blocks
     kill = None
-    if a.kill:
-        pid, at = a.kill.split("@")
-        kill = (int(pid), int(at))
+    for spec, sig in ((a.kill, signal.SIGKILL), (a.stop, signal.SIGSTOP)):
+        if spec:
+            pid, at = spec.split("@")
+            kill = (int(pid), int(at), sig)
     MLA[0] = a.mla
+    SPEC[0] = a.spec
     if a.pp_stage:
         LAYER_NAMES[:] = [
             f"model.layers.{a.pp_stage * LAYERS + i}.self_attn.attn" for i in range(LAYERS)
@@ -585,7 +799,10 @@ def main() -> None:
         kv_dtype=a.kv_dtype,
         dp_rank=a.dp_rank,
         tp=a.tp,
+        max_batched_tokens=a.max_batched_tokens,
     )
+    drops = {int(r): float(p) for r, p in (d.split(":") for d in a.drop_saves)}
+    faults = Faults(a.seed, a.short_loads, drops)
     then = json.loads(Path(a.reset_then).read_text()) if a.reset_then else None
     result = run(
         vc,
@@ -595,6 +812,7 @@ def main() -> None:
         a.fail_copy,
         a.time_out,
         a.slow_save,
+        faults,
     )
     Path(a.out).write_text(json.dumps(result))
 

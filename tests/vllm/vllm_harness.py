@@ -59,6 +59,7 @@ def start_worker(
     ps: list[dict],
     *opts: str,
     kill: str | None = None,
+    stop: str | None = None,
     cwd: Path | None = None,
     user: tuple[int, int, list[int]] | None = None,
 ) -> tuple[subprocess.Popen, Path]:
@@ -78,6 +79,8 @@ def start_worker(
     ]
     if kill:
         cmd += ["--kill", kill]
+    if stop:
+        cmd += ["--stop", stop]
     cmd += list(opts)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["VLLM_TARGET_DEVICE"] = "cpu"

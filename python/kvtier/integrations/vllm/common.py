@@ -10,7 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvtier.agent import After
 from kvtier.host import POLICIES, KvtierError
@@ -53,6 +56,11 @@ class Settings:
     # Deadline of each agent call, in seconds (a load from L3 may take up to
     # load_timeout_ms on top).
     timeout_s: float = 10.0
+    # Deadline of a lookup, in seconds: past it the request is computed, and for
+    # lookup_pause_s after a lookup timed out or found the agent gone, every request is
+    # answered "nothing cached" at once instead of waiting for the agent.
+    lookup_timeout_s: float = 2.0
+    lookup_pause_s: float = 5.0
     # Save the pages completed while decoding too (their tokens include generated ones);
     # false: only pages of the prompt, for deployments whose next turns rarely resend an
     # answer.
@@ -92,6 +100,10 @@ class Settings:
             raise ValueError(f"kvtier: {where}.load_timeout_ms: must not be negative")
         if s.timeout_s <= 0:
             raise ValueError(f"kvtier: {where}.timeout_s: must be above 0")
+        if s.lookup_timeout_s <= 0:
+            raise ValueError(f"kvtier: {where}.lookup_timeout_s: must be above 0")
+        if s.lookup_pause_s < 0:
+            raise ValueError(f"kvtier: {where}.lookup_pause_s: must not be negative")
         s.staging_file_mode()
         return s
 
@@ -167,6 +179,39 @@ def choose_transfer(
         if transfer == "dma":
             raise ValueError(f"kvtier: {where}: dma: cannot export the KV cache: {e}") from e
         return False, f"cannot export the KV cache: {e}"
+
+
+def check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Refuses, naming the model's spec, a KV cache the connector cannot keep right: more
+    than one group (hybrid attention), or one whose blocks vLLM frees or overwrites while
+    the request runs (sliding window, chunked local attention, Mamba state, sinks: saves
+    that read blocks after the step would copy whatever their next owner wrote). Only full
+    attention, MHA or MLA, keeps a running request's blocks as they were computed."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+        raise ValueError(
+            f"kvtier: the model has {len(groups)} KV cache groups ({kinds}: hybrid attention); "
+            "the connector supports models with one group of full attention"
+        )
+    for g in groups:
+        spec = g.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        chunk = getattr(spec, "attention_chunk_size", None)
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) or window or chunk:
+            what = type(spec).__name__
+            if window:
+                what += f" (sliding_window={window})"
+            if chunk:
+                what += f" (attention_chunk_size={chunk})"
+            raise ValueError(
+                f"kvtier: the model's KV cache is {what}; the connector supports full "
+                "attention only (FullAttentionSpec or MLAAttentionSpec): vLLM frees or "
+                "reuses the blocks of other kinds while a request runs, so a save could "
+                "read another request's KV"
+            )
 
 
 @dataclass(frozen=True)
@@ -254,6 +299,27 @@ class KvtierMetadata(KVConnectorMetadata):
     # Requests preempted this step: their blocks are reused once the step starts, so saves
     # still reading them finish first (``handle_preemptions``).
     preempted: list[str] = field(default_factory=list)
+    # The step's number, counted by the scheduler side: workers name it back
+    # (:class:`StepsDone`) once they ran its loads.
+    step: int = 0
+
+    def has_sync_loads(self) -> bool:
+        return any(not j.load_async for j in self.loads)
+
+
+@dataclass
+class StepsDone(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler side with a step's output: the steps whose loads
+    before the forward pass they ran. vLLM joins every rank's before the scheduler sees it,
+    together with every rank's failed blocks, so the scheduler side then knows whether the
+    pages computed over those loads are right on every rank."""
+
+    steps: frozenset[int] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, StepsDone):
+            return self
+        return StepsDone(self.steps | other.steps)
 
 
 @dataclass
@@ -272,6 +338,16 @@ class Counts:
     job_tokens: int = 0
     # Scheduler side: loads vLLM was told are asynchronous.
     async_loads: int = 0
+    # Scheduler side: lookups that failed (the request computes), and requests answered
+    # "nothing cached" without asking while lookups pause after an agent stopped answering.
+    lookup_failures: int = 0
+    lookups_skipped: int = 0
+    # Scheduler side: pages rewound to be saved again after a load failed on some rank
+    # (vLLM recomputes them; what was computed over the failed load is never saved).
+    rewound_pages: int = 0
+    # Scheduler side: pages computed over a load whose result on every rank had not come
+    # back when the request finished; not saved (they may stand on a failed load).
+    save_unconfirmed_pages: int = 0
     loaded_pages: int = 0
     load_error_pages: int = 0
     saved_pages: int = 0

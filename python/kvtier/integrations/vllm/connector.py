@@ -53,10 +53,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvtier.agent import AgentClient
-from kvtier.integrations.vllm.common import Counts, KvtierMetadata, Ranks, Settings
+from kvtier.integrations.vllm.common import (
+    Counts,
+    KvtierMetadata,
+    Ranks,
+    Settings,
+    StepsDone,
+    check_kv_cache_groups,
+)
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
 from kvtier.integrations.vllm.worker import WorkerSide
@@ -75,6 +83,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -99,12 +108,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"{ktc.kv_load_failure_policy!r}; set it to 'recompute': a page that leaves "
                 "kvtier between lookup and load must be recomputed, not fail the request"
             )
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise ValueError(
-                f"kvtier: the model has {len(groups)} KV cache groups (hybrid attention); "
-                "the connector supports models with one"
-            )
+        check_kv_cache_groups(kv_cache_config)
         block_size = vllm_config.cache_config.block_size
         self.ranks = (
             Ranks.of_scheduler(vllm_config)
@@ -117,7 +121,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.counts = Counts()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        # kv_role: kv_both and kv_producer save; kv_consumer only loads.
+        # kv_role: kv_both and kv_producer save; kv_both and kv_consumer load.
         produces = ktc.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
             device = str(getattr(vllm_config.device_config, "device_type", "") or "")
@@ -128,6 +132,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.counts,
                 produces,
                 holds=self.settings.holds_blocks(device),
+                consumes=ktc.is_kv_consumer,
             )
         else:
             self.worker = WorkerSide(
@@ -169,6 +174,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().update_connector_output(connector_output)
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: the
@@ -221,6 +229,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The step whose loads before the forward pass this worker ran (``StepsDone``):
+        the scheduler side saves what was computed over them once it has every rank's."""
+        meta = self._meta()
+        if meta is None or not meta.has_sync_loads():
+            return None
+        return StepsDone(frozenset({meta.step}))
 
     # ------------------------------------------------------------------ stats
 

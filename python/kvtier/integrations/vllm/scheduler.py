@@ -15,6 +15,7 @@ page at a time.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,12 +28,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.agent import After, AgentClient, Lookup
 from kvtier.host import KvtierError
 from kvtier.identity import WeightEpoch
-from kvtier.integrations.vllm.common import Counts, Job, KvtierMetadata, Settings
+from kvtier.integrations.vllm.common import Counts, Job, KvtierMetadata, Settings, StepsDone
+from kvtier.integrations.vllm.identity import lora_id
 from kvtier.keys import KEY_BYTES, Namespace, extend_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier.vllm")
@@ -79,6 +82,27 @@ class Keys:
             self._packed += k
 
 
+class LookupBreaker:
+    """Whether to ask the agent at all: after a lookup timed out or found the agent gone,
+    none is sent for ``pause_s`` and every request is answered "nothing cached" at once,
+    so a hung agent costs one lookup deadline, not one per waiting request. Lookups run
+    on several threads meanwhile, so one slow answer holds up no other."""
+
+    def __init__(self, pause_s: float):
+        self.pause_s = pause_s
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def is_open(self, now: float) -> bool:
+        return now < self._open_until
+
+    def failed(self, e: KvtierError) -> None:
+        """A lookup failed; one that timed out or could not reach the agent opens it."""
+        if e.timed_out or e.retryable:
+            with self._lock:
+                self._open_until = time.monotonic() + self.pause_s
+
+
 @dataclass(frozen=True)
 class _Hit:
     start: int
@@ -119,6 +143,10 @@ class _Tracked:
     running: bool = False
     # The external hit tokens vLLM took, by tier (get_external_cache_hit_sources).
     sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    # The step of a load before the forward pass whose result on every rank has not come
+    # back yet: nothing computed over it is saved until it does (a rank whose load fell
+    # short computed garbage, and with TP the all-reduce spreads it to every rank).
+    unconfirmed: int | None = None
 
 
 class _Window(Sequence[int]):
@@ -161,7 +189,7 @@ def namespace_of(request: Request, tenant: str) -> Namespace | None:
     return Namespace(
         tenant=tenant,
         cache_salt=getattr(request, "cache_salt", None) or "",
-        lora_id=lora.lora_name if lora is not None else "",
+        lora_id=lora_id(lora) if lora is not None else "",
     )
 
 
@@ -176,6 +204,7 @@ class SchedulerSide:
         counts: Counts,
         produces: bool = True,
         holds: bool = False,
+        consumes: bool = True,
     ):
         self.settings, self.block_size, self.agent, self.counts = (
             settings,
@@ -183,8 +212,14 @@ class SchedulerSide:
             agent,
             counts,
         )
-        # kv_role kv_consumer: this instance only loads; it plans no saves.
+        # kv_role kv_consumer: this instance only loads; it plans no saves. kv_producer: it
+        # only saves; it looks nothing up and loads nothing.
         self.produces = produces
+        self.consumes = consumes
+        # The number of the next step (KvtierMetadata.step), and the requests whose loads
+        # before that step's forward pass wait for its result (StepsDone).
+        self._step = 0
+        self._unconfirmed: dict[int, list[str]] = {}
         # Finished requests with saves keep their blocks until the workers say the saves are
         # done (Settings.holds_blocks).
         self.holds = holds
@@ -194,7 +229,9 @@ class SchedulerSide:
         self.epoch = WeightEpoch()
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[Job] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup")
+        # Lookups, each with its own deadline, several at once, behind the breaker.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-lookup")
+        self.breaker = LookupBreaker(settings.lookup_pause_s)
 
     def _namespace(self, request: Request) -> Namespace | None:
         ns = namespace_of(request, self.settings.tenant)
@@ -215,15 +252,27 @@ class SchedulerSide:
         bs = self.block_size
         tokens = t.request.all_token_ids
         known = len(t.keys)
-        if 0 < start <= known:
-            parent = t.keys[start - 1]
-            prompt = After(parent, _slice(tokens, start * bs, limit * bs))
-            found = self.agent.lookup_pages(prompt, t.namespace, start, want_keys=known < limit)
-            return found, start
-        found = self.agent.lookup_pages(
-            _Window(tokens, 0, limit * bs), t.namespace, start, want_keys=known < limit
-        )
-        return found, 0
+        deadline = self.settings.lookup_timeout_s
+        try:
+            if 0 < start <= known:
+                parent = t.keys[start - 1]
+                prompt = After(parent, _slice(tokens, start * bs, limit * bs))
+                found = self.agent.lookup_pages(
+                    prompt, t.namespace, start, want_keys=known < limit, timeout=deadline
+                )
+                return found, start
+            found = self.agent.lookup_pages(
+                _Window(tokens, 0, limit * bs),
+                t.namespace,
+                start,
+                want_keys=known < limit,
+                timeout=deadline,
+            )
+            return found, 0
+        except KvtierError as e:
+            self.counts.lookup_failures += 1
+            self.breaker.failed(e)
+            raise
 
     def _start_lookup(self, t: _Tracked, start: int, limit: int) -> None:
         self.counts.lookups += 1
@@ -257,6 +306,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if not self.consumes:
+            return 0, False
         ns = self._namespace(request)
         if ns is None:
             return 0, False
@@ -267,13 +318,17 @@ class SchedulerSide:
         start = num_computed_tokens // bs
         t.hit = _Hit(start)
         p = t.lookup
+        now = time.monotonic()
+        if self.breaker.is_open(now):
+            # The agent stopped answering a moment ago: nothing cached, without asking.
+            self.counts.lookups_skipped += 1
+            return 0, False
         if start >= limit:
             # Nothing to look up; fetch the keys for later saves if they are missing.
             self._harvest(t)
             if len(t.keys) < limit and (p is None or p.future.done()):
                 self._start_lookup(t, limit, limit)
             return 0, False
-        now = time.monotonic()
         fresh = (
             p is not None
             and p.start <= start
@@ -335,6 +390,11 @@ class SchedulerSide:
         t.keys.extend_to(start, tokens, ns, bs)
         if hit.load_async:
             self.counts.async_loads += 1
+        else:
+            # vLLM computes over this load in the step that runs it: what it computes is
+            # saved only once every rank's result is back (update_connector_output).
+            t.unconfirmed = self._step
+            self._unconfirmed.setdefault(self._step, []).append(request.request_id)
         self._loads.append(
             Job(
                 request.request_id,
@@ -363,8 +423,11 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata(
-            loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ())
+            loads=self._loads,
+            preempted=sorted(scheduler_output.preempted_req_ids or ()),
+            step=self._step,
         )
+        self._step += 1
         self._loads = []
         self._count_jobs(meta.loads)
         for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
@@ -386,7 +449,7 @@ class SchedulerSide:
         bs = self.block_size
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
-            if t is None or not t.running:
+            if t is None or not t.running or t.unconfirmed is not None:
                 continue
             tokens = t.request.all_token_ids
             # Pages full after this step, whose tokens are all known now.
@@ -415,12 +478,37 @@ class SchedulerSide:
             t.saved = done
             self._saving.add(req_id)
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """A step's output, every rank's joined. Blocks that failed to load on any rank
+        (vLLM has rolled their requests back by now): each request holding one saves again
+        from the first, since vLLM recomputes from there and what was computed over it is
+        wrong. Steps whose loads every rank ran (StepsDone): what their requests computed
+        over them may be saved from the next step on."""
+        invalid = output.invalid_block_ids
+        if invalid:
+            bs = self.block_size
+            for t in self._tracked.values():
+                bad = next((i for i, b in enumerate(t.blocks) if b in invalid), None)
+                if bad is None:
+                    continue
+                back = min(t.saved, bad, t.request.num_computed_tokens // bs)
+                self.counts.rewound_pages += t.saved - back
+                t.saved = back
+        done = output.kv_connector_worker_meta
+        if isinstance(done, StepsDone):
+            for step in done.steps:
+                for req_id in self._unconfirmed.pop(step, ()):
+                    t = self._tracked.get(req_id)
+                    if t is not None and t.unconfirmed == step:
+                        t.unconfirmed = None
+
     def reset_cache(self) -> None:
         """Moves this instance to a new weight epoch, so nothing stored before is served to
         it again, and forgets the loads and saves planned under the old one (their KV may be
         the old weights'). Pages in the shared tiers stay for other instances."""
         self.epoch.bump()
         self._tracked.clear()
+        self._unconfirmed.clear()
         self._loads = []
         logger.info("kvtier: connector cache reset: a new weight epoch; earlier pages unused")
 
@@ -428,7 +516,13 @@ class SchedulerSide:
         """Whether vLLM must keep the request's blocks until the workers report its saves
         done: only where saves may read the blocks after the step (DMA, and staging on CPU:
         Settings.holds_blocks) and the request had some."""
-        self._tracked.pop(request.request_id, None)
+        t = self._tracked.pop(request.request_id, None)
+        if t is not None and t.unconfirmed is not None:
+            # Its last pages were computed over a load whose result is not back: not saved.
+            done = min(request.num_computed_tokens // self.block_size, len(t.blocks))
+            if not self.settings.save_decode:
+                done = min(done, request.num_prompt_tokens // self.block_size)
+            self.counts.save_unconfirmed_pages += max(0, done - t.saved)
         saving = request.request_id in self._saving
         self._saving.discard(request.request_id)
         return self.holds and saving

@@ -195,6 +195,15 @@ class Staging:
             done.record()
             done.synchronize()
 
+    def unlink(self) -> None:
+        """Removes the file's name once the agent has mapped it: the memory then lives as
+        long as the worker's and the agent's mappings, and goes with them however the worker
+        ends (a crashed worker leaves nothing in ``staging_dir``)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         if self._closed:
             return

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.vllm")
 
 T = TypeVar("T")
+U = TypeVar("U")
+
+# DMA: steps whose saves may wait for the save thread at once.
+DMA_QUEUE = 8
 
 
 class WorkerSide:
@@ -68,10 +72,13 @@ class WorkerSide:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.settings, self.ranks, self.agent, self.counts = settings, ranks, agent, counts
         self.block_size = vllm_config.cache_config.block_size
-        # MLA's latent is the same on every TP rank: stored once (rank 0 of each PP stage
-        # saves), loaded by every rank.
+        # MLA's latent is the same on every TP rank: stored once (the first TP ranks of each
+        # PP stage save), loaded by every rank. With decode context parallelism each of the
+        # first DCP-size TP ranks (vLLM's first DCP group) holds its own shard of the
+        # sequence: every one of them saves.
         self.mla = bool(getattr(vllm_config.model_config, "use_mla", False))
-        self.saves = not self.mla or ranks.tp == 0
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        self.saves = not self.mla or ranks.tp < dcp
         # Names this instance where its pages are its own (scales computed at run time).
         self._instance = os.urandom(8).hex()
         self._staging: Staging | None = None
@@ -224,6 +231,9 @@ class WorkerSide:
         # Calls through this pool present this token: once another pool is registered, a
         # call planned against this one is refused, never served against the other.
         self._staging.owner = info.owner
+        # The agent has mapped it: no name left for a crashed worker to leave behind. An
+        # agent that loses the pool (a restart) gets a new one (_call).
+        self._staging.unlink()
         if not info.daemon_connected:
             logger.warning(
                 "kvtier: the agent at %s has no kvtierd session yet; saves wait for it",
@@ -231,9 +241,10 @@ class WorkerSide:
             )
 
     def _call(self, staging: Staging | None, fn: Callable[[], T]) -> T:
-        """An agent call through ``staging`` (None: vLLM's blocks, DMA); after an agent
-        restart (the pool unknown to it) registers again and retries once, unless the
-        staging pool was replaced meanwhile."""
+        """An agent call through ``staging`` (None: vLLM's blocks, DMA). After an agent
+        restart (the pool unknown to it): DMA registers vLLM's KV cache again and retries
+        once; staging registers a new pool (the old file has no name left to register) and
+        the call fails, a miss, unless the pool was replaced meanwhile."""
         try:
             return fn()
         except KvtierError as e:
@@ -246,9 +257,13 @@ class WorkerSide:
                     return fn()
                 if staging is not self._staging or staging.retired:
                     raise
-                logger.warning("kvtier: the agent lost the pool (restarted?); registering again")
-                self._register()
-        return fn()
+                # Its file has no name any more (unlinked once mapped): a new pool, and this
+                # call, planned against the old one, is a miss.
+                logger.warning(
+                    "kvtier: the agent lost the pool (restarted?); registering a new one"
+                )
+                self._replace_staging(staging)
+                raise
 
     def _retire_staging(self, staging: Staging, why: KvtierError) -> None:
         """After a call that may have left the agent copying in ``staging`` (a timeout, a
@@ -261,15 +276,19 @@ class WorkerSide:
             if staging is not self._staging or staging.retired:
                 return
             self._count(retired_staging=1)
-            # Until the new pool is registered, calls present no owner token: the agent
-            # refuses them rather than serve them against the old pool.
-            self.agent.forget_registration()
-            staging.retire()
-            try:
-                self._staging = self._new_staging()
-                self._register()
-            except (KvtierError, OSError, ValueError) as e:
-                logger.warning("kvtier: could not register a new staging pool: %s", e)
+            self._replace_staging(staging)
+
+    def _replace_staging(self, staging: Staging) -> None:
+        """Under ``_registering``: retires ``staging`` and registers a new pool."""
+        # Until the new pool is registered, calls present no owner token: the agent
+        # refuses them rather than serve them against the old pool.
+        self.agent.forget_registration()
+        staging.retire()
+        try:
+            self._staging = self._new_staging()
+            self._register()
+        except (KvtierError, OSError, ValueError) as e:
+            logger.warning("kvtier: could not register a new staging pool: %s", e)
 
     def _count(self, **add: int) -> None:
         with self._lock:
@@ -436,9 +455,10 @@ class WorkerSide:
     def handle_preemptions(self, preempted: Sequence[str]) -> None:
         """Before a step reuses preempted requests' blocks: waits for the saves still to read
         them (DMA: the agent's copies; CPU staging: the save thread's gathers), up to the
-        agent calls' deadline. Past it the step goes on: the agent commits nothing of a late
-        DMA copy, and the save thread skips the gathers it has not begun (counted,
-        ``save_preempted_pages``), while one it is in the middle of (a memcpy) ends first."""
+        agent calls' deadline. Past it the step goes on: the save thread skips the saves of
+        those requests it has not begun (a gather, or the agent's DMA copies; counted,
+        ``save_preempted_pages``), and one it is in the middle of (a memcpy, or a SaveBatch
+        call in which the agent reads the blocks) ends first."""
         deadline = time.monotonic() + self.settings.timeout_s + 1.0
         with self._lock:
             while any(self._saving.get(r) for r in preempted):
@@ -480,10 +500,18 @@ class WorkerSide:
         if self._dma:
             ready = torch.cuda.Event()
             ready.record()
-            with self._lock:
-                self._reading(meta.saves)
-                self._pending_saves += 1
-            self._savers.submit(self._save_dma_all, meta.saves, ready)
+            pages = sum(len(j.blocks) for j in meta.saves)
+            # Bounded: a slow L2 slows the steps down rather than let the queue grow.
+            batch = self._admit(
+                meta.saves,
+                pages,
+                lambda: self._pending_saves < DMA_QUEUE,
+                0,
+                f"{DMA_QUEUE} steps' saves still queued",
+            )
+            if batch is None:
+                return
+            self._savers.submit(self._save_dma_all, meta.saves, ready, batch)
             return
         staging = self._staging
         if staging is None:
@@ -546,27 +574,42 @@ class WorkerSide:
         gathered than the staging pool has (saves falling behind slow the steps down rather
         than pile up); a step's saves that still find no room are dropped, counted."""
         pages = sum(len(j.blocks) for j in jobs)
-        batch = -1
+        batch = self._admit(
+            jobs,
+            pages,
+            lambda: not self._queued or self._queued + pages <= staging.pages,
+            pages,
+            "the saves before them did not gather theirs",
+        )
+        if batch is None:
+            return
+        self._savers.submit(self._save_behind, jobs, pages, batch)
+
+    def _admit(
+        self,
+        jobs: list[Job],
+        pages: int,
+        room: Callable[[], bool],
+        queued: int,
+        why: str,
+    ) -> int | None:
+        """On the step's thread: waits up to ``timeout_s`` for ``room()`` (under the lock),
+        then numbers the step's batch of saves, marks its jobs as reading their blocks and
+        adds ``queued`` pages still to gather. None when no room came: the step's pages
+        are dropped, counted (``save_dropped_pages``)."""
         with self._lock:
-            room = self._saves_done.wait_for(
-                lambda: not self._queued or self._queued + pages <= staging.pages,
-                timeout=self.settings.timeout_s,
-            )
-            if room:
-                self._queued += pages
+            if self._saves_done.wait_for(room, timeout=self.settings.timeout_s):
+                self._queued += queued
                 self._reading(jobs)
                 self._pending_saves += 1
                 batch = self._batches
                 self._batches += 1
-        if not room:
-            self._count(save_dropped_pages=pages)
-            logger.warning(
-                "kvtier: %d pages not saved: the saves before them did not gather theirs in %.1f s",
-                pages,
-                self.settings.timeout_s,
-            )
-            return
-        self._savers.submit(self._save_behind, jobs, pages, batch)
+                return batch
+        self._count(save_dropped_pages=pages)
+        logger.warning(
+            "kvtier: %d pages not saved: %s after %.1f s", pages, why, self.settings.timeout_s
+        )
+        return None
 
     def _save_behind(self, jobs: list[Job], pages: int, batch: int) -> None:
         """On the save thread (CPU staging): gathers a step's blocks into staging pages of
@@ -607,39 +650,57 @@ class WorkerSide:
         """Gathers the planned blocks, leaving out those of requests whose preemption gave
         up waiting for them (their blocks may hold another request's KV by now; counted,
         ``save_preempted_pages``). What is left to save, empty when the copy raised."""
-        # Which to keep and which to give up are decided under one lock: a preemption that
-        # gives up after it finds these in _gathering and waits for them.
-        with self._lock:
-            keep, gone = [], []
-            for j, sl in planned:
-                if self._abandoned.get(j.req_id, -1) >= batch:
-                    gone.append(sl)
-                else:
-                    keep.append((j, sl))
-            self._gathering = {j.req_id for j, _ in keep}
+        keep, gone = self._start_reading(planned, batch)
         try:
-            for sl in gone:
+            for _, sl in gone:
                 staging.give(sl)
-            if gone:
-                self._count(save_preempted_pages=sum(len(sl) for sl in gone))
             if not keep or not self._gather(staging, keep)[0]:
                 return []
             return keep
         finally:
-            with self._lock:
-                self._gathering = set()
-                self._saves_done.notify_all()
+            self._end_reading()
 
-    def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event) -> None:
+    def _start_reading(
+        self, items: list[tuple[Job, U]], batch: int
+    ) -> tuple[list[tuple[Job, U]], list[tuple[Job, U]]]:
+        """Before the save thread reads batch ``batch``'s blocks (a gather, or the agent's
+        DMA copies): the items to read, and those given up because their request's
+        preemption stopped waiting for them (their blocks may hold another request's KV by
+        now; counted, ``save_preempted_pages``). Decided under one lock with the reading
+        marked: a preemption that gives up after this finds them in ``_gathering`` and
+        waits until ``_end_reading``."""
+        with self._lock:
+            keep, gone = [], []
+            for item in items:
+                (gone if self._abandoned.get(item[0].req_id, -1) >= batch else keep).append(item)
+            self._gathering = {j.req_id for j, _ in keep}
+        if gone:
+            self._count(save_preempted_pages=sum(len(j.blocks) for j, _ in gone))
+        return keep, gone
+
+    def _end_reading(self) -> None:
+        with self._lock:
+            self._gathering = set()
+            self._saves_done.notify_all()
+
+    def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event, batch: int) -> None:
         """On the save thread: once the step's work is done, the agent copies every job's
-        blocks into L2, in one SaveBatch."""
+        blocks into L2, in one SaveBatch; never those of a request whose preemption gave up
+        waiting (its blocks may be another request's by now), and a preemption that gives up
+        while the agent copies waits for the call to end."""
         try:
             ready.synchronize()
-            self._save_batch(None, [self._item(job, job.blocks) for job in jobs])
+            keep, _ = self._start_reading([(j, None) for j in jobs], batch)
+            try:
+                if keep:
+                    self._save_batch(None, [self._item(job, job.blocks) for job, _ in keep])
+            finally:
+                self._end_reading()
         finally:
             with self._lock:
                 self._read(jobs)
                 self._pending_saves -= 1
+                self._saves_done.notify_all()
 
     @staticmethod
     def _item(job: Job, pages: Sequence[int]) -> SaveItem:

@@ -1,0 +1,327 @@
+"""The vLLM engine fuzzer: seeded random schedules of vLLM workers against real kvtierd and
+kvtier-agent processes, every block checked against an oracle that recomputes everything.
+
+Each worker is ``vllm_engine.py``: vLLM 0.33's own Scheduler, connector factory, model
+runner hooks (``KVConnectorModelRunnerMixin``) and output aggregator, with kvtier's connector
+loaded from the ``--kv-transfer-config`` flag. Its stand-in forward pass reads its context as
+attention does (``vllm_engine.Model``: a position's KV is a function of the KV bytes of every
+earlier position as they are in the blocks at that moment, on every TP rank), so a block
+computed over a stale or foreign block comes out wrong, and so does everything after it.
+After every step, every block the step read is compared with the oracle's; pages read back
+from L2 and L3 are checked the same way when a later worker loads them, and the last worker
+of every schedule (a consumer, no faults) reads back every prompt of the schedule.
+
+A schedule (:func:`make_schedule`, a pure function of its seed) draws:
+- the deployment: TP 1 or 2, MHA or MLA, the L2 pool's size (small: pages go through L3 and
+  loads become asynchronous), the staging pool's size;
+- 3 to 5 workers run one after another, continuing earlier conversations and starting new
+  ones, each with its ``kv_role`` (kv_both, kv_producer, kv_consumer), ``load_async``,
+  chunked prefill (a small token budget), a KV pool small enough that vLLM preempts;
+- faults: short loads (a Load asks the agent for only some of its pages: the blocks past
+  them keep their last owner's bytes), one TP rank's saves lost (the ranks' agents then hold
+  different pages), a staging copy that raises, an agent call past its deadline while the
+  agent still copies, saves behind a slow L2, an agent killed mid-run (restarted after).
+
+A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
+(when any were saved), every worker that saves saves some (unless its agent was killed), and
+each fault drawn for a worker happens in it (the first call a fault can meet always meets it;
+a fault on loads in a worker that loaded nothing, because earlier faults left nothing to
+find, is not asked of it). A failing seed is printed and replays the same schedule::
+
+    python tests/vllm/fuzz.py --seed 17             # one schedule
+    python tests/vllm/fuzz.py --minutes 30           # random seeds for 30 minutes; a report
+
+The second form is the long run (``python benches/vllm_fuzz.py --minutes M``): schedules,
+workers, events and blocks checked per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vllm_harness import (  # noqa: E402 - the harness beside this file
+    Agent,
+    Kvtierd,
+    finish_worker,
+    flag,
+    start_worker,
+)
+
+# Faults a worker may be drawn, each with the figure that shows it happened.
+FAULTS = ("short_loads", "drop_saves", "preempt", "fail_copy", "time_out", "slow_save", "kill")
+
+
+@dataclass
+class Worker:
+    """One vLLM worker process of a schedule."""
+
+    name: str
+    role: str
+    prompts: list[dict]
+    opts: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+    faults: list[str] = field(default_factory=list)
+    # Kill this agent (by TP rank) before this step of the run.
+    kill: tuple[int, int] | None = None
+
+
+@dataclass
+class Schedule:
+    seed: int
+    tp: int
+    mla: bool
+    l2_pages: int
+    workers: list[Worker]
+
+    def describe(self) -> str:
+        parts = [f"seed {self.seed}: tp {self.tp}, {'mla' if self.mla else 'mha'}"]
+        parts.append(f"L2 {self.l2_pages} pages")
+        for w in self.workers:
+            parts.append(f"{w.name} {w.role} {' '.join(w.opts)} {w.extra} faults={w.faults}")
+        return "\n  ".join(parts)
+
+
+def _conversation(rng: random.Random, system: list[int], cid: str, salt: str | None) -> dict:
+    turn = [rng.randrange(1000) for _ in range(rng.randrange(10, 50))]
+    return {
+        "id": cid,
+        "tokens": system + turn,
+        "max_tokens": rng.randrange(2, 20),
+        "salt": salt,
+    }
+
+
+def make_schedule(seed: int) -> Schedule:
+    """The schedule of ``seed``: the same every time."""
+    rng = random.Random(seed)
+    tp = rng.choice([1, 1, 2])
+    mla = rng.random() < 0.3
+    # Small pools send pages through L3 (loads from it are asynchronous). Not smaller: with
+    # 48 pages, eight concurrent loads held every slot pinned while waiting for room for the
+    # rest, and each waited out its deadline (a finding for kvtierd's prefetch, not a wrong
+    # page).
+    l2_pages = rng.choice([128, 256, 1024])
+    systems = [
+        [rng.randrange(1000) for _ in range(16 * rng.randrange(3, 9))]
+        for _ in range(rng.randrange(2, 5))
+    ]
+    salts = [None, None, "team-b"]
+    live: list[dict] = []
+    workers: list[Worker] = []
+    n = rng.randrange(3, 6)
+    for i in range(n):
+        # New conversations, and earlier ones continued (their prefixes are in L2 or L3).
+        ps = []
+        for j in range(rng.randrange(3, 7)):
+            s = rng.randrange(len(systems))
+            ps.append(_conversation(rng, systems[s], f"w{i}-c{j}", rng.choice(salts)))
+        for p in rng.sample(live, min(len(live), rng.randrange(2, 6))):
+            more = [rng.randrange(1000) for _ in range(rng.randrange(8, 40))]
+            ps.append(dict(p, id=f"w{i}-{p['id']}+", tokens=p["tokens"] + more))
+        rng.shuffle(ps)
+        live += ps
+        role = (
+            "kv_both"
+            if i == 0
+            else rng.choice(["kv_both", "kv_both", "kv_producer", "kv_consumer"])
+        )
+        w = Worker(f"w{i}", role, ps)
+        w.extra["load_async"] = rng.choice(["auto", "auto", "always", "never"])
+        w.extra["staging_pages"] = rng.choice([16, 64, 256])
+        if rng.random() < 0.4:
+            w.opts += ["--max-batched-tokens", str(rng.choice([32, 64]))]
+        # Faults: at most three per worker.
+        for f in rng.sample(FAULTS, rng.randrange(0, 4)):
+            # MLA: only rank 0 saves, for both ranks; its agent's pages are the ranks' pages.
+            if f == "drop_saves" and (tp < 2 or mla or role == "kv_consumer"):
+                continue
+            if f in ("short_loads",) and (i == 0 or role == "kv_producer"):
+                continue
+            if f == "fail_copy" and (i == 0 or role == "kv_producer"):
+                continue
+            w.faults.append(f)
+        for f in w.faults:
+            if f == "short_loads":
+                w.opts += ["--short-loads", str(rng.choice([0.3, 0.6]))]
+                # Mostly loads before the forward pass: the step computes over them.
+                w.extra["load_async"] = rng.choice(["never", "never", "auto"])
+            elif f == "drop_saves":
+                w.opts += ["--drop-saves", f"{tp - 1}:{rng.choice([0.3, 0.6])}"]
+            elif f == "preempt":
+                for p in w.prompts:
+                    p["max_tokens"] = rng.randrange(20, 60)
+                # Room for the largest request, and for about half of all of them at once.
+                need = [-(-(len(p["tokens"]) + p["max_tokens"]) // 16) for p in w.prompts]
+                blocks = max(max(need) + 2, int(sum(need) * rng.choice([0.4, 0.5, 0.6])))
+                w.opts += ["--blocks", str(blocks)]
+            elif f == "fail_copy":
+                w.opts += ["--fail-copy", "load"]
+            elif f == "time_out":
+                w.opts += ["--time-out", "save" if role != "kv_consumer" else "load"]
+            elif f == "slow_save":
+                w.opts += ["--slow-save", str(rng.choice([0.02, 0.1]))]
+            elif f == "kill":
+                w.kill = (rng.randrange(tp), rng.randrange(2, 12))
+        workers.append(w)
+    # The last worker reads back every prompt of the schedule: no faults, loads only.
+    check = [dict(p, id=f"check-{p['id']}", max_tokens=2) for p in live]
+    workers.append(Worker("check", "kv_consumer", check, extra={"load_async": "auto"}))
+    return Schedule(seed, tp, mla, l2_pages, workers)
+
+
+def _fired(w: Worker, r: dict) -> dict[str, bool]:
+    """Whether each fault drawn for ``w`` happened in its run ``r``."""
+    workers = r["workers"]
+    total = {k: sum(x[k] for x in workers) for k in workers[0]}
+    # Faults on loads can happen only where the worker loaded (whether it finds pages
+    # depends on what earlier workers' faults left); the schedule's last worker must load.
+    loaded = r["scheduler"]["external_tokens"] > 0
+    seen = {
+        "short_loads": r["faults"]["short_load"] > 0 or not loaded,
+        "drop_saves": r["faults"]["drop_save"] > 0,
+        "preempt": r["vllm_stats"]["preemptions"] > 0,
+        "fail_copy": total["load_error_pages"] > 0 or not loaded,
+        "time_out": total["retired_staging"] > 0,
+        "slow_save": True,
+        "kill": True,
+    }
+    return {f: seen[f] for f in w.faults}
+
+
+def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
+    """Runs every worker of ``s`` in turn against one kvtierd and one agent per TP rank;
+    returns what each reported and the problems found (empty: the schedule passed)."""
+    d = Kvtierd(tmp / "daemon", f"l2.pool_pages={s.l2_pages}")
+    agents_dir = tmp / "agents"
+    agents_dir.mkdir(exist_ok=True)
+
+    def start_agent(rank: int) -> Agent:
+        return Agent(tmp, f"agent-{rank}", d.socket, socket=agents_dir / f"agent-{rank}.sock")
+
+    agents = [start_agent(r) for r in range(s.tp)]
+    problems: list[str] = []
+    runs = []
+    try:
+        for i, w in enumerate(s.workers):
+            opts = list(w.opts)
+            if s.tp > 1:
+                opts += ["--tp", str(s.tp)]
+            if s.mla:
+                opts.append("--mla")
+            opts += ["--seed", str(s.seed * 100 + i)]
+            kill = None
+            if w.kill is not None:
+                kill = f"{agents[w.kill[0]].proc.pid}@{w.kill[1]}"
+            # Calls that hang (a killed agent, a full L2) cost seconds, not the default 10.
+            extra = {"timeout_s": 4.0, **w.extra}
+            if "--time-out" in opts:
+                extra["timeout_s"] = 2.0
+            kv = flag(str(agents_dir / "agent-{local_rank}.sock"), w.role, **extra)
+            t0 = time.monotonic()
+            r = finish_worker(*start_worker(tmp, w.name, kv, w.prompts, *opts, kill=kill))
+            r["seconds"] = time.monotonic() - t0
+            runs.append(r)
+            if w.kill is not None:
+                agents[w.kill[0]].proc.wait(10)
+                agents[w.kill[0]] = start_agent(w.kill[0])
+            if r["wrong_blocks"]:
+                problems.append(f"{w.name}: {r['wrong_blocks']} wrong blocks")
+            total = {k: sum(x[k] for x in r["workers"]) for k in r["workers"][0]}
+            saved_before = sum(x["saved_pages"] for run in runs[:-1] for x in run["workers"])
+            if w.name == "check" and saved_before and not r["scheduler"]["external_tokens"]:
+                problems.append(f"{w.name}: vacuous: loaded nothing")
+            if w.role != "kv_consumer" and not total["saved_pages"] and "kill" not in w.faults:
+                problems.append(f"{w.name}: vacuous: saved nothing")
+            for f, seen in _fired(w, r).items():
+                if not seen:
+                    problems.append(f"{w.name}: vacuous: fault {f} never happened")
+            log(
+                f"  {w.name} {w.role}: {r['steps']} steps, {r['checked_blocks']} blocks checked, "
+                f"{r['scheduler']['external_tokens']} external tokens, "
+                f"{total['saved_pages']} saved, {r['load_error_blocks']} load errors, "
+                f"faults {w.faults} {r['faults']}, {r['seconds']:.1f} s"
+            )
+    finally:
+        for a in agents:
+            a.stop()
+        d.stop()
+    return {"runs": runs, "problems": problems}
+
+
+def events(report: dict) -> dict[str, int]:
+    """What a schedule's runs went through, summed."""
+    out = {"steps": 0, "blocks": 0, "loaded": 0, "saved": 0, "load_errors": 0, "preemptions": 0}
+    for r in report["runs"]:
+        out["steps"] += r["steps"]
+        out["blocks"] += r["checked_blocks"]
+        out["loaded"] += sum(x["loaded_pages"] for x in r["workers"])
+        out["saved"] += sum(x["saved_pages"] for x in r["workers"])
+        out["load_errors"] += r["load_error_blocks"]
+        out["preemptions"] += r["vllm_stats"]["preemptions"]
+        for k, v in r["faults"].items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def fuzz_one(seed: int, tmp: Path | None = None, log=print) -> dict:
+    s = make_schedule(seed)
+    log(s.describe())
+    if tmp is None:
+        with tempfile.TemporaryDirectory(prefix=f"kvtier-fuzz-{seed}-") as d:
+            return run_schedule(s, Path(d), log)
+    return run_schedule(s, tmp, log)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, action="append", help="replay these schedules")
+    ap.add_argument("--minutes", type=float, help="run random schedules this long")
+    ap.add_argument("--json", help="write the report here")
+    a = ap.parse_args()
+    seeds = a.seed or []
+    t0 = time.monotonic()
+    total: dict[str, int] = {}
+    failed: list[int] = []
+    done = 0
+    rng = random.Random()
+    while True:
+        if seeds:
+            seed = seeds.pop(0)
+        elif a.minutes is not None and time.monotonic() - t0 < a.minutes * 60:
+            seed = rng.randrange(1 << 31)
+        else:
+            break
+        report = fuzz_one(seed)
+        done += 1
+        for k, v in events(report).items():
+            total[k] = total.get(k, 0) + v
+        if report["problems"]:
+            failed.append(seed)
+            print(f"FAILED seed {seed} (replay: python tests/vllm/fuzz.py --seed {seed})")
+            for p in report["problems"]:
+                print(f"  {p}")
+    secs = time.monotonic() - t0
+    summary = {
+        "schedules": done,
+        "failed_seeds": failed,
+        "seconds": round(secs, 1),
+        "per_second": {k: round(v / secs, 2) for k, v in total.items()},
+        **total,
+    }
+    print(json.dumps(summary, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(summary))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

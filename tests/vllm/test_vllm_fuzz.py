@@ -1,0 +1,210 @@
+"""The engine fuzzer (fuzz.py) in the test suite: a fixed set of seeds, and the schedules that
+found each wrong-KV defect kept as named regressions.
+
+Every schedule runs vLLM workers (vLLM's own scheduler, connector factory, model runner hooks
+and output aggregator) against real kvtierd and kvtier-agent processes, with a forward pass
+that reads its context as attention does, and fails on any block that differs from the
+oracle's recomputation and on a vacuous run (see fuzz.py). A failing seed replays with
+``python tests/vllm/fuzz.py --seed N``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fuzz import Schedule, Worker, fuzz_one, make_schedule, run_schedule
+from vllm_harness import ENGINE, finish_worker, flag, run_worker, start_worker
+
+# Seeds whose schedules cover, between them, TP 1 and 2, MHA and MLA, small and large L2
+# pools, every kv_role and every fault kind (each run prints its schedule): 19 TP 2 MLA,
+# 35 TP 2 MHA over a 128-page L2, 48 TP 2 MHA with short loads and lost saves, 52 TP 1 MLA.
+SEEDS = [19, 35, 48, 52]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fixed_seed_schedules_serve_no_wrong_block(seed, tmp_path):
+    report = fuzz_one(seed, tmp_path)
+    assert not report["problems"], (
+        f"seed {seed} (replay: python tests/vllm/fuzz.py --seed {seed}): {report['problems']}"
+    )
+
+
+def _conversations(seed: int) -> tuple[list[dict], list[dict]]:
+    """A first set of prompts and the same conversations continued."""
+    s = make_schedule(seed)
+    first = s.workers[0].prompts
+    again = [dict(p, id=p["id"] + "+", tokens=p["tokens"] + [7] * 40) for p in first]
+    return first, again
+
+
+def _check(again: list[dict]) -> Worker:
+    return Worker("check", "kv_consumer", [dict(p, id="check-" + p["id"]) for p in again], extra={})
+
+
+def test_pages_computed_over_a_short_load_are_never_saved_and_the_recompute_is(tmp_path):
+    """Defect: a Load that came back short (pages gone from L2 between lookup and load) left
+    stale bytes in the blocks past it; vLLM ran the step, then rolled the request back, but
+    the connector saved the pages that step computed over the stale blocks, and moved past
+    vLLM's recompute, which was never saved. A later worker loaded the wrong pages."""
+    first, again = _conversations(3)
+    s = Schedule(
+        3,
+        1,
+        False,
+        1024,
+        [
+            Worker("w0", "kv_both", first),
+            Worker(
+                "short",
+                "kv_both",
+                again,
+                ["--short-loads", "0.6"],
+                {"load_async": "never"},
+                ["short_loads"],
+            ),
+            _check(again),
+        ],
+    )
+    report = run_schedule(s, tmp_path)
+    assert not report["problems"], report["problems"]
+    short = report["runs"][1]
+    assert short["load_error_blocks"] > 0, "no load fell short"
+    # vLLM's recompute of the failed pages was saved: the scheduler side rewound.
+    assert short["scheduler"]["rewound_pages"] > 0, short["scheduler"]
+
+
+def test_tp_ranks_whose_agents_hold_different_pages_save_nothing_computed_over_the_gap(
+    tmp_path,
+):
+    """Defect: with TP 2, rank 1's agent lacked pages rank 0's lookup promised; rank 1's load
+    fell short, and the all-reduce spread its garbage to rank 0, whose worker saved what it
+    computed over it (it never saw rank 1's failure). Saves over a load now wait for every
+    rank's result (StepsDone), and the pages rank 1 lacked are saved again after vLLM's
+    recompute."""
+    first, again = _conversations(3)
+    s = Schedule(
+        3,
+        2,
+        False,
+        1024,
+        [
+            Worker("w0", "kv_both", first, ["--drop-saves", "1:0.7"], faults=["drop_saves"]),
+            Worker("tp", "kv_both", again, [], {"load_async": "never"}),
+            _check(again),
+        ],
+    )
+    report = run_schedule(s, tmp_path)
+    assert not report["problems"], report["problems"]
+    tp = report["runs"][1]
+    assert tp["load_error_blocks"] > 0, "rank 1's agent held every page after all"
+    assert tp["scheduler"]["rewound_pages"] > 0, tp["scheduler"]
+
+
+def test_a_producer_never_loads(tmp_path):
+    """Defect: kv_producer still looked up and loaded; vLLM fences block reuse against
+    in-flight steps only for consumers."""
+    first, again = _conversations(6)
+    s = Schedule(
+        6, 1, False, 1024, [Worker("w0", "kv_both", first), Worker("p", "kv_producer", again)]
+    )
+    report = run_schedule(s, tmp_path)
+    assert not report["problems"], report["problems"]
+    p = report["runs"][1]
+    assert p["scheduler"]["external_tokens"] == 0 and p["scheduler"]["lookups"] == 0, p
+    assert p["worker"]["saved_pages"] > 0, p["worker"]
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
+def test_a_model_whose_blocks_vllm_frees_while_running_is_refused(tmp_path, kind):
+    """Defect: a model whose every layer is sliding-window has one KV cache group, which the
+    connector took; vLLM frees a running request's out-of-window blocks, and saves that read
+    after the step copied their next owner's KV. Refused at start-up, naming the spec."""
+    (tmp_path / "p.json").write_text("[]")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ENGINE),
+            "--kv-transfer-config",
+            flag(str(tmp_path / "nobody.sock")),
+            "--prompts",
+            str(tmp_path / "p.json"),
+            "--out",
+            str(tmp_path / "out.json"),
+            "--spec",
+            kind,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
+    assert out.returncode != 0
+    want = {"sliding_window": "SlidingWindowSpec", "chunked_local": "ChunkedLocalAttentionSpec"}
+    assert want[kind] in out.stderr and "full attention only" in out.stderr, out.stderr[-2000:]
+    assert not Path(tmp_path / "out.json").exists()
+
+
+def test_a_hung_agent_delays_admissions_by_one_lookup_deadline_not_one_per_request(tmp_path, node):
+    """Defect: lookups ran one at a time on one thread, so with the agent hung (SIGSTOP) the
+    k-th waiting request was admitted after k x timeout_s. Lookups now have a deadline of
+    their own, run several at once, and a lookup that times out pauses the rest: every
+    request is answered "nothing cached" at once for lookup_pause_s."""
+    _, agent = node
+    first, _ = _conversations(6)
+    a = agent("hung")
+    kv = flag(a, timeout_s=1.0, lookup_timeout_s=0.5, lookup_pause_s=30)
+    proc, out = start_worker(tmp_path, "hung", kv, first, stop=f"{a.proc.pid}@1")
+    try:
+        r = finish_worker(proc, out)
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    admitted = r["vllm_stats"]["admitted_s"]
+    assert len(admitted) == len(first) and r["wrong_blocks"] == 0, r
+    # One lookup deadline for the first ones (a few at once), none for the rest; one
+    # thread, one request at a time, took len(first) x 0.5 s.
+    assert max(admitted.values()) < 2.0, sorted(admitted.values())
+    sched = r["scheduler"]
+    assert sched["lookup_failures"] >= 1 and sched["lookups_skipped"] > 0, sched
+
+
+def test_a_killed_worker_leaves_no_staging_file(tmp_path, node):
+    """Defect: a crashed vLLM worker left its staging pool's file in /dev/shm for good (a
+    128 MiB orphan on a test machine). The worker removes the file's name as soon as the
+    agent has mapped it: the memory goes with the last of the two processes."""
+    _, agent = node
+    first, _ = _conversations(6)
+    a = agent("crash")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    kv = flag(a, staging_dir=str(staging))
+    many = [dict(p, id=f"{p['id']}-{i}") for i in range(4) for p in first]
+    proc, _ = start_worker(tmp_path, "crash", kv, many)
+    try:
+        # Registered and stepping: the agent maps the pool while saves go through it.
+        deadline = time.monotonic() + 120
+        while (
+            a.metric(
+                'kvtier_agent_backup_pages_total{outcome="stored",policy="write_through"}', 0.0
+            )
+            == 0
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "never saved a page"
+            time.sleep(0.05)
+        assert not list(staging.iterdir()), "the staging file still has a name while in use"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert not list(staging.iterdir())
+    # The agent still serves: a new worker registers a new pool.
+    r = run_worker(tmp_path, "after", kv, first)
+    assert (
+        r["wrong_blocks"] == 0
+        and r["worker"]["saved_pages"] + r["scheduler"]["external_tokens"] > 0
+    )
+    assert not list(staging.iterdir())
