@@ -1,0 +1,93 @@
+"""The cache identity's content digests (docs/identity.md): a checkpoint, a LoRA adapter and a
+scale file are named by what they hold, so a name moved to other bytes shares nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvtier.identity import CacheIdentity, adapter_digest, checkpoint_digest, file_digest
+
+
+def _checkpoint(d: Path, layers: int, weights: int) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    (d / "model.safetensors").write_bytes(b"w" * weights)
+    return d
+
+
+def test_a_checkpoint_is_named_by_its_content_not_its_path(tmp_path: Path):
+    a = _checkpoint(tmp_path / "a", 2, 100)
+    assert checkpoint_digest(str(a)) == checkpoint_digest(str(a))
+    # Another config, or weights of another size: another checkpoint.
+    b = _checkpoint(tmp_path / "b", 3, 100)
+    c = _checkpoint(tmp_path / "c", 2, 101)
+    digests = {checkpoint_digest(str(p)) for p in (a, b, c)}
+    assert len(digests) == 3
+    # A `current` symlink moved from one checkpoint to another moves its identity with it.
+    cur = tmp_path / "current"
+    os.symlink(a, cur)
+    first = checkpoint_digest(str(cur))
+    assert first == checkpoint_digest(str(a))
+    cur.unlink()
+    os.symlink(b, cur)
+    assert checkpoint_digest(str(cur)) != first
+    # The same path downloaded again with another config.
+    (a / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    assert checkpoint_digest(str(a)) != first
+    # A hub id not on this machine: empty (its revision names the commit).
+    assert checkpoint_digest("org/model-that-is-not-here") == ""
+
+
+def test_a_lora_adapter_is_named_by_its_content(tmp_path: Path):
+    from kvtier.integrations.vllm.identity import lora_id
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d, w in ((one, b"1"), (two, b"2")):
+        d.mkdir()
+        (d / "adapter_config.json").write_text('{"r": 8}')
+        (d / "adapter_model.safetensors").write_bytes(w * 64)
+    assert adapter_digest(str(one)) != adapter_digest(str(two))
+    # One name re-pointed at another adapter is another namespace.
+    lr = SimpleNamespace(lora_name="support", lora_path=str(one), lora_int_id=1)
+    moved = SimpleNamespace(lora_name="support", lora_path=str(two), lora_int_id=2)
+    assert lora_id(lr) != lora_id(moved)
+    assert lora_id(lr).startswith("support@")
+
+
+def test_longrope_is_keyed_by_the_factors_vllm_picks():
+    from kvtier.integrations.vllm.identity import resolved_rope
+
+    cfg = SimpleNamespace(
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0],
+            "long_factor": [2.0],
+            "original_max_position_embeddings": 4096,
+        }
+    )
+    assert resolved_rope(cfg, 4096) == "longrope=short"
+    assert resolved_rope(cfg, 131072) == "longrope=long"
+    # transformers 5 keys the parameters by layer type.
+    nested = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "longrope"}})
+    nested.original_max_position_embeddings = 8192
+    assert resolved_rope(nested, 16384) == "longrope=long"
+    assert resolved_rope(SimpleNamespace(rope_scaling={"type": "linear"}), 4096) == ""
+    assert resolved_rope(SimpleNamespace(), 4096) == ""
+    # The choice is in the identity: the two launches never share pages.
+    ids = [CacheIdentity("vllm", "m", rope=resolved_rope(cfg, n)).digest() for n in (4096, 8192)]
+    assert ids[0] != ids[1]
+
+
+def test_sglang_kv_scales_are_named_by_their_file_content(tmp_path: Path):
+    from kvtier.integrations.sglang.backend import kv_scale_file
+
+    f = tmp_path / "scales.json"
+    f.write_text('{"k": 0.5}')
+    one = kv_scale_file(SimpleNamespace(quantization_param_path=str(f)))
+    assert one == f"file:{file_digest(f)}"
+    f.write_text('{"k": 0.25}')
+    assert kv_scale_file(SimpleNamespace(quantization_param_path=str(f))) != one
+    assert kv_scale_file(SimpleNamespace(quantization_param_path=None)) == ""
