@@ -65,6 +65,7 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # Digests of whole files, by (real path, size, mtime): a file rewritten in place is read again.
 _file_digests: dict[tuple[str, int, int], str] = {}
+_sample_digests: dict[tuple[str, int, int], str] = {}
 _digest_lock = threading.Lock()
 
 
@@ -87,20 +88,42 @@ def file_digest(path: str | os.PathLike[str]) -> str:
     return out
 
 
+def _sampled_digest(path: str) -> str:
+    """A digest of a weight file's size and three 1 MiB samples (start, middle, end), read
+    once per version of the file: weights fine-tuned in place differ in every sample, and
+    reading three MiB of each file costs milliseconds where hashing a model costs minutes."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    with _digest_lock:
+        hit = _sample_digests.get(key)
+    if hit is not None:
+        return hit
+    h = hashlib.sha256(str(st.st_size).encode())
+    chunk = 1 << 20
+    with open(real, "rb") as f:
+        for at in sorted({0, max(0, st.st_size // 2 - chunk // 2), max(0, st.st_size - chunk)}):
+            f.seek(at)
+            h.update(f.read(chunk))
+    out = h.hexdigest()[:16]
+    with _digest_lock:
+        _sample_digests[key] = out
+    return out
+
+
 def checkpoint_digest(model: str) -> str:
-    """The checkpoint by content, where it is a local directory or file: its real path
-    (a hub cache's snapshot directory is named by the resolved commit), the bytes of its
-    ``config.json`` and weight index, and the name and size of every weight file (hashing
-    the weights themselves would read the whole model at every start). Empty for a hub id
-    that is not on this machine (its ``revision`` then says which commit). A volume
-    downloaded again with other weights, or a ``current`` symlink moved to another
-    checkpoint, gets another digest."""
+    """The checkpoint by content, where it is a local directory or file: the bytes of its
+    ``config.json`` and weight index, and for every weight file its name, size and three
+    1 MiB samples (hashing whole weights would read the model at every start). Empty for a
+    hub id that is not on this machine (its ``revision`` then says which commit). A volume
+    downloaded again with other weights, a checkpoint fine-tuned in place, or a ``current``
+    symlink moved to another checkpoint gets another digest."""
     if not model or not os.path.exists(model):
         return ""
     real = os.path.realpath(model)
-    h = hashlib.sha256(real.encode())
+    h = hashlib.sha256()
     if os.path.isfile(real):
-        h.update(str(os.path.getsize(real)).encode())
+        h.update(_sampled_digest(real).encode())
         return h.hexdigest()[:16]
     for name in ("config.json", *_INDEXES):
         f = os.path.join(real, name)
@@ -108,7 +131,7 @@ def checkpoint_digest(model: str) -> str:
             h.update(f"{name}={file_digest(f)}".encode())
     for name in sorted(os.listdir(real)):
         if name.endswith(_WEIGHTS):
-            h.update(f"{name}:{os.path.getsize(os.path.join(real, name))}".encode())
+            h.update(f"{name}:{_sampled_digest(os.path.join(real, name))}".encode())
     return h.hexdigest()[:16]
 
 

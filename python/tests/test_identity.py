@@ -37,6 +37,17 @@ def test_a_checkpoint_is_named_by_its_content_not_its_path(tmp_path: Path):
     # The same path downloaded again with another config.
     (a / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
     assert checkpoint_digest(str(a)) != first
+    # Fine-tuned in place: the same names and sizes, other bytes.
+    d = _checkpoint(tmp_path / "tuned", 2, 3 << 20)
+    before = checkpoint_digest(str(d))
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(3 << 19)
+        f.write(b"x" * 16)
+    assert checkpoint_digest(str(d)) != before
+    # The same bytes at another path are the same checkpoint.
+    e = _checkpoint(tmp_path / "copy", 2, 100)
+    (e / "config.json").write_text((a / "config.json").read_text())
+    assert checkpoint_digest(str(e)) == checkpoint_digest(str(a))
     # A hub id not on this machine: empty (its revision names the commit).
     assert checkpoint_digest("org/model-that-is-not-here") == ""
 

@@ -56,6 +56,8 @@ from vllm_harness import (  # noqa: E402 - the harness beside this file
     start_worker,
 )
 
+# A worker's counts of pages it saved or gave up.
+SAVE_OUTCOMES = ("saved_pages", "save_failed_pages", "save_dropped_pages", "save_preempted_pages")
 # Faults a worker may be drawn, each with the figure that shows it happened.
 FAULTS = ("short_loads", "drop_saves", "preempt", "fail_copy", "time_out", "slow_save", "kill")
 
@@ -170,7 +172,7 @@ def make_schedule(seed: int) -> Schedule:
             elif f == "slow_save":
                 w.opts += ["--slow-save", str(rng.choice([0.02, 0.1]))]
             elif f == "kill":
-                w.kill = (rng.randrange(tp), rng.randrange(2, 12))
+                w.kill = (rng.randrange(tp), rng.randrange(2, 6))
         workers.append(w)
     # The last worker reads back every prompt of the schedule: no faults, loads only.
     check = [dict(p, id=f"check-{p['id']}", max_tokens=2) for p in live]
@@ -191,8 +193,9 @@ def _fired(w: Worker, r: dict) -> dict[str, bool]:
         "preempt": r["vllm_stats"]["preemptions"] > 0,
         "fail_copy": total["load_error_pages"] > 0 or not loaded,
         "time_out": total["retired_staging"] > 0,
-        "slow_save": True,
-        "kill": True,
+        # A late save is one that was sent: some page saved or given up.
+        "slow_save": w.role == "kv_consumer" or any(total[k] for k in SAVE_OUTCOMES),
+        "kill": r["vllm_stats"]["killed"],
     }
     return {f: seen[f] for f in w.faults}
 
@@ -230,7 +233,7 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             r = finish_worker(*start_worker(tmp, w.name, kv, w.prompts, *opts, kill=kill))
             r["seconds"] = time.monotonic() - t0
             runs.append(r)
-            if w.kill is not None:
+            if w.kill is not None and r["vllm_stats"]["killed"]:
                 agents[w.kill[0]].proc.wait(10)
                 agents[w.kill[0]] = start_agent(w.kill[0])
             if r["wrong_blocks"]:

@@ -360,6 +360,8 @@ class VllmStats:
         self.held_released = 0
         # Seconds from the phase's start to each request's first step.
         self.admitted: dict[str, float] = {}
+        # Whether --kill / --stop fired (the run reached its step).
+        self.killed = False
 
     def report(self) -> dict:
         from prometheus_client import REGISTRY
@@ -378,6 +380,7 @@ class VllmStats:
             "preemptions": self.preemptions,
             "held_released": self.held_released,
             "admitted_s": self.admitted,
+            "killed": self.killed,
         }
 
 
@@ -655,6 +658,7 @@ def _phase(
         step += 1
         if kill and step == kill[1]:
             os.kill(kill[0], kill[2])
+            vllm_stats.killed = True
         so = sched.schedule()
         blocks = {
             rid: list(sched.kv_cache_manager.get_block_ids(rid)[0])

@@ -283,6 +283,13 @@ impl L2 {
                         Writer::Engine => s.count_wait("link", t.elapsed()),
                         Writer::Background => s.count_daemon_wait(t.elapsed()),
                     }
+                    if l.is_some() {
+                        // A daemon back from a restart gets the whole wait for room (its
+                        // successor's L2 may be full at first), not what the link wait
+                        // left of it.
+                        deadline = Instant::now() + wait;
+                        pause = Duration::from_millis(1);
+                    }
                     l
                 }
             };

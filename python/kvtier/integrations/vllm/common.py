@@ -200,17 +200,36 @@ def check_kv_cache_groups(kv_cache_config: Any) -> None:
         spec = g.kv_cache_spec
         window = getattr(spec, "sliding_window", None)
         chunk = getattr(spec, "attention_chunk_size", None)
-        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) or window or chunk:
+        # Non-causal (prefix-LM) layers: a page's KV depends on tokens after it.
+        later = getattr(spec, "non_causal", False)
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) or window or chunk or later:
             what = type(spec).__name__
             if window:
                 what += f" (sliding_window={window})"
             if chunk:
                 what += f" (attention_chunk_size={chunk})"
+            if later:
+                what += " (non_causal)"
             raise ValueError(
                 f"kvtier: the model's KV cache is {what}; the connector supports full "
                 "attention only (FullAttentionSpec or MLAAttentionSpec): vLLM frees or "
                 "reuses the blocks of other kinds while a request runs, so a save could "
                 "read another request's KV"
+            )
+
+
+def check_parallel(vllm_config: VllmConfig) -> None:
+    """Refuses context parallelism, naming the setting: vLLM's scheduler block then covers
+    ``block_size x cp`` tokens spread over the ranks, which neither the page keys nor the
+    identity's shard (vLLM 0.33 has no call that gives a worker its DCP rank) follow yet;
+    served, one shard's pages would load into another's blocks."""
+    pc = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            raise ValueError(
+                f"kvtier: parallel_config.{name} is {size}; the connector does not support "
+                "context parallelism yet (set it to 1, or run without the connector)"
             )
 
 

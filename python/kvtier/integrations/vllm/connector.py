@@ -64,6 +64,7 @@ from kvtier.integrations.vllm.common import (
     Settings,
     StepsDone,
     check_kv_cache_groups,
+    check_parallel,
 )
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
@@ -109,6 +110,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 "kvtier between lookup and load must be recomputed, not fail the request"
             )
         check_kv_cache_groups(kv_cache_config)
+        check_parallel(vllm_config)
         block_size = vllm_config.cache_config.block_size
         self.ranks = (
             Ranks.of_scheduler(vllm_config)
@@ -176,7 +178,9 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._scheduler().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler().update_connector_output(connector_output)
+        # vLLM binds its KV cache manager to the scheduler's connector (bind_kv_cache_manager).
+        cache = getattr(self, "_kv_cache_manager", None)
+        self._scheduler().update_connector_output(connector_output, cache)
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: the

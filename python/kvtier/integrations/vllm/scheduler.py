@@ -33,7 +33,7 @@ from kvtier.integrations.vllm.identity import lora_id
 from kvtier.keys import KEY_BYTES, Namespace, extend_keys
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -121,6 +121,7 @@ class _Pending:
     limit: int
     future: Future[tuple[Lookup, int]]
     done_at: float = 0.0
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -186,10 +187,18 @@ def namespace_of(request: Request, tenant: str) -> Namespace | None:
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
         return None
     lora = getattr(request, "lora_request", None)
+    adapter = ""
+    if lora is not None:
+        try:
+            adapter = lora_id(lora)
+        except OSError as e:
+            # Its content cannot be read: not cached, rather than keyed by name alone.
+            logger.warning("kvtier: LoRA adapter %s unreadable, not cached: %s", lora, e)
+            return None
     return Namespace(
         tenant=tenant,
         cache_salt=getattr(request, "cache_salt", None) or "",
-        lora_id=lora_id(lora) if lora is not None else "",
+        lora_id=adapter,
     )
 
 
@@ -220,6 +229,10 @@ class SchedulerSide:
         # before that step's forward pass wait for its result (StepsDone).
         self._step = 0
         self._unconfirmed: dict[int, list[str]] = {}
+        # Blocks such loads fill, by step: vLLM's prefix cache shares them with other
+        # requests at once, and what those compute over them waits for the same result.
+        self._loaded_blocks: dict[int, int] = {}
+        self._blocks_of_step: dict[int, list[int]] = {}
         # Finished requests with saves keep their blocks until the workers say the saves are
         # done (Settings.holds_blocks).
         self.holds = holds
@@ -249,6 +262,9 @@ class SchedulerSide:
         """On the background thread: the agent's answer for pages ``start..limit`` of the
         request, and the page its returned keys begin at. Sends the prompt from its first
         token the first time, and afterwards only the pages asked about."""
+        if self.breaker.is_open(time.monotonic()):
+            # Queued behind lookups that timed out: nothing cached, without asking.
+            return Lookup(0, 0, 0, None, b""), start
         bs = self.block_size
         tokens = t.request.all_token_ids
         known = len(t.keys)
@@ -341,6 +357,12 @@ class SchedulerSide:
             return None, False
         assert p is not None
         if not p.future.done():
+            if now - p.started > self.settings.lookup_timeout_s:
+                # Queued and sent for longer than a lookup may take: nothing cached.
+                p.future.cancel()
+                t.lookup = None
+                self.counts.lookups_skipped += 1
+                return 0, False
             self.counts.deferred_lookups += 1
             return None, False
         if not p.done_at:
@@ -395,6 +417,10 @@ class SchedulerSide:
             # saved only once every rank's result is back (update_connector_output).
             t.unconfirmed = self._step
             self._unconfirmed.setdefault(self._step, []).append(request.request_id)
+            loaded = block_ids[start : start + n]
+            self._blocks_of_step.setdefault(self._step, []).extend(loaded)
+            for b in loaded:
+                self._loaded_blocks[b] = self._step
         self._loads.append(
             Job(
                 request.request_id,
@@ -460,6 +486,14 @@ class SchedulerSide:
                 done = min(done, t.request.num_prompt_tokens // bs)
             if done <= t.saved:
                 continue
+            if self._loaded_blocks:
+                # It reads blocks another request's load filled (vLLM's prefix cache shared
+                # them): its pages wait for that load's result too.
+                step = max((self._loaded_blocks.get(b, -1) for b in t.blocks[:done]), default=-1)
+                if step >= 0:
+                    t.unconfirmed = step
+                    self._unconfirmed.setdefault(step, []).append(req_id)
+                    continue
             # The parent of the first new page; the keys of the new ones follow from it
             # (hashed here only past what the lookup returned).
             self._harvest(t)
@@ -478,14 +512,20 @@ class SchedulerSide:
             t.saved = done
             self._saving.add(req_id)
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
+    def update_connector_output(
+        self, output: KVConnectorOutput, cache: KVCacheManager | None = None
+    ) -> None:
         """A step's output, every rank's joined. Blocks that failed to load on any rank
-        (vLLM has rolled their requests back by now): each request holding one saves again
-        from the first, since vLLM recomputes from there and what was computed over it is
-        wrong. Steps whose loads every rank ran (StepsDone): what their requests computed
+        (vLLM has rolled their requests back by now): dropped from vLLM's prefix cache
+        (``cache``; under ``recompute`` vLLM keeps them, and a request that is not running
+        any more, or a later one, would hit their stale bytes), and each request holding one
+        saves again from the first, since vLLM recomputes from there and what was computed
+        over it is wrong. Steps whose loads every rank ran (StepsDone): what was computed
         over them may be saved from the next step on."""
         invalid = output.invalid_block_ids
         if invalid:
+            if cache is not None:
+                cache.evict_blocks(set(invalid))
             bs = self.block_size
             for t in self._tracked.values():
                 bad = next((i for i, b in enumerate(t.blocks) if b in invalid), None)
@@ -497,6 +537,9 @@ class SchedulerSide:
         done = output.kv_connector_worker_meta
         if isinstance(done, StepsDone):
             for step in done.steps:
+                for b in self._blocks_of_step.pop(step, ()):
+                    if self._loaded_blocks.get(b) == step:
+                        del self._loaded_blocks[b]
                 for req_id in self._unconfirmed.pop(step, ()):
                     t = self._tracked.get(req_id)
                     if t is not None and t.unconfirmed == step:
@@ -509,6 +552,8 @@ class SchedulerSide:
         self.epoch.bump()
         self._tracked.clear()
         self._unconfirmed.clear()
+        self._loaded_blocks.clear()
+        self._blocks_of_step.clear()
         self._loads = []
         logger.info("kvtier: connector cache reset: a new weight epoch; earlier pages unused")
 

@@ -72,13 +72,10 @@ class WorkerSide:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.settings, self.ranks, self.agent, self.counts = settings, ranks, agent, counts
         self.block_size = vllm_config.cache_config.block_size
-        # MLA's latent is the same on every TP rank: stored once (the first TP ranks of each
-        # PP stage save), loaded by every rank. With decode context parallelism each of the
-        # first DCP-size TP ranks (vLLM's first DCP group) holds its own shard of the
-        # sequence: every one of them saves.
+        # MLA's latent is the same on every TP rank: stored once (rank 0 of each PP stage
+        # saves), loaded by every rank. (Context parallelism is refused: check_parallel.)
         self.mla = bool(getattr(vllm_config.model_config, "use_mla", False))
-        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
-        self.saves = not self.mla or ranks.tp < dcp
+        self.saves = not self.mla or ranks.tp == 0
         # Names this instance where its pages are its own (scales computed at run time).
         self._instance = os.urandom(8).hex()
         self._staging: Staging | None = None
