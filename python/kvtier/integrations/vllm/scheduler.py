@@ -385,6 +385,8 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         if block_ids:
             t.blocks = block_ids
+            if self._loaded_blocks:
+                self._wait_for_shared_loads(t, request.request_id, block_ids)
         bs = self.block_size
         if hit is None:
             hit = _Hit(request.num_computed_tokens // bs)
@@ -432,6 +434,16 @@ class SchedulerSide:
                 load_async=hit.load_async,
             )
         )
+
+    def _wait_for_shared_loads(self, t: _Tracked, req_id: str, block_ids: list[int]) -> None:
+        """A request allocated over blocks a load before the forward pass fills (vLLM's
+        prefix cache shares them at allocation, before the load's result is back) computes
+        over them: its pages wait for that result too. Only a request allocated since such
+        a load can hold its blocks, so this runs at allocation, never per step."""
+        step = max((self._loaded_blocks.get(b, -1) for b in block_ids), default=-1)
+        if step >= 0 and (t.unconfirmed is None or t.unconfirmed < step):
+            t.unconfirmed = step
+            self._unconfirmed.setdefault(step, []).append(req_id)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -486,14 +498,6 @@ class SchedulerSide:
                 done = min(done, t.request.num_prompt_tokens // bs)
             if done <= t.saved:
                 continue
-            if self._loaded_blocks:
-                # It reads blocks another request's load filled (vLLM's prefix cache shared
-                # them): its pages wait for that load's result too.
-                step = max((self._loaded_blocks.get(b, -1) for b in t.blocks[:done]), default=-1)
-                if step >= 0:
-                    t.unconfirmed = step
-                    self._unconfirmed.setdefault(step, []).append(req_id)
-                    continue
             # The parent of the first new page; the keys of the new ones follow from it
             # (hashed here only past what the lookup returned).
             self._harvest(t)
