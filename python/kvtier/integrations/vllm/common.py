@@ -348,7 +348,7 @@ class Counts:
     load missed (vLLM recomputed them), pages saved or already in L2, pages not saved."""
 
     external_tokens: int = 0
-    # Scheduler side: answers of "ask again" while a lookup ran on the background thread;
+    # Scheduler side: answers of "ask again" while a lookup ran on a background thread;
     # lookups sent; pages and tokens of the jobs handed to the workers (a job carries only
     # its own pages' tokens: tokens = pages x block size).
     deferred_lookups: int = 0

@@ -4,8 +4,9 @@ step, the saves of every block that became full (handed to the workers in
 :class:`~kvtier.integrations.vllm.common.KvtierMetadata`).
 
 Nothing here waits on the agent. A request's first ``get_num_new_matched_tokens`` starts its
-lookup on a background thread and answers ``None`` ("ask again"); vLLM skips the request for
-that pass and asks again on a later one, when the answer is there. The lookup sends the
+lookup on a background thread (one of four; each lookup has its own deadline) and answers
+``None`` ("ask again"); vLLM skips the request for that pass and asks again on a later one,
+when the answer is there. The lookup sends the
 prompt once and brings back its page keys; every later call for the request (loads, saves,
 lookups after a preemption) names its pages by the key of the page before them and carries
 only their tokens. Keys of pages past the prompt are hashed here as the request grows, one
@@ -115,7 +116,7 @@ class _Hit:
 
 @dataclass
 class _Pending:
-    """A lookup on the background thread, or its answer: pages from ``start`` to ``limit``."""
+    """A lookup on a background thread, or its answer: pages from ``start`` to ``limit``."""
 
     start: int
     limit: int
@@ -259,7 +260,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lookups
 
     def _lookup(self, t: _Tracked, start: int, limit: int) -> tuple[Lookup, int]:
-        """On the background thread: the agent's answer for pages ``start..limit`` of the
+        """On a background thread: the agent's answer for pages ``start..limit`` of the
         request, and the page its returned keys begin at. Sends the prompt from its first
         token the first time, and afterwards only the pages asked about."""
         if self.breaker.is_open(time.monotonic()):
