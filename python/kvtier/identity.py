@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,52 +64,55 @@ def config_digest(*parts: Any) -> str:
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # The indexes that name which weight file holds which tensor.
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-# Digests of whole files, by (real path, size, mtime): a file rewritten in place is read again.
-_file_digests: dict[tuple[str, int, int], str] = {}
-_sample_digests: dict[tuple[str, int, int], str] = {}
+# Digests of files, by (kind, real path, size, mtime): a file rewritten in place is read
+# again.
+_digests: dict[tuple[str, str, int, int], str] = {}
 _digest_lock = threading.Lock()
+_CHUNK = 1 << 20
+
+
+def _once(kind: str, path: str | os.PathLike[str], read: Callable[[Any, int], bytes]) -> str:
+    """``read(file, size)``'s SHA-256 (16 hex digits), computed once per version of the
+    file and ``kind``."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (kind, real, st.st_size, st.st_mtime_ns)
+    with _digest_lock:
+        hit = _digests.get(key)
+    if hit is not None:
+        return hit
+    with open(real, "rb") as f:
+        out = hashlib.sha256(read(f, st.st_size)).hexdigest()[:16]
+    with _digest_lock:
+        _digests[key] = out
+    return out
+
+
+def _whole(f: Any, size: int) -> bytes:
+    h = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+    return h.digest()
+
+
+def _samples(f: Any, size: int) -> bytes:
+    parts = [str(size).encode()]
+    for at in sorted({0, max(0, size // 2 - _CHUNK // 2), max(0, size - _CHUNK)}):
+        f.seek(at)
+        parts.append(f.read(_CHUNK))
+    return b"".join(parts)
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of a file's content (16 hex digits), read once per version of the file."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    key = (real, st.st_size, st.st_mtime_ns)
-    with _digest_lock:
-        hit = _file_digests.get(key)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256()
-    with open(real, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    out = h.hexdigest()[:16]
-    with _digest_lock:
-        _file_digests[key] = out
-    return out
+    """A digest of a file's content (16 hex digits), read once per version of the file."""
+    return _once("whole", path, _whole)
 
 
 def _sampled_digest(path: str) -> str:
     """A digest of a weight file's size and three 1 MiB samples (start, middle, end), read
     once per version of the file: weights fine-tuned in place differ in every sample, and
     reading three MiB of each file costs milliseconds where hashing a model costs minutes."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    key = (real, st.st_size, st.st_mtime_ns)
-    with _digest_lock:
-        hit = _sample_digests.get(key)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256(str(st.st_size).encode())
-    chunk = 1 << 20
-    with open(real, "rb") as f:
-        for at in sorted({0, max(0, st.st_size // 2 - chunk // 2), max(0, st.st_size - chunk)}):
-            f.seek(at)
-            h.update(f.read(chunk))
-    out = h.hexdigest()[:16]
-    with _digest_lock:
-        _sample_digests[key] = out
-    return out
+    return _once("samples", path, _samples)
 
 
 def checkpoint_digest(model: str) -> str:
