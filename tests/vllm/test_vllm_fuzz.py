@@ -43,6 +43,14 @@ def _conversations(seed: int) -> tuple[list[dict], list[dict]]:
     return first, again
 
 
+def _after_a_first_worker(tmp_path, tp: int, first: Worker, w: Worker, again: list[dict]) -> dict:
+    """Runs ``first``, then ``w`` over what it left, then a reader of ``again``; fails on any
+    problem the schedule found."""
+    report = run_schedule(Schedule(3, tp, False, 1024, [first, w, _check(again)]), tmp_path)
+    assert not report["problems"], report["problems"]
+    return report
+
+
 def _check(again: list[dict]) -> Worker:
     return Worker("check", "kv_consumer", [dict(p, id="check-" + p["id"]) for p in again], extra={})
 
@@ -53,26 +61,9 @@ def test_pages_computed_over_a_short_load_are_never_saved_and_the_recompute_is(t
     the connector saved the pages that step computed over the stale blocks, and moved past
     vLLM's recompute, which was never saved. A later worker loaded the wrong pages."""
     first, again = _conversations(3)
-    s = Schedule(
-        3,
-        1,
-        False,
-        1024,
-        [
-            Worker("w0", "kv_both", first),
-            Worker(
-                "short",
-                "kv_both",
-                again,
-                ["--short-loads", "0.6"],
-                {"load_async": "never"},
-                ["short_loads"],
-            ),
-            _check(again),
-        ],
-    )
-    report = run_schedule(s, tmp_path)
-    assert not report["problems"], report["problems"]
+    short_loads = ["--short-loads", "0.6"]
+    w = Worker("short", "kv_both", again, short_loads, {"load_async": "never"}, ["short_loads"])
+    report = _after_a_first_worker(tmp_path, 1, Worker("w0", "kv_both", first), w, again)
     short = report["runs"][1]
     assert short["load_error_blocks"] > 0, "no load fell short"
     # vLLM's recompute of the failed pages was saved: the scheduler side rewound.
@@ -88,19 +79,9 @@ def test_tp_ranks_whose_agents_hold_different_pages_save_nothing_computed_over_t
     rank's result (StepsDone), and the pages rank 1 lacked are saved again after vLLM's
     recompute."""
     first, again = _conversations(3)
-    s = Schedule(
-        3,
-        2,
-        False,
-        1024,
-        [
-            Worker("w0", "kv_both", first, ["--drop-saves", "1:0.7"], faults=["drop_saves"]),
-            Worker("tp", "kv_both", again, [], {"load_async": "never"}),
-            _check(again),
-        ],
-    )
-    report = run_schedule(s, tmp_path)
-    assert not report["problems"], report["problems"]
+    lossy = Worker("w0", "kv_both", first, ["--drop-saves", "1:0.7"], faults=["drop_saves"])
+    w = Worker("tp", "kv_both", again, [], {"load_async": "never"})
+    report = _after_a_first_worker(tmp_path, 2, lossy, w, again)
     tp = report["runs"][1]
     assert tp["load_error_blocks"] > 0, "rank 1's agent held every page after all"
     assert tp["scheduler"]["rewound_pages"] > 0, tp["scheduler"]
