@@ -47,7 +47,7 @@ pub fn run(quick: bool) {
 /// run of every page) against one memcpy of the same bytes: what the plan costs (P1).
 fn device_plan(quick: bool) {
     use kvtier_device::cpu::CpuDevice;
-    use kvtier_device::{Device, PageCopy};
+    use kvtier_device::{Device, Fence, PageCopy};
     let layout = Layout::new(LayoutSpec {
         page_size: 16,
         ..spec(32)
@@ -87,9 +87,9 @@ fn device_plan(quick: bool) {
             },
             || {
                 if to_host {
-                    dev.copy_to_host(&host, &copies).unwrap();
+                    dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
                 } else {
-                    dev.copy_from_host(&host, &copies).unwrap();
+                    dev.copy_from_host(&host, &copies, &Fence::never()).unwrap();
                 }
             },
         );

@@ -14,7 +14,7 @@ use crate::{compare, record, say};
 use kvtier_core::{CopyMethod, DType, DevicePool, KvKind, Layout, LayoutSpec};
 use kvtier_device::cuda::{CudaDevice, DeviceBuffer, driver_present};
 use kvtier_device::plan::DeviceMap;
-use kvtier_device::{Device, PageCopy};
+use kvtier_device::{Device, Fence, PageCopy};
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
 /// One shape: its name in the rows, tokens per page and layers (MHA, 8 KV heads of 128 bf16).
@@ -152,8 +152,8 @@ fn measure(shape: &Shape, layout: &Layout, dev: &CudaDevice, pages: u32, rounds:
         })
         .collect();
     // Correct before fast: what is loaded comes back bit-identical.
-    dev.copy_from_host(&host, &up).unwrap();
-    dev.copy_to_host(&host, &down).unwrap();
+    dev.copy_from_host(&host, &up, &Fence::never()).unwrap();
+    dev.copy_to_host(&host, &down, &Fence::never()).unwrap();
     let (mut a, mut b) = (vec![0u8; page_bytes], vec![0u8; page_bytes]);
     for i in 0..pages {
         host.read(i, 0, &mut a).unwrap();
@@ -165,7 +165,7 @@ fn measure(shape: &Shape, layout: &Layout, dev: &CudaDevice, pages: u32, rounds:
         total as u64,
         rounds,
         || base.copy_with_pool(&host, total, true).unwrap(),
-        || dev.copy_to_host(&host, &down).unwrap(),
+        || dev.copy_to_host(&host, &down, &Fence::never()).unwrap(),
     );
     say!("{}", d2h.line("GB/s", 1e9));
     let h2d = compare(
@@ -173,7 +173,7 @@ fn measure(shape: &Shape, layout: &Layout, dev: &CudaDevice, pages: u32, rounds:
         total as u64,
         rounds,
         || base.copy_with_pool(&host, total, false).unwrap(),
-        || dev.copy_from_host(&host, &up).unwrap(),
+        || dev.copy_from_host(&host, &up, &Fence::never()).unwrap(),
     );
     say!("{}", h2d.line("GB/s", 1e9));
     if shape.page_size == 16 {
@@ -197,8 +197,11 @@ fn measure(shape: &Shape, layout: &Layout, dev: &CudaDevice, pages: u32, rounds:
             },
             || {
                 std::thread::scope(|s| {
-                    s.spawn(|| dev.copy_to_host(&host, &down).unwrap());
-                    s.spawn(|| dev.copy_from_host(&host, &load_back).unwrap());
+                    s.spawn(|| dev.copy_to_host(&host, &down, &Fence::never()).unwrap());
+                    s.spawn(|| {
+                        dev.copy_from_host(&host, &load_back, &Fence::never())
+                            .unwrap()
+                    });
                 })
             },
         );
@@ -232,12 +235,12 @@ fn first_copy(quick: bool) {
         host_slot: slots - 1,
     }];
     let t = Instant::now();
-    dev.copy_to_host(&host, &one).unwrap();
+    dev.copy_to_host(&host, &one, &Fence::never()).unwrap();
     let first = t.elapsed().as_secs_f64() * 1e3;
     let mut later = Vec::new();
     for _ in 0..9 {
         let t = Instant::now();
-        dev.copy_to_host(&host, &one).unwrap();
+        dev.copy_to_host(&host, &one, &Fence::never()).unwrap();
         later.push(t.elapsed().as_secs_f64() * 1e3);
     }
     later.sort_by(f64::total_cmp);

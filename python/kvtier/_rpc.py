@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Sequence
 
 import grpc
 
-__all__ = ["KvtierError", "call", "grpc_channel", "grpc_target", "packed"]
+__all__ = ["DEADLINE_HEADER", "KvtierError", "call", "grpc_channel", "grpc_target", "packed"]
 
 # Messages of a few thousand keys are far below this; the bound is for Stats and metrics.
 _MAX_MESSAGE = 64 << 20
@@ -88,11 +89,17 @@ def packed(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
 
 
+# The metadata header with the wall-clock time (Unix nanoseconds) at which the client gives
+# up on a call. gRPC's own ``grpc-timeout`` is relative to when the server reads the request,
+# so a call that sat in a stopped or busy server's socket looks fresh; this one does not.
+# kvtier-agent closes the call's copy fence at the earlier of the two.
+DEADLINE_HEADER = "kvtier-deadline-unix-ns"
+
+
 def call(fn, request, timeout: float, metadata: Sequence[tuple[str, str]] | None = None):
+    deadline = (DEADLINE_HEADER, str(time.time_ns() + int(timeout * 1e9)))
     try:
-        if metadata:
-            return fn(request, timeout=timeout, metadata=metadata)
-        return fn(request, timeout=timeout)
+        return fn(request, timeout=timeout, metadata=[*(metadata or ()), deadline])
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)

@@ -20,7 +20,9 @@ A schedule (:func:`make_schedule`, a pure function of its seed) draws:
 - faults: short loads (a Load asks the agent for only some of its pages: the blocks past
   them keep their last owner's bytes), one TP rank's saves lost (the ranks' agents then hold
   different pages), a staging copy that raises, an agent call past its deadline while the
-  agent still copies, saves behind a slow L2, an agent killed mid-run (restarted after).
+  agent still copies, saves behind a slow L2, an agent killed mid-run (restarted after),
+  kvtierd stopped (SIGSTOP, resumed 0.5-3 s later) or killed (restarted on its directory)
+  mid-run.
 
 A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
 (when any were saved), every worker that saves saves some (unless its agent was killed), and
@@ -39,9 +41,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +79,9 @@ class Worker:
     faults: list[str] = field(default_factory=list)
     # Kill this agent (by TP rank) before this step of the run.
     kill: tuple[int, int] | None = None
+    # Stop ("stop", SIGSTOP) or kill ("kill", SIGKILL) kvtierd before this step, for this
+    # many seconds (then SIGCONT, or a restart on the same directory).
+    daemon: tuple[str, int, float] | None = None
 
 
 @dataclass
@@ -164,7 +172,9 @@ def make_schedule(seed: int) -> Schedule:
                 # Room for the largest request, and for about half of all of them at once.
                 need = [-(-(len(p["tokens"]) + p["max_tokens"]) // 16) for p in w.prompts]
                 blocks = max(max(need) + 2, int(sum(need) * rng.choice([0.4, 0.5, 0.6])))
-                w.opts += ["--blocks", str(blocks)]
+                # The pool alone preempts or not as loads happen to interleave; squeezing
+                # it makes sure vLLM preempts at least once.
+                w.opts += ["--blocks", str(blocks), "--squeeze"]
             elif f == "fail_copy":
                 w.opts += ["--fail-copy", "load"]
             elif f == "time_out":
@@ -174,6 +184,14 @@ def make_schedule(seed: int) -> Schedule:
             elif f == "kill":
                 w.kill = (rng.randrange(tp), rng.randrange(2, 6))
         workers.append(w)
+    # kvtierd stopped or killed under a worker, drawn from a generator of their own so that
+    # the draws above (and the fixed seeds' schedules) stay as they were.
+    drng = random.Random(f"daemon-{seed}")
+    for w in workers[1:]:
+        if drng.random() < 0.3 and w.kill is None:
+            kind = drng.choice(["stop", "kill"])
+            w.daemon = (kind, drng.randrange(2, 6), drng.choice([0.5, 1.5, 3.0]))
+            w.faults.append(f"daemon_{kind}")
     # The last worker reads back every prompt of the schedule: no faults, loads only.
     check = [dict(p, id=f"check-{p['id']}", max_tokens=2) for p in live]
     workers.append(Worker("check", "kv_consumer", check, extra={"load_async": "auto"}))
@@ -196,6 +214,8 @@ def _fired(w: Worker, r: dict) -> dict[str, bool]:
         # A late save is one that was sent: some page saved or given up.
         "slow_save": w.role == "kv_consumer" or any(total[k] for k in SAVE_OUTCOMES),
         "kill": r["vllm_stats"]["killed"],
+        "daemon_stop": r["vllm_stats"]["killed"],
+        "daemon_kill": r["vllm_stats"]["killed"],
     }
     return {f: seen[f] for f in w.faults}
 
@@ -224,13 +244,23 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             kill = None
             if w.kill is not None:
                 kill = f"{agents[w.kill[0]].proc.pid}@{w.kill[1]}"
+            disturbed = None
+            if w.daemon is not None:
+                kind, step, secs = w.daemon
+                flag_ = "--stop" if kind == "stop" else "--kill"
+                opts += [flag_, f"{d.proc.pid}@{step}"]
+                disturbed = _Disturbed(d, kind, secs)
             # Calls that hang (a killed agent, a full L2) cost seconds, not the default 10.
             extra = {"timeout_s": 4.0, **w.extra}
             if "--time-out" in opts:
                 extra["timeout_s"] = 2.0
             kv = flag(str(agents_dir / "agent-{local_rank}.sock"), w.role, **extra)
             t0 = time.monotonic()
-            r = finish_worker(*start_worker(tmp, w.name, kv, w.prompts, *opts, kill=kill))
+            try:
+                r = finish_worker(*start_worker(tmp, w.name, kv, w.prompts, *opts, kill=kill))
+            finally:
+                if disturbed is not None:
+                    disturbed.end()
             r["seconds"] = time.monotonic() - t0
             runs.append(r)
             if w.kill is not None and r["vllm_stats"]["killed"]:
@@ -258,6 +288,43 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             a.stop()
         d.stop()
     return {"runs": runs, "problems": problems}
+
+
+class _Disturbed:
+    """kvtierd under a worker that stops (SIGSTOP) or kills (SIGKILL) it at a step: once it
+    is stopped or gone, this resumes or restarts it (same directory: the restart takes over
+    its L2 pool, and its file L3 is still there) ``secs`` later."""
+
+    def __init__(self, d: Kvtierd, kind: str, secs: float):
+        self.d, self.kind, self.secs = d, kind, secs
+        self.pid = d.proc.pid
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _hit(self) -> bool:
+        if self.kind == "kill":
+            return self.d.proc.poll() is not None
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+    def _run(self) -> None:
+        while not self._hit():
+            if self.done.wait(0.02):
+                return
+        time.sleep(self.secs)
+        if self.kind == "stop":
+            os.kill(self.pid, signal.SIGCONT)
+        else:
+            self.d.start()
+
+    def end(self) -> None:
+        """After the worker: waits for the resume or restart, if the step came."""
+        self.done.set()
+        self.thread.join(60)
 
 
 def events(report: dict) -> dict[str, int]:

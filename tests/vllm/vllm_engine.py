@@ -485,6 +485,7 @@ def run(
             outputs,
             timeline,
             vllm_stats,
+            faults.squeeze,
         )
     for worker, _ in ranks:
         worker.shutdown()
@@ -515,13 +516,18 @@ class Faults:
     so the ranks' agents hold different pages). ``fired`` counts each fault that happened."""
 
     def __init__(
-        self, seed: int = 0, short_loads: float = 0.0, drop_saves: dict[int, float] | None = None
+        self,
+        seed: int = 0,
+        short_loads: float = 0.0,
+        drop_saves: dict[int, float] | None = None,
+        squeeze: bool = False,
     ):
         import random
 
         self.rng = random.Random(seed)
         self.short_loads = short_loads
         self.drop_saves = drop_saves or {}
+        self.squeeze = Squeeze() if squeeze else None
         self.fired = {"short_load": 0, "drop_save": 0}
         # Agent socket -> the TP rank whose worker calls it.
         self.rank_of: dict[str, int] = {}
@@ -579,6 +585,36 @@ class Faults:
             AgentClient.save_batch = lossy
 
 
+class Squeeze:
+    """Memory pressure that makes vLLM preempt, whatever the timing of loads: while a
+    running request has a block boundary still ahead of it (16 tokens or more left to
+    decode), every free block of the scheduler's pool is taken (as another request's
+    allocation would), until the scheduler preempts a request to make room; then they come
+    back. A small pool alone preempts or not depending on how loads and lookups interleave."""
+
+    def __init__(self):
+        self.held: list = []
+        self.done = False
+
+    def before(self, sched) -> None:
+        """Before a step is scheduled: takes the free blocks when a preemption must follow."""
+        if self.done or self.held:
+            return
+        if any(r.max_tokens - r.num_output_tokens > BLOCK for r in sched.running):
+            pool = sched.kv_cache_manager.block_pool
+            self.held = pool.get_new_blocks(pool.get_num_free_blocks())
+
+    def after(self, sched, so) -> None:
+        """After it is scheduled: gives the blocks back once it preempted, or when nothing
+        runs that could need a block."""
+        if not self.held:
+            return
+        self.done = bool(so.preempted_req_ids)
+        if self.done or not sched.running:
+            sched.kv_cache_manager.block_pool.free_blocks(self.held)
+            self.held = []
+
+
 def _time_out_first(which: str) -> None:
     """The first agent Load (or Save) goes out for real on a thread of its own and is
     reported to the connector as past its deadline at once: the agent may still be copying
@@ -628,6 +664,7 @@ def _phase(
     outputs,
     timeline,
     vllm_stats,
+    squeeze,
 ):
     """Runs ``prompts`` through the scheduler and every TP rank's worker until all are
     done."""
@@ -659,7 +696,11 @@ def _phase(
         if kill and step == kill[1]:
             os.kill(kill[0], kill[2])
             vllm_stats.killed = True
+        if squeeze is not None:
+            squeeze.before(sched)
         so = sched.schedule()
+        if squeeze is not None:
+            squeeze.after(sched, so)
         blocks = {
             rid: list(sched.kv_cache_manager.get_block_ids(rid)[0])
             for rid in so.num_scheduled_tokens
@@ -770,6 +811,9 @@ def main() -> None:
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
     ap.add_argument("--blocks", type=int, help="KV blocks (fewer: vLLM preempts requests)")
     ap.add_argument(
+        "--squeeze", action="store_true", help="take the free blocks until vLLM preempts one"
+    )
+    ap.add_argument(
         "--spec",
         choices=["full", "sliding_window", "chunked_local"],
         default="full",
@@ -806,7 +850,7 @@ def main() -> None:
         max_batched_tokens=a.max_batched_tokens,
     )
     drops = {int(r): float(p) for r, p in (d.split(":") for d in a.drop_saves)}
-    faults = Faults(a.seed, a.short_loads, drops)
+    faults = Faults(a.seed, a.short_loads, drops, a.squeeze)
     then = json.loads(Path(a.reset_then).read_text()) if a.reset_then else None
     result = run(
         vc,

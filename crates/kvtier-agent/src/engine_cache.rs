@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use kvtier_client::{PagesLookup, PrefetchOptions, Saved};
 use kvtier_core::{Namespace, PageKey, TokenIds};
-use kvtier_device::Device;
+use kvtier_device::{Device, Fence};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
 
@@ -205,13 +205,15 @@ impl CacheMode {
     }
 
     /// `Load`: the asked pages into the engine's pages, as many leading ones as L2 holds or
-    /// L3 delivers in time (per `policy`). Returns how many loaded.
+    /// L3 delivers in time (per `policy`), while the call's `fence` is open. Returns how
+    /// many loaded.
     pub(crate) async fn load(
         &self,
         caller: &Caller,
         req: &Pages<'_>,
         policy: v1::PrefetchPolicy,
         hints: Option<v1::PrefetchHints>,
+        fence: &Fence,
     ) -> Result<u32, ApiError> {
         let t = Instant::now();
         let s = &self.s;
@@ -219,6 +221,11 @@ impl CacheMode {
         let n = req.device_pages.len();
         let want = span.keys(span.start, n);
         if n == 0 {
+            return Ok(0);
+        }
+        if !fence.is_open() {
+            // Read late (a stopped or busy agent): pin nothing for a caller gone.
+            s.count_load_failed(LoadFailure::Late, n);
             return Ok(0);
         }
         let Some(linked) = s.link.current() else {
@@ -241,7 +248,14 @@ impl CacheMode {
         let pinned = &want[..slots.len()];
         let loaded = match self
             .l2
-            .read(&linked, &span.device, pinned, &slots, req.device_pages)
+            .read(
+                &linked,
+                &span.device,
+                pinned,
+                &slots,
+                req.device_pages,
+                fence,
+            )
             .await
         {
             Ok(n) => n,
@@ -314,9 +328,10 @@ impl CacheMode {
         caller: &Caller,
         req: &Pages<'_>,
         selected: Option<u32>,
+        fence: &Fence,
     ) -> Result<Saved, ApiError> {
         let plan = self.plan_save(caller, req, selected)?;
-        Ok(self.write_save(&plan).await)
+        Ok(self.write_save(&plan, fence).await)
     }
 
     /// `SaveBatch`: several Saves in one call. Every request is checked before any page
@@ -327,6 +342,7 @@ impl CacheMode {
         &self,
         caller: &Caller,
         reqs: &[(Pages<'_>, Option<u32>)],
+        fence: &Fence,
     ) -> Result<Vec<Saved>, ApiError> {
         let plans = reqs
             .iter()
@@ -341,7 +357,7 @@ impl CacheMode {
         let written = futures::future::join_all(chains.iter().map(|chain| async move {
             let mut out = Vec::with_capacity(chain.len());
             for &i in chain {
-                out.push((i, self.write_save(&plans[i]).await));
+                out.push((i, self.write_save(&plans[i], fence).await));
             }
             out
         }))
@@ -375,8 +391,9 @@ impl CacheMode {
         })
     }
 
-    /// Writes a checked Save's selected pages into L2; counts what it skipped and lost.
-    async fn write_save(&self, plan: &SavePlan<'_>) -> Saved {
+    /// Writes a checked Save's selected pages into L2 while `fence` is open; counts what it
+    /// skipped and lost.
+    async fn write_save(&self, plan: &SavePlan<'_>, fence: &Fence) -> Saved {
         let (span, selected) = (&plan.span, plan.selected);
         let n = plan.device_pages.len();
         self.s.count_backup("skipped", n - selected);
@@ -390,7 +407,7 @@ impl CacheMode {
         let stored = self
             .l2
             .write(
-                Writer::Engine,
+                Writer::Engine(fence),
                 &span.device,
                 span.keys(span.start, selected),
                 &plan.device_pages[..selected],

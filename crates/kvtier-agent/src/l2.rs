@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use kvtier_client::{ClientError, PageError, StoredPages};
 use kvtier_core::PageKey;
 use kvtier_device::method::Direction;
-use kvtier_device::{Device, DeviceError, PageCopy};
+use kvtier_device::{Device, DeviceError, Fence, PageCopy};
 use kvtier_shm::ShmPool;
 
 use crate::link::{Linked, is_link_error};
@@ -27,12 +27,24 @@ use crate::outcome::{LoadFailure, Loss};
 use crate::shared::Shared;
 
 /// Who waits on a write: the engine (a Save it blocks on, whose wait for the link is counted
-/// as a backpressure wait) or a background backup (whose waits count where an engine call
+/// as a backpressure wait, and whose pages are the engine's only while the call's fence is
+/// open) or a background backup (the agent's own pages; its waits count where an engine call
 /// waits on it, at Insert or Evict).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Writer {
-    Engine,
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Writer<'a> {
+    Engine(&'a Fence),
     Background,
+}
+
+impl Writer<'_> {
+    /// The fence the write's copies run under.
+    fn fence(&self) -> &Fence {
+        static NEVER: std::sync::LazyLock<Fence> = std::sync::LazyLock::new(Fence::never);
+        match self {
+            Writer::Engine(f) => f,
+            Writer::Background => &NEVER,
+        }
+    }
 }
 
 /// How a [`L2::write`] ended.
@@ -49,17 +61,24 @@ pub(crate) struct Stored {
 }
 
 /// Runs a device copy: on a blocking thread (a DMA wait or a large memcpy must not stall the
-/// runtime), or here when the device says it is a short memcpy.
+/// runtime), or here when the device says it is a short memcpy. `fence` is checked before
+/// each part moves and once more after the last: a copy it closed on ends
+/// [`DeviceError::Fenced`], and what it moved is neither committed nor counted loaded.
 async fn copy(
     device: Arc<dyn Device>,
     pool: Arc<ShmPool>,
     copies: Vec<PageCopy>,
     dir: Direction,
+    fence: Fence,
 ) -> Result<(), DeviceError> {
+    fence.check()?;
     let inline = device.copies_inline(copies_bytes(&device, copies.len()));
-    let run = move || match dir {
-        Direction::ToHost => device.copy_to_host(&pool, &copies),
-        Direction::FromHost => device.copy_from_host(&pool, &copies),
+    let run = move || {
+        match dir {
+            Direction::ToHost => device.copy_to_host(&pool, &copies, &fence),
+            Direction::FromHost => device.copy_from_host(&pool, &copies, &fence),
+        }?;
+        fence.check()
     };
     if inline {
         return run();
@@ -149,7 +168,8 @@ impl L2 {
     }
 
     /// Copies the pages pinned in `slots` (for `pinned`, in order) into `pages` — as many as
-    /// both have — then releases every pin. Returns how many pages loaded.
+    /// both have, while `fence` is open — then releases every pin. Returns how many pages
+    /// loaded.
     pub(crate) async fn read(
         &self,
         linked: &Arc<Linked>,
@@ -157,6 +177,7 @@ impl L2 {
         pinned: &[PageKey],
         slots: &[u32],
         pages: &[u32],
+        fence: &Fence,
     ) -> Result<usize, LoadFailure> {
         let n = slots.len().min(pages.len());
         let mut c = linked.client.clone();
@@ -177,12 +198,13 @@ impl L2 {
                             host_slot: s,
                         })
                         .collect();
-                    copy(device, pool, copies, Direction::FromHost)
+                    copy(device, pool, copies, Direction::FromHost, fence.clone())
                 },
             )
             .await;
         match r {
             Ok(()) => Ok(n),
+            Err(PageError::Copy(DeviceError::Fenced)) => Err(LoadFailure::Late),
             Err(PageError::Copy(e)) => {
                 tracing::warn!("copy from L2 failed, the engine computes instead: {e}");
                 Err(LoadFailure::CopyFailed)
@@ -203,6 +225,7 @@ impl L2 {
         keys: &[PageKey],
         pages: &[u32],
         parent: Option<PageKey>,
+        fence: &Fence,
     ) -> Result<StoredPages, Loss> {
         let mut c = linked.client.clone();
         let (pool, device) = (linked.pool.clone(), device.clone());
@@ -222,11 +245,12 @@ impl L2 {
                             host_slot: s,
                         })
                         .collect();
-                    copy(device, pool, copies, Direction::ToHost)
+                    copy(device, pool, copies, Direction::ToHost, fence.clone())
                 },
             )
             .await;
         r.map_err(|e| match e {
+            PageError::Copy(DeviceError::Fenced) => Loss::Late,
             PageError::Copy(e) => {
                 tracing::warn!("copy to L2 failed: {e}");
                 Loss::CopyFailed
@@ -244,19 +268,22 @@ impl L2 {
     }
 
     /// Writes `pages` (the device pages of `keys`, whose prompt has `parent` before them)
-    /// into L2, trying again while L2 makes progress or kvtierd may come back; `on_stored`
+    /// into L2, trying again while L2 makes progress or kvtierd may come back, and while the
+    /// engine's fence is open (a page not copied when it closes is lost, [`Loss::Late`]);
+    /// `on_stored`
     /// hears each step, with the session it went through and how many leading pages L2 then
     /// holds. A new session starts over from the first page (what the old one held may be
     /// gone with it). Counts the pages stored, present and failed, and the bytes.
     pub(crate) async fn write(
         &self,
-        writer: Writer,
+        writer: Writer<'_>,
         device: &Arc<dyn Device>,
         keys: &[PageKey],
         pages: &[u32],
         parent: Option<PageKey>,
         mut on_stored: impl FnMut(&Linked, usize),
     ) -> Stored {
+        let fence = writer.fence();
         let s = &self.s;
         let t = Instant::now();
         let wait = s.settings.evict_wait;
@@ -264,7 +291,7 @@ impl L2 {
         // page stays on the device meanwhile, so it waits for a restart, however slow the
         // host (`cache.daemon_wait`); a Save the engine blocks on waits `cache.evict_wait`.
         let link_wait = match writer {
-            Writer::Engine => wait,
+            Writer::Engine(_) => wait,
             Writer::Background => s.settings.daemon_wait,
         };
         let mut deadline = Instant::now() + wait;
@@ -272,6 +299,9 @@ impl L2 {
         let mut out = Stored::default();
         let mut generation = None;
         let failure = loop {
+            if !fence.is_open() {
+                break Some(Loss::Late);
+            }
             let linked = match s.link.current() {
                 Some(l) => Some(l),
                 None => {
@@ -280,7 +310,7 @@ impl L2 {
                     let t = Instant::now();
                     let l = s.link.current_or_wait(link_wait).await;
                     match writer {
-                        Writer::Engine => s.count_wait("link", t.elapsed()),
+                        Writer::Engine(_) => s.count_wait("link", t.elapsed()),
                         Writer::Background => s.count_daemon_wait(t.elapsed()),
                     }
                     if l.is_some() {
@@ -306,7 +336,14 @@ impl L2 {
                 Some(keys[from - 1])
             };
             let why = match self
-                .store(&linked, device, &keys[from..], &pages[from..], parent)
+                .store(
+                    &linked,
+                    device,
+                    &keys[from..],
+                    &pages[from..],
+                    parent,
+                    fence,
+                )
                 .await
             {
                 Ok(r) => {

@@ -17,6 +17,7 @@
 //! - `service`: the gRPC edge, wire ↔ domain, dispatching to the pool's mode.
 
 mod backup;
+mod call_fence;
 mod engine_cache;
 mod handle_ids;
 mod l2;

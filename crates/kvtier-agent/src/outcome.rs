@@ -19,15 +19,19 @@ pub(crate) enum Loss {
     CopyFailed,
     /// kvtierd refused a call (an error other than the link going away).
     Refused,
+    /// The engine's call was past its deadline, or its client gone, before the page was
+    /// copied: the engine may have reused the page, so it is not read (the call's fence).
+    Late,
 }
 
 impl Loss {
     /// Every reason, in label order.
-    pub(crate) const ALL: [Loss; 4] = [
+    pub(crate) const ALL: [Loss; 5] = [
         Loss::DaemonUnreachable,
         Loss::L2Full,
         Loss::CopyFailed,
         Loss::Refused,
+        Loss::Late,
     ];
 
     /// The metric label.
@@ -37,6 +41,7 @@ impl Loss {
             Loss::L2Full => "l2_full",
             Loss::CopyFailed => "copy_failed",
             Loss::Refused => "refused",
+            Loss::Late => "late",
         }
     }
 
@@ -50,7 +55,7 @@ impl Loss {
         match self {
             Loss::L2Full => within_deadline,
             Loss::DaemonUnreachable => daemon_may_come_back,
-            Loss::CopyFailed | Loss::Refused => false,
+            Loss::CopyFailed | Loss::Refused | Loss::Late => false,
         }
     }
 }
@@ -66,14 +71,18 @@ pub(crate) enum LoadFailure {
     DaemonUnreachable,
     /// The host → device copy failed.
     CopyFailed,
+    /// The call was past its deadline, or its client gone, before the page was copied in:
+    /// the engine may have given its pages to another request, so none is written.
+    Late,
 }
 
 impl LoadFailure {
     /// Every reason, in label order.
-    pub(crate) const ALL: [LoadFailure; 3] = [
+    pub(crate) const ALL: [LoadFailure; 4] = [
         LoadFailure::Missing,
         LoadFailure::DaemonUnreachable,
         LoadFailure::CopyFailed,
+        LoadFailure::Late,
     ];
 
     /// The metric label.
@@ -82,6 +91,7 @@ impl LoadFailure {
             LoadFailure::Missing => "missing",
             LoadFailure::DaemonUnreachable => "daemon_unreachable",
             LoadFailure::CopyFailed => "copy_failed",
+            LoadFailure::Late => "late",
         }
     }
 }

@@ -14,13 +14,14 @@ use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree, TokenIds};
 use kvtier_device::cpu::CpuDevice;
 use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
 use kvtier_device::plan::{DeviceMap, Piece};
-use kvtier_device::{Device, DeviceError};
+use kvtier_device::{Device, DeviceError, Fence};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1::{self, agent_server};
 use kvtier_shm::ShmPool;
 use tonic::{Request, Response, Status};
 
 use crate::backup::BackupWorker;
+use crate::call_fence;
 use crate::engine_cache::{CacheMode, Pages};
 use crate::l2::L2;
 use crate::link::{Link, Linked};
@@ -121,6 +122,7 @@ fn device_error(field: &str, e: DeviceError) -> ApiError {
         }
         DeviceError::Unavailable(m) => ApiError::FailedPrecondition(m),
         DeviceError::Copy(m) => ApiError::Internal(m),
+        e @ DeviceError::Fenced => ApiError::Internal(e.to_string()),
     }
 }
 
@@ -466,6 +468,22 @@ impl AgentService {
     }
 }
 
+/// Runs a call that copies pages the engine lends on a task of its own, under `fence`
+/// (see [`call_fence`]): when the call's future is dropped (its client left), the fence
+/// closes and the task still runs to its end, so the failure path of a fenced copy unpins
+/// and aborts what it held in kvtierd.
+async fn fenced_call<T, F, Fut>(fence: Fence, call: F) -> Result<T, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce(Fence) -> Fut,
+    Fut: Future<Output = Result<T, ApiError>> + Send + 'static,
+{
+    let _closes = fence.close_on_drop();
+    tokio::spawn(call(fence.clone()))
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Internal(format!("call task failed: {e}"))))
+}
+
 /// A Save's pages, from its request and the tokens decoded from it.
 fn save_pages<'a>(
     req: &'a v1::SavePagesRequest,
@@ -540,11 +558,15 @@ impl agent_server::Agent for AgentService {
         request: Request<v1::LoadBackRequest>,
     ) -> Result<Response<v1::LoadBackResponse>, Status> {
         let caller = Caller::of(&request)?;
+        let fence = call_fence::of(&request);
         let req = request.into_inner();
+        let tree = self.tree.clone();
         to_status(
-            self.tree
-                .load_back(&caller, req.handle, req.free_pages)
-                .await,
+            fenced_call(fence, move |fence| async move {
+                tree.load_back(&caller, req.handle, req.free_pages, &fence)
+                    .await
+            })
+            .await,
         )
     }
 
@@ -646,8 +668,10 @@ impl agent_server::Agent for AgentService {
         request: Request<v1::LoadPagesRequest>,
     ) -> Result<Response<v1::LoadPagesResponse>, Status> {
         let caller = Caller::of(&request)?;
+        let fence = call_fence::of(&request);
         let req = request.into_inner();
-        let r = async {
+        let cache = self.cache.clone();
+        let r = fenced_call(fence, move |fence| async move {
             let policy = prefetch_policy(req.policy)?;
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = pages(
@@ -657,9 +681,9 @@ impl agent_server::Agent for AgentService {
                 req.start_page,
                 &req.device_pages,
             )?;
-            let loaded = self.cache.load(&caller, &p, policy, req.hints).await?;
+            let loaded = cache.load(&caller, &p, policy, req.hints, &fence).await?;
             Ok(v1::LoadPagesResponse { loaded })
-        };
+        });
         to_status::<v1::LoadPagesResponse, _>(r.await)
     }
 
@@ -668,12 +692,14 @@ impl agent_server::Agent for AgentService {
         request: Request<v1::SavePagesRequest>,
     ) -> Result<Response<v1::SavePagesResponse>, Status> {
         let caller = Caller::of(&request)?;
+        let fence = call_fence::of(&request);
         let req = request.into_inner();
-        let r = async {
+        let cache = self.cache.clone();
+        let r = fenced_call(fence, move |fence| async move {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = save_pages(&req, tokens)?;
-            self.cache.save(&caller, &p, req.selected).await
-        };
+            cache.save(&caller, &p, req.selected, &fence).await
+        });
         to_status(r.await)
     }
 
@@ -682,8 +708,10 @@ impl agent_server::Agent for AgentService {
         request: Request<v1::SaveBatchRequest>,
     ) -> Result<Response<v1::SaveBatchResponse>, Status> {
         let caller = Caller::of(&request)?;
+        let fence = call_fence::of(&request);
         let reqs = request.into_inner().requests;
-        let r = async {
+        let cache = self.cache.clone();
+        let r = fenced_call(fence, move |fence| async move {
             if reqs.len() > MAX_SAVE_BATCH {
                 return Err(ApiError::invalid(
                     "requests",
@@ -712,11 +740,11 @@ impl agent_server::Agent for AgentService {
                         .map_err(|e| e.within(&format!("requests[{i}]")))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let saved = self.cache.save_batch(&caller, &pages).await?;
+            let saved = cache.save_batch(&caller, &pages, &fence).await?;
             Ok(v1::SaveBatchResponse {
                 responses: saved.into_iter().map(Into::into).collect(),
             })
-        };
+        });
         to_status::<v1::SaveBatchResponse, _>(r.await)
     }
 }

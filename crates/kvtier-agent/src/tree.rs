@@ -14,6 +14,7 @@ use futures::StreamExt;
 use kvtier_client::PrefetchOptions;
 use kvtier_client::{ClientError, Evicted, Handle as HandleId, Inserted, Loaded, Match};
 use kvtier_core::PageKey;
+use kvtier_device::Fence;
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
 
@@ -134,6 +135,7 @@ impl TreeMode {
         caller: &Caller,
         handle: u64,
         free_pages: Vec<u32>,
+        fence: &Fence,
     ) -> Result<Loaded, ApiError> {
         let t = Instant::now();
         let s = &self.s;
@@ -194,7 +196,7 @@ impl TreeMode {
         let pinned = &keys[dev..dev + slots.len()];
         let n = match self
             .l2
-            .read(&linked, &device, pinned, &slots, &free_pages[..want])
+            .read(&linked, &device, pinned, &slots, &free_pages[..want], fence)
             .await
         {
             Ok(n) if n > 0 => n,

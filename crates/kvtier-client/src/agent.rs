@@ -7,6 +7,8 @@
 
 mod messages;
 
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use kvtier_core::{LayoutSpec, Namespace};
 use kvtier_proto::v1;
 use kvtier_proto::v1::agent_client::AgentClient as RawAgentClient;
@@ -22,12 +24,19 @@ use messages::{insert_request, inserted, match_request};
 /// The metadata header that carries the pool's owner token (see `RegisterPoolResponse`).
 pub const OWNER_HEADER: &str = "kvtier-pool-owner";
 
+/// The metadata header with the wall-clock time (Unix nanoseconds) at which the client gives
+/// up on a call. gRPC's own `grpc-timeout` is relative to when the server reads the request,
+/// so a call that waited in a stopped or busy agent's socket looks fresh; this one does not.
+/// The agent stops the call's page copies before the earlier of the two.
+pub const DEADLINE_HEADER: &str = "kvtier-deadline-unix-ns";
+
 /// A client of a kvtier-agent. After a registration it presents the owner token the agent
 /// returned on every call (clones made afterwards too).
 #[derive(Debug, Clone)]
 pub struct AgentClient {
     inner: RawAgentClient<Channel>,
     owner: Option<tonic::metadata::AsciiMetadataValue>,
+    timeout: Option<Duration>,
 }
 
 impl AgentClient {
@@ -36,7 +45,15 @@ impl AgentClient {
         Ok(Self {
             inner: RawAgentClient::new(connect(target).await?).max_decoding_message_size(64 << 20),
             owner: None,
+            timeout: None,
         })
+    }
+
+    /// Gives every later call a deadline `timeout` after it is sent (none: calls wait for
+    /// their answer). The agent copies no page of a call after its deadline: pages lent for
+    /// a call that timed out are the engine's again.
+    pub fn set_call_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
     }
 
     /// The raw generated client, for requests the typed methods do not cover (wrap their
@@ -47,16 +64,25 @@ impl AgentClient {
 
     /// `msg` as a request that presents this client's owner token, if it registered.
     pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
-        Self::with_owner(&self.owner, msg)
+        Self::with_owner(&self.owner, self.timeout, msg)
     }
 
     fn with_owner<T>(
         owner: &Option<tonic::metadata::AsciiMetadataValue>,
+        timeout: Option<Duration>,
         msg: T,
     ) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         if let Some(v) = owner {
             r.metadata_mut().insert(OWNER_HEADER, v.clone());
+        }
+        if let Some(t) = timeout {
+            r.set_timeout(t);
+            let at = SystemTime::now() + t;
+            let ns = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
+            if let Ok(v) = ns.to_string().parse() {
+                r.metadata_mut().insert(DEADLINE_HEADER, v);
+            }
         }
         r
     }
@@ -120,6 +146,7 @@ impl AgentClient {
             .inner
             .r#match(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 match_request(tokens, namespace),
             ))
             .await?
@@ -141,6 +168,7 @@ impl AgentClient {
             .inner
             .match_batch(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::MatchBatchRequest { requests },
             ))
             .await?
@@ -164,6 +192,7 @@ impl AgentClient {
             .inner
             .load_back(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::LoadBackRequest {
                     handle: handle.0,
                     free_pages,
@@ -190,6 +219,7 @@ impl AgentClient {
             .inner
             .prefetch(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::AgentPrefetchRequest {
                     handle: handle.0,
                     policy: policy as i32,
@@ -211,6 +241,7 @@ impl AgentClient {
             .inner
             .insert(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 insert_request(Insert {
                     tokens,
                     namespace: namespace.cloned(),
@@ -233,6 +264,7 @@ impl AgentClient {
             .inner
             .insert_batch(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::InsertBatchRequest { requests },
             ))
             .await?
@@ -251,6 +283,7 @@ impl AgentClient {
         self.inner
             .release(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::AgentReleaseRequest { handle: handle.0 },
             ))
             .await?;
@@ -262,6 +295,7 @@ impl AgentClient {
         self.inner
             .release_batch(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::ReleaseBatchRequest {
                     handles: handles.iter().map(|h| h.0).collect(),
                 },
@@ -275,7 +309,11 @@ impl AgentClient {
     pub async fn evict(&mut self, pages: u32) -> Result<Evicted, ClientError> {
         let r = self
             .inner
-            .evict(Self::with_owner(&self.owner, v1::EvictRequest { pages }))
+            .evict(Self::with_owner(
+                &self.owner,
+                self.timeout,
+                v1::EvictRequest { pages },
+            ))
             .await?
             .into_inner();
         Ok(Evicted {
@@ -310,6 +348,7 @@ impl AgentClient {
         self.inner
             .lookup(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::PagesLookupRequest {
                     packed_tokens,
                     namespace: namespace.map(Into::into),
@@ -338,6 +377,7 @@ impl AgentClient {
             .inner
             .load(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::LoadPagesRequest {
                     packed_tokens,
                     namespace: namespace.map(Into::into),
@@ -382,6 +422,7 @@ impl AgentClient {
             .inner
             .save(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::SavePagesRequest {
                     packed_tokens,
                     namespace: namespace.map(Into::into),
@@ -421,6 +462,7 @@ impl AgentClient {
             .inner
             .save_batch(Self::with_owner(
                 &self.owner,
+                self.timeout,
                 v1::SaveBatchRequest { requests },
             ))
             .await?

@@ -23,8 +23,11 @@ use kvtier_shm::ShmPool;
 
 pub mod cpu;
 pub mod cuda;
+pub mod fence;
 pub mod method;
 pub mod plan;
+
+pub use fence::Fence;
 
 /// Errors of a device.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +46,10 @@ pub enum DeviceError {
     /// A copy failed in the driver or the OS.
     #[error("copy failed: {0}")]
     Copy(String),
+    /// A copy stopped, or never started, because its [`Fence`] closed: the call it served
+    /// is past its deadline or its client left, so the engine's pages are no longer its.
+    #[error("copy fenced: its call is past its deadline or its client left")]
+    Fenced,
 }
 
 /// One page to move: the engine's page index in its pool and a slot of the host pool.
@@ -97,11 +104,24 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// short copy does.
     fn copies_inline(&self, bytes: usize) -> bool;
 
-    /// Copies device pages into host slots (device → host). Returns when every byte landed.
-    fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
+    /// Copies device pages into host slots (device → host). Returns when every byte landed,
+    /// or [`DeviceError::Fenced`] when `fence` closed before the copy ended (what was copied
+    /// by then is not to be used).
+    fn copy_to_host(
+        &self,
+        host: &ShmPool,
+        copies: &[PageCopy],
+        fence: &Fence,
+    ) -> Result<(), DeviceError>;
 
-    /// Copies host slots into device pages (host → device). Returns when every byte landed.
-    fn copy_from_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError>;
+    /// Copies host slots into device pages (host → device). Returns when every byte landed,
+    /// or [`DeviceError::Fenced`] when `fence` closed first: no part starts after it closed.
+    fn copy_from_host(
+        &self,
+        host: &ShmPool,
+        copies: &[PageCopy],
+        fence: &Fence,
+    ) -> Result<(), DeviceError>;
 }
 
 /// Checks a copy list against the pool and the host pool before anything moves, and returns

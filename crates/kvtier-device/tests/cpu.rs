@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use kvtier_core::{DType, DevicePool, KvKind, KvPart, Layout, LayoutSpec};
 use kvtier_device::cpu::CpuDevice;
-use kvtier_device::{Device, PageCopy};
+use kvtier_device::{Device, Fence, PageCopy};
 use kvtier_shm::{Backing, PoolSpec, ShmPool, ShmRegion};
 
 fn spec(kind: KvKind) -> LayoutSpec {
@@ -92,13 +92,13 @@ fn round_trip(kind: KvKind, name: &str, threads: usize) {
             host_slot: 39 - i,
         })
         .collect();
-    dev.copy_to_host(&host, &copies).unwrap();
+    dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
     for c in &copies {
         check_slot(&dev, &host, c.host_slot, c.device_page as usize);
     }
     // Wipe the engine's pool, load the pages back: identical to before for those pages.
     engine.write(0, &vec![0u8; engine.len()]).unwrap();
-    dev.copy_from_host(&host, &copies).unwrap();
+    dev.copy_from_host(&host, &copies, &Fence::never()).unwrap();
     let mut after = vec![0u8; engine.len()];
     engine.read(0, &mut after).unwrap();
     let pool = dev.pool();
@@ -184,6 +184,7 @@ fn bad_copies_change_nothing() {
                     host_slot: 2,
                 },
             ],
+            &Fence::never(),
         )
         .unwrap_err()
         .to_string();
@@ -195,6 +196,7 @@ fn bad_copies_change_nothing() {
                 device_page: 0,
                 host_slot: 40,
             }],
+            &Fence::never(),
         )
         .unwrap_err()
         .to_string();
@@ -236,4 +238,68 @@ fn cuda_without_a_driver_is_a_clear_error() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("libcuda"), "{e}");
+}
+
+#[test]
+fn a_closed_fence_moves_nothing_either_way() {
+    let name = "fenced";
+    let (dev, engine, host) = setup(
+        KvKind::Mha {
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        name,
+        16,
+        4,
+    );
+    let snapshot = |len: usize, read: &dyn Fn(&mut [u8])| {
+        let mut b = vec![0u8; len];
+        read(&mut b);
+        b
+    };
+    let engine_bytes = || snapshot(engine.len(), &|b| engine.read(0, b).unwrap());
+    let host_bytes = || {
+        let page = dev.pool().layout().page_bytes();
+        snapshot(page * host.slots() as usize, &|b| {
+            for (s, chunk) in b.chunks_mut(page).enumerate() {
+                host.read(s as u32, 0, chunk).unwrap();
+            }
+        })
+    };
+    let (engine_before, host_before) = (engine_bytes(), host_bytes());
+    // Sixteen pages over four threads: each part checks the fence before it moves a byte.
+    let copies: Vec<PageCopy> = (0..16u32)
+        .map(|i| PageCopy {
+            device_page: i,
+            host_slot: 20 + i,
+        })
+        .collect();
+    let closed = Fence::until(None);
+    closed.close();
+    let late = Fence::until(Some(std::time::Instant::now()));
+    for fence in [&closed, &late] {
+        assert!(matches!(
+            dev.copy_to_host(&host, &copies, fence),
+            Err(kvtier_device::DeviceError::Fenced)
+        ));
+        assert!(matches!(
+            dev.copy_from_host(&host, &copies, fence),
+            Err(kvtier_device::DeviceError::Fenced)
+        ));
+    }
+    assert!(
+        host_bytes() == host_before,
+        "a fenced save wrote the host pool"
+    );
+    assert!(
+        engine_bytes() == engine_before,
+        "a fenced load wrote the engine's pages"
+    );
+    // Open, the same copies move.
+    dev.copy_to_host(&host, &copies, &Fence::until(None))
+        .unwrap();
+    for c in &copies {
+        check_slot(&dev, &host, c.host_slot, c.device_page as usize);
+    }
+    std::fs::remove_file(path(name)).unwrap();
 }

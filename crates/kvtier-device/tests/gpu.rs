@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kvtier_core::{CopyMethod, DType, DevicePool, KvKind, Layout, LayoutSpec};
 use kvtier_device::cuda::{CudaDevice, DeviceBuffer, IPC_HANDLE_BYTES};
 use kvtier_device::plan::{DeviceMap, Piece};
-use kvtier_device::{Device, DeviceError, PageCopy};
+use kvtier_device::{Device, DeviceError, Fence, PageCopy};
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
 const PAGES: u32 = 64;
@@ -120,14 +120,14 @@ fn round_trip_on(dev: &CudaDevice, layout: &Layout) {
             host_slot: i,
         })
         .collect();
-    dev.copy_from_host(&host, &load).unwrap();
+    dev.copy_from_host(&host, &load, &Fence::never()).unwrap();
     let store: Vec<PageCopy> = (0..PAGES)
         .map(|i| PageCopy {
             device_page: PAGES - 1 - i,
             host_slot: PAGES + i,
         })
         .collect();
-    dev.copy_to_host(&host, &store).unwrap();
+    dev.copy_to_host(&host, &store, &Fence::never()).unwrap();
     let mut back = vec![0u8; layout.page_bytes()];
     for i in 0..PAGES {
         host.read(PAGES + i, 0, &mut back).unwrap();
@@ -198,7 +198,7 @@ fn both_at_once(dev: Arc<CudaDevice>, layout: &Layout) {
             host_slot: i,
         })
         .collect();
-    dev.copy_from_host(&host, &first).unwrap();
+    dev.copy_from_host(&host, &first, &Fence::never()).unwrap();
     let backup = {
         let (dev, host) = (dev.clone(), host.clone());
         std::thread::spawn(move || {
@@ -209,7 +209,7 @@ fn both_at_once(dev: Arc<CudaDevice>, layout: &Layout) {
                         host_slot: PAGES + i,
                     })
                     .collect();
-                dev.copy_to_host(&host, &c).unwrap();
+                dev.copy_to_host(&host, &c, &Fence::never()).unwrap();
             }
         })
     };
@@ -220,7 +220,7 @@ fn both_at_once(dev: Arc<CudaDevice>, layout: &Layout) {
                 host_slot: i,
             })
             .collect();
-        dev.copy_from_host(&host, &c).unwrap();
+        dev.copy_from_host(&host, &c, &Fence::never()).unwrap();
     }
     backup.join().unwrap();
     let mut back = vec![0u8; layout.page_bytes()];
@@ -234,7 +234,7 @@ fn both_at_once(dev: Arc<CudaDevice>, layout: &Layout) {
             host_slot: PAGES + i,
         })
         .collect();
-    dev.copy_to_host(&host, &c).unwrap();
+    dev.copy_to_host(&host, &c, &Fence::never()).unwrap();
     for i in half..PAGES {
         host.read(PAGES + i, 0, &mut back).unwrap();
         assert!(back == page(&layout, i), "loaded page {i} differs");
@@ -259,7 +259,7 @@ fn bad_copy_lists_and_bad_ipc_handles_are_refused() {
         host_slot: 0,
     }];
     assert!(matches!(
-        dev.copy_to_host(&host, &out_of_pool),
+        dev.copy_to_host(&host, &out_of_pool, &Fence::never()),
         Err(DeviceError::Invalid { .. })
     ));
     let out_of_host = [PageCopy {
@@ -267,7 +267,7 @@ fn bad_copy_lists_and_bad_ipc_handles_are_refused() {
         host_slot: 4,
     }];
     assert!(matches!(
-        dev.copy_from_host(&host, &out_of_host),
+        dev.copy_from_host(&host, &out_of_host, &Fence::never()),
         Err(DeviceError::Invalid { .. })
     ));
     // A list with one bad entry moves nothing: slot 1 stays as it was.
@@ -286,7 +286,7 @@ fn bad_copy_lists_and_bad_ipc_handles_are_refused() {
             host_slot: 2,
         },
     ];
-    assert!(dev.copy_to_host(&host, &mixed).is_err());
+    assert!(dev.copy_to_host(&host, &mixed, &Fence::never()).is_err());
     let mut after = vec![0u8; layout.page_bytes()];
     host.read(1, 0, &mut after).unwrap();
     assert!(after == before, "a refused list moved bytes");

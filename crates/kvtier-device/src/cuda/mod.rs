@@ -31,7 +31,7 @@ pub use driver::driver_present;
 
 use crate::method::{Direction, Mover, SCRATCH_BYTES, Scratch, select};
 use crate::plan::{DeviceMap, HostSlots, Plan, Run};
-use crate::{Attached, CopyReport, Device, DeviceError, PageCopy, check_copies};
+use crate::{Attached, CopyReport, Device, DeviceError, Fence, PageCopy, check_copies};
 use driver::{Context, check};
 use movers::Lanes;
 
@@ -310,10 +310,20 @@ impl CudaDevice {
         Ok(Some(start.elapsed()))
     }
 
-    fn copy(&self, host: &ShmPool, copies: &[PageCopy], dir: Direction) -> Result<(), DeviceError> {
+    /// Checks `fence` before the copy is queued on the stream: once queued, the GPU moves it
+    /// all (microseconds to milliseconds), so the fence stops copies that start late, the
+    /// case that matters (a call that waited behind others, or a stopped agent resumed).
+    fn copy(
+        &self,
+        host: &ShmPool,
+        copies: &[PageCopy],
+        dir: Direction,
+        fence: &Fence,
+    ) -> Result<(), DeviceError> {
         let slots = check_copies(self.map.pool(), host, copies)?;
         self.ensure_registered(host)?;
         let plan = Plan::build(&self.map, &self.bases, slots, copies);
+        fence.check()?;
         self.mover.copy(plan.runs(), dir)
     }
 }
@@ -348,11 +358,21 @@ impl Device for CudaDevice {
         false
     }
 
-    fn copy_to_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError> {
-        self.copy(host, copies, Direction::ToHost)
+    fn copy_to_host(
+        &self,
+        host: &ShmPool,
+        copies: &[PageCopy],
+        fence: &Fence,
+    ) -> Result<(), DeviceError> {
+        self.copy(host, copies, Direction::ToHost, fence)
     }
 
-    fn copy_from_host(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<(), DeviceError> {
-        self.copy(host, copies, Direction::FromHost)
+    fn copy_from_host(
+        &self,
+        host: &ShmPool,
+        copies: &[PageCopy],
+        fence: &Fence,
+    ) -> Result<(), DeviceError> {
+        self.copy(host, copies, Direction::FromHost, fence)
     }
 }
