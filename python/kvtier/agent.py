@@ -34,13 +34,14 @@ OWNER_HEADER = "kvtier-pool-owner"
 MAX_SAVE_BATCH = 4096
 
 
-# Tokens converted per C call: each call holds the GIL (about 0.07 ms for 4k tokens here).
+# Tokens converted per C call: each call holds the GIL (about 0.02 ms for 1k tokens here).
 # Between calls the packing thread lets go of the GIL (``time.sleep(0)``), so another thread
 # (vLLM's scheduler, while a lookup thread packs a 128k-token prompt) waits for at most one
 # call. Without it, a waiting thread asks for the GIL only after the interpreter's switch
 # interval (5 ms): measured here, a thread beside one packing 128k-token prompts woke 5-11 ms
-# late, and 0.1 ms (p50) with the yield.
-_PACK_CHUNK = 4096
+# late, and 0.1 ms (p50) with the yield. Chunks of 1k rather than 4k took the scheduler's
+# time per waiting 128k-token request from about 0.4 to 0.3 ms (benches/vllm_bench.py).
+_PACK_CHUNK = 1024
 
 
 def packed(tokens: Sequence[int]) -> bytes:

@@ -25,7 +25,8 @@ A schedule (:func:`make_schedule`, a pure function of its seed) draws:
   mid-run.
 
 A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
-(when any were saved), every worker that saves saves some (unless its agent was killed), and
+(when any were saved), every worker that saves saves some (unless its agent or kvtierd was
+stopped or killed), and
 each fault drawn for a worker happens in it (the first call a fault can meet always meets it;
 a fault on loads in a worker that loaded nothing, because earlier faults left nothing to
 find, is not asked of it). A failing seed is printed and replays the same schedule::
@@ -272,7 +273,9 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             saved_before = sum(x["saved_pages"] for run in runs[:-1] for x in run["workers"])
             if w.name == "check" and saved_before and not r["scheduler"]["external_tokens"]:
                 problems.append(f"{w.name}: vacuous: loaded nothing")
-            if w.role != "kv_consumer" and not total["saved_pages"] and "kill" not in w.faults:
+            # An agent or kvtierd gone from an early step may be gone for the rest of the run.
+            gone = "kill" in w.faults or w.daemon is not None
+            if w.role != "kv_consumer" and not total["saved_pages"] and not gone:
                 problems.append(f"{w.name}: vacuous: saved nothing")
             for f, seen in _fired(w, r).items():
                 if not seen:

@@ -230,11 +230,28 @@ def test_a_call_past_its_deadline_never_shares_staging_with_a_late_copy(tmp_path
         r = run_worker(tmp_path, "t1", flag(agent("t1")), ps, "--time-out", "save")
         assert r["worker"]["save_failed_pages"] > 0, r
     assert r["wrong_blocks"] == 0, r
-    assert r["worker"]["retired_staging"] == 1, r
+    # At least that call's pool (on a loaded host another call may outlive its deadline too).
+    assert r["worker"]["retired_staging"] >= 1, r
     # Everything in the shared tiers is what recomputing gives: a third engine loads it all
     # and finds no wrong block.
     r3 = run_worker(tmp_path, "t3", flag(agent("t3")), same_prompts_again(again, 103))
     assert r3["wrong_blocks"] == 0 and r3["scheduler"]["external_tokens"] > 0, r3
+
+
+def test_a_staging_pool_that_cannot_be_replaced_is_tried_again_not_given_up(tmp_path, node):
+    """A Save past its deadline retires its staging pool; creating the next one fails (no
+    room in the staging directory). Before: the worker kept the retired pool, which gives
+    no pages, and dropped every later save for good (0 of 74 pages saved). Now a transfer
+    after ``STAGING_RETRY_S`` tries again, and the saves after it reach L2."""
+    _, agent = node
+    ps = prompts(111, prefixes=4, each=4)
+    kv = flag(agent("r1"))
+    opts = ("--time-out", "save", "--fail-new-staging", "1", "--max-batched-tokens", "32")
+    r = run_worker(tmp_path, "r1", kv, ps, *opts)
+    assert r["wrong_blocks"] == 0, r
+    assert r["worker"]["retired_staging"] == 1, r
+    assert r["worker"]["save_dropped_pages"] > 0, r
+    assert r["worker"]["saved_pages"] > 0, r
 
 
 KVTIER_UID = 10001  # the image's kvtier user (deploy/container), which runs both sidecars

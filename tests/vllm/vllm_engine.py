@@ -393,6 +393,7 @@ def run(
     time_out: str | None = None,
     slow_save: float = 0.0,
     faults: Faults | None = None,
+    fail_new_staging: int = 0,
 ) -> dict:
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -404,6 +405,24 @@ def run(
 
     kcc = kv_cache_config()
     tp = vc.parallel_config.tensor_parallel_size
+    if fail_new_staging:
+        # After the first staging pool, the next ones cannot be created (no room left in
+        # the staging directory, say): a replacement fails and must be tried again later.
+        from kvtier.integrations.vllm import worker as worker_module
+        from kvtier.integrations.vllm.worker import WorkerSide
+
+        # The engine's steps here take milliseconds, not vLLM's tens: try again sooner.
+        worker_module.STAGING_RETRY_S = 0.05
+        new_staging = WorkerSide._new_staging
+        made = {"n": 0}
+
+        def no_room(self):
+            made["n"] += 1
+            if 1 < made["n"] <= 1 + fail_new_staging:
+                raise OSError("injected: no room for a new staging pool")
+            return new_staging(self)
+
+        WorkerSide._new_staging = no_room
     if fail_copy:
         # The first staging copy raises, as a device copy that fails would.
         from kvtier.integrations.vllm.staging import Staging
@@ -806,6 +825,9 @@ def main() -> None:
     ap.add_argument("--reset-then", help="after the prompts: new weights, a reset, FILE")
     ap.add_argument("--fail-copy", choices=["load", "save"], help="the first copy raises")
     ap.add_argument("--time-out", choices=["load", "save"], help="the first call times out")
+    ap.add_argument(
+        "--fail-new-staging", type=int, default=0, help="N: staging pools 2..N+1 fail to start"
+    )
     ap.add_argument("--tp", type=int, default=1, help="TP ranks, one worker each")
     ap.add_argument("--slow-save", type=float, default=0.0, help="SECONDS before every save")
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
@@ -861,6 +883,7 @@ def main() -> None:
         a.time_out,
         a.slow_save,
         faults,
+        a.fail_new_staging,
     )
     Path(a.out).write_text(json.dumps(result))
 

@@ -56,6 +56,14 @@ pub(crate) fn of<T>(req: &tonic::Request<T>) -> Fence {
     Fence::until(left.map(|l| now + l.saturating_sub(margin(whole))))
 }
 
+/// Returns once `fence` is closed (checked every 10 ms): for racing a wait that the fence
+/// should cut short.
+pub(crate) async fn closed(fence: &Fence) {
+    while fence.is_open() {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// gRPC's `grpc-timeout` value: up to 8 digits and a unit (H, M, S, m, u, n).
 fn grpc_timeout(v: &str) -> Option<Duration> {
     let (digits, unit) = v.split_at(v.len().checked_sub(1)?);

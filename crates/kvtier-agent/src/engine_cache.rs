@@ -29,6 +29,7 @@ use kvtier_device::{Device, Fence};
 use kvtier_proto::ApiError;
 use kvtier_proto::v1;
 
+use crate::call_fence;
 use crate::l2::{L2, Writer};
 use crate::link::Linked;
 use crate::outcome::LoadFailure;
@@ -241,7 +242,7 @@ impl CacheMode {
         slots.truncate(n);
         if slots.len() < n {
             let more = self
-                .fetch_rest(&linked, &span, slots.len(), n, policy, hints)
+                .fetch_rest(&linked, &span, slots.len()..n, (policy, hints), fence)
                 .await;
             slots.extend(more);
         }
@@ -269,19 +270,18 @@ impl CacheMode {
         Ok(loaded as u32)
     }
 
-    /// Pages `got..n` of a Load that L2 lacked, from L3 through a prefetch of the agent's
-    /// own, per `policy`: the slots of those that landed (pinned), in order.
+    /// Pages `rest` (of the Load's, `got..n`) that L2 lacked, from L3 through a prefetch of
+    /// the agent's own, per `policy`: the slots of those that landed (pinned), in order.
     async fn fetch_rest(
         &self,
         linked: &Arc<Linked>,
         span: &Span,
-        got: usize,
-        n: usize,
-        policy: v1::PrefetchPolicy,
-        hints: Option<v1::PrefetchHints>,
+        rest: std::ops::Range<usize>,
+        (policy, hints): (v1::PrefetchPolicy, Option<v1::PrefetchHints>),
+        fence: &Fence,
     ) -> Vec<u32> {
-        let from = span.start + got;
-        let keys = span.keys(from, n - got);
+        let from = span.start + rest.start;
+        let keys = span.keys(from, rest.len());
         let id = format!("load{}", self.load_ids.fetch_add(1, Ordering::Relaxed));
         // The engine has planned on these pages already (its blocks are allocated): a short
         // L3 hit is fetched unless the caller says otherwise; kvtierd's load-versus-recompute
@@ -302,16 +302,31 @@ impl CacheMode {
         else {
             return Vec::new();
         };
-        match self
+        // TakePrefetch waits per the policy (up to prefetch.timeout_max under
+        // wait_complete), longer than the engine may wait for this call: once the call's
+        // fence closes, the prefetch is given up, so its landed pages are unpinned now and
+        // the take comes back (what it pinned already is released after the fenced copy).
+        let take = self
             .l2
-            .call_prefetch(linked, c.take_prefetch(linked.session, &id))
-            .await
-        {
+            .call_prefetch(linked, c.take_prefetch(linked.session, &id));
+        tokio::pin!(take);
+        let taken = tokio::select! {
+            r = &mut take => r,
+            () = call_fence::closed(fence) => {
+                let mut c = linked.client.clone();
+                self.l2
+                    .call_prefetch(linked, c.release_prefetch(linked.session, &id))
+                    .await;
+                take.await
+            }
+        };
+        match taken {
             Some((_, mut slots)) => {
                 slots.truncate(keys.len());
                 slots
             }
             None => {
+                let mut c = linked.client.clone();
                 self.l2
                     .call_prefetch(linked, c.release_prefetch(linked.session, &id))
                     .await;

@@ -142,10 +142,14 @@ impl L2 {
         }
     }
 
+    /// A call on `linked` failed: a failure that means the link is gone marks it broken, and
+    /// so does a call that timed out (kvtierd may still carry it out: a pin or reservation
+    /// nobody waits for any more, which only closing the session gives back; the link
+    /// closes it once a new session is up).
     fn failed(&self, linked: &Arc<Linked>, e: &ClientError, about_prefetch: bool) {
         let gone = about_prefetch
             && matches!(e, ClientError::Status(s) if s.code() == tonic::Code::NotFound);
-        if is_link_error(e) && !gone {
+        if (is_link_error(e) || matches!(e, ClientError::Protocol(_))) && !gone {
             self.s.link.broken(linked, e);
         } else {
             tracing::debug!("kvtierd call failed: {e}");
@@ -204,8 +208,11 @@ impl L2 {
             .await;
         match r {
             Ok(()) => Ok(n),
-            Err(PageError::Copy(DeviceError::Fenced)) => Err(LoadFailure::Late),
-            Err(PageError::Copy(e)) => {
+            Err(
+                PageError::Copy(DeviceError::Fenced)
+                | PageError::LeasedCopy(DeviceError::Fenced, _),
+            ) => Err(LoadFailure::Late),
+            Err(PageError::Copy(e) | PageError::LeasedCopy(e, _)) => {
                 tracing::warn!("copy from L2 failed, the engine computes instead: {e}");
                 Err(LoadFailure::CopyFailed)
             }
@@ -251,7 +258,13 @@ impl L2 {
             .await;
         r.map_err(|e| match e {
             PageError::Copy(DeviceError::Fenced) => Loss::Late,
-            PageError::Copy(e) => {
+            // A fenced copy stopped for its call's sake, not the slots': they take the next
+            // write (kept, they would stay leased and unused for the session's life).
+            PageError::LeasedCopy(DeviceError::Fenced, slots) => {
+                linked.lease.give_back(slots);
+                Loss::Late
+            }
+            PageError::Copy(e) | PageError::LeasedCopy(e, _) => {
                 tracing::warn!("copy to L2 failed: {e}");
                 Loss::CopyFailed
             }

@@ -55,6 +55,10 @@ pub struct Link {
     wake: Notify,
     /// Bumped each time a session is published, for waiters.
     linked: watch::Sender<u64>,
+    /// Sessions given up as broken: closed once a new session is up. A kvtierd that was
+    /// only slow (stopped, starved) still holds their pins and reservations, which would
+    /// otherwise stay until their lease runs out.
+    abandoned: Mutex<Vec<kvtier_core::SessionId>>,
 }
 
 /// Called with a new session (its generation set) before the session is used.
@@ -119,6 +123,7 @@ impl Link {
             down_since: Mutex::new(None),
             wake: Notify::new(),
             linked: watch::channel(0).0,
+            abandoned: Mutex::new(Vec::new()),
         }
     }
 
@@ -203,8 +208,33 @@ impl Link {
             );
             *cur = None;
             self.set_down_since(Some(Instant::now()));
+            self.abandoned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(linked.session);
             self.wake.notify_one();
         }
+    }
+
+    /// Closes the sessions given up before `linked` (best effort, in the background): what
+    /// the calls in flight on them held in kvtierd goes at once. A restarted kvtierd knows
+    /// none of them (nothing to close).
+    fn close_abandoned(&self, linked: &Linked) {
+        let old = std::mem::take(&mut *self.abandoned.lock().unwrap_or_else(|e| e.into_inner()));
+        if old.is_empty() {
+            return;
+        }
+        let mut c = linked.client.clone();
+        let timeout = self.timeout;
+        tokio::spawn(async move {
+            for session in old {
+                match tokio::time::timeout(timeout, c.close(session)).await {
+                    Ok(Ok(())) => tracing::info!(%session, "closed a session given up as broken"),
+                    Ok(Err(e)) => tracing::debug!(%session, "old session not closed: {e}"),
+                    Err(_) => tracing::debug!(%session, "old session close timed out"),
+                }
+            }
+        });
     }
 
     async fn connect(&self, layout: &LayoutSpec) -> Result<Linked, ClientError> {
@@ -244,6 +274,7 @@ impl Link {
                                 hook(&linked);
                             }
                             let ttl = linked.ttl;
+                            self.close_abandoned(&linked);
                             *write(&self.current) = Some(Arc::new(linked));
                             self.set_down_since(None);
                             self.linked.send_replace(generation);

@@ -203,6 +203,13 @@ impl TreeMode {
             _ => return Ok(unchanged(self.device_prefix(handle))),
         };
         let mut st = s.lock();
+        if !fence.is_open() {
+            // The copy ended in time, but the engine gave up on the call since (kvtierd
+            // slow to take the pins back): the pages are the engine's again, never the
+            // tree's.
+            drop(st);
+            return Ok(unchanged(self.device_prefix(handle)));
+        }
         let Some(h) = st.handles.get(&handle) else {
             // Released meanwhile: nothing to attach the pages to.
             return Ok(unchanged(Vec::new()));

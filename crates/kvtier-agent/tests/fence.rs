@@ -28,6 +28,13 @@ fn signal(p: &Proc, sig: &str) {
     assert!(ok, "kill {sig} failed");
 }
 
+/// "Computes" the pages of prompt `toks` into device pages `first..`.
+fn compute(e: &Engine, spec: &kvtier_core::LayoutSpec, toks: &[u32], first: u32) {
+    for (k, p) in keys(spec, toks).iter().zip(first..) {
+        e.compute(p, k);
+    }
+}
+
 /// kvtierd's pinned and reserved (being written) pages, over all pools.
 async fn held(socket: &std::path::Path) -> (u32, u32) {
     let mut c = kvtier_client::HostClient::connect(&socket.display().to_string())
@@ -52,12 +59,8 @@ fn calls_read_after_their_deadline_copy_nothing_and_hold_nothing() {
         // A prompt in L2, and a second one computed into pages 4..8 but not yet saved.
         let t = tokens(41, 4);
         let u = tokens(42, 4);
-        for (k, p) in keys(&spec, &t).iter().zip(0..) {
-            e.compute(p, k);
-        }
-        for (k, p) in keys(&spec, &u).iter().zip(4..) {
-            e.compute(p, k);
-        }
+        compute(&e, &spec, &t, 0);
+        compute(&e, &spec, &u, 4);
         let r = e
             .client
             .save_pages(&t, None, 0, (0..4).collect())
@@ -135,5 +138,131 @@ fn calls_read_after_their_deadline_copy_nothing_and_hold_nothing() {
         let r = c.save_pages(&u, None, 0, (4..8).collect()).await.unwrap();
         assert_eq!(r.stored, 4, "{r:?}");
         assert_eq!(held(&sock).await, (0, 0));
+    });
+}
+
+/// Polls until kvtierd holds no pin and no reservation; panics after `within`.
+async fn nothing_held_within(sock: &std::path::Path, since: Instant, within: Duration) {
+    loop {
+        let h = held(sock).await;
+        if h == (0, 0) {
+            return;
+        }
+        assert!(
+            since.elapsed() < within,
+            "kvtierd still holds (pinned, writing) {h:?} after {:?}",
+            since.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn a_load_waiting_on_l3_when_its_client_gives_up_unpins_at_once() {
+    let d = dir("fence-l3");
+    // L3 answers every read 8 s late; L2 holds 32 pages.
+    let _kvtierd = daemon(
+        &d,
+        &[
+            "l2.pool_pages=32",
+            "l3.backend=memory",
+            "l3.fault_get_delay=8s",
+        ],
+    );
+    let sock = d.join("kvtierd.sock");
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "fl3", &[]);
+        let mut e = Engine::start_cache(&a, spec.clone(), 64, "fl3").await;
+        e.wait_connected().await;
+        // P's 8 pages go to L2 and L3; ten other prompts push them out of L2; P's first 4
+        // pages come back to L2. A Load of P then pins 4 pages in L2 and waits on L3.
+        let p = tokens(71, 8);
+        compute(&e, &spec, &p, 0);
+        e.client
+            .save_pages(&p, None, 0, (0..8).collect())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        for i in 0..10 {
+            let t = tokens(200 + i, 8);
+            compute(&e, &spec, &t, 8);
+            e.client
+                .save_pages(&t, None, 0, (8..16).collect())
+                .await
+                .unwrap();
+        }
+        e.client
+            .save_pages(&p[..4 * 16], None, 0, (0..4).collect())
+            .await
+            .unwrap();
+        let mut c = e.client.clone();
+        c.set_call_timeout(Some(Duration::from_millis(300)));
+        let t0 = Instant::now();
+        let r = c
+            .load_pages(
+                &p,
+                None,
+                0,
+                (40..48).collect(),
+                PrefetchPolicy::WaitComplete,
+            )
+            .await;
+        assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+        // Before: the pins stayed until L3 answered or daemon.timeout (1.8-4.8 s).
+        nothing_held_within(&sock, t0, Duration::from_secs(1)).await;
+        for pg in 40..48 {
+            assert!(
+                !keys(&spec, &p).iter().any(|k| e.holds(pg, k)),
+                "page {pg} loaded after its call gave up"
+            );
+        }
+    });
+}
+
+#[test]
+fn sessions_given_up_while_kvtierd_stalled_are_closed_once_it_answers() {
+    let d = dir("fence-stall");
+    let kvtierd = daemon(&d, &["l2.pool_pages=256", "l3.backend=none"]);
+    let sock = d.join("kvtierd.sock");
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "fst", &["daemon.timeout=500ms"]);
+        let mut e = Engine::start_cache(&a, spec.clone(), 64, "fst").await;
+        e.wait_connected().await;
+        let p = tokens(81, 4);
+        compute(&e, &spec, &p, 0);
+        e.client
+            .save_pages(&p, None, 0, (0..4).collect())
+            .await
+            .unwrap();
+        // kvtierd stalls; loads pile up in its socket and time out; the agent gives its
+        // session up. Resumed, kvtierd serves the queued calls: pins for the old session.
+        signal(&kvtierd, "-STOP");
+        let mut calls = Vec::new();
+        for i in 0..16u32 {
+            let mut c = e.client.clone();
+            c.set_call_timeout(Some(Duration::from_millis(200)));
+            let p = p.clone();
+            calls.push(tokio::spawn(async move {
+                let pages = (16 + 4 * (i % 8)..20 + 4 * (i % 8)).collect();
+                c.load_pages(&p, None, 0, pages, PrefetchPolicy::Unspecified)
+                    .await
+            }));
+        }
+        for call in calls {
+            let _ = call.await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        signal(&kvtierd, "-CONT");
+        let resumed = Instant::now();
+        // Before: the old session held its pins until its lease ran out (about 13 s).
+        e.wait_connected().await;
+        nothing_held_within(&sock, resumed, Duration::from_secs(3)).await;
+        let mut h = kvtier_client::HostClient::connect(&sock.display().to_string())
+            .await
+            .unwrap();
+        let sessions = h.stats().await.unwrap().sessions;
+        assert_eq!(sessions.len(), 1, "{sessions:?}");
     });
 }

@@ -24,6 +24,10 @@ pub enum PageError<E> {
     Daemon(ClientError),
     /// The caller's copy failed; what it reserved was aborted.
     Copy(E),
+    /// The caller's copy into slots of its [`SlotLease`] failed: the slots are not used
+    /// again unless the caller gives them back ([`SlotLease::give_back`]), which it does when
+    /// the failure was not the slots' (a copy its caller stopped, say).
+    LeasedCopy(E, Vec<u32>),
 }
 
 /// How a [`HostClient::store_pages`] ended.
@@ -78,6 +82,12 @@ impl SlotLease {
 
     fn give(&self, slots: impl IntoIterator<Item = u32>) {
         self.lock().extend(slots);
+    }
+
+    /// Slots of a [`PageError::LeasedCopy`] that may take another write: nothing a later
+    /// write reads was left in them (a leased slot is the session's alone until committed).
+    pub fn give_back(&self, slots: Vec<u32>) {
+        self.give(slots);
     }
 }
 
@@ -193,9 +203,10 @@ impl HostClient {
         Fut: Future<Output = Result<(), E>>,
     {
         if let Err(e) = copy(slots.iter().copied().enumerate().collect()).await {
-            // Not used again (a slot the copy cannot reach would fail every write it went
-            // to): nothing names them, and kvtierd frees them with the session.
-            return Err(PageError::Copy(e));
+            // Not used again unless the caller says the failure was not theirs (a slot the
+            // copy cannot reach would fail every write it went to): kvtierd frees them with
+            // the session.
+            return Err(PageError::LeasedCopy(e, slots));
         }
         // A failed call leaves the slots' fate unknown (landed or not): they are not used
         // again, and kvtierd frees them with the session.

@@ -171,3 +171,40 @@ fn a_small_pool_leases_nothing_and_writers_reserve_as_before() {
         assert_eq!(c.stats().await.unwrap().reserve_calls, 4);
     });
 }
+
+#[test]
+fn a_copy_that_fails_into_leased_slots_hands_them_back_to_the_caller() {
+    let d = Daemon::start("lease-failed", &["l2.pool_pages=1024"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("writer", &layout("m")).await.unwrap();
+        let keys = chain(21, 6);
+        let lease = SlotLease::new(4);
+        write(&mut c, &s, &lease, None, &keys[..2]).await;
+        assert_eq!(lease.held(), 4);
+        // A copy that stops (its caller's deadline passed, say): the slots come back in the
+        // error, out of the lease, and nothing landed.
+        let r = c
+            .store_pages_with(
+                s.id,
+                Some(&lease),
+                Some(&keys[1]),
+                &keys[2..4],
+                Duration::from_secs(10),
+                |_| async { Err::<(), _>("stopped") },
+            )
+            .await;
+        let Err(kvtier_client::PageError::LeasedCopy("stopped", slots)) = r else {
+            panic!("not a leased copy failure: {r:?}");
+        };
+        assert_eq!((slots.len(), lease.held()), (2, 2));
+        assert_eq!(c.lookup(s.id, &keys[2..]).await.unwrap(), 0);
+        // Given back, they take the next small write: no Reserve.
+        lease.give_back(slots);
+        let reserves = c.stats().await.unwrap().reserve_calls;
+        let r = write(&mut c, &s, &lease, Some(&keys[1]), &keys[2..4]).await;
+        assert_eq!((r.held, r.copied), (2, 2));
+        assert_eq!(c.stats().await.unwrap().reserve_calls, reserves);
+        assert_eq!(c.lookup(s.id, &keys[..4]).await.unwrap(), 4);
+    });
+}

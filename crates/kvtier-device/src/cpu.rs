@@ -15,8 +15,8 @@ use crate::{Attached, CopyReport, Device, DeviceError, Fence, PageCopy, check_co
 /// Copies below this many pages run on the calling thread: spawning costs more than it saves.
 const PARALLEL_MIN_PAGES: usize = 8;
 
-/// A copy checks its fence about this often (bytes): after it closes, at most this much more
-/// moves on each copy thread (tens of microseconds).
+/// A copy checks its fence before each piece of this many bytes: after it closes, at most
+/// this much more moves on each copy thread (tens of microseconds).
 const FENCE_BYTES: usize = 256 << 10;
 
 /// Copies up to this many bytes may run on an async runtime's thread ([`Device::copies_inline`]):
@@ -66,29 +66,36 @@ impl CpuDevice {
         Ok(Plan::build(&self.map, &bases, slots, copies))
     }
 
-    /// Copies `runs`, checking `fence` before each [`FENCE_BYTES`] or so.
+    /// Copies `runs`, checking `fence` before each [`FENCE_BYTES`] (a long run moves in
+    /// pieces of that size).
     fn copy_runs(runs: &[Run], dir: Direction, fence: &Fence) -> Result<(), DeviceError> {
-        let mut since_check = FENCE_BYTES;
         for r in runs {
-            if since_check >= FENCE_BYTES {
+            let len = r.len as usize;
+            let mut off = 0;
+            while off < len {
                 fence.check()?;
-                since_check = 0;
-            }
-            since_check += r.len as usize;
-            let (dev, hst) = (r.device as usize as *mut u8, r.host as usize as *mut u8);
-            // SAFETY: the plan was built by `plan` from a copy list `check_copies` accepted:
-            // every device run lies inside a buffer of this device's mapped pool file (the
-            // map is `layer_first` of the pool the region was opened with, so offset + page ×
-            // stride + len ≤ buffer_bytes), and every host run inside a slot of the live host
-            // mapping (run index × run_bytes + len ≤ page_bytes ≤ stride). The two mappings
-            // are distinct files, so the ranges do not overlap. No Rust reference into either
-            // mapping exists; concurrent access to these bytes is excluded by the agent's locks
-            // (device page) and the daemon's reserve/acquire protocol (host slot).
-            unsafe {
-                match dir {
-                    Direction::ToHost => std::ptr::copy_nonoverlapping(dev, hst, r.len as usize),
-                    Direction::FromHost => std::ptr::copy_nonoverlapping(hst, dev, r.len as usize),
+                let n = (len - off).min(FENCE_BYTES);
+                let (dev, hst) = (
+                    (r.device as usize + off) as *mut u8,
+                    (r.host as usize + off) as *mut u8,
+                );
+                // SAFETY: the plan was built by `plan` from a copy list `check_copies`
+                // accepted: every device run lies inside a buffer of this device's mapped
+                // pool file (the map is `layer_first` of the pool the region was opened with,
+                // so offset + page × stride + len ≤ buffer_bytes), and every host run inside a
+                // slot of the live host mapping (run index × run_bytes + len ≤ page_bytes ≤
+                // stride); `off + n ≤ len` keeps this piece inside its run. The two mappings
+                // are distinct files, so the ranges do not overlap. No Rust reference into
+                // either mapping exists; concurrent access to these bytes is excluded by the
+                // agent's locks (device page) and the daemon's reserve/acquire protocol (host
+                // slot).
+                unsafe {
+                    match dir {
+                        Direction::ToHost => std::ptr::copy_nonoverlapping(dev, hst, n),
+                        Direction::FromHost => std::ptr::copy_nonoverlapping(hst, dev, n),
+                    }
                 }
+                off += n;
             }
         }
         Ok(())

@@ -310,9 +310,10 @@ impl CudaDevice {
         Ok(Some(start.elapsed()))
     }
 
-    /// Checks `fence` before the copy is queued on the stream: once queued, the GPU moves it
-    /// all (microseconds to milliseconds), so the fence stops copies that start late, the
-    /// case that matters (a call that waited behind others, or a stopped agent resumed).
+    /// Copies in parts of about [`FENCE_PART_BYTES`], each queued on the stream and waited
+    /// for before the next, with `fence` checked before each: what is queued, the GPU moves,
+    /// so a part bounds how far past the fence's closing a copy runs (about 2.5 ms at
+    /// 25 GB/s), and how long a part waits behind another copy's on the same stream.
     fn copy(
         &self,
         host: &ShmPool,
@@ -323,9 +324,37 @@ impl CudaDevice {
         let slots = check_copies(self.map.pool(), host, copies)?;
         self.ensure_registered(host)?;
         let plan = Plan::build(&self.map, &self.bases, slots, copies);
-        fence.check()?;
-        self.mover.copy(plan.runs(), dir)
+        for part in parts(plan.runs(), FENCE_PART_BYTES) {
+            fence.check()?;
+            self.mover.copy(part, dir)?;
+        }
+        Ok(())
     }
+}
+
+/// Bytes of runs a copy queues on its stream between fence checks.
+const FENCE_PART_BYTES: u64 = 64 << 20;
+
+/// `runs` in consecutive parts of at least `bytes` each (the last may be smaller; a run is
+/// never split).
+fn parts(runs: &[Run], bytes: u64) -> impl Iterator<Item = &[Run]> {
+    let mut rest = runs;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut sum = 0u64;
+        let n = rest
+            .iter()
+            .position(|r| {
+                sum += r.len;
+                sum >= bytes
+            })
+            .map_or(rest.len(), |i| i + 1);
+        let (part, tail) = rest.split_at(n);
+        rest = tail;
+        Some(part)
+    })
 }
 
 impl Device for CudaDevice {
@@ -374,5 +403,34 @@ impl Device for CudaDevice {
         fence: &Fence,
     ) -> Result<(), DeviceError> {
         self.copy(host, copies, Direction::FromHost, fence)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_every_run_once_in_order_and_split_only_between_runs() {
+        let runs: Vec<Run> = [5u64, 3, 10, 1, 1, 7, 20]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| Run {
+                device: i as u64,
+                host: 100 + i as u64,
+                len,
+            })
+            .collect();
+        for bytes in [1, 4, 8, 13, 30, 1000] {
+            let got: Vec<&[Run]> = parts(&runs, bytes).collect();
+            let flat: Vec<Run> = got.iter().flat_map(|p| p.iter().copied()).collect();
+            assert_eq!(flat, runs, "parts of {bytes}");
+            for p in &got[..got.len() - 1] {
+                let sum: u64 = p.iter().map(|r| r.len).sum();
+                let without_last: u64 = sum - p[p.len() - 1].len;
+                assert!(sum >= bytes && without_last < bytes, "{bytes}: {p:?}");
+            }
+        }
+        assert_eq!(parts(&[], 8).count(), 0);
     }
 }

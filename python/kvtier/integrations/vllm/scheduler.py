@@ -15,6 +15,7 @@ page at a time.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -44,20 +45,36 @@ logger = logging.getLogger("kvtier.vllm")
 # A lookup's answer older than this is asked again: pages may have left L2 meanwhile.
 LOOKUP_MAX_AGE_S = 2.0
 
+# Threads that send lookups, each with its own deadline: one slow answer holds up no other.
+LOOKUP_THREADS = 4
+
 
 class Keys:
-    """The keys of a request's leading pages known so far, back to back in one buffer."""
+    """The keys of a request's leading pages known so far: the runs of keys as the agent
+    returned them (or as hashed here), kept as they came. Never copied into one buffer: at
+    128k tokens a lookup's keys are 256 KiB, and appending them to a buffer took 0.5 ms of
+    the scheduler thread in vLLM's process (a run is referenced, not copied)."""
 
     def __init__(self) -> None:
-        self._packed = bytearray()
+        self._runs: list[bytes] = []
+        # Keys known through each run (cumulative), for finding a page's run.
+        self._ends: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._packed) // KEY_BYTES
+        return self._ends[-1] if self._ends else 0
 
     def __getitem__(self, page: int) -> bytes:
         if not 0 <= page < len(self):
             raise IndexError(page)
-        return bytes(self._packed[page * KEY_BYTES : (page + 1) * KEY_BYTES])
+        i = bisect.bisect_right(self._ends, page)
+        off = (page - (self._ends[i - 1] if i else 0)) * KEY_BYTES
+        return self._runs[i][off : off + KEY_BYTES]
+
+    def _add(self, run: bytes) -> None:
+        if not run:
+            return
+        self._runs.append(run)
+        self._ends.append(len(self) + len(run) // KEY_BYTES)
 
     def merge(self, first: int, packed: bytes) -> None:
         """Adds keys of pages ``first..`` (``packed``) past those known; a run that does not
@@ -67,7 +84,7 @@ class Keys:
             return
         skip = (have - first) * KEY_BYTES
         if skip < len(packed):
-            self._packed += packed[skip:]
+            self._add(packed[skip:] if skip else bytes(packed))
 
     def parent_of(self, page: int) -> bytes | None:
         """The key of page ``page - 1`` (None for page 0)."""
@@ -79,8 +96,7 @@ class Keys:
         if have >= pages:
             return
         new = _slice(tokens, have * bs, pages * bs)
-        for k in extend_keys(self.parent_of(have), new, bs, ns):
-            self._packed += k
+        self._add(b"".join(extend_keys(self.parent_of(have), new, bs, ns)))
 
 
 class LookupBreaker:
@@ -244,7 +260,14 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[Job] = []
         # Lookups, each with its own deadline, several at once, behind the breaker.
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-lookup")
+        self._pool = ThreadPoolExecutor(
+            max_workers=LOOKUP_THREADS, thread_name_prefix="kvtier-lookup"
+        )
+        # Every thread started now: the executor starts one per submit until it has them
+        # all, and each start cost the scheduler thread 1-1.7 ms (measured, 2 cores).
+        started = threading.Barrier(LOOKUP_THREADS)
+        for _ in range(LOOKUP_THREADS):
+            self._pool.submit(started.wait, 5.0)
         self.breaker = LookupBreaker(settings.lookup_pause_s)
 
     def _namespace(self, request: Request) -> Namespace | None:
@@ -325,17 +348,34 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         if not self.consumes:
             return 0, False
+        bs = self.block_size
+        t = self._tracked.get(request.request_id)
+        p = t.lookup if t is not None else None
+        now = time.monotonic()
+        start, limit = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        if (
+            t is not None
+            and p is not None
+            and not p.future.done()
+            and p.start == start < limit <= p.limit
+            and now - p.started <= self.settings.lookup_timeout_s
+            and not self.breaker.is_open(now)
+        ):
+            # Still waiting for the lookup this request asked for: vLLM asks every step, so
+            # this answer costs as little as it can (the namespace is the one the lookup
+            # was sent under: reset_cache forgets every tracked request). Not for a request
+            # with nothing to look up (start == limit): it is answered 0 at once, its keys
+            # fetched meanwhile.
+            t.hit = _Hit(p.start)
+            self.counts.deferred_lookups += 1
+            return None, False
         ns = self._namespace(request)
         if ns is None:
             return 0, False
         t = self._track(request, ns)
-        bs = self.block_size
-        # vLLM computes at least the last token itself (it needs its logits).
-        limit = (request.num_tokens - 1) // bs
-        start = num_computed_tokens // bs
+        # vLLM computes at least the last token itself (it needs its logits): limit, above.
         t.hit = _Hit(start)
         p = t.lookup
-        now = time.monotonic()
         if self.breaker.is_open(now):
             # The agent stopped answering a moment ago: nothing cached, without asking.
             self.counts.lookups_skipped += 1

@@ -53,6 +53,10 @@ logger = logging.getLogger("kvtier.vllm")
 T = TypeVar("T")
 U = TypeVar("U")
 
+# After a staging pool could not be replaced, how long until the next try (each try may
+# allocate the whole pool in the staging directory again).
+STAGING_RETRY_S = 1.0
+
 # DMA: steps whose saves may wait for the save thread at once.
 DMA_QUEUE = 8
 
@@ -79,6 +83,8 @@ class WorkerSide:
         # Names this instance where its pages are its own (scales computed at run time).
         self._instance = os.urandom(8).hex()
         self._staging: Staging | None = None
+        # When a failed staging replacement is next tried (None: none pending).
+        self._replace_after: float | None = None
         self._tensors: list[torch.Tensor] = []
         self._geometry: list[BlockBytes] = []
         self._layers: list[torch.Tensor] = []
@@ -276,7 +282,9 @@ class WorkerSide:
             self._replace_staging(staging)
 
     def _replace_staging(self, staging: Staging) -> None:
-        """Under ``_registering``: retires ``staging`` and registers a new pool."""
+        """Under ``_registering``: retires ``staging`` and registers a new pool. When that
+        fails (the agent still restarting, no room in the staging directory), the next
+        transfer tries again (``_current_staging``), at most every ``STAGING_RETRY_S``."""
         # Until the new pool is registered, calls present no owner token: the agent
         # refuses them rather than serve them against the old pool.
         self.agent.forget_registration()
@@ -284,8 +292,22 @@ class WorkerSide:
         try:
             self._staging = self._new_staging()
             self._register()
+            self._replace_after = None
         except (KvtierError, OSError, ValueError) as e:
             logger.warning("kvtier: could not register a new staging pool: %s", e)
+            self._replace_after = time.monotonic() + STAGING_RETRY_S
+
+    def _current_staging(self) -> Staging | None:
+        """The staging pool transfers go through now; after a replacement that failed, a
+        new try when one is due (else transfers meanwhile are misses and dropped saves,
+        counted, never a pool the agent may still be copying in)."""
+        due = self._replace_after
+        if due is not None and time.monotonic() >= due:
+            with self._registering:
+                staging = self._staging
+                if self._replace_after is not None and staging is not None:
+                    self._replace_staging(staging)
+        return self._staging
 
     def _count(self, **add: int) -> None:
         with self._lock:
@@ -353,7 +375,7 @@ class WorkerSide:
         most = max(1, self.settings.staging_pages // 2)
         rest: Job | None = job
         while rest is not None:
-            staging = self._staging
+            staging = self._current_staging()
             assert staging is not None
             slots = staging.take(min(most, len(rest.blocks)), wait)
             if not slots:
@@ -510,7 +532,7 @@ class WorkerSide:
                 return
             self._savers.submit(self._save_dma_all, meta.saves, ready, batch)
             return
-        staging = self._staging
+        staging = self._current_staging()
         if staging is None:
             return
         if self._gathers_behind:
