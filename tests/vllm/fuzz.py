@@ -199,6 +199,11 @@ def make_schedule(seed: int) -> Schedule:
     return Schedule(seed, tp, mla, l2_pages, workers)
 
 
+def _opt(w: Worker, name: str) -> str | None:
+    """The value of the worker's option ``name``, if it has it."""
+    return w.opts[w.opts.index(name) + 1] if name in w.opts else None
+
+
 def _fired(w: Worker, r: dict) -> dict[str, bool]:
     """Whether each fault drawn for ``w`` happened in its run ``r``."""
     workers = r["workers"]
@@ -211,7 +216,10 @@ def _fired(w: Worker, r: dict) -> dict[str, bool]:
         "drop_saves": r["faults"]["drop_save"] > 0,
         "preempt": r["vllm_stats"]["preemptions"] > 0,
         "fail_copy": total["load_error_pages"] > 0 or not loaded,
-        "time_out": total["retired_staging"] > 0,
+        # A Load past its deadline needs a load (seed 534688829: nothing to find after
+        # every earlier worker's agent was killed).
+        "time_out": total["retired_staging"] > 0
+        or (_opt(w, "--time-out") == "load" and not loaded),
         # A late save is one that was sent: some page saved or given up.
         "slow_save": w.role == "kv_consumer" or any(total[k] for k in SAVE_OUTCOMES),
         "kill": r["vllm_stats"]["killed"],

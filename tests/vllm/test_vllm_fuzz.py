@@ -87,6 +87,18 @@ def test_tp_ranks_whose_agents_hold_different_pages_save_nothing_computed_over_t
     assert tp["scheduler"]["rewound_pages"] > 0, tp["scheduler"]
 
 
+def test_a_page_one_tp_rank_lacks_is_computed_not_looked_up_and_loaded_forever(tmp_path):
+    """Found by the 30-minute run (seed 982391475): TP 2, rank 1's saves partly lost, then a
+    worker loading asynchronously. Rank 0's lookup offered pages rank 1's agent lacks; each
+    async load failed on rank 1, vLLM put the request back to waiting, and the connector
+    offered the same pages again: 1.1 million page loads in 7 minutes, the engine never
+    done. Now a request is never offered a page again at or past one its load failed at."""
+    report = fuzz_one(982391475, tmp_path)
+    assert not report["problems"], report["problems"]
+    w1 = report["runs"][1]
+    assert w1["load_error_blocks"] > 0 and w1["steps"] < 1000, w1["steps"]
+
+
 def test_a_producer_never_loads(tmp_path):
     """Defect: kv_producer still looked up and loaded; vLLM fences block reuse against
     in-flight steps only for consumers."""

@@ -506,6 +506,7 @@ def run(
             vllm_stats,
             faults.squeeze,
         )
+    _last_stats(ranks, vllm_stats)
     for worker, _ in ranks:
         worker.shutdown()
     sched.connector.shutdown()
@@ -524,6 +525,36 @@ def run(
         "faults": faults.fired,
         "vllm_stats": vllm_stats.report(),
     }
+
+
+def _last_stats(ranks, vllm_stats) -> None:
+    """The engine's next step after the last request: the saves still running when it ended
+    finish, and their figures reach vLLM's stat loggers as a step's would (through the
+    output aggregator). A real engine reports them on its next step; this one has none."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    outs = []
+    for worker, _ in ranks:
+        if worker.worker is not None:
+            worker.worker.drain()
+        stats = worker.get_kv_connector_stats()
+        outs.append(
+            ModelRunnerOutput(
+                req_ids=[],
+                req_id_to_index={},
+                sampled_token_ids=[],
+                kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
+            )
+        )
+    out = KVOutputAggregator(len(ranks)).aggregate(outs)
+    if out is None or out.kv_connector_output is None:
+        return
+    st = out.kv_connector_output.kv_connector_stats
+    if st is not None and not st.is_empty():
+        # As vLLM's scheduler hands them to its stat loggers (make_stats: to_dict()).
+        vllm_stats.prom.observe(st.to_dict(), 0)
+        vllm_stats.log.observe(st.to_dict())
 
 
 class Faults:

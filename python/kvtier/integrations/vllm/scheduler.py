@@ -165,6 +165,10 @@ class _Tracked:
     # back yet: nothing computed over it is saved until it does (a rank whose load fell
     # short computed garbage, and with TP the all-reduce spreads it to every rank).
     unconfirmed: int | None = None
+    # The first page a load of this request failed at (on any rank): never offered to it
+    # again, so it computes from there. Before: a page TP rank 0's agent holds and rank 1's
+    # lacks was looked up, loaded, failed and looked up again forever (fuzz seed 982391475).
+    load_failed_at: int | None = None
 
 
 class _Window(Sequence[int]):
@@ -374,6 +378,9 @@ class SchedulerSide:
             return 0, False
         t = self._track(request, ns)
         # vLLM computes at least the last token itself (it needs its logits): limit, above.
+        # Pages from one a load of this request failed at are computed, never loaded again.
+        if t.load_failed_at is not None:
+            limit = min(limit, max(start, t.load_failed_at))
         t.hit = _Hit(start)
         p = t.lookup
         if self.breaker.is_open(now):
@@ -579,6 +586,8 @@ class SchedulerSide:
                 back = min(t.saved, bad, t.request.num_computed_tokens // bs)
                 self.counts.rewound_pages += t.saved - back
                 t.saved = back
+                if t.load_failed_at is None or bad < t.load_failed_at:
+                    t.load_failed_at = bad
         done = output.kv_connector_worker_meta
         if isinstance(done, StepsDone):
             for step in done.steps:
