@@ -39,10 +39,10 @@ pub(crate) enum Writer<'a> {
 impl Writer<'_> {
     /// The fence the write's copies run under.
     fn fence(&self) -> &Fence {
-        static NEVER: std::sync::LazyLock<Fence> = std::sync::LazyLock::new(Fence::never);
+        const NEVER: &Fence = &Fence::never();
         match self {
             Writer::Engine(f) => f,
-            Writer::Background => &NEVER,
+            Writer::Background => NEVER,
         }
     }
 }

@@ -27,7 +27,7 @@ struct Inner {
 impl Fence {
     /// A fence that never closes: copies the agent owns (tree mode's pages, its own
     /// backups), and tests.
-    pub fn never() -> Self {
+    pub const fn never() -> Self {
         Self(None)
     }
 
