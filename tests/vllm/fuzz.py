@@ -12,8 +12,8 @@ from L2 and L3 are checked the same way when a later worker loads them, and the 
 of every schedule (a consumer, no faults) reads back every prompt of the schedule.
 
 A schedule (:func:`make_schedule`, a pure function of its seed) draws:
-- the deployment: TP 1 or 2, MHA or MLA, the L2 pool's size (small: pages go through L3 and
-  loads become asynchronous), the staging pool's size;
+- the deployment: TP 1 or 2, PP 1 or 2, MHA or MLA, the L2 pool's size (small: pages go
+  through L3 and loads become asynchronous), the staging pool's size;
 - 3 to 5 workers run one after another, continuing earlier conversations and starting new
   ones, each with its ``kv_role`` (kv_both, kv_producer, kv_consumer), ``load_async``,
   chunked prefill (a small token budget), a KV pool small enough that vLLM preempts;
@@ -22,7 +22,10 @@ A schedule (:func:`make_schedule`, a pure function of its seed) draws:
   different pages), a staging copy that raises, an agent call past its deadline while the
   agent still copies, saves behind a slow L2, an agent killed mid-run (restarted after),
   kvtierd stopped (SIGSTOP, resumed 0.5-3 s later) or killed (restarted on its directory)
-  mid-run.
+  mid-run; reads and writes of L3 slowed (some reads longer than a load's deadline);
+- LoRA: the conversations of some system prompts run under adapter ``a``, whose path is a
+  symlink the schedule re-points between workers at another adapter's files (same name,
+  same path, other weights: the stand-in's KV depends on the adapter's bytes).
 
 A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
 (when any were saved), every worker that saves saves some (unless its agent or kvtierd was
@@ -92,10 +95,16 @@ class Schedule:
     mla: bool
     l2_pages: int
     workers: list[Worker]
+    # kvtierd's L3 read and write delays (``l3.fault_get_delay``, ``l3.fault_set_delay``).
+    l3_delay: tuple[str, str] | None = None
+    # Per worker, the adapter files LoRA ``a`` points to while it runs (None: no LoRA).
+    lora: list[int] | None = None
+    # Pipeline stages, TP ranks each (every worker of every stage has its own agent).
+    pp: int = 1
 
     def describe(self) -> str:
-        parts = [f"seed {self.seed}: tp {self.tp}, {'mla' if self.mla else 'mha'}"]
-        parts.append(f"L2 {self.l2_pages} pages")
+        parts = [f"seed {self.seed}: tp {self.tp}, pp {self.pp}, {'mla' if self.mla else 'mha'}"]
+        parts.append(f"L2 {self.l2_pages} pages, L3 delays {self.l3_delay}, LoRA {self.lora}")
         for w in self.workers:
             parts.append(f"{w.name} {w.role} {' '.join(w.opts)} {w.extra} faults={w.faults}")
         return "\n  ".join(parts)
@@ -196,7 +205,66 @@ def make_schedule(seed: int) -> Schedule:
     # The last worker reads back every prompt of the schedule: no faults, loads only.
     check = [dict(p, id=f"check-{p['id']}", max_tokens=2) for p in live]
     workers.append(Worker("check", "kv_consumer", check, extra={"load_async": "auto"}))
-    return Schedule(seed, tp, mla, l2_pages, workers)
+    s = Schedule(seed, tp, mla, l2_pages, workers)
+    # Later draws come from generators of their own, so the draws above stay as they were.
+    l3rng = random.Random(f"l3-{seed}")
+    if l3rng.random() < 0.3:
+        # Reads up to past a load's deadline (4 s; 2 s under a time_out fault).
+        s.l3_delay = (l3rng.choice(["50ms", "300ms", "2500ms"]), l3rng.choice(["0ms", "100ms"]))
+    _draw_lora(s, random.Random(f"lora-{seed}"))
+    # PP 2 (TP 1 only, to keep a schedule's processes within two cores): the scheduler looks
+    # up stage 0's agent; stage 1's worker loads from its own, which may lack pages.
+    prng = random.Random(f"pp-{seed}")
+    if tp == 1 and prng.random() < 0.3:
+        s.pp = 2
+        for w in s.workers[:-1]:
+            if w.kill is not None:
+                # Either stage's agent.
+                w.kill = (prng.randrange(2), w.kill[1])
+            if w.role != "kv_consumer" and "drop_saves" not in w.faults and prng.random() < 0.4:
+                # Stage 1's saves partly lost: the stages' agents then hold different pages.
+                w.opts += ["--drop-saves", f"1:{prng.choice([0.3, 0.6])}"]
+                w.faults.append("drop_saves")
+    return s
+
+
+def _draw_lora(s: Schedule, rng: random.Random) -> None:
+    """Runs the conversations of some system prompts (those whose first 16 tokens draw it)
+    under LoRA adapter ``a``, re-pointed at other weights between some workers."""
+    if rng.random() >= 0.35:
+        return
+    s.lora = [rng.randrange(2) for _ in s.workers]
+    if len(set(s.lora)) == 1:
+        s.lora[rng.randrange(1, len(s.lora))] ^= 1
+    under: dict[tuple[int, ...], bool] = {}
+    for w in s.workers:
+        for p in w.prompts:
+            head = tuple(p["tokens"][:16])
+            if head not in under:
+                under[head] = rng.random() < 0.6
+            if under[head]:
+                p["lora"] = "a"
+
+
+def _adapters(tmp: Path) -> tuple[list[Path], Path]:
+    """Two versions of a LoRA adapter's files, and the path adapter ``a`` is served from:
+    a symlink to one of them."""
+    versions = []
+    for v in range(2):
+        d = tmp / "lora" / f"v{v}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+        (d / "adapter_model.safetensors").write_bytes(f"adapter weights, version {v}".encode())
+        versions.append(d)
+    return versions, tmp / "lora" / "current"
+
+
+def _point(link: Path, at: Path) -> None:
+    """Re-points ``link`` at ``at`` (atomically, as a deployment's symlink swap does)."""
+    tmp = link.with_name(link.name + ".new")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(at)
+    os.replace(tmp, link)
 
 
 def _opt(w: Worker, name: str) -> str | None:
@@ -232,14 +300,18 @@ def _fired(w: Worker, r: dict) -> dict[str, bool]:
 def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
     """Runs every worker of ``s`` in turn against one kvtierd and one agent per TP rank;
     returns what each reported and the problems found (empty: the schedule passed)."""
-    d = Kvtierd(tmp / "daemon", f"l2.pool_pages={s.l2_pages}")
+    sets = [f"l2.pool_pages={s.l2_pages}"]
+    if s.l3_delay is not None:
+        sets += [f"l3.fault_get_delay={s.l3_delay[0]}", f"l3.fault_set_delay={s.l3_delay[1]}"]
+    d = Kvtierd(tmp / "daemon", *sets)
+    versions, lora_link = _adapters(tmp)
     agents_dir = tmp / "agents"
     agents_dir.mkdir(exist_ok=True)
 
     def start_agent(rank: int) -> Agent:
         return Agent(tmp, f"agent-{rank}", d.socket, socket=agents_dir / f"agent-{rank}.sock")
 
-    agents = [start_agent(r) for r in range(s.tp)]
+    agents = [start_agent(r) for r in range(s.tp * s.pp)]
     problems: list[str] = []
     runs = []
     try:
@@ -247,8 +319,13 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             opts = list(w.opts)
             if s.tp > 1:
                 opts += ["--tp", str(s.tp)]
+            if s.pp > 1:
+                opts += ["--pp", str(s.pp)]
             if s.mla:
                 opts.append("--mla")
+            if s.lora is not None:
+                _point(lora_link, versions[s.lora[i]])
+                opts += ["--lora", f"a={lora_link}"]
             opts += ["--seed", str(s.seed * 100 + i)]
             kill = None
             if w.kill is not None:

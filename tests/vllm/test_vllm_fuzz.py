@@ -113,6 +113,27 @@ def test_a_producer_never_loads(tmp_path):
     assert p["worker"]["saved_pages"] > 0, p["worker"]
 
 
+def test_a_lora_name_re_pointed_at_other_weights_shares_no_page(tmp_path):
+    """Defect: LoRA pages were keyed by the adapter's name alone. Re-pointing the name (here:
+    the same name and the same path, a symlink swapped to other adapter files, as a
+    deployment rolls out a retrained adapter) made later workers load KV computed under the
+    old weights (the fuzzer's seeds 19, 53 and 65 found it: 65 to 194 wrong blocks per
+    worker). The key now holds the adapter's content digest: the second worker recomputes,
+    saves under the new adapter, and the reader loads only that."""
+    first, again = _conversations(3)
+    for p in first + again:
+        p["lora"] = "a"
+    s = Schedule(3, 1, False, 1024, [Worker("w0", "kv_both", first)], lora=[0, 1, 1])
+    s.workers += [Worker("w1", "kv_both", again), _check(again)]
+    report = run_schedule(s, tmp_path)
+    assert not report["problems"], report["problems"]
+    w1, check = report["runs"][1], report["runs"][2]
+    # Nothing of w0's was offered to w1 (its adapter's weights differ); w1's own saves were
+    # loaded by the reader, whose adapter is w1's.
+    assert w1["scheduler"]["external_tokens"] == 0, w1["scheduler"]
+    assert check["scheduler"]["external_tokens"] > 0, check["scheduler"]
+
+
 @pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
 def test_a_model_whose_blocks_vllm_frees_while_running_is_refused(tmp_path, kind):
     """Defect: a model whose every layer is sliding-window has one KV cache group, which the

@@ -4,8 +4,8 @@ Run as a script (one process per worker, as vLLM runs them)::
 
     python vllm_engine.py --kv-transfer-config JSON --prompts FILE --out FILE [--kill PID@STEP]
         [--served-name NAME] [--variant N] [--kv-dtype DTYPE] [--dp-rank N] [--pp-stage N]
-        [--reset-then FILE] [--fail-copy load|save] [--time-out load|save] [--tp N] [--mla]
-        [--blocks N]
+        [--reset-then FILE] [--fail-copy load|save] [--time-out load|save] [--tp N] [--pp N]
+        [--mla] [--blocks N] [--lora NAME=PATH]
 
 The options set up the deployments users run: a served alias (``--served-name``) over one
 of several checkpoints (``--variant``: another config, so other weights), an fp8 KV cache
@@ -17,8 +17,12 @@ a staging copy that raises (``--fail-copy``), an agent call that outlives its de
 once that its deadline passed, while the agent may still be copying), tensor parallelism
 (``--tp N``: N workers in this process, one per TP rank, each with its own connector, KV
 and agent, fed the same scheduler output; their load errors are merged as vLLM's output
-aggregator merges them), and
-an MLA model (``--mla``: a DeepSeek-V2-shaped config, whose latent is the same on every rank).
+aggregator merges them), pipeline parallelism (``--pp N``: N stages of TP ranks, each
+worker with its stage's layers, its own connector and agent; the stand-in mixes every
+worker's KV as it mixes the TP ranks'), LoRA adapters (``--lora NAME=PATH``: a prompt's
+``"lora"`` names one; the stand-in's KV depends on the adapter file's bytes, read as the
+model loads them), and an MLA model (``--mla``: a DeepSeek-V2-shaped config, whose latent
+is the same on every rank).
 
 It builds the ``VllmConfig`` from the same ``--kv-transfer-config`` flag ``vllm serve`` takes,
 parsed by vLLM's own argument parser; creates the connector through vLLM's factory (which
@@ -67,12 +71,14 @@ HEADS, HEAD = 2, 16
 LORA, ROPE = 32, 16
 LAYERS = 2
 NUM_BLOCKS = 203  # not 2, not 16: the block dimension is found by its size
-# This worker's attention layers; a PP stage's are set by --pp-stage.
-LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+# The first pipeline stage this process runs (--pp-stage; --pp N runs N from it).
+FIRST_STAGE = [0]
 # Set by --mla.
 MLA = [False]
 # Set by --spec: the KV cache spec's kind where it is not full attention.
 SPEC = ["full"]
+# Set by --lora NAME=PATH: the LoRA adapters a prompt's "lora" may name.
+LORAS: dict[str, str] = {}
 
 
 def model_dir(variant: int = 0) -> str:
@@ -126,6 +132,7 @@ def config(
     kv_dtype: str = "auto",
     dp_rank: int = 0,
     tp: int = 1,
+    pp: int = 1,
     max_batched_tokens: int = 256,
 ):
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
@@ -145,7 +152,7 @@ def config(
         max_model_len=2048,
         dtype="bfloat16",
     )
-    pc = ParallelConfig(tensor_parallel_size=tp)
+    pc = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     # The DP rank as vLLM's engine core sets it for a rank on this node.
     pc.data_parallel_rank = pc.data_parallel_rank_local = dp_rank
     vc = VllmConfig(
@@ -167,7 +174,15 @@ def config(
     return vc
 
 
-def kv_cache_config():
+def stage_layers(stage: int = 0) -> list[str]:
+    """The attention layers of pipeline stage ``stage`` of this process."""
+    first = (FIRST_STAGE[0] + stage) * LAYERS
+    return [f"model.layers.{first + i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def kv_cache_config(names: list[str] | None = None):
+    """The KV cache config vLLM hands the connector: one group over ``names`` (default:
+    stage 0's layers)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -196,20 +211,25 @@ def kv_cache_config():
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)],
+        kv_cache_groups=[KVCacheGroupSpec(names or stage_layers(), spec)],
     )
 
 
 class Kv:
-    """One TP rank's KV cache: vLLM's CPU attention layout per layer, ``[num_blocks,
-    num_kv_heads, block_size, 2 * head_size]`` (MLA: ``[num_blocks, block_size, kv_lora_rank
-    + rope_dim]``), with numpy views of the same memory for reading it fast."""
+    """One worker's KV cache (a TP rank of a pipeline stage): vLLM's CPU attention layout
+    per layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (MLA:
+    ``[num_blocks, block_size, kv_lora_rank + rope_dim]``), with numpy views of the same
+    memory for reading it fast."""
 
-    def __init__(self, rank: int = 0, num_blocks: int | None = None):
-        self.rank = 0 if MLA[0] else rank
+    def __init__(self, rank: int = 0, num_blocks: int | None = None, stage: int = 0):
+        self.tp_rank, self.stage = rank, stage
+        # What makes this worker's KV its own: its stage's layers, and its TP rank's heads
+        # (MLA: the latent is the same on every TP rank).
+        self.rank = stage * 8 + (0 if MLA[0] else rank)
         n = NUM_BLOCKS if num_blocks is None else num_blocks
         shape = (n, BLOCK, LORA + ROPE) if MLA[0] else (n, HEADS, BLOCK, 2 * HEAD)
-        self.layers = {name: torch.zeros(*shape, dtype=torch.bfloat16) for name in LAYER_NAMES}
+        self.names = stage_layers(stage)
+        self.layers = {name: torch.zeros(*shape, dtype=torch.bfloat16) for name in self.names}
         # int16 bit patterns: any bytes are a valid bf16 tensor to store and compare.
         self.raw = [t.view(torch.int16).numpy() for t in self.layers.values()]
 
@@ -258,9 +278,18 @@ class Model:
         self.weights = weights
         self._oracle.clear()
 
-    def forward(self, kvs: list[Kv], tokens: list[int], blocks: list[int], start: int, end: int):
+    def forward(
+        self,
+        kvs: list[Kv],
+        tokens: list[int],
+        blocks: list[int],
+        start: int,
+        end: int,
+        adapter: bytes = b"",
+    ):
         """Computes positions ``start..end`` of a request into ``blocks`` on every rank,
-        reading positions ``0..start`` from the blocks as they are now."""
+        reading positions ``0..start`` from the blocks as they are now. ``adapter``: the
+        request's LoRA adapter's weights (empty: none), which change every token's KV."""
         if end <= start:
             return
         per_token = len(kvs[0].token_bytes(blocks[0], 0))
@@ -269,7 +298,7 @@ class Model:
         first = start // BLOCK
         chains, partial = [], []
         for kv in kvs:
-            c = self.weights
+            c = self.weights + adapter
             for b in range(first):
                 c = hashlib.sha256(c + kv.block_bytes(blocks[b])).digest()
             h = hashlib.sha256(c)
@@ -296,25 +325,34 @@ class Model:
                     dst[...] = np.frombuffer(part, dtype=np.int16).reshape(dst.shape)
                 h.update(kv.token_bytes(blocks[b], off))
 
-    def expected(self, req_id: str, ranks: int, tokens: list[int], upto: int) -> list[Kv]:
-        """The oracle's KV of the request's first ``upto`` tokens, recomputed from scratch
-        (block i of the request in block i of its own store)."""
+    def expected(
+        self, req_id: str, like: list[Kv], tokens: list[int], upto: int, adapter: bytes = b""
+    ) -> list[Kv]:
+        """The oracle's KV of the request's first ``upto`` tokens on workers ``like``,
+        recomputed from scratch (block i of the request in block i of its own store)."""
         kvs, done = self._oracle.get(req_id, (None, 0))
         need = (upto + BLOCK - 1) // BLOCK
         if kvs is None or kvs[0].raw[0].shape[0] < need:
-            kvs = [Kv(rank=r, num_blocks=max(need, 1) * 2) for r in range(ranks)]
+            n = max(need, 1) * 2
+            kvs = [Kv(rank=k.tp_rank, num_blocks=n, stage=k.stage) for k in like]
             done = 0
         ids = list(range(kvs[0].raw[0].shape[0]))
-        self.forward(kvs, tokens, ids, done, upto)
+        self.forward(kvs, tokens, ids, done, upto, adapter)
         self._oracle[req_id] = (kvs, max(done, upto))
         return kvs
 
     def wrong_blocks(
-        self, kvs: list[Kv], req_id: str, tokens: list[int], blocks: list[int], upto: int
+        self,
+        kvs: list[Kv],
+        req_id: str,
+        tokens: list[int],
+        blocks: list[int],
+        upto: int,
+        adapter: bytes = b"",
     ) -> set[tuple[int, int]]:
         """(rank, block) among the first ``upto`` tokens' blocks that differ from
         recomputing them."""
-        want = self.expected(req_id, len(kvs), tokens, upto)
+        want = self.expected(req_id, kvs, tokens, upto, adapter)
         wrong = set()
         for r, (kv, ok) in enumerate(zip(kvs, want, strict=True)):
             self.checked += (upto + BLOCK - 1) // BLOCK
@@ -403,8 +441,11 @@ def run(
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    kcc = kv_cache_config()
     tp = vc.parallel_config.tensor_parallel_size
+    pp = vc.parallel_config.pipeline_parallel_size
+    # The scheduler's KV cache config: every stage's layers in one group, as vLLM's engine
+    # core merges its workers' configs.
+    kcc = kv_cache_config([n for st in range(pp) for n in stage_layers(st)])
     if fail_new_staging:
         # After the first staging pool, the next ones cannot be created (no room left in
         # the staging directory, say): a replacement fails and must be tried again later.
@@ -454,24 +495,36 @@ def run(
         AgentClient.save_batch = late
     faults = faults or Faults()
     faults.install()
-    # Each TP rank's connector, made by vLLM's factory from the flag, registered as the
-    # model runner registers it, while vLLM's parallel state says which rank it is.
+    # Each worker's connector (every TP rank of every pipeline stage, in vLLM's rank order,
+    # PP-major), made by vLLM's factory from the flag with its stage's KV cache config, and
+    # registered as the model runner registers it, while vLLM's parallel state says which
+    # ranks it is.
+    from types import SimpleNamespace
+
     from vllm.distributed import parallel_state
 
     ranks = []
     real_rank = parallel_state.get_tensor_model_parallel_rank
-    for r in range(tp):
-        kv = Kv(rank=r)
-        if tp > 1:
-            parallel_state.get_tensor_model_parallel_rank = lambda r=r: r
-        try:
-            worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kcc)
-        finally:
-            parallel_state.get_tensor_model_parallel_rank = real_rank
-        kv_transfer_state._KV_CONNECTOR_AGENT = worker
-        faults.rank_of[worker.agent.address] = r
-        worker.register_kv_caches(kv.layers)
-        ranks.append((worker, kv))
+    real_pp = parallel_state.get_pp_group
+    for stage in range(pp):
+        for r in range(tp):
+            kv = Kv(rank=r, stage=stage)
+            if tp > 1:
+                parallel_state.get_tensor_model_parallel_rank = lambda r=r: r
+            if pp > 1:
+                group = SimpleNamespace(rank_in_group=stage, world_size=pp)
+                parallel_state.get_pp_group = lambda g=group: g
+            try:
+                worker = KVConnectorFactory.create_connector(
+                    vc, KVConnectorRole.WORKER, kv_cache_config(kv.names)
+                )
+            finally:
+                parallel_state.get_tensor_model_parallel_rank = real_rank
+                parallel_state.get_pp_group = real_pp
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            faults.rank_of[worker.agent.address] = stage * tp + r
+            worker.register_kv_caches(kv.layers)
+            ranks.append((worker, kv))
     model = Model()
     sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
     init_none_hash(sha256)
@@ -721,18 +774,29 @@ def _phase(
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.forward_context import set_forward_context
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
     reqs = {}
+    # Each request's LoRA adapter's weights, read as the model loads them (b"": none).
+    adapters: dict[str, bytes] = {}
     for p in prompts:
+        lora = None
+        adapters[p["id"]] = b""
+        if p.get("lora"):
+            name = p["lora"]
+            path = LORAS[name]
+            lora = LoRARequest(name, 1 + sorted(LORAS).index(name), path)
+            adapters[p["id"]] = (Path(path) / "adapter_model.safetensors").read_bytes()
         reqs[p["id"]] = Request(
             p["id"],
             p["tokens"],
             SamplingParams(max_tokens=p["max_tokens"], ignore_eos=True),
             None,
+            lora_request=lora,
             cache_salt=p.get("salt"),
             block_hasher=hasher,
         )
@@ -778,7 +842,7 @@ def _phase(
             # The forward pass, on every rank at once (its all-reduce mixes them).
             for rid, n in so.num_scheduled_tokens.items():
                 tokens = list(reqs[rid].all_token_ids)
-                model.forward(kvs, tokens, blocks[rid], starts[rid], starts[rid] + n)
+                model.forward(kvs, tokens, blocks[rid], starts[rid], starts[rid] + n, adapters[rid])
             # Leaving the stack ends each rank's step: its saves, then what it reports.
         req_ids, sampled = [], []
         for rid in so.num_scheduled_tokens:
@@ -832,7 +896,8 @@ def _phase(
             upto = starts[rid] + n
             if req.num_computed_tokens < upto:
                 continue
-            for r, b in model.wrong_blocks(kvs, rid, list(req.all_token_ids), blocks[rid], upto):
+            tokens = list(req.all_token_ids)
+            for r, b in model.wrong_blocks(kvs, rid, tokens, blocks[rid], upto, adapters[rid]):
                 wrong.add((rid, b, r))
         assert step - idle < 10_000 and time.monotonic() < deadline, "the engine loop does not end"
     for rid, r in reqs.items():
@@ -860,6 +925,7 @@ def main() -> None:
         "--fail-new-staging", type=int, default=0, help="N: staging pools 2..N+1 fail to start"
     )
     ap.add_argument("--tp", type=int, default=1, help="TP ranks, one worker each")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages, TP ranks each")
     ap.add_argument("--slow-save", type=float, default=0.0, help="SECONDS before every save")
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
     ap.add_argument("--blocks", type=int, help="KV blocks (fewer: vLLM preempts requests)")
@@ -871,6 +937,9 @@ def main() -> None:
         choices=["full", "sliding_window", "chunked_local"],
         default="full",
         help="the KV cache spec vLLM hands the connector",
+    )
+    ap.add_argument(
+        "--lora", action="append", default=[], help="NAME=PATH: a LoRA adapter prompts may name"
     )
     ap.add_argument("--max-batched-tokens", type=int, default=256, help="fewer: chunked prefill")
     ap.add_argument("--seed", type=int, default=0, help="the faults' random generator")
@@ -889,10 +958,8 @@ def main() -> None:
             kill = (int(pid), int(at), sig)
     MLA[0] = a.mla
     SPEC[0] = a.spec
-    if a.pp_stage:
-        LAYER_NAMES[:] = [
-            f"model.layers.{a.pp_stage * LAYERS + i}.self_attn.attn" for i in range(LAYERS)
-        ]
+    LORAS.update(x.split("=", 1) for x in a.lora)
+    FIRST_STAGE[0] = a.pp_stage
     vc = config(
         a.kv_transfer_config,
         served_name=a.served_name,
@@ -900,6 +967,7 @@ def main() -> None:
         kv_dtype=a.kv_dtype,
         dp_rank=a.dp_rank,
         tp=a.tp,
+        pp=a.pp,
         max_batched_tokens=a.max_batched_tokens,
     )
     drops = {int(r): float(p) for r, p in (d.split(":") for d in a.drop_saves)}
