@@ -29,6 +29,8 @@ from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 
 # The metadata header that presents a registration's owner token (agent.proto).
 OWNER_HEADER = "kvtier-pool-owner"
+# The metadata header that names a call, so that ``AgentClient.cancel`` can stop it.
+CALL_ID_HEADER = "kvtier-call-id"
 
 # Most Saves the agent takes in one SaveBatch (agent.proto); save_batch sends more in parts.
 MAX_SAVE_BATCH = 4096
@@ -223,9 +225,29 @@ class AgentClient:
         registration (the agent must not serve them against the pool registered before)."""
         self._owner = []
 
-    def _call(self, fn, request, timeout: float | None = None, owner: str | None = None):
+    def _call(
+        self,
+        fn,
+        request,
+        timeout: float | None = None,
+        owner: str | None = None,
+        call_id: str | None = None,
+    ):
         meta = self._owner if owner is None else [(OWNER_HEADER, owner)]
+        if call_id is not None:
+            meta = [*meta, (CALL_ID_HEADER, call_id)]
         return _call(fn, request, timeout or self.timeout, meta)
+
+    def cancel(
+        self, call_ids: Sequence[str], owner: str | None = None, timeout: float | None = None
+    ) -> int:
+        """Stops this client's calls named ``call_ids`` (each sent with ``call_id=``) before
+        their deadline: returns once no part of their copies is still moving, so the pages
+        lent to them are the engine's again; how many were running. A call that reaches the
+        agent after its Cancel copies nothing. ``KvtierError.unavailable`` when a copy did
+        not stop within 2 s: then the pages are not free until the call answers."""
+        req = agent_pb2.CancelRequest(call_ids=list(call_ids))
+        return self._call(self.stub.Cancel, req, timeout, owner).cancelled
 
     def register_pool(
         self,
@@ -369,12 +391,14 @@ class AgentClient:
         timeout_ms: int = 0,
         timeout: float | None = None,
         owner: str | None = None,
+        call_id: str | None = None,
     ) -> int:
         """Engine-cache mode: loads pages ``start_page..`` of the prompt into
         ``device_pages`` in order; returns how many leading ones hold their page (the rest
         the engine computes). ``policy``: how to wait for pages from L3 (None: the
         daemon's). ``owner``: present this registration's token (PoolInfo.owner) rather
-        than the client's latest."""
+        than the client's latest. ``call_id``: names the call for :meth:`cancel` (unique
+        among this client's calls)."""
         toks, parent = _prompt(tokens)
         req = agent_pb2.LoadPagesRequest(
             packed_tokens=toks,
@@ -388,7 +412,7 @@ class AgentClient:
             if policy not in POLICIES:
                 raise ValueError(f"prefetch policy {policy!r} is not one of {', '.join(POLICIES)}")
             req.policy = POLICIES[policy]
-        return self._call(self.stub.Load, req, timeout, owner).loaded
+        return self._call(self.stub.Load, req, timeout, owner, call_id).loaded
 
     def save_pages(
         self,
@@ -399,13 +423,14 @@ class AgentClient:
         timeout: float | None = None,
         selected: int | None = None,
         owner: str | None = None,
+        call_id: str | None = None,
     ) -> Saved:
         """Engine-cache mode: saves the computed pages ``start_page..`` of the prompt, held
         in ``device_pages``, into L2 per the agent's write policy (or per ``selected``, a
         lookup's ``save_pages``: pages before it are saved). On return the agent reads none
         of the pages any more."""
         req = SaveItem(tokens, namespace, start_page, device_pages, selected).request()
-        r = self._call(self.stub.Save, req, timeout, owner)
+        r = self._call(self.stub.Save, req, timeout, owner, call_id)
         return Saved(r.stored, r.present, r.skipped, r.failed)
 
     def save_batch(
@@ -413,17 +438,19 @@ class AgentClient:
         items: Sequence[SaveItem],
         timeout: float | None = None,
         owner: str | None = None,
+        call_id: str | None = None,
     ) -> list[Saved]:
         """Several Saves in one call (an engine step's new pages for all its requests), in
         the order given. Every item is checked before any page moves: a malformed one
         refuses the call (``KvtierError.invalid_input``, naming ``requests[i]``). More
         items than the agent takes in one call (``MAX_SAVE_BATCH``) go in several, in
-        order."""
+        order, each under ``call_id`` (a cancel stops the part running and every later
+        one)."""
         out: list[Saved] = []
         for at in range(0, len(items), MAX_SAVE_BATCH):
             part = items[at : at + MAX_SAVE_BATCH]
             req = agent_pb2.SaveBatchRequest(requests=[i.request() for i in part])
-            r = self._call(self.stub.SaveBatch, req, timeout, owner)
+            r = self._call(self.stub.SaveBatch, req, timeout, owner, call_id)
             if len(r.responses) != len(part):
                 raise KvtierError(
                     f"SaveBatch: the agent answered {len(r.responses)} of {len(part)} Saves"

@@ -304,3 +304,37 @@ def test_a_save_batch_saves_each_request_and_a_bad_one_refuses_it_all(agent, tmp
     assert sum(s.stored for s in many) == 2
     assert all(s.stored + s.present == 2 and s.failed == 0 for s in many)
     c.close()
+
+
+def test_a_call_named_by_id_is_cancelled_even_when_the_cancel_arrives_first(
+    agent, tmp_path
+) -> None:
+    """``cancel`` stops the client's calls it names (the agent answers once their copies
+    stopped). A Cancel may reach the agent before the call it names; that call, arriving
+    under the cancelled id, copies and stores nothing, and its pages are counted failed."""
+    c, pool = _engine_cache(agent, tmp_path / "cancel-pool")
+    ns = Namespace(tenant="cancel")
+    prompt = list(range(7000, 7000 + 3 * PAGE))
+    for p in range(3):
+        pool.fill(p, seed=p + 90)
+    assert c.cancel(["save-1"]) == 0  # nothing runs under it yet
+    saved = c.save_batch([SaveItem(prompt, ns, 0, [0, 1, 2])], call_id="save-1")
+    assert [(s.stored, s.present) for s in saved] == [(0, 0)], saved
+    assert c.lookup_pages(prompt, ns, 0).l2_pages == 0
+    # Another id runs as usual; the same call later under its own id is not cancelled.
+    saved = c.save_batch([SaveItem(prompt, ns, 0, [0, 1, 2])], call_id="save-2")
+    assert saved[0].stored == 3
+    pool.clear()
+    assert c.load_pages(prompt, ns, 0, [4, 5, 6], call_id="load-1") == 3
+    c.cancel(["load-2"])
+    pool.clear()
+    assert c.load_pages(prompt, ns, 0, [4, 5, 6], call_id="load-2") == 0
+    assert [pool.page(p) for p in (4, 5, 6)] == [bytes(BUFFERS * RUN)] * 3
+    # Bad ids are refused by name.
+    with pytest.raises(KvtierError, match=r"call_ids\[1\]") as e:
+        c.cancel(["ok", "not ok"])
+    assert e.value.invalid_input
+    with pytest.raises(KvtierError, match="kvtier-call-id") as e:
+        c.load_pages(prompt, ns, 0, [4], call_id="x" * 65)
+    assert e.value.invalid_input
+    c.close()

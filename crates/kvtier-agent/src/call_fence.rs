@@ -13,13 +13,186 @@
 //!   fence's [`close_on_drop`](Fence::close_on_drop) guard, and runs the call on a task of
 //!   its own, so a call whose client left still releases its pins and reservations (its
 //!   fenced copy fails, and the page protocol's failure path unpins and aborts) within
-//!   moments instead of when the agent's kvtierd session ends.
+//!   moments instead of when the agent's kvtierd session ends;
+//! - when its client cancels it: a call that names itself in [`CALL_ID_HEADER`] is in
+//!   [`Calls`] while it runs, and the Cancel RPC closes its fence and answers once no part of
+//!   its copies is still moving, so the client may reuse the pages the moment it returns
+//!   (vLLM's worker, giving up on a preempted request's save, need not wait for the call).
+//!   A Cancel may overtake the call it names (two streams of one connection); the id is
+//!   remembered as cancelled for [`CANCELLED_FOR`], and a call arriving under it starts
+//!   with its fence closed.
 
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvtier_device::Fence;
+use kvtier_proto::ApiError;
 
-pub(crate) use kvtier_client::DEADLINE_HEADER;
+use crate::owner::{Caller, OwnerToken};
+
+pub(crate) use kvtier_client::{CALL_ID_HEADER, DEADLINE_HEADER};
+
+/// The longest call id (printable ASCII).
+const MAX_CALL_ID: usize = 64;
+/// The most calls one Cancel names.
+pub(crate) const MAX_CANCEL: usize = 256;
+/// How long a Cancel waits for the parts moving under the fences it closed: one part is at
+/// most 256 KiB per cpu copy thread or 64 MiB queued on a GPU stream, milliseconds.
+pub(crate) const SETTLE: Duration = Duration::from_secs(2);
+
+/// How long a cancelled id stays cancelled for a call that arrives after its Cancel; longer
+/// than any call's deadline the clients here set (a later call is past its deadline, so
+/// fenced anyway, unless it sent none).
+pub(crate) const CANCELLED_FOR: Duration = Duration::from_secs(60);
+/// The most cancelled ids remembered (oldest forgotten first): 64 bytes each at most.
+const MAX_CANCELLED: usize = 1 << 16;
+
+type Key = (OwnerToken, String);
+
+/// The calls in flight that named themselves, by their client's owner token and id (only
+/// the client that presented the token can cancel them), and the ids cancelled lately.
+#[derive(Debug, Default)]
+pub(crate) struct Calls(Mutex<CallsInner>);
+
+#[derive(Debug, Default)]
+pub(crate) struct CallsInner {
+    running: HashMap<Key, Fence>,
+    cancelled: HashMap<Key, Instant>,
+    /// `cancelled`'s keys, oldest first.
+    order: VecDeque<(Instant, Key)>,
+}
+
+impl CallsInner {
+    /// Forgets cancelled ids older than [`CANCELLED_FOR`], and the oldest past the cap.
+    fn expire(&mut self, now: Instant) {
+        while let Some((at, _)) = self.order.front() {
+            if now.duration_since(*at) < CANCELLED_FOR && self.order.len() <= MAX_CANCELLED {
+                break;
+            }
+            if let Some((at, k)) = self.order.pop_front()
+                && self.cancelled.get(&k) == Some(&at)
+            {
+                self.cancelled.remove(&k);
+            }
+        }
+    }
+}
+
+/// A call's entry in [`Calls`], removed when dropped (the call's task ended).
+#[derive(Debug)]
+pub(crate) struct Registered {
+    calls: Arc<Calls>,
+    key: Option<(OwnerToken, String)>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if let Some(k) = self.key.take() {
+            self.calls.lock().running.remove(&k);
+        }
+    }
+}
+
+impl Calls {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CallsInner> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Enters the call of `req` under `fence` when it names itself: a bad id, or one that
+    /// a call of the same client still runs under, is refused naming the header; one
+    /// cancelled already closes `fence` at once. A call without an owner token is not
+    /// entered (nothing could cancel it).
+    pub(crate) fn register<T>(
+        self: &Arc<Self>,
+        req: &tonic::Request<T>,
+        caller: &Caller,
+        fence: &Fence,
+    ) -> Result<Registered, ApiError> {
+        let none = Registered {
+            calls: self.clone(),
+            key: None,
+        };
+        let Some(v) = req.metadata().get(CALL_ID_HEADER) else {
+            return Ok(none);
+        };
+        let id = call_id(v.to_str().ok())?;
+        let Some(token) = caller.token else {
+            return Ok(none);
+        };
+        let key = (token, id.to_string());
+        let mut calls = self.lock();
+        calls.expire(Instant::now());
+        if calls.cancelled.contains_key(&key) {
+            fence.close();
+        }
+        if calls.running.contains_key(&key) {
+            return Err(ApiError::AlreadyExists(format!(
+                "{CALL_ID_HEADER} {id:?}: a call of this client with that id is still running; \
+                 give each call an id of its own"
+            )));
+        }
+        calls.running.insert(key.clone(), fence.clone());
+        Ok(Registered {
+            calls: self.clone(),
+            key: Some(key),
+        })
+    }
+
+    /// Cancels `caller`'s calls named `ids`: every id is remembered as cancelled (a call
+    /// that arrives under it later starts fenced), and the fences of those running now are
+    /// returned for the caller to close and settle.
+    pub(crate) fn cancel(&self, caller: &Caller, ids: &[String]) -> Result<Vec<Fence>, ApiError> {
+        if ids.len() > MAX_CANCEL {
+            return Err(ApiError::invalid(
+                "call_ids",
+                format!("{} ids; at most {MAX_CANCEL} in one Cancel", ids.len()),
+            ));
+        }
+        let Some(token) = caller.token else {
+            return Err(ApiError::invalid(
+                crate::owner::OWNER_HEADER,
+                "missing: a call is cancelled by the client that made it, which presents its \
+                 owner token",
+            ));
+        };
+        for (i, id) in ids.iter().enumerate() {
+            call_id(Some(id)).map_err(|e| e.within(&format!("call_ids[{i}]")))?;
+        }
+        let now = Instant::now();
+        let mut calls = self.lock();
+        let mut found = Vec::new();
+        for id in ids {
+            let key = (token, id.clone());
+            if let Some(f) = calls.running.get(&key) {
+                found.push(f.clone());
+            }
+            calls.cancelled.insert(key.clone(), now);
+            calls.order.push_back((now, key));
+        }
+        calls.expire(now);
+        Ok(found)
+    }
+}
+
+/// A call id as sent: 1 to [`MAX_CALL_ID`] printable ASCII characters.
+fn call_id(v: Option<&str>) -> Result<&str, ApiError> {
+    match v {
+        Some(id)
+            if !id.is_empty()
+                && id.len() <= MAX_CALL_ID
+                && id.bytes().all(|b| b.is_ascii_graphic()) =>
+        {
+            Ok(id)
+        }
+        _ => Err(ApiError::invalid(
+            CALL_ID_HEADER,
+            format!("a call id is 1 to {MAX_CALL_ID} printable ASCII characters"),
+        )),
+    }
+}
 
 /// How long before the client's deadline the fence closes: a tenth of the call's time, at
 /// most 100 ms. The copy part in flight when it closes (≤ 256 KiB per thread) ends well

@@ -136,6 +136,8 @@ pub(crate) struct AgentService {
     s: Arc<Shared>,
     tree: Arc<TreeMode>,
     cache: Arc<CacheMode>,
+    /// The calls in flight that a Cancel may name.
+    calls: Arc<call_fence::Calls>,
 }
 
 impl AgentService {
@@ -160,6 +162,7 @@ impl AgentService {
                 s,
                 tree: Arc::new(tree),
                 cache: Arc::new(cache),
+                calls: Arc::default(),
             },
             worker,
         )
@@ -471,17 +474,27 @@ impl AgentService {
 /// Runs a call that copies pages the engine lends on a task of its own, under `fence`
 /// (see [`call_fence`]): when the call's future is dropped (its client left), the fence
 /// closes and the task still runs to its end, so the failure path of a fenced copy unpins
-/// and aborts what it held in kvtierd.
-async fn fenced_call<T, F, Fut>(fence: Fence, call: F) -> Result<T, ApiError>
+/// and aborts what it held in kvtierd. A call that names itself is in `calls` (a Cancel can
+/// close its fence) until its task ends.
+async fn fenced_call<T, F, Fut>(
+    calls: Result<call_fence::Registered, ApiError>,
+    fence: Fence,
+    call: F,
+) -> Result<T, ApiError>
 where
     T: Send + 'static,
     F: FnOnce(Fence) -> Fut,
     Fut: Future<Output = Result<T, ApiError>> + Send + 'static,
 {
+    let registered = calls?;
     let _closes = fence.close_on_drop();
-    tokio::spawn(call(fence.clone()))
-        .await
-        .unwrap_or_else(|e| Err(ApiError::Internal(format!("call task failed: {e}"))))
+    let run = call(fence.clone());
+    tokio::spawn(async move {
+        let _registered = registered;
+        run.await
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::Internal(format!("call task failed: {e}"))))
 }
 
 /// A Save's pages, from its request and the tokens decoded from it.
@@ -559,10 +572,11 @@ impl agent_server::Agent for AgentService {
     ) -> Result<Response<v1::LoadBackResponse>, Status> {
         let caller = Caller::of(&request)?;
         let fence = call_fence::of(&request);
+        let calls = self.calls.register(&request, &caller, &fence);
         let req = request.into_inner();
         let tree = self.tree.clone();
         to_status(
-            fenced_call(fence, move |fence| async move {
+            fenced_call(calls, fence, move |fence| async move {
                 tree.load_back(&caller, req.handle, req.free_pages, &fence)
                     .await
             })
@@ -669,9 +683,10 @@ impl agent_server::Agent for AgentService {
     ) -> Result<Response<v1::LoadPagesResponse>, Status> {
         let caller = Caller::of(&request)?;
         let fence = call_fence::of(&request);
+        let calls = self.calls.register(&request, &caller, &fence);
         let req = request.into_inner();
         let cache = self.cache.clone();
-        let r = fenced_call(fence, move |fence| async move {
+        let r = fenced_call(calls, fence, move |fence| async move {
             let policy = prefetch_policy(req.policy)?;
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = pages(
@@ -693,9 +708,10 @@ impl agent_server::Agent for AgentService {
     ) -> Result<Response<v1::SavePagesResponse>, Status> {
         let caller = Caller::of(&request)?;
         let fence = call_fence::of(&request);
+        let calls = self.calls.register(&request, &caller, &fence);
         let req = request.into_inner();
         let cache = self.cache.clone();
-        let r = fenced_call(fence, move |fence| async move {
+        let r = fenced_call(calls, fence, move |fence| async move {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = save_pages(&req, tokens)?;
             cache.save(&caller, &p, req.selected, &fence).await
@@ -709,9 +725,10 @@ impl agent_server::Agent for AgentService {
     ) -> Result<Response<v1::SaveBatchResponse>, Status> {
         let caller = Caller::of(&request)?;
         let fence = call_fence::of(&request);
+        let calls = self.calls.register(&request, &caller, &fence);
         let reqs = request.into_inner().requests;
         let cache = self.cache.clone();
-        let r = fenced_call(fence, move |fence| async move {
+        let r = fenced_call(calls, fence, move |fence| async move {
             if reqs.len() > MAX_SAVE_BATCH {
                 return Err(ApiError::invalid(
                     "requests",
@@ -746,5 +763,37 @@ impl agent_server::Agent for AgentService {
             })
         });
         to_status::<v1::SaveBatchResponse, _>(r.await)
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<v1::CancelRequest>,
+    ) -> Result<Response<v1::CancelResponse>, Status> {
+        let caller = Caller::of(&request)?;
+        let ids = request.into_inner().call_ids;
+        let calls = self.calls.clone();
+        let r = async move {
+            let fences = calls.cancel(&caller, &ids)?;
+            let cancelled = fences.len() as u32;
+            // Waits for the parts moving under them on a blocking thread (a part is a
+            // memcpy or a GPU stream's transfers, never an await).
+            let settled = tokio::task::spawn_blocking(move || {
+                let until = std::time::Instant::now() + call_fence::SETTLE;
+                fences.iter().all(|f| {
+                    f.close_and_settle(until.saturating_duration_since(std::time::Instant::now()))
+                })
+            })
+            .await
+            .map_err(|e| ApiError::Internal(format!("cancel task failed: {e}")))?;
+            if !settled {
+                return Err(ApiError::Unavailable(format!(
+                    "a cancelled call's copy did not stop within {:?}; its pages are not free \
+                     until the call answers",
+                    call_fence::SETTLE
+                )));
+            }
+            Ok(v1::CancelResponse { cancelled })
+        };
+        to_status(r.await)
     }
 }

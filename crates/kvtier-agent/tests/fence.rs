@@ -266,3 +266,141 @@ fn sessions_given_up_while_kvtierd_stalled_are_closed_once_it_answers() {
         assert_eq!(sessions.len(), 1, "{sessions:?}");
     });
 }
+
+#[test]
+fn a_cancelled_call_moves_no_byte_after_cancel_answers() {
+    let d = dir("fence-cancel");
+    let pages = 4096u32;
+    let kvtierd = daemon(
+        &d,
+        &[&format!("l2.pool_pages={}", pages + 64), "l3.backend=none"],
+    );
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        let a = agent(&d, "fc", &[]);
+        let mut e = Engine::start_cache(&a, spec.clone(), 2 * u64::from(pages), "fc").await;
+        e.wait_connected().await;
+        // A long prompt in L2 (64 MiB); a Load of it into the other half of the pool, named
+        // "load-1", is cancelled while it copies.
+        let t = tokens(91, pages as usize);
+        compute(&e, &spec, &t, 0);
+        let r = e
+            .client
+            .save_pages(&t, None, 0, (0..pages).collect())
+            .await
+            .unwrap();
+        assert_eq!(r.stored, pages);
+        let ks = keys(&spec, &t);
+        let mut c = e.client.clone();
+        // A few tries: on a busy machine the load may end before the Cancel reaches it.
+        let mut cancelled_once = false;
+        for attempt in 0..5 {
+            let id = format!("load-{attempt}");
+            let mut lc = e.client.clone();
+            lc.set_call_id(Some(&id)).unwrap();
+            let t2 = t.clone();
+            let load = tokio::spawn(async move {
+                lc.load_pages(
+                    &t2,
+                    None,
+                    0,
+                    (pages..2 * pages).collect(),
+                    PrefetchPolicy::Unspecified,
+                )
+                .await
+            });
+            // Cancel as soon as the agent runs it (an id no call runs under yet is
+            // remembered, and that call, arriving later, copies nothing).
+            let cancelled = loop {
+                let n = c.cancel(&[&id]).await.unwrap();
+                if n == 1 || load.is_finished() {
+                    break n;
+                }
+                tokio::task::yield_now().await;
+            };
+            // From here the pages are the engine's: it reuses them (zeroes), and nothing
+            // the cancelled load still had to copy lands on them.
+            for p in pages..2 * pages {
+                e.wipe(p);
+            }
+            let loaded = load.await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let written = (pages..2 * pages)
+                .filter(|&p| e.holds(p, &ks[(p - pages) as usize]))
+                .count();
+            assert_eq!(written, 0, "{written} pages written after Cancel answered");
+            if cancelled == 1 {
+                assert!(
+                    loaded.as_ref().map_or(true, |&n| n < pages),
+                    "a cancelled load reported every page loaded: {loaded:?}"
+                );
+                cancelled_once = true;
+                break;
+            }
+        }
+        assert!(
+            cancelled_once,
+            "every load ended before its Cancel reached it"
+        );
+        let late = metric(
+            &a.metrics_page(),
+            "kvtier_agent_load_failed_pages_total{reason=\"late\"}",
+        );
+        assert!(late > 0.0, "no page counted late");
+
+        // A Cancel that overtakes its call (sent first): the call, arriving later under the
+        // cancelled id, copies nothing.
+        assert_eq!(c.cancel(&["early"]).await.unwrap(), 0);
+        let mut ec = e.client.clone();
+        ec.set_call_id(Some("early")).unwrap();
+        let r = ec
+            .load_pages(
+                &t,
+                None,
+                0,
+                (pages..pages + 8).collect(),
+                PrefetchPolicy::Unspecified,
+            )
+            .await;
+        assert!(r.as_ref().map_or(true, |&n| n == 0), "{r:?}");
+        assert!(
+            (pages..pages + 8).all(|p| !e.holds(p, &ks[(p - pages) as usize])),
+            "a call under a cancelled id copied"
+        );
+
+        // Bad ids are refused, naming the field.
+        let e400 = c.cancel(&[""]).await.unwrap_err().to_string();
+        assert!(e400.contains("call_ids[0]"), "{e400}");
+        let many: Vec<String> = (0..300).map(|i| i.to_string()).collect();
+        let refs: Vec<&str> = many.iter().map(String::as_str).collect();
+        let e400 = c.cancel(&refs).await.unwrap_err().to_string();
+        assert!(e400.contains("at most 256"), "{e400}");
+        // Two calls in flight under one id: the second is refused, naming the header. The
+        // first waits on a stopped kvtierd meanwhile.
+        signal(&kvtierd, "-STOP");
+        let mut x = e.client.clone();
+        x.set_call_id(Some("dup")).unwrap();
+        x.set_call_timeout(Some(Duration::from_secs(3)));
+        let (mut x1, mut x2) = (x.clone(), x.clone());
+        let (ta, tb) = (t.clone(), t.clone());
+        let one = tokio::spawn(async move {
+            x1.load_pages(
+                &ta,
+                None,
+                0,
+                (pages..pages + 8).collect(),
+                PrefetchPolicy::Unspecified,
+            )
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let two = x2
+            .load_pages(&tb, None, 0, vec![pages + 8], PrefetchPolicy::Unspecified)
+            .await
+            .unwrap_err()
+            .to_string();
+        signal(&kvtierd, "-CONT");
+        assert!(two.contains("kvtier-call-id"), "{two}");
+        let _ = one.await.unwrap();
+    });
+}

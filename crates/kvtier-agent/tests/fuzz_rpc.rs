@@ -162,6 +162,27 @@ fn methods(
             }
             .encode_to_vec(),
         ),
+        (
+            "/kvtier.v1.Agent/SaveBatch",
+            Unary,
+            v1::SaveBatchRequest {
+                requests: vec![v1::SavePagesRequest {
+                    packed_tokens: packed(fresh),
+                    start_page: 0,
+                    device_pages: (40..40 + (fresh.len() / 16) as u32).collect(),
+                    ..Default::default()
+                }],
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "/kvtier.v1.Agent/Cancel",
+            Unary,
+            v1::CancelRequest {
+                call_ids: vec!["call-1".into(), "call-2".into()],
+            }
+            .encode_to_vec(),
+        ),
     ];
     seeds
         .into_iter()

@@ -30,13 +30,47 @@ pub const OWNER_HEADER: &str = "kvtier-pool-owner";
 /// The agent stops the call's page copies before the earlier of the two.
 pub const DEADLINE_HEADER: &str = "kvtier-deadline-unix-ns";
 
+/// The metadata header with a call's id, chosen by the client (1 to 64 printable ASCII
+/// characters, unique among its calls in flight): [`AgentClient::cancel`] names it to stop
+/// the call's page copies before its deadline.
+pub const CALL_ID_HEADER: &str = "kvtier-call-id";
+
 /// A client of a kvtier-agent. After a registration it presents the owner token the agent
 /// returned on every call (clones made afterwards too).
 #[derive(Debug, Clone)]
 pub struct AgentClient {
     inner: RawAgentClient<Channel>,
+    headers: Headers,
+}
+
+/// What every call of a client presents.
+#[derive(Debug, Clone, Default)]
+struct Headers {
     owner: Option<tonic::metadata::AsciiMetadataValue>,
     timeout: Option<Duration>,
+    call_id: Option<tonic::metadata::AsciiMetadataValue>,
+}
+
+impl Headers {
+    /// `msg` with the owner token, the deadline and the call id, where set.
+    fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(v) = &self.owner {
+            r.metadata_mut().insert(OWNER_HEADER, v.clone());
+        }
+        if let Some(v) = &self.call_id {
+            r.metadata_mut().insert(CALL_ID_HEADER, v.clone());
+        }
+        if let Some(t) = self.timeout {
+            r.set_timeout(t);
+            let at = SystemTime::now() + t;
+            let ns = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
+            if let Ok(v) = ns.to_string().parse() {
+                r.metadata_mut().insert(DEADLINE_HEADER, v);
+            }
+        }
+        r
+    }
 }
 
 impl AgentClient {
@@ -44,8 +78,7 @@ impl AgentClient {
     pub async fn connect(target: &str) -> Result<Self, ClientError> {
         Ok(Self {
             inner: RawAgentClient::new(connect(target).await?).max_decoding_message_size(64 << 20),
-            owner: None,
-            timeout: None,
+            headers: Headers::default(),
         })
     }
 
@@ -53,7 +86,34 @@ impl AgentClient {
     /// their answer). The agent copies no page of a call after its deadline: pages lent for
     /// a call that timed out are the engine's again.
     pub fn set_call_timeout(&mut self, timeout: Option<Duration>) {
-        self.timeout = timeout;
+        self.headers.timeout = timeout;
+    }
+
+    /// Names every later call `id` (see [`CALL_ID_HEADER`]; None: unnamed), so that
+    /// [`Self::cancel`] on another clone can stop it. Give each call in flight its own (a
+    /// clone per call).
+    pub fn set_call_id(&mut self, id: Option<&str>) -> Result<(), ClientError> {
+        self.headers.call_id = match id {
+            None => None,
+            Some(id) => Some(id.parse().map_err(|_| {
+                ClientError::Protocol(format!("call id {id:?}: not printable ASCII"))
+            })?),
+        };
+        Ok(())
+    }
+
+    /// Cancels this client's calls named `ids` that are still running: their copies stop,
+    /// and the answer comes once no part of them is moving, so the pages they were lent are
+    /// the engine's again. How many were running.
+    pub async fn cancel(&mut self, ids: &[&str]) -> Result<u32, ClientError> {
+        let r = self
+            .inner
+            .cancel(self.headers.request(v1::CancelRequest {
+                call_ids: ids.iter().map(|s| s.to_string()).collect(),
+            }))
+            .await?
+            .into_inner();
+        Ok(r.cancelled)
     }
 
     /// The raw generated client, for requests the typed methods do not cover (wrap their
@@ -64,27 +124,7 @@ impl AgentClient {
 
     /// `msg` as a request that presents this client's owner token, if it registered.
     pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
-        Self::with_owner(&self.owner, self.timeout, msg)
-    }
-
-    fn with_owner<T>(
-        owner: &Option<tonic::metadata::AsciiMetadataValue>,
-        timeout: Option<Duration>,
-        msg: T,
-    ) -> tonic::Request<T> {
-        let mut r = tonic::Request::new(msg);
-        if let Some(v) = owner {
-            r.metadata_mut().insert(OWNER_HEADER, v.clone());
-        }
-        if let Some(t) = timeout {
-            r.set_timeout(t);
-            let at = SystemTime::now() + t;
-            let ns = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
-            if let Ok(v) = ns.to_string().parse() {
-                r.metadata_mut().insert(DEADLINE_HEADER, v);
-            }
-        }
-        r
+        self.headers.request(msg)
     }
 
     /// Registers the engine's KV pool: `token_slots` token slots per buffer, laid out as
@@ -124,7 +164,7 @@ impl AgentClient {
             engine_cache,
         });
         let r = self.inner.register_pool(req).await?.into_inner();
-        self.owner = Some(r.owner.parse().map_err(|_| {
+        self.headers.owner = Some(r.owner.parse().map_err(|_| {
             ClientError::Protocol(format!(
                 "the agent's owner token {:?} is not a metadata value",
                 r.owner
@@ -144,11 +184,7 @@ impl AgentClient {
     ) -> Result<Match, ClientError> {
         let r = self
             .inner
-            .r#match(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                match_request(tokens, namespace),
-            ))
+            .r#match(self.headers.request(match_request(tokens, namespace)))
             .await?
             .into_inner();
         Ok(r.into())
@@ -166,11 +202,7 @@ impl AgentClient {
             .collect();
         let r = self
             .inner
-            .match_batch(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::MatchBatchRequest { requests },
-            ))
+            .match_batch(self.headers.request(v1::MatchBatchRequest { requests }))
             .await?
             .into_inner();
         if r.responses.len() != n {
@@ -190,14 +222,10 @@ impl AgentClient {
     ) -> Result<Loaded, ClientError> {
         let r = self
             .inner
-            .load_back(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::LoadBackRequest {
-                    handle: handle.0,
-                    free_pages,
-                },
-            ))
+            .load_back(self.headers.request(v1::LoadBackRequest {
+                handle: handle.0,
+                free_pages,
+            }))
             .await?
             .into_inner();
         Ok(Loaded {
@@ -217,15 +245,11 @@ impl AgentClient {
     ) -> Result<tonic::Streaming<v1::PrefetchProgress>, ClientError> {
         Ok(self
             .inner
-            .prefetch(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::AgentPrefetchRequest {
-                    handle: handle.0,
-                    policy: policy as i32,
-                    hints,
-                },
-            ))
+            .prefetch(self.headers.request(v1::AgentPrefetchRequest {
+                handle: handle.0,
+                policy: policy as i32,
+                hints,
+            }))
             .await?
             .into_inner())
     }
@@ -239,15 +263,11 @@ impl AgentClient {
     ) -> Result<Inserted, ClientError> {
         let r = self
             .inner
-            .insert(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                insert_request(Insert {
-                    tokens,
-                    namespace: namespace.cloned(),
-                    device_pages,
-                }),
-            ))
+            .insert(self.headers.request(insert_request(Insert {
+                tokens,
+                namespace: namespace.cloned(),
+                device_pages,
+            })))
             .await?
             .into_inner();
         Ok(inserted(r))
@@ -262,11 +282,7 @@ impl AgentClient {
         let requests = inserts.into_iter().map(insert_request).collect();
         let r = self
             .inner
-            .insert_batch(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::InsertBatchRequest { requests },
-            ))
+            .insert_batch(self.headers.request(v1::InsertBatchRequest { requests }))
             .await?
             .into_inner();
         if r.responses.len() != n {
@@ -281,11 +297,10 @@ impl AgentClient {
     /// Unlocks a match's pages.
     pub async fn release(&mut self, handle: Handle) -> Result<(), ClientError> {
         self.inner
-            .release(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::AgentReleaseRequest { handle: handle.0 },
-            ))
+            .release(
+                self.headers
+                    .request(v1::AgentReleaseRequest { handle: handle.0 }),
+            )
             .await?;
         Ok(())
     }
@@ -293,13 +308,9 @@ impl AgentClient {
     /// Unlocks several matches' pages.
     pub async fn release_batch(&mut self, handles: &[Handle]) -> Result<(), ClientError> {
         self.inner
-            .release_batch(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::ReleaseBatchRequest {
-                    handles: handles.iter().map(|h| h.0).collect(),
-                },
-            ))
+            .release_batch(self.headers.request(v1::ReleaseBatchRequest {
+                handles: handles.iter().map(|h| h.0).collect(),
+            }))
             .await?;
         Ok(())
     }
@@ -309,11 +320,7 @@ impl AgentClient {
     pub async fn evict(&mut self, pages: u32) -> Result<Evicted, ClientError> {
         let r = self
             .inner
-            .evict(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::EvictRequest { pages },
-            ))
+            .evict(self.headers.request(v1::EvictRequest { pages }))
             .await?
             .into_inner();
         Ok(Evicted {
@@ -346,17 +353,13 @@ impl AgentClient {
     ) -> Result<PagesLookup, ClientError> {
         let (packed_tokens, parent_key) = tokens.into().wire();
         self.inner
-            .lookup(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::PagesLookupRequest {
-                    packed_tokens,
-                    namespace: namespace.map(Into::into),
-                    start_page,
-                    parent_key,
-                    want_keys,
-                },
-            ))
+            .lookup(self.headers.request(v1::PagesLookupRequest {
+                packed_tokens,
+                namespace: namespace.map(Into::into),
+                start_page,
+                parent_key,
+                want_keys,
+            }))
             .await?
             .into_inner()
             .try_into()
@@ -375,19 +378,15 @@ impl AgentClient {
         let (packed_tokens, parent_key) = tokens.into().wire();
         Ok(self
             .inner
-            .load(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::LoadPagesRequest {
-                    packed_tokens,
-                    namespace: namespace.map(Into::into),
-                    start_page,
-                    device_pages,
-                    policy: policy as i32,
-                    hints: None,
-                    parent_key,
-                },
-            ))
+            .load(self.headers.request(v1::LoadPagesRequest {
+                packed_tokens,
+                namespace: namespace.map(Into::into),
+                start_page,
+                device_pages,
+                policy: policy as i32,
+                hints: None,
+                parent_key,
+            }))
             .await?
             .into_inner()
             .loaded)
@@ -420,18 +419,14 @@ impl AgentClient {
         let (packed_tokens, parent_key) = tokens.into().wire();
         Ok(self
             .inner
-            .save(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::SavePagesRequest {
-                    packed_tokens,
-                    namespace: namespace.map(Into::into),
-                    start_page,
-                    device_pages,
-                    selected,
-                    parent_key,
-                },
-            ))
+            .save(self.headers.request(v1::SavePagesRequest {
+                packed_tokens,
+                namespace: namespace.map(Into::into),
+                start_page,
+                device_pages,
+                selected,
+                parent_key,
+            }))
             .await?
             .into_inner()
             .into())
@@ -460,11 +455,7 @@ impl AgentClient {
             .collect();
         let r = self
             .inner
-            .save_batch(Self::with_owner(
-                &self.owner,
-                self.timeout,
-                v1::SaveBatchRequest { requests },
-            ))
+            .save_batch(self.headers.request(v1::SaveBatchRequest { requests }))
             .await?
             .into_inner();
         if r.responses.len() != saves.len() {

@@ -15,8 +15,8 @@ pub mod raw;
 mod secure;
 
 pub use agent::{
-    AgentClient, DEADLINE_HEADER, Evicted, Handle, Insert, Inserted, Loaded, Match, OWNER_HEADER,
-    PagesLookup, PoolInfo, PoolMemory, PromptTokens, SaveRequest, Saved,
+    AgentClient, CALL_ID_HEADER, DEADLINE_HEADER, Evicted, Handle, Insert, Inserted, Loaded, Match,
+    OWNER_HEADER, PagesLookup, PoolInfo, PoolMemory, PromptTokens, SaveRequest, Saved,
 };
 
 use std::path::{Path, PathBuf};

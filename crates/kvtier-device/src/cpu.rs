@@ -15,8 +15,9 @@ use crate::{Attached, CopyReport, Device, DeviceError, Fence, PageCopy, check_co
 /// Copies below this many pages run on the calling thread: spawning costs more than it saves.
 const PARALLEL_MIN_PAGES: usize = 8;
 
-/// A copy checks its fence before each piece of this many bytes: after it closes, at most
-/// this much more moves on each copy thread (tens of microseconds).
+/// A copy enters its fence for each piece of this many bytes: after it closes, at most this
+/// much more moves on each copy thread (tens of microseconds), and a settling close waits
+/// for no more than that.
 const FENCE_BYTES: usize = 256 << 10;
 
 /// Copies up to this many bytes may run on an async runtime's thread ([`Device::copies_inline`]):
@@ -66,14 +67,21 @@ impl CpuDevice {
         Ok(Plan::build(&self.map, &bases, slots, copies))
     }
 
-    /// Copies `runs`, checking `fence` before each [`FENCE_BYTES`] (a long run moves in
-    /// pieces of that size).
+    /// Copies `runs`, entering `fence` for each [`FENCE_BYTES`] or so (a long run moves in
+    /// pieces of that size; short runs share one entry until they add up to it).
     fn copy_runs(runs: &[Run], dir: Direction, fence: &Fence) -> Result<(), DeviceError> {
+        let mut moving = None;
+        let mut since = FENCE_BYTES;
         for r in runs {
             let len = r.len as usize;
             let mut off = 0;
             while off < len {
-                fence.check()?;
+                if since >= FENCE_BYTES {
+                    // Out of the last part before entering the next.
+                    drop(moving.take());
+                    moving = Some(fence.enter()?);
+                    since = 0;
+                }
                 let n = (len - off).min(FENCE_BYTES);
                 let (dev, hst) = (
                     (r.device as usize + off) as *mut u8,
@@ -96,8 +104,10 @@ impl CpuDevice {
                     }
                 }
                 off += n;
+                since += n;
             }
         }
+        drop(moving);
         Ok(())
     }
 

@@ -331,3 +331,15 @@ class SavePagesResponse(_message.Message):
     skipped: int
     failed: int
     def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("call_ids",)
+    CALL_IDS_FIELD_NUMBER: _ClassVar[int]
+    call_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, call_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: int
+    def __init__(self, cancelled: _Optional[int] = ...) -> None: ...

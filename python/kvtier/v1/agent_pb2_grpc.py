@@ -110,6 +110,11 @@ class AgentStub:
                 request_serializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchResponse.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/kvtier.v1.Agent/Cancel',
+                request_serializer=kvtier_dot_v1_dot_agent__pb2.CancelRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_agent__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -213,6 +218,20 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Stops the client's calls named in `call_ids` (each a Load, Save, SaveBatch or LoadBack
+        that sent its id in the `kvtier-call-id` header) before their deadline: no part of
+        their copies starts after this, and the answer comes once none is still moving, so the
+        pages lent to them are the engine's again when it returns (pages a cancelled call did
+        not finish are counted `late`). An id no call of this client runs under yet is
+        remembered as cancelled for 60 s (the newest 65536): a Cancel may overtake its call, which
+        then starts with nothing to copy. Presents the owner token the calls presented. UNAVAILABLE when a copy part did not
+        end within 2 s (the pages must not be reused before the calls answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +309,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.SaveBatch,
                     request_deserializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_agent__pb2.SaveBatchResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=kvtier_dot_v1_dot_agent__pb2.CancelRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_agent__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +721,33 @@ class Agent:
             '/kvtier.v1.Agent/SaveBatch',
             kvtier_dot_v1_dot_agent__pb2.SaveBatchRequest.SerializeToString,
             kvtier_dot_v1_dot_agent__pb2.SaveBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Agent/Cancel',
+            kvtier_dot_v1_dot_agent__pb2.CancelRequest.SerializeToString,
+            kvtier_dot_v1_dot_agent__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -325,7 +325,8 @@ impl CudaDevice {
         self.ensure_registered(host)?;
         let plan = Plan::build(&self.map, &self.bases, slots, copies);
         for part in parts(plan.runs(), FENCE_PART_BYTES) {
-            fence.check()?;
+            // Held until the part's transfers are done (the mover waits for them).
+            let _moving = fence.enter()?;
             self.mover.copy(part, dir)?;
         }
         Ok(())

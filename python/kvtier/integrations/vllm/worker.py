@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -122,6 +123,9 @@ class WorkerSide:
         self._batches = 0
         self._abandoned: dict[str, int] = {}
         self._gathering: set[str] = set()
+        # DMA: the id of the SaveBatch reading ``_gathering``'s blocks now (a preemption that
+        # gives up on it cancels it).
+        self._reading_call: str | None = None
         self._saves_done = threading.Condition(self._lock)
         # Serialises replacing the staging pool and registering it.
         self._registering = threading.RLock()
@@ -476,8 +480,10 @@ class WorkerSide:
         them (DMA: the agent's copies; CPU staging: the save thread's gathers), up to the
         agent calls' deadline. Past it the step goes on: the save thread skips the saves of
         those requests it has not begun (a gather, or the agent's DMA copies; counted,
-        ``save_preempted_pages``), and one it is in the middle of (a memcpy, or a SaveBatch
-        call in which the agent reads the blocks) ends first."""
+        ``save_preempted_pages``), and one it is in the middle of ends first: a memcpy runs
+        out; a SaveBatch in which the agent reads the blocks (DMA) is cancelled, and the
+        agent answers once its copies stopped (where the cancel fails, the call's deadline
+        ends it)."""
         deadline = time.monotonic() + self.settings.timeout_s + 1.0
         with self._lock:
             while any(self._saving.get(r) for r in preempted):
@@ -487,10 +493,30 @@ class WorkerSide:
                     late = {r for r in preempted if self._saving.get(r)}
                     for r in late:
                         self._abandoned[r] = self._batches - 1
-                    while self._gathering & late:
-                        self._saves_done.wait()
-                    return
+                    if not self._gathering & late:
+                        return
+                    call = self._reading_call
+                    break
                 self._saves_done.wait(left)
+            else:
+                return
+        # The save thread is reading their blocks now. DMA: the agent's SaveBatch reads
+        # them; cancel it (the answer comes once its copies stopped). Else, or when the
+        # cancel fails, wait for the read to end (a gather's memcpy; the call's deadline).
+        if call is not None and self._cancel(call):
+            return
+        with self._lock:
+            while self._gathering & late:
+                self._saves_done.wait()
+
+    def _cancel(self, call: str) -> bool:
+        """Cancels the agent call ``call``; whether the agent stopped its copies."""
+        try:
+            self.agent.cancel([call], owner=self._owner)
+            return True
+        except KvtierError as e:
+            logger.warning("kvtier: could not cancel a save still reading: %s", e)
+            return False
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -680,7 +706,7 @@ class WorkerSide:
             self._end_reading()
 
     def _start_reading(
-        self, items: list[tuple[Job, U]], batch: int
+        self, items: list[tuple[Job, U]], batch: int, call: str | None = None
     ) -> tuple[list[tuple[Job, U]], list[tuple[Job, U]]]:
         """Before the save thread reads batch ``batch``'s blocks (a gather, or the agent's
         DMA copies): the items to read, and those given up because their request's
@@ -693,6 +719,7 @@ class WorkerSide:
             for item in items:
                 (gone if self._abandoned.get(item[0].req_id, -1) >= batch else keep).append(item)
             self._gathering = {j.req_id for j, _ in keep}
+            self._reading_call = call
         if gone:
             self._count(save_preempted_pages=sum(len(j.blocks) for j, _ in gone))
         return keep, gone
@@ -700,6 +727,7 @@ class WorkerSide:
     def _end_reading(self) -> None:
         with self._lock:
             self._gathering = set()
+            self._reading_call = None
             self._saves_done.notify_all()
 
     def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event, batch: int) -> None:
@@ -709,10 +737,12 @@ class WorkerSide:
         while the agent copies waits for the call to end."""
         try:
             ready.synchronize()
-            keep, _ = self._start_reading([(j, None) for j in jobs], batch)
+            call = uuid.uuid4().hex
+            keep, _ = self._start_reading([(j, None) for j in jobs], batch, call)
             try:
                 if keep:
-                    self._save_batch(None, [self._item(job, job.blocks) for job, _ in keep])
+                    items = [self._item(job, job.blocks) for job, _ in keep]
+                    self._save_batch(None, items, call)
             finally:
                 self._end_reading()
         finally:
@@ -725,10 +755,12 @@ class WorkerSide:
     def _item(job: Job, pages: Sequence[int]) -> SaveItem:
         return SaveItem(job.prompt(), job.namespace, job.start, pages, job.selected)
 
-    def _save_batch(self, staging: Staging | None, items: list[SaveItem]) -> None:
+    def _save_batch(
+        self, staging: Staging | None, items: list[SaveItem], call: str | None = None
+    ) -> None:
         """On the save thread: one SaveBatch for a step's jobs (the agent copies the pages
         from ``staging``, or from vLLM's blocks when None), counting every answer; a call
-        that fails counts every page failed."""
+        that fails counts every page failed. ``call``: its id, for a cancel."""
         t0 = time.monotonic()
         try:
             # The owner token is read at each try: a retry after registering again presents
@@ -736,7 +768,7 @@ class WorkerSide:
             answers = self._call(
                 staging,
                 lambda: self.agent.save_batch(
-                    items, owner=self._owner if staging is None else staging.owner
+                    items, owner=self._owner if staging is None else staging.owner, call_id=call
                 ),
             )
         except KvtierError as e:
