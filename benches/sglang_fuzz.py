@@ -1,0 +1,22 @@
+"""The SGLang HiCache fuzzer as a long run: random schedules for as long as asked, reporting
+schedules, requests, pages loaded, computed and stored, in total and per second
+(tests/sglang/sglang_fuzz.py has what a schedule is; scripts/test runs fixed seeds).
+
+    python benches/sglang_fuzz.py --minutes 30 [--json FILE]
+
+Needs kvtierd (KVTIERD_BIN, or the build in $CARGO_TARGET_DIR) and the test venv
+(scripts/setup). Exits 1 when any schedule failed; each failing seed is printed with the
+command that replays it.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    fuzz = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sglang_fuzz.py"
+    sys.argv[0] = str(fuzz)
+    sys.path.insert(0, str(fuzz.parent))
+    runpy.run_path(str(fuzz), run_name="__main__")
