@@ -337,4 +337,11 @@ def test_a_call_named_by_id_is_cancelled_even_when_the_cancel_arrives_first(
     with pytest.raises(KvtierError, match="kvtier-call-id") as e:
         c.load_pages(prompt, ns, 0, [4], call_id="x" * 65)
     assert e.value.invalid_input
+    # Only the registered pool's owner cancels: a token of an earlier registration names
+    # calls that may have been retried under the new one (found by the break-it review).
+    old = c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True).owner
+    c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True)
+    with pytest.raises(KvtierError) as e:
+        c.cancel(["save-3"], owner=old)
+    assert e.value.pool_lost
     c.close()

@@ -14,7 +14,8 @@
 //!   its own, so a call whose client left still releases its pins and reservations (its
 //!   fenced copy fails, and the page protocol's failure path unpins and aborts) within
 //!   moments instead of when the agent's kvtierd session ends;
-//! - when its client cancels it: a call that names itself in [`CALL_ID_HEADER`] is in
+//! - when its client cancels it: a Load, Save or SaveBatch that names itself in
+//!   [`CALL_ID_HEADER`] (LoadBack may not: its pages join the tree as it commits) is in
 //!   [`Calls`] while it runs, and the Cancel RPC closes its fence and answers once no part of
 //!   its copies is still moving, so the client may reuse the pages the moment it returns
 //!   (vLLM's worker, giving up on a preempted request's save, need not wait for the call).
@@ -118,7 +119,7 @@ impl Calls {
         let Some(v) = req.metadata().get(CALL_ID_HEADER) else {
             return Ok(none);
         };
-        let id = call_id(v.to_str().ok())?;
+        let id = call_id(v.to_str().ok(), CALL_ID_HEADER)?;
         let Some(token) = caller.token else {
             return Ok(none);
         };
@@ -159,12 +160,16 @@ impl Calls {
             ));
         };
         for (i, id) in ids.iter().enumerate() {
-            call_id(Some(id)).map_err(|e| e.within(&format!("call_ids[{i}]")))?;
+            call_id(Some(id), &format!("call_ids[{i}]"))?;
         }
         let now = Instant::now();
         let mut calls = self.lock();
         let mut found = Vec::new();
+        let mut named = std::collections::HashSet::new();
         for id in ids {
+            if !named.insert(id) {
+                continue;
+            }
             let key = (token, id.clone());
             if let Some(f) = calls.running.get(&key) {
                 found.push(f.clone());
@@ -177,8 +182,28 @@ impl Calls {
     }
 }
 
-/// A call id as sent: 1 to [`MAX_CALL_ID`] printable ASCII characters.
-fn call_id(v: Option<&str>) -> Result<&str, ApiError> {
+/// Refuses a call that names itself but cannot be cancelled (LoadBack); else an entry that
+/// registers nothing.
+pub(crate) fn not_cancellable<T>(
+    req: &tonic::Request<T>,
+    calls: &Arc<Calls>,
+) -> Result<Registered, ApiError> {
+    if req.metadata().contains_key(CALL_ID_HEADER) {
+        return Err(ApiError::invalid(
+            CALL_ID_HEADER,
+            "LoadBack cannot be cancelled (the pages it fills join the agent's tree as it \
+             commits); send it without a call id",
+        ));
+    }
+    Ok(Registered {
+        calls: calls.clone(),
+        key: None,
+    })
+}
+
+/// A call id as sent in `field`: 1 to [`MAX_CALL_ID`] printable ASCII characters (no
+/// spaces).
+fn call_id<'a>(v: Option<&'a str>, field: &str) -> Result<&'a str, ApiError> {
     match v {
         Some(id)
             if !id.is_empty()
@@ -188,8 +213,8 @@ fn call_id(v: Option<&str>) -> Result<&str, ApiError> {
             Ok(id)
         }
         _ => Err(ApiError::invalid(
-            CALL_ID_HEADER,
-            format!("a call id is 1 to {MAX_CALL_ID} printable ASCII characters"),
+            field,
+            format!("a call id is 1 to {MAX_CALL_ID} printable ASCII characters, no spaces"),
         )),
     }
 }
@@ -303,5 +328,73 @@ mod tests {
         assert!(!f.is_open(), "open within 5 ms of a 50 ms deadline");
         // A malformed header is ignored, never a deadline of zero.
         assert!(of(&request(&[(DEADLINE_HEADER, "soon".into())])).is_open());
+    }
+
+    fn caller() -> Caller {
+        Caller {
+            token: Some(OwnerToken::random().unwrap()),
+            peer: None,
+        }
+    }
+
+    #[test]
+    fn calls_are_found_by_their_clients_token_and_id_only_and_ids_are_checked() {
+        let calls = Arc::new(Calls::default());
+        let (a, b) = (caller(), caller());
+        let named = request(&[(CALL_ID_HEADER, "c1".into())]);
+        let f = Fence::until(None);
+        let entry = calls.register(&named, &a, &f).unwrap();
+        // Another client's token finds nothing; a name given twice counts once.
+        assert!(calls.cancel(&b, &["c1".into()]).unwrap().is_empty());
+        assert!(f.is_open());
+        let found = calls.cancel(&a, &["c1".into(), "c1".into()]).unwrap();
+        assert_eq!(found.len(), 1);
+        // A second call under a running id is refused, naming the header.
+        let e = calls
+            .register(&named, &a, &Fence::until(None))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(CALL_ID_HEADER), "{e}");
+        drop(entry);
+        // Cancelled before it arrives: it starts fenced.
+        let late = Fence::until(None);
+        let _e = calls.register(&named, &a, &late).unwrap();
+        assert!(!late.is_open(), "a call under a cancelled id started open");
+        // Bad ids, by field.
+        let e = calls
+            .cancel(&a, &["ok".into(), "not ok".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("call_ids[1]"), "{e}");
+        let long = request(&[(CALL_ID_HEADER, "x".repeat(65))]);
+        assert!(calls.register(&long, &a, &Fence::until(None)).is_err());
+        let many: Vec<String> = (0..=MAX_CANCEL).map(|i| i.to_string()).collect();
+        assert!(calls.cancel(&a, &many).is_err());
+        // LoadBack refuses an id (its pages join the tree as it commits).
+        assert!(not_cancellable(&named, &calls).is_err());
+        assert!(not_cancellable(&request(&[]), &calls).is_ok());
+    }
+
+    #[test]
+    fn cancelled_ids_are_forgotten_past_the_cap_oldest_first() {
+        let calls = Calls::default();
+        let a = caller();
+        for chunk in 0..(MAX_CANCELLED / MAX_CANCEL + 2) {
+            let ids: Vec<String> = (0..MAX_CANCEL).map(|i| format!("{chunk}-{i}")).collect();
+            calls.cancel(&a, &ids).unwrap();
+        }
+        let inner = calls.lock();
+        assert!(
+            inner.cancelled.len() <= MAX_CANCELLED,
+            "{}",
+            inner.cancelled.len()
+        );
+        assert!(
+            !inner
+                .cancelled
+                .contains_key(&(a.token.unwrap(), "0-0".into()))
+        );
+        let last = format!("{}-0", MAX_CANCELLED / MAX_CANCEL + 1);
+        assert!(inner.cancelled.contains_key(&(a.token.unwrap(), last)));
     }
 }

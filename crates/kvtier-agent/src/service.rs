@@ -572,7 +572,9 @@ impl agent_server::Agent for AgentService {
     ) -> Result<Response<v1::LoadBackResponse>, Status> {
         let caller = Caller::of(&request)?;
         let fence = call_fence::of(&request);
-        let calls = self.calls.register(&request, &caller, &fence);
+        // Not cancellable: the pages it fills join the agent's tree as it commits, so a
+        // Cancel could not hand them back.
+        let calls = call_fence::not_cancellable(&request, &self.calls);
         let req = request.into_inner();
         let tree = self.tree.clone();
         to_status(
@@ -772,11 +774,20 @@ impl agent_server::Agent for AgentService {
         let caller = Caller::of(&request)?;
         let ids = request.into_inner().call_ids;
         let calls = self.calls.clone();
+        let s = self.s.clone();
         let r = async move {
+            // Only the registered pool's owner: a token of an earlier registration (a
+            // client that registered again meanwhile) names calls that may have been
+            // retried under the new one, which this Cancel would not stop.
+            s.lock().any_registered()?.owner.admits(&caller)?;
             let fences = calls.cancel(&caller, &ids)?;
             let cancelled = fences.len() as u32;
-            // Waits for the parts moving under them on a blocking thread (a part is a
-            // memcpy or a GPU stream's transfers, never an await).
+            // Every fence closed first, then the parts moving under them waited for, on a
+            // blocking thread (a part is a memcpy or a GPU stream's transfers, never an
+            // await).
+            for f in &fences {
+                f.close();
+            }
             let settled = tokio::task::spawn_blocking(move || {
                 let until = std::time::Instant::now() + call_fence::SETTLE;
                 fences.iter().all(|f| {

@@ -90,14 +90,20 @@ impl AgentClient {
     }
 
     /// Names every later call `id` (see [`CALL_ID_HEADER`]; None: unnamed), so that
-    /// [`Self::cancel`] on another clone can stop it. Give each call in flight its own (a
-    /// clone per call).
+    /// [`Self::cancel`] on another clone can stop it. Give each call its own (a clone per
+    /// call): an id once cancelled fences every call made under it for a minute after.
+    /// LoadBack refuses an id (it cannot be cancelled).
     pub fn set_call_id(&mut self, id: Option<&str>) -> Result<(), ClientError> {
         self.headers.call_id = match id {
             None => None,
-            Some(id) => Some(id.parse().map_err(|_| {
-                ClientError::Protocol(format!("call id {id:?}: not printable ASCII"))
-            })?),
+            Some(id) => {
+                let ok = (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic());
+                Some(id.parse().ok().filter(|_| ok).ok_or_else(|| {
+                    ClientError::Protocol(format!(
+                        "call id {id:?}: 1 to 64 printable ASCII characters, no spaces"
+                    ))
+                })?)
+            }
         };
         Ok(())
     }

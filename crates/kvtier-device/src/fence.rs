@@ -52,7 +52,7 @@ impl Fence {
     /// Closes it: no copy under it moves another part.
     pub fn close(&self) {
         if let Some(i) = &self.0 {
-            i.closed.store(true, Ordering::Release);
+            i.closed.store(true, Ordering::SeqCst);
         }
     }
 
@@ -83,14 +83,19 @@ impl Fence {
         };
         // Counted before the check: a close that lands between the two waits for the part
         // this check then refuses, and sees it leave at once.
+        // Both sides SeqCst (this add and the load below; the close's store and its load of
+        // `moving`): of the two, at least one sees the other's write.
         i.moving.fetch_add(1, Ordering::SeqCst);
         let part = Moving(Some(i));
-        self.check()?;
+        if i.closed.load(Ordering::SeqCst) || i.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(crate::DeviceError::Fenced);
+        }
         Ok(part)
     }
 
     /// Closes it and waits, up to `within`, until no part entered under it is still moving;
     /// whether they all left. After `true`, no copy under this fence touches a byte more.
+    /// (Closing several first, then settling each, stops them all at once.)
     pub fn close_and_settle(&self, within: Duration) -> bool {
         let Some(i) = &self.0 else {
             return false;

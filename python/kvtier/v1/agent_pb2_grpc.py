@@ -219,13 +219,16 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Stops the client's calls named in `call_ids` (each a Load, Save, SaveBatch or LoadBack
-        that sent its id in the `kvtier-call-id` header) before their deadline: no part of
+        """Stops the client's calls named in `call_ids` (each a Load, Save or SaveBatch that sent
+        its id in the `kvtier-call-id` header; LoadBack refuses one, as its pages join the tree
+        when it commits) before their deadline: no part of
         their copies starts after this, and the answer comes once none is still moving, so the
         pages lent to them are the engine's again when it returns (pages a cancelled call did
         not finish are counted `late`). An id no call of this client runs under yet is
         remembered as cancelled for 60 s (the newest 65536): a Cancel may overtake its call, which
-        then starts with nothing to copy. Presents the owner token the calls presented. UNAVAILABLE when a copy part did not
+        then starts with nothing to copy. Presents the registered pool's owner token (NOT_FOUND
+        for another, including an earlier registration's: its calls may have been retried under
+        the new one, which this Cancel would not stop). UNAVAILABLE when a copy part did not
         end within 2 s (the pages must not be reused before the calls answer).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

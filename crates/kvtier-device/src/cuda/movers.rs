@@ -77,7 +77,12 @@ impl Mover for PerRun {
             // pool (or the self-check's scratch), both alive until this returns; the stream
             // is synchronised below, so no copy outlives the call.
             let res = unsafe { sys::cuMemcpyAsync(dst, src, r.len as usize, stream.0) };
-            check(res, "cuMemcpyAsync")?;
+            if let Err(e) = check(res, "cuMemcpyAsync") {
+                // The runs queued before this one still move: wait for them, so that no
+                // copy outlives the call (a fence's settling close counts on it).
+                let _ = stream.sync();
+                return Err(e);
+            }
         }
         stream.sync()
     }
