@@ -262,10 +262,13 @@ class Engine:
         dropping rank loses them, drawn per request so that a seed replays)."""
         drop = random.Random(f"{self.seed}-{req}").random()
         for r, w in enumerate(self.ranks):
-            if self.inst.drop and self.inst.drop[0] == r and drop < self.inst.drop[1]:
+            if self.inst.drop and self.inst.drop[0] == r:
                 with self._counting:
-                    self.counts["dropped"] += n - loaded
-                continue
+                    # The first backup the fault can meet always meets it (a run that
+                    # draws a fault sees it).
+                    if not self.counts["dropped"] or drop < self.inst.drop[1]:
+                        self.counts["dropped"] += n - loaded
+                        continue
             ok = w.backend.batch_set_v1(ks[loaded:], w.indices(base + loaded, n - loaded))
             with self._counting:
                 self.counts["set"] += sum(ok)
