@@ -18,5 +18,4 @@ from pathlib import Path
 if __name__ == "__main__":
     fuzz = Path(__file__).resolve().parents[1] / "tests" / "sglang" / "sglang_fuzz.py"
     sys.argv[0] = str(fuzz)
-    sys.path.insert(0, str(fuzz.parent))
     runpy.run_path(str(fuzz), run_name="__main__")

@@ -34,9 +34,7 @@ A failing seed replays::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import random
 import signal
@@ -51,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvtier.testing import fuzzing
 from kvtier.testing.sglang import LAYOUTS, PAGE, Kvtierd, Worker, worker
 
 FAULTS = ("drop_sets", "weight_update", "clear", "daemon_stop", "daemon_kill")
@@ -377,47 +376,18 @@ def fuzz_one(seed: int, tmp: Path | None = None, log=print) -> dict:
     return run_schedule(s, tmp, log)
 
 
+def events(report: dict) -> dict[str, float]:
+    """What a schedule's instances went through, summed."""
+    out: dict[str, float] = {}
+    for r in report["runs"]:
+        for k, v in r.items():
+            if k != "seconds":
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seed", type=int, action="append", help="replay these schedules")
-    ap.add_argument("--minutes", type=float, help="run random schedules this long")
-    ap.add_argument("--json", help="write the report here")
-    a = ap.parse_args()
-    seeds = list(a.seed or [])
-    t0 = time.monotonic()
-    total: dict[str, float] = {}
-    failed: list[int] = []
-    done = 0
-    rng = random.Random()
-    while True:
-        if seeds:
-            seed = seeds.pop(0)
-        elif a.minutes is not None and time.monotonic() - t0 < a.minutes * 60:
-            seed = rng.randrange(1 << 31)
-        else:
-            break
-        report = fuzz_one(seed)
-        done += 1
-        for r in report["runs"]:
-            for k, v in r.items():
-                total[k] = total.get(k, 0) + v
-        if report["problems"]:
-            failed.append(seed)
-            print(f"FAILED seed {seed} (replay: python tests/sglang/sglang_fuzz.py --seed {seed})")
-            for p in report["problems"]:
-                print(f"  {p}")
-    secs = time.monotonic() - t0
-    summary = {
-        "schedules": done,
-        "failed_seeds": failed,
-        "seconds": round(secs, 1),
-        "per_second": {k: round(v / secs, 2) for k, v in total.items() if k != "seconds"},
-        **total,
-    }
-    print(json.dumps(summary, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(summary))
-    return 1 if failed else 0
+    return fuzzing.main(__doc__.split("\n\n")[0], "tests/sglang/sglang_fuzz.py", fuzz_one, events)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ workers, events and blocks checked per second.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -64,6 +63,8 @@ from vllm_harness import (  # noqa: E402 - the harness beside this file
     flag,
     start_worker,
 )
+
+from kvtier.testing import fuzzing  # noqa: E402
 
 # A worker's counts of pages it saved or gave up.
 SAVE_OUTCOMES = ("saved_pages", "save_failed_pages", "save_dropped_pages", "save_preempted_pages")
@@ -452,45 +453,7 @@ def fuzz_one(seed: int, tmp: Path | None = None, log=print) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seed", type=int, action="append", help="replay these schedules")
-    ap.add_argument("--minutes", type=float, help="run random schedules this long")
-    ap.add_argument("--json", help="write the report here")
-    a = ap.parse_args()
-    seeds = a.seed or []
-    t0 = time.monotonic()
-    total: dict[str, int] = {}
-    failed: list[int] = []
-    done = 0
-    rng = random.Random()
-    while True:
-        if seeds:
-            seed = seeds.pop(0)
-        elif a.minutes is not None and time.monotonic() - t0 < a.minutes * 60:
-            seed = rng.randrange(1 << 31)
-        else:
-            break
-        report = fuzz_one(seed)
-        done += 1
-        for k, v in events(report).items():
-            total[k] = total.get(k, 0) + v
-        if report["problems"]:
-            failed.append(seed)
-            print(f"FAILED seed {seed} (replay: python tests/vllm/fuzz.py --seed {seed})")
-            for p in report["problems"]:
-                print(f"  {p}")
-    secs = time.monotonic() - t0
-    summary = {
-        "schedules": done,
-        "failed_seeds": failed,
-        "seconds": round(secs, 1),
-        "per_second": {k: round(v / secs, 2) for k, v in total.items()},
-        **total,
-    }
-    print(json.dumps(summary, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(summary))
-    return 1 if failed else 0
+    return fuzzing.main(__doc__.split("\n\n")[0], "tests/vllm/fuzz.py", fuzz_one, events)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,6 @@ impl CpuDevice {
                 since += n;
             }
         }
-        drop(moving);
         Ok(())
     }
 

@@ -61,7 +61,9 @@ impl Fence {
         match &self.0 {
             None => true,
             Some(i) => {
-                !i.closed.load(Ordering::Acquire) && i.deadline.is_none_or(|d| Instant::now() < d)
+                // SeqCst: `enter` counts a part and then reads this; a settling close
+                // stores it and then reads the count. Of the two, one sees the other.
+                !i.closed.load(Ordering::SeqCst) && i.deadline.is_none_or(|d| Instant::now() < d)
             }
         }
     }
@@ -81,15 +83,11 @@ impl Fence {
         let Some(i) = &self.0 else {
             return Ok(Moving(None));
         };
-        // Counted before the check: a close that lands between the two waits for the part
-        // this check then refuses, and sees it leave at once.
-        // Both sides SeqCst (this add and the load below; the close's store and its load of
-        // `moving`): of the two, at least one sees the other's write.
+        // Counted before the check (both SeqCst, see `is_open`): a close that lands between
+        // the two waits for the part this check then refuses, and sees it leave at once.
         i.moving.fetch_add(1, Ordering::SeqCst);
         let part = Moving(Some(i));
-        if i.closed.load(Ordering::SeqCst) || i.deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(crate::DeviceError::Fenced);
-        }
+        self.check()?;
         Ok(part)
     }
 

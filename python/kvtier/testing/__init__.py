@@ -1,8 +1,9 @@
 """What kvtier's tests and benches share: real kvtierd and kvtier-agent processes
 (:mod:`kvtier.testing.processes`), pytest fixtures over them
 (:mod:`kvtier.testing.fixtures`), a client of SGLang's HiCache RPC protocol
-(:mod:`kvtier.testing.hicache_rpc`), and SGLang's host pools built the way SGLang builds them
-(:mod:`kvtier.testing.sglang`, which needs SGLang).
+(:mod:`kvtier.testing.hicache_rpc`), SGLang's host pools built the way SGLang builds them
+(:mod:`kvtier.testing.sglang`, which needs SGLang), and the engine fuzzers' command line
+(:mod:`kvtier.testing.fuzzing`).
 
 The processes run the binaries of the checkout the package is installed from (editable, as
 ``scripts/setup`` installs it); nothing here is needed to run kvtier.
