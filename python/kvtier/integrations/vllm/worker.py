@@ -252,6 +252,7 @@ class WorkerSide:
         restart (the pool unknown to it): DMA registers vLLM's KV cache again and retries
         once; staging registers a new pool (the old file has no name left to register) and
         the call fails, a miss, unless the pool was replaced meanwhile."""
+        owner = self._owner
         try:
             return fn()
         except KvtierError as e:
@@ -259,8 +260,12 @@ class WorkerSide:
                 raise
             with self._registering:
                 if staging is None:
-                    logger.warning("kvtier: the agent lost the KV cache (restarted?); again")
-                    self._register_dma()
+                    # Only if no other call registered since this one was sent: every load
+                    # and save thread meets the lost pool at once, and each registering
+                    # again would make the others' retries stale in turn.
+                    if self._owner == owner:
+                        logger.warning("kvtier: the agent lost the KV cache (restarted?); again")
+                        self._register_dma()
                     return fn()
                 if staging is not self._staging or staging.retired:
                     raise
