@@ -7,10 +7,12 @@ against a kvtierd and a kvtier-agent, each figure beside a baseline measured in 
 
 Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):
 
-- **scheduler-thread time per waiting request, p99**, prompts of 1k, 16k and 128k tokens:
-  the time ``get_num_new_matched_tokens`` spends on the scheduler's thread for a request,
-  over every pass until it is answered (the lookup runs on a background thread); baseline:
-  one blocking lookup of the same prompt, what the scheduler paid before.
+- **scheduler-thread time per waiting request, p99**, prompts of 1k, 16k and 128k tokens,
+  cold (nothing stored) and cached (every page in L2): vLLM's real Scheduler runs each
+  request to its end, and every call it makes on the connector is timed, a call about one
+  request charged to it, a call about the whole step split among the requests the
+  scheduler holds (``--explain`` prints the time per connector method); baseline: one
+  blocking lookup of the same prompt, what the scheduler paid before.
 - **Save of the one page a decode step completes**, at 1k, 16k and 128k tokens: the Save
   named after its parent page's key, carrying 16 tokens; baseline: the same Save carrying
   the whole prefix.
@@ -68,17 +70,25 @@ def row(figure: str, value: float, unit: str, baseline: str, base: float, ratio:
     print(f"{figure:<56} {value:>9.3f} {unit:<4} baseline {base:>9.3f}  ratio {r}", file=sys.stderr)
 
 
-def model_dir(max_len: int) -> str:
+_MODELS: dict[tuple[int, tuple[int, int, int]], str] = {}
+
+
+def model_dir(max_len: int, shape: tuple[int, int, int]) -> str:
+    """A checkpoint's config.json for this shape (one per shape: the same checkpoint for
+    every engine of a part, as instances of one deployment share it)."""
+    if (max_len, shape) in _MODELS:
+        return _MODELS[(max_len, shape)]
+    layers, heads, head = shape
     d = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-model-"))
     (d / "config.json").write_text(
         json.dumps(
             {
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
-                "hidden_size": HEADS * 2 * HEAD,
-                "num_attention_heads": HEADS * 2,
-                "num_key_value_heads": HEADS,
-                "num_hidden_layers": LAYERS,
+                "hidden_size": heads * 2 * head,
+                "num_attention_heads": heads * 2,
+                "num_key_value_heads": heads,
+                "num_hidden_layers": layers,
                 "intermediate_size": 256,
                 "vocab_size": 32000,
                 "max_position_embeddings": max_len,
@@ -86,6 +96,7 @@ def model_dir(max_len: int) -> str:
             }
         )
     )
+    _MODELS[(max_len, shape)] = str(d)
     return str(d)
 
 
@@ -106,7 +117,14 @@ class Engine:
     engine step with the model runner's connector hooks around an empty forward pass."""
 
     def __init__(
-        self, agent: str, max_len: int, seqs: int, blocks: int, forward_s: float = 0.0, **extra
+        self,
+        agent: str,
+        max_len: int,
+        seqs: int,
+        blocks: int,
+        forward_s: float = 0.0,
+        shape: tuple[int, int, int] = (LAYERS, HEADS, HEAD),
+        **extra,
     ):
         from vllm.config import (
             CacheConfig,
@@ -135,7 +153,7 @@ class Engine:
         ktc = EngineArgs.from_cli_args(args).kv_transfer_config
         vc = VllmConfig(
             model_config=ModelConfig(
-                model=model_dir(max_len),
+                model=model_dir(max_len, shape),
                 skip_tokenizer_init=True,
                 max_model_len=max_len,
                 dtype="bfloat16",
@@ -152,9 +170,10 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         vc.cache_config.num_gpu_blocks = blocks
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        layers, heads, head = shape
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+            block_size=BLOCK, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16
         )
         kcc = KVCacheConfig(
             num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
@@ -166,7 +185,7 @@ class Engine:
         kv_transfer_state._KV_CONNECTOR_AGENT = worker
         # Written once, as the forward passes would have: copies read mapped memory.
         self.kv = {
-            n: torch.full((blocks, HEADS, BLOCK, 2 * HEAD), float(i), dtype=torch.bfloat16)
+            n: torch.full((blocks, heads, BLOCK, 2 * head), float(i), dtype=torch.bfloat16)
             for i, n in enumerate(names)
         }
         self.worker.register_kv_caches(self.kv)
@@ -175,7 +194,7 @@ class Engine:
         self.sched_connector = self.sched.connector
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
-        self.page_bytes = LAYERS * HEADS * BLOCK * 2 * HEAD * 2
+        self.page_bytes = layers * heads * BLOCK * 2 * head * 2
         # As vLLM's EngineCore does once its scheduler is built: the startup heap is frozen,
         # so the collector's passes during serving skip it.
         from vllm.utils.gc_utils import freeze_gc_heap
@@ -259,69 +278,107 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(32000) for _ in range(n)]
 
 
-def scheduler_lookups(agent, quick: bool) -> None:
-    """Scheduler-thread time per waiting request, against one blocking lookup."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
+class ConnectorClock:
+    """The time vLLM's scheduler thread spends in the connector, per request: every call
+    the scheduler makes on it is timed. A call about one request (``get_num_new_matched_
+    tokens``, ``update_state_after_alloc``, ``request_finished`` ...) is charged to that
+    request; a call about the whole step (``build_connector_meta``,
+    ``update_connector_output`` ...) is split evenly among the requests the scheduler
+    holds at that moment."""
 
+    def __init__(self, conn, held) -> None:
+        import inspect
+
+        self.spent: dict[str, float] = {}
+        # Per method, over every request followed: where the time goes (--explain).
+        self.by_method: dict[str, float] = {}
+        self._held = held
+        for name in dir(type(conn)):
+            if name.startswith("_") or name == "shutdown":
+                continue
+            static = inspect.getattr_static(type(conn), name)
+            if not inspect.isfunction(static):
+                continue
+            setattr(conn, name, self._timed(name, getattr(conn, name)))
+
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - t
+                self.by_method[name] = self.by_method.get(name, 0.0) + spent
+                self._charge(args, spent)
+
+        return timed
+
+    def _charge(self, args, spent: float) -> None:
+        rid = getattr(args[0], "request_id", None) if args else None
+        ids = [rid] if rid is not None else list(self._held())
+        for r in ids:
+            if r in self.spent:
+                self.spent[r] += spent / len(ids)
+
+    def follow(self, rid: str) -> None:
+        self.spent[rid] = 0.0
+
+
+def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
+    """Scheduler-thread time per waiting request, cold and cached, against one blocking
+    lookup: vLLM's real Scheduler runs the requests to their end (a 2 ms forward), and
+    every connector call it makes is timed (:class:`ConnectorClock`). Cold: nothing is
+    stored; every request looks up, computes and saves. Cached: the same prompts on a
+    fresh engine (vLLM's own prefix cache empty), every page in L2."""
     from kvtier.agent import AgentClient
 
-    e = Engine(agent.socket, 131072 + 1024, 8, 64)
-    conn = KVConnectorFactory.create_connector(
-        e.vc, KVConnectorRole.SCHEDULER, e.sched.kv_cache_config
-    )
+    lengths = ((1024, 32), (16384, 16), (131072, 8 if not quick else 3))
+    # One layer of one KV head: the scheduler side's work does not depend on the page's
+    # bytes, and 8 prompts of 128k tokens fit in memory twice (vLLM's blocks and L2).
+    shape = (1, 1, HEAD)
+    blocks = max(n * (length // BLOCK + 2) for length, n in lengths)
     client = AgentClient(agent.socket)
-    # The first lookup starts the background threads and the agent's connection.
-    warm = Request("warm", tokens(64, 1), SamplingParams(max_tokens=1), None)
-    while conn.get_num_new_matched_tokens(warm, 0)[0] is None:
-        time.sleep(0.001)
-    conn.request_finished(warm, [])
-    for length, count in ((1024, 32), (16384, 16), (131072, 8 if not quick else 3)):
-        reqs = [
-            Request(
-                f"L{length}-{i}",
-                tokens(length, length + i),
-                SamplingParams(max_tokens=1),
-                None,
-            )
-            for i in range(count)
-        ]
-        spent = {r.request_id: 0.0 for r in reqs}
-        waiting = list(reqs)
-        while waiting:
-            left = []
-            for r in waiting:
+    for phase in ("cold", "cached"):
+        e = Engine(agent.socket, 131072 + 1024, 32, blocks, forward_s=0.002, shape=shape)
+        clock = ConnectorClock(e.sched_connector, lambda e=e: e.sched.requests.keys())
+        for length, count in lengths:
+            prompts = [tokens(length, length + i) for i in range(count)]
+            blocking = []
+            for p in prompts[:3]:
                 t = time.perf_counter()
-                n, _ = conn.get_num_new_matched_tokens(r, 0)
-                spent[r.request_id] += time.perf_counter() - t
-                if n is None:
-                    left.append(r)
-            waiting = left
-            # The rest of the scheduler's step.
-            time.sleep(0.002)
-        blocking = []
-        for r in reqs[:3]:
-            t = time.perf_counter()
-            client.lookup_pages(list(r.all_token_ids)[: (length - 1) // BLOCK * BLOCK])
-            blocking.append(time.perf_counter() - t)
-        times = sorted(spent.values())
-        p99 = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
-        base = statistics.median(blocking) * 1e3
-        row(
-            f"scheduler time per waiting request p99, {length // 1024}k tokens",
-            p99,
-            "ms",
-            "blocking lookup p50",
-            base,
-            base / p99 if p99 else None,
-        )
-        for r in reqs:
-            conn.request_finished(r, [])
-    conn.shutdown()
+                client.lookup_pages(p[: (length - 1) // BLOCK * BLOCK])
+                blocking.append(time.perf_counter() - t)
+            ids = [e.add(p, 1) for p in prompts]
+            for rid in ids:
+                clock.follow(rid)
+            while any(rid in e.sched.requests for rid in ids):
+                e.step()
+            while not e.drain():
+                time.sleep(0.01)
+            if explain:
+                ms = {k: round(v * 1e3, 2) for k, v in clock.by_method.items()}
+                print(phase, length, "ms per connector method:", ms, file=sys.stderr)
+                clock.by_method.clear()
+            times = sorted(clock.spent[rid] for rid in ids)
+            p99 = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
+            base = statistics.median(blocking) * 1e3
+            row(
+                f"scheduler time per waiting request p99, {length // 1024}k tokens, {phase}",
+                p99,
+                "ms",
+                "blocking lookup p50",
+                base,
+                base / p99 if p99 else None,
+            )
+        done = e.worker.counts
+        e.close()
+        del e
+        # Each round must have done what it is named for, or its rows measure something else.
+        if phase == "cold" and (done.loaded_pages or not done.saved_pages):
+            raise SystemExit(f"the cold round loaded pages or saved none: {done}")
+        if phase == "cached" and not done.loaded_pages:
+            raise SystemExit(f"the cached round loaded nothing: {done}")
     client.close()
-    e.close()
 
 
 def save_one_page(agent, quick: bool) -> None:
@@ -603,6 +660,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    ap.add_argument(
+        "--explain",
+        action="store_true",
+        help="lookups: print the scheduler thread's time per connector method",
+    )
     parts_names = ["lookups", "save", "decode32", "decode256", "slow_l3"]
     ap.add_argument(
         "--only",
@@ -618,11 +680,12 @@ def main() -> None:
     from kvtier.testing import Agent, Kvtierd
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
-    d = Kvtierd(work / "d", "l2.pool_pages=2048", "l3.backend=none")
+    # Room for the lookups part's cached round: 8 prompts of 128k tokens in 8 KiB pages.
+    d = Kvtierd(work / "d", "l2.pool_pages=90000", "l3.backend=none")
     try:
         # An agent serves one engine's pool: one agent per part, on one kvtierd.
         parts = [
-            ("lookups", lambda ag: scheduler_lookups(ag, a.quick)),
+            ("lookups", lambda ag: scheduler_lookups(ag, a.quick, a.explain)),
             ("save", lambda ag: save_one_page(ag, a.quick)),
             ("decode32", lambda ag: decode_steps(ag, 32, a.quick)),
             ("decode256", lambda ag: decode_steps(ag, 256, a.quick)),

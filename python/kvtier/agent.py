@@ -14,10 +14,6 @@ messages stay inside this module.
 
 from __future__ import annotations
 
-import array
-import struct
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +21,7 @@ from kvtier._rpc import KvtierError, grpc_channel
 from kvtier._rpc import call as _call
 from kvtier.host import POLICIES, Progress, final_progress, namespace_pb
 from kvtier.keys import Namespace
+from kvtier.tokens import packed
 from kvtier.v1 import agent_pb2, agent_pb2_grpc, common_pb2, host_pb2
 
 # The metadata header that presents a registration's owner token (agent.proto).
@@ -34,37 +31,6 @@ CALL_ID_HEADER = "kvtier-call-id"
 
 # Most Saves the agent takes in one SaveBatch (agent.proto); save_batch sends more in parts.
 MAX_SAVE_BATCH = 4096
-
-
-# Tokens converted per C call: each call holds the GIL (about 0.02 ms for 1k tokens here).
-# Between calls the packing thread lets go of the GIL (``time.sleep(0)``), so another thread
-# (vLLM's scheduler, while a lookup thread packs a 128k-token prompt) waits for at most one
-# call. Without it, a waiting thread asks for the GIL only after the interpreter's switch
-# interval (5 ms): measured here, a thread beside one packing 128k-token prompts woke 5-11 ms
-# late, and 0.1 ms (p50) with the yield. Chunks of 1k rather than 4k took the scheduler's
-# time per waiting 128k-token request from about 0.4 to 0.3 ms (benches/vllm_bench.py).
-_PACK_CHUNK = 1024
-
-
-def packed(tokens: Sequence[int]) -> bytes:
-    """Tokens as the wire's `packed_tokens`: little-endian u32s, which the agent decodes with
-    a copy where the varint `tokens` field costs a loop over every token. C-level
-    conversions (a third of ``struct.pack``'s time at 128k tokens), in chunks of
-    ``_PACK_CHUNK`` tokens so that no one holds the GIL for long."""
-    try:
-        a = array.array("I")
-        for i in range(0, len(tokens), _PACK_CHUNK):
-            part = tokens[i : i + _PACK_CHUNK]
-            a.fromlist(part if isinstance(part, list) else list(part))
-            if len(tokens) > _PACK_CHUNK:
-                time.sleep(0)
-    except (OverflowError, TypeError) as e:
-        raise ValueError(f"tokens: every token id must be an int in 0..2**32-1 ({e})") from None
-    if a.itemsize != 4:  # pragma: no cover - every platform kvtier runs on has 4-byte "I"
-        return struct.pack(f"<{len(tokens)}I", *tokens)
-    if sys.byteorder == "big":  # pragma: no cover
-        a.byteswap()
-    return a.tobytes()
 
 
 @dataclass(frozen=True)

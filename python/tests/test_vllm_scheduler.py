@@ -64,3 +64,16 @@ def test_waiting_on_a_lookup_defers_only_requests_with_pages_to_look_up() -> Non
     finally:
         agent.gate.set()
         s.shutdown()
+
+
+def test_every_load_is_asynchronous_under_vllms_async_scheduling() -> None:
+    """Under async scheduling vLLM runs the next step before a load's result is back, so a
+    load before the forward pass that fails would leave a step computed over it: the
+    scheduler announces every load as asynchronous, whatever ``load_async`` says."""
+    for mode in ("auto", "never", "always"):
+        side = SchedulerSide(
+            Settings(load_async=mode), BS, SlowAgent(), Counts(), async_scheduling=True
+        )
+        assert side.load_mode == "always", mode
+        side.shutdown()
+        assert SchedulerSide(Settings(load_async=mode), BS, SlowAgent(), Counts()).load_mode == mode

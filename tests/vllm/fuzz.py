@@ -25,7 +25,10 @@ A schedule (:func:`make_schedule`, a pure function of its seed) draws:
   mid-run; reads and writes of L3 slowed (some reads longer than a load's deadline);
 - LoRA: the conversations of some system prompts run under adapter ``a``, whose path is a
   symlink the schedule re-points between workers at another adapter's files (same name,
-  same path, other weights: the stand-in's KV depends on the adapter's bytes).
+  same path, other weights: the stand-in's KV depends on the adapter's bytes);
+- vLLM's AsyncScheduler (its default where the model runner allows it) for about half the
+  workers: each step is scheduled and run before the previous one's output is taken, as
+  vLLM's engine core runs its batch queue.
 
 A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
 (when any were saved), every worker that saves saves some (unless its agent or kvtierd was
@@ -226,6 +229,14 @@ def make_schedule(seed: int) -> Schedule:
                 # Stage 1's saves partly lost: the stages' agents then hold different pages.
                 w.opts += ["--drop-saves", f"1:{prng.choice([0.3, 0.6])}"]
                 w.faults.append("drop_saves")
+    # vLLM's AsyncScheduler (its default where the model runner allows it; not with PP on
+    # the V1 runner): a step is scheduled and run before the last one's output is taken, so
+    # the connector's scheduler side hears of a load's result one step late.
+    arng = random.Random(f"async-{seed}")
+    if s.pp == 1:
+        for w in s.workers:
+            if arng.random() < 0.5:
+                w.opts.append("--async-scheduling")
     return s
 
 
@@ -378,6 +389,8 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             for f, seen in _fired(w, r).items():
                 if not seen:
                     problems.append(f"{w.name}: vacuous: fault {f} never happened")
+            if "--async-scheduling" in w.opts and not r["vllm_stats"]["overlapped_steps"]:
+                problems.append(f"{w.name}: vacuous: async scheduling never overlapped a step")
             log(
                 f"  {w.name} {w.role}: {r['steps']} steps, {r['checked_blocks']} blocks checked, "
                 f"{r['scheduler']['external_tokens']} external tokens, "

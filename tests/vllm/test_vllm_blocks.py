@@ -180,25 +180,6 @@ def test_pieces_pass_the_agents_map_checks(agent) -> None:  # noqa: F811 - the f
         c.close()
 
 
-def test_a_lookup_window_slices_like_the_list_it_views_without_copying_it():
-    """The lookup thread hands packed() a window over the prompt (no 128k-token copy)."""
-    from kvtier.agent import packed
-    from kvtier.integrations.vllm.scheduler import _Window
-
-    tokens = list(range(10_000, 30_000))
-    w = _Window(tokens, 100, 9_000)
-    assert len(w) == 8_900
-    assert (w[0], w[-1], w[8_899]) == (10_100, 18_999, 18_999)
-    assert w[10:20] == tokens[110:120] and w[8_000:99_999] == tokens[8_100:9_000]
-    assert list(w) == tokens[100:9_000]
-    assert packed(w) == packed(tokens[100:9_000])
-    with pytest.raises(IndexError):
-        w[8_900]
-    with pytest.raises(ValueError, match="step"):
-        w[::2]
-    assert len(_Window(tokens, 50, 10)) == 0
-
-
 def test_the_ipc_handle_is_read_out_of_every_framing_torch_uses():
     """torch frames a storage's handle as [version][b"c"][64 bytes] (version 2 up to 2.12, 3
     since 2.13); the agent takes the 64 bytes. Found on an H200: the framed 66 bytes reached

@@ -72,6 +72,24 @@ def test_pages_computed_over_a_short_load_are_never_saved_and_the_recompute_is(t
     assert short["scheduler"]["rewound_pages"] > 0, short["scheduler"]
 
 
+def test_under_async_scheduling_no_step_runs_over_a_load_that_failed(tmp_path):
+    """Defect (fuzz seeds 2, 3, 19 and 35, once workers drew vLLM's AsyncScheduler): it
+    schedules and runs step N+1 before step N's output is back. A load before step N's
+    forward pass that fell short rolled the request back, but step N+1 had already run over
+    the failed blocks, and vLLM 0.33 keeps its output (the request's next token). The
+    harness, running N+1 as the model runner does, found its next position had no token.
+    Under async scheduling every load is now asynchronous: it fails before the request
+    computes anything."""
+    first, again = _conversations(3)
+    opts = ["--short-loads", "0.6", "--async-scheduling"]
+    w = Worker("short", "kv_both", again, opts, {"load_async": "never"}, ["short_loads"])
+    report = _after_a_first_worker(tmp_path, 1, Worker("w0", "kv_both", first), w, again)
+    short = report["runs"][1]
+    assert short["load_error_blocks"] > 0, "no load fell short"
+    assert short["vllm_stats"]["overlapped_steps"] > 0, "no step ran before the last's output"
+    assert short["scheduler"]["async_loads"] > 0, short["scheduler"]
+
+
 def test_tp_ranks_whose_agents_hold_different_pages_save_nothing_computed_over_the_gap(
     tmp_path,
 ):

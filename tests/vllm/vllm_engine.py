@@ -52,6 +52,7 @@ attention).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import hashlib
 import json
@@ -134,6 +135,7 @@ def config(
     tp: int = 1,
     pp: int = 1,
     max_batched_tokens: int = 256,
+    async_scheduling: bool = False,
 ):
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -171,6 +173,9 @@ def config(
         device_config=DeviceConfig("cpu"),
     )
     vc.cache_config.num_gpu_blocks = NUM_BLOCKS
+    # vLLM's CPU platform turns async scheduling off ("not required on CPU"); on a GPU it is
+    # vLLM's default. The scheduler does not depend on the platform: as on a GPU.
+    vc.scheduler_config.async_scheduling = async_scheduling
     return vc
 
 
@@ -400,6 +405,9 @@ class VllmStats:
         self.admitted: dict[str, float] = {}
         # Whether --kill / --stop fired (the run reached its step).
         self.killed = False
+        # Steps scheduled while an earlier one's output was still to be taken (async
+        # scheduling).
+        self.overlapped_steps = 0
 
     def report(self) -> dict:
         from prometheus_client import REGISTRY
@@ -419,6 +427,7 @@ class VllmStats:
             "held_released": self.held_released,
             "admitted_s": self.admitted,
             "killed": self.killed,
+            "overlapped_steps": self.overlapped_steps,
         }
 
 
@@ -438,6 +447,7 @@ def run(
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -526,7 +536,10 @@ def run(
             worker.register_kv_caches(kv.layers)
             ranks.append((worker, kv))
     model = Model()
-    sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
+    # The scheduler vLLM's engine core builds for the config (--async-scheduling: its
+    # AsyncScheduler, which schedules a step before the previous one's output is back).
+    kind = AsyncScheduler if vc.scheduler_config.async_scheduling else Scheduler
+    sched = kind(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK, log_stats=True)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     wrong: set[tuple[str, int, int]] = set()
@@ -805,16 +818,22 @@ def _phase(
     started = time.monotonic()
     deadline = started + 600
     idle = 0
-    while sched.has_requests():
-        step += 1
-        if kill and step == kill[1]:
-            os.kill(kill[0], kill[2])
-            vllm_stats.killed = True
-        if squeeze is not None:
-            squeeze.before(sched)
-        so = sched.schedule()
-        if squeeze is not None:
-            squeeze.after(sched, so)
+    # Steps run but whose output the scheduler has not taken yet: one at a time, or, under
+    # async scheduling, up to two, as vLLM's engine core keeps them (step_with_batch_queue:
+    # it schedules and runs step N+1 before it takes step N's output).
+    depth = 2 if vc.scheduler_config.async_scheduling else 1
+    inflight: collections.deque[dict] = collections.deque()
+    # Tokens sampled in steps whose output the scheduler has not taken (its placeholders).
+    unsent: dict[str, list[tuple[int, int]]] = {}
+
+    def known(rid: str) -> list[int]:
+        """The request's tokens as the model runner knows them: the scheduler's, then those
+        it sampled in steps whose output the scheduler has not taken yet."""
+        return list(reqs[rid].all_token_ids) + [t for _, t in unsent.get(rid, ())]
+
+    def execute(so, step: int) -> dict:
+        """One step on every rank: the connector's hooks around the forward pass, the
+        sampled tokens, and what the step's reads would say against the oracle."""
         blocks = {
             rid: list(sched.kv_cache_manager.get_block_ids(rid)[0])
             for rid in so.num_scheduled_tokens
@@ -828,6 +847,7 @@ def _phase(
             vllm_stats.admitted.setdefault(rid, round(time.monotonic() - started, 3))
         outs = []
         kvs = [kv for _, kv in ranks]
+        tokens = {rid: known(rid) for rid in so.num_scheduled_tokens}
         with contextlib.ExitStack() as stack:
             stack.enter_context(set_forward_context(None, vc))
             for worker, _ in ranks:
@@ -841,17 +861,40 @@ def _phase(
                 )
             # The forward pass, on every rank at once (its all-reduce mixes them).
             for rid, n in so.num_scheduled_tokens.items():
-                tokens = list(reqs[rid].all_token_ids)
-                model.forward(kvs, tokens, blocks[rid], starts[rid], starts[rid] + n, adapters[rid])
+                end = starts[rid] + n
+                r = reqs[rid]
+                assert len(tokens[rid]) >= end, (
+                    f"{rid}: position {end - 1} has no token yet (step {step}: "
+                    f"{len(r.all_token_ids)} tokens, {r.num_computed_tokens} computed, "
+                    f"{r.num_output_placeholders} placeholders, unsent {unsent.get(rid)}, "
+                    f"scheduled {starts[rid]}..{end}, status {r.status}, "
+                    f"preemptions {r.num_preemptions})"
+                )
+                model.forward(kvs, tokens[rid], blocks[rid], starts[rid], end, adapters[rid])
             # Leaving the stack ends each rank's step: its saves, then what it reports.
         req_ids, sampled = [], []
-        for rid in so.num_scheduled_tokens:
-            all_tokens = list(reqs[rid].all_token_ids)
+        for rid, n in so.num_scheduled_tokens.items():
             req_ids.append(rid)
-            if reqs[rid].num_computed_tokens >= len(all_tokens):
-                sampled.append([Model.sample(kvs[0], blocks[rid], len(all_tokens))])
+            end = starts[rid] + n
+            if end >= len(tokens[rid]):
+                t = Model.sample(kvs[0], blocks[rid], end)
+                sampled.append([t])
+                if depth > 1:
+                    unsent.setdefault(rid, []).append((step, t))
             else:
                 sampled.append([])
+        # Every block this step's attention read, as it is now (the next step may write
+        # before this one's output is taken): held against the oracle, and counted wrong
+        # once the output is taken if the step stands for the request.
+        reads = {
+            rid: (
+                starts[rid] + n,
+                model.wrong_blocks(
+                    kvs, rid, tokens[rid], blocks[rid], starts[rid] + n, adapters[rid]
+                ),
+            )
+            for rid, n in so.num_scheduled_tokens.items()
+        }
         # vLLM's output aggregator over the TP ranks, as its executor runs it: a request's
         # async load is done when every rank finished it, and a block that failed to load
         # on any rank failed.
@@ -867,6 +910,31 @@ def _phase(
             ]
         )
         assert out is not None and out.kv_connector_output is not None
+        return {"so": so, "out": out, "step": step, "reads": reads}
+
+    while sched.has_requests() or inflight:
+        if sched.has_requests():
+            step += 1
+            if kill and step == kill[1]:
+                os.kill(kill[0], kill[2])
+                vllm_stats.killed = True
+            if squeeze is not None:
+                squeeze.before(sched)
+            so = sched.schedule()
+            if squeeze is not None:
+                squeeze.after(sched, so)
+            if inflight:
+                vllm_stats.overlapped_steps += 1
+            inflight.appendleft(execute(so, step))
+            ran = so.total_num_scheduled_tokens > 0
+            if not ran:
+                # Every request waits (for an async load): let the I/O threads run.
+                idle += 1
+                time.sleep(0.002)
+            if len(inflight) < depth and (ran or sched.has_requests()):
+                continue
+        done = inflight.pop()
+        so, out = done["so"], done["out"]
         load_errors += len(out.kv_connector_output.invalid_block_ids or ())
         vllm_stats.held_released += len(out.kv_connector_output.finished_sending or ())
         # Invalid blocks go back to the scheduler, which rolls their requests back. Its
@@ -884,20 +952,17 @@ def _phase(
                 for src, n in cp.hits_by_source.items():
                     key = getattr(src, "value", str(src))
                     vllm_stats.hits[key] = vllm_stats.hits.get(key, 0) + n
-        if not so.num_scheduled_tokens:
-            # Every request waits (for an async load): let the I/O threads run.
-            idle += 1
-            time.sleep(0.002)
-        # Every block this step's attention read, for each request whose step stands (a
-        # request rolled back for a failed load reruns it; vLLM drops its output), holds
-        # what recomputing it gives. Nothing has been written since the forward pass.
-        for rid, n in so.num_scheduled_tokens.items():
-            req = reqs[rid]
-            upto = starts[rid] + n
-            if req.num_computed_tokens < upto:
+        for rid, (upto, bad) in done["reads"].items():
+            if reqs[rid].num_computed_tokens < upto:
+                # Rolled back for a failed load: it reruns the step, and vLLM drops this
+                # step's output and that of every step scheduled before the rollback (stale):
+                # what those sampled is gone, and what this step read does not count.
+                unsent.pop(rid, None)
                 continue
-            tokens = list(req.all_token_ids)
-            for r, b in model.wrong_blocks(kvs, rid, tokens, blocks[rid], upto, adapters[rid]):
+            if rid in unsent:
+                # The scheduler took what this step sampled (its tokens now).
+                unsent[rid] = [(s, t) for s, t in unsent[rid] if s != done["step"]]
+            for r, b in bad:
                 wrong.add((rid, b, r))
         assert step - idle < 10_000 and time.monotonic() < deadline, "the engine loop does not end"
     for rid, r in reqs.items():
@@ -942,6 +1007,11 @@ def main() -> None:
         "--lora", action="append", default=[], help="NAME=PATH: a LoRA adapter prompts may name"
     )
     ap.add_argument("--max-batched-tokens", type=int, default=256, help="fewer: chunked prefill")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's AsyncScheduler: a step scheduled before the last one's output is back",
+    )
     ap.add_argument("--seed", type=int, default=0, help="the faults' random generator")
     ap.add_argument("--short-loads", type=float, default=0.0, help="P: a Load asks for fewer")
     ap.add_argument(
@@ -969,6 +1039,7 @@ def main() -> None:
         tp=a.tp,
         pp=a.pp,
         max_batched_tokens=a.max_batched_tokens,
+        async_scheduling=a.async_scheduling,
     )
     drops = {int(r): float(p) for r, p in (d.split(":") for d in a.drop_saves)}
     faults = Faults(a.seed, a.short_loads, drops, a.squeeze)

@@ -5,6 +5,7 @@ counters both keep."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from kvtier.agent import After
 from kvtier.host import POLICIES, KvtierError
 from kvtier.keys import Namespace, extend_keys
 from kvtier.settings import fill
+
+logger = logging.getLogger("kvtier.vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,6 +119,23 @@ class Settings:
         if device_type == "cpu":
             return True
         return self.transfer != "staging" and device_type == "cuda"
+
+    def load_mode(self, async_scheduling: bool) -> str:
+        """``load_async`` as the scheduler applies it. Under vLLM's async scheduling (its
+        default on a GPU) every load is asynchronous: a load before the forward pass that
+        fails rolls its request back after vLLM already ran the next step over the failed
+        blocks, and vLLM 0.33 keeps that step's output (the request's next token, sampled
+        over the stale blocks; found by the engine fuzzer, seeds 2, 3, 19 and 35). An
+        asynchronous load fails before the request computes anything."""
+        if async_scheduling and self.load_async != "always":
+            if self.load_async == "never":
+                logger.warning(
+                    "kvtier: load_async = never under vLLM's async scheduling: loads are "
+                    "asynchronous anyway (a failed synchronous load would leave vLLM a step "
+                    "computed over it)"
+                )
+            return "always"
+        return self.load_async
 
     def staging_file_mode(self) -> int:
         """``staging_mode`` as bits; an error names the key unless it is octal, keeps the
@@ -276,7 +296,7 @@ class Job:
     ``start`` is 0), so a job costs its own pages, never the whole prefix."""
 
     req_id: str
-    tokens: list[int]
+    tokens: Sequence[int]
     namespace: Namespace
     start: int
     blocks: list[int]

@@ -135,6 +135,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 produces,
                 holds=self.settings.holds_blocks(device),
                 consumes=ktc.is_kv_consumer,
+                async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
             )
         else:
             self.worker = WorkerSide(

@@ -9,20 +9,20 @@ lookup on a background thread (one of four; each lookup has its own deadline) an
 when the answer is there. The lookup sends the
 prompt once and brings back its page keys; every later call for the request (loads, saves,
 lookups after a preemption) names its pages by the key of the page before them and carries
-only their tokens. Keys of pages past the prompt are hashed here as the request grows, one
-page at a time.
+only their tokens. Those tokens are a :class:`~kvtier.tokens.TokenWindow` of the request's
+own token list, never copied on vLLM's scheduler thread: the thread that sends the call packs
+them (a window pickled to another process goes as packed bytes). Keys of pages past the
+prompt are hashed here as the request grows, one page at a time.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -32,10 +32,13 @@ from kvtier.host import KvtierError
 from kvtier.identity import WeightEpoch
 from kvtier.integrations.vllm.common import Counts, Job, KvtierMetadata, Settings, StepsDone
 from kvtier.integrations.vllm.identity import lora_id
+from kvtier.integrations.vllm.lookups import LookupBreaker, LookupThreads, PendingLookup
 from kvtier.keys import KEY_BYTES, Namespace, extend_keys
+from kvtier.tokens import TokenWindow
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -99,27 +102,6 @@ class Keys:
         self._add(b"".join(extend_keys(self.parent_of(have), new, bs, ns)))
 
 
-class LookupBreaker:
-    """Whether to ask the agent at all: after a lookup timed out or found the agent gone,
-    none is sent for ``pause_s`` and every request is answered "nothing cached" at once,
-    so a hung agent costs one lookup deadline, not one per waiting request. Lookups run
-    on several threads meanwhile, so one slow answer holds up no other."""
-
-    def __init__(self, pause_s: float):
-        self.pause_s = pause_s
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-
-    def is_open(self, now: float) -> bool:
-        return now < self._open_until
-
-    def failed(self, e: KvtierError) -> None:
-        """A lookup failed; one that timed out or could not reach the agent opens it."""
-        if e.timed_out or e.retryable:
-            with self._lock:
-                self._open_until = time.monotonic() + self.pause_s
-
-
 @dataclass(frozen=True)
 class _Hit:
     start: int
@@ -130,18 +112,7 @@ class _Hit:
     l2_pages: int = 0
 
 
-@dataclass
-class _Pending:
-    """A lookup on a background thread, or its answer: pages from ``start`` to ``limit``."""
-
-    start: int
-    limit: int
-    future: Future[tuple[Lookup, int]]
-    done_at: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-
-
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     """A request, as the scheduler side follows it."""
 
@@ -153,7 +124,7 @@ class _Tracked:
     saved: int = 0
     # The write policy's selection from the last lookup (see Job.selected).
     selected: int | None = None
-    lookup: _Pending | None = None
+    lookup: PendingLookup[tuple[Lookup, int]] | None = None
     # The answer vLLM was given: first page past vLLM's hits, pages kvtier holds after it,
     # the policy's selection, and whether the load was announced as asynchronous.
     hit: _Hit | None = None
@@ -171,30 +142,44 @@ class _Tracked:
     load_failed_at: int | None = None
 
 
-class _Window(Sequence[int]):
-    """``tokens[start:end]`` without copying it: the lookup thread hands a whole prompt to
-    :func:`kvtier.agent.packed`, which slices it in chunks, so no single copy of a
-    128k-token prompt holds the GIL while vLLM's scheduler thread waits for it."""
+class _Filling:
+    """The blocks one load before a step's forward pass fills, as vLLM's block objects;
+    their ids are read once, when an allocation first asks whether it shares one."""
 
-    def __init__(self, tokens: Sequence[int], start: int, end: int):
-        self._tokens, self._start, self._len = tokens, start, max(0, end - start)
+    __slots__ = ("blocks", "_ids")
 
-    def __len__(self) -> int:
-        return self._len
+    def __init__(self, blocks: Sequence[KVCacheBlock]):
+        self.blocks = blocks
+        self._ids: set[int] | None = None
 
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if isinstance(i, slice):
-            a, b, step = i.indices(self._len)
-            if step != 1:
-                raise ValueError("a token window slices with step 1 only")
-            return self._tokens[self._start + a : self._start + max(a, b)]
-        if not -self._len <= i < self._len:
-            raise IndexError(i)
-        return self._tokens[self._start + (i % self._len)]
+    def ids(self) -> set[int]:
+        if self._ids is None:
+            self._ids = {b.block_id for b in self.blocks}
+        return self._ids
+
+
+@dataclass(slots=True)
+class _PlannedLoad:
+    """A load vLLM accepted in this pass, whose block ids the step's output brings."""
+
+    tracked: _Tracked
+    job: Job
+    # The request's blocks at allocation, as vLLM's block objects (read if the output
+    # lacks the request's block table).
+    blocks: Sequence[KVCacheBlock]
+    pages: int
+
+    def finish(self, tables: dict[str, list[int]]) -> Job:
+        """The job with its block ids: from the request's whole block table in this step's
+        output (``tables``; vLLM lists those ids for its workers anyway), else read from the
+        blocks."""
+        j = self.job
+        if not j.blocks:
+            table = tables.get(j.req_id)
+            if table is None or len(table) < j.start + self.pages:
+                table = self.tracked.blocks = [b.block_id for b in self.blocks]
+            j.blocks = table[j.start : j.start + self.pages]
+        return j
 
 
 def _slice(tokens: Sequence[int], start: int, end: int) -> list[int]:
@@ -235,6 +220,7 @@ class SchedulerSide:
         produces: bool = True,
         holds: bool = False,
         consumes: bool = True,
+        async_scheduling: bool = False,
     ):
         self.settings, self.block_size, self.agent, self.counts = (
             settings,
@@ -246,14 +232,15 @@ class SchedulerSide:
         # only saves; it looks nothing up and loads nothing.
         self.produces = produces
         self.consumes = consumes
+        # "auto", "always" or "never" (Settings.load_mode): always under async scheduling.
+        self.load_mode = settings.load_mode(async_scheduling)
         # The number of the next step (KvtierMetadata.step), and the requests whose loads
         # before that step's forward pass wait for its result (StepsDone).
         self._step = 0
         self._unconfirmed: dict[int, list[str]] = {}
         # Blocks such loads fill, by step: vLLM's prefix cache shares them with other
         # requests at once, and what those compute over them waits for the same result.
-        self._loaded_blocks: dict[int, int] = {}
-        self._blocks_of_step: dict[int, list[int]] = {}
+        self._filling: dict[int, list[_Filling]] = {}
         # Finished requests with saves keep their blocks until the workers say the saves are
         # done (Settings.holds_blocks).
         self.holds = holds
@@ -261,20 +248,27 @@ class SchedulerSide:
         # clears: a worker holds those requests' blocks all the same).
         self._saving: set[str] = set()
         self.epoch = WeightEpoch()
+        # (epoch, namespace) of requests with no LoRA, salt or multimodal input.
+        self._plain = ("", self.epoch.namespace(Namespace(tenant=settings.tenant)))
         self._tracked: dict[str, _Tracked] = {}
-        self._loads: list[Job] = []
+        self._loads: list[_PlannedLoad] = []
         # Lookups, each with its own deadline, several at once, behind the breaker.
-        self._pool = ThreadPoolExecutor(
-            max_workers=LOOKUP_THREADS, thread_name_prefix="kvtier-lookup"
-        )
-        # Every thread started now: the executor starts one per submit until it has them
-        # all, and each start cost the scheduler thread 1-1.7 ms (measured, 2 cores).
-        started = threading.Barrier(LOOKUP_THREADS)
-        for _ in range(LOOKUP_THREADS):
-            self._pool.submit(started.wait, 5.0)
+        self._lookups = LookupThreads(LOOKUP_THREADS, "kvtier-lookup")
         self.breaker = LookupBreaker(settings.lookup_pause_s)
 
     def _namespace(self, request: Request) -> Namespace | None:
+        if not (
+            getattr(request, "lora_request", None)
+            or getattr(request, "cache_salt", None)
+            or getattr(request, "mm_features", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        ):
+            # Most requests: the instance's own namespace, made once per weight epoch.
+            epoch, ns = self._plain
+            if epoch != self.epoch.value:
+                ns = self.epoch.namespace(Namespace(tenant=self.settings.tenant))
+                self._plain = (self.epoch.value, ns)
+            return ns
         ns = namespace_of(request, self.settings.tenant)
         return None if ns is None else self.epoch.namespace(ns)
 
@@ -300,13 +294,13 @@ class SchedulerSide:
         try:
             if 0 < start <= known:
                 parent = t.keys[start - 1]
-                prompt = After(parent, _slice(tokens, start * bs, limit * bs))
+                prompt = After(parent, TokenWindow(tokens, start * bs, limit * bs))
                 found = self.agent.lookup_pages(
                     prompt, t.namespace, start, want_keys=known < limit, timeout=deadline
                 )
                 return found, start
             found = self.agent.lookup_pages(
-                _Window(tokens, 0, limit * bs),
+                TokenWindow(tokens, 0, limit * bs),
                 t.namespace,
                 start,
                 want_keys=known < limit,
@@ -318,30 +312,33 @@ class SchedulerSide:
             self.breaker.failed(e)
             raise
 
-    def _start_lookup(self, t: _Tracked, start: int, limit: int) -> None:
+    def _start_lookup(self, t: _Tracked, start: int, limit: int, now: float) -> None:
         self.counts.lookups += 1
-        t.lookup = _Pending(start, limit, self._pool.submit(self._lookup, t, start, limit))
+        p = t.lookup = PendingLookup(start, limit, now)
+        self._lookups.submit(p, self._lookup, t, start, limit)
 
     @staticmethod
     def _harvest(t: _Tracked) -> None:
         """Takes the keys a finished lookup brought back (a failed one brought none)."""
         p = t.lookup
-        if p is None or not p.future.done() or p.future.exception() is not None:
+        if p is None or not p.done or p.result is None:
             return
-        found, first = p.future.result()
+        found, first = p.result
         t.keys.merge(first, found.packed_keys)
 
-    def _answer(self, t: _Tracked, p: _Pending, start: int, limit: int) -> _Hit:
+    def _answer(
+        self, t: _Tracked, p: PendingLookup[tuple[Lookup, int]], start: int, limit: int
+    ) -> _Hit:
         """What the finished lookup ``p`` found after ``start`` (nothing when it failed),
         and whether to load it asynchronously (per ``load_async``)."""
         try:
-            found, first = p.future.result()
+            found, first = p.answer()
         except KvtierError as e:
             logger.warning("kvtier: lookup failed, computing instead: %s", e)
             return _Hit(start)
         t.keys.merge(first, found.packed_keys)
         n = max(0, min(p.start + found.l2_pages + found.l3_pages, limit) - start)
-        mode = self.settings.load_async
+        mode = self.load_mode
         from_l3 = start + n > p.start + found.l2_pages
         load_async = n > 0 and (mode == "always" or (mode == "auto" and from_l3))
         l2 = max(0, min(p.start + found.l2_pages, start + n) - start)
@@ -360,7 +357,7 @@ class SchedulerSide:
         if (
             t is not None
             and p is not None
-            and not p.future.done()
+            and not p.done
             and p.start == start < limit <= p.limit
             and now - p.started <= self.settings.lookup_timeout_s
             and not self.breaker.is_open(now)
@@ -370,7 +367,8 @@ class SchedulerSide:
             # was sent under: reset_cache forgets every tracked request). Not for a request
             # with nothing to look up (start == limit): it is answered 0 at once, its keys
             # fetched meanwhile.
-            t.hit = _Hit(p.start)
+            if t.hit is None or t.hit.start != p.start or t.hit.pages:
+                t.hit = _Hit(p.start)
             self.counts.deferred_lookups += 1
             return None, False
         ns = self._namespace(request)
@@ -390,24 +388,24 @@ class SchedulerSide:
         if start >= limit:
             # Nothing to look up; fetch the keys for later saves if they are missing.
             self._harvest(t)
-            if len(t.keys) < limit and (p is None or p.future.done()):
-                self._start_lookup(t, limit, limit)
+            if len(t.keys) < limit and (p is None or p.done):
+                self._start_lookup(t, limit, limit, now)
             return 0, False
         fresh = (
             p is not None
             and p.start <= start
             and p.limit >= limit
-            and (not p.future.done() or not p.done_at or now - p.done_at < LOOKUP_MAX_AGE_S)
+            and (not p.done or not p.done_at or now - p.done_at < LOOKUP_MAX_AGE_S)
         )
         if not fresh:
-            self._start_lookup(t, start, limit)
+            self._start_lookup(t, start, limit, now)
             self.counts.deferred_lookups += 1
             return None, False
         assert p is not None
-        if not p.future.done():
+        if not p.done:
             if now - p.started > self.settings.lookup_timeout_s:
                 # Queued and sent for longer than a lookup may take: nothing cached.
-                p.future.cancel()
+                p.dropped = True
                 t.lookup = None
                 self.counts.lookups_skipped += 1
                 return 0, False
@@ -430,11 +428,18 @@ class SchedulerSide:
         t.running = True
         self._harvest(t)
         hit, t.hit = t.hit, None
-        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        if block_ids:
-            t.blocks = block_ids
-            if self._loaded_blocks:
-                self._wait_for_shared_loads(t, request.request_id, block_ids)
+        # vLLM's blocks for the request, as its block objects: their ids are read only where
+        # needed (reading all of them took 0.5 ms at 128k tokens). The step's output names
+        # the ids of every scheduled request's blocks (build_connector_meta).
+        kv: Sequence[KVCacheBlock] = (
+            blocks.blocks[0] if blocks is not None and blocks.blocks else ()
+        )
+        if kv and self._filling:
+            # Only vLLM's own hits (the blocks before the answer's start) can be shared
+            # with another request; the rest were free until now.
+            self._wait_for_shared_loads(
+                t, request.request_id, kv if hit is None else kv[: hit.start]
+            )
         bs = self.block_size
         if hit is None:
             hit = _Hit(request.num_computed_tokens // bs)
@@ -455,40 +460,52 @@ class SchedulerSide:
         if n <= 0 or num_external_tokens <= 0:
             return
         self.counts.external_tokens += num_external_tokens
-        n = min(n, num_external_tokens // bs, len(block_ids) - start)
+        n = min(n, num_external_tokens // bs, len(kv) - start)
         if n <= 0:
             return
         tokens = request.all_token_ids
         t.keys.extend_to(start, tokens, ns, bs)
+        job = Job(
+            request.request_id,
+            TokenWindow(tokens, start * bs, (start + n) * bs),
+            ns,
+            start,
+            [],
+            parent=t.keys.parent_of(start),
+            load_async=hit.load_async,
+        )
         if hit.load_async:
+            # The request is not in this step's output (it waits for the load): its ids
+            # now, for the load and for finding it by a block that failed.
             self.counts.async_loads += 1
+            t.blocks = [b.block_id for b in kv]
+            job.blocks = t.blocks[start : start + n]
         else:
             # vLLM computes over this load in the step that runs it: what it computes is
             # saved only once every rank's result is back (update_connector_output).
             t.unconfirmed = self._step
             self._unconfirmed.setdefault(self._step, []).append(request.request_id)
-            loaded = block_ids[start : start + n]
-            self._blocks_of_step.setdefault(self._step, []).extend(loaded)
-            for b in loaded:
-                self._loaded_blocks[b] = self._step
-        self._loads.append(
-            Job(
-                request.request_id,
-                _slice(tokens, start * bs, (start + n) * bs),
-                ns,
-                start,
-                block_ids[start : start + n],
-                parent=t.keys.parent_of(start),
-                load_async=hit.load_async,
-            )
-        )
+            self._filling.setdefault(self._step, []).append(_Filling(kv[start : start + n]))
+        self._loads.append(_PlannedLoad(t, job, kv, n))
 
-    def _wait_for_shared_loads(self, t: _Tracked, req_id: str, block_ids: list[int]) -> None:
+    def _wait_for_shared_loads(
+        self, t: _Tracked, req_id: str, shared: Sequence[KVCacheBlock]
+    ) -> None:
         """A request allocated over blocks a load before the forward pass fills (vLLM's
         prefix cache shares them at allocation, before the load's result is back) computes
         over them: its pages wait for that result too. Only a request allocated since such
         a load can hold its blocks, so this runs at allocation, never per step."""
-        step = max((self._loaded_blocks.get(b, -1) for b in block_ids), default=-1)
+        if not shared:
+            return
+        ids = [b.block_id for b in shared]
+        step = max(
+            (
+                s
+                for s, fills in self._filling.items()
+                if any(not f.ids().isdisjoint(ids) for f in fills)
+            ),
+            default=-1,
+        )
         if step >= 0 and (t.unconfirmed is None or t.unconfirmed < step):
             t.unconfirmed = step
             self._unconfirmed.setdefault(step, []).append(req_id)
@@ -508,22 +525,23 @@ class SchedulerSide:
             self.counts.job_tokens += len(j.tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
+        tables: dict[str, list[int]] = {}
+        for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
+            t = self._tracked.get(req_id)
+            if t is None or new_blocks is None:
+                continue
+            if full_table:
+                t.blocks = tables[req_id] = list(new_blocks[0])
+            else:
+                t.blocks.extend(new_blocks[0])
         meta = KvtierMetadata(
-            loads=self._loads,
+            loads=[p.finish(tables) for p in self._loads],
             preempted=sorted(scheduler_output.preempted_req_ids or ()),
             step=self._step,
         )
         self._step += 1
         self._loads = []
         self._count_jobs(meta.loads)
-        for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
-            t = self._tracked.get(req_id)
-            if t is None or new_blocks is None:
-                continue
-            if full_table:
-                t.blocks = list(new_blocks[0])
-            else:
-                t.blocks.extend(new_blocks[0])
         if not self.produces:
             return meta
         self._plan_saves(scheduler_output, meta)
@@ -553,7 +571,7 @@ class SchedulerSide:
             meta.saves.append(
                 Job(
                     req_id,
-                    _slice(tokens, t.saved * bs, done * bs),
+                    TokenWindow(tokens, t.saved * bs, done * bs),
                     t.namespace,
                     t.saved,
                     t.blocks[t.saved : done],
@@ -591,9 +609,7 @@ class SchedulerSide:
         done = output.kv_connector_worker_meta
         if isinstance(done, StepsDone):
             for step in done.steps:
-                for b in self._blocks_of_step.pop(step, ()):
-                    if self._loaded_blocks.get(b) == step:
-                        del self._loaded_blocks[b]
+                self._filling.pop(step, None)
                 for req_id in self._unconfirmed.pop(step, ()):
                     t = self._tracked.get(req_id)
                     if t is not None and t.unconfirmed == step:
@@ -606,8 +622,7 @@ class SchedulerSide:
         self.epoch.bump()
         self._tracked.clear()
         self._unconfirmed.clear()
-        self._loaded_blocks.clear()
-        self._blocks_of_step.clear()
+        self._filling.clear()
         self._loads = []
         logger.info("kvtier: connector cache reset: a new weight epoch; earlier pages unused")
 
@@ -627,4 +642,4 @@ class SchedulerSide:
         return self.holds and saving
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown()
