@@ -66,14 +66,48 @@ def test_waiting_on_a_lookup_defers_only_requests_with_pages_to_look_up() -> Non
         s.shutdown()
 
 
-def test_every_load_is_asynchronous_under_vllms_async_scheduling() -> None:
-    """Under async scheduling vLLM runs the next step before a load's result is back, so a
-    load before the forward pass that fails would leave a step computed over it: the
-    scheduler announces every load as asynchronous, whatever ``load_async`` says."""
+def test_every_load_is_asynchronous_where_vllm_overlaps_steps() -> None:
+    """Under async scheduling or pipeline parallelism vLLM runs the next step before a
+    load's result is back, so a load before the forward pass that fails would leave a step
+    computed over it: the scheduler announces every load as asynchronous, whatever
+    ``load_async`` says."""
     for mode in ("auto", "never", "always"):
         side = SchedulerSide(
-            Settings(load_async=mode), BS, SlowAgent(), Counts(), async_scheduling=True
+            Settings(load_async=mode), BS, SlowAgent(), Counts(), overlapped_steps=True
         )
         assert side.load_mode == "always", mode
         side.shutdown()
         assert SchedulerSide(Settings(load_async=mode), BS, SlowAgent(), Counts()).load_mode == mode
+
+
+class BrokenAgent:
+    """A lookup that raises something other than the agent's errors (a bug, a token id the
+    wire cannot carry)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def lookup_pages(self, *a, **k) -> Lookup:
+        self.calls += 1
+        raise ValueError("tokens: every token id must be an int in 0..2**32-1")
+
+
+def test_a_lookup_that_raises_anything_is_a_miss_said_once(caplog) -> None:
+    """Review finding (issue 61): only the agent's errors were caught, so any other error a
+    lookup thread met was raised out of get_num_new_matched_tokens on vLLM's scheduler
+    thread, taking the engine core down. Every failure is a miss, logged once."""
+    agent = BrokenAgent()
+    s = SchedulerSide(Settings(), BS, agent, Counts())
+    try:
+        r = request("r", 4 * BS + 1)
+        deadline = time.monotonic() + 5
+        while (answer := s.get_num_new_matched_tokens(r, 0))[0] is None:
+            assert time.monotonic() < deadline, "the failed lookup never answered"
+            time.sleep(0.005)
+        assert answer == (0, False) and agent.calls == 1
+        for _ in range(5):
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+        said = [m for m in caplog.messages if "lookup failed" in m]
+        assert len(said) == 1 and "ValueError" in said[0], said
+    finally:
+        s.shutdown()

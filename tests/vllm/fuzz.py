@@ -7,7 +7,8 @@ loaded from the ``--kv-transfer-config`` flag. Its stand-in forward pass reads i
 attention does (``vllm_engine.Model``: a position's KV is a function of the KV bytes of every
 earlier position as they are in the blocks at that moment, on every TP rank), so a block
 computed over a stale or foreign block comes out wrong, and so does everything after it.
-After every step, every block the step read is compared with the oracle's; pages read back
+After every step, every block the step read is compared with the oracle's (and a token vLLM
+keeps from a step that read a wrong block counts as wrong); pages read back
 from L2 and L3 are checked the same way when a later worker loads them, and the last worker
 of every schedule (a consumer, no faults) reads back every prompt of the schedule.
 
@@ -28,7 +29,7 @@ A schedule (:func:`make_schedule`, a pure function of its seed) draws:
   same path, other weights: the stand-in's KV depends on the adapter's bytes);
 - vLLM's AsyncScheduler (its default where the model runner allows it) for about half the
   workers: each step is scheduled and run before the previous one's output is taken, as
-  vLLM's engine core runs its batch queue.
+  vLLM's engine core runs its batch queue (under PP it keeps a step per stage in flight).
 
 A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
 (when any were saved), every worker that saves saves some (unless its agent or kvtierd was

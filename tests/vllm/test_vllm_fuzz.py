@@ -25,7 +25,8 @@ from vllm_harness import ENGINE, finish_worker, flag, run_worker, start_worker
 # pools, every kv_role and every fault kind (each run prints its schedule): 19 TP 2 MLA,
 # 35 TP 2 MHA over a 128-page L2 (both with LoRA re-pointed), 48 TP 2 MHA with short loads
 # and lost saves, 52 TP 1 MLA, 46 PP 2 with stage 1's saves lost and kvtierd stopped and
-# killed. Slow L3 runs in the long fuzzer run.
+# killed. 19, 35, 48 and 52 run some workers under vLLM's AsyncScheduler (drawn since
+# 2026-11-29). Slow L3 runs in the long fuzzer run.
 SEEDS = [19, 35, 46, 48, 52]
 
 
@@ -84,6 +85,25 @@ def test_under_async_scheduling_no_step_runs_over_a_load_that_failed(tmp_path):
     opts = ["--short-loads", "0.6", "--async-scheduling"]
     w = Worker("short", "kv_both", again, opts, {"load_async": "never"}, ["short_loads"])
     report = _after_a_first_worker(tmp_path, 1, Worker("w0", "kv_both", first), w, again)
+    short = report["runs"][1]
+    assert short["load_error_blocks"] > 0, "no load fell short"
+    assert short["vllm_stats"]["overlapped_steps"] > 0, "no step ran before the last's output"
+    assert short["scheduler"]["async_loads"] > 0, short["scheduler"]
+
+
+def test_under_pipeline_parallelism_no_step_runs_over_a_load_that_failed(tmp_path):
+    """Review finding (issue 61): with PP 2 vLLM turns async scheduling off, but its engine
+    core still keeps a batch per stage in flight, so the next prefill chunk of a request ran
+    over a load that fell short before the rollback, and vLLM kept the token it sampled
+    (the harness now keeps as many steps in flight as vLLM and counts a kept token sampled
+    over wrong blocks as wrong). Under PP every load is now asynchronous too."""
+    first, again = _conversations(3)
+    chunks = ["--max-batched-tokens", "32"]
+    w0 = Worker("w0", "kv_both", first, chunks)
+    opts = ["--short-loads", "0.6", *chunks]
+    w = Worker("short", "kv_both", again, opts, {"load_async": "never"}, ["short_loads"])
+    report = run_schedule(Schedule(3, 1, False, 1024, [w0, w, _check(again)], pp=2), tmp_path)
+    assert not report["problems"], report["problems"]
     short = report["runs"][1]
     assert short["load_error_blocks"] > 0, "no load fell short"
     assert short["vllm_stats"]["overlapped_steps"] > 0, "no step ran before the last's output"

@@ -29,7 +29,10 @@ parsed by vLLM's own argument parser; creates the connector through vLLM's facto
 loads ``kvtier.vllm`` by its module path) on both sides; and drives vLLM's ``Scheduler``
 (its KV cache manager, block pool and prefix cache), real ``Request`` objects and the model
 runner's connector hooks (``KVConnectorModelRunnerMixin``), step by step until every request
-is done.
+is done. As vLLM's engine core does, it keeps steps in flight: it schedules and runs step N+1
+before it hands step N's output to the scheduler, two deep under ``--async-scheduling``
+(vLLM's ``AsyncScheduler``, its default on a GPU; the model runner's tokens for positions the
+scheduler holds as placeholders are the ones it sampled) and one per stage under ``--pp``.
 
 The one part that is not vLLM's is the forward pass: vLLM's CPU attention kernels
 (``vllm._C``) are not in the PyPI wheel, which is built for CUDA. In its place (``Model``)
@@ -40,7 +43,9 @@ rank (the all-reduce mixes them). It reads its context as attention does: a bloc
 over a stale or foreign block comes out wrong, and so does everything after it, on every
 rank. After each step, every block vLLM counts as computed is compared with an oracle that
 recomputes the request from scratch in blocks of its own. The sampled token is a function
-of the last token's KV as stored, so a wrong block also changes the outputs.
+of the last token's KV as stored, so a wrong block also changes the outputs; a token vLLM
+keeps from a step that read a wrong block counts as wrong, even if vLLM rolled its request
+back.
 
 Faults for the fuzzer (fuzz.py): ``--short-loads P`` (a Load asks the agent for only some of
 its pages, as when pages left L2 between lookup and load), ``--drop-saves RANK:P`` (a TP
@@ -408,6 +413,8 @@ class VllmStats:
         # Steps scheduled while an earlier one's output was still to be taken (async
         # scheduling).
         self.overlapped_steps = 0
+        # Steps whose sampled token vLLM kept although the step read wrong blocks.
+        self.kept_over_wrong = 0
 
     def report(self) -> dict:
         from prometheus_client import REGISTRY
@@ -428,6 +435,7 @@ class VllmStats:
             "admitted_s": self.admitted,
             "killed": self.killed,
             "overlapped_steps": self.overlapped_steps,
+            "kept_over_wrong": self.kept_over_wrong,
         }
 
 
@@ -818,10 +826,12 @@ def _phase(
     started = time.monotonic()
     deadline = started + 600
     idle = 0
-    # Steps run but whose output the scheduler has not taken yet: one at a time, or, under
-    # async scheduling, up to two, as vLLM's engine core keeps them (step_with_batch_queue:
-    # it schedules and runs step N+1 before it takes step N's output).
-    depth = 2 if vc.scheduler_config.async_scheduling else 1
+    # Steps run but whose output the scheduler has not taken yet, as many as vLLM's engine
+    # core keeps (its executor's max_concurrent_batches): two under async scheduling, one
+    # per pipeline stage under PP, else one (step_with_batch_queue schedules and runs step
+    # N+1 before it takes step N's output).
+    pp = vc.parallel_config.pipeline_parallel_size
+    depth = 2 if vc.scheduler_config.async_scheduling else pp
     inflight: collections.deque[dict] = collections.deque()
     # Tokens sampled in steps whose output the scheduler has not taken (its placeholders).
     unsent: dict[str, list[tuple[int, int]]] = {}
@@ -940,6 +950,7 @@ def _phase(
         # Invalid blocks go back to the scheduler, which rolls their requests back. Its
         # stats go where vLLM's stat loggers take them: the connector's transfer figures to
         # its Prometheus metrics and its log, the hits by tier to its prefix-cache stats.
+        outputs_before = {rid: len(reqs[rid].output_token_ids) for rid in so.num_scheduled_tokens}
         for eco in sched.update_from_output(so, out).values():
             st = eco.scheduler_stats
             if st is None:
@@ -953,6 +964,13 @@ def _phase(
                     key = getattr(src, "value", str(src))
                     vllm_stats.hits[key] = vllm_stats.hits.get(key, 0) + n
         for rid, (upto, bad) in done["reads"].items():
+            if bad and len(reqs[rid].output_token_ids) > outputs_before[rid]:
+                # vLLM kept a token this step sampled over wrong blocks, whatever it rolled
+                # back (with steps in flight it may keep one; review of issue 61, PP 2).
+                for r, b in bad:
+                    wrong.add((rid, b, r))
+                vllm_stats.kept_over_wrong += 1
+                continue
             if reqs[rid].num_computed_tokens < upto:
                 # Rolled back for a failed load: it reruns the step, and vLLM drops this
                 # step's output and that of every step scheduled before the rollback (stale):

@@ -120,17 +120,20 @@ class Settings:
             return True
         return self.transfer != "staging" and device_type == "cuda"
 
-    def load_mode(self, async_scheduling: bool) -> str:
-        """``load_async`` as the scheduler applies it. Under vLLM's async scheduling (its
-        default on a GPU) every load is asynchronous: a load before the forward pass that
-        fails rolls its request back after vLLM already ran the next step over the failed
-        blocks, and vLLM 0.33 keeps that step's output (the request's next token, sampled
-        over the stale blocks; found by the engine fuzzer, seeds 2, 3, 19 and 35). An
-        asynchronous load fails before the request computes anything."""
-        if async_scheduling and self.load_async != "always":
+    def load_mode(self, overlapped_steps: bool) -> str:
+        """``load_async`` as the scheduler applies it. Where vLLM runs a step before the
+        previous one's output is back (``overlapped_steps``: async scheduling, its default on
+        a GPU, or pipeline parallelism, whose batch queue holds a step per stage) every load
+        is asynchronous: a load before the forward pass that fails rolls its request back
+        after vLLM already ran the next step over the failed blocks, and vLLM 0.33 keeps that
+        step's output (the request's next token, sampled over the stale blocks; found by the
+        engine fuzzer, seeds 2, 3, 19 and 35, and by review under PP 2). An asynchronous load
+        fails before the request computes anything."""
+        if overlapped_steps and self.load_async != "always":
             if self.load_async == "never":
                 logger.warning(
-                    "kvtier: load_async = never under vLLM's async scheduling: loads are "
+                    "kvtier: load_async = never, but vLLM runs a step before the last one's "
+                    "output is back (async scheduling or pipeline parallelism): loads are "
                     "asynchronous anyway (a failed synchronous load would leave vLLM a step "
                     "computed over it)"
                 )
@@ -236,6 +239,14 @@ def check_kv_cache_groups(kv_cache_config: Any) -> None:
                 "reuses the blocks of other kinds while a request runs, so a save could "
                 "read another request's KV"
             )
+
+
+def overlapped_steps(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's engine core runs a step before the previous one's output is back: its
+    executor keeps two batches in flight under async scheduling and one per pipeline stage
+    under pipeline parallelism (``max_concurrent_batches``, ``step_with_batch_queue``)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    return bool(vllm_config.scheduler_config.async_scheduling) or pp > 1
 
 
 def check_parallel(vllm_config: VllmConfig) -> None:

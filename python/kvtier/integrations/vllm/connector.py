@@ -65,6 +65,7 @@ from kvtier.integrations.vllm.common import (
     StepsDone,
     check_kv_cache_groups,
     check_parallel,
+    overlapped_steps,
 )
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KvtierPromMetrics, KvtierStats
@@ -135,7 +136,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 produces,
                 holds=self.settings.holds_blocks(device),
                 consumes=ktc.is_kv_consumer,
-                async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+                overlapped_steps=overlapped_steps(vllm_config),
             )
         else:
             self.worker = WorkerSide(

@@ -46,7 +46,17 @@ class PendingLookup(Generic[T]):
     ``limit`` of a request. A lookup thread fills in ``result`` or ``error`` and then sets
     ``done``; the scheduler thread reads ``done`` first, so it never sees half an answer."""
 
-    __slots__ = ("start", "limit", "started", "done_at", "done", "dropped", "result", "error")
+    __slots__ = (
+        "start",
+        "limit",
+        "started",
+        "done_at",
+        "done",
+        "dropped",
+        "reported",
+        "result",
+        "error",
+    )
 
     def __init__(self, start: int, limit: int, now: float):
         self.start, self.limit, self.started = start, limit, now
@@ -55,6 +65,8 @@ class PendingLookup(Generic[T]):
         self.done = False
         # Given up by the scheduler before a thread took it: it is not sent.
         self.dropped = False
+        # Its failure was logged (vLLM may ask about the request again for a while).
+        self.reported = False
         self.result: T | None = None
         self.error: BaseException | None = None
 

@@ -220,7 +220,7 @@ class SchedulerSide:
         produces: bool = True,
         holds: bool = False,
         consumes: bool = True,
-        async_scheduling: bool = False,
+        overlapped_steps: bool = False,
     ):
         self.settings, self.block_size, self.agent, self.counts = (
             settings,
@@ -232,8 +232,9 @@ class SchedulerSide:
         # only saves; it looks nothing up and loads nothing.
         self.produces = produces
         self.consumes = consumes
-        # "auto", "always" or "never" (Settings.load_mode): always under async scheduling.
-        self.load_mode = settings.load_mode(async_scheduling)
+        # "auto", "always" or "never" (Settings.load_mode): always where vLLM runs a step
+        # before the previous one's output is back.
+        self.load_mode = settings.load_mode(overlapped_steps)
         # The number of the next step (KvtierMetadata.step), and the requests whose loads
         # before that step's forward pass wait for its result (StepsDone).
         self._step = 0
@@ -331,11 +332,18 @@ class SchedulerSide:
     ) -> _Hit:
         """What the finished lookup ``p`` found after ``start`` (nothing when it failed),
         and whether to load it asynchronously (per ``load_async``)."""
-        try:
-            found, first = p.answer()
-        except KvtierError as e:
-            logger.warning("kvtier: lookup failed, computing instead: %s", e)
+        if p.error is not None or p.result is None:
+            # Every failure is a miss, whatever raised it (an error that is not the agent's
+            # says so louder): never an exception on vLLM's scheduler thread. Said once per
+            # lookup, though vLLM may ask again for a while.
+            if not p.reported:
+                p.reported = True
+                if isinstance(p.error, KvtierError):
+                    logger.warning("kvtier: lookup failed, computing instead: %s", p.error)
+                else:
+                    logger.error("kvtier: lookup failed, computing instead: %r", p.error)
             return _Hit(start)
+        found, first = p.result
         t.keys.merge(first, found.packed_keys)
         n = max(0, min(p.start + found.l2_pages + found.l3_pages, limit) - start)
         mode = self.load_mode
