@@ -8,7 +8,8 @@ against a kvtierd and a kvtier-agent, each figure beside a baseline measured in 
 Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):
 
 - **scheduler-thread time per waiting request, p99**, prompts of 1k, 16k and 128k tokens,
-  cold (nothing stored) and cached (every page in L2): vLLM's real Scheduler runs each
+  cold (nothing stored), cached (every page in L2), and cached under async scheduling
+  (vLLM's default on a GPU: every load asynchronous): vLLM's real Scheduler runs each
   request to its end, and every call it makes on the connector is timed, a call about one
   request charged to it, a call about the whole step split among the requests the
   scheduler holds (``--explain`` prints the time per connector method); baseline: one
@@ -124,6 +125,7 @@ class Engine:
         blocks: int,
         forward_s: float = 0.0,
         shape: tuple[int, int, int] = (LAYERS, HEADS, HEAD),
+        async_scheduling: bool = False,
         **extra,
     ):
         from vllm.config import (
@@ -141,6 +143,7 @@ class Engine:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
@@ -170,6 +173,9 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         vc.cache_config.num_gpu_blocks = blocks
+        # vLLM's CPU platform turns async scheduling off; on a GPU it is vLLM's default, and
+        # the connector then announces every load asynchronous (Settings.load_mode).
+        vc.scheduler_config.async_scheduling = async_scheduling
         layers, heads, head = shape
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         spec = FullAttentionSpec(
@@ -189,7 +195,8 @@ class Engine:
             for i, n in enumerate(names)
         }
         self.worker.register_kv_caches(self.kv)
-        self.sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK)
+        kind = AsyncScheduler if async_scheduling else Scheduler
+        self.sched = kind(vc, kcc, StructuredOutputManager(vc), block_size=BLOCK)
         assert self.sched.connector is not None, "vLLM's scheduler made no connector"
         self.sched_connector = self.sched.connector
         init_none_hash(sha256)
@@ -329,7 +336,8 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
     lookup: vLLM's real Scheduler runs the requests to their end (a 2 ms forward), and
     every connector call it makes is timed (:class:`ConnectorClock`). Cold: nothing is
     stored; every request looks up, computes and saves. Cached: the same prompts on a
-    fresh engine (vLLM's own prefix cache empty), every page in L2."""
+    fresh engine (vLLM's own prefix cache empty), every page in L2; then once more under
+    async scheduling (vLLM's default on a GPU), where every load is asynchronous."""
     from kvtier.agent import AgentClient
 
     lengths = ((1024, 32), (16384, 16), (131072, 8 if not quick else 3))
@@ -338,8 +346,18 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
     shape = (1, 1, HEAD)
     blocks = max(n * (length // BLOCK + 2) for length, n in lengths)
     client = AgentClient(agent.socket)
-    for phase in ("cold", "cached"):
-        e = Engine(agent.socket, 131072 + 1024, 32, blocks, forward_s=0.002, shape=shape)
+    # The last round as on a GPU, where async scheduling is vLLM's default: every load is
+    # then asynchronous (the request waits out of the batch for its pages).
+    for phase, overlapped in (("cold", False), ("cached", False), ("cached, async sched", True)):
+        e = Engine(
+            agent.socket,
+            131072 + 1024,
+            32,
+            blocks,
+            forward_s=0.002,
+            shape=shape,
+            async_scheduling=overlapped,
+        )
         clock = ConnectorClock(e.sched_connector, lambda e=e: e.sched.requests.keys())
         for length, count in lengths:
             prompts = [tokens(length, length + i) for i in range(count)]
@@ -371,13 +389,16 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
                 base / p99 if p99 else None,
             )
         done = e.worker.counts
+        announced = e.sched_connector.counts.async_loads
         e.close()
         del e
         # Each round must have done what it is named for, or its rows measure something else.
         if phase == "cold" and (done.loaded_pages or not done.saved_pages):
             raise SystemExit(f"the cold round loaded pages or saved none: {done}")
-        if phase == "cached" and not done.loaded_pages:
-            raise SystemExit(f"the cached round loaded nothing: {done}")
+        if phase != "cold" and not done.loaded_pages:
+            raise SystemExit(f"the {phase} round loaded nothing: {done}")
+        if overlapped and not announced:
+            raise SystemExit("under async scheduling no load was announced asynchronous")
     client.close()
 
 
