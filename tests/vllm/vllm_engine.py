@@ -972,9 +972,9 @@ def _phase(
                 vllm_stats.kept_over_wrong += 1
                 continue
             if reqs[rid].num_computed_tokens < upto:
-                # Rolled back for a failed load: it reruns the step, and vLLM drops this
-                # step's output and that of every step scheduled before the rollback (stale):
-                # what those sampled is gone, and what this step read does not count.
+                # Rolled back for a failed load: it reruns the step, and what this step read
+                # does not count (a token vLLM kept from it is caught above). What steps in
+                # flight sampled for it is not the model runner's any more.
                 unsent.pop(rid, None)
                 continue
             if rid in unsent:
