@@ -339,6 +339,7 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
     fresh engine (vLLM's own prefix cache empty), every page in L2; then once more under
     async scheduling (vLLM's default on a GPU), where every load is asynchronous."""
     from kvtier.agent import AgentClient
+    from kvtier.integrations.vllm.connector import KvtierConnector
 
     lengths = ((1024, 32), (16384, 16), (131072, 8 if not quick else 3))
     # One layer of one KV head: the scheduler side's work does not depend on the page's
@@ -389,7 +390,9 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
                 base / p99 if p99 else None,
             )
         done = e.worker.counts
-        announced = e.sched_connector.counts.async_loads
+        sched_side = e.sched_connector
+        assert isinstance(sched_side, KvtierConnector), type(sched_side)
+        announced = sched_side.counts.async_loads
         e.close()
         del e
         # Each round must have done what it is named for, or its rows measure something else.

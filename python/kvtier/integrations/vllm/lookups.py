@@ -70,13 +70,6 @@ class PendingLookup(Generic[T]):
         self.result: T | None = None
         self.error: BaseException | None = None
 
-    def answer(self) -> T:
-        """The lookup's result; raises what it raised. Only once ``done``."""
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None, "a lookup's answer read before it was done"
-        return self.result
-
 
 class LookupThreads:
     """``threads`` threads that run queued lookups, started at once (the standard
