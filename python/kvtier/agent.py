@@ -223,36 +223,53 @@ class AgentClient:
         cuda_ordinal: int | None = None,
         cuda_ipc_handles: Sequence[bytes] = (),
         engine_cache: bool = False,
-        cuda_allocation_bytes: Sequence[int] = (),
-        cuda_pieces: Sequence[PagePiece] = (),
+        allocation_bytes: Sequence[int] = (),
+        pieces: Sequence[PagePiece] = (),
+        cpu_allocation_paths: Sequence[str] = (),
     ) -> PoolInfo:
-        """Registers the engine's KV pool: a CPU shared-memory file of layer-first buffers
-        (``cpu_path``), or CUDA IPC handles on device ``cuda_ordinal``: one per buffer, or
-        (with ``cuda_pieces``) one per allocation, ``cuda_allocation_bytes`` long, with the
-        pieces of a page placed in them (in the order of the page's bytes).
+        """Registers the engine's KV pool, one of three ways:
+
+        - ``cpu_path``: a CPU shared-memory file of layer-first buffers;
+        - ``cpu_allocation_paths``: the engine's own CPU allocations, files in shared memory
+          that the agent reads and writes in place, with ``allocation_bytes`` and ``pieces``;
+        - ``cuda_ordinal`` with ``cuda_ipc_handles``: one handle per buffer, or (with
+          ``pieces``) one per allocation, ``allocation_bytes`` long.
+
+        ``pieces`` place a page's bytes (in their order in a host slot) in the allocations.
         ``engine_cache``: the engine keeps its own prefix cache (see the module doc)."""
         req = agent_pb2.RegisterPoolRequest(
             layout=layout, num_token_slots=num_token_slots, engine_cache=engine_cache
         )
-        if (cpu_path is None) == (cuda_ordinal is None):
-            raise ValueError("register_pool: give exactly one of cpu_path and cuda_ordinal")
-        if cpu_path is not None:
-            req.cpu.CopyFrom(agent_pb2.CpuPool(path=cpu_path))
+        cpu = cpu_path is not None or bool(cpu_allocation_paths)
+        if cpu == (cuda_ordinal is not None) or (cpu_path is not None and cpu_allocation_paths):
+            raise ValueError(
+                "register_pool: give exactly one of cpu_path, cpu_allocation_paths and cuda_ordinal"
+            )
+        wire = [
+            agent_pb2.PagePiece(
+                allocation=p.allocation,
+                offset=p.offset,
+                page_stride=p.page_stride,
+                length=p.length,
+            )
+            for p in pieces
+        ]
+        if cpu:
+            req.cpu.CopyFrom(
+                agent_pb2.CpuPool(
+                    path=cpu_path or "",
+                    allocation_paths=list(cpu_allocation_paths),
+                    allocation_bytes=list(allocation_bytes),
+                    pieces=wire,
+                )
+            )
         else:
             req.cuda.CopyFrom(
                 agent_pb2.CudaPool(
                     device_ordinal=cuda_ordinal,
                     ipc_handles=list(cuda_ipc_handles),
-                    allocation_bytes=list(cuda_allocation_bytes),
-                    pieces=[
-                        agent_pb2.PagePiece(
-                            allocation=p.allocation,
-                            offset=p.offset,
-                            page_stride=p.page_stride,
-                            length=p.length,
-                        )
-                        for p in cuda_pieces
-                    ],
+                    allocation_bytes=list(allocation_bytes),
+                    pieces=wire,
                 )
             )
         r = self._call(self.stub.RegisterPool, req)

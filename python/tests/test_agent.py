@@ -121,7 +121,7 @@ def test_a_cuda_pool_map_is_checked_by_field_before_any_handle_is_opened(agent) 
     with pytest.raises(KvtierError) as e:
         c.register_pool(
             layout(), SLOTS, cuda_ordinal=0, cuda_ipc_handles=handle,
-            cuda_allocation_bytes=[whole - 1], cuda_pieces=pieces,
+            allocation_bytes=[whole - 1], pieces=pieces,
         )  # fmt: skip
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"cuda.pieces[{BUFFERS - 1}]" in str(e.value)
@@ -129,7 +129,7 @@ def test_a_cuda_pool_map_is_checked_by_field_before_any_handle_is_opened(agent) 
     with pytest.raises(KvtierError) as e:
         c.register_pool(
             layout(), SLOTS, cuda_ordinal=0, cuda_ipc_handles=handle,
-            cuda_allocation_bytes=[whole], cuda_pieces=overlapping,
+            allocation_bytes=[whole], pieces=overlapping,
         )  # fmt: skip
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "overlaps pieces[1]" in str(e.value)

@@ -84,8 +84,8 @@ def register(agent, views, blocks: int, tokens: int):
         blocks * tokens,
         cuda_ordinal=ex.ordinal,
         cuda_ipc_handles=ex.handles,
-        cuda_allocation_bytes=ex.allocation_bytes,
-        cuda_pieces=pieces(geo, ex.bases),
+        allocation_bytes=ex.allocation_bytes,
+        pieces=pieces(geo, ex.bases),
         engine_cache=True,
     )
     deadline = time.monotonic() + 20

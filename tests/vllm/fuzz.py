@@ -29,9 +29,20 @@ A schedule (:func:`make_schedule`, a pure function of its seed) draws:
   same path, other weights: the stand-in's KV depends on the adapter's bytes);
 - vLLM's AsyncScheduler (its default where the model runner allows it) for about half the
   workers: each step is scheduled and run before the previous one's output is taken, as
-  vLLM's engine core runs its batch queue (under PP it keeps a step per stage in flight).
+  vLLM's engine core runs its batch queue (under PP it keeps a step per stage in flight);
+- the DMA transfer for about a third of the workers, over its CPU stand-in (the KV cache in
+  shared memory, the agent reading and writing vLLM's blocks in place), where a preempted
+  worker may draw ``late_save`` (the saves reading the preempted request's blocks go out
+  past the connector's wait for them);
+- aborts (requests the client leaves, waiting, loading or running), and ``stall``: kvtierd
+  stopped through a Load's deadline while the agent waits for it, the request then aborted.
 
-A schedule fails on any wrong block, and on a vacuous run: the last worker loads pages
+Wherever vLLM frees a running request's blocks, another request takes them at once, writes
+its own KV and checks it is still there when it gives them back (vllm_engine's ``Reuse``):
+a save that reads, or a load that writes, a block after vLLM gave it away is caught.
+
+A schedule fails on any wrong block, on a block written while another request held it, and
+on a vacuous run: the last worker loads pages
 (when any were saved), every worker that saves saves some (unless its agent or kvtierd was
 stopped or killed), and
 each fault drawn for a worker happens in it (the first call a fault can meet always meets it;
@@ -238,7 +249,44 @@ def make_schedule(seed: int) -> Schedule:
         for w in s.workers:
             if arng.random() < 0.5:
                 w.opts.append("--async-scheduling")
+    _draw_dma(s, random.Random(f"dma-{seed}"))
+    # Aborts: vLLM's engine core finishing requests whose client left, whatever they are
+    # doing (waiting, loading, running).
+    brng = random.Random(f"abort-{seed}")
+    for w in s.workers[:-1]:
+        if brng.random() < 0.3:
+            w.opts += ["--aborts", str(brng.choice([0.2, 0.4]))]
+            w.faults.append("abort")
+    # kvtierd stopped (SIGSTOP) through a worker's first Load's deadline while the agent
+    # waits for its pages; the request is then aborted and its blocks another's before
+    # kvtierd answers the agent.
+    srng = random.Random(f"stall-{seed}")
+    for w in s.workers[1:-1]:
+        if w.role != "kv_producer" and w.daemon is None and srng.random() < 0.3:
+            w.faults.append("stall")
     return s
+
+
+def _draw_dma(s: Schedule, rng: random.Random) -> None:
+    """The worker's DMA path for about a third of the workers: their KV cache lies in shared
+    memory and the agent reads and writes vLLM's blocks in place (the CPU stand-in for a
+    GPU's DMA, the same worker code). Staging's own faults (a staging copy that raises, a
+    call reported past its deadline while the agent may still copy into the staging pool)
+    do not apply; a preempted worker may draw ``late_save``: the saves reading the preempted
+    request's blocks outlive the connector's wait for them."""
+    for w in s.workers:
+        if rng.random() >= 0.35:
+            continue
+        w.extra["transfer"] = "dma"
+        for f, flag_ in (("time_out", "--time-out"), ("fail_copy", "--fail-copy")):
+            if f in w.faults:
+                w.faults.remove(f)
+                at = w.opts.index(flag_)
+                del w.opts[at : at + 2]
+        if "preempt" in w.faults and w.role != "kv_consumer" and rng.random() < 0.6:
+            # Past handle_preemptions' wait (timeout_s + 1 s).
+            w.opts += ["--late-save", "5.5"]
+            w.faults.append("late_save")
 
 
 def _draw_lora(s: Schedule, rng: random.Random) -> None:
@@ -306,6 +354,10 @@ def _fired(w: Worker, r: dict) -> dict[str, bool]:
         or (_opt(w, "--time-out") == "load" and not loaded),
         # A late save is one that was sent: some page saved or given up.
         "slow_save": w.role == "kv_consumer" or any(total[k] for k in SAVE_OUTCOMES),
+        # A save went out past the connector's wait for the preempted request's blocks.
+        "late_save": r["faults"]["late_save"] > 0,
+        "abort": r["faults"]["abort"] > 0,
+        "stall": r["faults"]["stall"] > 0 or not loaded,
         "kill": r["vllm_stats"]["killed"],
         "daemon_stop": r["vllm_stats"]["killed"],
         "daemon_kill": r["vllm_stats"]["killed"],
@@ -324,8 +376,14 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
     agents_dir = tmp / "agents"
     agents_dir.mkdir(exist_ok=True)
 
+    # A stalled kvtierd answers the agents after the Loads' deadlines but before their own
+    # (the stall fault resumes it within 8 s).
+    sets_a = ["daemon.timeout=10s"] if any("stall" in w.faults for w in s.workers) else []
+
     def start_agent(rank: int) -> Agent:
-        return Agent(tmp, f"agent-{rank}", d.socket, socket=agents_dir / f"agent-{rank}.sock")
+        return Agent(
+            tmp, f"agent-{rank}", d.socket, *sets_a, socket=agents_dir / f"agent-{rank}.sock"
+        )
 
     agents = [start_agent(r) for r in range(s.tp * s.pp)]
     problems: list[str] = []
@@ -343,6 +401,8 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
                 _point(lora_link, versions[s.lora[i]])
                 opts += ["--lora", f"a={lora_link}"]
             opts += ["--seed", str(s.seed * 100 + i)]
+            if "stall" in w.faults:
+                opts += ["--stall-load", str(d.proc.pid)]
             kill = None
             if w.kill is not None:
                 kill = f"{agents[w.kill[0]].proc.pid}@{w.kill[1]}"
@@ -354,7 +414,7 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
                 disturbed = _Disturbed(d, kind, secs)
             # Calls that hang (a killed agent, a full L2) cost seconds, not the default 10.
             extra = {"timeout_s": 4.0, **w.extra}
-            if "--time-out" in opts:
+            if "--time-out" in opts or "stall" in w.faults:
                 extra["timeout_s"] = 2.0
             kv = flag(str(agents_dir / "agent-{local_rank}.sock"), w.role, **extra)
             t0 = time.monotonic()
@@ -370,6 +430,11 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
                 agents[w.kill[0]] = start_agent(w.kill[0])
             if r["wrong_blocks"]:
                 problems.append(f"{w.name}: {r['wrong_blocks']} wrong blocks")
+            if r["overwritten_blocks"]:
+                problems.append(
+                    f"{w.name}: {r['overwritten_blocks']} blocks written after vLLM gave them "
+                    "to another request"
+                )
             total = {k: sum(x[k] for x in r["workers"]) for k in r["workers"][0]}
             # Pages the reader can find: saved by workers that were not disturbed (a kill
             # may take what is not yet in L3), under its LoRA adapter's weights.

@@ -163,8 +163,8 @@ def test_pieces_pass_the_agents_map_checks(agent) -> None:  # noqa: F811 - the f
                 NUM_BLOCKS * BLOCK,
                 cuda_ordinal=0,
                 cuda_ipc_handles=[bytes(64)],
-                cuda_allocation_bytes=[allocation_bytes],
-                cuda_pieces=ps,
+                allocation_bytes=[allocation_bytes],
+                pieces=ps,
                 engine_cache=True,
             )
 
@@ -206,3 +206,44 @@ def test_the_ipc_handle_is_read_out_of_every_framing_torch_uses():
     assert not dma and why is not None and "expandable segment" in why
     with pytest.raises(ValueError, match="transfer: dma: cannot export"):
         choose_transfer("dma", "cuda:0", True, export)
+
+
+def test_a_cpu_kv_cache_in_shared_memory_exports_as_files_whose_pieces_are_its_blocks():
+    """The CPU stand-in for DMA: each layer's storage exported as the file torch shares it
+    by; reading a block's pieces from those files gives the block's bytes in the order the
+    staging path copies them (so a page saved one way loads bit-identical the other)."""
+    import os
+
+    import torch
+
+    from kvtier.integrations.vllm.blocks import (
+        block_bytes,
+        cpu_export,
+        in_shared_memory,
+        pieces,
+        storage_bytes,
+    )
+
+    blocks = 6
+    layers = [torch.randn(blocks, 2, 16, 8, dtype=torch.bfloat16) for _ in range(3)]
+    assert not in_shared_memory(layers)
+    with pytest.raises(ValueError, match="not in CPU shared memory"):
+        cpu_export(layers)
+    for t in layers:
+        t.share_memory_()
+    assert in_shared_memory(layers)
+    geometry = [block_bytes(f"l{i}", t, blocks) for i, t in enumerate(layers)]
+    ex = cpu_export(layers)
+    assert len(ex.paths) == 3 and all(p.startswith(f"/proc/{os.getpid()}/fd/") for p in ex.paths)
+    ps = pieces(geometry, ex.bases)
+    views = [g.view(storage_bytes(t)) for g, t in zip(geometry, layers, strict=True)]
+    for b in range(blocks):
+        want = b"".join(v[b].contiguous().numpy().tobytes() for v in views)
+        got = b""
+        for p in ps:
+            with open(ex.paths[p.allocation], "rb") as f:
+                f.seek(p.offset + b * p.page_stride)
+                got += f.read(p.length)
+        assert got == want, f"block {b}"
+    for path, size in zip(ex.paths, ex.allocation_bytes, strict=True):
+        assert os.stat(path).st_size >= size

@@ -363,5 +363,9 @@ def test_the_transfer_falls_back_to_staging_only_where_it_may_and_says_why():
         choose_transfer("auto", "cuda:0", True, taken)
     with pytest.raises(ValueError, match="transfer: dma: cannot export"):
         choose_transfer("dma", "cuda:0", True, no_export)
-    with pytest.raises(ValueError, match="transfer: dma needs the KV cache on a CUDA GPU; .* cpu"):
+    with pytest.raises(ValueError, match="transfer: dma needs the KV cache on a CUDA GPU .* cpu"):
         choose_transfer("dma", "cpu", False, ok)
+    # On CPU, dma only over shared memory the agent maps (the fuzzer's stand-in); auto stays
+    # staging there.
+    assert choose_transfer("dma", "cpu", False, ok, in_shared_memory=True) == (True, None)
+    assert choose_transfer("auto", "cpu", False, ok, in_shared_memory=True) == (False, None)

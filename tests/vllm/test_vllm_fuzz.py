@@ -110,6 +110,52 @@ def test_under_pipeline_parallelism_no_step_runs_over_a_load_that_failed(tmp_pat
     assert short["scheduler"]["async_loads"] > 0, short["scheduler"]
 
 
+def test_dma_saves_never_read_a_preempted_requests_blocks_after_vllm_reuses_them(tmp_path):
+    """Defect 3 (issue 61): with DMA (the agent reading vLLM's blocks in place; here its CPU
+    stand-in, the KV cache in shared memory), a preempted request's saves still queued or on
+    the wire after ``handle_preemptions`` stopped waiting for them (``timeout_s`` + 1 s) read
+    blocks vLLM had given to another request, and stored them under the preempted
+    request's keys. The save thread now skips saves of requests whose preemption gave up,
+    and cancels the one the agent is copying (the agent's fence stops it). With both
+    reverted this schedule finds 4 wrong blocks."""
+    first, again = _conversations(3)
+    for p in first:
+        p["max_tokens"] = 40
+    need = [-(-(len(p["tokens"]) + p["max_tokens"]) // 16) for p in first]
+    blocks = max(max(need) + 2, int(sum(need) * 0.5))
+    opts = ["--blocks", str(blocks), "--squeeze", "--late-save", "5.5"]
+    w0 = Worker("w0", "kv_both", first, opts, {"transfer": "dma"}, ["preempt", "late_save"])
+    report = run_schedule(Schedule(3, 1, False, 1024, [w0, _check(again)]), tmp_path)
+    assert not report["problems"], report["problems"]
+    run = report["runs"][0]
+    stats = run["workers"][0]
+    assert stats["dma_fallbacks"] == 0 and stats["saved_pages"] > 0, stats
+    # The late save was cancelled, or skipped: its pages given up, counted.
+    assert stats["save_failed_pages"] + stats["save_preempted_pages"] > 0, stats
+    assert report["runs"][1]["scheduler"]["external_tokens"] > 0, "the reader loaded nothing"
+
+
+def test_a_dma_load_past_its_deadline_never_writes_blocks_vllm_gave_to_another_request(
+    tmp_path,
+):
+    """Defect 8 (issue 61): a DMA Load that outlived its client's deadline (the agent waiting
+    for kvtierd, here stopped through the deadline) went on copying into blocks the worker
+    had reported failed, after vLLM, its client gone, had given them to another request.
+    Each call's fence now closes at its deadline (and when its client leaves), so the late
+    copy copies nothing: the agent counts it ``late``. With both reverted this schedule finds
+    8 blocks written while another request held them."""
+    first, again = _conversations(3)
+    w0 = Worker("w0", "kv_both", first)
+    w1 = Worker(
+        "w1", "kv_consumer", again, [], {"transfer": "dma", "load_async": "never"}, ["stall"]
+    )
+    report = run_schedule(Schedule(3, 1, False, 1024, [w0, w1, _check(again)]), tmp_path)
+    assert not report["problems"], report["problems"]
+    run = report["runs"][1]
+    assert run["faults"]["stall"] and run["faults"]["abort"], run["faults"]
+    assert run["reused_blocks"] > 0 and run["load_error_blocks"] > 0, run
+
+
 def test_tp_ranks_whose_agents_hold_different_pages_save_nothing_computed_over_the_gap(
     tmp_path,
 ):

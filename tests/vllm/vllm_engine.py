@@ -5,7 +5,8 @@ Run as a script (one process per worker, as vLLM runs them)::
     python vllm_engine.py --kv-transfer-config JSON --prompts FILE --out FILE [--kill PID@STEP]
         [--served-name NAME] [--variant N] [--kv-dtype DTYPE] [--dp-rank N] [--pp-stage N]
         [--reset-then FILE] [--fail-copy load|save] [--time-out load|save] [--tp N] [--pp N]
-        [--mla] [--blocks N] [--lora NAME=PATH]
+        [--mla] [--blocks N] [--lora NAME=PATH] [--aborts P] [--stall-load PID]
+        [--late-save SECS]
 
 The options set up the deployments users run: a served alias (``--served-name``) over one
 of several checkpoints (``--variant``: another config, so other weights), an fp8 KV cache
@@ -49,9 +50,18 @@ back.
 
 Faults for the fuzzer (fuzz.py): ``--short-loads P`` (a Load asks the agent for only some of
 its pages, as when pages left L2 between lookup and load), ``--drop-saves RANK:P`` (a TP
-rank's saves are lost, so the ranks' agents disagree), ``--seed`` (their generator),
-``--max-batched-tokens`` (chunked prefill), ``--spec`` (a KV cache spec other than full
-attention).
+rank's saves are lost, so the ranks' agents disagree), ``--aborts P`` (the client aborts a
+request, whatever it is doing), ``--stall-load PID`` (kvtierd stopped through the first
+Load's deadline while the agent waits for it; the request is then aborted),
+``--late-save SECS`` (the saves reading a preempted request's blocks go out past the
+connector's wait for them), ``--seed`` (their generator), ``--max-batched-tokens`` (chunked
+prefill), ``--spec`` (a KV cache spec other than full attention).
+
+Where vLLM frees a running request's blocks (a preemption, an abort), another request takes
+every free block at once (``Reuse``): it writes its own KV into them, holds them a second,
+and checks they still hold it when they come back; a block written meanwhile is reported
+(``overwritten_blocks``). With ``transfer = dma`` in the flag the KV cache lies in shared
+memory, and the agent reads and writes the blocks in place (the CPU stand-in for DMA).
 """
 
 from __future__ import annotations
@@ -70,6 +80,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from engine_faults import Faults, time_out_first
 
 BLOCK = 16
 HEADS, HEAD = 2, 16
@@ -231,7 +242,9 @@ class Kv:
     ``[num_blocks, block_size, kv_lora_rank + rope_dim]``), with numpy views of the same
     memory for reading it fast."""
 
-    def __init__(self, rank: int = 0, num_blocks: int | None = None, stage: int = 0):
+    def __init__(
+        self, rank: int = 0, num_blocks: int | None = None, stage: int = 0, shared: bool = False
+    ):
         self.tp_rank, self.stage = rank, stage
         # What makes this worker's KV its own: its stage's layers, and its TP rank's heads
         # (MLA: the latent is the same on every TP rank).
@@ -240,6 +253,12 @@ class Kv:
         shape = (n, BLOCK, LORA + ROPE) if MLA[0] else (n, HEADS, BLOCK, 2 * HEAD)
         self.names = stage_layers(stage)
         self.layers = {name: torch.zeros(*shape, dtype=torch.bfloat16) for name in self.names}
+        if shared:
+            # In shared memory (before any view of it is taken: sharing moves the storage):
+            # the worker's DMA path registers it and the agent reads and writes the blocks
+            # in place, the CPU stand-in for a GPU's DMA.
+            for t in self.layers.values():
+                t.share_memory_()
         # int16 bit patterns: any bytes are a valid bf16 tensor to store and compare.
         self.raw = [t.view(torch.int16).numpy() for t in self.layers.values()]
 
@@ -498,7 +517,7 @@ def run(
 
         setattr(Staging, method, failing)
     if time_out:
-        _time_out_first(time_out)
+        time_out_first(time_out)
     if slow_save:
         # Every SaveBatch goes out late, as to an L2 that answers slowly: the save thread
         # runs behind the engine, and each step's copies start that much later.
@@ -511,7 +530,7 @@ def run(
             return save_batch(self, *a, **k)
 
         AgentClient.save_batch = late
-    faults = faults or Faults()
+    faults = faults or Faults(block=BLOCK)
     faults.install()
     # Each worker's connector (every TP rank of every pipeline stage, in vLLM's rank order,
     # PP-major), made by vLLM's factory from the flag with its stage's KV cache config, and
@@ -522,11 +541,13 @@ def run(
     from vllm.distributed import parallel_state
 
     ranks = []
+    # kvtier's transfer = "dma": the KV cache in shared memory, read in place by the agent.
+    dma = (vc.kv_transfer_config.kv_connector_extra_config or {}).get("transfer") == "dma"
     real_rank = parallel_state.get_tensor_model_parallel_rank
     real_pp = parallel_state.get_pp_group
     for stage in range(pp):
         for r in range(tp):
-            kv = Kv(rank=r, stage=stage)
+            kv = Kv(rank=r, stage=stage, shared=dma)
             if tp > 1:
                 parallel_state.get_tensor_model_parallel_rank = lambda r=r: r
             if pp > 1:
@@ -579,6 +600,7 @@ def run(
             timeline,
             vllm_stats,
             faults.squeeze,
+            faults,
         )
     _last_stats(ranks, vllm_stats)
     for worker, _ in ranks:
@@ -597,6 +619,9 @@ def run(
         "steps": step,
         "timeline": timeline,
         "faults": faults.fired,
+        # Freed blocks another request took (Reuse), and those written while it held them.
+        "reused_blocks": faults.reuse.taken if faults.reuse else 0,
+        "overwritten_blocks": len(faults.reuse.overwritten) if faults.reuse else 0,
         "vllm_stats": vllm_stats.report(),
     }
 
@@ -631,149 +656,6 @@ def _last_stats(ranks, vllm_stats) -> None:
         vllm_stats.log.observe(st.to_dict())
 
 
-class Faults:
-    """Faults injected into the agent calls, each drawn from one seeded generator so a
-    schedule replays: ``short_loads`` (the probability that a Load asks the agent for only
-    some of its pages, as when pages left L2 between the lookup and the load: the blocks
-    past them keep whatever their last owner wrote) and ``drop_saves`` (rank -> the
-    probability that a SaveBatch of that TP rank's worker is lost before the agent sees it,
-    so the ranks' agents hold different pages). ``fired`` counts each fault that happened."""
-
-    def __init__(
-        self,
-        seed: int = 0,
-        short_loads: float = 0.0,
-        drop_saves: dict[int, float] | None = None,
-        squeeze: bool = False,
-    ):
-        import random
-
-        self.rng = random.Random(seed)
-        self.short_loads = short_loads
-        self.drop_saves = drop_saves or {}
-        self.squeeze = Squeeze() if squeeze else None
-        self.fired = {"short_load": 0, "drop_save": 0}
-        # Agent socket -> the TP rank whose worker calls it.
-        self.rank_of: dict[str, int] = {}
-
-    def install(self) -> None:
-        import threading
-
-        import grpc
-
-        from kvtier.agent import After, AgentClient
-        from kvtier.host import KvtierError
-
-        lock = threading.Lock()
-        load_pages, save_batch = AgentClient.load_pages, AgentClient.save_batch
-        faults = self
-
-        first: set[str] = set()
-
-        def draw(kind: str, p: float) -> bool:
-            """Whether this call meets the fault: always the first eligible one (a fault
-            asked for happens), then with probability ``p``."""
-            with lock:
-                if p <= 0:
-                    return False
-                if kind not in first:
-                    first.add(kind)
-                    return True
-                return faults.rng.random() < p
-
-        def short(self, tokens, namespace, start, pages, *a, **k):
-            if len(pages) > 1 and draw("short_load", faults.short_loads):
-                with lock:
-                    keep = faults.rng.randrange(len(pages))
-                    faults.fired["short_load"] += 1
-                if isinstance(tokens, After):
-                    tokens = After(tokens.parent, list(tokens.tokens)[: keep * BLOCK])
-                else:
-                    tokens = list(tokens)[: (start + keep) * BLOCK]
-                pages = list(pages)[:keep]
-                if not pages:
-                    return 0
-            return load_pages(self, tokens, namespace, start, pages, *a, **k)
-
-        def lossy(self, *a, **k):
-            rank = faults.rank_of.get(self.address, 0)
-            if draw("drop_save", faults.drop_saves.get(rank, 0.0)):
-                with lock:
-                    faults.fired["drop_save"] += 1
-                raise KvtierError("save_batch: lost (injected)", grpc.StatusCode.UNAVAILABLE)
-            return save_batch(self, *a, **k)
-
-        if self.short_loads:
-            AgentClient.load_pages = short
-        if self.drop_saves:
-            AgentClient.save_batch = lossy
-
-
-class Squeeze:
-    """Memory pressure that makes vLLM preempt, whatever the timing of loads: while a
-    running request has a block boundary still ahead of it (16 tokens or more left to
-    decode), every free block of the scheduler's pool is taken (as another request's
-    allocation would), until the scheduler preempts a request to make room; then they come
-    back. A small pool alone preempts or not depending on how loads and lookups interleave."""
-
-    def __init__(self):
-        self.held: list = []
-        self.done = False
-
-    def before(self, sched) -> None:
-        """Before a step is scheduled: takes the free blocks when a preemption must follow."""
-        if self.done or self.held:
-            return
-        if any(r.max_tokens - r.num_output_tokens > BLOCK for r in sched.running):
-            pool = sched.kv_cache_manager.block_pool
-            self.held = pool.get_new_blocks(pool.get_num_free_blocks())
-
-    def after(self, sched, so) -> None:
-        """After it is scheduled: gives the blocks back once it preempted, or when nothing
-        runs that could need a block."""
-        if not self.held:
-            return
-        self.done = bool(so.preempted_req_ids)
-        if self.done or not sched.running:
-            sched.kv_cache_manager.block_pool.free_blocks(self.held)
-            self.held = []
-
-
-def _time_out_first(which: str) -> None:
-    """The first agent Load (or Save) goes out for real on a thread of its own and is
-    reported to the connector as past its deadline at once: the agent may still be copying
-    in the staging pool when the connector moves on."""
-    import threading
-
-    import grpc
-
-    from kvtier.agent import AgentClient
-    from kvtier.host import KvtierError
-
-    name = {"load": "load_pages", "save": "save_batch"}[which]
-    real = getattr(AgentClient, name)
-    fired = []
-
-    def timed_out(self, *a, **k):
-        if fired:
-            return real(self, *a, **k)
-        t = threading.Thread(target=lambda: _quietly(real, self, *a, **k), daemon=True)
-        fired.append(t)
-        t.start()
-        raise KvtierError(
-            f"{name}: deadline exceeded (injected)", grpc.StatusCode.DEADLINE_EXCEEDED
-        )
-
-    setattr(AgentClient, name, timed_out)
-
-
-def _quietly(fn, *a, **k):
-    try:
-        fn(*a, **k)
-    except Exception:  # noqa: BLE001 - the late call's outcome is the test's to observe
-        pass
-
-
 def _phase(
     vc,
     model,
@@ -789,19 +671,24 @@ def _phase(
     timeline,
     vllm_stats,
     squeeze,
+    faults=None,
 ):
     """Runs ``prompts`` through the scheduler and every TP rank's worker until all are
-    done."""
+    done (or aborted: ``faults.aborts``)."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.forward_context import set_forward_context
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
     reqs = {}
+    # Requests the client aborts, by the step before which it does (whatever they are doing
+    # then: waiting, loading, running, or done already).
+    abort_at = faults.draw_aborts([p["id"] for p in prompts], step) if faults else {}
+    reuse = faults.reuse if faults else None
     # Each request's LoRA adapter's weights, read as the model loads them (b"": none).
     adapters: dict[str, bytes] = {}
     for p in prompts:
@@ -869,6 +756,9 @@ def _phase(
                 outs.append(
                     stack.enter_context(KVConnectorModelRunnerMixin._get_kv_connector_output(so))
                 )
+            if reuse is not None and so.preempted_req_ids:
+                # The preempted requests' blocks are vLLM's to reuse from here on.
+                reuse.take(sched, kvs)
             # The forward pass, on every rank at once (its all-reduce mixes them).
             for rid, n in so.num_scheduled_tokens.items():
                 end = starts[rid] + n
@@ -928,6 +818,16 @@ def _phase(
             if kill and step == kill[1]:
                 os.kill(kill[0], kill[2])
                 vllm_stats.killed = True
+            gone = [r for r, at in abort_at.items() if at == step and not reqs[r].is_finished()]
+            if gone:
+                # As vLLM's engine core aborts a request its client left; what it frees
+                # (all but blocks the connector keeps for saves) is another's at once.
+                sched.finish_requests(gone, RequestStatus.FINISHED_ABORTED)
+                faults.fired["abort"] += len(gone)
+                if reuse is not None:
+                    reuse.take(sched, [kv for _, kv in ranks])
+            if reuse is not None:
+                reuse.release(sched, [kv for _, kv in ranks])
             if squeeze is not None:
                 squeeze.before(sched)
             so = sched.schedule()
@@ -945,7 +845,8 @@ def _phase(
                 continue
         done = inflight.pop()
         so, out = done["so"], done["out"]
-        load_errors += len(out.kv_connector_output.invalid_block_ids or ())
+        invalid = out.kv_connector_output.invalid_block_ids or set()
+        load_errors += len(invalid)
         vllm_stats.held_released += len(out.kv_connector_output.finished_sending or ())
         # Invalid blocks go back to the scheduler, which rolls their requests back. Its
         # stats go where vLLM's stat loggers take them: the connector's transfer figures to
@@ -963,6 +864,20 @@ def _phase(
                 for src, n in cp.hits_by_source.items():
                     key = getattr(src, "value", str(src))
                     vllm_stats.hits[key] = vllm_stats.hits.get(key, 0) + n
+        if faults is not None and faults.stalled and invalid:
+            # The stalled Load failed: its client gives up on the request.
+            faults.stalled = False
+            owners = [
+                r
+                for r in list(sched.requests)
+                if invalid & set(sched.kv_cache_manager.get_block_ids(r)[0])
+            ]
+            if owners:
+                sched.finish_requests(owners, RequestStatus.FINISHED_ABORTED)
+                faults.fired["abort"] += len(owners)
+                if reuse is not None:
+                    reuse.take(sched, [kv for _, kv in ranks])
+            faults.taken.set()
         for rid, (upto, bad) in done["reads"].items():
             if bad and len(reqs[rid].output_token_ids) > outputs_before[rid]:
                 # vLLM kept a token this step sampled over wrong blocks, whatever it rolled
@@ -983,6 +898,8 @@ def _phase(
             for r, b in bad:
                 wrong.add((rid, b, r))
         assert step - idle < 10_000 and time.monotonic() < deadline, "the engine loop does not end"
+    if reuse is not None:
+        reuse.release(sched, [kv for _, kv in ranks], wait=True)
     for rid, r in reqs.items():
         outputs[rid] = list(r.output_token_ids)
         vllm_stats.preemptions += r.num_preemptions
@@ -1010,6 +927,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="TP ranks, one worker each")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages, TP ranks each")
     ap.add_argument("--slow-save", type=float, default=0.0, help="SECONDS before every save")
+    ap.add_argument(
+        "--late-save",
+        type=float,
+        default=0.0,
+        help="SECONDS: the save in flight at the first preemption goes out that much later",
+    )
     ap.add_argument("--mla", action="store_true", help="an MLA model (DeepSeek-V2 shaped)")
     ap.add_argument("--blocks", type=int, help="KV blocks (fewer: vLLM preempts requests)")
     ap.add_argument(
@@ -1031,6 +954,10 @@ def main() -> None:
         help="vLLM's AsyncScheduler: a step scheduled before the last one's output is back",
     )
     ap.add_argument("--seed", type=int, default=0, help="the faults' random generator")
+    ap.add_argument("--aborts", type=float, default=0.0, help="P: the client aborts a request")
+    ap.add_argument(
+        "--stall-load", type=int, help="PID: kvtierd stopped through the first Load's deadline"
+    )
     ap.add_argument("--short-loads", type=float, default=0.0, help="P: a Load asks for fewer")
     ap.add_argument(
         "--drop-saves", action="append", default=[], help="RANK:P: that rank's saves are lost"
@@ -1060,7 +987,16 @@ def main() -> None:
         async_scheduling=a.async_scheduling,
     )
     drops = {int(r): float(p) for r, p in (d.split(":") for d in a.drop_saves)}
-    faults = Faults(a.seed, a.short_loads, drops, a.squeeze)
+    faults = Faults(
+        a.seed,
+        a.short_loads,
+        drops,
+        a.squeeze,
+        a.late_save,
+        a.aborts,
+        a.stall_load,
+        block=BLOCK,
+    )
     then = json.loads(Path(a.reset_then).read_text()) if a.reset_then else None
     result = run(
         vc,

@@ -101,8 +101,13 @@ fn cuda_map(pool: &DevicePool, c: &v1::CudaPool) -> Result<DeviceMap, ApiError> 
             ),
         ));
     }
-    let pieces = c
-        .pieces
+    DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), pieces(&c.pieces))
+        .map_err(|e| device_error("cuda", e))
+}
+
+/// The wire's page pieces in the device layer's terms.
+fn pieces(pieces: &[v1::PagePiece]) -> Vec<Piece> {
+    pieces
         .iter()
         .map(|r| Piece {
             region: r.allocation as usize,
@@ -110,9 +115,7 @@ fn cuda_map(pool: &DevicePool, c: &v1::CudaPool) -> Result<DeviceMap, ApiError> 
             page_stride: r.page_stride,
             len: r.length,
         })
-        .collect();
-    DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), pieces)
-        .map_err(|e| device_error("cuda", e))
+        .collect()
 }
 
 fn device_error(field: &str, e: DeviceError) -> ApiError {
@@ -285,25 +288,71 @@ impl AgentService {
         }
     }
 
+    /// The engine's CPU memory as the registration describes it: one layer-first file, or
+    /// its allocations with the pieces of a page in them. Errors name the `cpu.*` field.
+    fn cpu_device(&self, pool: &DevicePool, c: &v1::CpuPool) -> Result<CpuDevice, ApiError> {
+        let threads = self.s.settings.copy_threads;
+        if c.pieces.is_empty() {
+            if !c.allocation_paths.is_empty() || !c.allocation_bytes.is_empty() {
+                return Err(ApiError::invalid(
+                    "cpu.allocation_paths",
+                    "given without pieces: a layer-first file needs only path",
+                ));
+            }
+            if c.path.is_empty() {
+                return Err(ApiError::invalid(
+                    "cpu.path",
+                    "required (or allocations with pieces)",
+                ));
+            }
+            return CpuDevice::open(pool.clone(), std::path::Path::new(&c.path), threads)
+                .map_err(|e| device_error("cpu", e));
+        }
+        if !c.path.is_empty() {
+            return Err(ApiError::invalid(
+                "cpu.path",
+                "given with pieces: name the allocations in allocation_paths",
+            ));
+        }
+        if c.allocation_paths.is_empty() {
+            return Err(ApiError::invalid(
+                "cpu.allocation_paths",
+                "required with pieces: the files the pieces lie in",
+            ));
+        }
+        if c.allocation_bytes.len() != c.allocation_paths.len() {
+            return Err(ApiError::invalid(
+                "cpu.allocation_bytes",
+                format!(
+                    "{} sizes for {} allocations",
+                    c.allocation_bytes.len(),
+                    c.allocation_paths.len()
+                ),
+            ));
+        }
+        if let Some(i) = c.allocation_paths.iter().position(|p| p.is_empty()) {
+            return Err(ApiError::invalid(
+                format!("cpu.allocation_paths[{i}]"),
+                "empty",
+            ));
+        }
+        let map = DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), pieces(&c.pieces))
+            .map_err(|e| device_error("cpu", e))?;
+        let paths: Vec<&std::path::Path> = c
+            .allocation_paths
+            .iter()
+            .map(std::path::Path::new)
+            .collect();
+        CpuDevice::open_mapped(map, &paths, threads).map_err(|e| device_error("cpu", e))
+    }
+
     fn open_device(
         &self,
         pool: &DevicePool,
         device: Option<v1::register_pool_request::Device>,
     ) -> Result<Arc<dyn Device>, ApiError> {
         Ok(match device {
-            Some(v1::register_pool_request::Device::Cpu(c)) => {
-                if c.path.is_empty() {
-                    return Err(ApiError::invalid("cpu.path", "required"));
-                }
-                Arc::new(
-                    CpuDevice::open(
-                        pool.clone(),
-                        std::path::Path::new(&c.path),
-                        self.s.settings.copy_threads,
-                    )
-                    .map_err(|e| device_error("cpu", e))?,
-                )
-            }
+            Some(v1::register_pool_request::Device::Cpu(c)) => Arc::new(self.cpu_device(pool, &c)?),
             Some(v1::register_pool_request::Device::Cuda(c)) => {
                 let mut handles = Vec::with_capacity(c.ipc_handles.len());
                 for (i, h) in c.ipc_handles.iter().enumerate() {

@@ -396,6 +396,7 @@ fn bad_engine_input_is_refused_by_field() {
                 num_token_slots: 1024,
                 device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
                     path: "/nonexistent/pool".into(),
+                    ..Default::default()
                 })),
                 engine_cache: false,
             })
@@ -447,6 +448,7 @@ fn bad_engine_input_is_refused_by_field() {
             };
         let mut overlapping = good_pieces(0);
         overlapping[3].offset = overlapping[2].offset + run_bytes;
+        let overlapping_cpu = overlapping.clone();
         for (req, field) in [
             (cuda(3, vec![], vec![]), "cuda.ipc_handles"),
             (cuda(1, vec![whole], vec![]), "cuda.allocation_bytes"),
@@ -457,6 +459,63 @@ fn bad_engine_input_is_refused_by_field() {
                 "cuda.pieces",
             ),
             (cuda(1, vec![whole], overlapping), "overlaps pieces[2]"),
+        ] {
+            let e = raw.register_pool(req).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
+            assert!(e.message().contains(field), "{field}: {}", e.message());
+        }
+        // The same map over the engine's CPU allocations (files): checked as CUDA's, and each
+        // file must hold what the map says it uses.
+        let file = dir("cpu-mapped").join("kv");
+        std::fs::write(&file, vec![0u8; whole as usize - 1]).unwrap();
+        let cpu = |paths: Vec<String>, path: &str, sizes: Vec<u64>, pieces: Vec<v1::PagePiece>| {
+            v1::RegisterPoolRequest {
+                layout: Some((&mha(0, 1)).into()),
+                num_token_slots: 1024,
+                device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
+                    path: path.into(),
+                    allocation_paths: paths,
+                    allocation_bytes: sizes,
+                    pieces,
+                })),
+                engine_cache: false,
+            }
+        };
+        let kv = file.display().to_string();
+        for (req, field) in [
+            (
+                cpu(vec![kv.clone()], "", vec![whole], vec![]),
+                "cpu.allocation_paths",
+            ),
+            (
+                cpu(vec![], "", vec![], good_pieces(0)),
+                "cpu.allocation_paths",
+            ),
+            (
+                cpu(vec![kv.clone()], "", vec![], good_pieces(0)),
+                "cpu.allocation_bytes",
+            ),
+            (
+                cpu(vec![kv.clone()], &kv, vec![whole], good_pieces(0)),
+                "cpu.path",
+            ),
+            (
+                cpu(vec![String::new()], "", vec![whole], good_pieces(0)),
+                "cpu.allocation_paths[0]",
+            ),
+            (
+                cpu(vec![kv.clone()], "", vec![whole - 1], good_pieces(0)),
+                "cpu.pieces[",
+            ),
+            (
+                cpu(vec![kv.clone()], "", vec![whole], overlapping_cpu.clone()),
+                "overlaps pieces[2]",
+            ),
+            // A file shorter than the map says.
+            (
+                cpu(vec![kv.clone()], "", vec![whole], good_pieces(0)),
+                "cpu.allocations[0]",
+            ),
         ] {
             let e = raw.register_pool(req).await.unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());

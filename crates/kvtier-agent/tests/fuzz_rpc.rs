@@ -52,6 +52,7 @@ fn methods(
                 num_token_slots: 64 * 16,
                 device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
                     path: "/dev/shm/kvtier-fuzz-no-such-pool".into(),
+                    ..Default::default()
                 })),
                 engine_cache: false,
             }

@@ -1,7 +1,12 @@
-//! The cpu device: the engine's KV pool is a shared-memory file (layer-first buffers laid end
-//! to end, [`DevicePool::total_bytes`] long) that the engine created and names when it
-//! registers. CPU inference engines use it for real; tests and the simulator use it because CI
-//! has no GPU.
+//! The cpu device: the engine's KV pool in shared memory, one of two ways:
+//! - one file of layer-first buffers laid end to end ([`DevicePool::total_bytes`] long) that
+//!   the engine created and names when it registers ([`CpuDevice::open`]): CPU inference
+//!   engines and vLLM's staging pool use it; tests and the simulator use it because CI has no
+//!   GPU;
+//! - the engine's own allocations (files in shared memory) with the pieces of a page placed
+//!   in them, as the cuda device takes vLLM's GPU blocks ([`CpuDevice::open_mapped`]): the
+//!   agent reads and writes the engine's blocks in place, the CPU stand-in for DMA that the
+//!   vLLM fuzzer runs the worker's DMA path on.
 
 use std::path::Path;
 
@@ -30,7 +35,9 @@ const INLINE_COPY_BYTES: usize = 1 << 20;
 pub struct CpuDevice {
     pool: DevicePool,
     map: DeviceMap,
-    region: ShmRegion,
+    regions: Vec<ShmRegion>,
+    /// The address of each of the map's regions (a buffer of the one file, or a file).
+    bases: Vec<u64>,
     threads: usize,
 }
 
@@ -43,28 +50,69 @@ impl CpuDevice {
                 field: "pool file".into(),
                 reason: e.to_string(),
             })?;
+        let base = region.ptr().as_ptr() as u64;
+        let buffer = pool.buffer_bytes() as u64;
         Ok(Self {
             map: DeviceMap::layer_first(&pool),
+            bases: (0..pool.num_buffers() as u64)
+                .map(|b| base + b * buffer)
+                .collect(),
             pool,
-            region,
+            regions: vec![region],
             threads: threads.max(1),
         })
     }
 
-    /// The mapped engine pool (tests and the simulator write and read pages through it).
+    /// Maps the engine's allocations, `paths[i]` for the map's region `i` (a file at least
+    /// `map.region_bytes()[i]` long), and reads and writes pages where `map` places their
+    /// pieces. Errors name the allocation (`allocations[i]`).
+    pub fn open_mapped(
+        map: DeviceMap,
+        paths: &[&Path],
+        threads: usize,
+    ) -> Result<Self, DeviceError> {
+        if paths.len() != map.region_bytes().len() {
+            return Err(DeviceError::Invalid {
+                field: "allocations".into(),
+                reason: format!(
+                    "{} files for a map of {} allocations",
+                    paths.len(),
+                    map.region_bytes().len()
+                ),
+            });
+        }
+        let mut regions = Vec::with_capacity(paths.len());
+        for (i, (path, &bytes)) in paths.iter().zip(map.region_bytes()).enumerate() {
+            let len = usize::try_from(bytes).map_err(|_| DeviceError::Invalid {
+                field: format!("allocations[{i}]"),
+                reason: format!("{bytes} bytes do not fit in memory"),
+            })?;
+            regions.push(ShmRegion::open_at_least(path, len).map_err(|e| {
+                DeviceError::Invalid {
+                    field: format!("allocations[{i}]"),
+                    reason: e.to_string(),
+                }
+            })?);
+        }
+        Ok(Self {
+            pool: map.pool().clone(),
+            bases: regions.iter().map(|r| r.ptr().as_ptr() as u64).collect(),
+            map,
+            regions,
+            threads: threads.max(1),
+        })
+    }
+
+    /// The mapped engine pool's first file (tests and the simulator write and read pages
+    /// through the one file of a layer-first pool).
     pub fn region(&self) -> &ShmRegion {
-        &self.region
+        &self.regions[0]
     }
 
     /// The copy plan of `copies` over this pool and `host` (checked first).
     fn plan(&self, host: &ShmPool, copies: &[PageCopy]) -> Result<Plan, DeviceError> {
         let slots = check_copies(&self.pool, host, copies)?;
-        let base = self.region.ptr().as_ptr() as u64;
-        let buffer = self.pool.buffer_bytes() as u64;
-        let bases: Vec<u64> = (0..self.pool.num_buffers() as u64)
-            .map(|b| base + b * buffer)
-            .collect();
-        Ok(Plan::build(&self.map, &bases, slots, copies))
+        Ok(Plan::build(&self.map, &self.bases, slots, copies))
     }
 
     /// Copies `runs`, entering `fence` for each [`FENCE_BYTES`] or so (a long run moves in
@@ -88,9 +136,11 @@ impl CpuDevice {
                     (r.host as usize + off) as *mut u8,
                 );
                 // SAFETY: the plan was built by `plan` from a copy list `check_copies`
-                // accepted: every device run lies inside a buffer of this device's mapped
-                // pool file (the map is `layer_first` of the pool the region was opened with,
-                // so offset + page × stride + len ≤ buffer_bytes), and every host run inside a
+                // accepted: every device run lies inside a region of this device's mapped
+                // files (the map is `layer_first` of the pool the one file was opened with,
+                // so offset + page × stride + len ≤ buffer_bytes; or a map `DeviceMap::new`
+                // checked against region_bytes, each file mapped at least that long), and
+                // every host run inside a
                 // slot of the live host mapping (run index × run_bytes + len ≤ page_bytes ≤
                 // stride); `off + n ≤ len` keeps this piece inside its run. The two mappings
                 // are distinct files, so the ranges do not overlap. No Rust reference into

@@ -46,7 +46,12 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
         }
     }
     let dev = CpuDevice::open(pool, &path(name), threads).unwrap();
-    let host = ShmPool::create(&PoolSpec {
+    (dev, engine, host_pool(&layout, name))
+}
+
+/// A host pool of 40 slots for `layout`'s pages.
+fn host_pool(layout: &Layout, name: &str) -> ShmPool {
+    ShmPool::create(&PoolSpec {
         name: format!("kvtier-device-test-host-{}-{name}", std::process::id()),
         dir: PathBuf::from("/dev/shm"),
         backing: Backing::Memfd,
@@ -58,8 +63,7 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
         access: kvtier_shm::FileAccess::OWNER,
         grant: None,
     })
-    .unwrap();
-    (dev, engine, host)
+    .unwrap()
 }
 
 fn check_slot(dev: &CpuDevice, host: &ShmPool, slot: u32, page: usize) {
@@ -302,4 +306,101 @@ fn a_closed_fence_moves_nothing_either_way() {
         check_slot(&dev, &host, c.host_slot, c.device_page as usize);
     }
     std::fs::remove_file(path(name)).unwrap();
+}
+
+/// The engine's own blocks in place (the CPU stand-in for DMA): one file per layer, each
+/// block's K then V back to back (block-major, as vLLM lays a layer out), with a gap after
+/// each block. Saved pages land page-first, loaded pages land where the map places them and
+/// nowhere else.
+#[test]
+fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
+    use kvtier_device::plan::{DeviceMap, Piece};
+    let layout = Layout::new(spec(KvKind::Mha {
+        kv_heads: 2,
+        head_dim: 64,
+    }))
+    .unwrap();
+    let blocks = 24usize;
+    let pool = DevicePool::new(layout.clone(), blocks as u64 * 16).unwrap();
+    let run = layout.run_bytes();
+    let stride = 2 * run + 64;
+    let files: Vec<PathBuf> = (0..3).map(|l| path(&format!("mapped-{l}"))).collect();
+    // Larger than the map uses: the agent maps the whole file.
+    let regions: Vec<ShmRegion> = files
+        .iter()
+        .map(|f| ShmRegion::create(f, blocks * stride + 4096).unwrap())
+        .collect();
+    let at = |p: usize, part: KvPart| p * stride + part as usize * run;
+    for p in 0..blocks {
+        for (layer, part) in layout.runs() {
+            let bytes: Vec<u8> = (0..run).map(|i| byte(p, layer, part, i)).collect();
+            regions[layer].write(at(p, part), &bytes).unwrap();
+        }
+    }
+    let mut runs: Vec<(usize, KvPart)> = layout.runs().collect();
+    runs.sort_by_key(|&(l, part)| layout.host_run_offset(l, part));
+    let pieces = runs
+        .iter()
+        .map(|&(layer, part)| Piece {
+            region: layer,
+            offset: at(0, part) as u64,
+            page_stride: stride as u64,
+            len: run as u64,
+        })
+        .collect();
+    let map = DeviceMap::new(pool, vec![(blocks * stride) as u64; 3], pieces).unwrap();
+    let paths: Vec<&std::path::Path> = files.iter().map(PathBuf::as_path).collect();
+    // Files shorter than the map, or the wrong number of them, are refused by name.
+    let e = CpuDevice::open_mapped(map.clone(), &paths[..2], 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("allocations"), "{e}");
+    let short = path("mapped-short");
+    ShmRegion::create(&short, blocks * stride - 1).unwrap();
+    let e = CpuDevice::open_mapped(map.clone(), &[paths[0], paths[1], &short], 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("allocations[2]"), "{e}");
+    std::fs::remove_file(&short).unwrap();
+
+    let dev = CpuDevice::open_mapped(map, &paths, 2).unwrap();
+    let host = host_pool(&layout, "mapped");
+    let copies: Vec<PageCopy> = (0..12u32)
+        .map(|i| PageCopy {
+            device_page: (i * 5) % 24,
+            host_slot: 30 - i,
+        })
+        .collect();
+    dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
+    for c in &copies {
+        check_slot(&dev, &host, c.host_slot, c.device_page as usize);
+    }
+    // Wiped, loaded back: those blocks as they were, every other byte (gaps, other blocks,
+    // the file's tail) untouched.
+    let snapshots: Vec<Vec<u8>> = regions
+        .iter()
+        .map(|r| {
+            let mut b = vec![0u8; r.len()];
+            r.read(0, &mut b).unwrap();
+            b
+        })
+        .collect();
+    for r in &regions {
+        r.write(0, &vec![0u8; r.len()]).unwrap();
+    }
+    dev.copy_from_host(&host, &copies, &Fence::never()).unwrap();
+    for (layer, r) in regions.iter().enumerate() {
+        let mut got = vec![0u8; r.len()];
+        r.read(0, &mut got).unwrap();
+        for (i, (&g, &s)) in got.iter().zip(&snapshots[layer]).enumerate() {
+            let (p, within) = (i / stride, i % stride);
+            let loaded = p < blocks
+                && within < 2 * run
+                && copies.iter().any(|c| c.device_page as usize == p);
+            assert_eq!(g, if loaded { s } else { 0 }, "layer {layer} byte {i}");
+        }
+    }
+    for f in &files {
+        std::fs::remove_file(f).unwrap();
+    }
 }

@@ -571,18 +571,44 @@ impl ShmRegion {
 
     /// Maps an existing region, which must be exactly `len` bytes.
     pub fn open(path: &Path, len: usize) -> Result<Self, ShmError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err("open", path))?;
-        let actual = file.metadata().map_err(io_err("stat", path))?.len();
+        let (file, actual) = Self::open_file(path)?;
         if actual != len as u64 {
             return Err(ShmError::Shape(format!(
                 "{} is {actual} bytes, expected {len}",
                 path.display()
             )));
         }
+        Self::map(file, path, len)
+    }
+
+    /// An existing file opened read-write, and its length.
+    fn open_file(path: &Path) -> Result<(File, u64), ShmError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io_err("open", path))?;
+        let len = file.metadata().map_err(io_err("stat", path))?.len();
+        Ok((file, len))
+    }
+
+    /// Maps a whole existing file of at least `min_len` bytes (an engine's allocation in
+    /// shared memory, which may be larger than the part of it a pool uses).
+    pub fn open_at_least(path: &Path, min_len: usize) -> Result<Self, ShmError> {
+        let (file, actual) = Self::open_file(path)?;
+        if actual < min_len as u64 || actual == 0 {
+            return Err(ShmError::Shape(format!(
+                "{} is {actual} bytes, expected at least {}",
+                path.display(),
+                min_len.max(1)
+            )));
+        }
+        let len = usize::try_from(actual).map_err(|_| {
+            ShmError::Shape(format!(
+                "{}: {actual} bytes do not fit in memory",
+                path.display()
+            ))
+        })?;
         Self::map(file, path, len)
     }
 

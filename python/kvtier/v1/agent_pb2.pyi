@@ -9,10 +9,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CpuPool(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "allocation_paths", "allocation_bytes", "pieces")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_PATHS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    allocation_paths: _containers.RepeatedScalarFieldContainer[str]
+    allocation_bytes: _containers.RepeatedScalarFieldContainer[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[PagePiece]
+    def __init__(self, path: _Optional[str] = ..., allocation_paths: _Optional[_Iterable[str]] = ..., allocation_bytes: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[_Union[PagePiece, _Mapping]]] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("device_ordinal", "ipc_handles", "allocation_bytes", "pieces")

@@ -21,6 +21,16 @@ pub enum PoolMemory {
         /// The file holding the pool's buffers.
         path: PathBuf,
     },
+    /// A CPU pool in the engine's own allocations (files in shared memory), with where each
+    /// piece of a page lives in them: the agent reads and writes the engine's blocks in place.
+    CpuMapped {
+        /// The file of each allocation.
+        allocation_paths: Vec<PathBuf>,
+        /// Bytes of each allocation the pieces use, from the file's start.
+        allocation_bytes: Vec<u64>,
+        /// A page's pieces, in the order of its bytes in a host slot.
+        pieces: Vec<PagePiece>,
+    },
     /// A CUDA pool: one IPC handle per buffer, on device `ordinal`.
     Cuda {
         /// The CUDA device.
@@ -60,6 +70,20 @@ impl From<PoolMemory> for v1::register_pool_request::Device {
         match p {
             PoolMemory::Cpu { path } => Self::Cpu(v1::CpuPool {
                 path: path.display().to_string(),
+                ..Default::default()
+            }),
+            PoolMemory::CpuMapped {
+                allocation_paths,
+                allocation_bytes,
+                pieces,
+            } => Self::Cpu(v1::CpuPool {
+                path: String::new(),
+                allocation_paths: allocation_paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect(),
+                allocation_bytes,
+                pieces: wire_pieces(pieces),
             }),
             PoolMemory::Cuda {
                 ordinal,
@@ -79,18 +103,22 @@ impl From<PoolMemory> for v1::register_pool_request::Device {
                 device_ordinal: ordinal,
                 ipc_handles,
                 allocation_bytes,
-                pieces: pieces
-                    .into_iter()
-                    .map(|r| v1::PagePiece {
-                        allocation: r.allocation,
-                        offset: r.offset,
-                        page_stride: r.page_stride,
-                        length: r.length,
-                    })
-                    .collect(),
+                pieces: wire_pieces(pieces),
             }),
         }
     }
+}
+
+fn wire_pieces(pieces: Vec<PagePiece>) -> Vec<v1::PagePiece> {
+    pieces
+        .into_iter()
+        .map(|r| v1::PagePiece {
+            allocation: r.allocation,
+            offset: r.offset,
+            page_stride: r.page_stride,
+            length: r.length,
+        })
+        .collect()
 }
 
 /// The agent's answer to a pool registration.

@@ -150,6 +150,63 @@ class CudaExport:
     bases: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class CpuExport:
+    """A worker's KV cache in CPU shared memory as the agent maps it: one file per backing
+    storage (``/proc/<pid>/fd/<fd>`` of the descriptor torch keeps for it), how many bytes
+    of each the layers use from the file's start, and where each layer's storage starts."""
+
+    paths: list[str]
+    allocation_bytes: list[int]
+    bases: list[tuple[int, int]]
+
+
+def in_shared_memory(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor is a CPU tensor in shared memory (``share_memory_()``)."""
+    return bool(tensors) and all(t.device.type == "cpu" and t.is_shared() for t in tensors)
+
+
+def _mapping_of(address: int) -> tuple[int, int, int]:
+    """(start address, file offset, inode) of this process's mapping holding ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return lo, int(fields[2], 16), int(fields[4])
+    raise ValueError(f"no mapping of this process holds address {address:#x}")
+
+
+def cpu_export(tensors: list[torch.Tensor]) -> CpuExport:
+    """Exports the shared-memory storages behind ``tensors`` (CPU tensors after
+    ``share_memory_()``, torch's file-descriptor strategy) as files the agent opens, once
+    per storage. Raises ValueError where a tensor is not in shared memory, or its storage is
+    not the file torch says it shares."""
+    import os
+
+    paths: list[str] = []
+    sizes: list[int] = []
+    bases: list[tuple[int, int]] = []
+    index: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_shared():
+            raise ValueError(f"kvtier: a KV tensor is not in CPU shared memory ({t.device})")
+        storage = t.untyped_storage()
+        # (fd, size): the descriptor torch keeps open for the storage's file.
+        fd = int(storage._share_fd_cpu_()[0])  # pyright: ignore[reportAttributeAccessIssue]
+        start, file_offset, inode = _mapping_of(storage.data_ptr())
+        if inode != os.fstat(fd).st_ino:
+            raise ValueError("kvtier: a KV tensor's storage is not the file torch shares it by")
+        offset = storage.data_ptr() - start + file_offset
+        a = index.setdefault(fd, len(paths))
+        if a == len(paths):
+            paths.append(f"/proc/{os.getpid()}/fd/{fd}")
+            sizes.append(0)
+        sizes[a] = max(sizes[a], offset + storage.nbytes())
+        bases.append((a, offset))
+    return CpuExport(paths, sizes, bases)
+
+
 #: The bytes of a ``cudaIpcMemHandle_t``: what the agent's ``cuIpcOpenMemHandle`` takes.
 CUDA_IPC_HANDLE_BYTES = 64
 

@@ -178,18 +178,28 @@ class Settings:
 
 
 def choose_transfer(
-    transfer: str, device: str, on_gpu: bool, register_dma: Callable[[], None]
+    transfer: str,
+    device: str,
+    on_gpu: bool,
+    register_dma: Callable[[], None],
+    in_shared_memory: bool = False,
 ) -> tuple[bool, str | None]:
     """Whether a worker's blocks move by DMA (``register_dma`` succeeded: the agent opened
     the KV cache and its check passed), and, when ``auto`` fell back to staging on a GPU,
     why. ``dma`` that cannot be had is an error naming the setting; a registration refused
-    because another client owns the agent's pool is raised as it is, whatever the setting."""
+    because another client owns the agent's pool is raised as it is, whatever the setting.
+
+    On CPU, ``dma`` is had only where the KV cache lies in shared memory
+    (``in_shared_memory``): the agent then reads and writes the blocks in place. vLLM's own
+    CPU worker allocates private memory, so this is the engine fuzzer's stand-in for a GPU's
+    DMA (the same worker code over CPU memory); ``auto`` on CPU is staging."""
     where = "kv_connector_extra_config.transfer"
     if transfer == "staging" or (transfer == "auto" and not on_gpu):
         return False, None
-    if not on_gpu:
+    if not on_gpu and not in_shared_memory:
         raise ValueError(
-            f"kvtier: {where}: dma needs the KV cache on a CUDA GPU; this worker's is on {device}"
+            f"kvtier: {where}: dma needs the KV cache on a CUDA GPU (or in CPU shared memory "
+            f"the agent can map); this worker's is private memory on {device}"
         )
     try:
         register_dma()

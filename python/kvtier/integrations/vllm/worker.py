@@ -27,7 +27,9 @@ from kvtier.host import KvtierError
 from kvtier.integrations.vllm.blocks import (
     BlockBytes,
     block_bytes,
+    cpu_export,
     cuda_export,
+    in_shared_memory,
     pieces,
     storage_bytes,
 )
@@ -167,7 +169,13 @@ class WorkerSide:
         (a fallback from an ``auto`` that could not use DMA is logged and counted)."""
         device = str(self._tensors[0].device)
         on_gpu = all(t.device.type == "cuda" for t in self._tensors)
-        self._dma, why = choose_transfer(self.settings.transfer, device, on_gpu, self._register_dma)
+        self._dma, why = choose_transfer(
+            self.settings.transfer,
+            device,
+            on_gpu,
+            self._register_dma,
+            in_shared_memory(self._tensors),
+        )
         if self._dma:
             logger.info("kvtier: the agent copies vLLM's blocks itself (DMA)")
             return
@@ -181,15 +189,28 @@ class WorkerSide:
     def _register_dma(self) -> None:
         """Registers vLLM's KV cache itself: its allocations by IPC handle and the pieces of
         a page in them (blocks.py). The agent checks the map and reads a page through its
-        copy method against plain copies before it accepts."""
+        copy method against plain copies before it accepts. On CPU (the KV cache in shared
+        memory, the fuzzer's stand-in for DMA): its files, read and written in place."""
+        if self._tensors[0].device.type == "cpu":
+            cpu = cpu_export(self._tensors)
+            info = self.agent.register_pool(
+                self._descriptor,
+                self.kv_cache_config.num_blocks * self.block_size,
+                cpu_allocation_paths=cpu.paths,
+                allocation_bytes=cpu.allocation_bytes,
+                pieces=pieces(self._geometry, cpu.bases),
+                engine_cache=True,
+            )
+            self._owner = info.owner
+            return
         ex = cuda_export(self._tensors)
         info = self.agent.register_pool(
             self._descriptor,
             self.kv_cache_config.num_blocks * self.block_size,
             cuda_ordinal=ex.ordinal,
             cuda_ipc_handles=ex.handles,
-            cuda_allocation_bytes=ex.allocation_bytes,
-            cuda_pieces=pieces(self._geometry, ex.bases),
+            allocation_bytes=ex.allocation_bytes,
+            pieces=pieces(self._geometry, ex.bases),
             engine_cache=True,
         )
         self._owner = info.owner
@@ -548,8 +569,11 @@ class WorkerSide:
         if not self.saves or not meta.saves:
             return
         if self._dma:
-            ready = torch.cuda.Event()
-            ready.record()
+            # The step's KV writes are done once this event is (on CPU, when the step is).
+            ready = None
+            if self._tensors[0].device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
             pages = sum(len(j.blocks) for j in meta.saves)
             # Bounded: a slow L2 slows the steps down rather than let the queue grow.
             batch = self._admit(
@@ -735,13 +759,14 @@ class WorkerSide:
             self._reading_call = None
             self._saves_done.notify_all()
 
-    def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event, batch: int) -> None:
+    def _save_dma_all(self, jobs: list[Job], ready: torch.cuda.Event | None, batch: int) -> None:
         """On the save thread: once the step's work is done, the agent copies every job's
         blocks into L2, in one SaveBatch; never those of a request whose preemption gave up
         waiting (its blocks may be another request's by now), and a preemption that gives up
         while the agent copies waits for the call to end."""
         try:
-            ready.synchronize()
+            if ready is not None:
+                ready.synchronize()
             call = uuid.uuid4().hex
             keep, _ = self._start_reading([(j, None) for j in jobs], batch, call)
             try:
