@@ -15,6 +15,7 @@ import pytest
 from kvtier.agent import MAX_SAVE_BATCH, After, AgentClient, PagePiece, SaveItem, packed
 from kvtier.host import KvtierError
 from kvtier.keys import Namespace, page_keys
+from kvtier.testing import Agent, Kvtierd
 from kvtier.v1 import common_pb2
 
 LAYERS, PAGE, SLOTS, TOKEN_BYTES = 2, 4, 64, 16  # 1 KV head of 8 bf16
@@ -345,3 +346,77 @@ def test_a_call_named_by_id_is_cancelled_even_when_the_cancel_arrives_first(
         c.cancel(["save-3"], owner=old)
     assert e.value.pool_lost
     c.close()
+
+
+def test_an_engine_cannot_name_the_agents_own_l2_pool_as_its_memory(tmp_path) -> None:
+    """Review finding (issue 61): a client that registered ``/proc/self/fd/N`` (resolved in
+    the agent, so the agent's own descriptors) as its allocation got the agent's mapping of
+    the node's L2 pool as its "device pages": saving them under its namespace and loading
+    them back into its own memory read another tenant's pages. A file that is the agent's
+    L2 pool is refused by field."""
+    d = Kvtierd(tmp_path / "daemon", "l2.pool_pages=64")
+    victim = Agent(tmp_path, "victim", d.socket)
+    attacker = Agent(tmp_path, "attacker", d.socket)
+    try:
+        _steal_through_the_agents_descriptors(victim, attacker, tmp_path)
+    finally:
+        victim.stop()
+        attacker.stop()
+        d.stop()
+
+
+def _steal_through_the_agents_descriptors(victim: Agent, attacker: Agent, tmp_path) -> None:
+    pb = BUFFERS * RUN
+    pages = SLOTS // PAGE
+    pieces = [PagePiece(0, i * RUN, pb, RUN) for i in range(BUFFERS)]
+
+    def register(c: AgentClient, path: str, n: int) -> None:
+        """``n`` pages of ``path`` as the engine's memory, a page's buffers side by side."""
+        c.register_pool(
+            layout(), n * PAGE, cpu_allocation_paths=[path], allocation_bytes=[n * pb],
+            pieces=pieces, engine_cache=True,
+        )  # fmt: skip
+
+    secret = bytes((i * 7 + 3) % 251 for i in range(pages * pb))
+    vf = tmp_path / "victim-kv"
+    vf.write_bytes(secret)
+    v = AgentClient(victim.socket, timeout=10)
+    register(v, str(vf), pages)
+    _wait_linked(v)
+    assert v.save_pages(list(range(1000, 1000 + PAGE)), Namespace(tenant="A"), 0, [5])
+    want = secret[5 * pb : 6 * pb]
+    # The attacker's agent maps L2 once it has a pool of its own.
+    own = tmp_path / "attacker-kv"
+    own.write_bytes(bytes(pages * pb))
+    a = AgentClient(attacker.socket, timeout=10)
+    register(a, str(own), pages)
+    _wait_linked(a)
+    # As many "device pages" as L2 has slots (64).
+    big = 64
+    refused = []
+    for fd in range(3, 64):
+        try:
+            register(a, f"/proc/self/fd/{fd}", big)
+        except KvtierError as e:
+            if "agent's own L2 pool" in str(e):
+                refused.append(fd)
+            continue
+        # Accepted (some other file of the agent's): whatever it maps, it is not L2.
+        _wait_linked(a)
+        toks = list(range(50000, 50000 + big * PAGE))
+        a.save_pages(toks, Namespace(tenant="B"), 0, list(range(big)))
+        back = tmp_path / f"back-{fd}"
+        back.write_bytes(bytes(big * pb))
+        register(a, str(back), big)
+        _wait_linked(a)
+        a.load_pages(toks, Namespace(tenant="B"), 0, list(range(big)))
+        data = back.read_bytes()
+        found = [p for p in range(big) if data[p * pb : (p + 1) * pb] == want]
+        assert not found, f"/proc/self/fd/{fd} gave tenant A's page at pages {found}"
+    assert refused, "no descriptor of the agent's was its L2 pool"
+
+
+def _wait_linked(c: AgentClient) -> None:
+    deadline = time.monotonic() + 10
+    while not c.stats().daemon_connected and time.monotonic() < deadline:
+        time.sleep(0.05)

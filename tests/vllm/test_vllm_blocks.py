@@ -247,3 +247,15 @@ def test_a_cpu_kv_cache_in_shared_memory_exports_as_files_whose_pieces_are_its_b
         assert got == want, f"block {b}"
     for path, size in zip(ex.paths, ex.allocation_bytes, strict=True):
         assert os.stat(path).st_size >= size
+    # Review finding: under torch's file_system strategy, sharing by descriptor moves the
+    # storage (views taken before would point at freed memory): refused.
+    import torch.multiprocessing as mp
+
+    strategy = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        moved = torch.zeros(4, 64).share_memory_()
+        with pytest.raises(ValueError, match="moved it"):
+            cpu_export([moved])
+    finally:
+        mp.set_sharing_strategy(strategy)

@@ -30,6 +30,10 @@ use crate::owner::{Caller, Owner};
 use crate::shared::{Engine, Mode, Settings, Shared};
 use crate::tree::{Progress, TreeMode};
 
+/// Most files a CPU pool's allocations may name: each is a descriptor and a mapping the
+/// agent holds (vLLM allocates one per KV cache tensor, at most one per layer).
+const MAX_ALLOCATIONS: usize = 1024;
+
 /// Most Saves one SaveBatch carries (an engine step's requests; vLLM runs at most a few
 /// thousand at once).
 const MAX_SAVE_BATCH: usize = 4096;
@@ -289,8 +293,27 @@ impl AgentService {
     }
 
     /// The engine's CPU memory as the registration describes it: one layer-first file, or
-    /// its allocations with the pieces of a page in them. Errors name the `cpu.*` field.
+    /// its allocations with the pieces of a page in them. Errors name the `cpu.*` field. A
+    /// file that is the agent's own L2 pool (a `/proc/self/fd` path names the agent's
+    /// descriptors) is refused: it would hand the client every tenant's pages.
     fn cpu_device(&self, pool: &DevicePool, c: &v1::CpuPool) -> Result<CpuDevice, ApiError> {
+        let dev = self.open_cpu_device(pool, c)?;
+        if let Some(linked) = self.s.link.current() {
+            let l2 = linked.pool.file_id().ok();
+            let ids = dev.file_ids().map_err(|e| device_error("cpu", e))?;
+            if let Some(i) = ids.iter().position(|id| Some(*id) == l2) {
+                let field = if c.pieces.is_empty() {
+                    "cpu.path".to_string()
+                } else {
+                    format!("cpu.allocation_paths[{i}]")
+                };
+                return Err(ApiError::invalid(field, "names the agent's own L2 pool"));
+            }
+        }
+        Ok(dev)
+    }
+
+    fn open_cpu_device(&self, pool: &DevicePool, c: &v1::CpuPool) -> Result<CpuDevice, ApiError> {
         let threads = self.s.settings.copy_threads;
         if c.pieces.is_empty() {
             if !c.allocation_paths.is_empty() || !c.allocation_bytes.is_empty() {
@@ -326,6 +349,15 @@ impl AgentService {
                 format!(
                     "{} sizes for {} allocations",
                     c.allocation_bytes.len(),
+                    c.allocation_paths.len()
+                ),
+            ));
+        }
+        if c.allocation_paths.len() > MAX_ALLOCATIONS {
+            return Err(ApiError::invalid(
+                "cpu.allocation_paths",
+                format!(
+                    "{} files; at most {MAX_ALLOCATIONS} (one per KV cache tensor)",
                     c.allocation_paths.len()
                 ),
             ));

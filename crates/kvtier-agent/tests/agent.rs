@@ -514,7 +514,7 @@ fn bad_engine_input_is_refused_by_field() {
             // A file shorter than the map says.
             (
                 cpu(vec![kv.clone()], "", vec![whole], good_pieces(0)),
-                "cpu.allocations[0]",
+                "cpu.allocation_paths[0]",
             ),
         ] {
             let e = raw.register_pool(req).await.unwrap_err();

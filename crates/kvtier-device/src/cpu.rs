@@ -13,6 +13,8 @@ use std::path::Path;
 use kvtier_core::DevicePool;
 use kvtier_shm::{ShmPool, ShmRegion};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use crate::method::Direction;
 use crate::plan::{DeviceMap, Plan, Run};
 use crate::{Attached, CopyReport, Device, DeviceError, Fence, PageCopy, check_copies};
@@ -39,6 +41,9 @@ pub struct CpuDevice {
     /// The address of each of the map's regions (a buffer of the one file, or a file).
     bases: Vec<u64>,
     threads: usize,
+    /// A copy found an engine file shrunk under it: part of the mapping is anonymous memory
+    /// now, and every later copy is refused.
+    damaged: AtomicBool,
 }
 
 impl CpuDevice {
@@ -60,12 +65,13 @@ impl CpuDevice {
             pool,
             regions: vec![region],
             threads: threads.max(1),
+            damaged: AtomicBool::new(false),
         })
     }
 
     /// Maps the engine's allocations, `paths[i]` for the map's region `i` (a file at least
     /// `map.region_bytes()[i]` long), and reads and writes pages where `map` places their
-    /// pieces. Errors name the allocation (`allocations[i]`).
+    /// pieces. Errors name the allocation (`allocation_paths[i]`).
     pub fn open_mapped(
         map: DeviceMap,
         paths: &[&Path],
@@ -73,7 +79,7 @@ impl CpuDevice {
     ) -> Result<Self, DeviceError> {
         if paths.len() != map.region_bytes().len() {
             return Err(DeviceError::Invalid {
-                field: "allocations".into(),
+                field: "allocation_paths".into(),
                 reason: format!(
                     "{} files for a map of {} allocations",
                     paths.len(),
@@ -84,12 +90,12 @@ impl CpuDevice {
         let mut regions = Vec::with_capacity(paths.len());
         for (i, (path, &bytes)) in paths.iter().zip(map.region_bytes()).enumerate() {
             let len = usize::try_from(bytes).map_err(|_| DeviceError::Invalid {
-                field: format!("allocations[{i}]"),
+                field: format!("allocation_paths[{i}]"),
                 reason: format!("{bytes} bytes do not fit in memory"),
             })?;
             regions.push(ShmRegion::open_at_least(path, len).map_err(|e| {
                 DeviceError::Invalid {
-                    field: format!("allocations[{i}]"),
+                    field: format!("allocation_paths[{i}]"),
                     reason: e.to_string(),
                 }
             })?);
@@ -100,7 +106,22 @@ impl CpuDevice {
             map,
             regions,
             threads: threads.max(1),
+            damaged: AtomicBool::new(false),
         })
+    }
+
+    /// The identity (device, inode) of each file mapped: the agent refuses an engine pool
+    /// that is a file it holds itself (its L2 pool, named by a `/proc/self/fd` path).
+    pub fn file_ids(&self) -> Result<Vec<(u64, u64)>, DeviceError> {
+        self.regions
+            .iter()
+            .map(|r| {
+                r.file_id().map_err(|e| DeviceError::Invalid {
+                    field: "allocation_paths".into(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
     }
 
     /// The mapped engine pool's first file (tests and the simulator write and read pages
@@ -117,7 +138,12 @@ impl CpuDevice {
 
     /// Copies `runs`, entering `fence` for each [`FENCE_BYTES`] or so (a long run moves in
     /// pieces of that size; short runs share one entry until they add up to it).
-    fn copy_runs(runs: &[Run], dir: Direction, fence: &Fence) -> Result<(), DeviceError> {
+    fn copy_runs(
+        runs: &[Run],
+        dir: Direction,
+        fence: &Fence,
+        damaged: &AtomicBool,
+    ) -> Result<(), DeviceError> {
         let mut moving = None;
         let mut since = FENCE_BYTES;
         for r in runs {
@@ -143,15 +169,30 @@ impl CpuDevice {
                 // every host run inside a
                 // slot of the live host mapping (run index × run_bytes + len ≤ page_bytes ≤
                 // stride); `off + n ≤ len` keeps this piece inside its run. The two mappings
-                // are distinct files, so the ranges do not overlap. No Rust reference into
+                // are distinct files (the agent refuses an engine file that is its L2 pool's,
+                // `file_ids`), so the ranges do not overlap. No Rust reference into
                 // either mapping exists; concurrent access to these bytes is excluded by the
                 // agent's locks (device page) and the daemon's reserve/acquire protocol (host
                 // slot).
-                unsafe {
+                let copy = || unsafe {
                     match dir {
                         Direction::ToHost => std::ptr::copy_nonoverlapping(dev, hst, n),
                         Direction::FromHost => std::ptr::copy_nonoverlapping(hst, dev, n),
                     }
+                };
+                // The engine's files are the engine's: one it shrinks under the copy would
+                // fault (SIGBUS) in the device range; the guard absorbs that, and the copy,
+                // and every later one, fails instead of the agent dying.
+                match kvtier_shm::guarded(dev as usize, n, copy) {
+                    Some(true) => {}
+                    Some(false) => {
+                        damaged.store(true, Ordering::Release);
+                        return Err(DeviceError::Copy(
+                            "the engine's pool file shrank under a copy".into(),
+                        ));
+                    }
+                    // No guard in this process (the handler could not be installed).
+                    None => copy(),
                 }
                 off += n;
                 since += n;
@@ -167,15 +208,21 @@ impl CpuDevice {
         dir: Direction,
         fence: &Fence,
     ) -> Result<(), DeviceError> {
+        if self.damaged.load(Ordering::Acquire) {
+            return Err(DeviceError::Copy(
+                "the engine's pool file shrank under an earlier copy: register it again".into(),
+            ));
+        }
         let plan = self.plan(host, copies)?;
+        let damaged = &self.damaged;
         if self.threads == 1 || copies.len() < PARALLEL_MIN_PAGES {
-            return Self::copy_runs(plan.runs(), dir, fence);
+            return Self::copy_runs(plan.runs(), dir, fence, damaged);
         }
         std::thread::scope(|s| {
             let parts: Vec<_> = plan
                 .split(self.threads)
                 .into_iter()
-                .map(|part| s.spawn(move || Self::copy_runs(part, dir, fence)))
+                .map(|part| s.spawn(move || Self::copy_runs(part, dir, fence, damaged)))
                 .collect();
             parts.into_iter().try_for_each(|p| {
                 p.join()

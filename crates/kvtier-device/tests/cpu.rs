@@ -354,13 +354,13 @@ fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
     let e = CpuDevice::open_mapped(map.clone(), &paths[..2], 2)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("allocations"), "{e}");
+    assert!(e.contains("allocation_paths"), "{e}");
     let short = path("mapped-short");
     ShmRegion::create(&short, blocks * stride - 1).unwrap();
     let e = CpuDevice::open_mapped(map.clone(), &[paths[0], paths[1], &short], 2)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("allocations[2]"), "{e}");
+    assert!(e.contains("allocation_paths[2]"), "{e}");
     std::fs::remove_file(&short).unwrap();
 
     let dev = CpuDevice::open_mapped(map, &paths, 2).unwrap();
@@ -403,4 +403,47 @@ fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
     for f in &files {
         std::fs::remove_file(f).unwrap();
     }
+}
+
+/// Review finding (issue 61): an engine that shrank its own file under the agent killed it
+/// with SIGBUS (the copy touched the mapping past the file's end). The copy now fails, and
+/// so does every later one: the mapping is no longer the file.
+#[test]
+fn an_engine_file_shrunk_under_the_agent_fails_the_copy_not_the_agent() {
+    let name = "shrunk";
+    let (dev, _engine, host) = setup(
+        KvKind::Mha {
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        name,
+        16,
+        2,
+    );
+    let copies: Vec<PageCopy> = (0..16u32)
+        .map(|i| PageCopy {
+            device_page: i,
+            host_slot: i,
+        })
+        .collect();
+    dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path(name))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    for _ in 0..2 {
+        let e = dev
+            .copy_to_host(&host, &copies, &Fence::never())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shrank"), "{e}");
+        let e = dev
+            .copy_from_host(&host, &copies, &Fence::never())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shrank"), "{e}");
+    }
+    std::fs::remove_file(path(name)).unwrap();
 }

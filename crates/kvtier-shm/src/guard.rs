@@ -111,7 +111,7 @@ fn install() -> bool {
 /// absorbed. Returns `None` when the guard could not be installed (the copy did not run),
 /// otherwise whether the copy completed without a fault (`Some(false)`: its bytes are
 /// meaningless and the range is no longer mapped to the file).
-pub(crate) fn guarded(start: usize, len: usize, copy: impl FnOnce()) -> Option<bool> {
+pub fn guarded(start: usize, len: usize, copy: impl FnOnce()) -> Option<bool> {
     if !install() {
         return None;
     }

@@ -37,6 +37,7 @@ pub mod peer;
 mod slot_table;
 
 pub use access::{FileAccess, Grant, open_own};
+pub use guard::guarded;
 pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_path};
 
 /// Alignment of the slot stride.
@@ -364,6 +365,14 @@ impl ShmPool {
             locked: false,
             huge_pages: false,
         })
+    }
+
+    /// The mapped file's identity (device, inode): two mappings with the same one are the
+    /// same memory, whatever paths opened them.
+    pub fn file_id(&self) -> Result<(u64, u64), ShmError> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self._file.metadata().map_err(io_err("stat", &self.path))?;
+        Ok((m.dev(), m.ino()))
     }
 
     /// The path other processes open to map this pool.
@@ -736,6 +745,14 @@ impl ShmRegion {
             len,
             damaged: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// The mapped file's identity (device, inode): two mappings with the same one are the
+    /// same memory, whatever paths opened them.
+    pub fn file_id(&self) -> Result<(u64, u64), ShmError> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self._file.metadata().map_err(io_err("stat", &self.path))?;
+        Ok((m.dev(), m.ino()))
     }
 
     /// Where it lives.

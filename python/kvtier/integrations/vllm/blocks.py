@@ -166,14 +166,16 @@ def in_shared_memory(tensors: list[torch.Tensor]) -> bool:
     return bool(tensors) and all(t.device.type == "cpu" and t.is_shared() for t in tensors)
 
 
-def _mapping_of(address: int) -> tuple[int, int, int]:
-    """(start address, file offset, inode) of this process's mapping holding ``address``."""
+def _mapping_of(address: int) -> tuple[int, int, tuple[int, int], int]:
+    """(start address, file offset, device (major, minor), inode) of this process's mapping
+    holding ``address``."""
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split()
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             if lo <= address < hi:
-                return lo, int(fields[2], 16), int(fields[4])
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                return lo, int(fields[2], 16), (major, minor), int(fields[4])
     raise ValueError(f"no mapping of this process holds address {address:#x}")
 
 
@@ -192,12 +194,21 @@ def cpu_export(tensors: list[torch.Tensor]) -> CpuExport:
         if t.device.type != "cpu" or not t.is_shared():
             raise ValueError(f"kvtier: a KV tensor is not in CPU shared memory ({t.device})")
         storage = t.untyped_storage()
-        # (fd, size): the descriptor torch keeps open for the storage's file.
+        before = storage.data_ptr()
+        # (fd, size): the descriptor torch keeps open for the storage's file. Under torch's
+        # file_system strategy this moves the storage to new memory, which views taken
+        # before (vLLM's) would not follow: refused.
         fd = int(storage._share_fd_cpu_()[0])  # pyright: ignore[reportAttributeAccessIssue]
-        start, file_offset, inode = _mapping_of(storage.data_ptr())
-        if inode != os.fstat(fd).st_ino:
+        if storage.data_ptr() != before:
+            raise ValueError(
+                "kvtier: sharing the KV cache by descriptor moved it (torch's sharing "
+                "strategy is not file_descriptor)"
+            )
+        start, file_offset, device, inode = _mapping_of(before)
+        st = os.fstat(fd)
+        if (device, inode) != ((os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino):
             raise ValueError("kvtier: a KV tensor's storage is not the file torch shares it by")
-        offset = storage.data_ptr() - start + file_offset
+        offset = before - start + file_offset
         a = index.setdefault(fd, len(paths))
         if a == len(paths):
             paths.append(f"/proc/{os.getpid()}/fd/{fd}")
