@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -191,27 +191,20 @@ class WorkerSide:
         a page in them (blocks.py). The agent checks the map and reads a page through its
         copy method against plain copies before it accepts. On CPU (the KV cache in shared
         memory, the fuzzer's stand-in for DMA): its files, read and written in place."""
+        where: dict[str, Any]
         if self._tensors[0].device.type == "cpu":
-            cpu = cpu_export(self._tensors)
-            info = self.agent.register_pool(
-                self._descriptor,
-                self.kv_cache_config.num_blocks * self.block_size,
-                cpu_allocation_paths=cpu.paths,
-                allocation_bytes=cpu.allocation_bytes,
-                pieces=pieces(self._geometry, cpu.bases),
-                engine_cache=True,
-            )
-            self._owner = info.owner
-            return
-        ex = cuda_export(self._tensors)
+            ex = cpu_export(self._tensors)
+            where = {"cpu_allocation_paths": ex.paths}
+        else:
+            ex = cuda_export(self._tensors)
+            where = {"cuda_ordinal": ex.ordinal, "cuda_ipc_handles": ex.handles}
         info = self.agent.register_pool(
             self._descriptor,
             self.kv_cache_config.num_blocks * self.block_size,
-            cuda_ordinal=ex.ordinal,
-            cuda_ipc_handles=ex.handles,
             allocation_bytes=ex.allocation_bytes,
             pieces=pieces(self._geometry, ex.bases),
             engine_cache=True,
+            **where,
         )
         self._owner = info.owner
 
