@@ -2,7 +2,7 @@
 scheduler and worker sides in this process (as vLLM runs them, minus the forward pass),
 against a kvtierd and a kvtier-agent, each figure beside a baseline measured in the same run.
 
-    KVTIERD_BIN=.../release/kvtierd KVTIER_AGENT_BIN=.../release/kvtier-agent \\
+    KVTIERD_BIN=.../release/kvtierd KVTIERAGENT_BIN=.../release/kvtier-agent \\
         python benches/vllm_bench.py [--quick] [--json]
 
 Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):

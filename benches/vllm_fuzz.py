@@ -4,7 +4,7 @@ and per second (tests/vllm/fuzz.py has what a schedule is; scripts/test runs fix
 
     python benches/vllm_fuzz.py --minutes 30 [--json FILE]
 
-Needs the debug or release kvtierd and kvtier-agent (KVTIERD_BIN, KVTIER_AGENT_BIN, or the
+Needs the debug or release kvtierd and kvtier-agent (KVTIERD_BIN, KVTIERAGENT_BIN, or the
 build in $CARGO_TARGET_DIR) and the test venv (scripts/setup). Exits 1 when any schedule
 failed; each failing seed is printed with the command that replays it.
 """

@@ -39,6 +39,6 @@ pub fn run(quick: bool) {
         "vllm",
         &script("vllm_bench.py"),
         args,
-        &[("KVTIERD_BIN", &kvtierd), ("KVTIER_AGENT_BIN", &agent)],
+        &[("KVTIERD_BIN", &kvtierd), ("KVTIERAGENT_BIN", &agent)],
     );
 }

@@ -4,7 +4,7 @@ there is one; skipped elsewhere). No vLLM is needed: the layer views are built t
 physical order of a ``KVCacheLayout``; tests/vllm/test_vllm_blocks.py checks that arithmetic
 against vLLM's own code on CPU).
 
-A real kvtierd and kvtier-agent (``KVTIERD_BIN``, ``KVTIER_AGENT_BIN``) run beside this
+A real kvtierd and kvtier-agent (``KVTIERD_BIN``, ``KVTIERAGENT_BIN``) run beside this
 process; the worker's side exports the allocation by CUDA IPC handle with the pieces of a
 page (``kvtier.integrations.vllm.blocks``), the agent saves blocks from it into L2 and loads
 them back into other blocks, and every byte is compared. It then times a step's DMA saves and
@@ -54,8 +54,8 @@ def vllm_layers(order, layers: int, blocks: int, heads: int, tokens: int, head: 
 def agent(tmp_path: Path):
     from kvtier.testing.processes import Agent, Kvtierd
 
-    if not (os.environ.get("KVTIERD_BIN") and os.environ.get("KVTIER_AGENT_BIN")):
-        pytest.skip("KVTIERD_BIN and KVTIER_AGENT_BIN name the binaries (scripts/gpu-check)")
+    if not (os.environ.get("KVTIERD_BIN") and os.environ.get("KVTIERAGENT_BIN")):
+        pytest.skip("KVTIERD_BIN and KVTIERAGENT_BIN name the binaries (scripts/gpu-check)")
     d = Kvtierd(tmp_path / "daemon", "l2.pool_bytes=4GiB")
     a = Agent(tmp_path, "agent", d.socket)
     yield a

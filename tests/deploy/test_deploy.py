@@ -62,8 +62,8 @@ def check_config(tmp_path, name, text):
     f = tmp_path / name
     f.write_text(text)
     exe = "kvtierd" if name == "kvtierd.toml" else "kvtier-agent"
-    # The file alone: kvtier-agent reads KVTIER_AGENT_* variables as config keys, and a test
-    # run may set KVTIER_AGENT_BIN (the binary kvtier.testing starts) for other tests.
+    # The file alone: kvtier-agent reads KVTIER_AGENT_* variables as config keys, and the
+    # shell running the tests may set some for other runs.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_AGENT_")}
     r = subprocess.run(
         [binary(exe), "--config", str(f), "--check-config"],

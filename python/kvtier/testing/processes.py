@@ -2,7 +2,7 @@
 directory, started and waited for ready.
 
 The binaries are the ones `cargo test` built in this checkout ($CARGO_TARGET_DIR/debug, else
-target/debug); KVTIERD_BIN and KVTIER_AGENT_BIN override them.
+target/debug); KVTIERD_BIN and KVTIERAGENT_BIN override them.
 """
 
 from __future__ import annotations
@@ -183,7 +183,11 @@ def l3_objects(l3: Path) -> list[Path]:
 
 
 def agent_bin() -> str:
-    return debug_binary("kvtier-agent", "KVTIER_AGENT_BIN")
+    if "KVTIER_AGENT_BIN" in os.environ:
+        # The old name: kvtier-agent reads every KVTIER_AGENT_* variable as a config key, so
+        # the agent it named refused to start ("no such configuration key").
+        raise RuntimeError("KVTIER_AGENT_BIN is now KVTIERAGENT_BIN (KVTIER_AGENT_* are config)")
+    return debug_binary("kvtier-agent", "KVTIERAGENT_BIN")
 
 
 class Agent:
