@@ -10,7 +10,9 @@ computed over a stale or foreign block comes out wrong, and so does everything a
 After every step, every block the step read is compared with the oracle's (and a token vLLM
 keeps from a step that read a wrong block counts as wrong); pages read back
 from L2 and L3 are checked the same way when a later worker loads them, and the last worker
-of every schedule (a consumer, no faults) reads back every prompt of the schedule.
+of every schedule (a consumer, no faults) reads back every request of the schedule: its
+prompt and the tokens it generated, so decode pages too. Half the schedules then read it all
+back again from L3 alone (kvtierd restarted, its L2 empty).
 
 A schedule (:func:`make_schedule`, a pure function of its seed) draws:
 - the deployment: TP 1 or 2, PP 1 or 2, MHA or MLA, the L2 pool's size (small: pages go
@@ -66,7 +68,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -117,10 +119,15 @@ class Schedule:
     lora: list[int] | None = None
     # Pipeline stages, TP ranks each (every worker of every stage has its own agent).
     pp: int = 1
+    # The reader runs twice: then again on a restarted kvtierd whose L2 starts empty, so
+    # that every page it loads comes from L3.
+    readback_from_l3: bool = False
 
     def describe(self) -> str:
         parts = [f"seed {self.seed}: tp {self.tp}, pp {self.pp}, {'mla' if self.mla else 'mha'}"]
         parts.append(f"L2 {self.l2_pages} pages, L3 delays {self.l3_delay}, LoRA {self.lora}")
+        if self.readback_from_l3:
+            parts.append("read back again from L3 alone")
         for w in self.workers:
             parts.append(f"{w.name} {w.role} {' '.join(w.opts)} {w.extra} faults={w.faults}")
         return "\n  ".join(parts)
@@ -218,7 +225,8 @@ def make_schedule(seed: int) -> Schedule:
             kind = drng.choice(["stop", "kill"])
             w.daemon = (kind, drng.randrange(2, 6), drng.choice([0.5, 1.5, 3.0]))
             w.faults.append(f"daemon_{kind}")
-    # The last worker reads back every prompt of the schedule: no faults, loads only.
+    # The last worker reads back every request of the schedule (its prompt and the tokens
+    # it generated: ``run_schedule`` adds those), no faults, loads only.
     check = [dict(p, id=f"check-{p['id']}", max_tokens=2) for p in live]
     workers.append(Worker("check", "kv_consumer", check, extra={"load_async": "auto"}))
     s = Schedule(seed, tp, mla, l2_pages, workers)
@@ -228,6 +236,7 @@ def make_schedule(seed: int) -> Schedule:
         # Reads up to past a load's deadline (4 s; 2 s under a time_out fault).
         s.l3_delay = (l3rng.choice(["50ms", "300ms", "2500ms"]), l3rng.choice(["0ms", "100ms"]))
     _draw_lora(s, random.Random(f"lora-{seed}"))
+    s.readback_from_l3 = random.Random(f"readback-{seed}").random() < 0.5
     # PP 2 (TP 1 only, to keep a schedule's processes within two cores): the scheduler looks
     # up stage 0's agent; stage 1's worker loads from its own, which may lack pages.
     prng = random.Random(f"pp-{seed}")
@@ -388,8 +397,22 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
     agents = [start_agent(r) for r in range(s.tp * s.pp)]
     problems: list[str] = []
     runs = []
+    plan = list(enumerate(s.workers))
+    if s.readback_from_l3:
+        plan.append((len(s.workers) - 1, replace(s.workers[-1], name="check-l3")))
     try:
-        for i, w in enumerate(s.workers):
+        for i, w in plan:
+            prompts = w.prompts
+            if w.name.startswith("check"):
+                prompts = _with_outputs(w.prompts, runs)
+            if w.name == "check-l3":
+                # A graceful stop flushes the backups; the new kvtierd's L2 starts empty.
+                d.stop()
+                for a in agents:
+                    a.wait_daemon(connected=False)
+                d.start()
+                for a in agents:
+                    a.wait_daemon(connected=True)
             opts = list(w.opts)
             if s.tp > 1:
                 opts += ["--tp", str(s.tp)]
@@ -419,7 +442,7 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             kv = flag(str(agents_dir / "agent-{local_rank}.sock"), w.role, **extra)
             t0 = time.monotonic()
             try:
-                r = finish_worker(*start_worker(tmp, w.name, kv, w.prompts, *opts, kill=kill))
+                r = finish_worker(*start_worker(tmp, w.name, kv, prompts, *opts, kill=kill))
             finally:
                 if disturbed is not None:
                     disturbed.end()
@@ -446,7 +469,7 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
                 and (s.lora is None or s.lora[j] == s.lora[i])
                 for x in run["workers"]
             )
-            if w.name == "check" and findable and not r["scheduler"]["external_tokens"]:
+            if w.name.startswith("check") and findable and not r["scheduler"]["external_tokens"]:
                 problems.append(f"{w.name}: vacuous: loaded nothing")
             # An agent or kvtierd gone from an early step may be gone for the rest of the run.
             gone = "kill" in w.faults or w.daemon is not None
@@ -468,6 +491,15 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
             a.stop()
         d.stop()
     return {"runs": runs, "problems": problems}
+
+
+def _with_outputs(check: list[dict], runs: list[dict]) -> list[dict]:
+    """The reader's prompts (``check-<id>``), each followed by the tokens the request
+    ``<id>`` generated in an earlier worker: its decode pages are read back too."""
+    outputs = {rid: out for r in runs for rid, out in r["outputs"].items()}
+    return [
+        dict(p, tokens=p["tokens"] + outputs.get(p["id"].removeprefix("check-"), [])) for p in check
+    ]
 
 
 class _Disturbed:

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -230,6 +231,16 @@ class Agent:
     def metric(self, series: str, absent: float | None = None) -> float:
         """A series' value; ``absent`` for one not exported yet (labels made on first use)."""
         return metric(self.metrics, series, absent)
+
+    def wait_daemon(self, connected: bool, timeout: float = 15.0) -> None:
+        """Waits until the agent's link to kvtierd is up (``connected``) or down."""
+        want = 1.0 if connected else 0.0
+        deadline = time.monotonic() + timeout
+        while self.metric("kvtier_agent_daemon_connected", absent=0.0) != want:
+            if time.monotonic() > deadline:
+                state = "up" if connected else "down"
+                raise TimeoutError(f"the agent's link to kvtierd was not {state} in {timeout} s")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         stop(self.proc, 15)
