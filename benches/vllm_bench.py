@@ -285,6 +285,15 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(32000) for _ in range(n)]
 
 
+def _runqueue_s() -> float:
+    """Seconds this thread has waited for a core (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class ConnectorClock:
     """The time vLLM's scheduler thread spends in the connector, per request: every call
     the scheduler makes on it is timed. A call about one request (``get_num_new_matched_
@@ -293,12 +302,23 @@ class ConnectorClock:
     ``update_connector_output`` ...) is split evenly among the requests the scheduler
     holds at that moment."""
 
-    def __init__(self, conn, held) -> None:
+    def __init__(self, conn, held, detail: bool = False) -> None:
         import inspect
 
+        # Also the CPU time and the time waiting for a core (--explain).
+        self.detail = detail
         self.spent: dict[str, float] = {}
+        # Per request followed, per method (--explain: where the slowest request's went).
+        self.spent_by: dict[str, dict[str, float]] = {}
         # Per method, over every request followed: where the time goes (--explain).
         self.by_method: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        # The scheduler thread's own CPU time in them, and its time waiting for a core (the
+        # rest: waiting for the GIL, or a lock).
+        self.cpu: dict[str, float] = {}
+        self.queued: dict[str, float] = {}
+        # Per request followed: its wall, CPU and queued time.
+        self.how: dict[str, list[float]] = {}
         self._held = held
         for name in dir(type(conn)):
             if name.startswith("_") or name == "shutdown":
@@ -309,26 +329,42 @@ class ConnectorClock:
             setattr(conn, name, self._timed(name, getattr(conn, name)))
 
     def _timed(self, name: str, fn):
+        detail = self.detail
+
         def timed(*args, **kwargs):
+            # Outside the timed span: the CPU clock and schedstat are system calls.
+            q, c = (_runqueue_s(), time.thread_time()) if detail else (0.0, 0.0)
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - t
+                cpu = time.thread_time() - c if detail else 0.0
+                queued = _runqueue_s() - q if detail else 0.0
                 self.by_method[name] = self.by_method.get(name, 0.0) + spent
-                self._charge(args, spent)
+                self.cpu[name] = self.cpu.get(name, 0.0) + cpu
+                self.queued[name] = self.queued.get(name, 0.0) + queued
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self._charge(name, args, (spent, cpu, queued))
 
         return timed
 
-    def _charge(self, args, spent: float) -> None:
+    def _charge(self, name: str, args, spent: tuple[float, float, float]) -> None:
         rid = getattr(args[0], "request_id", None) if args else None
         ids = [rid] if rid is not None else list(self._held())
         for r in ids:
             if r in self.spent:
-                self.spent[r] += spent / len(ids)
+                self.spent[r] += spent[0] / len(ids)
+                mine = self.spent_by[r]
+                mine[name] = mine.get(name, 0.0) + spent[0] / len(ids)
+                how = self.how[r]
+                for i in range(3):
+                    how[i] += spent[i] / len(ids)
 
     def follow(self, rid: str) -> None:
         self.spent[rid] = 0.0
+        self.spent_by[rid] = {}
+        self.how[rid] = [0.0, 0.0, 0.0]
 
 
 def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
@@ -359,7 +395,7 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
             shape=shape,
             async_scheduling=overlapped,
         )
-        clock = ConnectorClock(e.sched_connector, lambda e=e: e.sched.requests.keys())
+        clock = ConnectorClock(e.sched_connector, lambda e=e: e.sched.requests.keys(), explain)
         for length, count in lengths:
             prompts = [tokens(length, length + i) for i in range(count)]
             blocking = []
@@ -375,11 +411,28 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
             while not e.drain():
                 time.sleep(0.01)
             if explain:
-                ms = {k: round(v * 1e3, 2) for k, v in clock.by_method.items()}
-                print(phase, length, "ms per connector method:", ms, file=sys.stderr)
-                clock.by_method.clear()
+                ms = {
+                    k: f"{v * 1e3:.2f} ms ({clock.cpu[k] * 1e3:.2f} cpu, "
+                    f"{clock.queued[k] * 1e3:.2f} queued) / {clock.calls[k]}"
+                    for k, v in clock.by_method.items()
+                }
+                print(phase, length, "per connector method (time / calls):", ms, file=sys.stderr)
+                for d in (clock.by_method, clock.cpu, clock.queued, clock.calls):
+                    d.clear()
             times = sorted(clock.spent[rid] for rid in ids)
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
+            if explain:
+                worst = max(ids, key=lambda r: clock.spent[r])
+                ms = {k: round(v * 1e3, 3) for k, v in clock.spent_by[worst].items() if v}
+                wall, cpu, queued = (round(x * 1e3, 3) for x in clock.how[worst])
+                print(
+                    phase,
+                    length,
+                    f"the slowest request: {wall} ms ({cpu} cpu, {queued} waiting for a core); "
+                    "by method:",
+                    ms,
+                    file=sys.stderr,
+                )
             base = statistics.median(blocking) * 1e3
             row(
                 f"scheduler time per waiting request p99, {length // 1024}k tokens, {phase}",

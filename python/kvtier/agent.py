@@ -116,6 +116,17 @@ class Lookup:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """A Load: how many leading pages hold their page (the rest the engine computes), and
+    the key of the last page it asked for, loaded or not (b"" when it asked for none): the
+    parent of a Load of the pages after it (``After(last_key, ...)``), which saves the
+    engine hashing them."""
+
+    pages: int
+    last_key: bytes = b""
+
+
+@dataclass(frozen=True)
 class Saved:
     """A save's pages: copied into L2, already there, below write_through_selective's
     threshold, not saved (L2 refused or unreachable; counted by the agent)."""
@@ -375,13 +386,13 @@ class AgentClient:
         timeout: float | None = None,
         owner: str | None = None,
         call_id: str | None = None,
-    ) -> int:
+    ) -> Loaded:
         """Engine-cache mode: loads pages ``start_page..`` of the prompt into
         ``device_pages`` in order; returns how many leading ones hold their page (the rest
-        the engine computes). ``policy``: how to wait for pages from L3 (None: the
-        daemon's). ``owner``: present this registration's token (PoolInfo.owner) rather
-        than the client's latest. ``call_id``: names the call for :meth:`cancel` (unique
-        among this client's calls)."""
+        the engine computes) and the last one's key. ``policy``: how to wait for pages from
+        L3 (None: the daemon's). ``owner``: present this registration's token
+        (PoolInfo.owner) rather than the client's latest. ``call_id``: names the call for
+        :meth:`cancel` (unique among this client's calls)."""
         toks, parent = _prompt(tokens)
         req = agent_pb2.LoadPagesRequest(
             packed_tokens=toks,
@@ -395,7 +406,8 @@ class AgentClient:
             if policy not in POLICIES:
                 raise ValueError(f"prefetch policy {policy!r} is not one of {', '.join(POLICIES)}")
             req.policy = POLICIES[policy]
-        return self._call(self.stub.Load, req, timeout, owner, call_id).loaded
+        r = self._call(self.stub.Load, req, timeout, owner, call_id)
+        return Loaded(r.loaded, r.last_key)
 
     def save_pages(
         self,

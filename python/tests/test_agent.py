@@ -262,7 +262,9 @@ def test_engine_cache_calls_after_a_parent_key_carry_only_their_pages(agent, tmp
     assert found.keys() == keys[3:]
     pool.clear()
     loaded = c.load_pages(After(keys[0], tokens[PAGE:]), ns, 1, [10, 11, 12, 13, 14])
-    assert loaded == 5
+    assert loaded.pages == 5
+    # The last page's key: what a Load of the pages after it names as their parent.
+    assert loaded.last_key == keys[5]
     assert [pool.page(p) for p in (10, 11, 12, 13, 14)] == want[1:]
     # A parent key of the wrong length is refused by name.
     with pytest.raises(KvtierError, match="parent_key") as e:
@@ -287,9 +289,9 @@ def test_a_save_batch_saves_each_request_and_a_bad_one_refuses_it_all(agent, tmp
     assert [(s.stored, s.failed) for s in saved] == [(2, 0), (2, 0), (2, 0), (1, 0)]
     assert c.save_batch([]) == []
     pool.clear()
-    assert c.load_pages(prompts[0], ns, 0, [9, 10, 11]) == 3
+    assert c.load_pages(prompts[0], ns, 0, [9, 10, 11]).pages == 3
     assert [pool.page(p) for p in (9, 10, 11)] == want[0:3]
-    assert c.load_pages(prompts[2][: 2 * PAGE], ns, 0, [12, 13]) == 2
+    assert c.load_pages(prompts[2][: 2 * PAGE], ns, 0, [12, 13]).pages == 2
     assert [pool.page(p) for p in (12, 13)] == want[6:8]
     # A page outside the pool in the second request: refused whole, naming it.
     fresh = list(range(90_000, 90_000 + 2 * PAGE))
@@ -326,10 +328,10 @@ def test_a_call_named_by_id_is_cancelled_even_when_the_cancel_arrives_first(
     saved = c.save_batch([SaveItem(prompt, ns, 0, [0, 1, 2])], call_id="save-2")
     assert saved[0].stored == 3
     pool.clear()
-    assert c.load_pages(prompt, ns, 0, [4, 5, 6], call_id="load-1") == 3
+    assert c.load_pages(prompt, ns, 0, [4, 5, 6], call_id="load-1").pages == 3
     c.cancel(["load-2"])
     pool.clear()
-    assert c.load_pages(prompt, ns, 0, [4, 5, 6], call_id="load-2") == 0
+    assert c.load_pages(prompt, ns, 0, [4, 5, 6], call_id="load-2").pages == 0
     assert [pool.page(p) for p in (4, 5, 6)] == [bytes(BUFFERS * RUN)] * 3
     # Bad ids are refused by name.
     with pytest.raises(KvtierError, match=r"call_ids\[1\]") as e:

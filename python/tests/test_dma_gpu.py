@@ -112,7 +112,7 @@ def test_blocks_saved_and_loaded_by_the_agent_come_back_bit_identical(agent, lay
     assert saved.stored == 3, saved
     buf.zero_()
     torch.cuda.synchronize()
-    assert c.load_pages(prompt, ns, 0, dst, owner=info.owner) == 3
+    assert c.load_pages(prompt, ns, 0, dst, owner=info.owner).pages == 3
     for v, w in zip(views, want, strict=True):
         got = torch.stack([v[b] for b in dst])
         assert torch.equal(got.view(torch.int16), w.view(torch.int16)), layout

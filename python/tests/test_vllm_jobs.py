@@ -50,3 +50,23 @@ def test_split_keeps_every_pieces_parent(start: int) -> None:
     assert [p.start for p in pieces] == [start, start + 3, start + 6]
     for p in pieces:
         assert keys_of(p, ns)[: len(p.blocks)] == whole[p.start : p.start + len(p.blocks)]
+
+
+def test_the_rest_of_a_load_follows_the_key_the_agent_named() -> None:
+    """A load in pieces takes the next piece's parent from the agent's answer (the key of
+    the last page asked for), not from hashing its pages; an answer with no key (an older
+    agent) falls back to hashing, so the piece is keyed right either way."""
+    ns = Namespace(tenant="jobs")
+    tokens = prompt(6)
+    whole = page_keys(tokens, BS, ns)
+    job = Job("r", tokens, ns, 0, list(range(6)))
+    named = job.after(2, BS, whole[1])
+    assert named is not None and named.parent == whole[1]
+    assert keys_of(named, ns) == whole[2:]
+    # The key given is used as it is: a wrong one would show here.
+    other = job.after(2, BS, b"\x01" * 32)
+    assert other is not None and other.parent == b"\x01" * 32
+    hashed = job.after(2, BS, b"")
+    assert hashed is not None and hashed.parent == whole[1]
+    assert job.after(6, BS, whole[5]) is None
+    assert job.head(6, BS) is job

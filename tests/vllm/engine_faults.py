@@ -73,7 +73,7 @@ class Faults:
 
         import grpc
 
-        from kvtier.agent import After, AgentClient
+        from kvtier.agent import After, AgentClient, Loaded
         from kvtier.host import KvtierError
 
         lock = threading.Lock()
@@ -104,7 +104,7 @@ class Faults:
                     tokens = list(tokens)[: (start + keep) * faults.block]
                 pages = list(pages)[:keep]
                 if not pages:
-                    return 0
+                    return Loaded(0)
             return load_pages(self, tokens, namespace, start, pages, *a, **k)
 
         def lossy(self, *a, **k):

@@ -51,6 +51,14 @@ pub(crate) struct Pages<'a> {
     pub(crate) device_pages: &'a [u32],
 }
 
+/// What a Load did: how many leading pages landed, and the key of the last page it was
+/// asked for (loaded or not; None when it was asked for none), which a Load of the pages
+/// after it names as their parent.
+pub(crate) struct Loaded {
+    pub(crate) pages: u32,
+    pub(crate) last_key: Option<PageKey>,
+}
+
 /// A checked request: the keys of the pages its tokens cover, from page `first` (0, or
 /// `start` under a parent key), and the engine's pages for pages `start..`.
 struct Span {
@@ -215,28 +223,30 @@ impl CacheMode {
         policy: v1::PrefetchPolicy,
         hints: Option<v1::PrefetchHints>,
         fence: &Fence,
-    ) -> Result<u32, ApiError> {
+    ) -> Result<Loaded, ApiError> {
         let t = Instant::now();
         let s = &self.s;
         let span = self.span(Some(caller), req)?;
         let n = req.device_pages.len();
         let want = span.keys(span.start, n);
+        let none = |last_key| Loaded { pages: 0, last_key };
+        let last_key = want.last().copied();
         if n == 0 {
-            return Ok(0);
+            return Ok(none(last_key));
         }
         if !fence.is_open() {
             // Read late (a stopped or busy agent): pin nothing for a caller gone.
             s.count_load_failed(LoadFailure::Late, n);
-            return Ok(0);
+            return Ok(none(last_key));
         }
         let Some(linked) = s.link.current() else {
             s.count_load_failed(LoadFailure::DaemonUnreachable, n);
-            return Ok(0);
+            return Ok(none(last_key));
         };
         let mut c = linked.client.clone();
         let Some(mut slots) = self.l2.call(&linked, c.acquire(linked.session, want)).await else {
             s.count_load_failed(LoadFailure::DaemonUnreachable, n);
-            return Ok(0);
+            return Ok(none(last_key));
         };
         // kvtierd is a peer: never trust it to answer for more keys than were asked about.
         slots.truncate(n);
@@ -267,7 +277,10 @@ impl CacheMode {
         };
         s.count_load_failed(LoadFailure::Missing, n - slots.len());
         s.count_loaded(loaded, span.page_bytes, t);
-        Ok(loaded as u32)
+        Ok(Loaded {
+            pages: loaded as u32,
+            last_key,
+        })
     }
 
     /// Pages `rest` (of the Load's, `got..n`) that L2 lacked, from L3 through a prefetch of

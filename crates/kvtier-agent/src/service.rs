@@ -779,8 +779,14 @@ impl agent_server::Agent for AgentService {
                 req.start_page,
                 &req.device_pages,
             )?;
-            let loaded = cache.load(&caller, &p, policy, req.hints, &fence).await?;
-            Ok(v1::LoadPagesResponse { loaded })
+            let l = cache.load(&caller, &p, policy, req.hints, &fence).await?;
+            Ok(v1::LoadPagesResponse {
+                loaded: l.pages,
+                last_key: l
+                    .last_key
+                    .map(|k| k.as_bytes().to_vec())
+                    .unwrap_or_default(),
+            })
         });
         to_status::<v1::LoadPagesResponse, _>(r.await)
     }

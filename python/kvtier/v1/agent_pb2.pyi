@@ -293,10 +293,12 @@ class LoadPagesRequest(_message.Message):
     def __init__(self, packed_tokens: _Optional[bytes] = ..., namespace: _Optional[_Union[_common_pb2.Namespace, _Mapping]] = ..., start_page: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., policy: _Optional[_Union[_host_pb2.PrefetchPolicy, str]] = ..., hints: _Optional[_Union[_host_pb2.PrefetchHints, _Mapping]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
 
 class LoadPagesResponse(_message.Message):
-    __slots__ = ("loaded",)
+    __slots__ = ("loaded", "last_key")
     LOADED_FIELD_NUMBER: _ClassVar[int]
+    LAST_KEY_FIELD_NUMBER: _ClassVar[int]
     loaded: int
-    def __init__(self, loaded: _Optional[int] = ...) -> None: ...
+    last_key: bytes
+    def __init__(self, loaded: _Optional[int] = ..., last_key: _Optional[bytes] = ...) -> None: ...
 
 class SavePagesRequest(_message.Message):
     __slots__ = ("packed_tokens", "namespace", "start_page", "device_pages", "selected", "parent_key")

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.agent import After
 from kvtier.host import POLICIES, KvtierError
-from kvtier.keys import Namespace, extend_keys
+from kvtier.keys import KEY_BYTES, Namespace, extend_keys
 from kvtier.settings import fill
 
 logger = logging.getLogger("kvtier.vllm")
@@ -332,22 +332,33 @@ class Job:
         """The tokens as the agent's calls take them."""
         return self.tokens if self.parent is None else After(self.parent, self.tokens)
 
-    def split(self, n: int, page_size: int) -> tuple[Job, Job | None]:
-        """The job's first ``n`` pages, and the rest (None when nothing is left), which
-        follows the key of page ``start + n - 1``."""
+    def head(self, n: int, bs: int) -> Job:
+        """The job's first ``n`` pages (of ``bs`` tokens; the whole job when it has no
+        more)."""
         if n >= len(self.blocks):
-            return self, None
-        bs = page_size
-        parent = extend_keys(self.parent, self.tokens[: n * bs], bs, self.namespace)[-1]
-        first = dataclasses.replace(self, tokens=self.tokens[: n * bs], blocks=self.blocks[:n])
-        rest = dataclasses.replace(
+            return self
+        return dataclasses.replace(self, tokens=self.tokens[: n * bs], blocks=self.blocks[:n])
+
+    def after(self, n: int, bs: int, parent: bytes = b"") -> Job | None:
+        """The job's pages past its first ``n`` (None when none is left), which follow
+        ``parent``, the key of page ``start + n - 1``: as an agent's Load named it, else
+        (not a key) hashed here."""
+        if n >= len(self.blocks):
+            return None
+        if len(parent) != KEY_BYTES:
+            parent = extend_keys(self.parent, self.tokens[: n * bs], bs, self.namespace)[-1]
+        return dataclasses.replace(
             self,
             tokens=self.tokens[n * bs :],
             start=self.start + n,
             blocks=self.blocks[n:],
             parent=parent,
         )
-        return first, rest
+
+    def split(self, n: int, bs: int) -> tuple[Job, Job | None]:
+        """The job's first ``n`` pages, and the rest (None when nothing is left), which
+        follows the key of page ``start + n - 1`` (hashed here)."""
+        return self.head(n, bs), self.after(n, bs)
 
 
 @dataclass

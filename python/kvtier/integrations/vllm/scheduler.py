@@ -533,6 +533,15 @@ class SchedulerSide:
             self.counts.job_tokens += len(j.tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
+        if not (
+            scheduler_output.num_scheduled_tokens
+            or self._loads
+            or scheduler_output.preempted_req_ids
+        ):
+            # Nothing ran and nothing to load (every request waits, for its pages, say):
+            # vLLM's engine loop steps like this as fast as it can while loads are out.
+            self._step += 1
+            return KvtierMetadata(step=self._step - 1)
         tables: dict[str, list[int]] = {}
         for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
             t = self._tracked.get(req_id)

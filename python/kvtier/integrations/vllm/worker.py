@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from kvtier.agent import AgentClient, Saved, SaveItem
+from kvtier.agent import AgentClient, Loaded, Saved, SaveItem
 from kvtier.host import KvtierError
 from kvtier.integrations.vllm.blocks import (
     BlockBytes,
@@ -408,10 +408,16 @@ class WorkerSide:
                 )
                 self._missed(rest.blocks)
                 return
-            part, rest = rest.split(len(slots), self.block_size)
-            if self._load(staging, part, slots) < len(part.blocks) and rest is not None:
-                self._missed(rest.blocks)
+            n = len(slots)
+            part = rest.head(n, self.block_size)
+            loaded = self._load(staging, part, slots)
+            if n >= len(rest.blocks):
                 return
+            if loaded.pages < n:
+                self._missed(rest.blocks[n:])
+                return
+            # The rest follows the last page loaded, whose key the agent named.
+            rest = rest.after(n, self.block_size, loaded.last_key)
 
     def _load_dma(self, job: Job) -> None:
         """The agent copies the job's pages from L2 straight into vLLM's blocks, returning
@@ -431,7 +437,7 @@ class WorkerSide:
                     timeout=s.timeout_s + s.load_timeout_ms / 1000,
                     owner=self._owner,
                 ),
-            )
+            ).pages
         except KvtierError as e:
             logger.warning(
                 "kvtier: load of %d pages failed, vLLM recomputes: %s", len(job.blocks), e
@@ -442,14 +448,16 @@ class WorkerSide:
         self._count(loaded_pages=loaded, loaded_bytes=loaded * self._page_bytes())
         self._took("load", t0)
 
-    def _load(self, staging: Staging, job: Job, slots: list[int]) -> int:
+    def _load(self, staging: Staging, job: Job, slots: list[int]) -> Loaded:
         """One piece through ``slots``: Load into the staging pages, then into vLLM's
-        blocks. Returns how many leading pages loaded; the rest are load errors."""
+        blocks. Returns how many leading pages loaded (the rest are load errors) and the
+        last page's key."""
         t0 = time.monotonic()
         n = len(job.blocks)
         s = self.settings
+        last_key = b""
         try:
-            loaded = self._call(
+            got = self._call(
                 staging,
                 lambda: self.agent.load_pages(
                     job.prompt(),
@@ -462,6 +470,7 @@ class WorkerSide:
                     owner=staging.owner,
                 ),
             )
+            loaded, last_key = got.pages, got.last_key
         except KvtierError as e:
             logger.warning("kvtier: load of %d pages failed, vLLM recomputes: %s", n, e)
             self._retire_staging(staging, e)
@@ -477,7 +486,7 @@ class WorkerSide:
         self._missed(job.blocks[loaded:])
         self._count(loaded_pages=loaded, loaded_bytes=loaded * self._page_bytes())
         self._took("load", t0)
-        return loaded
+        return Loaded(loaded, last_key)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(Finished requests whose blocks were held for their saves and may go now, requests
