@@ -237,6 +237,7 @@ def make_schedule(seed: int) -> Schedule:
         s.l3_delay = (l3rng.choice(["50ms", "300ms", "2500ms"]), l3rng.choice(["0ms", "100ms"]))
     _draw_lora(s, random.Random(f"lora-{seed}"))
     s.readback_from_l3 = random.Random(f"readback-{seed}").random() < 0.5
+    _draw_repeats(s, random.Random(f"repeat-{seed}"))
     # PP 2 (TP 1 only, to keep a schedule's processes within two cores): the scheduler looks
     # up stage 0's agent; stage 1's worker loads from its own, which may lack pages.
     prng = random.Random(f"pp-{seed}")
@@ -274,6 +275,22 @@ def make_schedule(seed: int) -> Schedule:
         if w.role != "kv_producer" and w.daemon is None and srng.random() < 0.3:
             w.faults.append("stall")
     return s
+
+
+def _draw_repeats(s: Schedule, rng: random.Random) -> None:
+    """A prompt of one page repeated, for the first worker and the reader, which loads
+    through a small staging pool (in pieces) in about half the schedules. Its pages' keys
+    differ only by their parents, so a piece loaded after a parent one page off (the key
+    the agent names for the rest of a load) finds a page of the same prompt, and its
+    bytes are wrong: with random tokens such a piece would only miss."""
+    page = [rng.randrange(1000) for _ in range(16)]
+    turn = [rng.randrange(1000) for _ in range(rng.randrange(3, 15))]
+    p = {"id": "w0-repeat", "tokens": page * rng.randrange(8, 20) + turn, "max_tokens": 4}
+    # First: a worker's first request is never aborted.
+    s.workers[0].prompts.insert(0, dict(p, salt=None))
+    s.workers[-1].prompts.append(dict(p, id="check-w0-repeat", max_tokens=2, salt=None))
+    if rng.random() < 0.5:
+        s.workers[-1].extra["staging_pages"] = 16
 
 
 def _draw_dma(s: Schedule, rng: random.Random) -> None:
@@ -469,8 +486,20 @@ def run_schedule(s: Schedule, tmp: Path, log=print) -> dict:
                 and (s.lora is None or s.lora[j] == s.lora[i])
                 for x in run["workers"]
             )
-            if w.name.startswith("check") and findable and not r["scheduler"]["external_tokens"]:
+            if (
+                w.name.startswith("check")
+                and findable
+                and not (r["scheduler"]["external_tokens"] and total["loaded_pages"])
+            ):
                 problems.append(f"{w.name}: vacuous: loaded nothing")
+            if w.name == "check-l3":
+                # Every page from L3: the restarted kvtierd took over none of the old L2.
+                adopted = d.metric('kvtier_l2_takeover_pages_total{outcome="adopted"}', 0.0)
+                landed = d.metric('kvtier_prefetch_pages_total{stage="landed"}', 0.0)
+                if adopted:
+                    problems.append(f"{w.name}: kvtierd took over {adopted:.0f} L2 pages")
+                if findable and not landed:
+                    problems.append(f"{w.name}: vacuous: no page landed from L3")
             # An agent or kvtierd gone from an early step may be gone for the rest of the run.
             gone = "kill" in w.faults or w.daemon is not None
             if w.role != "kv_consumer" and not total["saved_pages"] and not gone:

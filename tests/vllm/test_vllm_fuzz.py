@@ -11,6 +11,7 @@ oracle's recomputation and on a vacuous run (see fuzz.py). A failing seed replay
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -156,6 +157,34 @@ def test_a_dma_load_past_its_deadline_never_writes_blocks_vllm_gave_to_another_r
     run = report["runs"][1]
     assert run["faults"]["stall"] and run["faults"]["abort"], run["faults"]
     assert run["reused_blocks"] > 0 and run["load_error_blocks"] > 0, run
+
+
+def test_a_load_in_pieces_loads_every_piece_under_its_own_parent(tmp_path):
+    """A long prompt loaded through a small staging pool goes in pieces, each named by
+    the key of the page before it, which the agent's answer for the piece before brings
+    (``LoadPagesResponse.last_key``; the worker used to hash the pages itself). Every piece
+    loads (a wrong key makes the rest miss), and its bytes are right: the prompt is one page
+    repeated, so a parent one page off finds a page of the same prompt (33 wrong blocks
+    when the worker took the key of the page before the last)."""
+    rng = random.Random(7)
+    page = [rng.randrange(1000) for _ in range(16)]
+    first = [
+        {"id": "repeat", "tokens": page * 40 + [5, 6, 7], "max_tokens": 2, "salt": None},
+        {
+            "id": "random",
+            "tokens": [rng.randrange(1000) for _ in range(643)],
+            "max_tokens": 2,
+            "salt": None,
+        },
+    ]
+    again = [dict(p, id=p["id"] + "+", tokens=p["tokens"] + [11, 12, 13]) for p in first]
+    w0 = Worker("w0", "kv_both", first, [], {"load_async": "never"})
+    w1 = Worker("w1", "kv_consumer", again, [], {"load_async": "never", "staging_pages": 16})
+    report = _after_a_first_worker(tmp_path, 1, w0, w1, again)
+    w1_run = report["runs"][1]
+    loaded = sum(x["loaded_pages"] for x in w1_run["workers"])
+    # Both prompts' 40 full pages, in pieces of 8 (half the pool).
+    assert (loaded, w1_run["load_error_blocks"]) == (80, 0), w1_run["workers"]
 
 
 def test_tp_ranks_whose_agents_hold_different_pages_save_nothing_computed_over_the_gap(
