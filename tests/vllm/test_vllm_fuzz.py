@@ -120,7 +120,10 @@ def test_dma_saves_never_read_a_preempted_requests_blocks_after_vllm_reuses_them
     blocks vLLM had given to another request, and stored them under the preempted
     request's keys. The save thread now skips saves of requests whose preemption gave up,
     and cancels the one the agent is copying (the agent's fence stops it). With both
-    reverted this schedule finds 4 wrong blocks."""
+    reverted this schedule finds 24 wrong blocks (12 when the reader read back only the
+    continued conversations, not the first requests' decode pages). It does not guard the
+    skip alone: here no save of the preempted request is queued behind the late one when
+    the wait gives up (``save_preempted_pages`` is 0 with the fix)."""
     first, again = _conversations(3)
     for p in first:
         p["max_tokens"] = 40
