@@ -285,9 +285,17 @@ def _draw_repeats(s: Schedule, rng: random.Random) -> None:
     bytes are wrong: with random tokens such a piece would only miss."""
     page = [rng.randrange(1000) for _ in range(16)]
     turn = [rng.randrange(1000) for _ in range(rng.randrange(3, 15))]
-    p = {"id": "w0-repeat", "tokens": page * rng.randrange(8, 20) + turn, "max_tokens": 4}
+    pages = rng.randrange(8, 20)
+    w0 = s.workers[0]
+    if "--blocks" in w0.opts:
+        # Within the KV pool drawn for the worker's other requests, as their largest is
+        # (its pages, a partial one for the turn and the decode tokens, 2 blocks to
+        # spare), or vLLM could never schedule it (seed 52 hung with a pool of 14).
+        blocks = int(w0.opts[w0.opts.index("--blocks") + 1])
+        pages = max(2, min(pages, blocks - 4))
+    p = {"id": "w0-repeat", "tokens": page * pages + turn, "max_tokens": 4}
     # First: a worker's first request is never aborted.
-    s.workers[0].prompts.insert(0, dict(p, salt=None))
+    w0.prompts.insert(0, dict(p, salt=None))
     s.workers[-1].prompts.append(dict(p, id="check-w0-repeat", max_tokens=2, salt=None))
     if rng.random() < 0.5:
         s.workers[-1].extra["staging_pages"] = 16
