@@ -307,7 +307,6 @@ class ConnectorClock:
 
         # Also the CPU time and the time waiting for a core (--explain).
         self.detail = detail
-        self.spent: dict[str, float] = {}
         # Per request followed, per method (--explain: where the slowest request's went).
         self.spent_by: dict[str, dict[str, float]] = {}
         # Per method, over every request followed: where the time goes (--explain).
@@ -317,7 +316,7 @@ class ConnectorClock:
         # rest: waiting for the GIL, or a lock).
         self.cpu: dict[str, float] = {}
         self.queued: dict[str, float] = {}
-        # Per request followed: its wall, CPU and queued time.
+        # Per request followed: its wall (what the rows report), CPU and queued time.
         self.how: dict[str, list[float]] = {}
         self._held = held
         for name in dir(type(conn)):
@@ -353,8 +352,7 @@ class ConnectorClock:
         rid = getattr(args[0], "request_id", None) if args else None
         ids = [rid] if rid is not None else list(self._held())
         for r in ids:
-            if r in self.spent:
-                self.spent[r] += spent[0] / len(ids)
+            if r in self.how:
                 mine = self.spent_by[r]
                 mine[name] = mine.get(name, 0.0) + spent[0] / len(ids)
                 how = self.how[r]
@@ -362,7 +360,6 @@ class ConnectorClock:
                     how[i] += spent[i] / len(ids)
 
     def follow(self, rid: str) -> None:
-        self.spent[rid] = 0.0
         self.spent_by[rid] = {}
         self.how[rid] = [0.0, 0.0, 0.0]
 
@@ -419,10 +416,10 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
                 print(phase, length, "per connector method (time / calls):", ms, file=sys.stderr)
                 for d in (clock.by_method, clock.cpu, clock.queued, clock.calls):
                     d.clear()
-            times = sorted(clock.spent[rid] for rid in ids)
+            times = sorted(clock.how[rid][0] for rid in ids)
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
             if explain:
-                worst = max(ids, key=lambda r: clock.spent[r])
+                worst = max(ids, key=lambda r: clock.how[r][0])
                 ms = {k: round(v * 1e3, 3) for k, v in clock.spent_by[worst].items() if v}
                 wall, cpu, queued = (round(x * 1e3, 3) for x in clock.how[worst])
                 print(

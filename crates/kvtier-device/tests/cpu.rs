@@ -66,6 +66,19 @@ fn host_pool(layout: &Layout, name: &str) -> ShmPool {
     .unwrap()
 }
 
+/// Copies of pages `0..n` through `at`: (device page, host slot) of each.
+fn copies(n: u32, at: impl Fn(u32) -> (u32, u32)) -> Vec<PageCopy> {
+    (0..n)
+        .map(|i| {
+            let (device_page, host_slot) = at(i);
+            PageCopy {
+                device_page,
+                host_slot,
+            }
+        })
+        .collect()
+}
+
 fn check_slot(dev: &CpuDevice, host: &ShmPool, slot: u32, page: usize) {
     let layout = dev.pool().layout();
     let mut buf = vec![0u8; layout.page_bytes()];
@@ -90,12 +103,7 @@ fn round_trip(kind: KvKind, name: &str, threads: usize) {
         b
     };
     // Pages out of order into scattered slots.
-    let copies: Vec<PageCopy> = (0..20u32)
-        .map(|i| PageCopy {
-            device_page: (i * 7) % 32,
-            host_slot: 39 - i,
-        })
-        .collect();
+    let copies = copies(20, |i| ((i * 7) % 32, 39 - i));
     dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
     for c in &copies {
         check_slot(&dev, &host, c.host_slot, c.device_page as usize);
@@ -272,12 +280,7 @@ fn a_closed_fence_moves_nothing_either_way() {
     };
     let (engine_before, host_before) = (engine_bytes(), host_bytes());
     // Sixteen pages over four threads: each part checks the fence before it moves a byte.
-    let copies: Vec<PageCopy> = (0..16u32)
-        .map(|i| PageCopy {
-            device_page: i,
-            host_slot: 20 + i,
-        })
-        .collect();
+    let copies = copies(16, |i| (i, 20 + i));
     let closed = Fence::until(None);
     closed.close();
     let late = Fence::until(Some(std::time::Instant::now()));
@@ -365,12 +368,7 @@ fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
 
     let dev = CpuDevice::open_mapped(map, &paths, 2).unwrap();
     let host = host_pool(&layout, "mapped");
-    let copies: Vec<PageCopy> = (0..12u32)
-        .map(|i| PageCopy {
-            device_page: (i * 5) % 24,
-            host_slot: 30 - i,
-        })
-        .collect();
+    let copies = copies(12, |i| ((i * 5) % 24, 30 - i));
     dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
     for c in &copies {
         check_slot(&dev, &host, c.host_slot, c.device_page as usize);
@@ -420,12 +418,7 @@ fn an_engine_file_shrunk_under_the_agent_fails_the_copy_not_the_agent() {
         16,
         2,
     );
-    let copies: Vec<PageCopy> = (0..16u32)
-        .map(|i| PageCopy {
-            device_page: i,
-            host_slot: i,
-        })
-        .collect();
+    let copies = copies(16, |i| (i, i));
     dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
     std::fs::OpenOptions::new()
         .write(true)
