@@ -368,7 +368,7 @@ pub fn run(quick: bool) {
     });
     drop(readers);
     // Stopped, not dropped: a dropped daemon keeps running until the process exits, and its
-    // pool files then stay behind in shm_dir as a crashed daemon's would.
+    // pool files then stay behind in its directory in shm_dir as a crashed daemon's would.
     daemon.stop();
     // The router's side: the fleet index's bytes per page (kvtier.events, in Python).
     let args: &[&str] = if quick { &["--quick"] } else { &[] };

@@ -7,7 +7,6 @@
 //! says so and records nothing. `scripts/gpu-check` runs it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::{compare, record, say};
@@ -68,17 +67,15 @@ fn layout(page_size: u32, layers: u32) -> Layout {
 pub(crate) fn host_pool(stride: usize, slots: u32, tag: &str) -> ShmPool {
     ShmPool::create(&PoolSpec {
         name: format!("kvtier-bench-gpu-{tag}-{}", std::process::id()),
-        dir: PathBuf::from("/dev/shm"),
         backing: Backing::Memfd,
         slots,
         stride,
         mlock: false,
         huge_pages: false,
         reserve: false,
-        access: kvtier_shm::FileAccess::OWNER,
-        grant: None,
     })
     .unwrap()
+    .0
 }
 
 /// Runs the scenario (`quick`: fewer rounds and a smaller pool for the first-copy figure).

@@ -168,7 +168,7 @@ pub fn run(quick: bool) {
         // And kvtierd's whole state (sessions, events, the sealer's queue) in this thread,
         // configured as the daemon is: the index's work plus kvtierd's bookkeeping, no server.
         let (cfg, state_dir) = daemon_config(&pool);
-        let mut state = kvtier_daemon::state::HostState::new(&cfg);
+        let mut state = kvtier_daemon::state::HostState::new(&cfg).unwrap();
         let layout = kvtier_core::Layout::new(spec.clone()).unwrap();
         let sid = state
             .register("floor".into(), "", &layout, Instant::now())

@@ -1,8 +1,9 @@
 """kvtierd's host tier (L2) from Python: a session, its mapped page pool, and the calls of
 ``kvtier.v1.HostTier`` (proto/kvtier/v1/host.proto says the protocol).
 
-Page bytes never travel over gRPC: :class:`SlotPool` maps the pool file the daemon names at
-registration, and callers copy pages into or out of the slots the calls hand out.
+Page bytes never travel over gRPC: :class:`SlotPool` maps the pool whose descriptor kvtierd's
+pool door hands the session at registration (``kvtier._pool_door``), and callers copy pages
+into or out of the slots the calls hand out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvtier import _pool_door
 from kvtier import keys as _keys
 from kvtier._rpc import KvtierError as KvtierError  # integrations catch it from here
 from kvtier._rpc import call as _call
@@ -90,15 +92,16 @@ class DaemonClient:
 class SlotPool:
     """The daemon's page pool, mapped: ``slots`` slots of ``stride`` bytes."""
 
-    def __init__(self, path: str, slots: int, stride: int):
-        self.path, self.slots, self.stride = path, slots, stride
+    def __init__(self, fd: int, name: str, slots: int, stride: int):
+        """Maps the pool behind ``fd`` (closed here, mapped or not); ``name`` is for
+        messages."""
+        self.path, self.slots, self.stride = name, slots, stride
         size = slots * stride
-        fd = os.open(path, os.O_RDWR)
         try:
             actual = os.fstat(fd).st_size
             if actual != size:
                 raise KvtierError(
-                    f"pool {path} is {actual} bytes, expected {slots} slots x {stride}"
+                    f"pool {name} is {actual} bytes, expected {slots} slots x {stride}"
                 )
             # MAP_POPULATE: fault every page of the pool in now, not one 4 KiB page at a time
             # inside the first copies (which halved the first writes' speed).
@@ -236,7 +239,14 @@ class HostSession:
             host_pb2.RegisterRequest(name=name, layout=layout, hash_self_test=test),
             client.timeout,
         )
-        pool = SlotPool(r.pool_path, r.pool_slots, r.slot_stride)
+        fd, slots, stride = _pool_door.fetch(r.pool_socket, r.session_id, client.timeout)
+        if (slots, stride) != (r.pool_slots, r.slot_stride):
+            os.close(fd)
+            raise KvtierError(
+                f"the pool door's pool ({slots} slots of {stride} bytes) is not the one "
+                f"Register described ({r.pool_slots} of {r.slot_stride})"
+            )
+        pool = SlotPool(fd, r.pool_path, slots, stride)
         return cls(client, r.session_id, r.ttl_ms / 1000.0, r.layout, pool)
 
     @property

@@ -97,3 +97,39 @@ def test_refusals_name_what_is_wrong(client: DaemonClient) -> None:
     with pytest.raises(KvtierError) as e:
         s.lookup(page_keys(list(range(4)), 4))
     assert e.value.session_lost
+
+
+def test_the_pool_arrives_as_a_descriptor_and_the_door_refuses_a_stranger(
+    client: DaemonClient, kvtierd
+) -> None:
+    """The pool is mapped from the descriptor kvtierd's pool door hands the session: the file
+    it names cannot be opened by path by anyone else, and a session id the door does not
+    know is refused by name (a ``refused`` error, never a mapping)."""
+    import os
+    import stat
+
+    from kvtier import _pool_door
+
+    s = client.register("py-door", layout())
+    try:
+        r = client.stats()
+        assert r.pools, r
+        # kvtierd's own directory: nobody but its uid may open a name in it.
+        d = os.path.dirname(s.pool.path)
+        assert os.path.basename(d) == f"kvtierd-{os.geteuid()}"
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+        door = kvtierd.socket + ".pools"
+        fd, slots, stride = _pool_door.fetch(door, s.session_id, 5.0)
+        try:
+            assert (slots, stride) == (s.pool.slots, s.pool.stride)
+            assert os.fstat(fd).st_size == slots * stride
+        finally:
+            os.close(fd)
+        with pytest.raises(KvtierError, match="unknown or expired") as e:
+            _pool_door.fetch(door, bytes(s.session_id[:8]) + b"\0" * 16, 5.0)
+        assert e.value.refused
+        with pytest.raises(KvtierError) as e:
+            _pool_door.fetch(door + ".missing", s.session_id, 5.0)
+        assert e.value.retryable
+    finally:
+        s.close()

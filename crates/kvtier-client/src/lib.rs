@@ -167,6 +167,8 @@ pub struct HostClient {
     inner: HostTierClient<AuthChannel>,
     /// The same connection, for calls made without the generated client (WatchEvents).
     channel: AuthChannel,
+    /// The bearer token the calls present, presented at the pool door too.
+    token: Option<String>,
 }
 
 /// The largest message a HostClient accepts.
@@ -212,6 +214,43 @@ pub fn self_test(page_size: usize, ns: &Namespace) -> Result<v1::HashSelfTest, C
     })
 }
 
+/// The session's pool, mapped from the descriptor kvtierd's pool door hands this process
+/// (`RegisterResponse.pool_socket`; `kvtier_shm::door`).
+async fn map_pool(
+    r: &v1::RegisterResponse,
+    stride: usize,
+    token: Option<String>,
+) -> Result<ShmPool, ClientError> {
+    if r.pool_socket.is_empty() {
+        return Err(ClientError::Protocol(
+            "kvtierd named no pool door (pool_socket): it is older than this client, which \
+             maps pools only from descriptors; upgrade kvtierd"
+                .into(),
+        ));
+    }
+    let (socket, session, slots) = (
+        PathBuf::from(&r.pool_socket),
+        r.session_id.clone(),
+        r.pool_slots,
+    );
+    let fetched = tokio::task::spawn_blocking(move || {
+        kvtier_shm::door::fetch(&socket, &session, token.as_deref(), POOL_DOOR_TIMEOUT)
+    })
+    .await
+    .map_err(|e| ClientError::Protocol(format!("the pool door's fetch stopped: {e}")))??;
+    let (fd, door_slots, door_stride) = fetched;
+    if door_slots != slots || door_stride != stride as u64 {
+        return Err(ClientError::Protocol(format!(
+            "the pool door's pool ({door_slots} slots of {door_stride} bytes) is not the one \
+             Register described ({slots} of {stride})"
+        )));
+    }
+    Ok(ShmPool::from_fd(fd, &r.pool_path, slots, stride)?)
+}
+
+/// How long each step of a pool door fetch may take.
+const POOL_DOOR_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl HostClient {
     /// Connects to the daemon at a socket path or `http://` address.
     pub async fn connect(target: &str) -> Result<Self, ClientError> {
@@ -224,6 +263,7 @@ impl HostClient {
         Ok(Self {
             inner: HostTierClient::new(channel.clone()).max_decoding_message_size(MAX_MESSAGE),
             channel,
+            token: sec.token.clone(),
         })
     }
 
@@ -257,12 +297,13 @@ impl HostClient {
                 layout.slot_stride()
             )));
         }
+        let id = SessionId::from_bytes(&r.session_id).map_err(|e| {
+            ClientError::Protocol(format!("kvtierd answered a bad session id: {e}"))
+        })?;
+        let pool = map_pool(&r, stride, self.token.clone()).await?;
         let pool_path = PathBuf::from(&r.pool_path);
-        let pool = ShmPool::open(&pool_path, r.pool_slots, stride)?;
         Ok(Session {
-            id: SessionId::from_bytes(&r.session_id).map_err(|e| {
-                ClientError::Protocol(format!("kvtierd answered a bad session id: {e}"))
-            })?,
+            id,
             ttl: Duration::from_millis(r.ttl_ms),
             layout,
             pool,

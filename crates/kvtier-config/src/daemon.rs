@@ -58,6 +58,13 @@ pub struct ServerConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub socket: Option<PathBuf>,
+    /// The pool door's UDS path (clients receive pool descriptors there); unset means the
+    /// control socket's path with `.pools` appended.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub pool_socket: Option<PathBuf>,
     /// Optional TCP listen address.
     #[serde(
         deserialize_with = "crate::units::empty_is_none",
@@ -360,6 +367,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             socket: None,
+            pool_socket: None,
             tcp: None,
             max_batch: 65536,
             drain_timeout: Dur(Duration::from_secs(10)),
@@ -478,6 +486,15 @@ impl DaemonConfig {
         (self.server.socket.clone()).unwrap_or_else(|| self.data_dir.join("kvtierd.sock"))
     }
 
+    /// The pool door: where a registered client receives its pool's descriptor.
+    pub fn pool_socket(&self) -> PathBuf {
+        self.server.pool_socket.clone().unwrap_or_else(|| {
+            let mut p = self.socket_path().into_os_string();
+            p.push(".pools");
+            PathBuf::from(p)
+        })
+    }
+
     /// SGLang's pool registration socket.
     pub fn sglang_mempool_socket(&self) -> PathBuf {
         (self.sglang_rpc.mempool_socket.clone())
@@ -522,6 +539,7 @@ impl DaemonConfig {
             server:
                 ServerConfig {
                     socket: _,
+                    pool_socket: _,
                     tcp,
                     max_batch,
                     drain_timeout,

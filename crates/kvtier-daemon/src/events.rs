@@ -713,9 +713,10 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            let state = Arc::new(crate::state::Shared::new(crate::state::HostState::new(
-                &kvtier_config::daemon::DaemonConfig::default(),
-            )));
+            let state = Arc::new(crate::state::Shared::new(
+                crate::state::HostState::new(&kvtier_config::daemon::DaemonConfig::default())
+                    .unwrap(),
+            ));
             let m = EventMetrics::new(&MetricRegistry::new()).unwrap();
             state.lock().set_event_metrics(m.clone());
             let stop = tokio_util::sync::CancellationToken::new();

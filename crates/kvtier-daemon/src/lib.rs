@@ -12,6 +12,7 @@ pub mod events;
 pub mod ids;
 pub mod l3;
 mod parts;
+mod pool_door;
 pub mod prefetch;
 pub mod roles;
 pub mod sealer;
@@ -81,7 +82,7 @@ impl DaemonError {
 }
 
 /// Runs the daemon until `shutdown` is cancelled, then drains in-flight requests, removes
-/// the socket and unmaps (and unlinks) every pool. `ready` is called once everything listens.
+/// the sockets and unmaps (and unlinks) every pool. `ready` is called once everything listens.
 ///
 /// Build, serve, stop: each part (`parts.rs`) starts from the same context and hands back
 /// what the later stages need.
@@ -94,10 +95,12 @@ pub async fn run(
     let parts::Listeners {
         gate,
         uds,
+        pools,
         tcp,
         metrics,
     } = parts::Listeners::bind(&ctx).await?;
     let core = parts::Core::start(&ctx).await?;
+    core.serve_pool_door(&ctx, pools)?;
     let sglang = parts::Sglang::new(&ctx)?;
     let metrics_addr = metrics
         .as_ref()
@@ -123,7 +126,8 @@ pub async fn run(
     });
     ctx.shutdown.cancelled().await;
     let result = control.drain(&ctx).await;
-    for p in sglang_sockets.iter().chain([&socket]) {
+    let pool_socket = ctx.cfg.pool_socket();
+    for p in sglang_sockets.iter().chain([&socket, &pool_socket]) {
         if let Err(e) = std::fs::remove_file(p) {
             tracing::warn!(socket = %p.display(), "could not remove the socket: {e}");
         }
@@ -153,7 +157,7 @@ mod tests {
     fn every_metric_is_declared_once_and_documented() {
         let cfg = DaemonConfig::default();
         let registry = MetricRegistry::new();
-        let state = Arc::new(Shared::new(HostState::new(&cfg)));
+        let state = Arc::new(Shared::new(HostState::new(&cfg).unwrap()));
         let stop = CancellationToken::new();
         let l3 = l3::L3Slot::new(state.clone(), &registry, stop.clone(), Duration::ZERO).unwrap();
         let prefetcher = Arc::new(
@@ -178,6 +182,7 @@ mod tests {
         )
         .unwrap();
         sglang::SglangMetrics::new(&registry).unwrap();
+        pool_door::DoorMetrics::new(&registry).unwrap();
         kvtier_server::serving::RequireBearer::new(&["t"], &registry).unwrap();
         PeerGate::new(&cfg.server.unix, &cfg.server.connections, &registry).unwrap();
         roles::Roles::new(

@@ -34,7 +34,7 @@ use crate::prefetch::Prefetcher;
 use crate::roles::{Door, Roles};
 use crate::service::{HostService, HostTierRoutes};
 use crate::state::{HostState, Shared};
-use crate::{DaemonError, admin, sealer, sglang, state, storage_service};
+use crate::{DaemonError, admin, pool_door, sealer, sglang, state, storage_service};
 
 /// What every part starts from.
 pub(crate) struct Ctx {
@@ -82,6 +82,8 @@ pub(crate) struct Listeners {
     pub(crate) gate: PeerGate,
     /// The control socket.
     pub(crate) uds: GatedListener,
+    /// The pool door's socket.
+    pub(crate) pools: GatedListener,
     /// The TCP listener, if enabled.
     pub(crate) tcp: Option<TcpListener>,
     /// The metrics endpoint's listener, if enabled.
@@ -95,6 +97,7 @@ impl Listeners {
         let cfg = &ctx.cfg;
         let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &ctx.metrics)?;
         let uds = gate.bind(&cfg.socket_path(), "control").await?;
+        let pools = gate.bind(&cfg.pool_socket(), "pool_door").await?;
         let tcp = match cfg.server.tcp.as_deref() {
             None => None,
             Some(a) => Some(
@@ -113,6 +116,7 @@ impl Listeners {
         Ok(Self {
             gate,
             uds,
+            pools,
             tcp,
             metrics,
         })
@@ -145,7 +149,9 @@ impl Core {
             &ctx.metrics,
         )
         .map_err(|e| config("deciding the roles of", "[server.admin] and [tenants]", e))?;
-        let state = Arc::new(Shared::new(HostState::new(cfg)));
+        let state = HostState::new(cfg)
+            .map_err(|e| config("using kvtierd's own pool directory in", "l2.shm_dir", e))?;
+        let state = Arc::new(Shared::new(state));
         {
             let mut st = state.lock();
             st.set_tenants(tenants.quotas());
@@ -176,6 +182,25 @@ impl Core {
             roles: Arc::new(roles),
             tenants,
         })
+    }
+}
+
+impl Core {
+    /// Serves the pool door on `listener` (`pool_door.rs`).
+    pub(crate) fn serve_pool_door(
+        &self,
+        ctx: &Ctx,
+        listener: GatedListener,
+    ) -> Result<(), DaemonError> {
+        let metrics = pool_door::DoorMetrics::new(&ctx.metrics)?;
+        ctx.tracker.spawn(pool_door::serve(
+            listener,
+            self.state.clone(),
+            self.roles.clone(),
+            metrics,
+            ctx.shutdown.clone(),
+        ));
+        Ok(())
     }
 }
 
@@ -307,7 +332,8 @@ impl Control {
             core.prefetcher.clone(),
             ctx.shutdown.clone(),
         )?
-        .with_roles(core.roles.clone());
+        .with_roles(core.roles.clone())
+        .with_pool_socket(cfg.pool_socket());
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<HostTierServer<HostService>>().await;
         let reflection = tonic_reflection::server::Builder::configure()

@@ -691,17 +691,15 @@ mod tests {
         let shm = Arc::new(
             ShmPool::create(&kvtier_shm::PoolSpec {
                 name: format!("kvtier-fence-test-{}", std::process::id()),
-                dir: std::path::PathBuf::from("/dev/shm"),
                 backing: kvtier_shm::Backing::Memfd,
                 slots: 2,
                 stride: 4096,
                 mlock: false,
                 huge_pages: false,
                 reserve: false,
-                access: kvtier_shm::FileAccess::OWNER,
-                grant: None,
             })
-            .unwrap(),
+            .unwrap()
+            .0,
         );
         let fence = Fence::new();
         let sink = SlotSink {

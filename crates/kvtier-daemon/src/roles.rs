@@ -14,7 +14,9 @@
 //!
 //! The check runs as a tonic interceptor on each guarded service ([`Roles::guard`]), so a
 //! refused call never reaches the service, and is counted in
-//! `kvtier_server_forbidden_calls_total{service}`.
+//! `kvtier_server_forbidden_calls_total{service}`. The pool door (`pool_door.rs`, not gRPC)
+//! resolves its peer's role here too ([`Roles::resolve`]) and hands a session's pool only to
+//! the operator or the session's tenant.
 
 use std::sync::Arc;
 
@@ -72,6 +74,8 @@ pub struct Roles {
     own_uid: u32,
     admin_token: Option<String>,
     peer_token: Option<String>,
+    /// `server.token`: the default tenant over TCP.
+    default_token: Option<String>,
     /// Refusals by service; `None` for [`Roles::open`]'s rules.
     forbidden: Option<prometheus::IntCounterVec>,
 }
@@ -113,6 +117,7 @@ impl Roles {
             admin_token: Some(cfg.server.admin_token.expose().to_string())
                 .filter(|t| !t.is_empty()),
             peer_token: cfg.server.peer_token()?,
+            default_token: cfg.server.tcp_token()?,
             forbidden: Some(forbidden),
         })
     }
@@ -126,6 +131,7 @@ impl Roles {
             own_uid: rustix::process::geteuid().as_raw(),
             admin_token: None,
             peer_token: None,
+            default_token: None,
             forbidden: None,
         }
     }
@@ -166,6 +172,33 @@ impl Roles {
                     .map(|b| self.tenants.of_token(b).to_string())
                     .unwrap_or_default(),
             ),
+        }
+    }
+
+    /// The role a bearer token alone gives, wherever it is presented: the operator (the admin
+    /// token), a peer, a named tenant (its token) or the default tenant (`server.token`);
+    /// `None` for a token that is none of these. Every token is compared in constant time.
+    pub fn of_token(&self, token: &str) -> Option<Role> {
+        let is = |t: &Option<String>| {
+            t.as_ref()
+                .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()))
+        };
+        let (admin, peer, default) = (
+            is(&self.admin_token),
+            is(&self.peer_token),
+            is(&self.default_token),
+        );
+        let tenant = self.tenants.of_token(token);
+        if admin {
+            Some(Role::Operator)
+        } else if peer {
+            Some(Role::Peer)
+        } else if !tenant.is_empty() {
+            Some(Role::Tenant(tenant.to_string()))
+        } else if default {
+            Some(Role::Tenant(String::new()))
+        } else {
+            None
         }
     }
 
@@ -288,6 +321,7 @@ mod tests {
         let mut cfg = DaemonConfig::default();
         cfg.server.admin_token = Secret("adm".into());
         cfg.server.peer_token = Secret(peer.into());
+        cfg.server.token = Secret("dflt".into());
         cfg.server.admin.allow_uids = admin_uids.to_vec();
         let mut t = BTreeMap::new();
         for (name, uid, token) in tenants {
@@ -330,6 +364,12 @@ mod tests {
         assert_eq!(r.resolve(None, None), Role::Tenant(String::new()));
         // A tenant's token on the socket does not make an operator's uid less.
         assert_eq!(r.resolve(unix(1000), Some("ta")), Role::Operator);
+        // A token alone (the pool door's second question): only a known one gives a role.
+        assert_eq!(r.of_token("adm"), Some(Role::Operator));
+        assert_eq!(r.of_token("peer"), Some(Role::Peer));
+        assert_eq!(r.of_token("ta"), Some(Role::Tenant("acme".into())));
+        assert_eq!(r.of_token("dflt"), Some(Role::Tenant(String::new())));
+        assert_eq!(r.of_token("other"), None);
     }
 
     #[test]

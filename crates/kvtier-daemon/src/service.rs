@@ -63,6 +63,8 @@ pub struct HostService {
     roles: Arc<Roles>,
     /// The tenants of `roles`.
     tenants: Arc<Tenants>,
+    /// The pool door's socket, told to every session at registration.
+    pool_socket: Option<std::path::PathBuf>,
 }
 
 /// A request's `parent` field (empty: none), in the session's tenant scope when given.
@@ -101,6 +103,7 @@ impl HostService {
             shutdown,
             roles: Arc::new(Roles::open()),
             tenants: Arc::new(Tenants::default()),
+            pool_socket: None,
         })
     }
 
@@ -109,6 +112,12 @@ impl HostService {
     pub fn with_roles(mut self, roles: Arc<Roles>) -> Self {
         self.tenants = roles.tenants().clone();
         self.roles = roles;
+        self
+    }
+
+    /// Tells every registering client where the pool door is.
+    pub fn with_pool_socket(mut self, path: std::path::PathBuf) -> Self {
+        self.pool_socket = Some(path);
         self
     }
 

@@ -37,15 +37,23 @@ pub use prefetch::{
 };
 pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
 
-/// Who may open the pool files: kvtierd alone, or its socket's group too when `[server.unix]`
-/// admits the group (engines of other uids map the pool read-write to copy pages). Never
-/// others, whatever the socket's mode or the umask.
-fn pool_access(unix: &kvtier_config::unix::UnixAccess) -> kvtier_shm::FileAccess {
-    if unix.mode.bits() & 0o060 == 0o060 {
-        kvtier_shm::FileAccess::with_group(unix.group())
-    } else {
-        kvtier_shm::FileAccess::OWNER
+/// kvtierd's own directory of pool files and slot tables: `kvtierd-<euid>` in `l2.shm_dir`
+/// (a tmpfs), mode 0700, so no other uid can plant, open or list a file in it. Clients get
+/// the pools as descriptors (the pool door), never by name.
+pub fn pool_dir(cfg: &DaemonConfig) -> PathBuf {
+    let uid = rustix::process::geteuid().as_raw();
+    cfg.l2.shm_dir.join(format!("kvtierd-{uid}"))
+}
+
+/// Opens (creating it if need be) [`pool_dir`] as kvtierd's own directory.
+pub fn open_pool_dir(cfg: &DaemonConfig) -> Result<kvtier_shm::OwnDir, StateError> {
+    let path = pool_dir(cfg);
+    let (dir, narrowed) = kvtier_shm::OwnDir::open_or_create(&path)
+        .map_err(|e| StateError::Refused(e.to_string()))?;
+    if narrowed {
+        tracing::warn!(path = %path.display(), "kvtierd's pool directory was open to others; narrowed to 0700");
     }
+    Ok(dir)
 }
 
 /// One pool class: the shared memory of one layout and its index.
@@ -251,8 +259,8 @@ pub struct HostState {
     next_owner: OwnerId,
     ttl: Duration,
     policy: PolicyKind,
+    /// Where pools live: a memfd each, or files in kvtierd's own directory ([`pool_dir`]).
     backing: Backing,
-    shm_dir: PathBuf,
     pool_bytes: u64,
     pool_pages: u64,
     max_pools: u32,
@@ -263,9 +271,6 @@ pub struct HostState {
     mlock: bool,
     huge_pages: bool,
     reserve: bool,
-    /// Pool files' mode and group: the owner's alone, or the group's too when the socket
-    /// admits the group (`[server.unix]`).
-    pool_access: kvtier_shm::FileAccess,
     dirty_fraction: f64,
     /// Share of a pool's dirty limit one session (and one tenant) may hold reserved.
     reserve_share: f64,
@@ -297,9 +302,7 @@ pub struct HostState {
     prefetches: Prefetches,
     /// Tenants tracked in every pool, with their L2 page quotas (empty: tenancy is off).
     tenants: Vec<(String, TenantTag, Option<u32>)>,
-    /// Each named tenant's Unix-socket uids and gids, given its own pools' files.
-    tenant_peers: HashMap<String, kvtier_shm::Grant>,
-    /// A pool per tenant and layout (`l2.tenant_pools`).
+    /// A pool per named tenant and layout (`l2.tenant_pools`).
     tenant_pools: bool,
     /// Counters since start.
     pub counters: Counters,
@@ -310,13 +313,18 @@ fn unknown_session(id: SessionId, epoch: Epoch) -> StateError {
 }
 
 impl HostState {
-    /// Empty state configured by `cfg` (already validated).
-    pub fn new(cfg: &DaemonConfig) -> Self {
+    /// Empty state configured by `cfg` (already validated). Refused when kvtierd's own pool
+    /// directory ([`pool_dir`]) cannot be made or is not kvtierd's alone.
+    pub fn new(cfg: &DaemonConfig) -> Result<Self, StateError> {
+        let backing = match cfg.l2.backing {
+            L2Backing::Memfd => Backing::Memfd,
+            L2Backing::ShmFile => Backing::ShmFile(open_pool_dir(cfg)?),
+        };
         let mut events = EventBus::new(node_name());
         // A new run holds nothing of what an earlier one published: its first event says so
         // (pages it takes over from a crashed run are published as stored after it).
         events.cleared(None);
-        Self {
+        Ok(Self {
             pools: HashMap::new(),
             events,
             sessions: HashMap::new(),
@@ -324,11 +332,7 @@ impl HostState {
             next_owner: 1,
             ttl: cfg.sessions.ttl.0,
             policy: cfg.l2.eviction_policy,
-            backing: match cfg.l2.backing {
-                L2Backing::Memfd => Backing::Memfd,
-                L2Backing::ShmFile => Backing::ShmFile,
-            },
-            shm_dir: cfg.l2.shm_dir.clone(),
+            backing,
             pool_bytes: cfg.l2.pool_bytes.0,
             pool_pages: cfg.l2.pool_pages,
             max_pools: cfg.l2.max_pools,
@@ -337,7 +341,6 @@ impl HostState {
             mlock: cfg.l2.mlock,
             huge_pages: cfg.l2.huge_pages,
             reserve: cfg.l2.reserve,
-            pool_access: pool_access(&cfg.server.unix),
             dirty_fraction: cfg.l2.dirty_fraction,
             reserve_share: cfg.l2.reserve_share,
             take_over: cfg.l2.take_over_after_crash,
@@ -350,10 +353,9 @@ impl HostState {
             flushes: 0,
             prefetches: Prefetches::new(cfg.prefetch.budget_fraction),
             tenants: Vec::new(),
-            tenant_peers: HashMap::new(),
             tenant_pools: cfg.l2.tenant_pools,
             counters: Counters::default(),
-        }
+        })
     }
 
     /// Tracks `tenants` (`[tenants]`, resolved) in every pool, now and to come: their pages
@@ -362,17 +364,6 @@ impl HostState {
         self.tenants = tenants
             .iter()
             .map(|q| (q.name.clone(), TenantScope::new(&q.name).tag(), q.l2_pages))
-            .collect();
-        self.tenant_peers = tenants
-            .iter()
-            .filter(|q| !q.name.is_empty())
-            .map(|q| {
-                let grant = kvtier_shm::Grant {
-                    uids: q.uids.clone(),
-                    gids: q.gids.clone(),
-                };
-                (q.name.clone(), grant)
-            })
             .collect();
         for p in self.pools.values_mut() {
             for (_, tag, quota) in &self.tenants {
@@ -449,21 +440,35 @@ impl HostState {
         self.pools.values()
     }
 
+    /// The pool `id` maps and the tenant it was bound to: what the pool door hands over,
+    /// and to whom.
+    pub fn mapped_pool(&self, id: SessionId) -> Result<(Arc<ShmPool>, &str), StateError> {
+        let s = self
+            .sessions
+            .get(&id)
+            .ok_or_else(|| unknown_session(id, self.epoch))?;
+        let p = self
+            .pools
+            .get(&s.pool)
+            .ok_or_else(|| StateError::Internal(format!("session {id}'s pool is gone")))?;
+        Ok((p.shm.clone(), &s.tenant))
+    }
+
     /// Live sessions.
     pub fn sessions(&self) -> impl Iterator<Item = (&SessionId, &Session)> {
         self.sessions.iter()
     }
 
     fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, StateError> {
-        // A named tenant's own pool, its file open to its peers alone; else the layout's.
-        let grant = if self.tenant_pools {
-            self.tenant_peers.get(tenant).cloned()
+        // A named tenant's own pool (its sessions alone get its descriptor); else the
+        // layout's, which every tenant's sessions share.
+        let own = self.tenant_pools
+            && !tenant.is_empty()
+            && self.tenants.iter().any(|(n, _, _)| n == tenant);
+        let fp = if own {
+            pool_key(&layout.fingerprint(), tenant)
         } else {
-            None
-        };
-        let fp = match grant {
-            Some(_) => pool_key(&layout.fingerprint(), tenant),
-            None => layout.fingerprint(),
+            layout.fingerprint()
         };
         if !self.pools.contains_key(&fp) {
             if layout.slot_stride() as u64 > self.max_page_bytes {
@@ -500,34 +505,32 @@ impl HostState {
                 )));
             }
             let slots = u32::try_from(slots).unwrap_or(u32::MAX);
-            let shm = ShmPool::create(&PoolSpec {
-                name: format!(
-                    "kvtier-{}-{}-{}",
-                    self.instance,
-                    std::process::id(),
-                    fp.to_hex()
-                ),
-                dir: self.shm_dir.clone(),
-                backing: self.backing,
+            let name = format!(
+                "kvtier-{}-{}-{}",
+                self.instance,
+                std::process::id(),
+                fp.to_hex()
+            );
+            let (shm, replaced) = ShmPool::create(&PoolSpec {
+                name: name.clone(),
+                backing: self.backing.clone(),
                 slots,
                 stride: layout.slot_stride(),
                 mlock: self.mlock,
                 huge_pages: self.huge_pages,
                 reserve: self.reserve,
-                access: match grant {
-                    Some(_) => kvtier_shm::FileAccess::OWNER,
-                    None => self.pool_access,
-                },
-                grant: grant.clone(),
             })
             .map_err(|e| match e {
                 kvtier_shm::ShmError::NoSpace { .. } => StateError::Full(format!(
                     "no room for the pool of {fp} ({e}): lower l2.pool_bytes / l2.pool_pages \
-                     or give l2.shm_dir ({}) more space",
-                    self.shm_dir.display()
+                     or give l2.shm_dir more space"
                 )),
                 e => StateError::Internal(format!("creating the pool for {fp}: {e}")),
             })?;
+            if replaced {
+                self.counters.takeover.pools_removed += 1;
+                tracing::warn!(%name, "removed a stale file at a new pool's name (a dead kvtierd's)");
+            }
             tracing::info!(
                 fingerprint = %fp,
                 model = %layout.spec().model_id,
@@ -538,16 +541,17 @@ impl HostState {
             );
             // A tenant's pool is not taken over after a crash: its table would name the layout,
             // not the tenant (its pages come back from L3).
-            let seals = if self.seals_enabled() && grant.is_none() {
-                match Seals::create(shm.path(), layout, slots) {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        tracing::warn!(fingerprint = %fp, "no slot table, so this pool will not survive a crash: {e}");
-                        None
+            let seals = match &self.backing {
+                Backing::ShmFile(dir) if self.seals_enabled() && !own => {
+                    match Seals::create(dir, &name, layout, slots) {
+                        Ok(s) => Some(s),
+                        Err(e) => {
+                            tracing::warn!(fingerprint = %fp, "no slot table, so this pool will not survive a crash: {e}");
+                            None
+                        }
                     }
                 }
-            } else {
-                None
+                _ => None,
             };
             let mut index = HostIndex::new(slots, self.policy);
             index.record_changes(true);
@@ -787,7 +791,7 @@ pub(crate) mod testing {
         cfg.l2.pool_pages = 16;
         cfg.l2.take_over_after_crash = false;
         cfg.l3.backend = L3Backend::Memory;
-        let mut st = HostState::new(&cfg);
+        let mut st = HostState::new(&cfg).unwrap();
         st.set_write(Some(WritePolicy::WriteThrough));
         let id = st
             .register("t".into(), "", &tiny_layout(), Instant::now())
@@ -818,30 +822,5 @@ pub(crate) mod testing {
             tp_size: 1,
         })
         .unwrap()
-    }
-}
-
-#[cfg(test)]
-mod pool_access_tests {
-    use super::*;
-
-    #[test]
-    fn pool_files_admit_the_group_only_when_the_socket_does_and_never_others() {
-        let access = |mode: &str, gid: i64| {
-            let unix = kvtier_config::unix::UnixAccess {
-                mode: mode.parse().unwrap(),
-                gid,
-                ..Default::default()
-            };
-            pool_access(&unix)
-        };
-        assert_eq!(access("0600", -1), kvtier_shm::FileAccess::OWNER);
-        assert_eq!(access("0640", 50), kvtier_shm::FileAccess::OWNER);
-        assert_eq!(
-            access("0660", 50),
-            kvtier_shm::FileAccess::with_group(Some(50))
-        );
-        // A socket open to anyone still gives others nothing of the pool.
-        assert_eq!(access("0666", -1).mode, 0o660);
     }
 }

@@ -11,9 +11,14 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvtier_client::{HostClient, Reserved};
 
-/// The one pool file in `shm` (not its slot table).
+/// kvtierd's own directory in `l2.shm_dir` = `shm`, where its pools and tables live.
+fn own(shm: &Path) -> std::path::PathBuf {
+    shm.join(format!("kvtierd-{}", rustix::process::geteuid().as_raw()))
+}
+
+/// The one pool file in kvtierd's own directory in `shm` (not its slot table).
 fn pool_file(shm: &Path) -> std::path::PathBuf {
-    let pools: Vec<_> = std::fs::read_dir(shm)
+    let pools: Vec<_> = std::fs::read_dir(own(shm))
         .unwrap()
         .flatten()
         .map(|e| e.path())
@@ -80,6 +85,12 @@ fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
     assert!(
         pool_before.exists(),
         "the dead daemon's pool is still in shm"
+    );
+    // kvtierd's own directory: nobody else can list, open or plant a file in it.
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(
+        std::fs::metadata(own(&shm)).unwrap().permissions().mode() & 0o7777,
+        0o700
     );
 
     let d = Daemon::start_in(dir, &sets);
@@ -163,7 +174,7 @@ fn a_restarted_kvtierd_takes_over_the_verified_pages_of_its_pool() {
         0.0
     );
     assert_eq!(
-        std::fs::read_dir(&shm).unwrap().count(),
+        std::fs::read_dir(own(&shm)).unwrap().count(),
         0,
         "stale files left"
     );

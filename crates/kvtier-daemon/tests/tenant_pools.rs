@@ -1,7 +1,10 @@
-//! Tenants' pages are apart in shared memory too (`l2.tenant_pools`, issue 39 item 4): in the
-//! documented group deployment (the sockets and default pools 0660 for one group every
-//! engine is in), each named tenant gets its own pool file that only its uids may open. Real
-//! processes of two uids (via `setpriv`) in the same group, and a real kvtierd.
+//! Tenants' pages are apart in shared memory too (`l2.tenant_pools`, issue 39 item 4; issue
+//! 62: descriptors, not paths). In the documented group deployment (the sockets 0660 for one
+//! group every engine is in), each named tenant gets its own pool, and a process holds a
+//! pool only if the pool door handed it the descriptor: no pool file can be opened by path
+//! (they live in kvtierd's own 0700 directory), and the door hands a session's pool only to
+//! a peer of the session's tenant, whatever groups it is in and whatever session id it
+//! learned. Real processes of two uids (via `setpriv`) in the same group, and a real kvtierd.
 #![allow(missing_docs)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -14,9 +17,13 @@ use kvtier_client::{HostClient, Reserved};
 const ENGINES: u32 = 4242;
 const ACME: u32 = 65534;
 const GLOBEX: u32 = 65533;
+/// Acme's group, by which `[tenants.acme]` also names its engines: the ACL of old granted it
+/// the pool, and the kernel applied that to supplementary groups too.
+const ACME_GID: u32 = 4343;
 
 /// The children: "acme" writes one page into its pool; "globex" tries to open acme's pool
-/// file (`KVT_CHILD_PATH`) read-write, then registers for its own.
+/// file (`KVT_CHILD_PATH`) read-write and to get its descriptor from the pool door with
+/// acme's session id (`KVT_CHILD_SESSION`, as if it had leaked), then registers for its own.
 #[test]
 #[ignore = "run by the tests below as other uids"]
 fn child_entry() {
@@ -33,6 +40,18 @@ fn child_entry() {
             Err(e) => format!("{e}"),
         }
     });
+    let door = std::env::var("KVT_CHILD_SESSION").map(|id| {
+        let id: Vec<u8> = (0..id.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&id[i..i + 2], 16).unwrap())
+            .collect();
+        let at = std::path::PathBuf::from(format!("{socket}.pools"));
+        match kvtier_shm::door::fetch(&at, &id, None, std::time::Duration::from_secs(5)) {
+            Ok(_) => "GRANTED".to_string(),
+            Err(e) if e.to_string().contains("another tenant's") => "REFUSED".to_string(),
+            Err(e) => format!("{e}").replace(' ', "_"),
+        }
+    });
     rt().block_on(async move {
         let mut c = HostClient::connect(&socket).await.unwrap();
         let s = c.register(&role, &layout("shared-model")).await.unwrap();
@@ -44,15 +63,18 @@ fn child_entry() {
         let bytes = page_bytes(&keys[0], s.layout.page_bytes());
         s.pool.write(slot, 0, &bytes).unwrap();
         c.commit(s.id, &keys).await.unwrap();
+        let id: String = s.id.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
         println!(
-            "RESULT path={} other={}",
+            "RESULT path={} session={id} other={} door={}",
             s.pool_path.display(),
-            opened.unwrap_or_default()
+            opened.unwrap_or_default(),
+            door.unwrap_or_default()
         );
     });
 }
 
-/// Acme writes a page, then globex tries acme's pool file and registers; their outputs.
+/// Acme writes a page, then globex (in the engines' group and in acme's) tries acme's pool
+/// file and acme's session at the door, and registers; their outputs.
 fn two_tenants(socket: &str) -> (String, String) {
     let acme = as_user(
         ACME,
@@ -61,11 +83,12 @@ fn two_tenants(socket: &str) -> (String, String) {
     );
     let globex = as_user(
         GLOBEX,
-        &[ENGINES],
+        &[ENGINES, ACME_GID],
         &[
             ("KVT_CHILD_ROLE", "globex"),
             ("KVT_CHILD_SOCKET", socket),
             ("KVT_CHILD_PATH", field(&acme, "path=")),
+            ("KVT_CHILD_SESSION", field(&acme, "session=")),
         ],
     );
     (acme, globex)
@@ -78,7 +101,7 @@ fn field<'a>(out: &'a str, name: &str) -> &'a str {
 }
 
 #[test]
-fn a_tenant_in_the_engines_group_cannot_open_another_tenants_pool() {
+fn a_tenant_in_the_engines_group_and_in_anothers_cannot_map_that_tenants_pool() {
     if !is_root() {
         eprintln!("skipped: engines of other uids need root");
         return;
@@ -89,32 +112,39 @@ fn a_tenant_in_the_engines_group_cannot_open_another_tenants_pool() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
         dir.join("kvtierd.toml"),
-        format!("[tenants.acme]\nuids = [{ACME}]\n\n[tenants.globex]\nuids = [{GLOBEX}]\n"),
+        format!(
+            "[tenants.acme]\nuids = [{ACME}]\ngids = [{ACME_GID}]\n\n\
+             [tenants.globex]\nuids = [{GLOBEX}]\n"
+        ),
     )
     .unwrap();
     let gid = format!("server.unix.gid={ENGINES}");
     let allow = format!("server.unix.allow_gids={ENGINES}");
     let group = ["l2.pool_pages=16", "server.unix.mode=0660", &gid, &allow];
-    // With one pool per layout (l2.tenant_pools = false), as before: globex, in the group,
-    // opens acme's pool read-write.
+    // One pool per layout (l2.tenant_pools = false): both tenants' sessions map the same
+    // pool, each from its own descriptor; neither can open the file by path, and globex
+    // cannot have acme's session's descriptor.
     let shared = Daemon::start_in(
         dir.clone(),
         &[&group[..], &["l2.tenant_pools=false"]].concat(),
     );
     let (a, g) = two_tenants(&shared.target());
-    assert_eq!(field(&g, "other="), "OPENED", "{g}");
+    assert_eq!(field(&g, "other="), "EACCES", "{g}");
+    assert_eq!(field(&g, "door="), "REFUSED", "{g}");
     assert_eq!(field(&g, "path="), field(&a, "path="));
     let dir = shared.stop_keeping_dir();
 
     let d = Daemon::start_in(dir, &group);
     let socket = d.target();
-    // Globex is in the same group, and the same layout: it gets a pool of its own, and
-    // acme's file stays shut to it.
+    // Globex is in the same group, in acme's group too, and has the same layout: it gets a
+    // pool of its own, acme's file stays shut to it (no ACL, no group rule), and the door
+    // refuses it acme's session.
     let (acme, globex) = two_tenants(&socket);
     let acme_pool = field(&acme, "path=").to_string();
     assert_eq!(field(&globex, "other="), "EACCES", "{globex}");
+    assert_eq!(field(&globex, "door="), "REFUSED", "{globex}");
     assert_ne!(field(&globex, "path="), acme_pool);
-    // The default tenant's pool is yet another, shared with the group as before.
+    // The default tenant's pool is yet another.
     rt().block_on(async {
         let mut c = HostClient::connect(&socket).await.unwrap();
         let s = c
@@ -124,4 +154,10 @@ fn a_tenant_in_the_engines_group_cannot_open_another_tenants_pool() {
         assert_ne!(s.pool_path.display().to_string(), acme_pool);
         assert_eq!(c.stats().await.unwrap().pools.len(), 3);
     });
+    assert!(
+        metric(
+            &d.metrics(),
+            "kvtier_pool_door_answers_total{outcome=\"other_tenant\"}"
+        ) >= 1.0
+    );
 }

@@ -53,17 +53,15 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
 fn host_pool(layout: &Layout, name: &str) -> ShmPool {
     ShmPool::create(&PoolSpec {
         name: format!("kvtier-device-test-host-{}-{name}", std::process::id()),
-        dir: PathBuf::from("/dev/shm"),
         backing: Backing::Memfd,
         slots: 40,
         stride: layout.slot_stride(),
         mlock: false,
         huge_pages: false,
         reserve: false,
-        access: kvtier_shm::FileAccess::OWNER,
-        grant: None,
     })
     .unwrap()
+    .0
 }
 
 /// Copies of pages `0..n` through `at`: (device page, host slot) of each.

@@ -5,7 +5,6 @@
 #![cfg(feature = "gpu-tests")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use kvtier_core::{CopyMethod, DType, DevicePool, KvKind, Layout, LayoutSpec};
@@ -33,17 +32,15 @@ fn layout(kind: KvKind, page_size: u32, num_layers: u32) -> Layout {
 fn host_pool(layout: &Layout, slots: u32, tag: &str) -> ShmPool {
     ShmPool::create(&PoolSpec {
         name: format!("kvtier-gpu-test-{tag}-{}", std::process::id()),
-        dir: PathBuf::from("/dev/shm"),
         backing: Backing::Memfd,
         slots,
         stride: layout.slot_stride(),
         mlock: false,
         huge_pages: false,
         reserve: false,
-        access: kvtier_shm::FileAccess::OWNER,
-        grant: None,
     })
     .unwrap()
+    .0
 }
 
 /// The methods every test runs with. A named method that fails its self-check falls back;

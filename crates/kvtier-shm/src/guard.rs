@@ -127,3 +127,41 @@ pub fn guarded(start: usize, len: usize, copy: impl FnOnce()) -> Option<bool> {
     ACTIVE.with(|a| a.set(outer));
     Some(!hit)
 }
+
+/// Whether a guarded copy found a mapping's file shrunk: from then on part of the mapping is
+/// anonymous memory, not the file, so every later copy through it fails too.
+#[derive(Debug, Default)]
+pub(crate) struct Damage(AtomicBool);
+
+impl Damage {
+    /// Whether a copy found the file shrunk.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// `Truncated` (naming `path`) once a copy found the file shrunk.
+    pub(crate) fn check(&self, path: &std::path::Path) -> Result<(), crate::ShmError> {
+        if self.is_set() {
+            return Err(crate::ShmError::Truncated(path.display().to_string()));
+        }
+        Ok(())
+    }
+
+    /// The result of a guarded copy ([`guarded`]'s `copied`): a fault marks the mapping
+    /// damaged; no guard at all runs `fallback` (a copy through the file, never the mapping).
+    pub(crate) fn after(
+        &self,
+        copied: Option<bool>,
+        path: &std::path::Path,
+        fallback: impl FnOnce() -> Result<(), crate::ShmError>,
+    ) -> Result<(), crate::ShmError> {
+        match copied {
+            Some(true) => Ok(()),
+            Some(false) => {
+                self.0.store(true, Ordering::Release);
+                Err(crate::ShmError::Truncated(path.display().to_string()))
+            }
+            None => fallback(),
+        }
+    }
+}

@@ -3,8 +3,10 @@
 //!
 //! A pool is `slots × stride` bytes of shared memory: a file under `/dev/shm` (default) or a
 //! memfd, mapped `MAP_SHARED` with [`memmap2::MmapRaw`]. One slot holds one page in page-first
-//! layout; the stride is a multiple of 4 KiB. Clients map the same pool by the path the daemon
-//! hands out ([`ShmPool::path`]), so bytes move by memcpy/DMA and never through gRPC.
+//! layout; the stride is a multiple of 4 KiB. The daemon makes its pool files in a directory of
+//! its own ([`OwnDir`]: `O_CREAT|O_EXCL|O_NOFOLLOW`, no name anyone else can plant) and hands
+//! each client the pool's descriptor ([`door`], `SCM_RIGHTS`), never a path; clients map it
+//! ([`ShmPool::from_fd`]), so bytes move by memcpy/DMA and never through gRPC.
 //!
 //! The memory is written by other processes, so this crate never hands out Rust references
 //! into it: every access is a bounds-checked raw copy ([`ShmPool::write`], [`ShmPool::read`]) or
@@ -19,10 +21,11 @@
 //! [`malloc`] fixes the C allocator's mmap threshold for processes that move pages through
 //! heap buffers; [`peer`] reads a socket peer's supplementary groups (raw `getsockopt`).
 //!
-//! Size: about 720 lines of code (the pool and its unsafe mapping, kept in one file so every
-//! `unsafe` block and its SAFETY note can be reviewed together) and its unit tests.
+//! Size: about 620 lines of code (the pool and its unsafe mapping, kept in one file so every
+//! `unsafe` block of the pool and its SAFETY note can be reviewed together; `region.rs` holds
+//! [`ShmRegion`]'s) and the unit tests of both.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
@@ -31,14 +34,19 @@ use std::ptr::NonNull;
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 mod access;
+pub mod door;
 mod guard;
 pub mod malloc;
+mod own_dir;
 pub mod peer;
+mod region;
 mod slot_table;
 
-pub use access::{FileAccess, Grant, open_own};
+pub use access::open_own;
 pub use guard::guarded;
-pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_path};
+pub use own_dir::OwnDir;
+pub use region::ShmRegion;
+pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_name};
 
 /// Alignment of the slot stride.
 pub const STRIDE_ALIGN: usize = 4096;
@@ -127,12 +135,21 @@ pub(crate) fn io_err<'a>(
 }
 
 /// What backs the pool's memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Backing {
-    /// A named file in a tmpfs directory (usually `/dev/shm`); unlinked when the pool is dropped.
-    ShmFile,
-    /// An anonymous memfd; clients open it through `/proc/<daemon pid>/fd/<fd>`.
+    /// A named file in this process's own directory on a tmpfs ([`OwnDir`], under
+    /// `/dev/shm` by default), created there new ([`OwnDir::create_replacing`]); unlinked
+    /// when the pool is dropped. Its name outlives a crash, for the successor's takeover.
+    ShmFile(OwnDir),
+    /// An anonymous memfd.
     Memfd,
+}
+
+impl Backing {
+    /// Whether the pool has a name in a directory (it can outlive its process).
+    pub fn is_file(&self) -> bool {
+        matches!(self, Backing::ShmFile(_))
+    }
 }
 
 /// How to create a pool.
@@ -140,8 +157,6 @@ pub enum Backing {
 pub struct PoolSpec {
     /// File name (without directory) for [`Backing::ShmFile`]; the memfd name otherwise.
     pub name: String,
-    /// Directory of [`Backing::ShmFile`] pools.
-    pub dir: PathBuf,
     /// What backs the memory.
     pub backing: Backing,
     /// Number of slots.
@@ -156,14 +171,10 @@ pub struct PoolSpec {
     /// full `/dev/shm` is then an error here, not a SIGBUS in whichever process first touches
     /// a page, and no copy pays first-touch faults.
     pub reserve: bool,
-    /// Who may open a [`Backing::ShmFile`] pool's file: set explicitly, whatever the umask.
-    pub access: FileAccess,
-    /// Besides: the peers given read and write by name (a POSIX ACL), if any.
-    pub grant: Option<Grant>,
 }
 
 /// A mapped pool. The creating process owns it (and unlinks its file on drop); other processes
-/// [`ShmPool::open`] it by path.
+/// map it from the descriptor it hands them ([`ShmPool::from_fd`]).
 #[derive(Debug)]
 pub struct ShmPool {
     map: MmapRaw,
@@ -174,6 +185,9 @@ pub struct ShmPool {
     stride: usize,
     locked: bool,
     huge_pages: bool,
+    /// A guarded copy hit the end of a file another holder of its descriptor shrank: part of
+    /// the mapping is anonymous memory now, and every later copy fails.
+    damaged: guard::Damage,
 }
 
 // SAFETY: `ShmPool` only exposes the mapping through bounds-checked raw copies and raw pointers;
@@ -224,14 +238,12 @@ fn check_room(dir: &Path, need: u64) -> Result<(), ShmError> {
     Ok(())
 }
 
-/// Allocates the file's blocks (tmpfs and memfd: its pages) now. A filesystem that cannot
-/// (EOPNOTSUPP) keeps the file sparse.
 /// Maps `len` bytes of a file another process created, shared. When its memory is allocated
 /// already (a reserved kvtierd pool, an engine's host pool), the mapping is populated
 /// (`MAP_POPULATE`): this process's page tables are built once, here, rather than by a fault
 /// on the first touch of every 4 KiB on the data path. A file allocated lazily is mapped
 /// lazily, so mapping it costs no memory.
-fn map_existing(file: &File, path: &Path, len: usize) -> Result<MmapRaw, ShmError> {
+pub(crate) fn map_existing(file: &File, path: &Path, len: usize) -> Result<MmapRaw, ShmError> {
     let meta = file.metadata().map_err(io_err("stat", path))?;
     let allocated = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
     let mut opts = MmapOptions::new();
@@ -242,6 +254,8 @@ fn map_existing(file: &File, path: &Path, len: usize) -> Result<MmapRaw, ShmErro
     opts.map_raw(file).map_err(io_err("mmap", path))
 }
 
+/// Allocates the file's blocks (tmpfs and memfd: its pages) now. A filesystem that cannot
+/// (EOPNOTSUPP) keeps the file sparse.
 fn reserve(file: &File, path: &Path, len: u64) -> Result<(), ShmError> {
     let Ok(n) = libc::off_t::try_from(len) else {
         return Err(ShmError::Shape(format!("{len} bytes do not fit in off_t")));
@@ -260,31 +274,41 @@ fn reserve(file: &File, path: &Path, len: u64) -> Result<(), ShmError> {
     }
 }
 
+/// A file's identity (device, inode): two mappings with the same one are the same memory.
+pub(crate) fn file_id(file: &File, path: &Path) -> Result<(u64, u64), ShmError> {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata().map_err(io_err("stat", path))?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// Fixes a memfd's size for good (`F_SEAL_SHRINK | F_SEAL_GROW`, then `F_SEAL_SEAL`).
+fn seal_size(file: &File, path: &Path) -> Result<(), ShmError> {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: a plain fcntl on a descriptor this function borrows; no memory is passed.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io_err("seal the size of", path)(io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
 impl ShmPool {
-    /// Creates a pool as `spec` says. A stale file of the same name is replaced.
-    pub fn create(spec: &PoolSpec) -> Result<Self, ShmError> {
+    /// Creates a pool as `spec` says. A file of the same name already in the directory (a
+    /// dead process's: nobody else can write there) is removed first, never reused; the
+    /// second value says whether one was.
+    pub fn create(spec: &PoolSpec) -> Result<(Self, bool), ShmError> {
         let len = total_len(spec.slots, spec.stride)?;
-        let (file, path, unlink) = match spec.backing {
-            Backing::ShmFile => {
-                let path = spec.dir.join(&spec.name);
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(&path)
-                    .map_err(io_err("create", &path))?;
-                spec.access.apply(&file, &path)?;
-                if let Some(g) = &spec.grant {
-                    g.apply(&file, &path)?;
-                }
-                (file, path, true)
+        let (file, path, unlink, replaced) = match &spec.backing {
+            Backing::ShmFile(dir) => {
+                let (file, replaced) = dir.create_replacing(&spec.name)?;
+                (file, dir.join(&spec.name), true, replaced)
             }
             Backing::Memfd => {
                 let cname = std::ffi::CString::new(spec.name.clone())
                     .map_err(|_| ShmError::Shape("pool name contains a NUL byte".into()))?;
                 // SAFETY: `cname` is a valid NUL-terminated string that outlives the call.
-                let fd = unsafe { libc::memfd_create(cname.as_ptr(), 0) };
+                let fd = unsafe {
+                    libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+                };
                 if fd < 0 {
                     return Err(ShmError::Io {
                         op: "memfd_create",
@@ -294,15 +318,26 @@ impl ShmPool {
                 }
                 // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
                 let file = unsafe { File::from_raw_fd(fd) };
-                let path = PathBuf::from(format!("/proc/{}/fd/{fd}", std::process::id()));
-                (file, path, false)
+                (
+                    file,
+                    PathBuf::from(format!("memfd:{}", spec.name)),
+                    false,
+                    false,
+                )
             }
         };
         let guard = UnlinkGuard(unlink.then(|| path.clone()));
-        if spec.reserve && spec.backing == Backing::ShmFile {
-            check_room(&spec.dir, len as u64)?;
+        if spec.reserve
+            && let Backing::ShmFile(dir) = &spec.backing
+        {
+            check_room(dir.path(), len as u64)?;
         }
         file.set_len(len as u64).map_err(io_err("size", &path))?;
+        if !spec.backing.is_file() {
+            // Clients hold its descriptor: none of them can shrink it under kvtierd's copies
+            // (a SIGBUS) or grow it.
+            seal_size(&file, &path)?;
+        }
         if spec.reserve {
             reserve(&file, &path, len as u64)?;
         }
@@ -316,7 +351,7 @@ impl ShmPool {
                 .map_err(io_err("mlock (raise RLIMIT_MEMLOCK / LimitMEMLOCK)", &path))?;
         }
         std::mem::forget(guard);
-        Ok(Self {
+        let pool = Self {
             map,
             _file: file,
             path,
@@ -325,24 +360,32 @@ impl ShmPool {
             stride: spec.stride,
             locked: spec.mlock,
             huge_pages,
-        })
+            damaged: Default::default(),
+        };
+        Ok((pool, replaced))
     }
 
-    /// Maps an existing pool created by another process. Its size must be `slots × stride`.
-    /// Populated when its memory is allocated already ([`map_existing`]).
-    pub fn open(path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err("open", path))?;
-        Self::map_file(file, path, slots, stride)
+    /// Maps a pool from the descriptor its creator handed over (kvtierd's pool door); `name`
+    /// is for errors and logs. Its size must be `slots × stride`.
+    pub fn from_fd(
+        fd: std::os::fd::OwnedFd,
+        name: &str,
+        slots: u32,
+        stride: usize,
+    ) -> Result<Self, ShmError> {
+        Self::map_file(File::from(fd), Path::new(name), slots, stride)
     }
 
-    /// [`ShmPool::open`] for a pool a dead predecessor of this process left: only a file
-    /// that is this process's own ([`open_own`]).
-    pub fn open_own(path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
-        Self::map_file(open_own(path)?, path, slots, stride)
+    /// [`ShmPool::open`] for a pool a dead predecessor of this process left in `dir`: only
+    /// a file that is this process's own ([`open_own`]).
+    pub fn open_own(dir: &OwnDir, name: &str, slots: u32, stride: usize) -> Result<Self, ShmError> {
+        Self::map_file(dir.open_own(name)?, &dir.join(name), slots, stride)
+    }
+
+    /// The pool's descriptor, for handing to a client (`SCM_RIGHTS`).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self._file.as_fd()
     }
 
     fn map_file(file: File, path: &Path, slots: u32, stride: usize) -> Result<Self, ShmError> {
@@ -364,15 +407,14 @@ impl ShmPool {
             stride,
             locked: false,
             huge_pages: false,
+            damaged: Default::default(),
         })
     }
 
     /// The mapped file's identity (device, inode): two mappings with the same one are the
     /// same memory, whatever paths opened them.
     pub fn file_id(&self) -> Result<(u64, u64), ShmError> {
-        use std::os::unix::fs::MetadataExt;
-        let m = self._file.metadata().map_err(io_err("stat", &self.path))?;
-        Ok((m.dev(), m.ino()))
+        crate::file_id(&self._file, &self.path)
     }
 
     /// The path other processes open to map this pool.
@@ -438,27 +480,53 @@ impl ShmPool {
         Ok(slot as usize * self.stride + offset)
     }
 
-    /// Copies `src` into slot `slot` at byte `offset`.
+    /// Copies `src` into slot `slot` at byte `offset`. Every process holding the pool's
+    /// descriptor could shrink a file-backed pool (a memfd pool is sealed): the copy is
+    /// guarded, so that is [`ShmError::Truncated`] here, and for every later copy, never a
+    /// SIGBUS.
     pub fn write(&self, slot: u32, offset: usize, src: &[u8]) -> Result<(), ShmError> {
         let at = self.check(slot, offset, src.len())?;
+        self.damaged.check(&self.path)?;
         // SAFETY: `check` proved `at + src.len() <= len()`, so the destination lies inside the
-        // live mapping; `src` is a Rust slice and cannot overlap the shared mapping's bytes
-        // because this crate never creates references into the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(at), src.len());
-        }
-        Ok(())
+        // live mapping.
+        let dst = unsafe { self.map.as_mut_ptr().add(at) };
+        let copied = guard::guarded(dst as usize, src.len(), || {
+            // SAFETY: the destination range was checked above; `src` is a Rust slice and
+            // cannot overlap the shared mapping's bytes because this crate never creates
+            // references into the mapping. A fault inside the range is absorbed by the guard.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+        });
+        self.damaged.after(copied, &self.path, || {
+            use std::os::unix::fs::FileExt;
+            self._file
+                .write_all_at(src, at as u64)
+                .map_err(io_err("pwrite", &self.path))
+        })
     }
 
-    /// Copies bytes from slot `slot` at byte `offset` into `dst`.
+    /// Copies bytes from slot `slot` at byte `offset` into `dst` (guarded as
+    /// [`ShmPool::write`] is).
     pub fn read(&self, slot: u32, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
         let at = self.check(slot, offset, dst.len())?;
-        // SAFETY: as in `write`: the source range is inside the mapping and `dst` is a distinct
-        // Rust buffer.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(at), dst.as_mut_ptr(), dst.len());
-        }
-        Ok(())
+        self.damaged.check(&self.path)?;
+        // SAFETY: as in `write`: the source range is inside the mapping.
+        let src = unsafe { self.map.as_ptr().add(at) };
+        let copied = guard::guarded(src as usize, dst.len(), || {
+            // SAFETY: the range was checked above and `dst` is a distinct Rust buffer; a
+            // fault inside the range is absorbed by the guard.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+        });
+        self.damaged.after(copied, &self.path, || {
+            use std::os::unix::fs::FileExt;
+            self._file
+                .read_exact_at(dst, at as u64)
+                .map_err(io_err("pread", &self.path))
+        })
+    }
+
+    /// Whether a guarded copy found the pool's file shrunk (the pool is of no further use).
+    pub fn is_damaged(&self) -> bool {
+        self.damaged.is_set()
     }
 
     /// CRC32C of the first `len` bytes of `slot`, read through a small buffer (no reference
@@ -542,280 +610,6 @@ impl Drop for ShmPool {
     }
 }
 
-/// A flat shared-memory region: a file of a given length, mapped `MAP_SHARED`. The cpu device
-/// uses it for an engine's KV pool (layer-first buffers laid end to end), which the engine
-/// creates and names; like [`ShmPool`], only raw, bounds-checked copies and raw pointers.
-#[derive(Debug)]
-pub struct ShmRegion {
-    map: MmapRaw,
-    _file: File,
-    path: PathBuf,
-    len: usize,
-    /// A guarded copy hit the end of a shrunk file: part of the mapping is anonymous memory now.
-    damaged: std::sync::atomic::AtomicBool,
-}
-
-// SAFETY: as for `ShmPool`: no Rust references into the shared bytes are ever handed out.
-unsafe impl Send for ShmRegion {}
-// SAFETY: as above; every method takes `&self` and performs only raw, bounds-checked copies.
-unsafe impl Sync for ShmRegion {}
-
-impl ShmRegion {
-    /// Creates (or replaces) a zeroed region of `len` bytes at `path` (a tmpfs file, usually
-    /// under `/dev/shm`). What an engine — or a test standing in for one — does.
-    pub fn create(path: &Path, len: usize) -> Result<Self, ShmError> {
-        if len == 0 {
-            return Err(ShmError::Shape("a region needs at least one byte".into()));
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io_err("create", path))?;
-        file.set_len(len as u64).map_err(io_err("size", path))?;
-        Self::map(file, path, len)
-    }
-
-    /// Maps an existing region, which must be exactly `len` bytes.
-    pub fn open(path: &Path, len: usize) -> Result<Self, ShmError> {
-        let (file, actual) = Self::open_file(path)?;
-        if actual != len as u64 {
-            return Err(ShmError::Shape(format!(
-                "{} is {actual} bytes, expected {len}",
-                path.display()
-            )));
-        }
-        Self::map(file, path, len)
-    }
-
-    /// An existing file opened read-write, and its length.
-    fn open_file(path: &Path) -> Result<(File, u64), ShmError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err("open", path))?;
-        let len = file.metadata().map_err(io_err("stat", path))?.len();
-        Ok((file, len))
-    }
-
-    /// Maps a whole existing file of at least `min_len` bytes (an engine's allocation in
-    /// shared memory, which may be larger than the part of it a pool uses).
-    pub fn open_at_least(path: &Path, min_len: usize) -> Result<Self, ShmError> {
-        let (file, actual) = Self::open_file(path)?;
-        if actual < min_len as u64 || actual == 0 {
-            return Err(ShmError::Shape(format!(
-                "{} is {actual} bytes, expected at least {}",
-                path.display(),
-                min_len.max(1)
-            )));
-        }
-        let len = usize::try_from(actual).map_err(|_| {
-            ShmError::Shape(format!(
-                "{}: {actual} bytes do not fit in memory",
-                path.display()
-            ))
-        })?;
-        Self::map(file, path, len)
-    }
-
-    /// Maps a whole file received from another process (e.g. a memfd passed over a Unix
-    /// socket), at its current size; `name` is for errors and logs.
-    pub fn from_fd(fd: std::os::fd::OwnedFd, name: &str) -> Result<Self, ShmError> {
-        let file = File::from(fd);
-        let path = PathBuf::from(name);
-        let len = file.metadata().map_err(io_err("stat", &path))?.len();
-        let len = usize::try_from(len)
-            .map_err(|_| ShmError::Shape(format!("{name}: {len} bytes do not fit in memory")))?;
-        Self::map(file, &path, len)
-    }
-
-    /// The size of the underlying file now: a client may shrink a file it shared after we
-    /// mapped it, and touching the mapping past the new end would fault. Check before use.
-    pub fn current_file_len(&self) -> Result<u64, ShmError> {
-        self._file
-            .metadata()
-            .map(|m| m.len())
-            .map_err(io_err("stat", &self.path))
-    }
-
-    /// Forbids the file to shrink from now on (`F_SEAL_SHRINK`), where its creator allowed
-    /// sealing (`MFD_ALLOW_SEALING`). True when the file can no longer shrink — then the
-    /// mapping can never fault — false when sealing is not allowed.
-    pub fn seal_shrink(&self) -> bool {
-        use std::os::fd::AsRawFd;
-        let fd = self._file.as_raw_fd();
-        // SAFETY: plain fcntl calls on a descriptor this region owns; no memory is passed.
-        let added = unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0;
-        // SAFETY: as above.
-        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
-        added || (seals > 0 && seals & libc::F_SEAL_SHRINK != 0)
-    }
-
-    /// Copies bytes at `offset` into `dst` through the mapping, surviving a file that shrinks
-    /// under the copy: then `Truncated`, and every later guarded copy of this region fails
-    /// too (the mapping no longer shows the file). Falls back to [`Self::pread`] where the
-    /// guard cannot be installed.
-    pub fn read_guarded(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
-        self.check(offset, dst.len())?;
-        self.check_intact()?;
-        // SAFETY: `check` proved the source range lies inside the live mapping; `dst` is a
-        // distinct Rust buffer. A fault inside the range is absorbed by the guard.
-        let src = unsafe { self.map.as_ptr().add(offset) };
-        let copied = guard::guarded(src as usize, dst.len(), || {
-            // SAFETY: the range was checked above; a SIGBUS inside it is absorbed.
-            unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
-        });
-        self.after_guarded(copied, || self.pread(offset, dst))
-    }
-
-    /// Copies `src` to `offset` through the mapping, surviving a file that shrinks under the
-    /// copy (see [`Self::read_guarded`]).
-    pub fn write_guarded(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
-        self.check(offset, src.len())?;
-        self.check_intact()?;
-        // SAFETY: as in `read_guarded`, with the mapping as the destination.
-        let dst = unsafe { self.map.as_mut_ptr().add(offset) };
-        let copied = guard::guarded(dst as usize, src.len(), || {
-            // SAFETY: the range was checked above; a SIGBUS inside it is absorbed.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
-        });
-        self.after_guarded(copied, || self.pwrite(offset, src))
-    }
-
-    /// Whether a guarded copy found the file shrunk (the region is of no further use).
-    pub fn is_damaged(&self) -> bool {
-        self.damaged.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    fn check_intact(&self) -> Result<(), ShmError> {
-        if self.is_damaged() {
-            return Err(ShmError::Truncated(self.path.display().to_string()));
-        }
-        Ok(())
-    }
-
-    fn after_guarded(
-        &self,
-        copied: Option<bool>,
-        fallback: impl FnOnce() -> Result<(), ShmError>,
-    ) -> Result<(), ShmError> {
-        match copied {
-            Some(true) => Ok(()),
-            Some(false) => {
-                self.damaged
-                    .store(true, std::sync::atomic::Ordering::Release);
-                Err(ShmError::Truncated(self.path.display().to_string()))
-            }
-            None => fallback(),
-        }
-    }
-
-    /// Copies bytes at `offset` of the file into `dst` with `pread`, not through the mapping:
-    /// a file that shrank under us gives an error here, never a fault.
-    pub fn pread(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
-        use std::os::unix::fs::FileExt;
-        self.check(offset, dst.len())?;
-        self._file
-            .read_exact_at(dst, offset as u64)
-            .map_err(io_err("pread", &self.path))
-    }
-
-    /// Copies `src` into the file at `offset` with `pwrite`, not through the mapping: never a
-    /// fault (a file that shrank under us grows back to cover the write).
-    pub fn pwrite(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
-        use std::os::unix::fs::FileExt;
-        self.check(offset, src.len())?;
-        self._file
-            .write_all_at(src, offset as u64)
-            .map_err(io_err("pwrite", &self.path))
-    }
-
-    fn map(file: File, path: &Path, len: usize) -> Result<Self, ShmError> {
-        if len == 0 {
-            return Err(ShmError::Shape("a region needs at least one byte".into()));
-        }
-        let map = map_existing(&file, path, len)?;
-        Ok(Self {
-            map,
-            _file: file,
-            path: path.to_path_buf(),
-            len,
-            damaged: std::sync::atomic::AtomicBool::new(false),
-        })
-    }
-
-    /// The mapped file's identity (device, inode): two mappings with the same one are the
-    /// same memory, whatever paths opened them.
-    pub fn file_id(&self) -> Result<(u64, u64), ShmError> {
-        use std::os::unix::fs::MetadataExt;
-        let m = self._file.metadata().map_err(io_err("stat", &self.path))?;
-        Ok((m.dev(), m.ino()))
-    }
-
-    /// Where it lives.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Mapped bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: a region has at least one byte.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    fn check(&self, offset: usize, len: usize) -> Result<(), ShmError> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(ShmError::Shape(format!(
-                "bytes {offset}..+{len} are outside the region of {} bytes",
-                self.len
-            )));
-        }
-        Ok(())
-    }
-
-    /// Copies `src` into the region at `offset`.
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
-        self.check(offset, src.len())?;
-        // SAFETY: `check` proved the destination lies inside the live mapping, and `src` is a
-        // Rust slice, never a reference into the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr(),
-                self.map.as_mut_ptr().add(offset),
-                src.len(),
-            );
-        }
-        Ok(())
-    }
-
-    /// Copies bytes at `offset` into `dst`.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
-        self.check(offset, dst.len())?;
-        // SAFETY: as in `write`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
-        }
-        Ok(())
-    }
-
-    /// A raw pointer to the start of the region, valid while `self` lives, for device copies.
-    pub fn ptr(&self) -> NonNull<u8> {
-        // The mapping of a non-empty region is never at address zero.
-        NonNull::new(self.map.as_mut_ptr()).unwrap_or(NonNull::dangling())
-    }
-}
-
 /// Removes a half-created pool file if creation fails part-way.
 struct UnlinkGuard(Option<PathBuf>);
 
@@ -832,69 +626,116 @@ mod tests {
     use super::*;
 
     /// A spec whose name is unique to the calling test (tests run in parallel).
-    fn spec(dir: &Path, backing: Backing, test: &str) -> PoolSpec {
+    fn spec(backing: Backing, test: &str) -> PoolSpec {
         PoolSpec {
-            name: format!("kvtier-shm-test-{}-{test}-{backing:?}", std::process::id()),
-            dir: dir.to_path_buf(),
+            name: format!(
+                "kvtier-shm-test-{}-{test}-{}",
+                std::process::id(),
+                backing.is_file()
+            ),
             backing,
             slots: 4,
             stride: 8192,
             mlock: false,
             huge_pages: false,
             reserve: false,
-            access: FileAccess::OWNER,
-            grant: None,
         }
     }
 
+    fn own() -> OwnDir {
+        let d = std::env::temp_dir().join(format!("kvtier-shm-own-{}", std::process::id()));
+        OwnDir::open_or_create(&d).unwrap().0
+    }
+
+    fn file() -> Backing {
+        Backing::ShmFile(own())
+    }
+
+    /// What a client of kvtierd's pool door does: maps the pool from its descriptor.
+    fn client(owner: &ShmPool, slots: u32) -> Result<ShmPool, ShmError> {
+        let fd = owner.fd().try_clone_to_owned().unwrap();
+        ShmPool::from_fd(fd, "client", slots, owner.stride())
+    }
+
     #[test]
-    fn pool_and_table_files_get_their_mode_whatever_the_umask() {
+    fn pool_and_table_files_are_new_and_the_owners_alone_whatever_the_umask() {
         use std::os::unix::fs::PermissionsExt;
         // SAFETY: umask only sets this process's file-creation mask; the most permissive one
         // here shows the mode below is set, not inherited (other tests only get laxer
         // masks, and set their files' modes themselves).
         unsafe { libc::umask(0) };
-        let dir = tmp();
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-        let mut s = spec(&dir, Backing::ShmFile, "mode-owner");
-        let p = ShmPool::create(&s).unwrap();
+        let s = spec(file(), "mode-owner");
+        let (p, replaced) = ShmPool::create(&s).unwrap();
+        assert!(!replaced);
         assert_eq!(mode(p.path()), 0o600);
-        s.name.push_str("-group");
-        s.access = FileAccess::with_group(None);
-        let g = ShmPool::create(&s).unwrap();
-        assert_eq!(mode(g.path()), 0o660);
-        let table = dir.join(format!("kvtier-shm-test-{}-mode.slots", std::process::id()));
-        let t = crate::slot_table::SlotTable::create(&table, 2, 4096, b"x").unwrap();
-        assert_eq!(mode(&table), 0o600);
-        drop((p, g, t));
+        assert_eq!(mode(own().path()), 0o700);
+        let table = format!("kvtier-shm-test-{}-mode.slots", std::process::id());
+        let t = crate::slot_table::SlotTable::create(&own(), &table, 2, 4096, b"x").unwrap();
+        assert_eq!(mode(&own().join(&table)), 0o600);
+        drop((p, t));
+        // A leftover of the same name (a dead kvtierd's) is removed, never reused: the new
+        // pool is a new file, and the old one's holder keeps its own bytes.
+        let (old, _) = ShmPool::create(&s).unwrap();
+        let mut old = old;
+        old.unlink_on_drop = false;
+        old.write(0, 0, &[9; 16]).unwrap();
+        let (new, replaced) = ShmPool::create(&s).unwrap();
+        assert!(replaced);
+        assert_ne!(old.file_id().unwrap(), new.file_id().unwrap());
+        let mut b = [0u8; 16];
+        new.read(0, 0, &mut b).unwrap();
+        assert_eq!(b, [0; 16]);
     }
 
-    fn tmp() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("kvtier-shm-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    #[test]
+    fn a_file_pool_shrunk_by_a_client_fails_the_owners_copies_never_kills_it() {
+        let (owner, _) = ShmPool::create(&spec(file(), "shrunk")).unwrap();
+        owner.write(3, 0, &[1; 64]).unwrap();
+        // A client holding the descriptor shrinks the file under the owner's mapping.
+        let fd = owner.fd().try_clone_to_owned().unwrap();
+        File::from(fd).set_len(4096).unwrap();
+        let mut b = [0u8; 64];
+        assert!(matches!(
+            owner.read(3, 0, &mut b),
+            Err(ShmError::Truncated(_))
+        ));
+        assert!(owner.is_damaged());
+        // Every later copy fails too, even of a slot still inside the file.
+        assert!(matches!(
+            owner.write(0, 0, &[2; 8]),
+            Err(ShmError::Truncated(_))
+        ));
+        assert!(owner.checksum(0, 64).is_err());
+    }
+
+    #[test]
+    fn a_memfd_pools_size_is_sealed_against_its_clients() {
+        let (owner, _) = ShmPool::create(&spec(Backing::Memfd, "sealed")).unwrap();
+        let fd = owner.fd().try_clone_to_owned().unwrap();
+        let f = File::from(fd);
+        assert!(f.set_len(4096).is_err(), "a client cannot shrink it");
+        assert!(f.set_len(1 << 20).is_err(), "nor grow it");
+        assert_eq!(f.metadata().unwrap().len(), 4 * 8192);
     }
 
     #[test]
     fn two_mappings_see_the_same_bytes() {
-        for backing in [Backing::ShmFile, Backing::Memfd] {
-            let owner = ShmPool::create(&spec(&tmp(), backing, "two")).unwrap();
-            let client = ShmPool::open(owner.path(), 4, 8192).unwrap();
+        for backing in [file(), Backing::Memfd] {
+            let (owner, _) = ShmPool::create(&spec(backing.clone(), "two")).unwrap();
+            let client = client(&owner, 4).unwrap();
             let page: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
             client.write(3, 0, &page).unwrap();
             let mut back = vec![0u8; 8192];
             owner.read(3, 0, &mut back).unwrap();
             assert_eq!(back, page, "{backing:?}");
-            assert!(
-                ShmPool::open(owner.path(), 5, 8192).is_err(),
-                "size is checked"
-            );
+            assert!(super::tests::client(&owner, 5).is_err(), "size is checked");
         }
     }
 
     #[test]
     fn regions_are_shared_sized_and_bounded() {
-        let path = tmp().join("region");
+        let path = own().join("region");
         let engine = ShmRegion::create(&path, 10_000).unwrap();
         let agent = ShmRegion::open(&path, 10_000).unwrap();
         engine.write(9_990, &[5; 10]).unwrap();
@@ -938,11 +779,11 @@ mod tests {
     #[test]
     fn a_reserved_pool_is_mapped_populated_and_a_lazy_one_lazily() {
         for (reserve, name) in [(true, "populated"), (false, "lazy")] {
-            let mut sp = spec(&tmp(), Backing::Memfd, name);
+            let mut sp = spec(Backing::Memfd, name);
             sp.reserve = reserve;
             sp.slots = 64;
-            let owner = ShmPool::create(&sp).unwrap();
-            let client = ShmPool::open(owner.path(), 64, 8192).unwrap();
+            let (owner, _) = ShmPool::create(&sp).unwrap();
+            let client = client(&owner, 64).unwrap();
             let addr = client.slot_ptr(0).unwrap().as_ptr() as usize;
             let rss = resident(addr);
             if reserve {
@@ -955,16 +796,16 @@ mod tests {
 
     #[test]
     fn a_reserved_pool_is_allocated_up_front_and_refused_when_it_cannot_fit() {
-        let mut sp = spec(&tmp(), Backing::ShmFile, "reserve");
+        let mut sp = spec(file(), "reserve");
         sp.reserve = true;
-        let p = ShmPool::create(&sp).unwrap();
+        let (p, _) = ShmPool::create(&sp).unwrap();
         // Every block is allocated: the file is not sparse.
         let meta = std::fs::metadata(p.path()).unwrap();
         use std::os::unix::fs::MetadataExt;
         assert!(meta.blocks() * 512 >= 4 * 8192, "{} blocks", meta.blocks());
         drop(p);
         // Far more than the directory's filesystem has: refused at once, nothing left behind.
-        let mut huge = spec(&tmp(), Backing::ShmFile, "huge");
+        let mut huge = spec(file(), "huge");
         huge.reserve = true;
         huge.slots = u32::MAX;
         huge.stride = 1 << 30;
@@ -972,12 +813,12 @@ mod tests {
             Err(ShmError::NoSpace { need, free, .. }) => assert!(need > free),
             other => panic!("expected NoSpace, got {other:?}"),
         }
-        assert!(!tmp().join(&huge.name).exists());
+        assert!(!own().contains(&huge.name));
     }
 
     #[test]
     fn bounds_are_enforced() {
-        let p = ShmPool::create(&spec(&tmp(), Backing::ShmFile, "bounds")).unwrap();
+        let (p, _) = ShmPool::create(&spec(file(), "bounds")).unwrap();
         assert!(matches!(
             p.write(4, 0, &[1]),
             Err(ShmError::OutOfBounds { .. })
@@ -996,9 +837,9 @@ mod tests {
 
     #[test]
     fn file_is_unlinked_on_drop_and_shapes_are_checked() {
-        let s = spec(&tmp(), Backing::ShmFile, "unlink");
+        let s = spec(file(), "unlink");
         let path = {
-            let p = ShmPool::create(&s).unwrap();
+            let (p, _) = ShmPool::create(&s).unwrap();
             assert!(p.path().exists());
             p.path().to_path_buf()
         };

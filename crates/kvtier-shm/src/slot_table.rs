@@ -16,12 +16,12 @@
 //!
 //! [`ShmPool::checksum`]: crate::ShmPool::checksum
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use crate::{ShmError, io_err};
+use crate::{OwnDir, ShmError, io_err};
 
 const MAGIC: &[u8; 8] = b"KVTSLOT1";
 const HEADER: usize = 4096;
@@ -71,11 +71,9 @@ unsafe impl Send for SlotTable {}
 // SAFETY: as above.
 unsafe impl Sync for SlotTable {}
 
-/// The table file of the pool at `pool`.
-pub fn table_path(pool: &Path) -> PathBuf {
-    let mut p = pool.as_os_str().to_owned();
-    p.push(".slots");
-    PathBuf::from(p)
+/// The name of the table file of the pool named `pool` (beside it, in the same directory).
+pub fn table_name(pool: &str) -> String {
+    format!("{pool}.slots")
 }
 
 fn table_len(slots: u32) -> usize {
@@ -89,10 +87,12 @@ fn crc(parts: &[&[u8]]) -> u32 {
 }
 
 impl SlotTable {
-    /// Creates (or replaces) the table at `path` for a pool of `slots` × `stride`, every
-    /// record clear.
+    /// Creates the table `name` in `dir` for a pool of `slots` × `stride`, every record
+    /// clear: a new file ([`OwnDir::create_replacing`]; a dead process's file of that name
+    /// is removed first, never reused).
     pub fn create(
-        path: &Path,
+        dir: &OwnDir,
+        name: &str,
         slots: u32,
         stride: u64,
         description: &[u8],
@@ -103,15 +103,8 @@ impl SlotTable {
                 description.len()
             )));
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io_err("create", path))?;
-        // Page keys and slots: kvtierd's alone, whatever the umask.
-        crate::FileAccess::OWNER.apply(&file, path)?;
+        let (file, _) = dir.create_replacing(name)?;
+        let path = &dir.join(name);
         // Held while this table is open: a successor knows its creator is alive by it.
         lock(&file, path)?;
         let len = table_len(slots);
@@ -142,8 +135,9 @@ impl SlotTable {
     /// Maps an existing table (a dead daemon's) and checks its header. Only a file that is
     /// this process's own ([`crate::open_own`]) and that no live process holds (the
     /// creator's lock, [`SlotTable::create`]) is opened.
-    pub fn open(path: &Path) -> Result<(Self, TableHeader), ShmError> {
-        let file = crate::open_own(path)?;
+    pub fn open(dir: &OwnDir, name: &str) -> Result<(Self, TableHeader), ShmError> {
+        let file = dir.open_own(name)?;
+        let path = &dir.join(name);
         lock(&file, path)?;
         let actual = file.metadata().map_err(io_err("stat", path))?.len();
         let bad = |why: String| ShmError::Shape(format!("{}: {why}", path.display()));
@@ -338,22 +332,22 @@ mod tests {
     #[test]
     fn sealed_records_survive_the_writer_and_cleared_ones_do_not() {
         let dir = std::env::temp_dir().join(format!("kvtier-slots-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("pool.slots");
-        let t = SlotTable::create(&path, 8, 8192, b"layout").unwrap();
+        let (own, _) = OwnDir::open_or_create(&dir).unwrap();
+        let path = own.join("pool.slots");
+        let t = SlotTable::create(&own, "pool.slots", 8, 8192, b"layout").unwrap();
         for i in 0..8u8 {
             t.seal(u32::from(i), &rec(i)).unwrap();
         }
         t.clear(3).unwrap();
         assert!(t.seal(8, &rec(0)).is_err());
         // While its writer lives (holds it open), nobody takes it over.
-        let e = SlotTable::open(&path).unwrap_err();
+        let e = SlotTable::open(&own, "pool.slots").unwrap_err();
         assert!(e.is_untrusted(), "{e}");
         // The writer dies: its descriptor (and lock) go, the file stays.
         let mut t = t;
         t.unlink_on_drop = false;
         drop(t);
-        let (mut t, h) = SlotTable::open(&path).unwrap();
+        let (mut t, h) = SlotTable::open(&own, "pool.slots").unwrap();
         assert_eq!(
             h,
             TableHeader {
@@ -379,15 +373,15 @@ mod tests {
     #[test]
     fn a_damaged_or_foreign_header_is_refused() {
         let dir = std::env::temp_dir().join(format!("kvtier-slots-h-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("pool.slots");
-        std::fs::write(&path, vec![7u8; HEADER + RECORD]).unwrap();
-        assert!(SlotTable::open(&path).is_err());
-        let t = SlotTable::create(&path, 2, 4096, b"x").unwrap();
+        let (own, _) = OwnDir::open_or_create(&dir).unwrap();
+        let name = "pool.slots";
+        std::fs::write(own.join(name), vec![7u8; HEADER + RECORD]).unwrap();
+        assert!(SlotTable::open(&own, name).is_err());
+        let t = SlotTable::create(&own, name, 2, 4096, b"x").unwrap();
         t.put(30, b"y");
         std::mem::forget(t);
-        assert!(SlotTable::open(&path).is_err(), "description changed");
-        assert!(SlotTable::create(&path, 1, 4096, &[0; MAX_DESCRIPTION + 1]).is_err());
+        assert!(SlotTable::open(&own, name).is_err(), "description changed");
+        assert!(SlotTable::create(&own, name, 1, 4096, &[0; MAX_DESCRIPTION + 1]).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

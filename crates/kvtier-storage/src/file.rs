@@ -67,6 +67,18 @@ impl FileStore {
     }
 }
 
+/// A new temporary file at `tmp`: `O_CREAT|O_EXCL|O_NOFOLLOW`, so a file or symlink someone
+/// planted at the name is an error (the write fails: a miss), never written through or
+/// truncated.
+fn new_file(tmp: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(tmp)
+}
+
 /// Moves the written temp file `tmp` to its object's `path`, replacing what is there.
 ///
 /// Never by renaming over an existing file: ext4 (with its default `auto_da_alloc`) then
@@ -521,12 +533,12 @@ impl Store for FileStore {
                 }
             }
             let write = || -> std::io::Result<()> {
-                let mut f = match std::fs::File::create(&tmp) {
+                let mut f = match new_file(&tmp) {
                     Err(e) if e.kind() == ErrorKind::NotFound => {
                         if let Some(dir) = path.parent() {
                             std::fs::create_dir_all(dir)?;
                         }
-                        std::fs::File::create(&tmp)?
+                        new_file(&tmp)?
                     }
                     r => r?,
                 };
@@ -697,6 +709,25 @@ mod tests {
                 Err(e) => Err(SinkReadError::Io(e)),
             })
         }
+    }
+
+    /// A temporary file is always new: a symlink or file planted at its name is an error,
+    /// never followed, truncated or written.
+    #[test]
+    fn a_planted_temp_name_is_never_written_through() {
+        let dir = std::env::temp_dir().join(format!("kvtier-file-planted-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"theirs").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(".t1")).unwrap();
+        std::fs::write(dir.join(".t2"), b"planted").unwrap();
+        assert!(new_file(&dir.join(".t1")).is_err());
+        assert!(new_file(&dir.join(".t2")).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"theirs");
+        assert_eq!(std::fs::read(dir.join(".t2")).unwrap(), b"planted");
+        assert!(new_file(&dir.join(".t3")).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A written object lands on a free name and replaces a taken one, whole, with its temp

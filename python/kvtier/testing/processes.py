@@ -68,8 +68,9 @@ _dead: list[tuple[Path, int]] = []
 
 
 def _left_pools(shm_dir: Path, pid: int) -> None:
-    """Remembers the pools a killed kvtierd left in ``shm_dir``; at exit, removes those
-    still there (``kvtier-<instance>-<pid>-<layout>`` and their slot tables)."""
+    """Remembers the pools a killed kvtierd left in its own directory in ``shm_dir``
+    (``kvtierd-<uid>``); at exit, removes those still there
+    (``kvtier-<instance>-<pid>-<layout>`` and their slot tables)."""
     if not _dead:
         atexit.register(_remove_left_pools)
     _dead.append((shm_dir, pid))
@@ -77,7 +78,7 @@ def _left_pools(shm_dir: Path, pid: int) -> None:
 
 def _remove_left_pools() -> None:
     for shm_dir, pid in _dead:
-        for p in shm_dir.glob(f"kvtier-*-{pid}-*"):
+        for p in (shm_dir / f"kvtierd-{os.geteuid()}").glob(f"kvtier-*-{pid}-*"):
             p.unlink(missing_ok=True)
 
 

@@ -244,7 +244,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.LayoutDescriptor, _Mapping]] = ..., hash_self_test: _Optional[_Union[_common_pb2.HashSelfTest, _Mapping]] = ..., expected_layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "ttl_ms", "layout", "pool_path", "pool_slots", "slot_stride", "tenant")
+    __slots__ = ("session_id", "ttl_ms", "layout", "pool_path", "pool_slots", "slot_stride", "tenant", "pool_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class RegisterResponse(_message.Message):
     POOL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     ttl_ms: int
     layout: _common_pb2.LayoutInfo
@@ -259,7 +260,8 @@ class RegisterResponse(_message.Message):
     pool_slots: int
     slot_stride: int
     tenant: str
-    def __init__(self, session_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., pool_path: _Optional[str] = ..., pool_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    pool_socket: str
+    def __init__(self, session_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.LayoutInfo, _Mapping]] = ..., pool_path: _Optional[str] = ..., pool_slots: _Optional[int] = ..., slot_stride: _Optional[int] = ..., tenant: _Optional[str] = ..., pool_socket: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "report")

@@ -98,8 +98,9 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// SIGKILL. A kvtierd leaves its L2 pool in /dev/shm, as a crashed one does, for a
-    /// restart to take over; what is still there when this is dropped is removed.
+    /// SIGKILL. A kvtierd leaves its L2 pool in its own directory in /dev/shm, as a crashed
+    /// one does, for a restart to take over; what is still there when this is dropped is
+    /// removed.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -115,11 +116,10 @@ impl Drop for Proc {
     fn drop(&mut self) {
         if self.killed {
             let pid = self.child.id().to_string();
-            for e in std::fs::read_dir("/dev/shm")
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
+            use std::os::unix::fs::MetadataExt as _;
+            let uid = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
+            let own = format!("/dev/shm/kvtierd-{uid}");
+            for e in std::fs::read_dir(own).into_iter().flatten().flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 // kvtier-<instance>-<pid>-<layout>[.slots]
                 if name.starts_with("kvtier-") && name.split('-').nth(2) == Some(pid.as_str()) {

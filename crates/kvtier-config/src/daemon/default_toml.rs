@@ -20,6 +20,10 @@ data_dir = "kvtier-data"
 [server]
 # Unix domain socket of the gRPC control plane. Empty: <data_dir>/kvtierd.sock.
 socket = ""
+# The pool door: a Unix socket where a registered client receives its L2 pool as a file
+# descriptor (SCM_RIGHTS), never as a path to open. Same access rules as the control socket.
+# Empty: the control socket's path with ".pools" appended.
+pool_socket = ""
 # Optional TCP address for clients on other hosts, e.g. "0.0.0.0:50051". Empty: off.
 # Over TCP every call but the grpc.health.v1 checks must present server.token, and the
 # listener needs TLS (tls_cert and tls_key) unless tcp_insecure is set.
@@ -65,10 +69,15 @@ peer_token_file = ""
 listen = "127.0.0.1:9464"
 
 [l2]
-# Directory of the shared-memory pool files (a tmpfs). Used with backing = "shm_file".
+# A tmpfs where kvtierd keeps its pool files and slot tables, in a directory of its own made
+# there at start: kvtierd-<uid>, mode 0700 (a symlink or another user's directory at that name
+# stops kvtierd). No client opens them by name: the pool door (server.pool_socket) hands each
+# session its pool's descriptor. The directory survives a kvtierd restart, for the crash
+# takeover. Used with backing = "shm_file".
 shm_dir = "/dev/shm"
-# What backs each pool: "shm_file" (a named file in shm_dir) or "memfd" (clients open it
-# through /proc/<pid>/fd).
+# What backs each pool: "shm_file" (a file in kvtierd's directory in shm_dir, which a kvtierd
+# started after a crash can take over) or "memfd" (no name at all, its size sealed; not taken
+# over after a crash).
 backing = "shm_file"
 # Size of each pool class (one per layout: model, dtype, shape, page size, TP rank).
 # Rounded down to whole slots; at least one slot.
@@ -90,13 +99,11 @@ eviction_policy = "lru"
 mlock = false
 # Ask the kernel for transparent huge pages on the pools (best effort).
 huge_pages = false
-# While [tenants] names any: each named tenant gets its own pool per layout, whose file only
-# kvtierd and that tenant's uids and gids (tenants.*.uids / gids) may open, by a POSIX ACL on
-# l2.shm_dir (tmpfs has them). Another tenant in the socket's group then cannot map, read or
-# overwrite its pages. Costs a pool per tenant and layout (each counts in max_pools); a
-# tenant's pool is not taken over after a crash (its pages come back from L3). false: one
-# pool per layout shared by every tenant, which every peer in the socket's group can map
-# read-write (tenancy then scopes only the API).
+# While [tenants] names any: each named tenant gets its own pool per layout, whose descriptor
+# only that tenant's sessions receive from the pool door. Costs a pool per tenant and layout
+# (each counts in max_pools); a tenant's pool is not taken over after a crash (its pages come
+# back from L3). false: one pool per layout mapped by every tenant's sessions (tenancy then
+# scopes only the API).
 tenant_pools = true
 # Allocate each pool's memory when it is created (fallocate), after checking shm_dir has
 # room: a /dev/shm too small for the pool is then a clear error at registration, not a

@@ -69,6 +69,11 @@ impl HostService {
             pool_slots: reg.slots,
             slot_stride: reg.stride as u64,
             tenant,
+            pool_socket: self
+                .pool_socket
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
         })
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvtier_core::host_index::L3Mode;
 use kvtier_core::{LayoutFingerprint, PageKey, WritePolicy};
-use kvtier_shm::{Backing, ShmPool};
+use kvtier_shm::ShmPool;
 
 use super::{HostState, Pool};
 
@@ -48,7 +48,7 @@ impl HostState {
 
     /// Whether pools keep slot tables (so a later kvtierd can take them over).
     pub fn seals_enabled(&self) -> bool {
-        self.take_over && self.backing == Backing::ShmFile
+        self.take_over && self.backing.is_file()
     }
 
     /// The L2 → L3 write policy, while a tier is attached.

@@ -25,7 +25,7 @@ use kvtier_config::daemon::DaemonConfig;
 use kvtier_core::host_index::PageState;
 use kvtier_core::{Layout, LayoutFingerprint, PageKey};
 use kvtier_proto::v1;
-use kvtier_shm::{ShmPool, SlotRecord, SlotTable, table_path};
+use kvtier_shm::{OwnDir, ShmPool, SlotRecord, SlotTable, table_name};
 use prost::Message;
 
 use super::{HostState, Pool};
@@ -43,11 +43,12 @@ pub struct Seals {
 }
 
 impl Seals {
-    /// The table for a new pool at `pool_path` (its file beside the pool).
-    pub fn create(pool_path: &Path, layout: &Layout, slots: u32) -> Result<Self, String> {
+    /// The table for a new pool named `pool` in `dir` (its file beside the pool).
+    pub fn create(dir: &OwnDir, pool: &str, layout: &Layout, slots: u32) -> Result<Self, String> {
         let description = v1::LayoutDescriptor::from(layout.spec()).encode_to_vec();
         let table = SlotTable::create(
-            &table_path(pool_path),
+            dir,
+            &table_name(pool),
             slots,
             layout.slot_stride() as u64,
             &description,
@@ -357,26 +358,38 @@ fn classify<'a>(name: &'a str, instance: &str) -> Found<'a> {
 }
 
 /// Takes over (or, when that is off or impossible, removes) the pools of dead kvtierd
-/// processes in `l2.shm_dir`. Runs at start, before the daemon serves.
+/// processes in kvtierd's own pool directory ([`super::pool_dir`]). Runs at start, before the
+/// daemon serves.
 pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> TakeoverCounts {
     let mut counts = TakeoverCounts::default();
-    let dir = &cfg.l2.shm_dir;
-    let Ok(rd) = std::fs::read_dir(dir) else {
+    let dir = match &state.backing {
+        kvtier_shm::Backing::ShmFile(dir) => dir.clone(),
+        // memfd pools: only an earlier run's files to remove, if it left any.
+        kvtier_shm::Backing::Memfd => {
+            if !super::pool_dir(cfg).is_dir() {
+                return counts;
+            }
+            match super::open_pool_dir(cfg) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!("not looking for a dead kvtierd's pools: {e}");
+                    return counts;
+                }
+            }
+        }
+    };
+    let Ok(mut names) = dir.names() else {
         return counts;
     };
-    let mut names: Vec<String> = rd
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
     names.sort();
     let instance = state.instance.clone();
     for name in &names {
         // A table of ours whose pool file is gone is of no use.
         if let Some(pool) = name.strip_suffix(".slots")
             && matches!(classify(pool, &instance), Found::Mine(_) | Found::Legacy)
-            && !dir.join(pool).exists()
+            && !dir.contains(pool)
         {
-            let _ = std::fs::remove_file(dir.join(name));
+            let _ = dir.remove(name);
             continue;
         }
         let path = dir.join(name);
@@ -390,7 +403,7 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
             Found::Mine(_) if !(cfg.l2.take_over_after_crash && state.seals_enabled()) => {
                 Err("l2.take_over_after_crash is off (or pools are memfds)".to_string())
             }
-            Found::Mine(fp) => match take_over_one(&path, fp, state, &mut counts) {
+            Found::Mine(fp) => match take_over_one(&dir, name, fp, state, &mut counts) {
                 Err(Refusal::NotOurs(why)) => {
                     // Planted, or held by a live process: neither read nor removed.
                     counts.pools_ignored += 1;
@@ -411,11 +424,9 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
                 tracing::info!(path = %path.display(), "removed a dead kvtierd's pool: {why}");
             }
         }
-        for p in [path.clone(), table_path(&path)] {
-            if let Err(e) = std::fs::remove_file(&p)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                tracing::warn!(path = %p.display(), "cannot remove a stale pool file: {e}");
+        for n in [name.clone(), table_name(name)] {
+            if let Err(e) = dir.remove(&n) {
+                tracing::warn!("cannot remove a stale pool file: {e}");
             }
         }
     }
@@ -455,12 +466,13 @@ impl From<kvtier_shm::ShmError> for Refusal {
 
 /// Takes over one dead pool; returns the pages taken.
 fn take_over_one(
-    path: &Path,
+    dir: &OwnDir,
+    name: &str,
     fp: &str,
     state: &mut HostState,
     counts: &mut TakeoverCounts,
 ) -> Result<u64, Refusal> {
-    let (table, header) = SlotTable::open(&table_path(path))?;
+    let (table, header) = SlotTable::open(dir, &table_name(name))?;
     let desc = v1::LayoutDescriptor::decode(header.description.as_slice())
         .map_err(|e| format!("its layout does not decode: {e}"))?;
     let layout = Layout::try_from(desc).map_err(|e| format!("its layout is invalid: {e}"))?;
@@ -471,7 +483,7 @@ fn take_over_one(
         return Err("its stride does not match its layout".into());
     }
     let stride = usize::try_from(header.stride).map_err(|e| e.to_string())?;
-    let old = ShmPool::open_own(path, header.slots, stride)?;
+    let old = ShmPool::open_own(dir, name, header.slots, stride)?;
     let before = counts.adopted;
     state.adopt_pool(&layout, &old, &table, counts)?;
     Ok(counts.adopted - before)
@@ -485,9 +497,9 @@ mod tests {
     fn a_sealer_that_never_runs_keeps_at_most_twice_the_pool_in_its_backlog() {
         let layout = crate::state::testing::tiny_layout();
         let dir = std::env::temp_dir().join(format!("kvtier-seals-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let (own, _) = OwnDir::open_or_create(&dir).unwrap();
         let slots = 8u32;
-        let mut s = Seals::create(&dir.join("pool"), &layout, slots).unwrap();
+        let mut s = Seals::create(&own, "pool", &layout, slots).unwrap();
         let key = |i: u32| PageKey([(i % 251) as u8; 32]);
         // Every slot written and committed 100 times over: only the last round is live.
         for i in 0..100 * slots {

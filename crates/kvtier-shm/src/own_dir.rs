@@ -1,0 +1,274 @@
+//! The one place kvtier creates a file that holds pages or page keys: a directory only this
+//! process's uid may use ([`OwnDir`]), opened once and held by descriptor, and in it files
+//! made with `O_CREAT|O_EXCL|O_NOFOLLOW` and checked on the new descriptor (`fstat`). No
+//! name in it can be planted by anyone else (they cannot write the directory), no existing
+//! file is ever truncated or reused (`O_EXCL`), and no symlink is followed (`O_NOFOLLOW`,
+//! and the directory itself is opened with it).
+//!
+//! A file of the same name that is already there can only be this uid's (a dead process's,
+//! say): [`OwnDir::create`] refuses it, [`OwnDir::create_replacing`] removes it and says so.
+//! Files a dead predecessor left are opened with [`OwnDir::open_own`], under the same checks
+//! as [`crate::open_own`].
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustix::fs::{AtFlags, Mode, OFlags};
+
+use crate::ShmError;
+
+/// A directory only this process's uid may list, read or write (mode 0700, owned by the
+/// effective uid, not a symlink), held open: every file kvtierd shares as memory lives in one.
+#[derive(Clone, Debug)]
+pub struct OwnDir {
+    fd: Arc<OwnedFd>,
+    path: PathBuf,
+}
+
+fn os_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(rustix::io::Errno) -> ShmError + 'a {
+    move |e| crate::io_err(op, path)(std::io::Error::from(e))
+}
+
+impl OwnDir {
+    /// Opens `path` as this process's own directory, creating it (mode 0700; its parent
+    /// must exist) when it is missing. Refused with [`ShmError::Untrusted`] when it is a
+    /// symlink, not a directory, or owned by another uid; a directory of this uid that
+    /// others could use (a wider mode) is narrowed to 0700 and said in the log by the
+    /// caller (the returned flag is true).
+    pub fn open_or_create(path: &Path) -> Result<(Self, bool), ShmError> {
+        match rustix::fs::mkdir(path, Mode::from_raw_mode(0o700)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(os_err("create the directory", path)(e)),
+        }
+        let untrusted = |why: String| ShmError::Untrusted {
+            path: path.display().to_string(),
+            why,
+        };
+        let fd = rustix::fs::open(
+            path,
+            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| match e {
+            rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
+                untrusted("it is a symlink or not a directory".into())
+            }
+            e => os_err("open the directory", path)(e),
+        })?;
+        let st = rustix::fs::fstat(&fd).map_err(os_err("stat", path))?;
+        let me = rustix::process::geteuid().as_raw();
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Directory {
+            return Err(untrusted("not a directory".into()));
+        }
+        if st.st_uid != me {
+            return Err(untrusted(format!(
+                "owned by uid {}, not {me}: kvtier keeps shared memory only in a directory \
+                 of its own (remove it, or choose another directory)",
+                st.st_uid
+            )));
+        }
+        let narrowed = st.st_mode & 0o777 != 0o700;
+        if narrowed {
+            rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700)).map_err(os_err("chmod", path))?;
+        }
+        Ok((
+            Self {
+                fd: Arc::new(fd),
+                path: path.to_path_buf(),
+            },
+            narrowed,
+        ))
+    }
+
+    /// The directory's path (for logs, and for processes of this uid that look in it).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The path of `name` in this directory.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    fn check_name(&self, name: &str) -> Result<(), ShmError> {
+        if name.is_empty()
+            || name == "."
+            || name == ".."
+            || name.contains('/')
+            || name.contains('\0')
+        {
+            return Err(ShmError::Shape(format!(
+                "{name:?} is not a file name in {}",
+                self.path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Creates `name`, empty, read-write for this uid alone (0600): `O_CREAT|O_EXCL|
+    /// O_NOFOLLOW`, then checked on its descriptor (a regular file of this uid with one
+    /// link and no bytes). An existing file of that name is an error (`AlreadyExists`).
+    pub fn create(&self, name: &str) -> Result<File, ShmError> {
+        self.check_name(name)?;
+        let path = self.join(name);
+        let fd = rustix::fs::openat(
+            &*self.fd,
+            name,
+            OFlags::CREATE
+                | OFlags::EXCL
+                | OFlags::NOFOLLOW
+                | OFlags::RDWR
+                | OFlags::CLOEXEC
+                | OFlags::NOCTTY,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(os_err("create", &path))?;
+        let st = rustix::fs::fstat(&fd).map_err(os_err("stat", &path))?;
+        let me = rustix::process::geteuid().as_raw();
+        let why = if rustix::fs::FileType::from_raw_mode(st.st_mode)
+            != rustix::fs::FileType::RegularFile
+        {
+            Some("not a regular file".to_string())
+        } else if st.st_uid != me {
+            Some(format!("owned by uid {}, not {me}", st.st_uid))
+        } else if st.st_nlink != 1 || st.st_size != 0 {
+            Some(format!(
+                "{} links and {} bytes just after creation",
+                st.st_nlink, st.st_size
+            ))
+        } else if st.st_mode & 0o077 != 0 {
+            Some(format!("mode {:o}", st.st_mode & 0o777))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            // Not ours after all (cannot happen in a directory only we write): leave it.
+            return Err(ShmError::Untrusted {
+                path: path.display().to_string(),
+                why,
+            });
+        }
+        Ok(File::from(fd))
+    }
+
+    /// [`OwnDir::create`], removing a file of that name first if there is one (it can only
+    /// be this uid's: a dead process's leftover). Returns the file and whether one was
+    /// removed, for the caller to count.
+    pub fn create_replacing(&self, name: &str) -> Result<(File, bool), ShmError> {
+        match self.create(name) {
+            Ok(f) => Ok((f, false)),
+            Err(ShmError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::AlreadyExists =>
+            {
+                self.remove(name)?;
+                Ok((self.create(name)?, true))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Opens `name` read-write if it is this process's own file (see [`crate::open_own`]).
+    pub fn open_own(&self, name: &str) -> Result<File, ShmError> {
+        self.check_name(name)?;
+        crate::open_own(&self.join(name))
+    }
+
+    /// Removes `name` (not following a symlink: the link itself goes). Already gone is fine.
+    pub fn remove(&self, name: &str) -> Result<(), ShmError> {
+        self.check_name(name)?;
+        match rustix::fs::unlinkat(&*self.fd, name, AtFlags::empty()) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(()),
+            Err(e) => Err(os_err("remove", &self.join(name))(e)),
+        }
+    }
+
+    /// Whether `name` exists (not following a symlink).
+    pub fn contains(&self, name: &str) -> bool {
+        self.check_name(name).is_ok()
+            && rustix::fs::statat(&*self.fd, name, AtFlags::SYMLINK_NOFOLLOW).is_ok()
+    }
+
+    /// The names in the directory (UTF-8 ones; kvtier makes no other).
+    pub fn names(&self) -> Result<Vec<String>, ShmError> {
+        let rd = std::fs::read_dir(&self.path).map_err(crate::io_err("list", &self.path))?;
+        Ok(rd
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn scratch(test: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("kvtier-own-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    #[test]
+    fn a_new_directory_is_0700_and_a_wider_one_of_ours_is_narrowed() {
+        let p = scratch("mode");
+        let (d, narrowed) = OwnDir::open_or_create(&p).unwrap();
+        assert!(!narrowed);
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o700);
+        drop(d);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let (_d, narrowed) = OwnDir::open_or_create(&p).unwrap();
+        assert!(narrowed);
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o7777, 0o700);
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+
+    #[test]
+    fn a_symlink_or_a_file_at_the_directory_name_is_refused() {
+        let p = scratch("link");
+        let target = scratch("link-target");
+        std::fs::create_dir(&target).unwrap();
+        std::os::unix::fs::symlink(&target, &p).unwrap();
+        let e = OwnDir::open_or_create(&p).unwrap_err();
+        assert!(e.is_untrusted(), "{e}");
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(&p, b"x").unwrap();
+        assert!(OwnDir::open_or_create(&p).unwrap_err().is_untrusted());
+        std::fs::remove_file(&p).unwrap();
+        std::fs::remove_dir_all(&target).unwrap();
+    }
+
+    #[test]
+    fn files_are_new_0600_and_never_reused_or_followed() {
+        let p = scratch("files");
+        let (d, _) = OwnDir::open_or_create(&p).unwrap();
+        let f = d.create("pool").unwrap();
+        assert_eq!(f.metadata().unwrap().mode() & 0o777, 0o600);
+        // O_EXCL: the same name again is an error, and the file keeps its bytes.
+        std::fs::write(d.join("pool"), b"kept").unwrap();
+        let e = d.create("pool").unwrap_err().to_string();
+        assert!(e.contains("exists"), "{e}");
+        assert_eq!(std::fs::read(d.join("pool")).unwrap(), b"kept");
+        // A symlink at the name is never followed, not even by create_replacing: the link
+        // goes, its target is untouched.
+        let victim = scratch("files-victim");
+        std::fs::write(&victim, b"victim").unwrap();
+        std::os::unix::fs::symlink(&victim, d.join("table")).unwrap();
+        assert!(d.create("table").is_err());
+        let (f, replaced) = d.create_replacing("table").unwrap();
+        assert!(replaced);
+        assert!(f.metadata().unwrap().file_type().is_file());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"victim");
+        for bad in ["", ".", "..", "a/b", "../x"] {
+            assert!(d.create(bad).is_err(), "{bad:?}");
+        }
+        assert!(d.contains("table") && !d.contains("nothing"));
+        d.remove("table").unwrap();
+        d.remove("table").unwrap();
+        std::fs::remove_file(&victim).unwrap();
+        std::fs::remove_dir_all(&p).unwrap();
+    }
+}
