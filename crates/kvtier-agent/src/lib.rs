@@ -98,7 +98,10 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let socket = cfg.socket_path();
     let registry = kvtier_server::metrics::MetricRegistry::new();
-    let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &registry)?;
+    // The socket and the metrics endpoint each get an equal share of the descriptors.
+    let listeners = 1 + u32::from(cfg.metrics.listen.is_some());
+    let limits = kvtier_server::conn::fit_to_descriptors(&cfg.server.connections, listeners);
+    let gate = PeerGate::new(&cfg.server.unix, &limits, &registry)?;
     let uds = bind_socket(&gate, &socket).await?;
     let listen = cfg.metrics.listen.as_deref();
     let metrics_listener = kvtier_server::prometheus_http::bind(listen)
@@ -129,10 +132,12 @@ pub async fn run(
     if let Some(l) = metrics_listener {
         let svc = service.clone();
         registry.on_scrape(move || svc.refresh_gauges());
+        let cap = kvtier_server::conn::Cap::new(gate.limits(), "metrics", gate.conn_metrics());
         tokio::spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || registry.render()),
             shutdown.clone(),
+            cap,
         ));
     }
     let (health, health_service) = tonic_health::server::health_reporter();

@@ -107,7 +107,7 @@ pub async fn run(
         .and_then(kvtier_server::prometheus_http::local);
     let control =
         parts::Control::serve(&ctx, &core, &sglang, &gate, uds, tcp, metrics_addr).await?;
-    parts::spawn_metrics(&ctx, metrics);
+    parts::spawn_metrics(&ctx, &gate, metrics);
     parts::spawn_upkeep(&ctx, &core.state)?;
     let sglang_sockets = sglang.serve(&ctx, &gate, &core).await?;
     ctx.tracker.close();

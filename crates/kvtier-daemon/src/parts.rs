@@ -95,7 +95,13 @@ impl Listeners {
     /// metrics listener.
     pub(crate) async fn bind(ctx: &Ctx) -> Result<Self, DaemonError> {
         let cfg = &ctx.cfg;
-        let gate = PeerGate::new(&cfg.server.unix, &cfg.server.connections, &ctx.metrics)?;
+        // Every listener this kvtierd serves gets an equal share of its descriptors.
+        let listeners = 2
+            + u32::from(cfg.server.tcp.is_some())
+            + u32::from(cfg.metrics.listen.is_some())
+            + if cfg.sglang_rpc.enable { 2 } else { 0 };
+        let limits = kvtier_server::conn::fit_to_descriptors(&cfg.server.connections, listeners);
+        let gate = PeerGate::new(&cfg.server.unix, &limits, &ctx.metrics)?;
         let uds = gate.bind(&cfg.socket_path(), "control").await?;
         let pools = gate.bind(&cfg.pool_socket(), "pool_door").await?;
         let tcp = match cfg.server.tcp.as_deref() {
@@ -385,7 +391,7 @@ impl Control {
                 let incoming = kvtier_server::conn::tcp_incoming(
                     l,
                     kvtier_server::conn::Cap::new(
-                        &cfg.server.connections,
+                        gate.limits(),
                         "control_tcp",
                         gate.conn_metrics(),
                     ),
@@ -479,13 +485,15 @@ impl Control {
 }
 
 /// Serves `/metrics` on `listener`, when enabled.
-pub(crate) fn spawn_metrics(ctx: &Ctx, listener: Option<TcpListener>) {
+pub(crate) fn spawn_metrics(ctx: &Ctx, gate: &PeerGate, listener: Option<TcpListener>) {
     if let Some(l) = listener {
         let metrics = ctx.metrics.clone();
+        let cap = kvtier_server::conn::Cap::new(gate.limits(), "metrics", gate.conn_metrics());
         ctx.tracker.spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || metrics.render()),
             ctx.shutdown.clone(),
+            cap,
         ));
     }
 }

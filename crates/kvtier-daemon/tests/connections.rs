@@ -260,3 +260,71 @@ fn out_of_descriptors_the_daemon_waits_instead_of_spinning_and_then_serves_again
         "no accept failed: the test did not exhaust the descriptors"
     );
 }
+
+/// A kvtierd with few descriptors (200) fits its connection caps to them, an equal share per
+/// listener: idle connections flooding its metrics endpoint and its pool door are refused
+/// past their share, and the control socket still serves. Before, the metrics endpoint had
+/// no cap at all, and 260 idle connections to it left the control socket no descriptor.
+#[test]
+fn with_few_descriptors_a_flood_on_one_listener_leaves_the_control_socket_serving() {
+    let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-conn-fit", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = Daemon::start_under(
+        dir,
+        &["prlimit", "--nofile=200:200", "--"],
+        &["l2.pool_pages=8", "server.connections.handshake_timeout=5m"],
+    );
+    let metrics_addr = d
+        .metrics_url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let door = format!("{}.pools", d.target());
+    // A client registered before the flood (the door hands out its pool once).
+    let rt = rt();
+    let (mut c, s) = rt.block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        (c, s)
+    });
+    let mut held = Vec::new();
+    let mut tcp = Vec::new();
+    for _ in 0..260 {
+        if let Ok(s) = std::net::TcpStream::connect(&metrics_addr) {
+            tcp.push(s);
+        }
+    }
+    for _ in 0..220 {
+        if let Ok(s) = UnixStream::connect(&door) {
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // The control socket serves: calls on a held connection and on a new one.
+    rt.block_on(async {
+        let serves = async {
+            assert_eq!(c.lookup(s.id, &chain(1, 4)).await.unwrap(), 0);
+            let mut fresh = HostClient::connect(&d.target()).await.unwrap();
+            fresh.stats().await.unwrap();
+        };
+        tokio::time::timeout(Duration::from_secs(10), serves)
+            .await
+            .expect("the control socket did not serve within 10 s");
+    });
+    drop((held, tcp));
+    std::thread::sleep(Duration::from_millis(500));
+    let m = d.metrics();
+    // (200 - 64) / 3 listeners (control, pool door, metrics) = 45 each.
+    let refused = |socket: &str| {
+        metric(
+            &m,
+            &format!(
+                "kvtier_server_refused_connections_total{{reason=\"limit\",socket=\"{socket}\"}}"
+            ),
+        )
+    };
+    assert!(refused("metrics") >= 200.0, "{m}");
+    assert!(refused("pool_door") >= 160.0, "{m}");
+}

@@ -7,7 +7,9 @@
 //! [`Cap::admit`] hands out a [`Permit`] per connection; [`Limited`] carries it (with the
 //! deadline) for as long as tonic holds the connection, so the count is exact however the
 //! connection ends. kvtierd's and kvtier-agent's Unix listeners get theirs through
-//! [`crate::peers::PeerGate`]; kvtierd's TCP listener through [`tcp_incoming`].
+//! [`crate::peers::PeerGate`]; kvtierd's TCP listener through [`tcp_incoming`]; the metrics
+//! endpoints through [`crate::prometheus_http::serve`]. Every process fits its limits to its
+//! open-file limit at start ([`fit_to_descriptors`]), each listener an equal share.
 
 use std::collections::HashMap;
 use std::future::Future as _;
@@ -360,8 +362,47 @@ impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connecte
     }
 }
 
+/// Descriptors kept out of the listeners' share at [`fit_to_descriptors`]: the process's own
+/// files, pools, sockets and runtime.
+pub const RESERVED_DESCRIPTORS: u64 = 64;
+
+/// `limits` fitted to a process that may hold `nofile` descriptors and serves `listeners`
+/// listeners: each listener gets at most an equal share of what is left after
+/// [`RESERVED_DESCRIPTORS`] (at least 1), so a flood on one listener can never take the
+/// descriptors another needs, nor all of them; `per_peer` stays within `max`.
+pub fn fitted(limits: &ConnectionLimits, nofile: u64, listeners: u32) -> ConnectionLimits {
+    let share = nofile.saturating_sub(RESERVED_DESCRIPTORS) / u64::from(listeners.max(1));
+    let max = u64::from(limits.max).min(share).max(1) as u32;
+    ConnectionLimits {
+        max,
+        per_peer: limits.per_peer.min(max),
+        handshake_timeout: limits.handshake_timeout,
+    }
+}
+
+/// [`fitted`] to this process's open-file limit now (`RLIMIT_NOFILE`, after
+/// [`crate::process::raise_descriptor_limit`]); logs when it lowers `[server.connections]`.
+pub fn fit_to_descriptors(limits: &ConnectionLimits, listeners: u32) -> ConnectionLimits {
+    let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    let fit = fitted(limits, nofile, listeners);
+    if fit.max < limits.max {
+        tracing::warn!(
+            nofile,
+            listeners,
+            max = fit.max,
+            per_peer = fit.per_peer,
+            configured = limits.max,
+            "server.connections lowered to fit the open-file limit: each listener keeps its \
+             share (raise LimitNOFILE / ulimit -n for more)"
+        );
+    }
+    fit
+}
+
 /// The peer key of a TCP connection: its IP address, hashed.
-fn ip_key(addr: &std::net::SocketAddr) -> u64 {
+pub(crate) fn ip_key(addr: &std::net::SocketAddr) -> u64 {
     use std::hash::{Hash as _, Hasher as _};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     addr.ip().hash(&mut h);
@@ -427,6 +468,24 @@ mod tests {
         assert!(c.admit(1).is_some(), "the permit came back");
         let refused = |reason: &str| c.metrics.refused.with_label_values(&["test", reason]).get();
         assert_eq!((refused("peer_limit"), refused("limit")), (1, 1));
+    }
+
+    #[test]
+    fn caps_fit_the_descriptor_limit_in_equal_shares() {
+        let limits = ConnectionLimits {
+            max: 1024,
+            per_peer: 256,
+            handshake_timeout: kvtier_config::Dur(Duration::from_secs(10)),
+        };
+        // Plenty of descriptors: as configured.
+        assert_eq!(fitted(&limits, 1 << 20, 6), limits);
+        // 200 descriptors, 6 listeners: (200 - 64) / 6 = 22 each, per peer as well.
+        let f = fitted(&limits, 200, 6);
+        assert_eq!((f.max, f.per_peer), (22, 22));
+        assert!(u64::from(f.max) * 6 + RESERVED_DESCRIPTORS <= 200);
+        // Fewer than the reserve: one each, never zero.
+        let f = fitted(&limits, 10, 3);
+        assert_eq!((f.max, f.per_peer), (1, 1));
     }
 
     #[test]

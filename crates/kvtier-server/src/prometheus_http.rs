@@ -1,6 +1,8 @@
 //! The Prometheus text endpoint both kvtierd and kvtier-agent serve: `GET /metrics` answers
 //! what `render` returns (rendered per scrape, so gauges are fresh), anything else is 404.
-//! One task per connection; stops accepting when `stop` is cancelled.
+//! One task per connection, each under the listener's [`Cap`] (per IP address and in all,
+//! with the handshake deadline for its first bytes, and the same deadline for each request's
+//! headers); stops accepting when `stop` is cancelled.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,35 +14,33 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::conn::Cap;
+
 /// Renders the metrics page.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
-/// Serves `GET /metrics` on `listener` until `stop`.
-pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToken) {
-    let log = crate::conn::Throttle::new(crate::conn::LOG_EVERY);
+/// Serves `GET /metrics` on `listener` until `stop`, every connection under `cap`.
+pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToken, cap: Cap) {
     let mut backoff = std::time::Duration::ZERO;
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, addr) = tokio::select! {
             () = stop.cancelled() => return,
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
-                    if let Some(more) = log.allow() {
-                        tracing::warn!(suppressed = more, "metrics accept failed: {e}");
-                    }
                     // Out of descriptors, the listener stays readable: wait, never spin.
-                    if crate::conn::is_exhaustion(&e) {
-                        backoff = (backoff * 2).clamp(
-                            std::time::Duration::from_millis(10),
-                            std::time::Duration::from_secs(1),
-                        );
-                        tokio::time::sleep(backoff).await;
-                    }
+                    cap.accept_failed(&e, &mut backoff).await;
                     continue;
                 }
             },
         };
         backoff = std::time::Duration::ZERO;
+        let Some(permit) = cap.admit(crate::conn::ip_key(&addr)) else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let stream = cap.limit(stream, permit);
+        let headers_within = cap.handshake_timeout();
         let render = render.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
@@ -57,6 +57,8 @@ pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToke
                 }
             });
             let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(headers_within)
                 .serve_connection(TokioIo::new(stream), svc);
             if let Err(e) = conn.await {
                 tracing::debug!("metrics connection: {e}");

@@ -1,7 +1,7 @@
 //! Pools nobody uses go: a pool of a layout no session is registered to, with no pin, no
 //! reservation, no prefetch and no page L3 still lacks, is removed once it has been unused
 //! for `l2.idle_pool_ttl`, or at once when a new layout needs its place past `l2.max_pools`.
-//! Its memory and its file in `l2.shm_dir` are given back; a later session of that layout
+//! Its memory and its file in kvtierd's pool directory are given back; a later session of that layout
 //! gets a new, empty pool (what L3 holds is found there again). Without L3, the pages it held
 //! are counted as lost (`no_l3`), as any eviction without L3 is.
 

@@ -9,7 +9,7 @@
 //!
 //! Pool files are named `kvtier-<instance>-<pid>-<fingerprint>`, the instance being a hash of
 //! the daemon's socket path, the same across restarts. At start ([`take_over_dead_pools`])
-//! kvtierd looks in `l2.shm_dir` for pools of its own instance whose kvtierd is gone (another
+//! kvtierd looks in its own pool directory (`kvtierd-<uid>` in `l2.shm_dir`) for pools of its own instance whose kvtierd is gone (another
 //! instance's are left to that instance's successor). For each with an intact table and a layout it can rebuild, it creates its own
 //! pool of that layout and copies in every page whose record is sealed and whose bytes still
 //! have the recorded CRC32C, parents before children, giving each old slot's memory back as
@@ -311,7 +311,7 @@ pub(super) fn instance_id(socket: &Path) -> String {
     d[..4].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Whose a file in `l2.shm_dir` is.
+/// Whose a file in kvtierd's pool directory is.
 #[derive(Debug, PartialEq, Eq)]
 enum Found<'a> {
     /// A pool of this instance whose kvtierd is gone (its layout fingerprint, hex).

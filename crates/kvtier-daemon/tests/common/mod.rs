@@ -59,8 +59,21 @@ impl Daemon {
 
     /// Starts a daemon on an existing data directory (to test restarts).
     pub fn start_in(dir: PathBuf, sets: &[&str]) -> Daemon {
+        Self::start_under(dir, &[], sets)
+    }
+
+    /// [`Daemon::start_in`], run by `wrapper` (a command and its arguments, e.g. `prlimit`
+    /// with limits, ending in `--`) when it is not empty.
+    pub fn start_under(dir: PathBuf, wrapper: &[&str], sets: &[&str]) -> Daemon {
         std::fs::create_dir_all(&dir).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtierd"));
+        let mut cmd = match wrapper {
+            [] => Command::new(env!("CARGO_BIN_EXE_kvtierd")),
+            [w, args @ ..] => {
+                let mut c = Command::new(w);
+                c.args(args).arg(env!("CARGO_BIN_EXE_kvtierd"));
+                c
+            }
+        };
         // A config file a test put in the directory (for what only files set: [tenants]).
         let file = dir.join("kvtierd.toml");
         if file.exists() {
