@@ -49,7 +49,8 @@ def fetch(path: str, session_id: bytes, timeout: float) -> tuple[int, int, int]:
             s.connect(path)
             # No bearer token: this client reaches kvtierd on its Unix socket only.
             s.sendall(MAGIC + struct.pack("<HH", len(session_id), 0) + session_id)
-            head, fds, _, _ = socket.recv_fds(s, _ANSWER.size, 2)
+            # Close-on-exec from the start: a fork and exec in another thread never inherits it.
+            head, fds, _, _ = socket.recv_fds(s, _ANSWER.size, 2, socket.MSG_CMSG_CLOEXEC)
             if len(head) < _ANSWER.size:
                 head += _recv_exact(s, _ANSWER.size - len(head))
             magic, status, slots, stride, n = _ANSWER.unpack(head)

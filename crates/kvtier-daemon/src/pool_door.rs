@@ -117,7 +117,15 @@ async fn answer(stream: &UnixStream, state: &Shared, roles: &Roles) -> &'static 
     };
     let by_token = (!token.is_empty()).then(|| roles.of_token(token)).flatten();
     let found = {
-        let st = state.lock();
+        let mut st = state.lock();
+        // A pool a client shrank or grew is retired before anyone maps it again: its
+        // sessions end, and the caller is told to register again (into a new pool).
+        if st
+            .mapped_pool(id)
+            .is_ok_and(|(pool, _)| !pool.file_intact())
+        {
+            st.retire_damaged_pools();
+        }
         st.mapped_pool(id)
             .map(|(pool, tenant)| (pool, tenant.to_string()))
     };

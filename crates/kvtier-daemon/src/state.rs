@@ -222,6 +222,10 @@ pub struct Counters {
     pub cleared_pages: u64,
     /// Of those, pages L3 did not hold.
     pub lost_cleared: u64,
+    /// Pages L3 did not hold that went with a pool a client shrank or grew.
+    pub lost_pool_damaged: u64,
+    /// Pools retired because a client shrank or grew their file.
+    pub pools_damaged: u64,
     /// Committed pages whose slot records were sealed (they would survive a crash).
     pub sealed_pages: u64,
     /// Of those, pages sealed with the CRC32C of the verified L3 read that wrote them (no
@@ -505,10 +509,13 @@ impl HostState {
                 )));
             }
             let slots = u32::try_from(slots).unwrap_or(u32::MAX);
+            // The run's epoch in the name: a restarted kvtierd that got the same pid (pid 1
+            // in a container) never makes a pool under its dead predecessor's name.
             let name = format!(
-                "kvtier-{}-{}-{}",
+                "kvtier-{}-{}-{}-{}",
                 self.instance,
                 std::process::id(),
+                self.epoch,
                 fp.to_hex()
             );
             let (shm, replaced) = ShmPool::create(&PoolSpec {
@@ -724,6 +731,7 @@ impl HostState {
             let _ = self.close(id);
             self.counters.expired_sessions += 1;
         }
+        self.retire_damaged_pools();
         self.reclaim_pools(now, false);
         dead
     }

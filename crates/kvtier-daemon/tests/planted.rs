@@ -2,8 +2,9 @@
 //! tables live in a directory of its own, `kvtierd-<uid>` in `l2.shm_dir`, mode 0700, opened
 //! without following a symlink and checked to be kvtierd's before anything is made in it.
 //! What another user can do in a shared `/dev/shm` is plant that directory's name, and then
-//! kvtierd refuses to start (naming the path and the owner) rather than use it. A real
-//! kvtierd; other uids through `chown` where the test runs as root.
+//! kvtierd refuses to start (naming the path and the owner) rather than use it. And what a
+//! client holding a pool's descriptor can do to the file (shrink it) costs that pool, never
+//! kvtierd. A real kvtierd; other uids through `chown` where the test runs as root.
 #![allow(missing_docs)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -12,6 +13,7 @@ mod common;
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 use kvtier_client::HostClient;
@@ -42,7 +44,7 @@ fn refused_start(dir: &Path, shm: &Path) -> String {
 }
 
 #[test]
-fn a_planted_pool_directory_stops_kvtierd_and_a_wide_one_of_its_own_is_narrowed() {
+fn a_planted_or_writable_pool_directory_stops_kvtierd_and_a_readable_one_is_narrowed() {
     let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-planted-dir", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let shm = shared_shm(&dir);
@@ -75,10 +77,14 @@ fn a_planted_pool_directory_stops_kvtierd_and_a_wide_one_of_its_own_is_narrowed(
         eprintln!("skipped the other-owner case: it needs root");
     }
 
-    // kvtierd's own directory left open to others (a hand-made one): narrowed to 0700 at
-    // start; then pools are made there and nowhere else in the shared directory.
+    // kvtierd's own directory writable by others (a hand-made one): anyone could have
+    // planted a name in it, so kvtierd does not start; one others could only read is
+    // narrowed to 0700 at start, and then pools are made there and nowhere else.
     std::fs::create_dir(own(&shm)).unwrap();
     std::fs::set_permissions(own(&shm), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = refused_start(&dir, &shm);
+    assert!(e.contains("lets others create names"), "{e}");
+    std::fs::set_permissions(own(&shm), std::fs::Permissions::from_mode(0o755)).unwrap();
     let d = Daemon::start_in(
         dir.clone(),
         &[
@@ -107,4 +113,53 @@ fn a_planted_pool_directory_stops_kvtierd_and_a_wide_one_of_its_own_is_narrowed(
     assert_eq!(names, [own(&shm).file_name().unwrap()], "{names:?}");
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A client holding a file-backed pool's descriptor can shrink the file: then no mapping of it
+/// shows the pages, and every new mapping is refused. kvtierd retires such a pool within a
+/// sweep: its sessions end (their clients register again, into a new pool that works), its
+/// pages are counted lost, and kvtierd lives on. Before, it kept serving the broken pool with
+/// no log or metric, and retried its writes to L3 forever.
+#[test]
+fn a_pool_a_client_shrinks_is_retired_and_its_sessions_register_again() {
+    let d = Daemon::start(
+        "shrunk-pool",
+        &["l2.pool_pages=16", "l3.backend=none", "sessions.ttl=1s"],
+    );
+    let keys = chain(3, 4);
+    rt().block_on(async {
+        let mut a = HostClient::connect(&d.target()).await.unwrap();
+        let sa = a.register("victim", &layout("m")).await.unwrap();
+        store(&mut a, &sa, &keys).await;
+        // Another client of the same pool shrinks the file its descriptor names.
+        let mut b = HostClient::connect(&d.target()).await.unwrap();
+        let sb = b.register("vandal", &layout("m")).await.unwrap();
+        let fd = sb.pool.fd().try_clone_to_owned().unwrap();
+        std::fs::File::from(fd).set_len(4096).unwrap();
+        // Keep the victim's session alive meanwhile: only the retirement ends it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match a.heartbeat(sa.id).await {
+                Ok(()) => {}
+                Err(e) => {
+                    assert_eq!(e.code(), Some(tonic::Code::NotFound), "{e}");
+                    break;
+                }
+            }
+            assert!(std::time::Instant::now() < deadline, "never retired");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Registered again: a new pool, whole, that works.
+        let s2 = a.register("victim", &layout("m")).await.unwrap();
+        assert_ne!(s2.pool.file_id().unwrap(), sa.pool.file_id().unwrap());
+        let again = chain(4, 2);
+        store(&mut a, &s2, &again).await;
+        assert_eq!(a.lookup(s2.id, &again).await.unwrap(), 2);
+    });
+    let m = d.metrics();
+    assert_eq!(metric(&m, "kvtier_l2_damaged_pools_total"), 1.0, "{m}");
+    assert_eq!(
+        metric(&m, "kvtier_l2_lost_pages_total{reason=\"pool_damaged\"}"),
+        4.0
+    );
 }

@@ -365,3 +365,61 @@ fn prefetched_pages_are_sealed_by_their_verified_read_and_taken_over() {
     });
     let _ = std::fs::remove_dir_all(d.kill());
 }
+
+/// In a container kvtierd is pid 1 every time it starts: its dead predecessor's pools carry
+/// its own pid. They are taken over all the same (the run's epoch, not the pid, tells runs
+/// apart), and the new run's pools never take the dead one's names. Before, the takeover
+/// skipped them as this process's own, and the first registration then removed them.
+#[test]
+fn a_kvtierd_that_is_pid_1_each_time_takes_over_its_predecessors_pool() {
+    if !is_root() {
+        eprintln!("skipped: a pid namespace needs root");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-pid1", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let shm = dir.join("shm");
+    std::fs::create_dir_all(&shm).unwrap();
+    let shm_dir = format!("l2.shm_dir={}", shm.display());
+    let sets = [shm_dir.as_str(), "l2.pool_pages=64", "l3.backend=none"];
+    // Its own pid namespace, as in a container; killed with the unshare process.
+    let pid1 = [
+        "unshare",
+        "--pid",
+        "--mount-proc",
+        "--kill-child=SIGKILL",
+        "--",
+    ];
+    let keys = chain(77, 6);
+    let d = Daemon::start_under(dir.clone(), &pid1, &sets);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        store(&mut c, &s, &keys).await;
+    });
+    eventually("6 pages sealed", Duration::from_secs(10), || {
+        metric(&d.metrics(), "kvtier_l2_sealed_pages_total") >= 6.0
+    });
+    let before = pool_file(&shm);
+    assert!(
+        before.to_string_lossy().contains("-1-"),
+        "not pid 1: {}",
+        before.display()
+    );
+    let dir = d.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    let d = Daemon::start_under(dir, &pid1, &sets);
+    assert_eq!(takeover_outcome(&d), (6.0, 0.0), "{}", d.metrics());
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("engine", &layout("m")).await.unwrap();
+        assert_eq!(c.lookup(s.id, &keys).await.unwrap(), keys.len());
+    });
+    // The new pool has its own name, and its slot table is there (a later crash is covered).
+    let after = pool_file(&shm);
+    assert_ne!(after, before);
+    assert!(std::path::PathBuf::from(format!("{}.slots", after.display())).exists());
+    // unshare does not pass SIGTERM on; its death kills kvtierd (--kill-child).
+    let dir = d.kill();
+    let _ = std::fs::remove_dir_all(dir);
+}

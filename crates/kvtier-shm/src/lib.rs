@@ -524,6 +524,17 @@ impl ShmPool {
         })
     }
 
+    /// Whether the pool's file still has the pool's size and no copy found it shrunk. Any
+    /// holder of a file-backed pool's descriptor can shrink or grow it (a memfd pool's size
+    /// is sealed); then the pool is of no further use to anyone who maps it.
+    pub fn file_intact(&self) -> bool {
+        !self.is_damaged()
+            && self
+                ._file
+                .metadata()
+                .is_ok_and(|m| m.len() == self.len() as u64)
+    }
+
     /// Whether a guarded copy found the pool's file shrunk (the pool is of no further use).
     pub fn is_damaged(&self) -> bool {
         self.damaged.is_set()
@@ -692,6 +703,7 @@ mod tests {
     fn a_file_pool_shrunk_by_a_client_fails_the_owners_copies_never_kills_it() {
         let (owner, _) = ShmPool::create(&spec(file(), "shrunk")).unwrap();
         owner.write(3, 0, &[1; 64]).unwrap();
+        assert!(owner.file_intact());
         // A client holding the descriptor shrinks the file under the owner's mapping.
         let fd = owner.fd().try_clone_to_owned().unwrap();
         File::from(fd).set_len(4096).unwrap();

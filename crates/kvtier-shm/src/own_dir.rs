@@ -34,9 +34,10 @@ fn os_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(rustix::io::Errno
 impl OwnDir {
     /// Opens `path` as this process's own directory, creating it (mode 0700; its parent
     /// must exist) when it is missing. Refused with [`ShmError::Untrusted`] when it is a
-    /// symlink, not a directory, or owned by another uid; a directory of this uid that
-    /// others could use (a wider mode) is narrowed to 0700 and said in the log by the
-    /// caller (the returned flag is true).
+    /// symlink, not a directory, owned by another uid, or writable by its group or others
+    /// (anyone could have planted a name in it, a directory they keep writing through, say);
+    /// one of this uid that others could only list or enter is narrowed to 0700 and said in
+    /// the log by the caller (the returned flag is true).
     pub fn open_or_create(path: &Path) -> Result<(Self, bool), ShmError> {
         match rustix::fs::mkdir(path, Mode::from_raw_mode(0o700)) {
             Ok(()) | Err(rustix::io::Errno::EXIST) => {}
@@ -67,6 +68,13 @@ impl OwnDir {
                 "owned by uid {}, not {me}: kvtier keeps shared memory only in a directory \
                  of its own (remove it, or choose another directory)",
                 st.st_uid
+            )));
+        }
+        if st.st_mode & 0o022 != 0 {
+            return Err(untrusted(format!(
+                "mode {:o} lets others create names in it: remove it, or chmod 0700 it after \
+                 checking what is inside",
+                st.st_mode & 0o7777
             )));
         }
         let narrowed = st.st_mode & 0o777 != 0o700;
@@ -213,16 +221,29 @@ mod tests {
     }
 
     #[test]
-    fn a_new_directory_is_0700_and_a_wider_one_of_ours_is_narrowed() {
+    fn a_new_directory_is_0700_a_readable_one_is_narrowed_and_a_writable_one_refused() {
         let p = scratch("mode");
         let (d, narrowed) = OwnDir::open_or_create(&p).unwrap();
         assert!(!narrowed);
         assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o700);
         drop(d);
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
         let (_d, narrowed) = OwnDir::open_or_create(&p).unwrap();
         assert!(narrowed);
         assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o7777, 0o700);
+        for wide in [0o1777, 0o770, 0o702] {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(wide)).unwrap();
+            let e = OwnDir::open_or_create(&p).unwrap_err();
+            assert!(
+                e.is_untrusted() && e.to_string().contains("create names"),
+                "{e}"
+            );
+            assert_eq!(
+                std::fs::metadata(&p).unwrap().mode() & 0o7777,
+                wide,
+                "left alone"
+            );
+        }
         std::fs::remove_dir_all(&p).unwrap();
     }
 

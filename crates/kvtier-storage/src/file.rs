@@ -69,14 +69,26 @@ impl FileStore {
 
 /// A new temporary file at `tmp`: `O_CREAT|O_EXCL|O_NOFOLLOW`, so a file or symlink someone
 /// planted at the name is an error (the write fails: a miss), never written through or
-/// truncated.
+/// truncated; mode 0600 whatever the umask allows beyond it: pages are kvtierd's alone (each
+/// tenant reads its own through kvtierd).
 fn new_file(tmp: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(tmp)
+}
+
+/// Creates `dir` and any missing parents with mode 0700 (kvtierd's alone, whatever the
+/// umask allows beyond it); directories already there keep their mode.
+fn private_dirs(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }
 
 /// Moves the written temp file `tmp` to its object's `path`, replacing what is there.
@@ -135,7 +147,7 @@ impl FileStore {
         let root = root.into();
         claim(&root)?;
         let objects = root.join("objects");
-        std::fs::create_dir_all(&objects).map_err(io("create", &objects))?;
+        private_dirs(&objects).map_err(io("create", &objects))?;
         // Versions before 0.2 wrote temp files to `tmp/`: its temp files go, then it, if empty.
         let old_tmp = root.join("tmp");
         if std::fs::symlink_metadata(&old_tmp).is_ok_and(|m| m.is_dir()) {
@@ -202,7 +214,7 @@ pub const MARKER: &str = ".kvtier-file-store";
 /// it. Anything else is refused, naming the directory: a store there would clear files it did
 /// not write.
 fn claim(root: &Path) -> Result<(), StorageError> {
-    std::fs::create_dir_all(root).map_err(io("create", root))?;
+    private_dirs(root).map_err(io("create", root))?;
     let marker = root.join(MARKER);
     if std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
         return Ok(());
@@ -536,7 +548,7 @@ impl Store for FileStore {
                 let mut f = match new_file(&tmp) {
                     Err(e) if e.kind() == ErrorKind::NotFound => {
                         if let Some(dir) = path.parent() {
-                            std::fs::create_dir_all(dir)?;
+                            private_dirs(dir)?;
                         }
                         new_file(&tmp)?
                     }
@@ -712,7 +724,9 @@ mod tests {
     }
 
     /// A temporary file is always new: a symlink or file planted at its name is an error,
-    /// never followed, truncated or written.
+    /// never followed, truncated or written. It is 0600 and the directories made for it 0700
+    /// (they took the umask: 0644 objects in 0755 directories were every local user's to
+    /// read, and with kvtierd.service's UMask=0007, another tenant's in the group to write).
     #[test]
     fn a_planted_temp_name_is_never_written_through() {
         let dir = std::env::temp_dir().join(format!("kvtier-file-planted-{}", std::process::id()));
@@ -726,7 +740,14 @@ mod tests {
         assert!(new_file(&dir.join(".t2")).is_err());
         assert_eq!(std::fs::read(&victim).unwrap(), b"theirs");
         assert_eq!(std::fs::read(dir.join(".t2")).unwrap(), b"planted");
-        assert!(new_file(&dir.join(".t3")).is_ok());
+        let f = new_file(&dir.join(".t3")).unwrap();
+        use std::os::unix::fs::PermissionsExt as _;
+        assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o600);
+        private_dirs(&dir.join("a/b")).unwrap();
+        for d in ["a", "a/b"] {
+            let mode = std::fs::metadata(dir.join(d)).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{d}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -33,6 +33,7 @@ pub struct L2Metrics {
     sealed_pages: IntCounter,
     sealed_from_reads: IntCounter,
     pools_reclaimed: IntCounter,
+    pools_damaged: IntCounter,
     cleared_pages: IntCounter,
     draining: IntGauge,
     pool_bytes: IntGaugeVec,
@@ -85,7 +86,8 @@ impl L2Metrics {
             lost_pages: r.counter_vec(
                 "kvtier_l2_lost_pages_total",
                 "Pages that left L2 while L3 did not hold them, by reason: no_l3, l3_down \
-                 (evicted), cleared (an operator's clear)",
+                 (evicted), cleared (an operator's clear), pool_damaged (their pool's file \
+                 was shrunk or grown by a client)",
                 &["reason"],
             )?,
             takeover_pages: r.counter_vec(
@@ -106,6 +108,11 @@ impl L2Metrics {
                 "kvtier_l2_pools_reclaimed_total",
                 "Pools removed because no session used them: idle for l2.idle_pool_ttl, or \
                  their place was needed by a new layout past l2.max_pools",
+            )?,
+            pools_damaged: r.counter(
+                "kvtier_l2_damaged_pools_total",
+                "Pools retired because a client holding their descriptor shrank or grew their \
+                 file: their sessions ended, their pages gone",
             )?,
             sealed_pages: r.counter(
                 "kvtier_l2_sealed_pages_total",
@@ -171,7 +178,7 @@ impl L2Metrics {
         for tier in ["l2", "l3", "miss", "unchecked"] {
             m.lookup_pages.with_label_values(&[tier]);
         }
-        for reason in ["no_l3", "l3_down", "cleared"] {
+        for reason in ["no_l3", "l3_down", "cleared", "pool_damaged"] {
             m.lost_pages.with_label_values(&[reason]);
         }
         for outcome in ["adopted", "refused_checksum", "no_room"] {
@@ -242,6 +249,11 @@ impl L2Metrics {
         catch_up(&self.sealed_pages, c.sealed_pages);
         catch_up(&self.sealed_from_reads, c.sealed_from_reads);
         catch_up(&self.pools_reclaimed, c.pools_reclaimed);
+        catch_up(&self.pools_damaged, c.pools_damaged);
+        catch_up(
+            &self.lost_pages.with_label_values(&["pool_damaged"]),
+            c.lost_pool_damaged,
+        );
         for (outcome, n) in [
             ("adopted", c.takeover.adopted),
             ("refused_checksum", c.takeover.refused_checksum),

@@ -7,8 +7,8 @@
 
 use std::time::Instant;
 
-use kvtier_core::LayoutFingerprint;
 use kvtier_core::host_index::L3Mode;
+use kvtier_core::{LayoutFingerprint, SessionId};
 
 use super::HostState;
 
@@ -70,5 +70,55 @@ impl HostState {
             pool.shm.unlink();
         }
         gone
+    }
+
+    /// Retires every pool whose file another holder of its descriptor shrank or grew (a
+    /// file-backed pool: a memfd's size is sealed), or that a copy found shrunk: no mapping of
+    /// it shows its pages any more, and every client that maps it afresh would be refused.
+    /// Its sessions end (their clients register again and get a new pool), its pages go
+    /// (those L3 lacks counted lost, `pool_damaged`), and no write of it is retried. Runs
+    /// with the lease sweep, and before the pool door hands a pool out. Returns how many.
+    pub fn retire_damaged_pools(&mut self) -> usize {
+        let damaged: Vec<LayoutFingerprint> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| !p.shm.file_intact())
+            .map(|(fp, _)| *fp)
+            .collect();
+        for fp in &damaged {
+            let sessions: Vec<SessionId> = self
+                .sessions
+                .iter()
+                .filter(|(_, s)| s.pool == *fp)
+                .map(|(&id, _)| id)
+                .collect();
+            for &id in &sessions {
+                // The session exists: it was just listed.
+                let _ = self.close(id);
+            }
+            self.publish_changes();
+            let Some(pool) = self.pools.remove(fp) else {
+                continue;
+            };
+            self.events.cleared(Some(pool.layout.fingerprint()));
+            let s = pool.index.stats();
+            let lost = if self.l3_mode() == L3Mode::Absent {
+                s.ready
+            } else {
+                s.dirty
+            };
+            self.counters.lost_pool_damaged += u64::from(lost);
+            self.counters.pools_damaged += 1;
+            tracing::error!(
+                fingerprint = %fp,
+                model = %pool.layout.spec().model_id,
+                sessions = sessions.len(),
+                lost,
+                "retired a pool whose file a client shrank or grew: its sessions register \
+                 again into a new pool"
+            );
+            pool.shm.unlink();
+        }
+        damaged.len()
     }
 }

@@ -7,8 +7,9 @@
 //! only if the slot has not been handed out again meanwhile (its epoch is unchanged). So a
 //! record only ever describes bytes that were committed and have not been rewritten since.
 //!
-//! Pool files are named `kvtier-<instance>-<pid>-<fingerprint>`, the instance being a hash of
-//! the daemon's socket path, the same across restarts. At start ([`take_over_dead_pools`])
+//! Pool files are named `kvtier-<instance>-<pid>-<run>-<fingerprint>`, the instance being a
+//! hash of the daemon's socket path, the same across restarts, and the run this kvtierd
+//! run's epoch (no two runs share a name, even when both were pid 1 in a container). At start ([`take_over_dead_pools`])
 //! kvtierd looks in its own pool directory (`kvtierd-<uid>` in `l2.shm_dir`) for pools of its own instance whose kvtierd is gone (another
 //! instance's are left to that instance's successor). For each with an intact table and a layout it can rebuild, it creates its own
 //! pool of that layout and copies in every page whose record is sealed and whose bytes still
@@ -325,30 +326,39 @@ enum Found<'a> {
     Other,
 }
 
-/// Reads a pool file name: `kvtier-<instance>-<pid>-<fingerprint>` (or the older
-/// `kvtier-<pid>-<fingerprint>`). A live pid (whatever it runs now) is never dead.
-fn classify<'a>(name: &'a str, instance: &str) -> Found<'a> {
+/// Reads a pool file name: `kvtier-<instance>-<pid>-<run>-<fingerprint>` (the run being the
+/// kvtierd run's epoch, so no two runs ever share a name, not even two that were both pid 1
+/// in their containers), or the older `kvtier-<instance>-<pid>-<fingerprint>` and
+/// `kvtier-<pid>-<fingerprint>`. `run` is this run's.
+fn classify<'a>(name: &'a str, instance: &str, run: &str) -> Found<'a> {
     let Some(rest) = name.strip_prefix("kvtier-") else {
         return Found::Other;
     };
     let parts: Vec<&str> = rest.split('-').collect();
-    let (inst, pid, fp) = match parts.as_slice() {
-        [pid, fp] => (None, *pid, *fp),
-        [inst, pid, fp] => (Some(*inst), *pid, *fp),
+    let (inst, pid, pool_run, fp) = match parts.as_slice() {
+        [pid, fp] => (None, *pid, None, *fp),
+        [inst, pid, fp] => (Some(*inst), *pid, None, *fp),
+        [inst, pid, r, fp] => (Some(*inst), *pid, Some(*r), *fp),
         _ => return Found::Other,
     };
     let Ok(pid) = pid.parse::<u32>() else {
         return Found::Other;
     };
-    if pid == std::process::id() || fp.len() != 32 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if fp.len() != 32 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Found::Other;
     }
-    // Our own instance's pools: no other kvtierd of this instance runs (this one holds the
-    // socket), whatever runs under that pid now; the slot table's lock settles it for sure.
+    // Our own instance's pools from another run: no other kvtierd of this instance runs
+    // (this one holds the socket), whatever runs under that pid now, this process
+    // included (in a container every kvtierd is pid 1); the slot table's lock settles it
+    // for sure. This run's own pools are not dead.
     if inst == Some(instance) {
-        return Found::Mine(fp);
+        return if pool_run == Some(run) {
+            Found::Other
+        } else {
+            Found::Mine(fp)
+        };
     }
-    if Path::new(&format!("/proc/{pid}")).exists() {
+    if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
         return Found::Other;
     }
     match inst {
@@ -383,17 +393,21 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
     };
     names.sort();
     let instance = state.instance.clone();
+    let run = state.epoch.to_string();
     for name in &names {
         // A table of ours whose pool file is gone is of no use.
         if let Some(pool) = name.strip_suffix(".slots")
-            && matches!(classify(pool, &instance), Found::Mine(_) | Found::Legacy)
+            && matches!(
+                classify(pool, &instance, &run),
+                Found::Mine(_) | Found::Legacy
+            )
             && !dir.contains(pool)
         {
             let _ = dir.remove(name);
             continue;
         }
         let path = dir.join(name);
-        let result = match classify(name, &instance) {
+        let result = match classify(name, &instance, &run) {
             Found::Other => continue,
             Found::Foreign => {
                 tracing::info!(path = %path.display(), "a dead kvtierd of another instance left this pool; its successor takes it over (or remove it by hand)");
@@ -523,28 +537,47 @@ mod tests {
     }
 
     #[test]
-    fn pool_names_are_classified_by_instance_and_liveness() {
+    fn pool_names_are_classified_by_instance_run_and_liveness() {
         // A pid that cannot be running (above pid_max on any Linux).
         let dead = 4_194_399u32;
         let fp = "0123456789abcdef0123456789abcdef";
         let me = instance_id(Path::new("/run/kvtier/kvtierd.sock"));
         assert_eq!(me.len(), 8);
         assert_ne!(me, instance_id(Path::new("/run/other/kvtierd.sock")));
-        let name = |inst: &str, pid: u32| format!("kvtier-{inst}-{pid}-{fp}");
-        assert_eq!(classify(&name(&me, dead), &me), Found::Mine(fp));
-        assert_eq!(classify(&name("deadbeef", dead), &me), Found::Foreign);
-        assert_eq!(classify(&format!("kvtier-{dead}-{fp}"), &me), Found::Legacy);
-        // This process's own pools are not dead; another live pid of our instance is (this
-        // process holds the instance's socket); other instances' live pids are theirs.
-        assert_eq!(classify(&name(&me, std::process::id()), &me), Found::Other);
-        assert_eq!(classify(&name(&me, 1), &me), Found::Mine(fp));
-        assert_eq!(classify(&name("deadbeef", 1), &me), Found::Other);
-        assert_eq!(classify(&format!("kvtier-1-{fp}"), &me), Found::Other);
+        let (run, old_run) = ("18a2b3c4d5e6f", "18a2b3c4d0000");
+        let name = |inst: &str, pid: u32, r: &str| format!("kvtier-{inst}-{pid}-{r}-{fp}");
+        fn c<'a>(n: &'a str, me: &str, run: &str) -> Found<'a> {
+            classify(n, me, run)
+        }
+        assert_eq!(c(&name(&me, dead, old_run), &me, run), Found::Mine(fp));
         assert_eq!(
-            classify(&format!("{}.slots", name(&me, dead)), &me),
+            c(&name("deadbeef", dead, old_run), &me, run),
+            Found::Foreign
+        );
+        assert_eq!(c(&format!("kvtier-{dead}-{fp}"), &me, run), Found::Legacy);
+        // Another run of our instance is dead whatever its pid: this process's own (a
+        // container's kvtierd is pid 1 every time) or a live one (this process holds the
+        // instance's socket). This run's own pools are not dead.
+        assert_eq!(
+            c(&name(&me, std::process::id(), old_run), &me, run),
+            Found::Mine(fp)
+        );
+        assert_eq!(c(&name(&me, 1, old_run), &me, run), Found::Mine(fp));
+        assert_eq!(
+            c(&name(&me, std::process::id(), run), &me, run),
             Found::Other
         );
-        assert_eq!(classify("kvtier-x-y", &me), Found::Other);
-        assert_eq!(classify("engine-pool", &me), Found::Other);
+        // The name before runs were in it: ours too, whatever its pid.
+        let before_runs = format!("kvtier-{me}-{}-{fp}", std::process::id());
+        assert_eq!(c(&before_runs, &me, run), Found::Mine(fp));
+        // Other instances' live pids are theirs.
+        assert_eq!(c(&name("deadbeef", 1, old_run), &me, run), Found::Other);
+        assert_eq!(c(&format!("kvtier-1-{fp}"), &me, run), Found::Other);
+        assert_eq!(
+            c(&format!("{}.slots", name(&me, dead, old_run)), &me, run),
+            Found::Other
+        );
+        assert_eq!(c("kvtier-x-y", &me, run), Found::Other);
+        assert_eq!(c("engine-pool", &me, run), Found::Other);
     }
 }
