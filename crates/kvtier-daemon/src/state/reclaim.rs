@@ -4,6 +4,9 @@
 //! Its memory and its file in kvtierd's pool directory are given back; a later session of that layout
 //! gets a new, empty pool (what L3 holds is found there again). Without L3, the pages it held
 //! are counted as lost (`no_l3`), as any eviction without L3 is.
+//!
+//! A pool whose file a client shrank or grew goes too, sessions and all
+//! ([`HostState::retire_damaged_pools`]): it is of no use to anyone who maps it.
 
 use std::time::Instant;
 
