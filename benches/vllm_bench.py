@@ -474,7 +474,7 @@ def save_one_page(agent, quick: bool) -> None:
         tp_rank=0,
         tp_size=1,
     ).descriptor()
-    client.register_pool(desc, 2 * STEP * BLOCK, cpu_path=staging.path, engine_cache=True)
+    client.register_pool(desc, 2 * STEP * BLOCK, cpu_fd=staging.fd, engine_cache=True)
     ns = Namespace(tenant="bench")
     rounds = 5 if quick else 15
     for length in (1024, 16384, 131072):

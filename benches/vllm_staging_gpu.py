@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -47,10 +46,7 @@ def measure(n: int, layers: list[torch.Tensor]) -> None:
     dev, blocks = layers[0].device, layers[0].shape[0]
     views = [block_bytes("l", t, blocks).view(storage_bytes(t)) for t in layers]
     per_block = BLOCK * HEADS * HEAD * 2
-    try:
-        st = Staging(LAYERS, 256, per_block)
-    except ValueError:  # a /dev/shm too small for it
-        st = Staging(LAYERS, 256, per_block, tempfile.gettempdir())
+    st = Staging(LAYERS, 256, per_block)
     assert st.pin(), "CUDA refused to page-lock the staging pool"
     nbytes = n * per_block * LAYERS
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)

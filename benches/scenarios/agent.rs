@@ -56,11 +56,8 @@ fn device_plan(quick: bool) {
     let pages: u32 = if quick { 32 } else { 128 };
     let rounds = if quick { 5 } else { 15 };
     let pool = DevicePool::new(layout.clone(), u64::from(pages) * 16).unwrap();
-    let path = std::env::temp_dir().join(format!("kvtier-bench-plan-{}", std::process::id()));
-    let f = std::fs::File::create(&path).unwrap();
-    f.set_len(pool.total_bytes() as u64).unwrap();
-    let dev = CpuDevice::open(pool, &path, 1).unwrap();
-    let _ = std::fs::remove_file(&path);
+    let engine = ShmRegion::memfd("kvtier-bench-plan", pool.total_bytes()).unwrap();
+    let dev = CpuDevice::open(pool, engine.fd().try_clone_to_owned().unwrap(), 1).unwrap();
     let host = super::gpu::host_pool(layout.slot_stride(), pages, "plan");
     let copies: Vec<PageCopy> = (0..pages)
         .map(|i| PageCopy {
@@ -123,8 +120,8 @@ fn one(quick: bool, layers: u32, with_match: bool) {
     ]);
     // The engine's pool: room for the request twice (computed, then loaded back).
     let pool = DevicePool::new(layout.clone(), u64::from(2 * pages) * 16).unwrap();
-    let pool_path = std::path::PathBuf::from(format!("/dev/shm/kvtier-bench-agent-{pid}"));
-    let region = ShmRegion::create(&pool_path, pool.total_bytes()).unwrap();
+    let region =
+        ShmRegion::memfd(&format!("kvtier-bench-agent-{pid}"), pool.total_bytes()).unwrap();
     // Touch every page once so neither side pays first-touch faults in the timings.
     region.write(0, &vec![7u8; pool.total_bytes()]).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -139,7 +136,7 @@ fn one(quick: bool, layers: u32, with_match: bool) {
             &spec(layers),
             u64::from(2 * pages) * 16,
             PoolMemory::Cpu {
-                path: pool_path.clone(),
+                fd: std::sync::Arc::new(region.fd().try_clone_to_owned().unwrap()),
             },
         )
         .await
@@ -270,7 +267,6 @@ fn one(quick: bool, layers: u32, with_match: bool) {
         drop(c);
         a.stop();
         d.stop();
-        let _ = std::fs::remove_file(&pool_path);
         let _ = std::fs::remove_dir_all(&dir);
         return;
     }
@@ -408,7 +404,6 @@ fn one(quick: bool, layers: u32, with_match: bool) {
     drop(c);
     a.stop();
     d.stop();
-    let _ = std::fs::remove_file(&pool_path);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -13,22 +13,13 @@ import struct
 import grpc
 
 from kvtier._rpc import KvtierError
+from kvtier._unix import recv_exact
 
 MAGIC = b"KVTPOOL1"
 MAX_SESSION = 64
 MAX_MESSAGE = 1024
 # Magic, status, slots (u32), stride (u64), message length (u16).
 _ANSWER = struct.Struct("<8sBIQH")
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise KvtierError("the pool door closed before answering")
-        buf += chunk
-    return bytes(buf)
 
 
 def fetch(path: str, session_id: bytes, timeout: float) -> tuple[int, int, int]:
@@ -52,13 +43,13 @@ def fetch(path: str, session_id: bytes, timeout: float) -> tuple[int, int, int]:
             # Close-on-exec from the start: a fork and exec in another thread never inherits it.
             head, fds, _, _ = socket.recv_fds(s, _ANSWER.size, 2, socket.MSG_CMSG_CLOEXEC)
             if len(head) < _ANSWER.size:
-                head += _recv_exact(s, _ANSWER.size - len(head))
+                head += recv_exact(s, _ANSWER.size - len(head), "pool door")
             magic, status, slots, stride, n = _ANSWER.unpack(head)
             if magic != MAGIC:
                 raise KvtierError(f"{path} is not a kvtier pool door")
             if n > MAX_MESSAGE:
                 raise KvtierError(f"{path}: an answer's message of {n} bytes")
-            msg = _recv_exact(s, n).decode("utf-8", "replace") if n else ""
+            msg = recv_exact(s, n, "pool door").decode("utf-8", "replace") if n else ""
     except OSError as e:
         for fd in fds:
             os.close(fd)

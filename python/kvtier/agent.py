@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier import _memory_door
 from kvtier._rpc import KvtierError, grpc_channel
 from kvtier._rpc import call as _call
 from kvtier.host import POLICIES, Progress, final_progress, namespace_pb
@@ -230,31 +231,34 @@ class AgentClient:
         self,
         layout: common_pb2.LayoutDescriptor,
         num_token_slots: int,
-        cpu_path: str | None = None,
+        cpu_fd: int | None = None,
         cuda_ordinal: int | None = None,
         cuda_ipc_handles: Sequence[bytes] = (),
         engine_cache: bool = False,
         allocation_bytes: Sequence[int] = (),
         pieces: Sequence[PagePiece] = (),
-        cpu_allocation_paths: Sequence[str] = (),
+        cpu_allocation_fds: Sequence[int] = (),
     ) -> PoolInfo:
         """Registers the engine's KV pool, one of three ways:
 
-        - ``cpu_path``: a CPU shared-memory file of layer-first buffers;
-        - ``cpu_allocation_paths``: the engine's own CPU allocations, files in shared memory
-          that the agent reads and writes in place, with ``allocation_bytes`` and ``pieces``;
+        - ``cpu_fd``: the descriptor of a CPU shared-memory file (a memfd: see
+          :func:`kvtier._memory_door.memfd`) of layer-first buffers;
+        - ``cpu_allocation_fds``: the engine's own CPU allocations, by descriptor, that the
+          agent reads and writes in place, with ``allocation_bytes`` and ``pieces``;
         - ``cuda_ordinal`` with ``cuda_ipc_handles``: one handle per buffer, or (with
           ``pieces``) one per allocation, ``allocation_bytes`` long.
 
-        ``pieces`` place a page's bytes (in their order in a host slot) in the allocations.
-        ``engine_cache``: the engine keeps its own prefix cache (see the module doc)."""
+        CPU memory goes to the agent as descriptors, deposited at its memory door (the agent
+        opens no path a client names); the caller keeps its own. ``pieces`` place a page's
+        bytes (in their order in a host slot) in the allocations. ``engine_cache``: the
+        engine keeps its own prefix cache (see the module doc)."""
         req = agent_pb2.RegisterPoolRequest(
             layout=layout, num_token_slots=num_token_slots, engine_cache=engine_cache
         )
-        cpu = cpu_path is not None or bool(cpu_allocation_paths)
-        if cpu == (cuda_ordinal is not None) or (cpu_path is not None and cpu_allocation_paths):
+        cpu = cpu_fd is not None or bool(cpu_allocation_fds)
+        if cpu == (cuda_ordinal is not None) or (cpu_fd is not None and cpu_allocation_fds):
             raise ValueError(
-                "register_pool: give exactly one of cpu_path, cpu_allocation_paths and cuda_ordinal"
+                "register_pool: give exactly one of cpu_fd, cpu_allocation_fds and cuda_ordinal"
             )
         wire = [
             agent_pb2.PagePiece(
@@ -266,10 +270,11 @@ class AgentClient:
             for p in pieces
         ]
         if cpu:
+            fds = [cpu_fd] if cpu_fd is not None else list(cpu_allocation_fds)
+            ticket = _memory_door.deposit(self.stats().memory_socket, fds, self.timeout)
             req.cpu.CopyFrom(
                 agent_pb2.CpuPool(
-                    path=cpu_path or "",
-                    allocation_paths=list(cpu_allocation_paths),
+                    memory=ticket,
                     allocation_bytes=list(allocation_bytes),
                     pieces=wire,
                 )

@@ -12,11 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvtier import _memory_door, _pool_door
+from kvtier._memory_door import memfd
 from kvtier.agent import MAX_SAVE_BATCH, After, AgentClient, PagePiece, SaveItem, packed
-from kvtier.host import KvtierError
+from kvtier.host import DaemonClient, KvtierError
 from kvtier.keys import Namespace, page_keys
 from kvtier.testing import Agent, Kvtierd
-from kvtier.v1 import common_pb2
+from kvtier.v1 import agent_pb2, common_pb2
 
 LAYERS, PAGE, SLOTS, TOKEN_BYTES = 2, 4, 64, 16  # 1 KV head of 8 bf16
 BUFFERS = 2 * LAYERS  # K of each layer, then V of each layer
@@ -37,32 +39,37 @@ def layout() -> common_pb2.LayoutDescriptor:
 
 
 class CpuPool:
-    """The engine's KV pool: layer-first buffers end to end in a shared file."""
+    """The engine's KV pool: layer-first buffers end to end in a memfd, handed to the agent
+    as its descriptor."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        path.write_bytes(bytes(BUFFERS * SLOTS * TOKEN_BYTES))
+    SIZE = BUFFERS * SLOTS * TOKEN_BYTES
+
+    def __init__(self, size: int = SIZE):
+        self.fd = memfd("kvtier-test-engine", size)
+        self.size = size
 
     def page(self, p: int) -> bytes:
-        data = self.path.read_bytes()
+        data = os.pread(self.fd, self.size, 0)
         return b"".join(data[b * SLOTS * TOKEN_BYTES + p * RUN :][:RUN] for b in range(BUFFERS))
 
     def fill(self, p: int, seed: int) -> bytes:
-        with open(self.path, "r+b") as f:
-            for b in range(BUFFERS):
-                f.seek(b * SLOTS * TOKEN_BYTES + p * RUN)
-                f.write(bytes((seed * 31 + b * 7 + i) % 251 for i in range(RUN)))
+        for b in range(BUFFERS):
+            data = bytes((seed * 31 + b * 7 + i) % 251 for i in range(RUN))
+            os.pwrite(self.fd, data, b * SLOTS * TOKEN_BYTES + p * RUN)
         return self.page(p)
 
     def clear(self) -> None:
-        self.path.write_bytes(bytes(BUFFERS * SLOTS * TOKEN_BYTES))
+        os.pwrite(self.fd, bytes(self.size), 0)
+
+    def read(self) -> bytes:
+        return os.pread(self.fd, self.size, 0)
 
 
 @pytest.fixture
-def engine(agent, tmp_path: Path):
+def engine(agent):
     c = AgentClient(agent.socket)
-    pool = CpuPool(tmp_path / "engine-pool")
-    info = c.register_pool(layout(), SLOTS, cpu_path=str(pool.path))
+    pool = CpuPool()
+    info = c.register_pool(layout(), SLOTS, cpu_fd=pool.fd)
     assert info.num_pages == SLOTS // PAGE
     # The agent opens its kvtierd session for the registered layout in the background.
     deadline = time.monotonic() + 10
@@ -107,7 +114,6 @@ def test_bad_input_is_refused_by_name(engine) -> None:
         c.prefetch(1, policy="soon")
     with pytest.raises(ValueError, match="exactly one"):
         c.register_pool(layout(), SLOTS)
-    assert os.path.exists(engine[1].path)
 
 
 def test_a_cuda_pool_map_is_checked_by_field_before_any_handle_is_opened(agent) -> None:
@@ -159,10 +165,9 @@ import sys
 from kvtier.agent import AgentClient
 from kvtier.host import KvtierError
 from test_agent import CpuPool, layout, SLOTS
-from pathlib import Path
 c = AgentClient({socket!r})
 try:
-    c.register_pool(layout(), SLOTS, cpu_path=str(CpuPool(Path({path!r})).path))
+    c.register_pool(layout(), SLOTS, cpu_fd=CpuPool().fd)
 except KvtierError as e:
     print("taken" if e.pool_taken else "other", e)
     sys.exit(3)
@@ -170,11 +175,11 @@ print("registered")
 """
 
 
-def _register_from_another_process(socket: str, path: Path) -> tuple[int, str]:
+def _register_from_another_process(socket: str) -> tuple[int, str]:
     import subprocess
     import sys
 
-    code = _REGISTER.format(socket=socket, path=str(path))
+    code = _REGISTER.format(socket=socket)
     # Run beside this file (``-c`` puts the working directory first on the path): the child
     # imports the pool and layout from this module.
     here = Path(__file__).parent
@@ -184,14 +189,14 @@ def _register_from_another_process(socket: str, path: Path) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr[-2000:]
 
 
-def test_a_pool_belongs_to_the_client_that_registered_it(engine, agent, tmp_path) -> None:
+def test_a_pool_belongs_to_the_client_that_registered_it(engine, agent) -> None:
     c, pool = engine
     tokens = list(range(1, 2 * PAGE + 1))
     pool.fill(0, seed=1)
     assert c.insert(tokens[:PAGE], [0]).inserted == 1
     # Another live process (a second worker sent to this agent) is refused, with the owner
     # named; the owner's pool and tree are untouched.
-    rc, out = _register_from_another_process(agent.socket, tmp_path / "intruder-pool")
+    rc, out = _register_from_another_process(agent.socket)
     assert rc == 3 and out.startswith("taken"), out
     assert f"pid {os.getpid()}" in out, out
     m = c.match(tokens)
@@ -206,7 +211,7 @@ def test_a_pool_belongs_to_the_client_that_registered_it(engine, agent, tmp_path
     # The owner registering again (a new pool, same process) gets a new token: a call
     # with the old one is refused, never served against the new pool.
     old = list(c._owner)
-    c.register_pool(layout(), SLOTS, cpu_path=str(pool.path))
+    c.register_pool(layout(), SLOTS, cpu_fd=pool.fd)
     assert c._owner != old
     stale = AgentClient(agent.socket)
     stale._owner = old
@@ -217,23 +222,23 @@ def test_a_pool_belongs_to_the_client_that_registered_it(engine, agent, tmp_path
     assert c.match(tokens).device_pages == []  # the tree started over with the new pool
 
 
-def test_a_pool_whose_owner_exited_can_be_registered_again(agent, tmp_path) -> None:
-    rc, out = _register_from_another_process(agent.socket, tmp_path / "first-pool")
+def test_a_pool_whose_owner_exited_can_be_registered_again(agent) -> None:
+    rc, out = _register_from_another_process(agent.socket)
     assert rc == 0, out
     # Its owner process is gone: the next worker takes the agent over.
     c = AgentClient(agent.socket)
-    info = c.register_pool(layout(), SLOTS, cpu_path=str(CpuPool(tmp_path / "second").path))
+    info = c.register_pool(layout(), SLOTS, cpu_fd=CpuPool().fd)
     assert info.num_pages == SLOTS // PAGE
     assert c.stats().pool_registered
     c.close()
 
 
-def _engine_cache(agent, path: Path) -> tuple[AgentClient, CpuPool]:
+def _engine_cache(agent) -> tuple[AgentClient, CpuPool]:
     """A client with a CPU pool registered in engine-cache mode, once the agent has its
     kvtierd session."""
     c = AgentClient(agent.socket)
-    pool = CpuPool(path)
-    c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True)
+    pool = CpuPool()
+    c.register_pool(layout(), SLOTS, cpu_fd=pool.fd, engine_cache=True)
     deadline = time.monotonic() + 10
     while not c.stats().daemon_connected:
         assert time.monotonic() < deadline, "the agent never connected to kvtierd"
@@ -245,7 +250,7 @@ def test_engine_cache_calls_after_a_parent_key_carry_only_their_pages(agent, tmp
     """Engine-cache mode (vLLM): the first lookup sends the prompt and brings back its page
     keys; saves and loads then name their pages by the key before them (``After``) and
     carry only their own tokens, and what loads is what was saved."""
-    c, pool = _engine_cache(agent, tmp_path / "engine-cache-pool")
+    c, pool = _engine_cache(agent)
     tokens = list(range(500, 500 + 6 * PAGE + 1))
     ns = Namespace(tenant="after")
     found = c.lookup_pages(tokens, ns, 0, want_keys=True)
@@ -277,7 +282,7 @@ def test_a_save_batch_saves_each_request_and_a_bad_one_refuses_it_all(agent, tmp
     """One SaveBatch per engine step: each request's pages reach L2 and load back as saved,
     answers come in request order, and a malformed request refuses the whole call by name
     before any page moves."""
-    c, pool = _engine_cache(agent, tmp_path / "batch-pool")
+    c, pool = _engine_cache(agent)
     ns = Namespace(tenant="batch")
     prompts = [list(range(1000 * i, 1000 * i + 3 * PAGE)) for i in range(1, 4)]
     want = [pool.fill(p, seed=p + 70) for p in range(9)]
@@ -315,7 +320,7 @@ def test_a_call_named_by_id_is_cancelled_even_when_the_cancel_arrives_first(
     """``cancel`` stops the client's calls it names (the agent answers once their copies
     stopped). A Cancel may reach the agent before the call it names; that call, arriving
     under the cancelled id, copies and stores nothing, and its pages are counted failed."""
-    c, pool = _engine_cache(agent, tmp_path / "cancel-pool")
+    c, pool = _engine_cache(agent)
     ns = Namespace(tenant="cancel")
     prompt = list(range(7000, 7000 + 3 * PAGE))
     for p in range(3):
@@ -342,80 +347,89 @@ def test_a_call_named_by_id_is_cancelled_even_when_the_cancel_arrives_first(
     assert e.value.invalid_input
     # Only the registered pool's owner cancels: a token of an earlier registration names
     # calls that may have been retried under the new one (found by the break-it review).
-    old = c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True).owner
-    c.register_pool(layout(), SLOTS, cpu_path=str(pool.path), engine_cache=True)
+    old = c.register_pool(layout(), SLOTS, cpu_fd=pool.fd, engine_cache=True).owner
+    c.register_pool(layout(), SLOTS, cpu_fd=pool.fd, engine_cache=True)
     with pytest.raises(KvtierError) as e:
         c.cancel(["save-3"], owner=old)
     assert e.value.pool_lost
     c.close()
 
 
-def test_an_engine_cannot_name_the_agents_own_l2_pool_as_its_memory(tmp_path) -> None:
+def test_an_engine_cannot_hand_the_agent_its_own_l2_pool_as_its_memory(
+    tmp_path, monkeypatch
+) -> None:
     """Review finding (issue 61): a client that registered ``/proc/self/fd/N`` (resolved in
     the agent, so the agent's own descriptors) as its allocation got the agent's mapping of
-    the node's L2 pool as its "device pages": saving them under its namespace and loading
-    them back into its own memory read another tenant's pages. A file that is the agent's
-    L2 pool is refused by field."""
+    the node's L2 pool as its "device pages", and read another tenant's pages through it.
+    The agent opens no path now (issue 62), and the one way left to name its L2 pool, the
+    pool's own descriptor (which kvtierd's pool door gives a session of the same tenant),
+    is refused by field: the engine's memory and L2 must be distinct mappings."""
     d = Kvtierd(tmp_path / "daemon", "l2.pool_pages=64")
-    victim = Agent(tmp_path, "victim", d.socket)
-    attacker = Agent(tmp_path, "attacker", d.socket)
+    a = Agent(tmp_path, "agent", d.socket)
     try:
-        _steal_through_the_agents_descriptors(victim, attacker, tmp_path)
+        pb = BUFFERS * RUN
+        pieces = [PagePiece(0, i * RUN, pb, RUN) for i in range(BUFFERS)]
+        c = AgentClient(a.socket, timeout=10)
+        own = CpuPool()
+        c.register_pool(layout(), SLOTS, cpu_fd=own.fd, engine_cache=True)
+        _wait_linked(c)
+        # The same layout and tenant as the agent's session: the door hands this test the
+        # very pool the agent maps (kept here: the session closes its own descriptor).
+        kept: list[tuple[int, int, int]] = []
+        fetch = _pool_door.fetch
+
+        def keep(path: str, session_id: bytes, timeout: float) -> tuple[int, int, int]:
+            fd, slots, stride = fetch(path, session_id, timeout)
+            kept.append((os.dup(fd), slots, stride))
+            return fd, slots, stride
+
+        monkeypatch.setattr(_pool_door, "fetch", keep)
+        host = DaemonClient(d.socket)
+        host.register("thief", layout())
+        (fd, slots, stride) = kept[0]
+        try:
+            n = slots * stride // pb
+            with pytest.raises(KvtierError, match=r"cpu\.memory\[0\]: is the agent's own L2"):
+                c.register_pool(
+                    layout(), n * PAGE, cpu_allocation_fds=[fd], allocation_bytes=[n * pb],
+                    pieces=pieces, engine_cache=True,
+                )  # fmt: skip
+        finally:
+            os.close(fd)
+            host.close()
+        c.close()
     finally:
-        victim.stop()
-        attacker.stop()
+        a.stop()
         d.stop()
 
 
-def _steal_through_the_agents_descriptors(victim: Agent, attacker: Agent, tmp_path) -> None:
-    pb = BUFFERS * RUN
-    pages = SLOTS // PAGE
-    pieces = [PagePiece(0, i * RUN, pb, RUN) for i in range(BUFFERS)]
-
-    def register(c: AgentClient, path: str, n: int) -> None:
-        """``n`` pages of ``path`` as the engine's memory, a page's buffers side by side."""
-        c.register_pool(
-            layout(), n * PAGE, cpu_allocation_paths=[path], allocation_bytes=[n * pb],
-            pieces=pieces, engine_cache=True,
-        )  # fmt: skip
-
-    secret = bytes((i * 7 + 3) % 251 for i in range(pages * pb))
-    vf = tmp_path / "victim-kv"
-    vf.write_bytes(secret)
-    v = AgentClient(victim.socket, timeout=10)
-    register(v, str(vf), pages)
-    _wait_linked(v)
-    assert v.save_pages(list(range(1000, 1000 + PAGE)), Namespace(tenant="A"), 0, [5])
-    want = secret[5 * pb : 6 * pb]
-    # The attacker's agent maps L2 once it has a pool of its own.
-    own = tmp_path / "attacker-kv"
-    own.write_bytes(bytes(pages * pb))
-    a = AgentClient(attacker.socket, timeout=10)
-    register(a, str(own), pages)
-    _wait_linked(a)
-    # As many "device pages" as L2 has slots (64).
-    big = 64
-    refused = []
-    for fd in range(3, 64):
-        try:
-            register(a, f"/proc/self/fd/{fd}", big)
-        except KvtierError as e:
-            if "agent's own L2 pool" in str(e):
-                refused.append(fd)
-            continue
-        # Accepted (some other file of the agent's): whatever it maps, it is not L2.
-        _wait_linked(a)
-        toks = list(range(50000, 50000 + big * PAGE))
-        a.save_pages(toks, Namespace(tenant="B"), 0, list(range(big)))
-        back = tmp_path / f"back-{fd}"
-        back.write_bytes(bytes(big * pb))
-        register(a, str(back), big)
-        _wait_linked(a)
-        a.load_pages(toks, Namespace(tenant="B"), 0, list(range(big)))
-        data = back.read_bytes()
-        found = [p for p in range(big) if data[p * pb : (p + 1) * pb] == want]
-        assert not found, f"/proc/self/fd/{fd} gave tenant A's page at pages {found}"
-    assert refused, "no descriptor of the agent's was its L2 pool"
+def test_the_agent_opens_no_path_and_keeps_descriptors_for_their_own_uid(agent) -> None:
+    """The wire has no path to name (``CpuPool.path`` is reserved: an old client's path is
+    dropped, and the request refused for want of memory); a ticket serves one registration;
+    a descriptor that is not a regular file is refused at the door."""
+    c = AgentClient(agent.socket)
+    req = agent_pb2.RegisterPoolRequest(layout=layout(), num_token_slots=SLOTS)
+    assert "path" not in agent_pb2.CpuPool.DESCRIPTOR.fields_by_name
+    req.cpu.CopyFrom(agent_pb2.CpuPool())
+    with pytest.raises(KvtierError, match=r"cpu\.memory: required") as e:
+        c._call(c.stub.RegisterPool, req)
+    assert e.value.invalid_input
+    door = c.stats().memory_socket
+    pool = CpuPool()
+    ticket = _memory_door.deposit(door, [pool.fd], 5)
+    req.cpu.memory = ticket
+    c._call(c.stub.RegisterPool, req)
+    with pytest.raises(KvtierError, match="no deposit has this ticket"):
+        c._call(c.stub.RegisterPool, req)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(KvtierError, match="not a regular file") as e:
+            _memory_door.deposit(door, [pool.fd, r], 5)
+        assert e.value.refused
+    finally:
+        os.close(r)
+        os.close(w)
+    c.close()
 
 
 def _wait_linked(c: AgentClient) -> None:

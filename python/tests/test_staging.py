@@ -33,7 +33,7 @@ DEVICES = [
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 6, 0, 1], [7, 2, 4, 0]])
 @pytest.mark.parametrize("block_first", [True, False])
 def test_blocks_round_trip_through_staging(
-    tmp_path, slots: list[int], block_first: bool, device: str
+    slots: list[int], block_first: bool, device: str
 ) -> None:
     blocks, heads, bs, head = 12, 2, 4, 8
     g = torch.Generator().manual_seed(len(slots) + 10 * block_first)
@@ -52,8 +52,8 @@ def test_blocks_round_trip_through_staging(
     views = [x.view(storage_bytes(t)) for x, t in zip(geo, layers, strict=True)]
     block_size = heads * bs * 2 * head * 2
     assert all(x.block_bytes == block_size for x in geo)
-    # On a GPU, in /dev/shm as the connector puts it (CUDA page-locks shared memory).
-    st = Staging(len(layers), 8, block_size, "" if device == "cuda" else str(tmp_path))
+    # A memfd, as the connector makes it (CUDA page-locks shared memory on a GPU).
+    st = Staging(len(layers), 8, block_size)
     try:
         if device == "cuda":
             assert st.pin(), "CUDA refused to page-lock the staging pool"
@@ -93,3 +93,30 @@ def test_blocks_round_trip_through_staging(
             )
     finally:
         st.close()
+
+
+_TOO_BIG = """
+import resource, sys
+from kvtier.integrations.vllm.staging import Staging
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    Staging(2, 1024, 2048)
+except ValueError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def test_a_staging_pool_that_does_not_fit_is_a_clear_error_not_a_sigbus() -> None:
+    """Memory the worker cannot have for its staging pool (here a file-size limit of 1 MiB
+    for 4 MiB: the memfd cannot grow; in production, a memory limit its fallocate meets) is
+    a ValueError naming the size and the setting to lower, not a SIGBUS on the first save
+    (and not SIGXFSZ: Python ignores it)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _TOO_BIG], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "4194304 bytes" in r.stdout and "staging_pages" in r.stdout, r.stdout

@@ -77,7 +77,7 @@ CASES = [
 
 @pytest.mark.parametrize(("spec", "layout", "padded", "kernel_block"), CASES)
 def test_pieces_and_staging_move_the_same_bytes_for_every_vllm_layout(
-    tmp_path, spec, layout, padded, kernel_block
+    spec, layout, padded, kernel_block
 ) -> None:
     raw, views = allocate(spec, layout, padded, kernel_block)
     geo = [block_bytes(f"l{i}", v, NUM_BLOCKS) for i, v in enumerate(views)]
@@ -103,7 +103,7 @@ def test_pieces_and_staging_move_the_same_bytes_for_every_vllm_layout(
     def through_pieces(m: torch.Tensor, b: int) -> torch.Tensor:
         return torch.cat([m[p.offset + b * p.page_stride :][: p.length] for p in ps])
 
-    st = Staging(LAYERS, 4, geo[0].block_bytes, str(tmp_path))
+    st = Staging(LAYERS, 4, geo[0].block_bytes)
     try:
         canon = [x.view(storage_bytes(v)) for x, v in zip(geo, views, strict=True)]
         blocks, slots, dsts = [5, 0, 3], [2, 0, 1], [1, 2, 4]
@@ -234,19 +234,18 @@ def test_a_cpu_kv_cache_in_shared_memory_exports_as_files_whose_pieces_are_its_b
     assert in_shared_memory(layers)
     geometry = [block_bytes(f"l{i}", t, blocks) for i, t in enumerate(layers)]
     ex = cpu_export(layers)
-    assert len(ex.paths) == 3 and all(p.startswith(f"/proc/{os.getpid()}/fd/") for p in ex.paths)
+    # The descriptors torch keeps for the storages, one per storage.
+    assert len(ex.fds) == 3 and all(os.path.isfile(f"/proc/self/fd/{fd}") for fd in ex.fds)
     ps = pieces(geometry, ex.bases)
     views = [g.view(storage_bytes(t)) for g, t in zip(geometry, layers, strict=True)]
     for b in range(blocks):
         want = b"".join(v[b].contiguous().numpy().tobytes() for v in views)
         got = b""
         for p in ps:
-            with open(ex.paths[p.allocation], "rb") as f:
-                f.seek(p.offset + b * p.page_stride)
-                got += f.read(p.length)
+            got += os.pread(ex.fds[p.allocation], p.length, p.offset + b * p.page_stride)
         assert got == want, f"block {b}"
-    for path, size in zip(ex.paths, ex.allocation_bytes, strict=True):
-        assert os.stat(path).st_size >= size
+    for fd, size in zip(ex.fds, ex.allocation_bytes, strict=True):
+        assert os.fstat(fd).st_size >= size
     # Review finding: under torch's file_system strategy, sharing by descriptor moves the
     # storage (views taken before would point at freed memory): refused.
     import torch.multiprocessing as mp

@@ -311,14 +311,14 @@ def test_a_hung_agent_delays_admissions_by_one_lookup_deadline_not_one_per_reque
 
 def test_a_killed_worker_leaves_no_staging_file(tmp_path, node):
     """Defect: a crashed vLLM worker left its staging pool's file in /dev/shm for good (a
-    128 MiB orphan on a test machine). The worker removes the file's name as soon as the
-    agent has mapped it: the memory goes with the last of the two processes."""
+    128 MiB orphan on a test machine). The staging pool is a memfd now, handed to the agent
+    as a descriptor: it never has a name in any directory, and its memory goes with the last
+    of the two processes."""
     _, agent = node
     first, _ = _conversations(6)
     a = agent("crash")
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    kv = flag(a, staging_dir=str(staging))
+    kv = flag(a)
+    shm_before = set(os.listdir("/dev/shm"))
     many = [dict(p, id=f"{p['id']}-{i}") for i in range(4) for p in first]
     proc, _ = start_worker(tmp_path, "crash", kv, many)
     try:
@@ -332,15 +332,18 @@ def test_a_killed_worker_leaves_no_staging_file(tmp_path, node):
         ):
             assert proc.poll() is None and time.monotonic() < deadline, "never saved a page"
             time.sleep(0.05)
-        assert not list(staging.iterdir()), "the staging file still has a name while in use"
+        # The agent maps the worker's memfd; no new name in /dev/shm.
+        maps = Path(f"/proc/{a.proc.pid}/maps").read_text()
+        assert "/memfd:kvtier-vllm-staging" in maps, "the agent maps no staging memfd"
+        assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "kvtier" in n]
     finally:
         proc.kill()
         proc.wait(30)
-    assert not list(staging.iterdir())
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "kvtier" in n]
     # The agent still serves: a new worker registers a new pool.
     r = run_worker(tmp_path, "after", kv, first)
     assert (
         r["wrong_blocks"] == 0
         and r["worker"]["saved_pages"] + r["scheduler"]["external_tokens"] > 0
     )
-    assert not list(staging.iterdir())
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if "kvtier" in n]

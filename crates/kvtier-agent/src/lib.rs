@@ -9,19 +9,22 @@
 //!
 //! Layers, each using only those above it in this list:
 //! - `outcome` (why pages were lost or not loaded), `metrics`, `owner`, `link` (the kvtierd
-//!   session), `handle_ids`;
+//!   session), `handle_ids`, `memory_door` (engine memory deposited as descriptors);
 //! - `shared`: the registered pool, the state behind one mutex, settings and counters;
 //! - `l2`: the one port to kvtierd, owning the page moves (read, write with backpressure);
 //! - the two modes over it, fixed at `RegisterPool`: `tree` (with `backup`: backups and
 //!   eviction) and `engine_cache`;
+//! - `engine_memory`: the engine's memory a registration describes, opened as a device;
 //! - `service`: the gRPC edge, wire ↔ domain, dispatching to the pool's mode.
 
 mod backup;
 mod call_fence;
 mod engine_cache;
+mod engine_memory;
 mod handle_ids;
 mod l2;
 pub mod link;
+pub mod memory_door;
 pub mod metrics;
 mod outcome;
 pub mod owner;
@@ -45,6 +48,8 @@ use crate::service::AgentService;
 pub struct Ready {
     /// The engine socket.
     pub socket: PathBuf,
+    /// The memory door (engines deposit their CPU pool's descriptors there).
+    pub memory_socket: PathBuf,
     /// The metrics endpoint, if enabled.
     pub metrics: Option<std::net::SocketAddr>,
 }
@@ -82,9 +87,13 @@ fn setup<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) 
     }
 }
 
-async fn bind_socket(gate: &PeerGate, path: &Path) -> Result<GatedListener, AgentError> {
+async fn bind_socket(
+    gate: &PeerGate,
+    path: &Path,
+    name: &'static str,
+) -> Result<GatedListener, AgentError> {
     use kvtier_server::serving::BindError;
-    gate.bind(path, "agent").await.map_err(|e| match e {
+    gate.bind(path, name).await.map_err(|e| match e {
         BindError::InUse(p) => AgentError::SocketInUse(p),
         BindError::Io { what, path, source } => AgentError::Setup { what, path, source },
     })
@@ -97,12 +106,20 @@ pub async fn run(
     ready: impl FnOnce(Ready) + Send,
 ) -> Result<(), AgentError> {
     let socket = cfg.socket_path();
+    let memory_socket = cfg.memory_socket();
     let registry = kvtier_server::metrics::MetricRegistry::new();
-    // The socket and the metrics endpoint each get an equal share of the descriptors.
-    let listeners = 1 + u32::from(cfg.metrics.listen.is_some());
-    let limits = kvtier_server::conn::fit_to_descriptors(&cfg.server.connections, listeners);
+    // The sockets and the metrics endpoint each get an equal share of the descriptors (less
+    // what deposits waiting at the memory door may hold).
+    let listeners = 2 + u32::from(cfg.metrics.listen.is_some());
+    let limits = kvtier_server::conn::fit_to_descriptors_beside(
+        &cfg.server.connections,
+        listeners,
+        memory_door::MAX_PENDING_FDS as u64,
+    );
     let gate = PeerGate::new(&cfg.server.unix, &limits, &registry)?;
-    let uds = bind_socket(&gate, &socket).await?;
+    let uds = bind_socket(&gate, &socket, "agent").await?;
+    let door = bind_socket(&gate, &memory_socket, "memory_door").await?;
+    let deposits = Arc::new(memory_door::Deposits::new(&registry)?);
     let listen = cfg.metrics.listen.as_deref();
     let metrics_listener = kvtier_server::prometheus_http::bind(listen)
         .await
@@ -120,7 +137,9 @@ pub async fn run(
         link.clone(),
         metrics.clone(),
         metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+        deposits.clone(),
     );
+    tokio::spawn(memory_door::serve(door, deposits, shutdown.clone()));
     {
         let svc = service.clone();
         link.set_reporter(Arc::new(move || svc.report()));
@@ -144,9 +163,10 @@ pub async fn run(
     health
         .set_serving::<kvtier_proto::v1::agent_server::AgentServer<AgentService>>()
         .await;
-    tracing::info!(socket = %socket.display(), metrics = ?metrics_addr, daemon = %cfg.daemon_address(), "kvtier-agent serving");
+    tracing::info!(socket = %socket.display(), memory_socket = %memory_socket.display(), metrics = ?metrics_addr, daemon = %cfg.daemon_address(), "kvtier-agent serving");
     ready(Ready {
         socket: socket.clone(),
+        memory_socket: memory_socket.clone(),
         metrics: metrics_addr,
     });
     let stop = shutdown.clone();
@@ -189,8 +209,10 @@ pub async fn run(
     shutdown.cancel();
     let _ = backups.await;
     let _ = link_task.await;
-    if let Err(e) = std::fs::remove_file(&socket) {
-        tracing::warn!(socket = %socket.display(), "could not remove the socket: {e}");
+    for path in [&socket, &memory_socket] {
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::warn!(socket = %path.display(), "could not remove the socket: {e}");
+        }
     }
     tracing::info!("kvtier-agent stopped");
     served.map_err(AgentError::from)

@@ -261,6 +261,7 @@ mod tests {
     fn every_metric_is_declared_once_and_documented() {
         let r = MetricRegistry::new();
         Metrics::new(&r).unwrap();
+        crate::memory_door::Deposits::new(&r).unwrap();
         let doc = include_str!("../../../docs/metrics.md");
         let wrong = r.check_documented(doc, |n| n.starts_with("kvtier_agent_"));
         assert!(wrong.is_empty(), "{wrong:#?}");

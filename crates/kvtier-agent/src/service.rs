@@ -11,10 +11,7 @@ use std::time::Instant;
 
 use kvtier_config::agent::AgentConfig;
 use kvtier_core::{DevicePool, Layout, Namespace, PageKey, RadixTree, TokenIds};
-use kvtier_device::cpu::CpuDevice;
-use kvtier_device::cuda::{CudaDevice, IPC_HANDLE_BYTES};
-use kvtier_device::plan::{DeviceMap, Piece};
-use kvtier_device::{Device, DeviceError, Fence};
+use kvtier_device::Fence;
 use kvtier_proto::ApiError;
 use kvtier_proto::v1::{self, agent_server};
 use kvtier_shm::ShmPool;
@@ -23,16 +20,14 @@ use tonic::{Request, Response, Status};
 use crate::backup::BackupWorker;
 use crate::call_fence;
 use crate::engine_cache::{CacheMode, Pages};
+use crate::engine_memory::Opener;
 use crate::l2::L2;
 use crate::link::{Link, Linked};
+use crate::memory_door::Deposits;
 use crate::metrics::Metrics;
 use crate::owner::{Caller, Owner};
 use crate::shared::{Engine, Mode, Settings, Shared};
 use crate::tree::{Progress, TreeMode};
-
-/// Most files a CPU pool's allocations may name: each is a descriptor and a mapping the
-/// agent holds (vLLM allocates one per KV cache tensor, at most one per layer).
-const MAX_ALLOCATIONS: usize = 1024;
 
 /// Most Saves one SaveBatch carries (an engine step's requests; vLLM runs at most a few
 /// thousand at once).
@@ -72,67 +67,6 @@ fn prefetch_policy(p: i32) -> Result<v1::PrefetchPolicy, ApiError> {
         .map_err(|_| ApiError::invalid("policy", format!("{p} is not a PrefetchPolicy value")))
 }
 
-/// The engine's GPU memory as the registration describes it: per-buffer handles alone
-/// (layer-first), or allocations with the pieces of a page placed in them. Checked here, before any handle
-/// is opened; errors name the `cuda.*` field.
-fn cuda_map(pool: &DevicePool, c: &v1::CudaPool) -> Result<DeviceMap, ApiError> {
-    if c.pieces.is_empty() {
-        if !c.allocation_bytes.is_empty() {
-            return Err(ApiError::invalid(
-                "cuda.allocation_bytes",
-                "given without pieces: per-buffer handles need neither",
-            ));
-        }
-        if c.ipc_handles.len() != pool.num_buffers() {
-            return Err(ApiError::invalid(
-                "cuda.ipc_handles",
-                format!(
-                    "{} handles for a layout of {} buffers (or give pieces)",
-                    c.ipc_handles.len(),
-                    pool.num_buffers()
-                ),
-            ));
-        }
-        return Ok(DeviceMap::layer_first(pool));
-    }
-    if c.allocation_bytes.len() != c.ipc_handles.len() {
-        return Err(ApiError::invalid(
-            "cuda.allocation_bytes",
-            format!(
-                "{} sizes for {} handles",
-                c.allocation_bytes.len(),
-                c.ipc_handles.len()
-            ),
-        ));
-    }
-    DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), pieces(&c.pieces))
-        .map_err(|e| device_error("cuda", e))
-}
-
-/// The wire's page pieces in the device layer's terms.
-fn pieces(pieces: &[v1::PagePiece]) -> Vec<Piece> {
-    pieces
-        .iter()
-        .map(|r| Piece {
-            region: r.allocation as usize,
-            offset: r.offset,
-            page_stride: r.page_stride,
-            len: r.length,
-        })
-        .collect()
-}
-
-fn device_error(field: &str, e: DeviceError) -> ApiError {
-    match e {
-        DeviceError::Invalid { field: f, reason } => {
-            ApiError::invalid(format!("{field}.{f}"), reason)
-        }
-        DeviceError::Unavailable(m) => ApiError::FailedPrecondition(m),
-        DeviceError::Copy(m) => ApiError::Internal(m),
-        e @ DeviceError::Fenced => ApiError::Internal(e.to_string()),
-    }
-}
-
 fn to_status<T, D: Into<T>>(r: Result<D, ApiError>) -> Result<Response<T>, Status> {
     r.map(|d| Response::new(d.into())).map_err(Status::from)
 }
@@ -145,6 +79,8 @@ pub(crate) struct AgentService {
     cache: Arc<CacheMode>,
     /// The calls in flight that a Cancel may name.
     calls: Arc<call_fence::Calls>,
+    /// Engine memory deposited at the memory door, waiting for its RegisterPool.
+    deposits: Arc<Deposits>,
 }
 
 impl AgentService {
@@ -155,6 +91,7 @@ impl AgentService {
         link: Arc<Link>,
         metrics: Metrics,
         metrics_address: String,
+        deposits: Arc<Deposits>,
     ) -> (Self, BackupWorker) {
         let s = Arc::new(Shared::new(
             Settings::new(cfg, metrics_address),
@@ -170,6 +107,7 @@ impl AgentService {
                 tree: Arc::new(tree),
                 cache: Arc::new(cache),
                 calls: Arc::default(),
+                deposits,
             },
             worker,
         )
@@ -279,6 +217,7 @@ impl AgentService {
             lost_pages,
             backups_in_flight: c.in_flight.load(Ordering::Relaxed),
             metrics_address: s.settings.metrics_address.clone(),
+            memory_socket: s.settings.memory_socket.clone(),
             lost_by_reason: by
                 .into_iter()
                 .map(|(l, pages)| v1::LostPages {
@@ -290,124 +229,6 @@ impl AgentService {
             backup_wait_seconds: c.wait_seconds(),
             backups_deferred: c.deferred.load(Ordering::Relaxed),
         }
-    }
-
-    /// The engine's CPU memory as the registration describes it: one layer-first file, or
-    /// its allocations with the pieces of a page in them. Errors name the `cpu.*` field. A
-    /// file that is the agent's own L2 pool (a `/proc/self/fd` path names the agent's
-    /// descriptors) is refused: it would hand the client every tenant's pages.
-    fn cpu_device(&self, pool: &DevicePool, c: &v1::CpuPool) -> Result<CpuDevice, ApiError> {
-        let dev = self.open_cpu_device(pool, c)?;
-        if let Some(linked) = self.s.link.current() {
-            let l2 = linked.pool.file_id().ok();
-            let ids = dev.file_ids().map_err(|e| device_error("cpu", e))?;
-            if let Some(i) = ids.iter().position(|id| Some(*id) == l2) {
-                let field = if c.pieces.is_empty() {
-                    "cpu.path".to_string()
-                } else {
-                    format!("cpu.allocation_paths[{i}]")
-                };
-                return Err(ApiError::invalid(field, "names the agent's own L2 pool"));
-            }
-        }
-        Ok(dev)
-    }
-
-    fn open_cpu_device(&self, pool: &DevicePool, c: &v1::CpuPool) -> Result<CpuDevice, ApiError> {
-        let threads = self.s.settings.copy_threads;
-        if c.pieces.is_empty() {
-            if !c.allocation_paths.is_empty() || !c.allocation_bytes.is_empty() {
-                return Err(ApiError::invalid(
-                    "cpu.allocation_paths",
-                    "given without pieces: a layer-first file needs only path",
-                ));
-            }
-            if c.path.is_empty() {
-                return Err(ApiError::invalid(
-                    "cpu.path",
-                    "required (or allocations with pieces)",
-                ));
-            }
-            return CpuDevice::open(pool.clone(), std::path::Path::new(&c.path), threads)
-                .map_err(|e| device_error("cpu", e));
-        }
-        if !c.path.is_empty() {
-            return Err(ApiError::invalid(
-                "cpu.path",
-                "given with pieces: name the allocations in allocation_paths",
-            ));
-        }
-        if c.allocation_paths.is_empty() {
-            return Err(ApiError::invalid(
-                "cpu.allocation_paths",
-                "required with pieces: the files the pieces lie in",
-            ));
-        }
-        if c.allocation_bytes.len() != c.allocation_paths.len() {
-            return Err(ApiError::invalid(
-                "cpu.allocation_bytes",
-                format!(
-                    "{} sizes for {} allocations",
-                    c.allocation_bytes.len(),
-                    c.allocation_paths.len()
-                ),
-            ));
-        }
-        if c.allocation_paths.len() > MAX_ALLOCATIONS {
-            return Err(ApiError::invalid(
-                "cpu.allocation_paths",
-                format!(
-                    "{} files; at most {MAX_ALLOCATIONS} (one per KV cache tensor)",
-                    c.allocation_paths.len()
-                ),
-            ));
-        }
-        if let Some(i) = c.allocation_paths.iter().position(|p| p.is_empty()) {
-            return Err(ApiError::invalid(
-                format!("cpu.allocation_paths[{i}]"),
-                "empty",
-            ));
-        }
-        let map = DeviceMap::new(pool.clone(), c.allocation_bytes.clone(), pieces(&c.pieces))
-            .map_err(|e| device_error("cpu", e))?;
-        let paths: Vec<&std::path::Path> = c
-            .allocation_paths
-            .iter()
-            .map(std::path::Path::new)
-            .collect();
-        CpuDevice::open_mapped(map, &paths, threads).map_err(|e| device_error("cpu", e))
-    }
-
-    fn open_device(
-        &self,
-        pool: &DevicePool,
-        device: Option<v1::register_pool_request::Device>,
-    ) -> Result<Arc<dyn Device>, ApiError> {
-        Ok(match device {
-            Some(v1::register_pool_request::Device::Cpu(c)) => Arc::new(self.cpu_device(pool, &c)?),
-            Some(v1::register_pool_request::Device::Cuda(c)) => {
-                let mut handles = Vec::with_capacity(c.ipc_handles.len());
-                for (i, h) in c.ipc_handles.iter().enumerate() {
-                    let h: [u8; IPC_HANDLE_BYTES] = h.as_slice().try_into().map_err(|_| {
-                        ApiError::invalid(
-                            format!("cuda.ipc_handles[{i}]"),
-                            format!(
-                                "{} bytes; a CUDA IPC handle has {IPC_HANDLE_BYTES}",
-                                h.len()
-                            ),
-                        )
-                    })?;
-                    handles.push(h);
-                }
-                let map = cuda_map(pool, &c)?;
-                let dev =
-                    CudaDevice::open(map, c.device_ordinal, &handles, self.s.settings.copy_method)
-                        .map_err(|e| device_error("cuda", e))?;
-                self.s.metrics.copy_methods(&dev.copy_report());
-                Arc::new(dev)
-            }
-            None => return Err(ApiError::invalid("device", "required: cpu or cuda")),
-        })
     }
 
     async fn register_pool(
@@ -427,7 +248,15 @@ impl AgentService {
         let layout = Layout::try_from(spec_wire).map_err(|e| e.within("layout"))?;
         let pool = DevicePool::new(layout.clone(), req.num_token_slots)
             .map_err(|e| ApiError::invalid("num_token_slots", e.to_string()))?;
-        let device = self.open_device(&pool, req.device)?;
+        let device = Opener {
+            deposits: &self.deposits,
+            caller_uid: caller.peer.map(|p| p.uid),
+            copy_threads: s.settings.copy_threads,
+            copy_method: s.settings.copy_method,
+            l2_file: s.link.current().and_then(|l| l.pool.file_id().ok()),
+            metrics: &s.metrics,
+        }
+        .open(&pool, req.device)?;
         let mode = if req.engine_cache {
             Mode::EngineCache
         } else {

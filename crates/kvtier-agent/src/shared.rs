@@ -173,6 +173,8 @@ pub(crate) struct Settings {
     /// Early backups running at once; an Evict's backups too.
     pub(crate) backup_concurrency: usize,
     pub(crate) metrics_address: String,
+    /// The memory door's path, as AgentStats shows it.
+    pub(crate) memory_socket: String,
 }
 
 impl Settings {
@@ -189,6 +191,7 @@ impl Settings {
             backup_queue_pages: cfg.cache.backup_queue,
             backup_concurrency: cfg.cache.backup_concurrency as usize,
             metrics_address,
+            memory_socket: cfg.memory_socket().display().to_string(),
         }
     }
 }

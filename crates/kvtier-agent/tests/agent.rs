@@ -389,21 +389,24 @@ fn bad_engine_input_is_refused_by_field() {
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::NotFound);
         assert!(e.message().contains("RegisterPool"), "{}", e.message());
-        // A pool file of the wrong size, and a missing one.
-        let e = raw
-            .register_pool(v1::RegisterPoolRequest {
-                layout: Some((&mha(0, 1)).into()),
-                num_token_slots: 1024,
-                device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
-                    path: "/nonexistent/pool".into(),
-                    ..Default::default()
-                })),
-                engine_cache: false,
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument);
-        assert!(e.message().contains("cpu"), "{}", e.message());
+        // No memory, or a ticket the memory door never gave.
+        for (memory, why) in [(vec![], "required"), (vec![9u8; 16], "no deposit")] {
+            let e = raw
+                .register_pool(v1::RegisterPoolRequest {
+                    layout: Some((&mha(0, 1)).into()),
+                    num_token_slots: 1024,
+                    device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
+                        memory,
+                        ..Default::default()
+                    })),
+                    engine_cache: false,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains("cpu.memory"), "{}", e.message());
+            assert!(e.message().contains(why), "{}", e.message());
+        }
         let e = raw
             .register_pool(v1::RegisterPoolRequest {
                 layout: Some((&mha(0, 1)).into()),
@@ -464,58 +467,75 @@ fn bad_engine_input_is_refused_by_field() {
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
             assert!(e.message().contains(field), "{field}: {}", e.message());
         }
-        // The same map over the engine's CPU allocations (files): checked as CUDA's, and each
-        // file must hold what the map says it uses.
-        let file = dir("cpu-mapped").join("kv");
-        std::fs::write(&file, vec![0u8; whole as usize - 1]).unwrap();
-        let cpu = |paths: Vec<String>, path: &str, sizes: Vec<u64>, pieces: Vec<v1::PagePiece>| {
+        // The same map over the engine's CPU allocations (descriptors deposited at the
+        // memory door): checked as CUDA's, and each file must hold what the map says it uses.
+        let door = std::path::PathBuf::from(
+            kvtier_client::AgentClient::connect(&a.socket.display().to_string())
+                .await
+                .unwrap()
+                .stats()
+                .await
+                .unwrap()
+                .memory_socket,
+        );
+        let short = kvtier_shm::ShmRegion::memfd("short", whole as usize - 1).unwrap();
+        let deposit = |n: usize| {
+            let fds: Vec<_> = (0..n).map(|_| short.fd()).collect();
+            kvtier_shm::memory_door::deposit(&door, &fds, Duration::from_secs(5))
+                .unwrap()
+                .to_vec()
+        };
+        let cpu = |memory: Vec<u8>, sizes: Vec<u64>, pieces: Vec<v1::PagePiece>| {
             v1::RegisterPoolRequest {
                 layout: Some((&mha(0, 1)).into()),
                 num_token_slots: 1024,
                 device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
-                    path: path.into(),
-                    allocation_paths: paths,
+                    memory,
                     allocation_bytes: sizes,
                     pieces,
                 })),
                 engine_cache: false,
             }
         };
-        let kv = file.display().to_string();
+        // The map is checked before the deposit is taken: one ticket serves every refusal
+        // up to the last.
+        let t = deposit(1);
         for (req, field) in [
+            (cpu(t.clone(), vec![whole], vec![]), "cpu.allocation_bytes"),
             (
-                cpu(vec![kv.clone()], "", vec![whole], vec![]),
-                "cpu.allocation_paths",
+                cpu(t.clone(), vec![], good_pieces(0)),
+                "cpu.pieces[0].region",
             ),
             (
-                cpu(vec![], "", vec![], good_pieces(0)),
-                "cpu.allocation_paths",
-            ),
-            (
-                cpu(vec![kv.clone()], "", vec![], good_pieces(0)),
-                "cpu.allocation_bytes",
-            ),
-            (
-                cpu(vec![kv.clone()], &kv, vec![whole], good_pieces(0)),
-                "cpu.path",
-            ),
-            (
-                cpu(vec![String::new()], "", vec![whole], good_pieces(0)),
-                "cpu.allocation_paths[0]",
-            ),
-            (
-                cpu(vec![kv.clone()], "", vec![whole - 1], good_pieces(0)),
+                cpu(t.clone(), vec![whole - 1], good_pieces(0)),
                 "cpu.pieces[",
             ),
             (
-                cpu(vec![kv.clone()], "", vec![whole], overlapping_cpu.clone()),
+                cpu(t.clone(), vec![whole], overlapping_cpu.clone()),
                 "overlaps pieces[2]",
+            ),
+            (
+                cpu(t.clone(), vec![1; 1025], good_pieces(0)),
+                "cpu.allocation_bytes",
             ),
             // A file shorter than the map says.
             (
-                cpu(vec![kv.clone()], "", vec![whole], good_pieces(0)),
-                "cpu.allocation_paths[0]",
+                cpu(t.clone(), vec![whole], good_pieces(0)),
+                "cpu.allocations[0]",
             ),
+            // Taken by the request before: a ticket serves one registration.
+            (cpu(t.clone(), vec![whole], good_pieces(0)), "no deposit"),
+            // More descriptors than allocations, and the layer-first file's one.
+            (
+                cpu(deposit(2), vec![whole], good_pieces(0)),
+                "2 descriptors deposited for 1",
+            ),
+            (
+                cpu(deposit(2), vec![], vec![]),
+                "2 descriptors deposited for 1",
+            ),
+            // A layer-first file shorter than the pool.
+            (cpu(deposit(1), vec![], vec![]), "expected at least"),
         ] {
             let e = raw.register_pool(req).await.unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());

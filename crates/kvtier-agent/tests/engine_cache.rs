@@ -324,23 +324,22 @@ fn modes_refuse_each_others_calls_and_bad_spans_are_named() {
         let mut c = kvtier_client::AgentClient::connect(&a.socket.display().to_string())
             .await
             .unwrap();
-        let path = std::path::PathBuf::from("/dev/shm")
-            .join(format!("kvtier-agent-test-{}-ecwb", std::process::id()));
         let layout = kvtier_core::Layout::new(spec.clone()).unwrap();
         let pool = kvtier_core::DevicePool::new(layout, 16 * 16).unwrap();
-        let _region = kvtier_shm::ShmRegion::create(&path, pool.total_bytes()).unwrap();
+        let region = kvtier_shm::ShmRegion::memfd("ecwb", pool.total_bytes()).unwrap();
         let err = c
             .register_engine_cache(
                 &spec,
                 16 * 16,
-                kvtier_client::PoolMemory::Cpu { path: path.clone() },
+                kvtier_client::PoolMemory::Cpu {
+                    fd: std::sync::Arc::new(region.fd().try_clone_to_owned().unwrap()),
+                },
             )
             .await
             .unwrap_err();
         let (code, m) = code(err);
         assert_eq!(code, tonic::Code::FailedPrecondition);
         assert!(m.contains("write_back"), "{m}");
-        let _ = std::fs::remove_file(path);
     });
 }
 

@@ -51,7 +51,7 @@ fn methods(
                 layout: Some(spec.into()),
                 num_token_slots: 64 * 16,
                 device: Some(v1::register_pool_request::Device::Cpu(v1::CpuPool {
-                    path: "/dev/shm/kvtier-fuzz-no-such-pool".into(),
+                    memory: vec![7; 16],
                     ..Default::default()
                 })),
                 engine_cache: false,

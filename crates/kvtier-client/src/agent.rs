@@ -7,6 +7,8 @@
 
 mod messages;
 
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvtier_core::{LayoutSpec, Namespace};
@@ -163,10 +165,16 @@ impl AgentClient {
         pool: PoolMemory,
         engine_cache: bool,
     ) -> Result<PoolInfo, ClientError> {
+        let fds = pool.descriptors();
+        let ticket = if fds.is_empty() {
+            Vec::new()
+        } else {
+            self.deposit(fds).await?.to_vec()
+        };
         let req = self.request(v1::RegisterPoolRequest {
             layout: Some(spec.into()),
             num_token_slots: token_slots,
-            device: Some(pool.into()),
+            device: Some(pool.wire(ticket)),
             engine_cache,
         });
         let r = self.inner.register_pool(req).await?.into_inner();
@@ -180,6 +188,31 @@ impl AgentClient {
             pages: r.num_pages,
             daemon_connected: r.daemon_connected,
         })
+    }
+
+    /// Deposits `fds` at the agent's memory door (its path from AgentStats): the ticket that
+    /// names them in `RegisterPool`.
+    pub async fn deposit(
+        &mut self,
+        fds: Vec<Arc<OwnedFd>>,
+    ) -> Result<[u8; kvtier_shm::memory_door::TICKET_LEN], ClientError> {
+        let socket = self.stats().await?.memory_socket;
+        if socket.is_empty() {
+            return Err(ClientError::Protocol(
+                "the agent names no memory door (an older agent?)".into(),
+            ));
+        }
+        tokio::task::spawn_blocking(move || {
+            let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+            kvtier_shm::memory_door::deposit(
+                std::path::Path::new(&socket),
+                &borrowed,
+                Duration::from_secs(10),
+            )
+        })
+        .await
+        .map_err(|e| ClientError::Protocol(format!("the deposit's thread failed: {e}")))?
+        .map_err(ClientError::from)
     }
 
     /// Matches a prompt's full pages against every tier and locks the device prefix.

@@ -27,6 +27,10 @@ data_dir = "kvtier-data"
 [server]
 # Unix domain socket the engine talks to (kvtier.v1.Agent). Empty: <data_dir>/kvtier-agent.sock.
 socket = ""
+# Unix domain socket where an engine hands the agent its CPU pool's memory, as file
+# descriptors (the agent opens no path a client names). Empty: the engine socket's path with
+# ".memory" appended. Clients find it in AgentStats.
+memory_socket = ""
 # Most tokens in one request (1 to 16777216).
 max_tokens = 1048576
 # On shutdown, how long open engine connections get to finish before they are closed
@@ -139,6 +143,13 @@ pub struct AgentServerConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub socket: Option<PathBuf>,
+    /// The memory door's UDS path (engines deposit their pool's descriptors there); unset
+    /// means the engine socket's path with `.memory` appended.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub memory_socket: Option<PathBuf>,
     /// Most tokens per request.
     pub max_tokens: u64,
     /// Grace period for open connections at shutdown.
@@ -227,6 +238,7 @@ impl Default for AgentConfig {
             data_dir: PathBuf::from("kvtier-data"),
             server: AgentServerConfig {
                 socket: None,
+                memory_socket: None,
                 max_tokens: 1 << 20,
                 drain_timeout: Dur(Duration::from_secs(2)),
                 pool_lease: Dur(Duration::from_secs(300)),
@@ -294,6 +306,15 @@ impl AgentConfig {
         (self.server.socket.clone()).unwrap_or_else(|| self.data_dir.join("kvtier-agent.sock"))
     }
 
+    /// The memory door: where an engine deposits its CPU pool's descriptors.
+    pub fn memory_socket(&self) -> PathBuf {
+        self.server.memory_socket.clone().unwrap_or_else(|| {
+            let mut p = self.socket_path().into_os_string();
+            p.push(".memory");
+            PathBuf::from(p)
+        })
+    }
+
     /// kvtierd's address.
     pub fn daemon_address(&self) -> String {
         (self.daemon.address.clone())
@@ -314,6 +335,7 @@ impl AgentConfig {
             server:
                 AgentServerConfig {
                     socket: _,
+                    memory_socket: _,
                     max_tokens,
                     drain_timeout,
                     pool_lease,

@@ -18,16 +18,16 @@ macro_rules! connections_default_toml {
 # Most connections one listener holds open at once (1 to 65536). A connection past it is
 # closed at accept, logged (at most every 10 s) and counted in
 # kvtier_server_refused_connections_total{reason="limit"}, so no client can use up the
-# process's file descriptors. Every listener (the sockets, TCP, the metrics endpoint, the
-# pool door) has its own. The process raises its own descriptor limit to the hard limit at
+# process's file descriptors. Every listener (the sockets, TCP, the metrics endpoint,
+# kvtierd's pool door, the agent's memory door) has its own. The process raises its own descriptor limit to the hard limit at
 # start, and lowers max (and per_peer) to an equal share per listener of that limit less 64
 # where that is smaller (logged), so a flood on one listener never starves another.
 max = 1024
 # Most of them from one peer: one uid on a Unix socket, one IP address over TCP (1 to max).
 per_peer = 256
 # How long a new connection has to send its first bytes: the HTTP/2 preface, the TLS
-# handshake over TCP, SGLang's pool registration, a pool door request, an HTTP request's
-# headers on the metrics endpoint (100ms to 5m). A connection that stays silent is closed
+# handshake over TCP, SGLang's pool registration, a pool door request, a memory door
+# deposit, an HTTP request's headers on the metrics endpoint (100ms to 5m). A connection that stays silent is closed
 # and counted in kvtier_server_connection_timeouts_total.
 handshake_timeout = "10s"
 "#

@@ -1,14 +1,18 @@
-//! The cpu device: the engine's KV pool in shared memory, one of two ways:
-//! - one file of layer-first buffers laid end to end ([`DevicePool::total_bytes`] long) that
-//!   the engine created and names when it registers ([`CpuDevice::open`]): CPU inference
-//!   engines and vLLM's staging pool use it; tests and the simulator use it because CI has no
-//!   GPU;
-//! - the engine's own allocations (files in shared memory) with the pieces of a page placed
-//!   in them, as the cuda device takes vLLM's GPU blocks ([`CpuDevice::open_mapped`]): the
-//!   agent reads and writes the engine's blocks in place, the CPU stand-in for DMA that the
-//!   vLLM fuzzer runs the worker's DMA path on.
+//! The cpu device: the engine's KV pool in shared memory, handed over as descriptors (the
+//! agent opens no path a client names), one of two ways:
+//! - one file of layer-first buffers laid end to end ([`DevicePool::total_bytes`] long)
+//!   ([`CpuDevice::open`]): CPU inference engines and vLLM's staging pool use it; tests and
+//!   the simulator use it because CI has no GPU;
+//! - the engine's own allocations (memfds or shared-memory files) with the pieces of a page
+//!   placed in them, as the cuda device takes vLLM's GPU blocks ([`CpuDevice::open_mapped`]):
+//!   the agent reads and writes the engine's blocks in place, the CPU stand-in for DMA that
+//!   the vLLM fuzzer runs the worker's DMA path on.
+//!
+//! Each file is sealed against shrinking where its creator allowed sealing (a memfd made
+//! with `MFD_ALLOW_SEALING`); every copy is guarded all the same, so a file that shrinks
+//! under one fails the copy rather than kill the agent.
 
-use std::path::Path;
+use std::os::fd::OwnedFd;
 
 use kvtier_core::DevicePool;
 use kvtier_shm::{ShmPool, ShmRegion};
@@ -47,14 +51,10 @@ pub struct CpuDevice {
 }
 
 impl CpuDevice {
-    /// Maps the engine's pool file at `path`, which must be exactly `pool.total_bytes()` long.
+    /// Maps the engine's pool file `fd`, which must be at least `pool.total_bytes()` long.
     /// Copies of many pages are spread over `threads` threads (at least one).
-    pub fn open(pool: DevicePool, path: &Path, threads: usize) -> Result<Self, DeviceError> {
-        let region =
-            ShmRegion::open(path, pool.total_bytes()).map_err(|e| DeviceError::Invalid {
-                field: "pool file".into(),
-                reason: e.to_string(),
-            })?;
+    pub fn open(pool: DevicePool, fd: OwnedFd, threads: usize) -> Result<Self, DeviceError> {
+        let region = Self::region_of(fd, pool.total_bytes(), "pool file")?;
         let base = region.ptr().as_ptr() as u64;
         let buffer = pool.buffer_bytes() as u64;
         Ok(Self {
@@ -69,36 +69,32 @@ impl CpuDevice {
         })
     }
 
-    /// Maps the engine's allocations, `paths[i]` for the map's region `i` (a file at least
+    /// Maps the engine's allocations, `fds[i]` for the map's region `i` (a file at least
     /// `map.region_bytes()[i]` long), and reads and writes pages where `map` places their
-    /// pieces. Errors name the allocation (`allocation_paths[i]`).
+    /// pieces. Errors name the allocation (`allocations[i]`).
     pub fn open_mapped(
         map: DeviceMap,
-        paths: &[&Path],
+        fds: Vec<OwnedFd>,
         threads: usize,
     ) -> Result<Self, DeviceError> {
-        if paths.len() != map.region_bytes().len() {
+        if fds.len() != map.region_bytes().len() {
             return Err(DeviceError::Invalid {
-                field: "allocation_paths".into(),
+                field: "allocations".into(),
                 reason: format!(
-                    "{} files for a map of {} allocations",
-                    paths.len(),
+                    "{} descriptors for a map of {} allocations",
+                    fds.len(),
                     map.region_bytes().len()
                 ),
             });
         }
-        let mut regions = Vec::with_capacity(paths.len());
-        for (i, (path, &bytes)) in paths.iter().zip(map.region_bytes()).enumerate() {
+        let mut regions = Vec::with_capacity(fds.len());
+        for (i, (fd, &bytes)) in fds.into_iter().zip(map.region_bytes()).enumerate() {
+            let field = format!("allocations[{i}]");
             let len = usize::try_from(bytes).map_err(|_| DeviceError::Invalid {
-                field: format!("allocation_paths[{i}]"),
+                field: field.clone(),
                 reason: format!("{bytes} bytes do not fit in memory"),
             })?;
-            regions.push(ShmRegion::open_at_least(path, len).map_err(|e| {
-                DeviceError::Invalid {
-                    field: format!("allocation_paths[{i}]"),
-                    reason: e.to_string(),
-                }
-            })?);
+            regions.push(Self::region_of(fd, len, &field)?);
         }
         Ok(Self {
             pool: map.pool().clone(),
@@ -110,14 +106,27 @@ impl CpuDevice {
         })
     }
 
+    /// Maps one of the engine's files, sealed against shrinking where it allows that.
+    fn region_of(fd: OwnedFd, len: usize, field: &str) -> Result<ShmRegion, DeviceError> {
+        let region =
+            ShmRegion::from_fd_at_least(fd, len, field).map_err(|e| DeviceError::Invalid {
+                field: field.into(),
+                reason: e.to_string(),
+            })?;
+        // Best effort: a file that cannot be sealed (a tmpfs file, a memfd without
+        // MFD_ALLOW_SEALING) is still safe, its copies being guarded.
+        region.seal_shrink();
+        Ok(region)
+    }
+
     /// The identity (device, inode) of each file mapped: the agent refuses an engine pool
-    /// that is a file it holds itself (its L2 pool, named by a `/proc/self/fd` path).
+    /// that is a file it holds itself (its L2 pool's descriptor, sent back to it).
     pub fn file_ids(&self) -> Result<Vec<(u64, u64)>, DeviceError> {
         self.regions
             .iter()
             .map(|r| {
                 r.file_id().map_err(|e| DeviceError::Invalid {
-                    field: "allocation_paths".into(),
+                    field: "allocations".into(),
                     reason: e.to_string(),
                 })
             })

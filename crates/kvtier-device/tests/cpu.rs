@@ -2,7 +2,7 @@
 //! page-first, byte for byte, and come back unchanged; bad copy lists change nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
+use std::os::fd::OwnedFd;
 
 use kvtier_core::{DType, DevicePool, KvKind, KvPart, Layout, LayoutSpec};
 use kvtier_device::cpu::CpuDevice;
@@ -22,8 +22,19 @@ fn spec(kind: KvKind) -> LayoutSpec {
     }
 }
 
-fn path(name: &str) -> PathBuf {
-    PathBuf::from("/dev/shm").join(format!("kvtier-device-test-{}-{name}", std::process::id()))
+/// A new descriptor of the engine's region, as the engine hands it to the agent.
+fn fd_of(r: &ShmRegion) -> OwnedFd {
+    r.fd().try_clone_to_owned().unwrap()
+}
+
+/// An engine file that cannot be sealed (a memfd made without `MFD_ALLOW_SEALING`).
+fn unsealable(len: usize) -> ShmRegion {
+    use rustix::fs::{MemfdFlags, memfd_create};
+    let fd = memfd_create("kvtier-unsealable", MemfdFlags::CLOEXEC).unwrap();
+    std::fs::File::from(fd.try_clone().unwrap())
+        .set_len(len as u64)
+        .unwrap();
+    ShmRegion::from_fd(fd, "unsealable").unwrap()
 }
 
 /// The byte at `i` of run (layer, part) of device page `page`: distinct per run and page.
@@ -32,9 +43,23 @@ fn byte(page: usize, layer: usize, part: KvPart, i: usize) -> u8 {
 }
 
 fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, ShmRegion, ShmPool) {
+    setup_in(kind, name, pages, threads, true)
+}
+
+fn setup_in(
+    kind: KvKind,
+    name: &str,
+    pages: u64,
+    threads: usize,
+    sealable: bool,
+) -> (CpuDevice, ShmRegion, ShmPool) {
     let layout = Layout::new(spec(kind)).unwrap();
     let pool = DevicePool::new(layout.clone(), pages * 16).unwrap();
-    let engine = ShmRegion::create(&path(name), pool.total_bytes()).unwrap();
+    let engine = if sealable {
+        ShmRegion::memfd(name, pool.total_bytes()).unwrap()
+    } else {
+        unsealable(pool.total_bytes())
+    };
     // Fill every page of the engine's pool as an engine would after prefill.
     for p in 0..pool.num_pages() {
         for (layer, part) in layout.runs() {
@@ -45,7 +70,7 @@ fn setup(kind: KvKind, name: &str, pages: u64, threads: usize) -> (CpuDevice, Sh
                 .unwrap();
         }
     }
-    let dev = CpuDevice::open(pool, &path(name), threads).unwrap();
+    let dev = CpuDevice::open(pool, fd_of(&engine), threads).unwrap();
     (dev, engine, host_pool(&layout, name))
 }
 
@@ -132,7 +157,6 @@ fn round_trip(kind: KvKind, name: &str, threads: usize) {
             }
         }
     }
-    std::fs::remove_file(path(name)).unwrap();
 }
 
 #[test]
@@ -159,7 +183,7 @@ fn mla_pages_round_trip() {
 
 #[test]
 fn bad_copies_change_nothing() {
-    let (dev, _engine, host) = setup(
+    let (dev, engine, host) = setup(
         KvKind::Mha {
             kv_heads: 1,
             head_dim: 64,
@@ -221,14 +245,13 @@ fn bad_copies_change_nothing() {
         .unwrap();
     }
     assert!(after == before, "a refused copy list moved bytes");
-    // A pool file of the wrong size is refused at open, naming the sizes.
+    // A pool file shorter than the pool is refused at open, naming the sizes.
     let layout = dev.pool().layout().clone();
     let bigger = DevicePool::new(layout, 16 * 16).unwrap();
-    let e = CpuDevice::open(bigger, &path("bad"), 1)
+    let e = CpuDevice::open(bigger, fd_of(&engine), 1)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("expected"), "{e}");
-    std::fs::remove_file(path("bad")).unwrap();
+    assert!(e.contains("expected at least"), "{e}");
 }
 
 #[test]
@@ -306,7 +329,6 @@ fn a_closed_fence_moves_nothing_either_way() {
     for c in &copies {
         check_slot(&dev, &host, c.host_slot, c.device_page as usize);
     }
-    std::fs::remove_file(path(name)).unwrap();
 }
 
 /// The engine's own blocks in place (the CPU stand-in for DMA): one file per layer, each
@@ -325,11 +347,9 @@ fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
     let pool = DevicePool::new(layout.clone(), blocks as u64 * 16).unwrap();
     let run = layout.run_bytes();
     let stride = 2 * run + 64;
-    let files: Vec<PathBuf> = (0..3).map(|l| path(&format!("mapped-{l}"))).collect();
     // Larger than the map uses: the agent maps the whole file.
-    let regions: Vec<ShmRegion> = files
-        .iter()
-        .map(|f| ShmRegion::create(f, blocks * stride + 4096).unwrap())
+    let regions: Vec<ShmRegion> = (0..3)
+        .map(|l| ShmRegion::memfd(&format!("mapped-{l}"), blocks * stride + 4096).unwrap())
         .collect();
     let at = |p: usize, part: KvPart| p * stride + part as usize * run;
     for p in 0..blocks {
@@ -350,21 +370,25 @@ fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
         })
         .collect();
     let map = DeviceMap::new(pool, vec![(blocks * stride) as u64; 3], pieces).unwrap();
-    let paths: Vec<&std::path::Path> = files.iter().map(PathBuf::as_path).collect();
+    let fds = || regions.iter().map(fd_of).collect::<Vec<_>>();
     // Files shorter than the map, or the wrong number of them, are refused by name.
-    let e = CpuDevice::open_mapped(map.clone(), &paths[..2], 2)
+    let e = CpuDevice::open_mapped(
+        map.clone(),
+        fds()[..2].iter().map(|f| f.try_clone().unwrap()).collect(),
+        2,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("allocations"), "{e}");
+    let short = ShmRegion::memfd("mapped-short", blocks * stride - 1).unwrap();
+    let mut with_short = fds();
+    with_short[2] = fd_of(&short);
+    let e = CpuDevice::open_mapped(map.clone(), with_short, 2)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("allocation_paths"), "{e}");
-    let short = path("mapped-short");
-    ShmRegion::create(&short, blocks * stride - 1).unwrap();
-    let e = CpuDevice::open_mapped(map.clone(), &[paths[0], paths[1], &short], 2)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("allocation_paths[2]"), "{e}");
-    std::fs::remove_file(&short).unwrap();
+    assert!(e.contains("allocations[2]"), "{e}");
 
-    let dev = CpuDevice::open_mapped(map, &paths, 2).unwrap();
+    let dev = CpuDevice::open_mapped(map, fds(), 2).unwrap();
     let host = host_pool(&layout, "mapped");
     let copies = copies(12, |i| ((i * 5) % 24, 30 - i));
     dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
@@ -396,34 +420,28 @@ fn a_mapped_pool_reads_and_writes_the_engines_blocks_in_place() {
             assert_eq!(g, if loaded { s } else { 0 }, "layer {layer} byte {i}");
         }
     }
-    for f in &files {
-        std::fs::remove_file(f).unwrap();
-    }
 }
 
 /// Review finding (issue 61): an engine that shrank its own file under the agent killed it
-/// with SIGBUS (the copy touched the mapping past the file's end). The copy now fails, and
-/// so does every later one: the mapping is no longer the file.
+/// with SIGBUS (the copy touched the mapping past the file's end). A file the engine made
+/// sealable is sealed against shrinking when the agent maps it; one it did not (or a tmpfs
+/// file) fails the copy on shrinking, and every later one: the mapping is no longer the
+/// file.
 #[test]
 fn an_engine_file_shrunk_under_the_agent_fails_the_copy_not_the_agent() {
-    let name = "shrunk";
-    let (dev, _engine, host) = setup(
-        KvKind::Mha {
-            kv_heads: 2,
-            head_dim: 64,
-        },
-        name,
-        16,
-        2,
-    );
+    let kind = KvKind::Mha {
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (dev, engine, host) = setup(kind, "sealed", 16, 2);
     let copies = copies(16, |i| (i, i));
+    let shrink = |r: &ShmRegion| std::fs::File::from(fd_of(r)).set_len(0);
+    assert!(shrink(&engine).is_err(), "a sealed engine file shrank");
     dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(path(name))
-        .unwrap()
-        .set_len(0)
-        .unwrap();
+
+    let (dev, engine, host) = setup_in(kind, "shrunk", 16, 2, false);
+    dev.copy_to_host(&host, &copies, &Fence::never()).unwrap();
+    shrink(&engine).unwrap();
     for _ in 0..2 {
         let e = dev
             .copy_to_host(&host, &copies, &Fence::never())
@@ -436,5 +454,4 @@ fn an_engine_file_shrunk_under_the_agent_fails_the_copy_not_the_agent() {
             .to_string();
         assert!(e.contains("shrank"), "{e}");
     }
-    std::fs::remove_file(path(name)).unwrap();
 }

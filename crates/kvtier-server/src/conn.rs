@@ -383,9 +383,21 @@ pub fn fitted(limits: &ConnectionLimits, nofile: u64, listeners: u32) -> Connect
 /// [`fitted`] to this process's open-file limit now (`RLIMIT_NOFILE`, after
 /// [`crate::process::raise_descriptor_limit`]); logs when it lowers `[server.connections]`.
 pub fn fit_to_descriptors(limits: &ConnectionLimits, listeners: u32) -> ConnectionLimits {
+    fit_to_descriptors_beside(limits, listeners, 0)
+}
+
+/// [`fit_to_descriptors`] for a process that may hold `held` descriptors besides its
+/// connections (the agent's memory door: descriptors deposited and not yet registered), of
+/// which at most half the limit is set aside.
+pub fn fit_to_descriptors_beside(
+    limits: &ConnectionLimits,
+    listeners: u32,
+    held: u64,
+) -> ConnectionLimits {
     let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
         .current
         .unwrap_or(u64::MAX);
+    let nofile = nofile - held.min(nofile / 2);
     let fit = fitted(limits, nofile, listeners);
     if fit.max < limits.max {
         tracing::warn!(

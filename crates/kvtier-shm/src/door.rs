@@ -112,33 +112,11 @@ fn encode(a: &Answer) -> Vec<u8> {
 /// (the answer is a few dozen bytes, so in practice it never does), and a short send is an
 /// error.
 pub fn send(sock: BorrowedFd<'_>, answer: &Answer, pool: Option<BorrowedFd<'_>>) -> io::Result<()> {
-    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
-    let bytes = encode(answer);
-    let fds;
-    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut anc = SendAncillaryBuffer::new(&mut space);
-    if let (Answer::Pool { .. }, Some(fd)) = (answer, pool) {
-        fds = [fd];
-        if !anc.push(SendAncillaryMessage::ScmRights(&fds)) {
-            return Err(io::Error::other("no room for the descriptor"));
-        }
-    }
-    let sent = sendmsg(
-        sock,
-        &[io::IoSlice::new(&bytes)],
-        &mut anc,
-        SendFlags::NOSIGNAL,
-    )
-    .map_err(io::Error::from)?;
-    if sent != bytes.len() {
-        // A few dozen bytes into a fresh connection's empty buffer: never short in practice.
-        // The client sees a cut answer and fails (a miss), never a wrong pool.
-        return Err(io::Error::new(
-            io::ErrorKind::WriteZero,
-            format!("sent {sent} of the answer's {} bytes", bytes.len()),
-        ));
-    }
-    Ok(())
+    let fds: Vec<BorrowedFd<'_>> = match (answer, pool) {
+        (Answer::Pool { .. }, Some(fd)) => vec![fd],
+        _ => Vec::new(),
+    };
+    crate::scm::send(sock, &encode(answer), &fds)
 }
 
 /// Asks the pool door at `socket` for `session`'s pool, presenting `token` if the client has

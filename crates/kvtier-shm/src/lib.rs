@@ -37,9 +37,11 @@ mod access;
 pub mod door;
 mod guard;
 pub mod malloc;
+pub mod memory_door;
 mod own_dir;
 pub mod peer;
 mod region;
+mod scm;
 mod slot_table;
 
 pub use access::open_own;
@@ -747,19 +749,24 @@ mod tests {
 
     #[test]
     fn regions_are_shared_sized_and_bounded() {
-        let path = own().join("region");
-        let engine = ShmRegion::create(&path, 10_000).unwrap();
-        let agent = ShmRegion::open(&path, 10_000).unwrap();
+        let engine = ShmRegion::memfd("region", 10_000).unwrap();
+        let fd = || engine.fd().try_clone_to_owned().unwrap();
+        let agent = ShmRegion::from_fd_at_least(fd(), 10_000, "agent").unwrap();
         engine.write(9_990, &[5; 10]).unwrap();
         let mut back = [0u8; 10];
         agent.read(9_990, &mut back).unwrap();
         assert_eq!(back, [5; 10]);
         assert!(agent.write(9_995, &[1; 10]).is_err(), "past the end");
         assert!(agent.read(usize::MAX, &mut back).is_err(), "overflow");
-        let e = ShmRegion::open(&path, 12_000).unwrap_err().to_string();
-        assert!(e.contains("expected 12000"), "{e}");
-        assert!(ShmRegion::create(&path, 0).is_err());
-        std::fs::remove_file(&path).unwrap();
+        let e = ShmRegion::from_fd_at_least(fd(), 12_000, "short")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected at least 12000"), "{e}");
+        assert!(ShmRegion::memfd("empty", 0).is_err());
+        // A descriptor of something that is not a regular file maps nothing.
+        let dir = std::fs::File::open("/").unwrap();
+        let e = ShmRegion::from_fd(dir.into(), "dir").unwrap_err();
+        assert!(e.is_untrusted(), "{e}");
     }
 
     /// Resident bytes of this process's mapping starting at `addr` (from /proc/self/smaps).

@@ -2,7 +2,8 @@
 //! SGLang host pool received over a socket), mapped with its copies guarded against the file
 //! shrinking under them.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
@@ -12,7 +13,7 @@ use crate::{ShmError, guard, io_err, map_existing};
 
 /// A flat shared-memory region: a file of a given length, mapped `MAP_SHARED`. The cpu device
 /// uses it for an engine's KV pool (layer-first buffers laid end to end), which the engine
-/// creates and names; like [`ShmPool`], only raw, bounds-checked copies and raw pointers.
+/// creates and hands over as a descriptor; like [`ShmPool`], only raw, bounds-checked copies and raw pointers.
 #[derive(Debug)]
 pub struct ShmRegion {
     map: MmapRaw,
@@ -29,75 +30,57 @@ unsafe impl Send for ShmRegion {}
 unsafe impl Sync for ShmRegion {}
 
 impl ShmRegion {
-    /// Creates (or replaces) a zeroed region of `len` bytes at `path` (a tmpfs file, usually
-    /// under `/dev/shm`). What an engine — or a test standing in for one — does.
-    pub fn create(path: &Path, len: usize) -> Result<Self, ShmError> {
+    /// Creates a zeroed region of `len` bytes in a new memfd (`name` shows in
+    /// `/proc/<pid>/fd`; sealing allowed, so the receiver can forbid shrinking): what an
+    /// engine, or a test or the simulator standing in for one, does before it hands the
+    /// memory to the agent as a descriptor ([`Self::fd`]).
+    pub fn memfd(name: &str, len: usize) -> Result<Self, ShmError> {
+        use rustix::fs::{MemfdFlags, memfd_create};
         if len == 0 {
             return Err(ShmError::Shape("a region needs at least one byte".into()));
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io_err("create", path))?;
-        file.set_len(len as u64).map_err(io_err("size", path))?;
-        Self::map(file, path, len)
+        let path = PathBuf::from(format!("memfd:{name}"));
+        let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(|e| io_err("create", &path)(e.into()))?;
+        let file = File::from(fd);
+        file.set_len(len as u64).map_err(io_err("size", &path))?;
+        Self::map(file, &path, len)
     }
 
-    /// Maps an existing region, which must be exactly `len` bytes.
-    pub fn open(path: &Path, len: usize) -> Result<Self, ShmError> {
-        let (file, actual) = Self::open_file(path)?;
-        if actual != len as u64 {
-            return Err(ShmError::Shape(format!(
-                "{} is {actual} bytes, expected {len}",
-                path.display()
-            )));
+    /// Maps a whole file received from another process (a memfd or shared-memory file passed
+    /// over a Unix socket), at its current size; `name` is for errors and logs.
+    pub fn from_fd(fd: OwnedFd, name: &str) -> Result<Self, ShmError> {
+        Self::from_fd_at_least(fd, 1, name)
+    }
+
+    /// Maps a whole file received from another process, which must be a regular file (a
+    /// memfd, a tmpfs file) of at least `min_len` bytes (an engine's allocation may be larger
+    /// than the part of it a pool uses); `name` is for errors and logs.
+    pub fn from_fd_at_least(fd: OwnedFd, min_len: usize, name: &str) -> Result<Self, ShmError> {
+        let file = File::from(fd);
+        let path = PathBuf::from(name);
+        let meta = file.metadata().map_err(io_err("stat", &path))?;
+        if !meta.file_type().is_file() {
+            return Err(ShmError::Untrusted {
+                path: name.to_string(),
+                why: "not a regular file (a memfd or a shared-memory file)".into(),
+            });
         }
-        Self::map(file, path, len)
-    }
-
-    /// An existing file opened read-write, and its length.
-    fn open_file(path: &Path) -> Result<(File, u64), ShmError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err("open", path))?;
-        let len = file.metadata().map_err(io_err("stat", path))?.len();
-        Ok((file, len))
-    }
-
-    /// Maps a whole existing file of at least `min_len` bytes (an engine's allocation in
-    /// shared memory, which may be larger than the part of it a pool uses).
-    pub fn open_at_least(path: &Path, min_len: usize) -> Result<Self, ShmError> {
-        let (file, actual) = Self::open_file(path)?;
-        if actual < min_len as u64 || actual == 0 {
+        let actual = meta.len();
+        if actual < min_len.max(1) as u64 {
             return Err(ShmError::Shape(format!(
-                "{} is {actual} bytes, expected at least {}",
-                path.display(),
+                "{name} is {actual} bytes, expected at least {}",
                 min_len.max(1)
             )));
         }
-        let len = usize::try_from(actual).map_err(|_| {
-            ShmError::Shape(format!(
-                "{}: {actual} bytes do not fit in memory",
-                path.display()
-            ))
-        })?;
-        Self::map(file, path, len)
+        let len = usize::try_from(actual)
+            .map_err(|_| ShmError::Shape(format!("{name}: {actual} bytes do not fit in memory")))?;
+        Self::map(file, &path, len)
     }
 
-    /// Maps a whole file received from another process (e.g. a memfd passed over a Unix
-    /// socket), at its current size; `name` is for errors and logs.
-    pub fn from_fd(fd: std::os::fd::OwnedFd, name: &str) -> Result<Self, ShmError> {
-        let file = File::from(fd);
-        let path = PathBuf::from(name);
-        let len = file.metadata().map_err(io_err("stat", &path))?.len();
-        let len = usize::try_from(len)
-            .map_err(|_| ShmError::Shape(format!("{name}: {len} bytes do not fit in memory")))?;
-        Self::map(file, &path, len)
+    /// The mapped file's descriptor (to hand it to another process).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self._file.as_fd()
     }
 
     /// The size of the underlying file now: a client may shrink a file it shared after we

@@ -102,8 +102,7 @@ impl Worker {
         let layout = Layout::new(spec.clone()).context("layout")?;
         let page_size = layout.page_size();
         let pool = DevicePool::new(layout.clone(), pages * page_size as u64).context("pool")?;
-        let path = PathBuf::from("/dev/shm").join(format!("kvtier-sim-{run_id}-worker-{id}"));
-        let kv = KvPool::new(pool, device, &path)?;
+        let kv = KvPool::new(pool, device, &format!("kvtier-sim-{run_id}-worker-{id}"))?;
         Ok(Self {
             id,
             socket,

@@ -7,7 +7,6 @@
 //! with `--device cuda`, GPU memory: one allocation per (layer, K|V) buffer, registered with
 //! the agent by CUDA IPC handle, so the agent's cuda device (its copy methods) moves every page.
 
-use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::{Context, Result};
@@ -42,7 +41,7 @@ pub fn fill_run(key: &PageKey, run: usize, out: &mut [u8]) {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SimDevice {
-    /// A shared-memory file in /dev/shm (the agent's cpu device).
+    /// A memfd handed to the agent as a descriptor (the agent's cpu device).
     #[default]
     Cpu,
     /// GPU 0's memory, by CUDA IPC handle (the agent's cuda device).
@@ -50,7 +49,7 @@ pub enum SimDevice {
 }
 
 enum Memory {
-    Cpu { region: ShmRegion, path: PathBuf },
+    Cpu { region: ShmRegion },
     // One allocation per buffer; each copy in or out takes its buffer's lock (its stream).
     Cuda(Vec<Mutex<DeviceBuffer>>),
 }
@@ -73,13 +72,12 @@ impl std::fmt::Debug for KvPool {
 }
 
 impl KvPool {
-    /// A pool on `device`; a cpu pool is the file at `path`.
-    pub fn new(pool: DevicePool, device: SimDevice, path: &Path) -> Result<Self> {
+    /// A pool on `device`; a cpu pool is a memfd named `name`.
+    pub fn new(pool: DevicePool, device: SimDevice, name: &str) -> Result<Self> {
         let mem = match device {
             SimDevice::Cpu => Memory::Cpu {
-                region: ShmRegion::create(path, pool.total_bytes())
-                    .with_context(|| format!("creating the KV pool {}", path.display()))?,
-                path: path.to_path_buf(),
+                region: ShmRegion::memfd(name, pool.total_bytes())
+                    .with_context(|| format!("creating the KV pool {name}"))?,
             },
             SimDevice::Cuda => Memory::Cuda(
                 (0..pool.num_buffers())
@@ -97,7 +95,14 @@ impl KvPool {
     /// How the agent opens this pool (`RegisterPool`).
     pub fn memory(&self) -> Result<PoolMemory> {
         Ok(match &self.mem {
-            Memory::Cpu { path, .. } => PoolMemory::Cpu { path: path.clone() },
+            Memory::Cpu { region } => PoolMemory::Cpu {
+                fd: std::sync::Arc::new(
+                    region
+                        .fd()
+                        .try_clone_to_owned()
+                        .context("duplicating the KV pool's descriptor")?,
+                ),
+            },
             Memory::Cuda(buffers) => PoolMemory::Cuda {
                 ordinal: 0,
                 ipc_handles: buffers
@@ -187,14 +192,6 @@ impl KvPool {
         scratch.resize(layout.run_bytes(), 0xA5);
         for (layer, part) in Self::runs(layout) {
             let _ = self.write(self.place(page, layer, part), scratch);
-        }
-    }
-}
-
-impl Drop for KvPool {
-    fn drop(&mut self) {
-        if let Memory::Cpu { path, .. } = &self.mem {
-            let _ = std::fs::remove_file(path);
         }
     }
 }

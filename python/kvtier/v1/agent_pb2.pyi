@@ -9,16 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CpuPool(_message.Message):
-    __slots__ = ("path", "allocation_paths", "allocation_bytes", "pieces")
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    ALLOCATION_PATHS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("allocation_bytes", "pieces", "memory")
     ALLOCATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
-    path: str
-    allocation_paths: _containers.RepeatedScalarFieldContainer[str]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     allocation_bytes: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedCompositeFieldContainer[PagePiece]
-    def __init__(self, path: _Optional[str] = ..., allocation_paths: _Optional[_Iterable[str]] = ..., allocation_bytes: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[_Union[PagePiece, _Mapping]]] = ...) -> None: ...
+    memory: bytes
+    def __init__(self, allocation_bytes: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[_Union[PagePiece, _Mapping]]] = ..., memory: _Optional[bytes] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("device_ordinal", "ipc_handles", "allocation_bytes", "pieces")
@@ -203,7 +201,7 @@ class AgentStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatsResponse(_message.Message):
-    __slots__ = ("pool_registered", "daemon_connected", "write_policy", "device_pages", "evictable_pages", "locked_pages", "host_only_pages", "open_handles", "backed_up_pages", "lost_pages", "backups_in_flight", "metrics_address", "lost_by_reason", "backup_waits", "backup_wait_seconds", "backups_deferred")
+    __slots__ = ("pool_registered", "daemon_connected", "write_policy", "device_pages", "evictable_pages", "locked_pages", "host_only_pages", "open_handles", "backed_up_pages", "lost_pages", "backups_in_flight", "metrics_address", "lost_by_reason", "backup_waits", "backup_wait_seconds", "backups_deferred", "memory_socket")
     POOL_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     DAEMON_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     WRITE_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +218,7 @@ class AgentStatsResponse(_message.Message):
     BACKUP_WAITS_FIELD_NUMBER: _ClassVar[int]
     BACKUP_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SOCKET_FIELD_NUMBER: _ClassVar[int]
     pool_registered: bool
     daemon_connected: bool
     write_policy: str
@@ -236,7 +235,8 @@ class AgentStatsResponse(_message.Message):
     backup_waits: int
     backup_wait_seconds: float
     backups_deferred: int
-    def __init__(self, pool_registered: _Optional[bool] = ..., daemon_connected: _Optional[bool] = ..., write_policy: _Optional[str] = ..., device_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., locked_pages: _Optional[int] = ..., host_only_pages: _Optional[int] = ..., open_handles: _Optional[int] = ..., backed_up_pages: _Optional[int] = ..., lost_pages: _Optional[int] = ..., backups_in_flight: _Optional[int] = ..., metrics_address: _Optional[str] = ..., lost_by_reason: _Optional[_Iterable[_Union[LostPages, _Mapping]]] = ..., backup_waits: _Optional[int] = ..., backup_wait_seconds: _Optional[float] = ..., backups_deferred: _Optional[int] = ...) -> None: ...
+    memory_socket: str
+    def __init__(self, pool_registered: _Optional[bool] = ..., daemon_connected: _Optional[bool] = ..., write_policy: _Optional[str] = ..., device_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., locked_pages: _Optional[int] = ..., host_only_pages: _Optional[int] = ..., open_handles: _Optional[int] = ..., backed_up_pages: _Optional[int] = ..., lost_pages: _Optional[int] = ..., backups_in_flight: _Optional[int] = ..., metrics_address: _Optional[str] = ..., lost_by_reason: _Optional[_Iterable[_Union[LostPages, _Mapping]]] = ..., backup_waits: _Optional[int] = ..., backup_wait_seconds: _Optional[float] = ..., backups_deferred: _Optional[int] = ..., memory_socket: _Optional[str] = ...) -> None: ...
 
 class LostPages(_message.Message):
     __slots__ = ("reason", "pages")

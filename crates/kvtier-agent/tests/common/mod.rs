@@ -312,7 +312,6 @@ pub struct Engine {
     pub layout: Layout,
     pub pool: DevicePool,
     pub region: ShmRegion,
-    pub path: PathBuf,
     pub client: AgentClient,
 }
 
@@ -335,13 +334,14 @@ impl Engine {
     ) -> Engine {
         let layout = Layout::new(spec.clone()).unwrap();
         let pool = DevicePool::new(layout.clone(), pages * 16).unwrap();
-        let path = PathBuf::from("/dev/shm")
-            .join(format!("kvtier-agent-test-{}-{name}", std::process::id()));
-        let region = ShmRegion::create(&path, pool.total_bytes()).unwrap();
+        let region =
+            ShmRegion::memfd(&format!("kvtier-agent-test-{name}"), pool.total_bytes()).unwrap();
         let mut client = AgentClient::connect(&agent.socket.display().to_string())
             .await
             .unwrap();
-        let mem = PoolMemory::Cpu { path: path.clone() };
+        let mem = PoolMemory::Cpu {
+            fd: std::sync::Arc::new(region.fd().try_clone_to_owned().unwrap()),
+        };
         let info = if engine_cache {
             client.register_engine_cache(&spec, pages * 16, mem).await
         } else {
@@ -353,7 +353,6 @@ impl Engine {
             layout,
             pool,
             region,
-            path,
             client,
         }
     }
@@ -426,12 +425,6 @@ impl Engine {
             assert!(Instant::now() < deadline, "the agent never reached kvtierd");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
     }
 }
 

@@ -1,7 +1,8 @@
 //! The agent's calls in domain terms, and their wire edge both ways: the agent answers in
 //! these types, [`super::AgentClient`] reads them back and builds its requests here.
 
-use std::path::PathBuf;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use kvtier_core::keys::KEY_LEN;
 use kvtier_core::{Namespace, PageKey};
@@ -13,19 +14,22 @@ use crate::ClientError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Handle(pub u64);
 
-/// Where the engine's KV pool lives.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Where the engine's KV pool lives. CPU memory goes to the agent as descriptors (the
+/// client deposits them at the agent's memory door as it registers): a memfd made with
+/// sealing allowed (`kvtier_shm::ShmRegion::memfd`) is sealed against shrinking there.
+#[derive(Clone, Debug)]
 pub enum PoolMemory {
-    /// A CPU pool: a file (in /dev/shm) the agent maps.
+    /// A CPU pool: a file of layer-first buffers, by its descriptor.
     Cpu {
         /// The file holding the pool's buffers.
-        path: PathBuf,
+        fd: Arc<OwnedFd>,
     },
-    /// A CPU pool in the engine's own allocations (files in shared memory), with where each
-    /// piece of a page lives in them: the agent reads and writes the engine's blocks in place.
+    /// A CPU pool in the engine's own allocations (memfds or shared-memory files), with
+    /// where each piece of a page lives in them: the agent reads and writes the engine's
+    /// blocks in place.
     CpuMapped {
-        /// The file of each allocation.
-        allocation_paths: Vec<PathBuf>,
+        /// The file of each allocation, by its descriptor.
+        allocations: Vec<Arc<OwnedFd>>,
         /// Bytes of each allocation the pieces use, from the file's start.
         allocation_bytes: Vec<u64>,
         /// A page's pieces, in the order of its bytes in a host slot.
@@ -65,30 +69,37 @@ pub struct PagePiece {
     pub length: u64,
 }
 
-impl From<PoolMemory> for v1::register_pool_request::Device {
-    fn from(p: PoolMemory) -> Self {
-        match p {
-            PoolMemory::Cpu { path } => Self::Cpu(v1::CpuPool {
-                path: path.display().to_string(),
+impl PoolMemory {
+    /// The CPU descriptors to deposit at the memory door (none for a CUDA pool).
+    pub(crate) fn descriptors(&self) -> Vec<Arc<OwnedFd>> {
+        match self {
+            PoolMemory::Cpu { fd } => vec![fd.clone()],
+            PoolMemory::CpuMapped { allocations, .. } => allocations.clone(),
+            PoolMemory::Cuda { .. } | PoolMemory::CudaMapped { .. } => Vec::new(),
+        }
+    }
+
+    /// The wire's device, naming CPU memory by the memory door's `ticket`.
+    pub(crate) fn wire(self, ticket: Vec<u8>) -> v1::register_pool_request::Device {
+        use v1::register_pool_request::Device;
+        match self {
+            PoolMemory::Cpu { .. } => Device::Cpu(v1::CpuPool {
+                memory: ticket,
                 ..Default::default()
             }),
             PoolMemory::CpuMapped {
-                allocation_paths,
                 allocation_bytes,
                 pieces,
-            } => Self::Cpu(v1::CpuPool {
-                path: String::new(),
-                allocation_paths: allocation_paths
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect(),
+                ..
+            } => Device::Cpu(v1::CpuPool {
+                memory: ticket,
                 allocation_bytes,
                 pieces: wire_pieces(pieces),
             }),
             PoolMemory::Cuda {
                 ordinal,
                 ipc_handles,
-            } => Self::Cuda(v1::CudaPool {
+            } => Device::Cuda(v1::CudaPool {
                 device_ordinal: ordinal,
                 ipc_handles,
                 allocation_bytes: Vec::new(),
@@ -99,7 +110,7 @@ impl From<PoolMemory> for v1::register_pool_request::Device {
                 ipc_handles,
                 allocation_bytes,
                 pieces,
-            } => Self::Cuda(v1::CudaPool {
+            } => Device::Cuda(v1::CudaPool {
                 device_ordinal: ordinal,
                 ipc_handles,
                 allocation_bytes,

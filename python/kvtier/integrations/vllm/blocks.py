@@ -153,10 +153,11 @@ class CudaExport:
 @dataclass(frozen=True)
 class CpuExport:
     """A worker's KV cache in CPU shared memory as the agent maps it: one file per backing
-    storage (``/proc/<pid>/fd/<fd>`` of the descriptor torch keeps for it), how many bytes
-    of each the layers use from the file's start, and where each layer's storage starts."""
+    storage (the descriptor torch keeps for it, deposited at the agent's memory door), how
+    many bytes of each the layers use from the file's start, and where each layer's storage
+    starts."""
 
-    paths: list[str]
+    fds: list[int]
     allocation_bytes: list[int]
     bases: list[tuple[int, int]]
 
@@ -181,12 +182,13 @@ def _mapping_of(address: int) -> tuple[int, int, tuple[int, int], int]:
 
 def cpu_export(tensors: list[torch.Tensor]) -> CpuExport:
     """Exports the shared-memory storages behind ``tensors`` (CPU tensors after
-    ``share_memory_()``, torch's file-descriptor strategy) as files the agent opens, once
-    per storage. Raises ValueError where a tensor is not in shared memory, or its storage is
-    not the file torch says it shares."""
+    ``share_memory_()``, torch's file-descriptor strategy) as the descriptors torch keeps for
+    them, once per storage (torch owns them: they stay open as long as the storage). Raises
+    ValueError where a tensor is not in shared memory, or its storage is not the file torch
+    says it shares."""
     import os
 
-    paths: list[str] = []
+    fds: list[int] = []
     sizes: list[int] = []
     bases: list[tuple[int, int]] = []
     index: dict[int, int] = {}
@@ -209,13 +211,13 @@ def cpu_export(tensors: list[torch.Tensor]) -> CpuExport:
         if (device, inode) != ((os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino):
             raise ValueError("kvtier: a KV tensor's storage is not the file torch shares it by")
         offset = before - start + file_offset
-        a = index.setdefault(fd, len(paths))
-        if a == len(paths):
-            paths.append(f"/proc/{os.getpid()}/fd/{fd}")
+        a = index.setdefault(fd, len(fds))
+        if a == len(fds):
+            fds.append(fd)
             sizes.append(0)
         sizes[a] = max(sizes[a], offset + storage.nbytes())
         bases.append((a, offset))
-    return CpuExport(paths, sizes, bases)
+    return CpuExport(fds, sizes, bases)
 
 
 #: The bytes of a ``cudaIpcMemHandle_t``: what the agent's ``cuIpcOpenMemHandle`` takes.

@@ -27,6 +27,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+#: Keys the connector took once, and why they are gone.
+_GONE = {
+    "staging_dir": "the staging pool is a memfd the worker hands the agent as a descriptor, "
+    "in no directory",
+    "staging_mode": "the staging pool is a memfd the worker hands the agent as a descriptor, "
+    "with no file mode (an agent under another uid receives it all the same)",
+}
+
+
 @dataclass
 class Settings:
     """The connector's settings, from ``kv_connector_extra_config``."""
@@ -41,12 +50,6 @@ class Settings:
     # The weights' version, when the same checkpoint name can hold different weights;
     # workers share pages only with workers that declare the same one.
     weight_version: str = ""
-    # Directory of the staging pool's file (shared memory the agent maps); empty: /dev/shm.
-    staging_dir: str = ""
-    # Permission bits of the staging file, octal: "0600" when the agent runs as the worker's
-    # uid; "0660" for an agent under another uid in the file's group (a sidecar: give the
-    # directory that group and the setgid bit, as Kubernetes' fsGroup does).
-    staging_mode: str = "0600"
     # A tenant name: pages are shared only among workers with the same one.
     tenant: str = ""
     # Pages of the staging pool the agent copies through (per worker).
@@ -82,6 +85,8 @@ class Settings:
     @staticmethod
     def parse(extra: dict[str, Any] | None) -> Settings:
         where = "kv_connector_extra_config"
+        for gone in _GONE.keys() & (extra or {}).keys():
+            raise ValueError(f"kvtier: {where}.{gone}: no longer taken: {_GONE[gone]}; remove it")
         s = Settings()
         fill(s, dict(extra or {}), where)
         if s.load_policy and s.load_policy not in POLICIES:
@@ -107,7 +112,6 @@ class Settings:
             raise ValueError(f"kvtier: {where}.lookup_timeout_s: must be above 0")
         if s.lookup_pause_s < 0:
             raise ValueError(f"kvtier: {where}.lookup_pause_s: must not be negative")
-        s.staging_file_mode()
         return s
 
     def holds_blocks(self, device_type: str) -> bool:
@@ -139,21 +143,6 @@ class Settings:
                 )
             return "always"
         return self.load_async
-
-    def staging_file_mode(self) -> int:
-        """``staging_mode`` as bits; an error names the key unless it is octal, keeps the
-        owner's read and write, and gives nothing to others."""
-        where = "kv_connector_extra_config.staging_mode"
-        try:
-            mode = int(self.staging_mode, 8)
-        except ValueError:
-            raise ValueError(f"kvtier: {where}: {self.staging_mode!r} is not octal") from None
-        if mode & ~0o660 or mode & 0o600 != 0o600:
-            raise ValueError(
-                f"kvtier: {where}: {self.staging_mode!r}: the owner must read and write, the "
-                "group may, others may not (0600 or 0660; no execute bits)"
-            )
-        return mode
 
     def agent_socket(self, ranks: Ranks) -> str:
         """The agent socket of the worker at ``ranks``."""

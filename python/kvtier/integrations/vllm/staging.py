@@ -1,17 +1,18 @@
-"""The staging pool a vLLM worker copies through: shared memory the agent maps as its cpu
-device. A block moves between vLLM's tensor and a staging page here, and between the staging
-page and L2 in the agent."""
+"""The staging pool a vLLM worker copies through: a memfd the worker hands the agent as a
+descriptor, which the agent maps as its cpu device. A block moves between vLLM's tensor and a
+staging page here, and between the staging page and L2 in the agent."""
 
 from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+
+from kvtier._memory_door import memfd
 
 
 class Slots:
@@ -41,41 +42,30 @@ class Slots:
 
 
 class Staging:
-    """The staging pool: a shared-memory file the agent maps as its cpu device, one buffer
-    per layer, page p of layer l at ``(l * pages + p) * block_bytes``. Its space is allocated
-    up front (posix_fallocate): a tmpfs too small for it is an error here, naming the size
-    and the directory, not a SIGBUS on the first save."""
+    """The staging pool: a memfd (no name in any directory, so nothing to plant, find or
+    leave behind) the agent maps as its cpu device, one buffer per layer, page p of layer l
+    at ``(l * pages + p) * block_bytes``. Its space is allocated up front (posix_fallocate):
+    memory too short for it is an error here, naming the size, not a SIGBUS on the first
+    save. The agent seals it against shrinking when it maps it."""
 
-    def __init__(
-        self, layers: int, pages: int, block_bytes: int, directory: str = "", mode: int = 0o600
-    ):
+    def __init__(self, layers: int, pages: int, block_bytes: int):
         self.layers, self.pages, self.block_bytes = layers, pages, block_bytes
         size = layers * pages * block_bytes
-        base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        if not os.path.isdir(base):
-            raise ValueError(
-                f"kvtier: kv_connector_extra_config.staging_dir: {base!r} is not a directory"
-            )
-        fd, self.path = tempfile.mkstemp(prefix="kvtier-vllm-", dir=base)
         try:
-            # Explicitly, whatever the umask: only the agent (the owner, or its group) opens it.
-            os.fchmod(fd, mode)
+            self.fd = memfd("kvtier-vllm-staging", size)
+        except OSError as e:
+            raise self._too_big(size, e) from None
+        try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(self.fd, 0, size)
             except OSError as e:
-                os.unlink(self.path)
-                raise ValueError(
-                    f"kvtier: the staging pool needs {size} bytes ({pages} pages of "
-                    f"{block_bytes} bytes in {layers} layers) in {base}, which could not "
-                    f"allocate them ({e.strerror}); free space there, set "
-                    "kv_connector_extra_config.staging_dir to a larger directory, or lower "
-                    "staging_pages"
-                ) from None
+                raise self._too_big(size, e) from None
             # Mapped in up front (MAP_POPULATE), so the step's copies never fault pages in.
             populate = getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
-        finally:
-            os.close(fd)
+            self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.view = torch.frombuffer(self._map, dtype=torch.uint8).view(layers, pages, block_bytes)
         self.slots = Slots(pages)
         # Retired after a call that may have left the agent copying in it: never written
@@ -88,6 +78,14 @@ class Staging:
         self.pinned = False
         # The views last copied from, as numpy arrays (_host_arrays).
         self._arrays: tuple[Sequence[torch.Tensor], list[np.ndarray], np.ndarray] | None = None
+
+    def _too_big(self, size: int, e: OSError) -> ValueError:
+        return ValueError(
+            f"kvtier: the staging pool needs {size} bytes ({self.pages} pages of "
+            f"{self.block_bytes} bytes in {self.layers} layers) of shared memory, which could "
+            f"not be allocated ({e.strerror}); lower kv_connector_extra_config.staging_pages, "
+            "or give the worker more memory"
+        )
 
     def pin(self) -> bool:
         """Registers the pool with CUDA (page-locked), for workers whose KV is on a GPU: its
@@ -195,15 +193,6 @@ class Staging:
             done.record()
             done.synchronize()
 
-    def unlink(self) -> None:
-        """Removes the file's name once the agent has mapped it: the memory then lives as
-        long as the worker's and the agent's mappings, and goes with them however the worker
-        ends (a crashed worker leaves nothing in ``staging_dir``)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
     def close(self) -> None:
         if self._closed:
             return
@@ -218,10 +207,7 @@ class Staging:
             self._map.close()
         except BufferError:
             pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        os.close(self.fd)
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

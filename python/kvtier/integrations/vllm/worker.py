@@ -190,11 +190,12 @@ class WorkerSide:
         """Registers vLLM's KV cache itself: its allocations by IPC handle and the pieces of
         a page in them (blocks.py). The agent checks the map and reads a page through its
         copy method against plain copies before it accepts. On CPU (the KV cache in shared
-        memory, the fuzzer's stand-in for DMA): its files, read and written in place."""
+        memory, the fuzzer's stand-in for DMA): its files by descriptor, read and written in
+        place."""
         where: dict[str, Any]
         if self._tensors[0].device.type == "cpu":
             ex = cpu_export(self._tensors)
-            where = {"cpu_allocation_paths": ex.paths}
+            where = {"cpu_allocation_fds": ex.fds}
         else:
             ex = cuda_export(self._tensors)
             where = {"cuda_ordinal": ex.ordinal, "cuda_ipc_handles": ex.handles}
@@ -209,13 +210,7 @@ class WorkerSide:
         self._owner = info.owner
 
     def _new_staging(self) -> Staging:
-        st = Staging(
-            len(self._layers),
-            self.settings.staging_pages,
-            self._block_bytes,
-            self.settings.staging_dir,
-            self.settings.staging_file_mode(),
-        )
+        st = Staging(len(self._layers), self.settings.staging_pages, self._block_bytes)
         if any(t.device.type == "cuda" for t in self._tensors) and not st.pin():
             logger.warning(
                 "kvtier: CUDA refused to page-lock the staging pool (memlock limit?); device "
@@ -246,15 +241,13 @@ class WorkerSide:
         info = self.agent.register_pool(
             self._descriptor,
             self._staging.pages * self.block_size,
-            cpu_path=self._staging.path,
+            cpu_fd=self._staging.fd,
             engine_cache=True,
         )
         # Calls through this pool present this token: once another pool is registered, a
-        # call planned against this one is refused, never served against the other.
-        self._staging.owner = info.owner
-        # The agent has mapped it: no name left for a crashed worker to leave behind. An
+        # call planned against this one is refused, never served against the other. An
         # agent that loses the pool (a restart) gets a new one (_call).
-        self._staging.unlink()
+        self._staging.owner = info.owner
         if not info.daemon_connected:
             logger.warning(
                 "kvtier: the agent at %s has no kvtierd session yet; saves wait for it",
