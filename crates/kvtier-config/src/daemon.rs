@@ -73,6 +73,8 @@ pub struct ServerConfig {
     pub tcp: Option<String>,
     /// Most keys per request.
     pub max_batch: u32,
+    /// Most streams of each kind one caller holds open.
+    pub max_streams_per_caller: u32,
     /// Grace period for in-flight work at shutdown.
     pub drain_timeout: Dur,
     /// Token for admin calls over TCP. Never printed.
@@ -197,6 +199,8 @@ pub struct L2Config {
     pub tenant_pools: bool,
     /// Most pool classes.
     pub max_pools: u32,
+    /// Most own pools of one named tenant (0: an even share).
+    pub max_pools_per_tenant: u32,
     /// How long an unused pool lives.
     pub idle_pool_ttl: Dur,
     /// Which page to evict first.
@@ -370,6 +374,7 @@ impl Default for ServerConfig {
             pool_socket: None,
             tcp: None,
             max_batch: 65536,
+            max_streams_per_caller: 32,
             drain_timeout: Dur(Duration::from_secs(10)),
             admin_token: Secret::default(),
             tls_cert: None,
@@ -405,6 +410,7 @@ impl Default for L2Config {
             max_page_bytes: ByteSize(64 << 20),
             tenant_pools: true,
             max_pools: 8,
+            max_pools_per_tenant: 0,
             idle_pool_ttl: Dur(Duration::from_secs(3600)),
             eviction_policy: PolicyKind::Lru,
             mlock: false,
@@ -542,6 +548,7 @@ impl DaemonConfig {
                     pool_socket: _,
                     tcp,
                     max_batch,
+                    max_streams_per_caller,
                     drain_timeout,
                     admin_token: _,
                     tls_cert,
@@ -564,6 +571,7 @@ impl DaemonConfig {
                     pool_bytes,
                     pool_pages,
                     max_pools,
+                    max_pools_per_tenant,
                     idle_pool_ttl: _,
                     max_page_bytes,
                     tenant_pools: _,
@@ -688,6 +696,12 @@ impl DaemonConfig {
                 format!("{max_batch} is outside 1..={MAX_BATCH_LIMIT}"),
             ));
         }
+        if !(1..=4096).contains(max_streams_per_caller) {
+            return Err(ConfigError::invalid(
+                "server.max_streams_per_caller",
+                format!("{max_streams_per_caller} is outside 1..=4096"),
+            ));
+        }
         if drain_timeout.0 < Duration::from_millis(100)
             || drain_timeout.0 > Duration::from_secs(600)
         {
@@ -723,6 +737,12 @@ impl DaemonConfig {
             return Err(ConfigError::invalid(
                 "l2.max_page_bytes",
                 format!("{max_page_bytes} is below one 4 KiB page"),
+            ));
+        }
+        if max_pools_per_tenant > max_pools {
+            return Err(ConfigError::invalid(
+                "l2.max_pools_per_tenant",
+                format!("{max_pools_per_tenant} is above l2.max_pools ({max_pools})"),
             ));
         }
         if *max_pools == 0 || *max_pools > 1024 {

@@ -52,7 +52,7 @@ mod lease;
 mod operator;
 mod order;
 mod quota;
-pub use changes::IndexChange;
+pub use changes::{IndexChange, SnapshotPages};
 pub use l3::{L3Mark, L3Mode};
 pub use lease::Landed;
 pub use operator::Cleared;

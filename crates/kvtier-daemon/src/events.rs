@@ -19,8 +19,8 @@ use std::time::SystemTime;
 use bytes::{Bytes, BytesMut};
 
 pub use kvtier_core::events::{Event, EventKind, EventTier};
-use kvtier_core::host_index::IndexChange;
-use kvtier_core::{LayoutFingerprint, PageKey, TenantTag};
+use kvtier_core::host_index::{IndexChange, SnapshotPages};
+use kvtier_core::{LayoutFingerprint, TenantTag};
 use kvtier_server::metrics::MetricRegistry;
 use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use tokio::sync::broadcast;
@@ -309,37 +309,66 @@ impl EventBus {
         };
         (start, rx)
     }
+}
 
-    /// A RESYNC at the current seq, then `pages` (per pool and tier, parents first) as
-    /// STORED events with seq 0.
-    pub fn snapshot(
-        &self,
-        pools: impl Iterator<
-            Item = (
-                LayoutFingerprint,
-                EventTier,
-                Vec<(PageKey, Option<PageKey>)>,
-            ),
-        >,
-    ) -> Vec<Event> {
+/// Where a new stream starts.
+pub enum First {
+    /// The events after the seq it asked for, from the ring.
+    Replay(Vec<Event>),
+    /// A RESYNC, then a snapshot.
+    Snapshot(Snapshot),
+}
+
+/// A snapshot as the index scan found it (under the state lock, limited to what its
+/// subscriber may see): made into events, in order, after the lock, a batch at a time as
+/// the subscriber reads ([`Self::into_events`]).
+pub struct Snapshot {
+    seq: u64,
+    parts: Vec<(LayoutFingerprint, EventTier, SnapshotPages)>,
+}
+
+impl Snapshot {
+    /// A snapshot at `seq` (the last event published before it) of `parts` (per pool and
+    /// tier).
+    pub fn new(seq: u64, parts: Vec<(LayoutFingerprint, EventTier, SnapshotPages)>) -> Self {
+        Self { seq, parts }
+    }
+
+    /// Pages in it.
+    pub fn len(&self) -> usize {
+        self.parts.iter().map(|(_, _, p)| p.len()).sum()
+    }
+
+    /// Whether it holds no page.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A RESYNC at the snapshot's seq, then every page as a STORED event with seq 0, per
+    /// pool and tier, parents first. Each part is put in order as the iterator reaches it.
+    pub fn into_events(self) -> impl Iterator<Item = Event> {
         let unix_nanos = now_nanos();
-        let mut out = vec![Event {
-            seq: self.last_seq(),
+        let resync = Event {
+            seq: self.seq,
             unix_nanos,
             kind: EventKind::Resync,
             layout: None,
             tier: EventTier::L2Host,
-        }];
-        for (layout, tier, pages) in pools {
-            out.extend(pages.into_iter().map(|(key, parent)| Event {
-                seq: 0,
-                unix_nanos,
-                kind: EventKind::Stored { key, parent },
-                layout: Some(layout),
-                tier,
-            }));
-        }
-        out
+        };
+        std::iter::once(resync).chain(self.parts.into_iter().flat_map(
+            move |(layout, tier, pages)| {
+                pages
+                    .in_order()
+                    .into_iter()
+                    .map(move |(key, parent)| Event {
+                        seq: 0,
+                        unix_nanos,
+                        kind: EventKind::Stored { key, parent },
+                        layout: Some(layout),
+                        tier,
+                    })
+            },
+        ))
     }
 }
 
@@ -445,12 +474,13 @@ pub fn watch(
     stream_id: u64,
     after_seq: u64,
     tenant: Option<TenantTag>,
+    slot: crate::streams::StreamSlot,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, tonic::Status>> {
     let (tx, out) = tokio::sync::mpsc::channel(STREAM_DEPTH);
     let (sub, mut outgoing, metrics) = {
         let mut st = state.lock();
-        let sub = st.subscribe_events(stream_id, after_seq);
+        let sub = st.subscribe_events(stream_id, after_seq, tenant);
         let bus = st.events();
         (
             sub,
@@ -459,28 +489,18 @@ pub fn watch(
         )
     };
     tokio::spawn(async move {
+        // The caller's place under its stream bound, for as long as this stream runs.
+        let _slot = slot;
         let _open = metrics
             .as_ref()
             .map(|m| Subscribed::new(m.subscribers.clone()));
-        let send = |messages: Vec<Bytes>| {
-            let tx = tx.clone();
-            async move {
-                for m in messages {
-                    if tx.send(Ok(m)).await.is_err() {
-                        return false;
-                    }
-                }
-                true
-            }
-        };
         let resynced = |why: Option<&'static str>| {
             if let (Some(m), Some(why)) = (&metrics, why) {
                 m.resyncs.with_label_values(&[why]).inc();
             }
         };
         resynced(sub.resync);
-        outgoing.add_own(&sub.first);
-        if !send(outgoing.take()).await {
+        if !send_first(sub.first, &mut outgoing, &tx).await {
             return;
         }
         let mut rx = sub.rx;
@@ -517,18 +537,57 @@ pub fn watch(
             }
             if lagged {
                 // What it has is still true up to the lag; then it starts over.
-                let sub = state.lock().resubscribe_events();
+                let sub = state.lock().resubscribe_events(tenant);
                 resynced(sub.resync);
                 rx = sub.rx;
-                outgoing.add_own(&sub.first);
+                if !send_first(sub.first, &mut outgoing, &tx).await {
+                    return;
+                }
+                continue;
             }
-            let messages = outgoing.take();
-            if !messages.is_empty() && !send(messages).await {
+            if !send_all(&tx, outgoing.take()).await {
                 return;
             }
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(out)
+}
+
+type Outbox = tokio::sync::mpsc::Sender<Result<Bytes, tonic::Status>>;
+
+/// Sends `messages` in order; false once the caller is gone.
+async fn send_all(tx: &Outbox, messages: Vec<Bytes>) -> bool {
+    for m in messages {
+        if tx.send(Ok(m)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends where a stream starts, after what `outgoing` holds: a replay, or a snapshot a batch
+/// at a time, each made into events and encoded only when the one before went out (a
+/// subscriber that stops reading holds the scan's pages, never their encoding). False once
+/// the caller is gone.
+async fn send_first(first: First, outgoing: &mut Outgoing, tx: &Outbox) -> bool {
+    match first {
+        First::Replay(events) => outgoing.add_own(&events),
+        First::Snapshot(snapshot) => {
+            let mut chunk = Vec::with_capacity(MAX_BATCH_EVENTS);
+            for e in snapshot.into_events() {
+                chunk.push(e);
+                if chunk.len() == MAX_BATCH_EVENTS {
+                    outgoing.add_own(&chunk);
+                    chunk.clear();
+                    if !send_all(tx, outgoing.take()).await {
+                        return false;
+                    }
+                }
+            }
+            outgoing.add_own(&chunk);
+        }
+    }
+    send_all(tx, outgoing.take()).await
 }
 
 /// Counts an open stream in `kvtier_events_subscribers` for as long as it lives.
@@ -550,6 +609,7 @@ impl Drop for Subscribed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_core::PageKey;
 
     fn k(i: u8) -> PageKey {
         PageKey([i; 32])
@@ -720,7 +780,11 @@ mod tests {
             let m = EventMetrics::new(&MetricRegistry::new()).unwrap();
             state.lock().set_event_metrics(m.clone());
             let stop = tokio_util::sync::CancellationToken::new();
-            let mut s = watch(state.clone(), 0, 0, None, stop.clone());
+            let caps = crate::streams::StreamCaps::new(1, &MetricRegistry::new()).unwrap();
+            let slot = caps
+                .open("watch_events", &crate::roles::Role::Operator)
+                .unwrap();
+            let mut s = watch(state.clone(), 0, 0, None, slot, stop.clone());
             use futures::StreamExt;
             use prost::Message;
             let decode = |b: Bytes| kvtier_proto::v1::EventBatch::decode(b).unwrap();
@@ -765,11 +829,16 @@ mod tests {
     fn a_snapshot_is_a_resync_at_the_current_seq_then_every_page() {
         let mut bus = EventBus::new("n1".into());
         bus.publish(FP, vec![stored(1), stored(2)]);
-        let snap = bus.snapshot(std::iter::once((
-            FP,
-            EventTier::L2Host,
-            vec![(k(1), None), (k(2), Some(k(1)))],
-        )));
+        let snap: Vec<Event> = Snapshot::new(
+            bus.last_seq(),
+            vec![(
+                FP,
+                EventTier::L2Host,
+                SnapshotPages::from_ordered(vec![(k(1), None), (k(2), Some(k(1)))]),
+            )],
+        )
+        .into_events()
+        .collect();
         assert_eq!((snap[0].kind, snap[0].seq), (EventKind::Resync, 2));
         assert_eq!(
             snap[2].kind,

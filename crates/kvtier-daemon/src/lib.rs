@@ -20,6 +20,7 @@ pub mod service;
 pub mod sglang;
 pub mod state;
 pub mod storage_service;
+pub mod streams;
 pub mod wire;
 
 use std::net::SocketAddr;

@@ -339,6 +339,7 @@ impl Control {
             ctx.shutdown.clone(),
         )?
         .with_roles(core.roles.clone())
+        .with_max_streams(cfg.server.max_streams_per_caller)
         .with_pool_socket(cfg.pool_socket());
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<HostTierServer<HostService>>().await;

@@ -65,6 +65,8 @@ pub struct HostService {
     tenants: Arc<Tenants>,
     /// The pool door's socket, told to every session at registration.
     pool_socket: Option<std::path::PathBuf>,
+    /// Streams each caller holds open.
+    streams: Arc<crate::streams::StreamCaps>,
 }
 
 /// A request's `parent` field (empty: none), in the session's tenant scope when given.
@@ -92,6 +94,7 @@ impl HostService {
             .lock()
             .set_event_metrics(crate::events::EventMetrics::new(&registry)?);
         Ok(Self {
+            streams: crate::streams::StreamCaps::new(32, &registry)?,
             metrics: L2Metrics::new(&registry, state.clone())?,
             state,
             registry,
@@ -112,6 +115,12 @@ impl HostService {
     pub fn with_roles(mut self, roles: Arc<Roles>) -> Self {
         self.tenants = roles.tenants().clone();
         self.roles = roles;
+        self
+    }
+
+    /// At most `n` streams of each kind per caller (`server.max_streams_per_caller`).
+    pub fn with_max_streams(self, n: u32) -> Self {
+        self.streams.set_per_caller(n);
         self
     }
 
@@ -566,7 +575,8 @@ impl HostTier for HostService {
         let role = self.roles.of(&request);
         let only = self.roles.only_tenant(&role).map(str::to_string);
         self.observe("watch_metrics", || {
-            self.watch_metrics_inner(request.get_ref().interval_ms, only)
+            let slot = self.streams.open("watch_metrics", &role)?;
+            self.watch_metrics_inner(request.get_ref().interval_ms, only, slot)
         })
     }
 

@@ -268,6 +268,8 @@ pub struct HostState {
     pool_bytes: u64,
     pool_pages: u64,
     max_pools: u32,
+    /// Most own pools of one named tenant (0: an even share of `max_pools`).
+    max_pools_per_tenant: u32,
     /// How long an unused pool lives (zero: until its place is needed).
     idle_pool_ttl: Duration,
     /// Largest slot a layout may have.
@@ -340,6 +342,7 @@ impl HostState {
             pool_bytes: cfg.l2.pool_bytes.0,
             pool_pages: cfg.l2.pool_pages,
             max_pools: cfg.l2.max_pools,
+            max_pools_per_tenant: cfg.l2.max_pools_per_tenant,
             idle_pool_ttl: cfg.l2.idle_pool_ttl.0,
             max_page_bytes: cfg.l2.max_page_bytes.0,
             mlock: cfg.l2.mlock,
@@ -463,6 +466,43 @@ impl HostState {
         self.sessions.iter()
     }
 
+    /// The most own pools a named tenant may have ([`Self::max_pools_per_tenant`], or an
+    /// even share of `l2.max_pools` with the shared pools).
+    fn tenant_pool_share(&self) -> usize {
+        match self.max_pools_per_tenant {
+            0 => {
+                let named = self.tenants.iter().filter(|(n, ..)| !n.is_empty()).count();
+                (self.max_pools as usize / (named + 1)).max(1)
+            }
+            n => n as usize,
+        }
+    }
+
+    /// Before a new own pool of `tenant`'s: at its share, its least recently used idle pool
+    /// gives its place, or the registration is refused (the other tenants' places stay
+    /// theirs).
+    fn make_room_for_tenant(&mut self, tenant: &str) -> Result<(), StateError> {
+        let share = self.tenant_pool_share();
+        let owns = |st: &Self| {
+            st.pools
+                .values()
+                .filter(|p| p.key == pool_key(&p.layout.fingerprint(), tenant))
+                .count()
+        };
+        if owns(self) >= share {
+            self.reclaim_pools_where(Instant::now(), true, |p| {
+                p.key == pool_key(&p.layout.fingerprint(), tenant)
+            });
+        }
+        if owns(self) >= share {
+            return Err(StateError::Full(format!(
+                "tenant {tenant:?} has {share} layouts' pools already, its share of \
+                 l2.max_pools (l2.max_pools_per_tenant), and none is idle"
+            )));
+        }
+        Ok(())
+    }
+
     fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, StateError> {
         // A named tenant's own pool (its sessions alone get its descriptor); else the
         // layout's, which every tenant's sessions share.
@@ -475,6 +515,9 @@ impl HostState {
             layout.fingerprint()
         };
         if !self.pools.contains_key(&fp) {
+            if own {
+                self.make_room_for_tenant(tenant)?;
+            }
             if layout.slot_stride() as u64 > self.max_page_bytes {
                 return Err(StateError::invalid(
                     "layout",

@@ -456,6 +456,86 @@ fn a_tenant_that_reserves_and_never_commits_cannot_block_the_others() {
     });
 }
 
+/// Issue 62: with shared pools (`l2.tenant_pools = false`), slots a tenant's sessions had
+/// leased (for copies they land later) were not counted in its share: one tenant leased the
+/// whole dirty limit, and another's reservations found no space. Every slot a session holds,
+/// reserved or leased, now counts against its tenant's share.
+#[test]
+fn leased_slots_count_in_a_tenants_share() {
+    // 64 slots, a dirty limit of 32: each tenant may hold 16, reserved or leased; a session
+    // leases at most one slot per 64 of the pool.
+    let d = start(
+        "tenant-lease",
+        "[l2]\ntenant_pools = false\n\n[tenants.acme]\ntoken = \"tok-acme\"\n\n\
+         [tenants.globex]\ntoken = \"tok-globex\"\n",
+    );
+    let tcp = format!("http://{}", d.tcp);
+    let spec = layout("leases");
+    rt().block_on(async {
+        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
+            .await
+            .unwrap();
+        let mut leased = 0;
+        let mut sessions = Vec::new();
+        for i in 0..40 {
+            let s = a.register(&format!("hoarder-{i}"), &spec).await.unwrap();
+            leased += a.commit_leasing(s.id, &[], 16).await.unwrap().len();
+            sessions.push(s);
+        }
+        assert_eq!(leased, 16, "acme leased past its share");
+        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
+            .await
+            .unwrap();
+        let sg = g.register("writer", &spec).await.unwrap();
+        let keys = chain(3, 12);
+        let got = g.reserve(sg.id, None, &keys).await.unwrap();
+        let slots = got
+            .iter()
+            .filter(|x| matches!(x, kvtier_client::Reserved::Slot(_)))
+            .count();
+        assert_eq!(slots, 12, "globex was blocked by acme's leases: {got:?}");
+        g.commit(sg.id, &keys).await.unwrap();
+        drop(sessions);
+    });
+}
+
+/// Issue 62: `l2.max_pools` is global, and a tenant that kept 8 layouts alive made every
+/// other tenant's first registration fail. A named tenant's own pools are held to a share
+/// (`l2.max_pools_per_tenant`; by default max_pools / (tenants + 1)): past it the tenant's
+/// own idle pool gives its place, or the tenant is refused, and the others still register.
+#[test]
+fn a_tenant_cannot_keep_every_pool_place() {
+    // 6 places, two tenants: 2 each by default.
+    let d = start(
+        "tenant-pools-share",
+        "[l2]\nmax_pools = 6\nidle_pool_ttl = \"0s\"\n\n[tenants.acme]\ntoken = \"tok-acme\"\n\n\
+         [tenants.globex]\ntoken = \"tok-globex\"\n",
+    );
+    let tcp = format!("http://{}", d.tcp);
+    rt().block_on(async {
+        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
+            .await
+            .unwrap();
+        let held = [
+            a.register("a0", &layout("acme-0")).await.unwrap(),
+            a.register("a1", &layout("acme-1")).await.unwrap(),
+        ];
+        // Both in use: a third layout of acme's is refused, naming the share.
+        let e = a.register("a2", &layout("acme-2")).await.unwrap_err();
+        assert_eq!(e.code(), Some(tonic::Code::ResourceExhausted), "{e}");
+        assert!(e.to_string().contains("max_pools_per_tenant"), "{e}");
+        // Globex's first registrations are not.
+        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
+            .await
+            .unwrap();
+        g.register("g0", &layout("globex-0")).await.unwrap();
+        g.register("g1", &layout("globex-1")).await.unwrap();
+        // One of acme's pools idle: its new layout takes that place.
+        a.close(held[0].id).await.unwrap();
+        a.register("a2", &layout("acme-2")).await.unwrap();
+    });
+}
+
 /// The pages a WatchEvents stream says are held, once it has been quiet for a while.
 async fn watched(c: &mut HostClient) -> std::collections::BTreeSet<kvtier_core::PageKey> {
     use kvtier_core::events::EventKind;

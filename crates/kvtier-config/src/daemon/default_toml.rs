@@ -44,6 +44,11 @@ token_file = ""
 tcp_insecure = false
 # Most page keys accepted in one request (1 to 1048576).
 max_batch = 65536
+# Most WatchEvents streams, and most WatchMetrics streams, one caller holds open at once
+# (1 to 4096). A caller is a role: the operator, peer kvtierds, or one tenant (its processes
+# together). Past it a stream is refused (RESOURCE_EXHAUSTED) and counted in
+# kvtier_streams_refused_total.
+max_streams_per_caller = 32
 # On shutdown, how long in-flight requests and open connections get to finish before they
 # are closed (100ms to 10m).
 drain_timeout = "10s"
@@ -89,6 +94,11 @@ pool_pages = 0
 max_page_bytes = "64MiB"
 # Most pool classes (distinct layouts) served at once (1 to 1024).
 max_pools = 8
+# Most of them one named tenant's own pools may be (with tenant_pools), so no tenant can
+# keep every place and refuse the others' first registration (0 to max_pools). 0: an even
+# share, max_pools / (named tenants + 1), at least 1. A tenant at its share gives the place
+# of its own least recently used idle pool to its new layout, or is refused.
+max_pools_per_tenant = 0
 # A pool no session has used for this long, and that holds no page L3 still lacks, is
 # removed (its memory and its file in shm_dir given back). A new layout past max_pools takes
 # the place of the least recently used such pool at once. 0: only at max_pools.

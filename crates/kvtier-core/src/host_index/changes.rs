@@ -44,33 +44,31 @@ impl HostIndex {
         self.changes.as_ref().is_some_and(|l| !l.is_empty())
     }
 
-    /// Every ready page with its indexed parent, parents before their children: what a
-    /// reader that lost the log rebuilds from.
-    pub fn ready_pages(&self) -> Vec<(PageKey, Option<PageKey>)> {
-        self.pages_where(|e| e.state == PageState::Ready)
-    }
-
-    /// The ready pages L3 holds (as this index knows: their writes landed), as
-    /// [`Self::ready_pages`] lists them.
-    pub fn persisted_pages(&self) -> Vec<(PageKey, Option<PageKey>)> {
-        self.pages_where(|e| e.state == PageState::Ready && e.l3 == super::L3Mark::Persisted)
-    }
-
-    fn pages_where(&self, pred: impl Fn(&super::Entry) -> bool) -> Vec<(PageKey, Option<PageKey>)> {
-        let mut out: Vec<(u64, PageKey, Option<PageKey>)> = self
-            .entries
-            .iter()
-            .flatten()
-            .filter(|e| pred(e))
-            .map(|e| {
-                let parent = self.live(e.parent).map(|p| self.entry(p).key);
-                (e.created, e.key, parent)
-            })
-            .collect();
-        // A child is created after the parent it links to, so creation order puts parents
-        // first.
-        out.sort_unstable_by_key(|(created, ..)| *created);
-        out.into_iter().map(|(_, k, p)| (k, p)).collect()
+    /// Every ready page (`persisted`: only those L3 holds too, as this index knows: their
+    /// writes landed) whose key `keep` keeps, with its indexed parent, as a
+    /// [`SnapshotPages`]: what a reader that lost the log rebuilds from. The scan is all
+    /// that is done here (it runs under the daemon's state lock); the ordering is the
+    /// caller's, after the lock ([`SnapshotPages::in_order`]).
+    pub fn snapshot_pages(
+        &self,
+        persisted: bool,
+        keep: impl Fn(&PageKey) -> bool,
+    ) -> SnapshotPages {
+        SnapshotPages(
+            self.entries
+                .iter()
+                .flatten()
+                .filter(|e| {
+                    e.state == PageState::Ready
+                        && (!persisted || e.l3 == super::L3Mark::Persisted)
+                        && keep(&e.key)
+                })
+                .map(|e| {
+                    let parent = self.live(e.parent).map(|p| self.entry(p).key);
+                    (e.created, e.key, parent)
+                })
+                .collect(),
+        )
     }
 
     /// Logs that the page in `slot` became readable.
@@ -90,6 +88,34 @@ impl HostIndex {
         if let Some(log) = &mut self.changes {
             log.push(IndexChange::Removed { key });
         }
+    }
+}
+
+/// Pages of a snapshot as the scan found them: (creation order, key, parent).
+#[derive(Debug, Default)]
+pub struct SnapshotPages(Vec<(u64, PageKey, Option<PageKey>)>);
+
+impl SnapshotPages {
+    /// Pages already in order (parents first), as a snapshot would list them.
+    pub fn from_ordered(pages: Vec<(PageKey, Option<PageKey>)>) -> Self {
+        Self((0u64..).zip(pages).map(|(i, (k, p))| (i, k, p)).collect())
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The pages with their parents, parents before their children: a child is created
+    /// after the parent it links to, so creation order does it.
+    pub fn in_order(mut self) -> Vec<(PageKey, Option<PageKey>)> {
+        self.0.sort_unstable_by_key(|(created, ..)| *created);
+        self.0.into_iter().map(|(_, k, p)| (k, p)).collect()
     }
 }
 
@@ -179,8 +205,12 @@ mod tests {
         // A page being written is not ready.
         ix.reserve(7, Some(ks[2]), &ks[3..4]);
         assert_eq!(
-            ix.ready_pages(),
+            ix.snapshot_pages(false, |_| true).in_order(),
             vec![(ks[0], None), (ks[1], Some(ks[0])), (ks[2], Some(ks[1]))]
+        );
+        assert_eq!(
+            ix.snapshot_pages(false, |k| *k == ks[1]).in_order(),
+            vec![(ks[1], Some(ks[0]))]
         );
         ix.record_changes(false);
         ix.commit(7, &ks[3..4]).unwrap();

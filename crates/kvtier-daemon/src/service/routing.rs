@@ -24,13 +24,16 @@ impl HostService {
         request: Request<v1::WatchEventsRequest>,
     ) -> Result<Response<EncodedEventStream>, Status> {
         let tenant = self.seen_tenant(&request);
+        let role = self.roles.of(&request);
         self.observe("watch_events", || {
+            let slot = self.streams.open("watch_events", &role)?;
             let r = request.get_ref();
             let stream = crate::events::watch(
                 self.state.clone(),
                 r.stream_id,
                 r.after_seq,
                 tenant,
+                slot,
                 self.shutdown.clone(),
             );
             Ok(Box::pin(stream) as EncodedEventStream)

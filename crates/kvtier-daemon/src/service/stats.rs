@@ -127,6 +127,7 @@ impl HostService {
         &self,
         interval_ms: u64,
         only: Option<String>,
+        slot: crate::streams::StreamSlot,
     ) -> Result<SnapshotStream, ApiError> {
         let ms = match interval_ms {
             0 => WATCH_DEFAULT_MS,
@@ -141,7 +142,9 @@ impl HostService {
         let svc = self.clone();
         let mut tick = tokio::time::interval(std::time::Duration::from_millis(ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let stream = futures::stream::unfold((svc, tick, 0u64), move |(svc, mut tick, seq)| {
+        // The slot goes with the stream's state: the caller's place is back when it ends.
+        let state = (svc, tick, 0u64, slot);
+        let stream = futures::stream::unfold(state, move |(svc, mut tick, seq, slot)| {
             let only = only.clone();
             async move {
                 tokio::select! {
@@ -158,7 +161,7 @@ impl HostService {
                     uptime_ms: svc.started.elapsed().as_millis() as u64,
                     samples: crate::wire::samples(&families, only.as_deref()),
                 };
-                Some((Ok(snap), (svc, tick, seq + 1)))
+                Some((Ok(snap), (svc, tick, seq + 1, slot)))
             }
         });
         Ok(Box::pin(stream) as SnapshotStream)

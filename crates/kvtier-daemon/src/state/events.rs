@@ -8,12 +8,13 @@ use kvtier_storage::Removed;
 use kvtier_storage::format::parse_object_name;
 
 use super::HostState;
-use crate::events::{Event, EventBus, EventKind, EventMetrics, EventTier, Start};
+use crate::events::{EventBus, EventKind, EventMetrics, EventTier, First, Snapshot, Start};
+use kvtier_core::TenantTag;
 
 /// Where a new `WatchEvents` stream starts, and what it hears after.
 pub struct Subscription {
     /// Its first events: the replay it resumes from, or a RESYNC and a snapshot.
-    pub first: Vec<Event>,
+    pub first: First,
     /// Why it starts from a snapshot (the resync metric's reason), if it does.
     pub resync: Option<&'static str>,
     /// What is published from now on.
@@ -76,41 +77,56 @@ impl HostState {
         self.events.set_metrics(m);
     }
 
-    /// Subscribes a stream that last saw `after_seq` of `stream_id` (0, 0: none).
-    pub fn subscribe_events(&mut self, stream_id: u64, after_seq: u64) -> Subscription {
+    /// Subscribes a stream that last saw `after_seq` of `stream_id` (0, 0: none), limited to
+    /// `tenant`'s pages when given.
+    pub fn subscribe_events(
+        &mut self,
+        stream_id: u64,
+        after_seq: u64,
+        tenant: Option<TenantTag>,
+    ) -> Subscription {
         self.publish_changes();
         let (start, rx) = self.events.subscribe(stream_id, after_seq);
         match start {
             Start::Resume(first) => Subscription {
-                first,
+                first: First::Replay(first),
                 resync: None,
                 rx,
             },
             Start::Resync(why) => Subscription {
-                first: self.event_snapshot(),
+                first: First::Snapshot(self.event_snapshot(tenant)),
                 resync: Some(why),
                 rx,
             },
         }
     }
 
-    /// A RESYNC at the last published seq, then every page L2 holds now.
-    pub fn event_snapshot(&mut self) -> Vec<Event> {
+    /// Every page L2 holds now that `tenant` may see (every page: `None`), as the index
+    /// scan found them: the one part of a snapshot done under the state lock. The stream
+    /// orders them, makes them events and encodes them after the lock, a batch at a time.
+    pub fn event_snapshot(&mut self, tenant: Option<TenantTag>) -> Snapshot {
         self.publish_changes();
+        let keep = |k: &PageKey| tenant.is_none_or(|t| TenantTag::of(k) == t);
         // L2's pages, then those L3 holds as far as this kvtierd knows (its writes landed,
         // the page is still indexed): pages only L3 holds are not listed (Locate finds them).
-        self.events.snapshot(self.pools.values().flat_map(|p| {
-            let fp = p.layout.fingerprint();
-            [
-                (fp, EventTier::L2Host, p.index.ready_pages()),
-                (fp, EventTier::L3Storage, p.index.persisted_pages()),
-            ]
-        }))
+        let parts = self
+            .pools
+            .values()
+            .flat_map(|p| {
+                let fp = p.layout.fingerprint();
+                [
+                    (fp, EventTier::L2Host, p.index.snapshot_pages(false, keep)),
+                    (fp, EventTier::L3Storage, p.index.snapshot_pages(true, keep)),
+                ]
+            })
+            .filter(|(_, _, pages)| !pages.is_empty())
+            .collect();
+        Snapshot::new(self.events.last_seq(), parts)
     }
 
     /// A resubscription for a stream that fell behind: a snapshot and a fresh channel.
-    pub fn resubscribe_events(&mut self) -> Subscription {
-        let mut s = self.subscribe_events(0, 0);
+    pub fn resubscribe_events(&mut self, tenant: Option<TenantTag>) -> Subscription {
+        let mut s = self.subscribe_events(0, 0, tenant);
         s.resync = Some("lagged");
         s
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvtier_core::host_index::{L3Mark, L3Mode, Landed, OwnerId, PageState, Reserve};
 use kvtier_core::{PageKey, SessionId, WritePolicy};
 
-use super::{HostState, Job, Pool, SlotPins, StateError};
+use super::{HostState, Job, Pool, Session, SlotPins, StateError};
 
 /// Most slots one session may hold leased: enough for a decode step's pages, small against
 /// any pool a lease is worth it in.
@@ -39,10 +39,13 @@ fn top_up(
     owner: OwnerId,
     want: usize,
     admitting: bool,
+    room: usize,
 ) -> (Vec<u32>, Vec<PageKey>) {
+    let held_now = pool.index.leases_of(owner);
     let cap = want
         .min(MAX_LEASE)
-        .min(pool.index.stats().capacity as usize / LEASE_POOL_SHARE);
+        .min(pool.index.stats().capacity as usize / LEASE_POOL_SHARE)
+        .min(held_now + room);
     if !admitting || cap == 0 {
         return (Vec::new(), Vec::new());
     }
@@ -106,6 +109,39 @@ impl HostState {
             .collect())
     }
 
+    /// How many more slots session `id` may hold open (reserved and not committed, or
+    /// leased and not landed). While tenancy is on, what writers may take (the dirty limit
+    /// while L3 drains it, else the pool) is budgeted per session and per tenant, counting
+    /// every slot each holds either way: one writer that reserves or leases and never
+    /// commits cannot take it all from the others. (Without tenants every writer is one
+    /// trust domain, as for everything else: the whole of it.)
+    fn writer_room(&self, id: SessionId) -> usize {
+        let Some(me) = self.sessions.get(&id) else {
+            return 0;
+        };
+        let Some(pool) = self.pools.get(&me.pool) else {
+            return 0;
+        };
+        let holds = |s: &Session| s.writing + pool.index.leases_of(s.owner);
+        let base = match pool.index.l3_mode() {
+            L3Mode::Up => pool.index.dirty_limit(),
+            _ => pool.index.stats().capacity,
+        };
+        if self.tenants.is_empty() {
+            return (base as usize).saturating_sub(holds(me));
+        }
+        let budget = ((f64::from(base) * self.reserve_share).ceil() as usize).max(1);
+        let tenant_holds: usize = self
+            .sessions
+            .values()
+            .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
+            .map(holds)
+            .sum();
+        budget
+            .saturating_sub(holds(me))
+            .min(budget.saturating_sub(tenant_holds))
+    }
+
     /// Reserves slots for the keys not present.
     pub fn reserve(
         &mut self,
@@ -115,30 +151,8 @@ impl HostState {
         now: Instant,
     ) -> Result<(Vec<Reserve>, usize), StateError> {
         self.admitting("new pages")?;
-        // While tenancy is on, open reservations are budgeted per session and per tenant: one
-        // writer that reserves and never commits cannot take the whole dirty limit from the
-        // others. (Without tenants every writer is one trust domain, as for everything else.)
-        let tenancy = !self.tenants.is_empty();
-        let tenant_writing = match self.sessions.get(&id) {
-            Some(me) if tenancy => self
-                .sessions
-                .values()
-                .filter(|s| s.tenant == me.tenant && s.pool == me.pool)
-                .map(|s| s.writing)
-                .sum(),
-            _ => 0,
-        };
-        let share = if tenancy { self.reserve_share } else { 1.0 };
+        let room = self.writer_room(id);
         let (session, pool) = self.session_pool(id, now)?;
-        // Of what writers may take: the dirty limit while L3 drains it, else the pool.
-        let base = match pool.index.l3_mode() {
-            L3Mode::Up => pool.index.dirty_limit(),
-            _ => pool.index.stats().capacity,
-        };
-        let budget = ((f64::from(base) * share).ceil() as usize).max(1);
-        let room = budget
-            .saturating_sub(session.writing)
-            .min(budget.saturating_sub(tenant_writing));
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (out, evicted) = pool
             .index
@@ -180,13 +194,15 @@ impl HostState {
     ) -> Result<(Vec<Job>, Vec<u32>, usize), StateError> {
         let admitting = self.admitting("new pages").is_ok();
         let (write, epoch) = (self.write, self.l3_epoch);
+        // What it commits no longer counts against it.
+        let room = self.writer_room(id) + keys.len();
         let (session, pool) = self.session_pool(id, now)?;
         let slots = pool.index.commit(session.owner, keys)?;
         pool.committed_at(keys, &slots);
         session.writing = session.writing.saturating_sub(keys.len());
         let jobs = Self::stored_jobs(write, epoch, pool, keys);
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
-        let (granted, evicted) = top_up(pool, session.owner, lease_want, admitting);
+        let (granted, evicted) = top_up(pool, session.owner, lease_want, admitting, room);
         let lost_after = pool.index.stats().unwritten_evictions;
         self.counters.commit_calls += 1;
         self.counters.committed_pages += keys.len() as u64;
@@ -208,6 +224,8 @@ impl HostState {
     ) -> Result<LeasedCommit, StateError> {
         let admitting = self.admitting("new pages").is_ok();
         let (write, epoch) = (self.write, self.l3_epoch);
+        // The leased slots it lands no longer count against it.
+        let room = self.writer_room(id) + slots.len();
         let (session, pool) = self.session_pool(id, now)?;
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (landed, mut evicted) = pool
@@ -221,7 +239,7 @@ impl HostState {
             .collect();
         pool.committed(&stored);
         let jobs = Self::stored_jobs(write, epoch, pool, &stored);
-        let (granted, more) = top_up(pool, session.owner, want, admitting);
+        let (granted, more) = top_up(pool, session.owner, want, admitting, room);
         evicted.extend(more);
         let lost_after = pool.index.stats().unwritten_evictions;
         let c = &mut self.counters;

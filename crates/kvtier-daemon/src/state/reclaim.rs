@@ -36,11 +36,21 @@ impl HostState {
     /// Removes the pools unused for `l2.idle_pool_ttl` (with `make_room`: also the least
     /// recently used reclaimable pool, whatever its age). Returns how many went.
     pub(super) fn reclaim_pools(&mut self, now: Instant, make_room: bool) -> usize {
+        self.reclaim_pools_where(now, make_room, |_| true)
+    }
+
+    /// [`Self::reclaim_pools`] among the pools `which` names.
+    pub(super) fn reclaim_pools_where(
+        &mut self,
+        now: Instant,
+        make_room: bool,
+        which: impl Fn(&super::Pool) -> bool,
+    ) -> usize {
         let ttl = self.idle_pool_ttl;
         let mut idle: Vec<(Instant, LayoutFingerprint)> = self
             .pools
             .iter()
-            .filter(|(fp, _)| self.reclaimable(fp))
+            .filter(|(fp, p)| which(p) && self.reclaimable(fp))
             .map(|(fp, p)| (p.last_used, *fp))
             .collect();
         idle.sort();
