@@ -152,11 +152,14 @@ pub async fn run(
         let svc = service.clone();
         registry.on_scrape(move || svc.refresh_gauges());
         let cap = kvtier_server::conn::Cap::new(gate.limits(), "metrics", gate.conn_metrics());
+        // The agent's series are its one engine's: no tenant's name or usage in them.
+        let auth = kvtier_server::prometheus_http::Auth::new(None, &registry)?;
         tokio::spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || registry.render()),
             shutdown.clone(),
             cap,
+            auth,
         ));
     }
     let (health, health_service) = tonic_health::server::health_reporter();

@@ -157,6 +157,25 @@ pub struct MetricsConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub listen: Option<String>,
+    /// Bearer token a scrape must present (`Authorization: Bearer <token>`); empty: none.
+    /// Never printed.
+    pub token: Secret,
+    /// File holding the token.
+    #[serde(
+        deserialize_with = "crate::units::empty_is_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub token_file: Option<PathBuf>,
+    /// Whether the endpoint shows series labelled by tenant (`kvtier_tenant_*`).
+    pub tenant_series: bool,
+}
+
+impl MetricsConfig {
+    /// The scrape token: `token`, or the contents of `token_file`; `None` when neither is
+    /// set.
+    pub fn bearer_token(&self) -> Result<Option<String>, ConfigError> {
+        crate::tls::resolve_token(&self.token, self.token_file.as_deref(), "metrics.token")
+    }
 }
 
 /// What backs an L2 pool.
@@ -396,6 +415,9 @@ impl Default for MetricsConfig {
     fn default() -> Self {
         Self {
             listen: Some("127.0.0.1:9464".into()),
+            token: Secret::default(),
+            token_file: None,
+            tenant_series: false,
         }
     }
 }
@@ -467,6 +489,7 @@ impl DaemonConfig {
             &mut c.server.admin_token,
             &mut c.server.token,
             &mut c.server.peer_token,
+            &mut c.metrics.token,
             &mut c.l3.s3.secret_key,
             &mut c.l3.remote.token,
         ]
@@ -563,7 +586,13 @@ impl DaemonConfig {
                     admin: admin_access,
                     connections,
                 },
-            metrics: MetricsConfig { listen },
+            metrics:
+                MetricsConfig {
+                    listen,
+                    token: _,
+                    token_file: _,
+                    tenant_series,
+                },
             l2:
                 L2Config {
                     shm_dir,
@@ -710,13 +739,26 @@ impl DaemonConfig {
                 format!("{drain_timeout} is outside 100ms..=10m"),
             ));
         }
-        if let Some(listen) = listen
-            && listen.parse::<std::net::SocketAddr>().is_err()
-        {
-            return Err(ConfigError::invalid(
-                "metrics.listen",
-                format!("{listen:?} is not an address such as 127.0.0.1:9464"),
-            ));
+        if let Some(listen) = listen {
+            let Ok(addr) = listen.parse::<std::net::SocketAddr>() else {
+                return Err(ConfigError::invalid(
+                    "metrics.listen",
+                    format!("{listen:?} is not an address such as 127.0.0.1:9464"),
+                ));
+            };
+            let token = self.metrics.bearer_token()?;
+            // Tenants' names and usage are for the operator: an endpoint others can reach
+            // that shows them must ask for a token.
+            if !addr.ip().is_loopback() && *tenant_series && token.is_none() {
+                return Err(ConfigError::invalid(
+                    "metrics.listen",
+                    format!(
+                        "{listen} is reachable from other hosts and metrics.tenant_series \
+                         shows every tenant's name and usage: set metrics.token (or \
+                         metrics.token_file) for Prometheus to present, or bind 127.0.0.1"
+                    ),
+                ));
+            }
         }
         if shm_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("l2.shm_dir", "must not be empty"));

@@ -108,7 +108,7 @@ pub async fn run(
         .and_then(kvtier_server::prometheus_http::local);
     let control =
         parts::Control::serve(&ctx, &core, &sglang, &gate, uds, tcp, metrics_addr).await?;
-    parts::spawn_metrics(&ctx, &gate, metrics);
+    parts::spawn_metrics(&ctx, &gate, metrics)?;
     parts::spawn_upkeep(&ctx, &core.state)?;
     let sglang_sockets = sglang.serve(&ctx, &gate, &core).await?;
     ctx.tracker.close();
@@ -193,6 +193,7 @@ mod tests {
             &registry,
         )
         .unwrap();
+        kvtier_server::prometheus_http::Auth::new(None, &registry).unwrap();
         let doc = include_str!("../../../docs/metrics.md");
         let wrong = registry.check_documented(doc, |n| !n.starts_with("kvtier_agent_"));
         assert!(wrong.is_empty(), "{wrong:#?}");

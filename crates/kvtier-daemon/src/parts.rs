@@ -485,18 +485,34 @@ impl Control {
     }
 }
 
-/// Serves `/metrics` on `listener`, when enabled.
-pub(crate) fn spawn_metrics(ctx: &Ctx, gate: &PeerGate, listener: Option<TcpListener>) {
+/// Serves `/metrics` on `listener`, when enabled: to scrapes that present `metrics.token`
+/// when it is set, and without the tenant-labelled series unless `metrics.tenant_series`.
+pub(crate) fn spawn_metrics(
+    ctx: &Ctx,
+    gate: &PeerGate,
+    listener: Option<TcpListener>,
+) -> Result<(), DaemonError> {
+    let token = ctx
+        .cfg
+        .metrics
+        .bearer_token()
+        .map_err(|e| config("reading", "metrics.token", e))?;
+    let auth = kvtier_server::prometheus_http::Auth::new(token, &ctx.metrics)?;
     if let Some(l) = listener {
         let metrics = ctx.metrics.clone();
+        let tenant_series = ctx.cfg.metrics.tenant_series;
         let cap = kvtier_server::conn::Cap::new(gate.limits(), "metrics", gate.conn_metrics());
         ctx.tracker.spawn(kvtier_server::prometheus_http::serve(
             l,
-            Arc::new(move || metrics.render()),
+            Arc::new(move || {
+                metrics.render_where(|name| tenant_series || !name.starts_with("kvtier_tenant_"))
+            }),
             ctx.shutdown.clone(),
             cap,
+            auth,
         ));
     }
+    Ok(())
 }
 
 /// The sealer (checksums committed pages off the state lock and seals their slot records, so

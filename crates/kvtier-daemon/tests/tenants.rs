@@ -279,7 +279,8 @@ fn a_tenant_at_its_quotas_evicts_only_its_own_pages_in_l2_and_l3() {
     let d = start(
         "tenant-quota",
         &format!(
-            "[tenants.acme]\ntoken = \"tok-acme\"\nl2_pages = 8\nl3_bytes = {}\n\n\
+            "[metrics]\ntenant_series = true\n\n\
+             [tenants.acme]\ntoken = \"tok-acme\"\nl2_pages = 8\nl3_bytes = {}\n\n\
              [tenants.globex]\ntoken = \"tok-globex\"\n",
             10 * obj
         ),
@@ -534,6 +535,78 @@ fn a_tenant_cannot_keep_every_pool_place() {
         a.close(held[0].id).await.unwrap();
         a.register("a2", &layout("acme-2")).await.unwrap();
     });
+}
+
+/// Issue 62: `/metrics` showed every tenant's name and usage to whoever could connect, the
+/// manifests bound it to every address, and `--check-config` took that with tenants named.
+/// Now the tenant series are shown only with `metrics.tenant_series`, an endpoint that shows
+/// them off loopback needs `metrics.token`, and a token, when set, is asked of every scrape.
+#[test]
+fn metrics_show_tenants_only_when_asked_and_a_token_guards_the_endpoint() {
+    let tenants = "[tenants.acme]\ntoken = \"tok-acme\"\n";
+    // Off by default: no tenant's series.
+    let d = start("metrics-quiet", tenants);
+    let page = d.metrics();
+    assert!(page.contains("kvtier_l2_pools"), "{page}");
+    assert!(
+        !page.contains("kvtier_tenant_"),
+        "tenant series shown by default"
+    );
+    drop(d);
+    // With a token: 401 without it or with another, the page with it.
+    let d = start(
+        "metrics-token",
+        &format!("[metrics]\ntenant_series = true\ntoken = \"scrape-me\"\n\n{tenants}"),
+    );
+    let addr = d.metrics_url.strip_prefix("http://").unwrap();
+    let (addr, _) = addr.split_once('/').unwrap();
+    let get = |auth: Option<&str>| {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let header = auth.map_or(String::new(), |a| format!("Authorization: Bearer {a}\r\n"));
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n{header}\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(get(None).starts_with("HTTP/1.0 401"), "{}", get(None));
+    assert!(get(Some("guess")).starts_with("HTTP/1.0 401"));
+    let page = get(Some("scrape-me"));
+    assert!(page.starts_with("HTTP/1.0 200"), "{page}");
+    assert!(
+        page.contains("kvtier_tenant_l2_pages{tenant=\"acme\"}"),
+        "{page}"
+    );
+    assert!(
+        page.contains("kvtier_metrics_unauthorized_total 2"),
+        "{page}"
+    );
+    drop(d);
+    // Off loopback with the tenant series and no token: refused by --check-config, by name.
+    let dir =
+        std::env::temp_dir().join(format!("kvtierd-test-{}-metrics-open", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("kvtierd.toml"), tenants).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtierd"))
+        .current_dir(&dir)
+        .args(["--config", "kvtierd.toml"])
+        .args([
+            "--set",
+            "metrics.listen=0.0.0.0:9464",
+            "--set",
+            "metrics.tenant_series=true",
+        ])
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("metrics.listen") && err.contains("metrics.token"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The pages a WatchEvents stream says are held, once it has been quiet for a while.

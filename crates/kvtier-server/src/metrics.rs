@@ -155,7 +155,13 @@ impl MetricRegistry {
 
     /// The Prometheus text format of [`Self::gather`].
     pub fn render(&self) -> String {
-        let families = self.gather();
+        self.render_where(|_| true)
+    }
+
+    /// [`Self::render`] of the families whose name `keep` keeps.
+    pub fn render_where(&self, keep: impl Fn(&str) -> bool) -> String {
+        let mut families = self.gather();
+        families.retain(|f| keep(f.name()));
         let mut buf = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&families, &mut buf) {
             tracing::error!("encoding metrics failed: {e}");

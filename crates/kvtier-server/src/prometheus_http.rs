@@ -1,5 +1,7 @@
 //! The Prometheus text endpoint both kvtierd and kvtier-agent serve: `GET /metrics` answers
 //! what `render` returns (rendered per scrape, so gauges are fresh), anything else is 404.
+//! With a token ([`Auth`]), a request without `Authorization: Bearer <token>` gets 401
+//! and is counted in `kvtier_metrics_unauthorized_total`.
 //! One task per connection, each under the listener's [`Cap`] (per IP address and in all,
 //! with the handshake deadline for its first bytes, and the same deadline for each request's
 //! headers); stops accepting when `stop` is cancelled.
@@ -19,8 +21,57 @@ use crate::conn::Cap;
 /// Renders the metrics page.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
-/// Serves `GET /metrics` on `listener` until `stop`, every connection under `cap`.
-pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToken, cap: Cap) {
+/// Who may scrape: everyone who reaches the listener, or (with a token) those who present it.
+#[derive(Clone)]
+pub struct Auth {
+    token: Option<Arc<str>>,
+    refused: prometheus::IntCounter,
+}
+
+impl Auth {
+    /// Scrapes must present `token` when given; declares
+    /// `kvtier_metrics_unauthorized_total` in `metrics`.
+    pub fn new(
+        token: Option<String>,
+        metrics: &crate::metrics::MetricRegistry,
+    ) -> prometheus::Result<Self> {
+        Ok(Self {
+            token: token.map(Arc::from),
+            refused: metrics.counter(
+                "kvtier_metrics_unauthorized_total",
+                "scrapes of the metrics endpoint refused (401) for want of metrics.token",
+            )?,
+        })
+    }
+
+    /// Whether `req` may have the page.
+    fn admits<B>(&self, req: &Request<B>) -> bool {
+        let Some(want) = &self.token else {
+            return true;
+        };
+        let got = req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let ok = got
+            .is_some_and(|g| kvtier_config::tls::constant_time_eq(g.as_bytes(), want.as_bytes()));
+        if !ok {
+            self.refused.inc();
+        }
+        ok
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `stop`, every connection under `cap`, to the
+/// scrapes `auth` admits.
+pub async fn serve(
+    listener: TcpListener,
+    render: Render,
+    stop: CancellationToken,
+    cap: Cap,
+    auth: Auth,
+) {
     let mut backoff = std::time::Duration::ZERO;
     loop {
         let (stream, addr) = tokio::select! {
@@ -41,15 +92,21 @@ pub async fn serve(listener: TcpListener, render: Render, stop: CancellationToke
         let _ = stream.set_nodelay(true);
         let stream = cap.limit(stream, permit);
         let headers_within = cap.handshake_timeout();
-        let render = render.clone();
+        let (render, auth) = (render.clone(), auth.clone());
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let body = (req.uri().path() == "/metrics").then(|| render());
+                let page = req.uri().path() == "/metrics";
+                let allowed = page && auth.admits(&req);
+                let body = allowed.then(|| render());
                 async move {
                     match body {
                         Some(text) => Response::builder()
                             .header("content-type", "text/plain; version=0.0.4")
                             .body(Full::new(Bytes::from(text))),
+                        None if page => Response::builder()
+                            .status(StatusCode::UNAUTHORIZED)
+                            .header("www-authenticate", "Bearer")
+                            .body(Full::new(Bytes::from_static(b"metrics.token required\n"))),
                         None => Response::builder()
                             .status(StatusCode::NOT_FOUND)
                             .body(Full::new(Bytes::from_static(b"try /metrics\n"))),

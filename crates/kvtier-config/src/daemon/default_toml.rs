@@ -72,6 +72,16 @@ peer_token_file = ""
 # Address of the Prometheus text endpoint (GET /metrics). Port 0 picks a free port.
 # Empty: off.
 listen = "127.0.0.1:9464"
+# Bearer token a scrape must present ("Authorization: Bearer <token>"; Prometheus's
+# authorization.credentials); empty: none. Set it through KVTIER_METRICS_TOKEN or token_file
+# rather than this file. A wrong or missing one gets 401, counted in
+# kvtier_metrics_unauthorized_total.
+token = ""
+token_file = ""
+# Show the series labelled by tenant (kvtier_tenant_*: each tenant's name and usage) on this
+# endpoint. Off by default: they are the operator's (kvtierctl status, WatchMetrics). On with
+# a listen address other hosts can reach, a token is required.
+tenant_series = false
 
 [l2]
 # A tmpfs where kvtierd keeps its pool files and slot tables, in a directory of its own made
