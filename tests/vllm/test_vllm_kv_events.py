@@ -6,6 +6,7 @@ decoder from PyPI. Nothing here imitates vLLM's classes."""
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from vllm.distributed.kv_events import (
 
 from kvtier.events import EventBatch, EventKind, EventTier, PageEvent
 from kvtier.host import DaemonClient, HostSession
-from kvtier.integrations.vllm.kv_events import END_SEQ, KvEventsBridge, translate
+from kvtier.integrations.vllm.kv_events import END_SEQ, Curve, KvEventsBridge, translate
 from kvtier.keys import page_keys
 from kvtier.testing import Kvtierd
 from kvtier.v1 import admin_pb2, common_pb2
@@ -304,3 +305,122 @@ def test_the_bridge_refuses_bad_settings_by_name(daemon) -> None:
     with KvEventsBridge(str(daemon.socket), "tcp://127.0.0.1:0", block_size=PAGE) as taken:
         with pytest.raises(ValueError, match="^replay_endpoint: cannot bind"):
             KvEventsBridge(str(daemon.socket), "tcp://127.0.0.1:0", taken.endpoint, block_size=PAGE)
+
+
+def test_an_endpoint_other_hosts_reach_needs_curve_or_saying_so(daemon, tmp_path) -> None:
+    """Issue 62: run as docs/routing.md showed, the bridge bound ``tcp://*`` with no
+    authentication, and an unauthenticated subscriber got every page key of a tenant. An
+    address other hosts reach is refused now, naming what would allow it."""
+    sock = str(daemon.socket)
+    for ep in ("tcp://*:0", "tcp://0.0.0.0:0", "tcp://eth0:0"):
+        with pytest.raises(ValueError, match="^endpoint: .*open_endpoints"):
+            KvEventsBridge(sock, ep, block_size=PAGE)
+    with pytest.raises(ValueError, match="^replay_endpoint: .*open_endpoints"):
+        KvEventsBridge(sock, "tcp://127.0.0.1:0", "tcp://*:0", block_size=PAGE)
+    with KvEventsBridge(sock, "tcp://*:0", block_size=PAGE, open_endpoints=True) as b:
+        assert b.endpoint.startswith("tcp://")
+    with KvEventsBridge(sock, f"ipc://{tmp_path}/events", block_size=PAGE) as b:
+        assert b.endpoint.startswith("ipc://")
+
+
+def test_with_curve_only_the_listed_subscribers_hear_anything(daemon) -> None:
+    client = DaemonClient(daemon.socket)
+    s = client.register("writer", layout())
+    server_public, server_secret = zmq.curve_keypair()
+    ok_public, ok_secret = zmq.curve_keypair()
+    other_public, other_secret = zmq.curve_keypair()
+    ctx = zmq.Context.instance()
+    curve = Curve(server_secret, (ok_public,))
+    with KvEventsBridge(str(daemon.socket), "tcp://0.0.0.0:0", block_size=PAGE, curve=curve) as b:
+        endpoint = b.endpoint.replace("0.0.0.0", "127.0.0.1")
+
+        def subscriber(public: bytes | None, secret: bytes | None) -> zmq.Socket[bytes]:
+            sub = ctx.socket(zmq.SUB)
+            if public is not None and secret is not None:
+                sub.curve_serverkey = server_public
+                sub.curve_publickey = public
+                sub.curve_secretkey = secret
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            return sub
+
+        subs = {
+            "listed": subscriber(ok_public, ok_secret),
+            "unlisted": subscriber(other_public, other_secret),
+            "plain": subscriber(None, None),
+        }
+        try:
+            time.sleep(0.5)  # the handshakes
+            heard = dict.fromkeys(subs, False)
+            for i in range(20):
+                store(s, page_keys(list(range(1000 * i, 1000 * i + PAGE)), PAGE))
+                for name, sub in subs.items():
+                    heard[name] = heard[name] or bool(sub.poll(100))
+                if heard["listed"]:
+                    break
+            assert heard == {"listed": True, "unlisted": False, "plain": False}, heard
+        finally:
+            for sub in subs.values():
+                sub.close(linger=0)
+    client.close()
+
+
+def test_a_replay_flood_is_refused_past_its_rate(daemon) -> None:
+    """Issue 62: replays were served on the publishing thread from an unbounded queue, and a
+    flood of them pushed a live subscriber's lag from 6 ms to seconds. Replays have a thread
+    of their own now, and past ``replays_per_s`` a request gets the end marker alone."""
+    with KvEventsBridge(
+        str(daemon.socket), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=PAGE,
+        replays_per_s=2,
+    ) as bridge:  # fmt: skip
+        assert bridge.replay_endpoint is not None
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(bridge.replay_endpoint)
+        try:
+            for _ in range(20):
+                dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            ends = 0
+            while ends < 20:
+                assert dealer.poll(5000), "no answer from the replay socket"
+                if dealer.recv_multipart()[2] == END_SEQ:
+                    ends += 1
+            assert bridge.replays_refused >= 15, bridge.replays_refused
+        finally:
+            dealer.close(linger=0)
+
+
+def test_a_publisher_that_falls_behind_drops_to_a_snapshot_and_never_stalls_the_stream(
+    daemon,
+) -> None:
+    """Batches wait for the publisher in a bounded queue: past it the bridge drops them and
+    starts its subscribers over from a snapshot, so what they rebuild is still what L2
+    holds."""
+    gate = threading.Event()
+
+    class Stalled(KvEventsBridge):
+        def _publish_loop(self) -> None:
+            gate.wait()
+            super()._publish_loop()
+
+    client = DaemonClient(daemon.socket)
+    s = client.register("writer", layout())
+    prompts = [page_keys(list(range(500 * i, 500 * i + PAGE)), PAGE) for i in range(1, 7)]
+    with Stalled(
+        str(daemon.socket), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=PAGE,
+        queue_batches=2,
+    ) as bridge:  # fmt: skip
+        for p in prompts:
+            store(s, p)
+            time.sleep(0.05)  # a batch each
+        end = time.monotonic() + 10
+        while bridge.dropped == 0:
+            assert time.monotonic() < end, "nothing was dropped"
+            time.sleep(0.05)
+        gate.set()
+        router = Router(bridge)
+        try:
+            want = {k for p in prompts for k in p}
+            router.until("L2's pages", lambda: set(router.blocks) == want)
+        finally:
+            router.close()
+    client.close()
