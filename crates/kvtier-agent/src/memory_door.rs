@@ -28,6 +28,9 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_PENDING: usize = 8;
 /// Descriptors those deposits hold together.
 pub const MAX_PENDING_FDS: usize = 2 * memory_door::MAX_FDS;
+/// Descriptors deposits still being read may hold together (the kernel installs a group's
+/// as it is read, before the deposit is complete).
+pub const MAX_INFLIGHT_FDS: usize = 2 * memory_door::MAX_FDS;
 /// How long a deposit waits for its `RegisterPool`.
 pub const DEPOSIT_TTL: Duration = Duration::from_secs(60);
 
@@ -62,6 +65,8 @@ struct Deposit {
 /// The deposits waiting for their registration, and the door's counters.
 pub struct Deposits {
     pending: Mutex<HashMap<Ticket, Deposit>>,
+    /// Descriptors set aside for deposits being read ([`MAX_INFLIGHT_FDS`] at most).
+    inflight: std::sync::atomic::AtomicUsize,
     answers: prometheus::IntCounterVec,
 }
 
@@ -73,11 +78,12 @@ impl std::fmt::Debug for Deposits {
 }
 
 /// The door's outcomes (a label each).
-const OUTCOMES: [&str; 6] = [
+const OUTCOMES: [&str; 7] = [
     "deposited",
     "malformed",
     "not_a_file",
     "full",
+    "busy",
     "timeout",
     "failed",
 ];
@@ -95,6 +101,7 @@ impl Deposits {
         }
         Ok(Self {
             pending: Mutex::new(HashMap::new()),
+            inflight: Default::default(),
             answers,
         })
     }
@@ -145,6 +152,22 @@ impl Deposits {
         Ok(p.remove(&ticket).map(|d| d.fds).unwrap_or_default())
     }
 
+    /// Sets `n` more descriptors aside for a deposit being read; false past
+    /// [`MAX_INFLIGHT_FDS`].
+    fn take_inflight(&self, n: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        self.inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+                (cur + n <= MAX_INFLIGHT_FDS).then_some(cur + n)
+            })
+            .is_ok()
+    }
+
+    fn give_inflight(&self, n: usize) {
+        self.inflight
+            .fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
+    }
+
     /// Deposits waiting now (tests and stats).
     pub fn pending(&self) -> usize {
         self.pending.lock().map_or(0, |p| p.len())
@@ -161,24 +184,42 @@ pub async fn serve(listener: GatedListener, deposits: Arc<Deposits>, stop: Cance
         };
         let deposits = deposits.clone();
         tokio::spawn(async move {
-            let outcome = tokio::time::timeout(timeout, answer(&stream, &deposits))
+            // What the deposit set aside goes back however it ends (a timeout drops `answer`
+            // mid-read, and the descriptors it read with it).
+            let mut aside = 0usize;
+            let outcome = tokio::time::timeout(timeout, answer(&stream, &deposits, &mut aside))
                 .await
                 .unwrap_or("timeout");
+            deposits.give_inflight(aside);
             deposits.answers.with_label_values(&[outcome]).inc();
             drop(permit);
         });
     }
 }
 
-/// Reads one deposit on `stream` and answers it; returns the outcome's label.
-async fn answer(stream: &UnixStream, deposits: &Deposits) -> &'static str {
+/// Reads one deposit on `stream` and answers it; returns the outcome's label. `aside` is
+/// how many descriptors it set aside (its caller gives them back).
+async fn answer(stream: &UnixStream, deposits: &Deposits, aside: &mut usize) -> &'static str {
     let Ok(uid) = stream.peer_cred().map(|c| c.uid()) else {
         return "failed";
     };
     let mut req = Request::default();
     let got = loop {
+        let mut room = |held: usize| {
+            // Room for the next group before it is read: the whole door holds at most
+            // MAX_INFLIGHT_FDS descriptors of deposits being read.
+            let want = held + memory_door::FDS_PER_MESSAGE;
+            if want <= *aside {
+                return true;
+            }
+            let more = want - *aside;
+            deposits.take_inflight(more) && {
+                *aside += more;
+                true
+            }
+        };
         match stream
-            .async_io(Interest::READABLE, || req.recv(stream.as_fd()))
+            .async_io(Interest::READABLE, || req.recv(stream.as_fd(), &mut room))
             .await
         {
             Ok(true) => break Ok(std::mem::take(&mut req).into_fds()),
@@ -190,6 +231,12 @@ async fn answer(stream: &UnixStream, deposits: &Deposits) -> &'static str {
         Ok(fds) => fds,
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
             return send(stream, Answer::Refused(e.to_string()), "malformed").await;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::ResourceBusy => {
+            let why = format!(
+                "{MAX_INFLIGHT_FDS} descriptors of other deposits are on their way in; retry"
+            );
+            return send(stream, Answer::Refused(why), "busy").await;
         }
         Err(_) => return "malformed",
     };

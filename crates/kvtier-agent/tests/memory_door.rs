@@ -131,3 +131,54 @@ fn a_deposit_is_its_uids_alone_and_the_door_admits_whom_the_socket_admits() {
         );
     });
 }
+
+/// Review finding: deposits being read held every descriptor the kernel installed for them
+/// until their deadline, with no bound but the connection cap: connections that each sent
+/// a group of 128 descriptors and stalled could fill the agent's descriptor table. The door
+/// sets room aside before each group is read, 2,048 descriptors for all deposits in flight;
+/// past it a deposit is refused ("busy"), and a stalled one gives its room back when it ends.
+#[test]
+fn stalled_deposits_hold_a_bounded_number_of_descriptors() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    let d = dir("mdoor-inflight");
+    let _kvtierd = daemon(&d, &["l2.pool_pages=64"]);
+    let a = agent(&d, "w", &["server.connections.handshake_timeout=3s"]);
+    let door = std::path::PathBuf::from(format!("{}.memory", a.socket.display()));
+    let region = kvtier_shm::ShmRegion::memfd("flood", 4096).unwrap();
+    let fds: Vec<_> = (0..kvtier_shm::memory_door::FDS_PER_MESSAGE)
+        .map(|_| region.fd())
+        .collect();
+    // Each announces the most descriptors a deposit may have, sends one group, and stalls.
+    let stall = || {
+        let s = UnixStream::connect(&door).unwrap();
+        let mut head = kvtier_shm::memory_door::MAGIC.to_vec();
+        head.extend_from_slice(&(kvtier_shm::memory_door::MAX_FDS as u16).to_le_bytes());
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(128))];
+        let mut anc = rustix::net::SendAncillaryBuffer::new(&mut space);
+        assert!(anc.push(rustix::net::SendAncillaryMessage::ScmRights(&fds)));
+        rustix::net::sendmsg(
+            &s,
+            &[std::io::IoSlice::new(&head)],
+            &mut anc,
+            rustix::net::SendFlags::empty(),
+        )
+        .unwrap();
+        s
+    };
+    let held: Vec<UnixStream> = (0..kvtier_agent::memory_door::MAX_INFLIGHT_FDS / 128)
+        .map(|_| stall())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // The next deposit finds no room: refused at once, not held.
+    let mut s = stall();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("on their way in"), "{text:?}");
+    // Once the stalled ones time out, a deposit goes through again.
+    drop(held);
+    std::thread::sleep(Duration::from_secs(4));
+    kvtier_shm::memory_door::deposit(&door, &[region.fd()], Duration::from_secs(5)).unwrap();
+}

@@ -125,12 +125,26 @@ impl Request {
     /// head, every group byte and exactly as many descriptors as the head announced);
     /// `WouldBlock` when it must wait. A malformed request, more descriptors than announced,
     /// or a message whose descriptors did not all fit, is an `InvalidData` error naming why.
-    pub fn recv(&mut self, sock: BorrowedFd<'_>) -> io::Result<bool> {
+    /// Before each read, `room(held)` says whether the server may hold [`FDS_PER_MESSAGE`]
+    /// more descriptors than the `held` this request has: each read may bring that many, and
+    /// the kernel installs them in the server's table as it reads. When it may not, the read
+    /// is not made: a `ResourceBusy` error.
+    pub fn recv(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        mut room: impl FnMut(usize) -> bool,
+    ) -> io::Result<bool> {
         use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
         loop {
             let want = self.wanted()?;
             if want == 0 {
                 return Ok(true);
+            }
+            if !room(self.fds.len()) {
+                return Err(io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    "too many descriptors on their way in already",
+                ));
             }
             let mut one = [0u8; REQUEST_HEAD];
             // The head's bytes, or one group byte: never past a message boundary of the
@@ -257,7 +271,7 @@ mod tests {
             c.set_nonblocking(true).unwrap();
             let mut req = Request::default();
             let got = loop {
-                match req.recv(c.as_fd()) {
+                match req.recv(c.as_fd(), |_| true) {
                     Ok(true) => break Ok(std::mem::take(&mut req).into_fds()),
                     Ok(false) => unreachable!(),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
