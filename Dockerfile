@@ -18,9 +18,14 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 # The registry and target caches survive between builds on one builder (BuildKit, buildah).
+# COPY keeps the files' times, and cargo judges a crate fresh by them: the target cache may
+# hold an artifact built later from another tree, which would be taken for this one's. So
+# the workspace's sources are touched first (its crates always build; dependencies stay
+# cached).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p kvtier-daemon -p kvtier-agent -p kvtier-ctl \
+    find crates benches proto -type f -exec touch {} + \
+ && cargo build --release --locked -p kvtier-daemon -p kvtier-agent -p kvtier-ctl \
  && install -D -s -m 0755 -t /out/bin \
       target/release/kvtierd target/release/kvtier-agent target/release/kvtierctl
 

@@ -357,9 +357,14 @@ class Follower(threading.Thread):
         self._client_lock = threading.Lock()
 
     def resync(self) -> None:
-        """Starts over from a RESYNC and a snapshot, after the batch being applied (callable
-        from ``apply`` itself)."""
+        """Starts over from a RESYNC and a snapshot: after the batch being applied when called
+        from ``apply`` itself; at once from another thread (the stream, which may be waiting
+        for a batch that never comes, is closed)."""
         self._resync.set()
+        if threading.current_thread() is not self:
+            with self._client_lock:
+                if self._client is not None:
+                    self._client.close()
 
     def run(self) -> None:
         while not self._stop_event.is_set():

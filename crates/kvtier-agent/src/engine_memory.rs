@@ -21,6 +21,14 @@ use crate::metrics::Metrics;
 /// no more in one deposit.
 pub(crate) const MAX_ALLOCATIONS: usize = kvtier_shm::memory_door::MAX_FDS;
 
+/// This machine's physical memory in bytes (unbounded where it cannot be read).
+fn physical_memory() -> u64 {
+    let info = rustix::system::sysinfo();
+    u64::from(info.mem_unit)
+        .saturating_mul(info.totalram as u64)
+        .max(1 << 30)
+}
+
 /// What opening the engine's memory needs besides the request.
 pub(crate) struct Opener<'a> {
     /// Deposits waiting for their registration.
@@ -87,6 +95,19 @@ impl Opener<'_> {
                     .map_err(|e| device_error("cpu", e))?,
             )
         };
+        // The agent maps what the pool uses of each file: no more than this machine's memory
+        // (a sparse file of any size could otherwise take the agent's address space).
+        let bytes: u64 = match &map {
+            None => pool.total_bytes() as u64,
+            Some(m) => m.region_bytes().iter().sum(),
+        };
+        let ram = physical_memory();
+        if bytes > ram {
+            return Err(ApiError::invalid(
+                "cpu",
+                format!("the pool's memory is {bytes} bytes, more than this machine's {ram}"),
+            ));
+        }
         let fds = self
             .deposits
             .take(&c.memory, self.caller_uid)

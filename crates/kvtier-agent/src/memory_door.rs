@@ -8,8 +8,9 @@
 //! the descriptors over, once, to a caller of the same uid. Who may connect: the engine
 //! socket's allow-lists and connection caps ([`GatedListener`]); a deposit not complete
 //! within the handshake timeout is dropped. Deposits are bounded: at most
-//! [`MAX_PENDING`] wait at once, holding at most [`MAX_PENDING_FDS`] descriptors together,
-//! each for [`DEPOSIT_TTL`]. Answers are counted in
+//! [`MAX_PENDING`] wait at once, one per uid (its newest), holding at most
+//! [`MAX_PENDING_FDS`] descriptors together, each for [`DEPOSIT_TTL`]; deposits still being
+//! read hold at most [`MAX_INFLIGHT_FDS`] more. Answers are counted in
 //! `kvtier_agent_memory_door_answers_total{outcome}`.
 
 use std::collections::HashMap;
@@ -107,10 +108,12 @@ impl Deposits {
     }
 
     /// Keeps `fds`, deposited by `uid`, under a new ticket; `None` when the bounds are
-    /// reached (after dropping expired deposits).
+    /// reached (after dropping expired deposits). A uid has one deposit waiting at most: its
+    /// newest (an engine registers one pool at a time), so no uid can hold the places
+    /// another needs.
     fn put(&self, fds: Vec<OwnedFd>, uid: u32) -> Option<Ticket> {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        p.retain(|_, d| d.at.elapsed() < DEPOSIT_TTL);
+        p.retain(|_, d| d.at.elapsed() < DEPOSIT_TTL && d.uid != uid);
         let held: usize = p.values().map(|d| d.fds.len()).sum();
         if p.len() >= MAX_PENDING || held + fds.len() > MAX_PENDING_FDS {
             return None;
@@ -306,11 +309,16 @@ mod tests {
             d.take(&[0; TICKET_LEN], None).unwrap_err(),
             TakeError::Unknown
         );
-        for _ in 0..MAX_PENDING {
-            assert!(d.put(vec![fd()], 1).is_some());
+        // A uid's newer deposit replaces its older one: one uid cannot fill the places.
+        let old = d.put(vec![fd()], 7).unwrap();
+        let new = d.put(vec![fd()], 7).unwrap();
+        assert_eq!(d.take(&old, Some(7)).unwrap_err(), TakeError::Unknown);
+        assert_eq!(d.take(&new, Some(7)).unwrap().len(), 1);
+        for uid in 0..MAX_PENDING as u32 {
+            assert!(d.put(vec![fd()], uid).is_some());
         }
         assert!(
-            d.put(vec![fd()], 1).is_none(),
+            d.put(vec![fd()], 99).is_none(),
             "more deposits than the bound"
         );
         assert_eq!(d.pending(), MAX_PENDING);

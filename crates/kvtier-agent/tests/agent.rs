@@ -525,22 +525,41 @@ fn bad_engine_input_is_refused_by_field() {
             ),
             // Taken by the request before: a ticket serves one registration.
             (cpu(t.clone(), vec![whole], good_pieces(0)), "no deposit"),
-            // More descriptors than allocations, and the layer-first file's one.
-            (
-                cpu(deposit(2), vec![whole], good_pieces(0)),
-                "2 descriptors deposited for 1",
-            ),
-            (
-                cpu(deposit(2), vec![], vec![]),
-                "2 descriptors deposited for 1",
-            ),
-            // A layer-first file shorter than the pool.
-            (cpu(deposit(1), vec![], vec![]), "expected at least"),
         ] {
             let e = raw.register_pool(req).await.unwrap_err();
             assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
             assert!(e.message().contains(field), "{field}: {}", e.message());
         }
+        // One deposit at a time (a uid's newest replaces its older one): more descriptors
+        // than allocations, and than the layer-first file's one; a layer-first file shorter
+        // than the pool.
+        type Case = (usize, Vec<u64>, Vec<v1::PagePiece>, &'static str);
+        let cases: Vec<Case> = vec![
+            (
+                2,
+                vec![whole],
+                good_pieces(0),
+                "2 descriptors deposited for 1",
+            ),
+            (2, vec![], vec![], "2 descriptors deposited for 1"),
+            (1, vec![], vec![], "expected at least"),
+        ];
+        for (n, sizes, pieces, field) in cases {
+            let e = raw
+                .register_pool(cpu(deposit(n), sizes, pieces))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{}", e.message());
+            assert!(e.message().contains(field), "{field}: {}", e.message());
+        }
+        // A newer deposit of the same uid replaces the older: the older ticket is gone.
+        let older = deposit(1);
+        let _newer = deposit(1);
+        let e = raw
+            .register_pool(cpu(older, vec![], vec![]))
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("no deposit"), "{}", e.message());
         if !kvtier_device::cuda::driver_present() {
             let e = raw
                 .register_pool(cuda(1, vec![whole + 2 * layers * 512], good_pieces(512)))

@@ -782,7 +782,7 @@ mod tests {
             let stop = tokio_util::sync::CancellationToken::new();
             let caps = crate::streams::StreamCaps::new(1, &MetricRegistry::new()).unwrap();
             let slot = caps
-                .open("watch_events", &crate::roles::Role::Operator)
+                .open("watch_events", &crate::roles::Role::Operator, None)
                 .unwrap();
             let mut s = watch(state.clone(), 0, 0, None, slot, stop.clone());
             use futures::StreamExt;

@@ -575,7 +575,9 @@ impl HostTier for HostService {
         let role = self.roles.of(&request);
         let only = self.roles.only_tenant(&role).map(str::to_string);
         self.observe("watch_metrics", || {
-            let slot = self.streams.open("watch_metrics", &role)?;
+            let slot = self
+                .streams
+                .open("watch_metrics", &role, routing::unix_uid(&request))?;
             self.watch_metrics_inner(request.get_ref().interval_ms, only, slot)
         })
     }

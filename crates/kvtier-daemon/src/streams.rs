@@ -1,10 +1,12 @@
-//! How many long-lived streams (`WatchEvents`, `WatchMetrics`) each caller holds open: one
-//! caller is one role (the operator, peer kvtierds, each tenant; every process of a tenant
-//! counts together), and each may hold at most `server.max_streams_per_caller` streams of a
-//! kind. A stream holds memory (an events snapshot, its unsent batches) and its opening costs
-//! a scan of the index under the state lock, so without a bound one tenant opening streams
-//! slowed every other's writes. A stream past the bound is refused (`RESOURCE_EXHAUSTED`,
-//! naming the bound) and counted in `kvtier_streams_refused_total{stream}`.
+//! How many long-lived streams (`WatchEvents`, `WatchMetrics`) each caller holds open, and
+//! how often it opens them. One caller is one role (the operator, peer kvtierds, each tenant)
+//! and, on the Unix socket, one uid of it: each may hold at most
+//! `server.max_streams_per_caller` streams of a kind, and open at most [`OPENS_PER_S`] a
+//! second (a burst of the bound). A stream holds memory (an events snapshot, its unsent
+//! batches) and its opening costs a scan of the index under the state lock, so without a
+//! bound one tenant opening streams slowed every other's writes. A stream past either bound
+//! is refused (`RESOURCE_EXHAUSTED`, naming it) and counted in
+//! `kvtier_streams_refused_total{stream}`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -15,6 +17,9 @@ use kvtier_server::metrics::MetricRegistry;
 
 use crate::roles::Role;
 
+/// Streams one caller may open a second, on average.
+pub const OPENS_PER_S: f64 = 4.0;
+
 /// The kinds of stream.
 pub const KINDS: [&str; 2] = ["watch_events", "watch_metrics"];
 
@@ -22,8 +27,16 @@ pub const KINDS: [&str; 2] = ["watch_events", "watch_metrics"];
 #[derive(Debug)]
 pub struct StreamCaps {
     per_caller: AtomicU32,
-    open: Mutex<HashMap<(&'static str, String), u32>>,
+    open: Mutex<HashMap<(&'static str, String), Caller>>,
     refused: prometheus::IntCounterVec,
+}
+
+/// One caller's open streams of a kind, and its allowance of opens (a token bucket).
+#[derive(Debug)]
+struct Caller {
+    open: u32,
+    tokens: f64,
+    at: std::time::Instant,
 }
 
 /// One open stream's place under its caller's bound: given back when dropped (the stream
@@ -52,28 +65,55 @@ impl StreamCaps {
         }))
     }
 
-    /// A place for one more `kind` stream of `role`'s, or `RESOURCE_EXHAUSTED` when it holds
-    /// the bound already.
-    pub fn open(self: &Arc<Self>, kind: &'static str, role: &Role) -> Result<StreamSlot, ApiError> {
-        let caller = match role {
+    /// A place for one more `kind` stream of `role`'s (of its Unix peer `uid`, when the call
+    /// came on the Unix socket), or `RESOURCE_EXHAUSTED` when it holds the bound already or
+    /// opens them faster than [`OPENS_PER_S`].
+    pub fn open(
+        self: &Arc<Self>,
+        kind: &'static str,
+        role: &Role,
+        uid: Option<u32>,
+    ) -> Result<StreamSlot, ApiError> {
+        let mut caller = match role {
             Role::Operator => "operator".to_string(),
             Role::Peer => "peer".to_string(),
             Role::Tenant(t) => format!("tenant:{t}"),
         };
+        if let Some(uid) = uid {
+            caller.push_str(&format!("/uid:{uid}"));
+        }
         let key = (kind, caller);
         let bound = self.per_caller.load(Ordering::Relaxed);
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let n = open.entry(key.clone()).or_default();
-        if *n >= bound {
+        let now = std::time::Instant::now();
+        let c = open.entry(key.clone()).or_insert(Caller {
+            open: 0,
+            tokens: f64::from(bound),
+            at: now,
+        });
+        c.tokens =
+            (c.tokens + now.duration_since(c.at).as_secs_f64() * OPENS_PER_S).min(f64::from(bound));
+        c.at = now;
+        let refuse = |why: String| {
             self.refused.with_label_values(&[kind]).inc();
-            return Err(ApiError::ResourceExhausted(format!(
-                "{} holds {} {kind} streams open already (server.max_streams_per_caller); \
-                 close one first",
-                role.describe(),
-                bound
-            )));
+            Err(ApiError::ResourceExhausted(why))
+        };
+        if c.open >= bound {
+            return refuse(format!(
+                "{} holds {bound} {kind} streams open already \
+                 (server.max_streams_per_caller); close one first",
+                role.describe()
+            ));
         }
-        *n += 1;
+        if c.tokens < 1.0 {
+            return refuse(format!(
+                "{} opens {kind} streams faster than {OPENS_PER_S} a second; retry in a \
+                 second",
+                role.describe()
+            ));
+        }
+        c.tokens -= 1.0;
+        c.open += 1;
         Ok(StreamSlot {
             caps: self.clone(),
             key,
@@ -90,7 +130,7 @@ impl StreamCaps {
         let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         open.iter()
             .filter(|((k, _), _)| *k == kind)
-            .map(|(_, n)| n)
+            .map(|(_, c)| c.open)
             .sum()
     }
 }
@@ -98,11 +138,8 @@ impl StreamCaps {
 impl Drop for StreamSlot {
     fn drop(&mut self) {
         let mut open = self.caps.open.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = open.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.key);
-            }
+        if let Some(c) = open.get_mut(&self.key) {
+            c.open = c.open.saturating_sub(1);
         }
     }
 }
@@ -115,17 +152,29 @@ mod tests {
     fn each_caller_holds_at_most_its_bound_and_gets_places_back() {
         let caps = StreamCaps::new(2, &MetricRegistry::new()).unwrap();
         let acme = Role::Tenant("acme".into());
-        let a = caps.open("watch_events", &acme).unwrap();
-        let _b = caps.open("watch_events", &acme).unwrap();
-        let e = caps.open("watch_events", &acme).unwrap_err().to_string();
+        let a = caps.open("watch_events", &acme, Some(1000)).unwrap();
+        let _b = caps.open("watch_events", &acme, Some(1000)).unwrap();
+        let e = caps
+            .open("watch_events", &acme, Some(1000))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("max_streams_per_caller"), "{e}");
-        // Another caller, and another kind, are not held by acme's.
+        // Another caller (another tenant, another uid of acme's), and another kind, are not
+        // held by this one's.
         let _g = caps
-            .open("watch_events", &Role::Tenant("globex".into()))
+            .open("watch_events", &Role::Tenant("globex".into()), Some(1000))
             .unwrap();
-        let _m = caps.open("watch_metrics", &acme).unwrap();
+        let _u = caps.open("watch_events", &acme, Some(1001)).unwrap();
+        let _m = caps.open("watch_metrics", &acme, Some(1000)).unwrap();
         drop(a);
-        let _c = caps.open("watch_events", &acme).unwrap();
-        assert_eq!(caps.open_now("watch_events"), 3);
+        // Its place is back, but it opened its burst already: the next waits for the rate.
+        let e = caps
+            .open("watch_events", &acme, Some(1000))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("faster than"), "{e}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let _c = caps.open("watch_events", &acme, Some(1000)).unwrap();
+        assert_eq!(caps.open_now("watch_events"), 4);
     }
 }

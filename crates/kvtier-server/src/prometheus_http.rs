@@ -53,7 +53,9 @@ impl Auth {
             .headers()
             .get(hyper::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.split_once(' '))
+            // The scheme is case-insensitive (RFC 9110).
+            .and_then(|(scheme, t)| scheme.eq_ignore_ascii_case("bearer").then_some(t.trim()));
         let ok = got
             .is_some_and(|g| kvtier_config::tls::constant_time_eq(g.as_bytes(), want.as_bytes()));
         if !ok {

@@ -50,13 +50,19 @@ impl ShmRegion {
     /// Maps a whole file received from another process (a memfd or shared-memory file passed
     /// over a Unix socket), at its current size; `name` is for errors and logs.
     pub fn from_fd(fd: OwnedFd, name: &str) -> Result<Self, ShmError> {
-        Self::from_fd_at_least(fd, 1, name)
+        let file = File::from(fd);
+        let path = PathBuf::from(name);
+        let len = file.metadata().map_err(io_err("stat", &path))?.len();
+        let len = usize::try_from(len)
+            .map_err(|_| ShmError::Shape(format!("{name}: {len} bytes do not fit in memory")))?;
+        Self::from_fd_at_least(file.into(), len, name)
     }
 
-    /// Maps a whole file received from another process, which must be a regular file (a
-    /// memfd, a tmpfs file) of at least `min_len` bytes (an engine's allocation may be larger
-    /// than the part of it a pool uses); `name` is for errors and logs.
-    pub fn from_fd_at_least(fd: OwnedFd, min_len: usize, name: &str) -> Result<Self, ShmError> {
+    /// Maps the first `len` bytes of a file received from another process, which must be a
+    /// regular file (a memfd, a tmpfs file) at least that long (an engine's allocation may be
+    /// larger than the part of it a pool uses: only that part is mapped, so a client that
+    /// grows its file to any size costs the mapper nothing); `name` is for errors and logs.
+    pub fn from_fd_at_least(fd: OwnedFd, len: usize, name: &str) -> Result<Self, ShmError> {
         let file = File::from(fd);
         let path = PathBuf::from(name);
         let meta = file.metadata().map_err(io_err("stat", &path))?;
@@ -67,14 +73,12 @@ impl ShmRegion {
             });
         }
         let actual = meta.len();
-        if actual < min_len.max(1) as u64 {
+        if actual < len.max(1) as u64 {
             return Err(ShmError::Shape(format!(
                 "{name} is {actual} bytes, expected at least {}",
-                min_len.max(1)
+                len.max(1)
             )));
         }
-        let len = usize::try_from(actual)
-            .map_err(|_| ShmError::Shape(format!("{name}: {actual} bytes do not fit in memory")))?;
         Self::map(file, &path, len)
     }
 

@@ -45,8 +45,9 @@ tcp_insecure = false
 # Most page keys accepted in one request (1 to 1048576).
 max_batch = 65536
 # Most WatchEvents streams, and most WatchMetrics streams, one caller holds open at once
-# (1 to 4096). A caller is a role: the operator, peer kvtierds, or one tenant (its processes
-# together). Past it a stream is refused (RESOURCE_EXHAUSTED) and counted in
+# (1 to 4096); a caller also opens at most 4 a second (in bursts of this many). A caller is
+# a role (the operator, peer kvtierds, or one tenant) and, on the Unix socket, one uid of
+# it. Past either a stream is refused (RESOURCE_EXHAUSTED) and counted in
 # kvtier_streams_refused_total.
 max_streams_per_caller = 32
 # On shutdown, how long in-flight requests and open connections get to finish before they

@@ -26,7 +26,9 @@ impl HostService {
         let tenant = self.seen_tenant(&request);
         let role = self.roles.of(&request);
         self.observe("watch_events", || {
-            let slot = self.streams.open("watch_events", &role)?;
+            let slot = self
+                .streams
+                .open("watch_events", &role, unix_uid(&request))?;
             let r = request.get_ref();
             let stream = crate::events::watch(
                 self.state.clone(),
@@ -113,4 +115,13 @@ impl HostService {
             node,
         })
     }
+}
+
+/// The uid of a call's Unix-socket peer; `None` over TCP.
+pub(super) fn unix_uid<T>(request: &Request<T>) -> Option<u32> {
+    request
+        .extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()
+        .and_then(|i| i.peer_cred)
+        .map(|c| c.uid())
 }

@@ -31,9 +31,10 @@ With ``layout`` set, only that layout's pages are published (one model per socke
 publishes); without it, every layout's.
 
 Doors (docs/routing.md): the events name pages a router could use to learn what tenants
-store, so an endpoint binds loopback or ``ipc://`` unless CURVE is on (``curve_secret_key``:
-the bridge's secret key, Z85; with ``curve_clients``, only those public keys may subscribe),
-or ``open_endpoints`` says an unauthenticated address other hosts reach is meant. The bridge
+store, so an endpoint binds loopback or ``ipc://`` unless CURVE admits listed subscribers
+only (``curve_secret_key``: the bridge's secret key, Z85, and ``curve_clients``: the public
+keys that may subscribe), or ``open_endpoints`` says an address other hosts reach without
+that is meant. A subscriber's messages are bounded (4 KiB). The bridge
 publishes what its kvtierd identity may see: run it as a tenant's process (or with its
 token) to publish only that tenant's pages. Batches wait for the publisher in a bounded
 queue: past ``queue_batches`` the oldest go and the subscribers get a clear and a fresh
@@ -157,13 +158,19 @@ def _bound(
     curve: Curve | None,
     open_endpoints: bool,
 ) -> zmq.Socket[bytes]:
-    if curve is None and not open_endpoints and not _local(endpoint):
+    # CURVE without an allow-list encrypts, but admits any key: libzmq lets every client in
+    # when no authenticator is installed.
+    admits_listed = curve is not None and bool(curve.clients)
+    if not admits_listed and not open_endpoints and not _local(endpoint):
         sock.close(linger=0)
         raise ValueError(
             f"{field}: {endpoint!r} is reachable from other hosts, and the events name every "
             "page the bridge's kvtierd identity may see: bind 127.0.0.1 or ipc://, turn CURVE "
-            "on (curve_secret_key), or say open_endpoints (--open-endpoints) to mean it"
+            "on with the subscribers' keys (curve_secret_key and curve_clients), or say "
+            "open_endpoints (--open-endpoints) to mean it"
         )
+    # What a subscriber sends is a subscription or a replay request: a few bytes.
+    sock.setsockopt(zmq.MAXMSGSIZE, 4096)
     if curve is not None:
         sock.curve_secretkey = curve.secret_key
         sock.curve_publickey = curve.public_key
@@ -232,6 +239,8 @@ class KvEventsBridge:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._buffer_lock = threading.Lock()
         self._queue: queue.Queue[bytes] = queue.Queue(maxsize=queue_batches)
+        # A batch was dropped: a snapshot is owed once the queue is drained.
+        self._behind = threading.Event()
         #: Batches dropped because the publisher fell ``queue_batches`` behind (each time,
         #: the subscribers get a clear and a fresh snapshot instead).
         self.dropped = 0
@@ -304,10 +313,10 @@ class KvEventsBridge:
                 self._queue.put_nowait(self._encode([time.time(), events, self.rank]))
             except queue.Full:
                 # The publisher is behind: rather than wait (the follower would stall on
-                # kvtierd's stream) or grow without bound, start the subscribers over from a
-                # snapshot once it has caught up.
+                # kvtierd's stream) or grow without bound, drop the batch; once the
+                # publisher has caught up, the subscribers start over from a snapshot.
                 self.dropped += 1
-                self._follower.resync()
+                self._behind.set()
                 return
         # vLLM's AllBlocksCleared has no medium, so an L3 clear cleared the subscribers' L2
         # view too: a snapshot from kvtierd gives it back.
@@ -325,6 +334,11 @@ class KvEventsBridge:
             try:
                 payload = self._queue.get(timeout=0.05)
             except queue.Empty:
+                if self._behind.is_set():
+                    # Drained after dropping: what the subscribers hold is no longer what
+                    # kvtierd holds; a clear and a snapshot give it back.
+                    self._behind.clear()
+                    self._follower.resync()
                 continue
             seq = self.published
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
