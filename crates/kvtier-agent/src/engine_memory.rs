@@ -21,14 +21,6 @@ use crate::metrics::Metrics;
 /// no more in one deposit.
 pub(crate) const MAX_ALLOCATIONS: usize = kvtier_shm::memory_door::MAX_FDS;
 
-/// This machine's physical memory in bytes (unbounded where it cannot be read).
-fn physical_memory() -> u64 {
-    let info = rustix::system::sysinfo();
-    u64::from(info.mem_unit)
-        .saturating_mul(info.totalram as u64)
-        .max(1 << 30)
-}
-
 /// What opening the engine's memory needs besides the request.
 pub(crate) struct Opener<'a> {
     /// Deposits waiting for their registration.
@@ -101,7 +93,7 @@ impl Opener<'_> {
             None => pool.total_bytes() as u64,
             Some(m) => m.region_bytes().iter().sum(),
         };
-        let ram = physical_memory();
+        let ram = kvtier_shm::physical_memory();
         if bytes > ram {
             return Err(ApiError::invalid(
                 "cpu",

@@ -48,6 +48,15 @@ pub use access::open_own;
 pub use guard::guarded;
 pub use own_dir::OwnDir;
 pub use region::ShmRegion;
+
+/// This machine's physical memory in bytes (at least 1 GiB where it cannot be read): the
+/// most shared memory another process's file may ask a mapper to map.
+pub fn physical_memory() -> u64 {
+    let info = rustix::system::sysinfo();
+    u64::from(info.mem_unit)
+        .saturating_mul(info.totalram as u64)
+        .max(1 << 30)
+}
 pub use slot_table::{MAX_DESCRIPTION, SlotRecord, SlotTable, TableHeader, table_name};
 
 /// Alignment of the slot stride.

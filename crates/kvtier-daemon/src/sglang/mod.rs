@@ -315,6 +315,17 @@ async fn serve_one(
         )));
     }
     let fd = fds.remove(0);
+    // Mapped whole: no bigger than this machine's memory (a sparse file of any size would
+    // otherwise take kvtierd's address space).
+    let len = rustix::fs::fstat(&fd)
+        .map_err(|e| RegisterError::Pool(format!("{name}: stat: {e}")))?
+        .st_size as u64;
+    let ram = kvtier_shm::physical_memory();
+    if len > ram {
+        return Err(RegisterError::Pool(format!(
+            "{name} is {len} bytes, more than this machine's memory ({ram})"
+        )));
+    }
     let region = ShmRegion::from_fd(fd, &name).map_err(|e| RegisterError::Pool(e.to_string()))?;
     let bytes = region.len();
     let pool = Pool::new(region, owner);
@@ -521,12 +532,19 @@ mod tests {
             let mut out = Vec::new();
             let fd = memfd(4096, 1);
             let fd2 = memfd(4096, 2);
-            let cases: [(u64, Vec<u8>, Vec<BorrowedFd<'_>>); 5] = [
+            // Review finding (issue 62): a sparse file larger than the machine's memory would
+            // have taken kvtierd's address space when mapped whole.
+            let huge = memfd(4096, 3);
+            std::fs::File::from(huge.try_clone().unwrap())
+                .set_len(kvtier_shm::physical_memory() + (1 << 30))
+                .unwrap();
+            let cases: [(u64, Vec<u8>, Vec<BorrowedFd<'_>>); 6] = [
                 (0xDEAD_BEEF, b"bad-magic".to_vec(), vec![fd.as_fd()]),
                 (MAGIC, b"no-fd".to_vec(), vec![]),
                 (MAGIC, b"two-fds".to_vec(), vec![fd.as_fd(), fd2.as_fd()]),
                 (MAGIC, vec![0xff, 0xfe], vec![fd.as_fd()]),
                 (MAGIC, vec![b'x'; MAX_NAME + 1], vec![fd.as_fd()]),
+                (MAGIC, b"sparse-and-huge".to_vec(), vec![huge.as_fd()]),
             ];
             for (magic, name, fds) in cases {
                 let mut c = std::os::unix::net::UnixStream::connect(&path3).unwrap();
@@ -537,7 +555,7 @@ mod tests {
         })
         .await
         .unwrap();
-        assert_eq!(refused, vec![None; 5]);
+        assert_eq!(refused, vec![None; 6]);
         assert_eq!(pools.len(), 1);
 
         // A second good client gets another id; closing the first unregisters it.
