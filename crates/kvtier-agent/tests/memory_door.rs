@@ -143,7 +143,8 @@ fn stalled_deposits_hold_a_bounded_number_of_descriptors() {
     use std::os::unix::net::UnixStream;
     let d = dir("mdoor-inflight");
     let _kvtierd = daemon(&d, &["l2.pool_pages=64"]);
-    let a = agent(&d, "w", &["server.connections.handshake_timeout=3s"]);
+    // Long enough that no stalled deposit times out while the test probes.
+    let a = agent(&d, "w", &["server.connections.handshake_timeout=60s"]);
     let door = std::path::PathBuf::from(format!("{}.memory", a.socket.display()));
     let region = kvtier_shm::ShmRegion::memfd("flood", 4096).unwrap();
     let fds: Vec<_> = (0..kvtier_shm::memory_door::FDS_PER_MESSAGE)
@@ -166,19 +167,27 @@ fn stalled_deposits_hold_a_bounded_number_of_descriptors() {
         .unwrap();
         s
     };
-    let held: Vec<UnixStream> = (0..kvtier_agent::memory_door::MAX_INFLIGHT_FDS / 128)
-        .map(|_| stall())
-        .collect();
-    std::thread::sleep(Duration::from_millis(500));
-    // The next deposit finds no room: refused at once, not held.
-    let mut s = stall();
-    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    let mut answer = Vec::new();
-    let _ = s.read_to_end(&mut answer);
-    let text = String::from_utf8_lossy(&answer);
+    let bound = kvtier_agent::memory_door::MAX_INFLIGHT_FDS / 128;
+    let mut held: Vec<UnixStream> = (0..bound).map(|_| stall()).collect();
+    // Once the agent has read those (a busy machine may take a while), the next deposit
+    // finds no room: refused at once, not held. One it did read before the others took the
+    // room stalls too; at most `bound` ever do.
+    let refused = (0..bound).find_map(|_| {
+        let mut s = stall();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer).to_string();
+        held.push(s);
+        (!text.is_empty()).then_some(text)
+    });
+    let text = refused.expect("no deposit was refused with every group's room taken");
     assert!(text.contains("on their way in"), "{text:?}");
-    // Once the stalled ones time out, a deposit goes through again.
+    // The stalled ones hang up: their room comes back, and a deposit goes through again.
     drop(held);
-    std::thread::sleep(Duration::from_secs(4));
-    kvtier_shm::memory_door::deposit(&door, &[region.fd()], Duration::from_secs(5)).unwrap();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    while kvtier_shm::memory_door::deposit(&door, &[region.fd()], Duration::from_secs(5)).is_err() {
+        assert!(std::time::Instant::now() < end, "the room never came back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
