@@ -257,8 +257,8 @@ class WorkerSide:
     def _call(self, staging: Staging | None, fn: Callable[[], T]) -> T:
         """An agent call through ``staging`` (None: vLLM's blocks, DMA). After an agent
         restart (the pool unknown to it): DMA registers vLLM's KV cache again and retries
-        once; staging registers a new pool (the old file has no name left to register) and
-        the call fails, a miss, unless the pool was replaced meanwhile."""
+        once; staging registers a new pool (a fresh memfd; the old one is retired) and the
+        call fails, a miss, unless the pool was replaced meanwhile."""
         owner = self._owner
         try:
             return fn()
@@ -276,8 +276,8 @@ class WorkerSide:
                     return fn()
                 if staging is not self._staging or staging.retired:
                     raise
-                # Its file has no name any more (unlinked once mapped): a new pool, and this
-                # call, planned against the old one, is a miss.
+                # A new pool (a fresh memfd), and this call, planned against the old one, is a
+                # miss.
                 logger.warning(
                     "kvtier: the agent lost the pool (restarted?); registering a new one"
                 )
