@@ -36,6 +36,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvtier_config::agent::AgentConfig;
+use kvtier_server::doors::{Listener, Server, Who};
+use kvtier_server::guard::{Guard, GuardMetrics};
 use kvtier_server::peers::{GatedListener, PeerGate};
 use tokio_util::sync::CancellationToken;
 
@@ -90,7 +92,7 @@ fn setup<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) 
 async fn bind_socket(
     gate: &PeerGate,
     path: &Path,
-    name: &'static str,
+    name: Listener,
 ) -> Result<GatedListener, AgentError> {
     use kvtier_server::serving::BindError;
     gate.bind(path, name).await.map_err(|e| match e {
@@ -117,8 +119,8 @@ pub async fn run(
         memory_door::MAX_PENDING_FDS as u64,
     );
     let gate = PeerGate::new(&cfg.server.unix, &limits, &registry)?;
-    let uds = bind_socket(&gate, &socket, "agent").await?;
-    let door = bind_socket(&gate, &memory_socket, "memory_door").await?;
+    let uds = bind_socket(&gate, &socket, Listener::Agent).await?;
+    let door = bind_socket(&gate, &memory_socket, Listener::MemoryDoor).await?;
     let deposits = Arc::new(memory_door::Deposits::new(&registry)?);
     let listen = cfg.metrics.listen.as_deref();
     let metrics_listener = kvtier_server::prometheus_http::bind(listen)
@@ -131,6 +133,7 @@ pub async fn run(
         .as_ref()
         .and_then(kvtier_server::prometheus_http::local);
     let metrics = Metrics::new(&registry)?;
+    let refusals = GuardMetrics::new(&registry, Server::Agent)?;
     let link = Arc::new(Link::new(&cfg));
     let (service, worker) = AgentService::new(
         &cfg,
@@ -151,7 +154,11 @@ pub async fn run(
     if let Some(l) = metrics_listener {
         let svc = service.clone();
         registry.on_scrape(move || svc.refresh_gauges());
-        let cap = kvtier_server::conn::Cap::new(gate.limits(), "metrics", gate.conn_metrics());
+        let cap = kvtier_server::conn::Cap::new(
+            gate.limits(),
+            Listener::AgentMetrics,
+            gate.conn_metrics(),
+        );
         // The agent's series are its one engine's: no tenant's name or usage in them.
         let auth = kvtier_server::prometheus_http::Auth::new(None, &registry)?;
         tokio::spawn(kvtier_server::prometheus_http::serve(
@@ -172,9 +179,23 @@ pub async fn run(
         memory_socket: memory_socket.clone(),
         metrics: metrics_addr,
     });
+    // Who may call what: the doors table. Every peer [server.unix] admits is the engine (the
+    // agent has no tenants); the agent's own uid is its operator.
+    let own_uid = rustix::process::geteuid().as_raw();
+    let guard = Guard::new(
+        Listener::Agent,
+        Arc::new(move |ext, _| match kvtier_server::guard::unix_uid(ext) {
+            Some((uid, _)) if uid == own_uid => Who::Operator,
+            Some(_) => Who::DefaultTenant,
+            None => Who::Unauthenticated,
+        }),
+        true,
+        &refusals,
+    );
     let stop = shutdown.clone();
     let mut server = tokio::spawn(
         kvtier_server::serving::grpc_server()
+            .layer(guard)
             .add_service(kvtier_proto::v1::agent_server::AgentServer::new(service))
             .add_service(health_service)
             .serve_with_incoming_shutdown(uds.incoming(), async move {

@@ -50,10 +50,12 @@ pub enum Shape {
     ServerStream,
     /// A stream of requests, one reply.
     ClientStream,
+    /// A stream of requests, a stream of replies.
+    BidiStream,
 }
 
 /// Calls `path` (`/package.Service/Method`) on `channel` with `messages` (one for unary and
-/// server-streaming methods, any number for client-streaming ones). Returns the reply
+/// server-streaming methods, any number for client- and bidi-streaming ones). Returns the reply
 /// messages, at most `max_replies` of a stream, or the call's status.
 pub async fn call<T>(
     channel: T,
@@ -82,18 +84,10 @@ where
         }
         Shape::ServerStream => {
             let one = messages.into_iter().next().unwrap_or_default();
-            let mut s = grpc
+            let s = grpc
                 .server_streaming(tonic::Request::new(one), path, RawCodec)
-                .await?
-                .into_inner();
-            let mut out = Vec::new();
-            while out.len() < max_replies {
-                match s.message().await? {
-                    Some(m) => out.push(m),
-                    None => break,
-                }
-            }
-            Ok(out)
+                .await?;
+            first(s.into_inner(), max_replies).await
         }
         Shape::ClientStream => {
             let stream = tokio_stream::iter(messages);
@@ -102,5 +96,24 @@ where
                 .await?;
             Ok(vec![r.into_inner()])
         }
+        Shape::BidiStream => {
+            let stream = tokio_stream::iter(messages);
+            let s = grpc
+                .streaming(tonic::Request::new(stream), path, RawCodec)
+                .await?;
+            first(s.into_inner(), max_replies).await
+        }
     }
+}
+
+/// The first `max` messages of a reply stream (fewer if it ends first).
+async fn first(mut s: tonic::Streaming<Bytes>, max: usize) -> Result<Vec<Bytes>, Status> {
+    let mut out = Vec::new();
+    while out.len() < max {
+        match s.message().await? {
+            Some(m) => out.push(m),
+            None => break,
+        }
+    }
+    Ok(out)
 }

@@ -184,15 +184,9 @@ mod tests {
         .unwrap();
         sglang::SglangMetrics::new(&registry).unwrap();
         pool_door::DoorMetrics::new(&registry).unwrap();
-        kvtier_server::serving::RequireBearer::new(&["t"], &registry).unwrap();
+        kvtier_server::guard::GuardMetrics::new(&registry, kvtier_server::doors::Server::Kvtierd)
+            .unwrap();
         PeerGate::new(&cfg.server.unix, &cfg.server.connections, &registry).unwrap();
-        roles::Roles::new(
-            &cfg,
-            kvtier_config::tenants::Tenants::default(),
-            u32::MAX,
-            &registry,
-        )
-        .unwrap();
         kvtier_server::prometheus_http::Auth::new(None, &registry).unwrap();
         let doc = include_str!("../../../docs/metrics.md");
         let wrong = registry.check_documented(doc, |n| !n.starts_with("kvtier_agent_"));

@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 use kvtier_config::daemon::DaemonConfig;
 use kvtier_config::tenants::Tenants;
 use kvtier_proto::v1::host_tier_server::HostTierServer;
+use kvtier_server::doors::Listener;
+use kvtier_server::guard::GuardMetrics;
 use kvtier_server::metrics::MetricRegistry;
 use kvtier_server::peers::{GatedListener, PeerGate};
 use tokio::net::TcpListener;
@@ -31,7 +33,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
-use crate::roles::{Door, Roles};
+use crate::roles::Roles;
 use crate::service::{HostService, HostTierRoutes};
 use crate::state::{HostState, Shared};
 use crate::{DaemonError, admin, pool_door, sealer, sglang, state, storage_service};
@@ -102,8 +104,8 @@ impl Listeners {
             + if cfg.sglang_rpc.enable { 2 } else { 0 };
         let limits = kvtier_server::conn::fit_to_descriptors(&cfg.server.connections, listeners);
         let gate = PeerGate::new(&cfg.server.unix, &limits, &ctx.metrics)?;
-        let uds = gate.bind(&cfg.socket_path(), "control").await?;
-        let pools = gate.bind(&cfg.pool_socket(), "pool_door").await?;
+        let uds = gate.bind(&cfg.socket_path(), Listener::Control).await?;
+        let pools = gate.bind(&cfg.pool_socket(), Listener::PoolDoor).await?;
         let tcp = match cfg.server.tcp.as_deref() {
             None => None,
             Some(a) => Some(
@@ -136,6 +138,8 @@ pub(crate) struct Core {
     l3: Arc<L3Slot>,
     prefetcher: Arc<Prefetcher>,
     roles: Arc<Roles>,
+    /// The refusal counters of every gRPC server's guard.
+    guards: GuardMetrics,
     tenants: Tenants,
 }
 
@@ -148,13 +152,8 @@ impl Core {
             .tenants()
             .map_err(|e| config("reading the tokens of", "[tenants]", e))?;
         // Who is the operator, a peer or which tenant, on every socket and listener.
-        let roles = Roles::new(
-            cfg,
-            tenants.clone(),
-            rustix::process::geteuid().as_raw(),
-            &ctx.metrics,
-        )
-        .map_err(|e| config("deciding the roles of", "[server.admin] and [tenants]", e))?;
+        let roles = Roles::new(cfg, tenants.clone(), rustix::process::geteuid().as_raw())
+            .map_err(|e| config("deciding the roles of", "[server.admin] and [tenants]", e))?;
         let state = HostState::new(cfg)
             .map_err(|e| config("using kvtierd's own pool directory in", "l2.shm_dir", e))?;
         let state = Arc::new(Shared::new(state));
@@ -186,6 +185,7 @@ impl Core {
             l3,
             prefetcher,
             roles: Arc::new(roles),
+            guards: GuardMetrics::new(&ctx.metrics, kvtier_server::doors::Server::Kvtierd)?,
             tenants,
         })
     }
@@ -241,8 +241,8 @@ impl Sglang {
         };
         let cfg = &ctx.cfg;
         let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
-        let reg = gate.bind(&reg_path, "sglang_mempool").await?;
-        let grpc = gate.bind(&grpc_path, "sglang_grpc").await?;
+        let reg = gate.bind(&reg_path, Listener::SglangMempool).await?;
+        let grpc = gate.bind(&grpc_path, Listener::SglangGrpc).await?;
         let pools = Arc::new(sglang::Pools::with_gauge(self.metrics.pools.clone()));
         ctx.tracker.spawn(sglang::serve_registrations(
             reg,
@@ -266,8 +266,16 @@ impl Sglang {
         // each connection to its peer.
         let incoming =
             sglang::grpc_incoming(grpc, ctx.shutdown.clone(), Arc::new(core.tenants.clone()));
+        // Engines only, by the doors table; the relay names each call's tenant.
+        let guard = kvtier_server::guard::Guard::new(
+            Listener::SglangGrpc,
+            Arc::new(|_, headers| sglang::relayed_caller(headers)),
+            core.roles.one_trust_domain(),
+            &core.guards,
+        );
         ctx.tracker.spawn(
             kvtier_server::serving::grpc_server()
+                .layer(guard)
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
         );
@@ -348,26 +356,23 @@ impl Control {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| config("reflection", "", e))?;
-        let objects = tonic::service::interceptor::InterceptedService::new(
-            kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
-                storage_service::ObjectStorageService::new(core.l3.clone()),
-            )
-            .max_decoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096)
-            .max_encoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096),
-            core.roles.guard(Door::Objects),
-        );
-        let admin = kvtier_proto::v1::admin_server::AdminServer::with_interceptor(
-            admin::AdminService::new(
-                core.l3.clone(),
-                core.state.clone(),
-                sglang.memory.clone(),
-                health.clone(),
-                cfg.clone(),
-            ),
-            core.roles.guard(Door::Admin),
-        );
+        let objects = kvtier_proto::v1::object_storage_server::ObjectStorageServer::new(
+            storage_service::ObjectStorageService::new(core.l3.clone()),
+        )
+        .max_decoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096)
+        .max_encoding_message_size(kvtier_storage::remote::MAX_CHUNK + 4096);
+        let admin = kvtier_proto::v1::admin_server::AdminServer::new(admin::AdminService::new(
+            core.l3.clone(),
+            core.state.clone(),
+            sglang.memory.clone(),
+            health.clone(),
+            cfg.clone(),
+        ));
+        // Who may call what, on either listener: the doors table, through the guard.
+        let on_socket = core.roles.guard(None, &core.guards);
         let router = || {
             kvtier_server::serving::grpc_server()
+                .layer(on_socket.clone())
                 .add_service(HostTierRoutes::new(host.clone()))
                 .add_service(health_service.clone())
                 .add_service(reflection.clone())
@@ -381,8 +386,6 @@ impl Control {
                     stop.cancelled().await;
                 }),
         );
-        // Declared whether or not TCP is on, so the series always exists (0 without TCP).
-        let denials = kvtier_server::serving::RequireBearer::new(&[], &ctx.metrics)?;
         let (tcp, tcp_addr) = match tcp {
             None => (None, None),
             Some(l) => {
@@ -393,42 +396,32 @@ impl Control {
                     l,
                     kvtier_server::conn::Cap::new(
                         gate.limits(),
-                        "control_tcp",
+                        Listener::ControlTcp,
                         gate.conn_metrics(),
                     ),
                 );
-                let admin_token = cfg.server.admin_token.expose().to_string();
-                // Admin over TCP only with its own token.
-                let admin_tcp = (!admin_token.is_empty()).then(|| admin.clone());
-                let token = cfg
+                let token_required = cfg
                     .server
                     .tcp_token()
-                    .map_err(|e| config("reading the token of", "server.token", e))?;
-                let peer_token = cfg
-                    .server
-                    .peer_token()
-                    .map_err(|e| config("reading the token of", "server.peer_token", e))?;
+                    .map_err(|e| config("reading the token of", "server.token", e))?
+                    .is_some();
                 let mut server = kvtier_server::serving::grpc_server();
                 if let Some(tls) = server_tls(cfg)? {
                     server = server.tls_config(tls)?;
                 }
-                // server.token, the admin and peer tokens and every tenant's token pass the
-                // call check; what each may do is the roles' business.
-                let check = token.map(|t| {
-                    let mut accepted: Vec<&str> = vec![&t, &admin_token];
-                    accepted.extend(peer_token.as_deref());
-                    accepted.extend(core.tenants.tokens());
-                    denials.with_tokens(&accepted)
-                });
+                // Where server.token is set, a caller must present it, the admin or a peer
+                // token, or a tenant's; what each may then call is its row in the doors
+                // table (Admin: only with the admin token).
+                let over_tcp = core.roles.guard(Some(token_required), &core.guards);
                 let stop = ctx.shutdown.clone();
-                let mut layered = server.layer(tower::util::option_layer(check));
+                let mut layered = server.layer(over_tcp);
                 let task = ctx.tracker.spawn(
                     layered
                         .add_service(HostTierRoutes::new(host.clone()))
                         .add_service(health_service.clone())
                         .add_service(reflection.clone())
                         .add_service(objects.clone())
-                        .add_optional_service(admin_tcp)
+                        .add_service(admin.clone())
                         .serve_with_incoming_shutdown(
                             incoming,
                             async move { stop.cancelled().await },
@@ -501,7 +494,8 @@ pub(crate) fn spawn_metrics(
     if let Some(l) = listener {
         let metrics = ctx.metrics.clone();
         let tenant_series = ctx.cfg.metrics.tenant_series;
-        let cap = kvtier_server::conn::Cap::new(gate.limits(), "metrics", gate.conn_metrics());
+        let cap =
+            kvtier_server::conn::Cap::new(gate.limits(), Listener::Metrics, gate.conn_metrics());
         ctx.tracker.spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || {

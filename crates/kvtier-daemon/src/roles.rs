@@ -1,10 +1,12 @@
-//! Who a caller is, and which of kvtierd's services it may use. Every call has one role:
+//! Who a caller of kvtierd is. Every call has one role:
 //!
-//! | role | who | may use |
-//! |---|---|---|
-//! | operator | on the Unix socket: kvtierd's own uid, `[server.admin]`'s uids and gids; anywhere: `server.admin_token` | everything |
-//! | peer | `server.peer_token` (another kvtierd's `l3.remote.token`) | ObjectStorage, HostTier, health |
-//! | tenant | every other admitted caller: a `[tenants.*]` uid, gid or token, else the default tenant `""` | HostTier (its own keys and sessions), SGLang, health |
+//! | role | who |
+//! |---|---|
+//! | operator | on the Unix socket: kvtierd's own uid, `[server.admin]`'s uids and gids; anywhere: `server.admin_token` |
+//! | peer | `server.peer_token` (another kvtierd's `l3.remote.token`) |
+//! | tenant | a `[tenants.*]` uid, gid or token |
+//! | default tenant | every other admitted caller (tenant `""`; over TCP, `server.token`) |
+//! | unauthenticated | over TCP where `server.token` is set, a caller with no token kvtierd knows |
 //!
 //! With no `[tenants]` and no `server.peer_token`, every admitted caller is one trust domain
 //! (each can already write any key through HostTier), so ObjectStorage is served to the
@@ -12,11 +14,13 @@
 //! makes a Unix peer that tenant even where `[server.admin]` would list it (the config check
 //! refuses such overlaps, and start-up refuses a tenant with kvtierd's own uid).
 //!
-//! The check runs as a tonic interceptor on each guarded service ([`Roles::guard`]), so a
-//! refused call never reaches the service, and is counted in
-//! `kvtier_server_forbidden_calls_total{service}`. The pool door (`pool_door.rs`, not gRPC)
-//! resolves its peer's role here too ([`Roles::resolve`]) and hands a session's pool only to
-//! the operator or the session's tenant.
+//! Which role may use which method is not decided here: it is the row of the method in
+//! `kvtier_server::doors`, enforced by the guard layer every gRPC server of kvtierd carries
+//! ([`Roles::guard`] gives it this daemon's way of resolving callers). A refused call never
+//! reaches the service, and is counted in `kvtier_server_forbidden_calls_total{service}`.
+//! The pool door (`pool_door.rs`, not gRPC) resolves its peer's role here too
+//! ([`Roles::resolve`]) and hands a session's pool only to the operator or the session's
+//! tenant.
 
 use std::sync::Arc;
 
@@ -25,8 +29,10 @@ use kvtier_config::daemon::DaemonConfig;
 use kvtier_config::roles::AdminAccess;
 use kvtier_config::tenants::Tenants;
 use kvtier_config::tls::constant_time_eq;
-use kvtier_server::metrics::MetricRegistry;
-use tonic::{Request, Status};
+use kvtier_server::doors::{Listener, Who};
+use kvtier_server::guard::{self, Guard, GuardMetrics};
+use tonic::Request;
+use tonic::codegen::http::HeaderMap;
 
 /// The role of one call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,24 +43,6 @@ pub enum Role {
     Peer,
     /// An engine or agent of the named tenant (`""`: the default tenant).
     Tenant(String),
-}
-
-/// A service whose use depends on the caller's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Door {
-    /// `kvtier.v1.Admin`.
-    Admin,
-    /// `kvtier.v1.ObjectStorage`.
-    Objects,
-}
-
-impl Door {
-    fn name(self) -> &'static str {
-        match self {
-            Door::Admin => "admin",
-            Door::Objects => "object_storage",
-        }
-    }
 }
 
 /// A Unix-socket peer's credentials, as SO_PEERCRED gave them.
@@ -76,20 +64,12 @@ pub struct Roles {
     peer_token: Option<String>,
     /// `server.token`: the default tenant over TCP.
     default_token: Option<String>,
-    /// Refusals by service; `None` for [`Roles::open`]'s rules.
-    forbidden: Option<prometheus::IntCounterVec>,
 }
 
 impl Roles {
-    /// The rules of `cfg` with its resolved `tenants`, for a daemon running as `own_uid`;
-    /// declares `kvtier_server_forbidden_calls_total` in `metrics`. Refuses a tenant that
-    /// claims `own_uid`: its engines would be kvtierd's operator.
-    pub fn new(
-        cfg: &DaemonConfig,
-        tenants: Tenants,
-        own_uid: u32,
-        metrics: &MetricRegistry,
-    ) -> Result<Self, ConfigError> {
+    /// The rules of `cfg` with its resolved `tenants`, for a daemon running as `own_uid`.
+    /// Refuses a tenant that claims `own_uid`: its engines would be kvtierd's operator.
+    pub fn new(cfg: &DaemonConfig, tenants: Tenants, own_uid: u32) -> Result<Self, ConfigError> {
         let owner = tenants.of_peer(own_uid, u32::MAX);
         if !owner.is_empty() {
             return Err(ConfigError::invalid(
@@ -100,16 +80,6 @@ impl Roles {
                 ),
             ));
         }
-        let forbidden = metrics
-            .counter_vec(
-                "kvtier_server_forbidden_calls_total",
-                "calls refused with PERMISSION_DENIED because the caller's role (operator, peer, tenant) may not use the service",
-                &["service"],
-            )
-            .map_err(|e| ConfigError::invalid("<metrics>", e.to_string()))?;
-        for d in [Door::Admin, Door::Objects] {
-            forbidden.with_label_values(&[d.name()]);
-        }
         Ok(Self {
             tenants: Arc::new(tenants),
             admin: cfg.server.admin.clone(),
@@ -118,7 +88,6 @@ impl Roles {
                 .filter(|t| !t.is_empty()),
             peer_token: cfg.server.peer_token()?,
             default_token: cfg.server.tcp_token()?,
-            forbidden: Some(forbidden),
         })
     }
 
@@ -132,7 +101,6 @@ impl Roles {
             admin_token: None,
             peer_token: None,
             default_token: None,
-            forbidden: None,
         }
     }
 
@@ -204,34 +172,48 @@ impl Roles {
 
     /// The role of the caller of `req`.
     pub fn of<T>(&self, req: &Request<T>) -> Role {
-        let unix = req
-            .extensions()
-            .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|i| i.peer_cred)
-            .map(|c| UnixPeer {
-                uid: c.uid(),
-                gid: c.gid(),
-            });
-        let bearer = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        self.resolve(unix, bearer)
+        self.of_parts(req.extensions(), req.metadata().as_ref())
     }
 
-    /// Whether `role` may use `door`.
-    pub fn may(&self, role: &Role, door: Door) -> bool {
-        match (role, door) {
-            (Role::Operator, _) => true,
-            (Role::Peer, Door::Objects) => true,
-            (Role::Peer, Door::Admin) => false,
-            (Role::Tenant(_), Door::Admin) => false,
-            // One trust domain: no tenant is named and no peer token set.
-            (Role::Tenant(t), Door::Objects) => {
-                t.is_empty() && !self.tenants.any() && self.peer_token.is_none()
-            }
-        }
+    /// The role of a caller from what its connection and call carry: the Unix peer's
+    /// credentials (in `ext`) and its bearer token (in `headers`).
+    fn of_parts(&self, ext: &tonic::Extensions, headers: &HeaderMap) -> Role {
+        let unix = guard::unix_uid(ext).map(|(uid, gid)| UnixPeer { uid, gid });
+        self.resolve(unix, guard::bearer(headers))
+    }
+
+    /// Whether every admitted caller is one trust domain: no tenant named and no peer token
+    /// set (each caller can already write any key through HostTier).
+    pub fn one_trust_domain(&self) -> bool {
+        !self.tenants.any() && self.peer_token.is_none()
+    }
+
+    /// The guard of a gRPC server of kvtierd's (see `kvtier_server::doors`): on the Unix
+    /// socket (`tcp_token_required: None`) callers are who their uid and token make them;
+    /// over TCP, where `server.token` is set, a caller without a token kvtierd knows is
+    /// unauthenticated.
+    pub fn guard(
+        self: &Arc<Self>,
+        tcp_token_required: Option<bool>,
+        metrics: &GuardMetrics,
+    ) -> Guard {
+        let roles = self.clone();
+        let resolve: guard::Resolve = match tcp_token_required {
+            None => Arc::new(move |ext, headers| roles.of_parts(ext, headers).who()),
+            Some(required) => Arc::new(move |_, headers| {
+                let token = guard::bearer(headers);
+                match token.and_then(|t| roles.of_token(t)) {
+                    Some(role) => role.who(),
+                    None if required => Who::Unauthenticated,
+                    None => roles.resolve(None, token).who(),
+                }
+            }),
+        };
+        let listener = match tcp_token_required {
+            None => Listener::Control,
+            Some(_) => Listener::ControlTcp,
+        };
+        Guard::new(listener, resolve, self.one_trust_domain(), metrics)
     }
 
     /// Whether `role` sees every tenant's sessions and usage (Stats, WatchMetrics), not only
@@ -248,46 +230,19 @@ impl Roles {
     pub fn only_tenant<'r>(&self, role: &'r Role) -> Option<&'r str> {
         (!self.sees_all(role)).then(|| role.tenant())
     }
-
-    /// An interceptor admitting only the roles that may use `door`; the rest get
-    /// `PERMISSION_DENIED` naming what would admit them, and are counted.
-    pub fn guard(
-        self: &Arc<Self>,
-        door: Door,
-    ) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone + use<> {
-        let roles = self.clone();
-        move |req: Request<()>| {
-            let role = roles.of(&req);
-            if roles.may(&role, door) {
-                return Ok(req);
-            }
-            if let Some(c) = &roles.forbidden {
-                c.with_label_values(&[door.name()]).inc();
-            }
-            tracing::warn!(
-                service = door.name(),
-                ?role,
-                "refused a call: its role may not use this service"
-            );
-            let how = match door {
-                Door::Admin => {
-                    "kvtier.v1.Admin is the operator's: a uid in [server.admin] (or kvtierd's \
-                     own) on the Unix socket, or \"authorization: Bearer <server.admin_token>\""
-                }
-                Door::Objects => {
-                    "kvtier.v1.ObjectStorage is for peer kvtierds and the operator: present \
-                     \"authorization: Bearer <server.peer_token>\""
-                }
-            };
-            Err(Status::permission_denied(format!(
-                "this caller is {}; {how}",
-                role.describe()
-            )))
-        }
-    }
 }
 
 impl Role {
+    /// Its column in the doors table.
+    pub fn who(&self) -> Who {
+        match self {
+            Role::Operator => Who::Operator,
+            Role::Peer => Who::Peer,
+            Role::Tenant(t) if t.is_empty() => Who::DefaultTenant,
+            Role::Tenant(_) => Who::Tenant,
+        }
+    }
+
     /// The role in words, for errors and logs.
     pub fn describe(&self) -> String {
         match self {
@@ -334,13 +289,7 @@ mod tests {
                 },
             );
         }
-        Roles::new(
-            &cfg,
-            Tenants::resolve(&t).unwrap(),
-            1000,
-            &MetricRegistry::new(),
-        )
-        .unwrap()
+        Roles::new(&cfg, Tenants::resolve(&t).unwrap(), 1000).unwrap()
     }
 
     fn unix(uid: u32) -> Option<UnixPeer> {
@@ -373,17 +322,15 @@ mod tests {
     }
 
     #[test]
-    fn doors_open_by_role_and_one_trust_domain_shares_objects() {
+    fn roles_map_to_the_doors_columns_and_one_trust_domain_is_computed() {
         let r = roles(&[("acme", 2001, "ta")], &[], "");
         let acme = Role::Tenant("acme".into());
         let default = Role::Tenant(String::new());
-        for door in [Door::Admin, Door::Objects] {
-            assert!(r.may(&Role::Operator, door));
-            assert!(!r.may(&acme, door));
-            assert!(!r.may(&default, door));
-        }
-        assert!(r.may(&Role::Peer, Door::Objects));
-        assert!(!r.may(&Role::Peer, Door::Admin));
+        assert_eq!(
+            [&Role::Operator, &Role::Peer, &acme, &default].map(Role::who),
+            [Who::Operator, Who::Peer, Who::Tenant, Who::DefaultTenant]
+        );
+        assert!(!r.one_trust_domain());
         assert!(!r.sees_all(&acme) && r.sees_all(&Role::Operator));
         assert_eq!(r.only_tenant(&acme), Some("acme"));
         assert_eq!(r.only_tenant(&default), Some(""));
@@ -391,14 +338,12 @@ mod tests {
             (r.only_tenant(&Role::Operator), r.only_tenant(&Role::Peer)),
             (None, None)
         );
-        // No tenants, no peer token: the default tenant is everyone, objects included.
+        // No tenants, no peer token: the default tenant is everyone.
         let open = roles(&[], &[], "");
-        assert!(open.may(&default, Door::Objects) && !open.may(&default, Door::Admin));
-        assert!(open.sees_all(&default));
+        assert!(open.one_trust_domain() && open.sees_all(&default));
         assert_eq!(open.only_tenant(&default), None);
-        // A peer token closes objects to the default tenant.
-        let closed = roles(&[], &[], "peer");
-        assert!(!closed.may(&default, Door::Objects));
+        // A peer token ends the one trust domain.
+        assert!(!roles(&[], &[], "peer").one_trust_domain());
     }
 
     #[test]
@@ -415,7 +360,6 @@ mod tests {
             &DaemonConfig::default(),
             Tenants::resolve(&t).unwrap(),
             1000,
-            &MetricRegistry::new(),
         )
         .unwrap_err()
         .to_string();

@@ -1,5 +1,6 @@
-//! How many long-lived streams (`WatchEvents`, `WatchMetrics`) each caller holds open, and
-//! how often it opens them. One caller is one role (the operator, peer kvtierds, each tenant)
+//! How many long-lived streams each caller holds open, and how often it opens them. The
+//! streams are those whose row in the doors table (`kvtier_server::doors`) is bounded by
+//! `StreamsPerCaller`: `WatchEvents` and `WatchMetrics`. One caller is one role (the operator, peer kvtierds, each tenant)
 //! and, on the Unix socket, one uid of it: each may hold at most
 //! `server.max_streams_per_caller` streams of a kind, and open at most [`OPENS_PER_S`] a
 //! second (a burst of the bound). A stream holds memory (an events snapshot, its unsent
@@ -13,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kvtier_proto::ApiError;
+use kvtier_server::doors;
 use kvtier_server::metrics::MetricRegistry;
 
 use crate::roles::Role;
@@ -20,12 +22,11 @@ use crate::roles::Role;
 /// Streams one caller may open a second, on average.
 pub const OPENS_PER_S: f64 = 4.0;
 
-/// The kinds of stream.
-pub const KINDS: [&str; 2] = ["watch_events", "watch_metrics"];
-
 /// Open streams per (kind, caller), and the bound.
 #[derive(Debug)]
 pub struct StreamCaps {
+    /// The kinds: the methods whose doors-table row is bounded by `StreamsPerCaller`.
+    kinds: Vec<String>,
     per_caller: AtomicU32,
     open: Mutex<HashMap<(&'static str, String), Caller>>,
     refused: prometheus::IntCounterVec,
@@ -55,10 +56,14 @@ impl StreamCaps {
             "WatchEvents and WatchMetrics streams refused because their caller (a role: the operator, peers, one tenant) held server.max_streams_per_caller of that kind already",
             &["stream"],
         )?;
-        for k in KINDS {
+        let kinds: Vec<String> = doors::capped_streams(doors::Server::Kvtierd)
+            .map(|d| d.method_label())
+            .collect();
+        for k in &kinds {
             refused.with_label_values(&[k]);
         }
         Ok(Arc::new(Self {
+            kinds,
             per_caller: AtomicU32::new(per_caller.max(1)),
             open: Mutex::new(HashMap::new()),
             refused,
@@ -67,13 +72,19 @@ impl StreamCaps {
 
     /// A place for one more `kind` stream of `role`'s (of its Unix peer `uid`, when the call
     /// came on the Unix socket), or `RESOURCE_EXHAUSTED` when it holds the bound already or
-    /// opens them faster than [`OPENS_PER_S`].
+    /// opens them faster than [`OPENS_PER_S`]. `kind` is the method's label
+    /// (`watch_events`); a method whose row does not bound it this way is refused.
     pub fn open(
         self: &Arc<Self>,
         kind: &'static str,
         role: &Role,
         uid: Option<u32>,
     ) -> Result<StreamSlot, ApiError> {
+        if !self.kinds.iter().any(|k| k == kind) {
+            return Err(ApiError::Internal(format!(
+                "{kind} streams have no row bounding them per caller in the doors table"
+            )));
+        }
         let mut caller = match role {
             Role::Operator => "operator".to_string(),
             Role::Peer => "peer".to_string(),
@@ -176,5 +187,7 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(300));
         let _c = caps.open("watch_events", &acme, Some(1000)).unwrap();
         assert_eq!(caps.open_now("watch_events"), 4);
+        // A stream the doors table does not bound per caller is not served at all.
+        assert!(caps.open("prefetch", &acme, Some(1000)).is_err());
     }
 }

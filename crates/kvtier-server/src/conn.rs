@@ -26,6 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
+use crate::doors::Listener;
 use crate::metrics::MetricRegistry;
 
 /// The shortest interval between two log lines of one kind of refusal.
@@ -130,8 +131,9 @@ pub struct Cap {
 }
 
 impl Cap {
-    /// The cap of the listener named `socket` (in logs and labels).
-    pub fn new(limits: &ConnectionLimits, socket: &'static str, metrics: &ConnMetrics) -> Self {
+    /// The cap of `listener` (its row in the doors table names it in logs and labels).
+    pub fn new(limits: &ConnectionLimits, listener: Listener, metrics: &ConnMetrics) -> Self {
+        let socket = listener.door().name;
         for reason in ["limit", "peer_limit"] {
             metrics.refused.with_label_values(&[socket, reason]);
         }
@@ -463,7 +465,7 @@ mod tests {
         };
         Cap::new(
             &limits,
-            "test",
+            Listener::Control,
             &ConnMetrics::new(&MetricRegistry::new()).unwrap(),
         )
     }
@@ -478,7 +480,12 @@ mod tests {
         assert!(c.admit(3).is_none(), "a fourth in all");
         drop(a1);
         assert!(c.admit(1).is_some(), "the permit came back");
-        let refused = |reason: &str| c.metrics.refused.with_label_values(&["test", reason]).get();
+        let refused = |reason: &str| {
+            c.metrics
+                .refused
+                .with_label_values(&["control", reason])
+                .get()
+        };
         assert_eq!((refused("peer_limit"), refused("limit")), (1, 1));
     }
 
@@ -519,7 +526,7 @@ mod tests {
         let mut buf = [0u8; 8];
         let e = silent.read(&mut buf).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert_eq!(c.metrics.timeouts.with_label_values(&["test"]).get(), 1);
+        assert_eq!(c.metrics.timeouts.with_label_values(&["control"]).get(), 1);
 
         let (mut client2, server2) = tokio::io::duplex(64);
         let mut talker = c.limit(server2, c.admit(2).unwrap());

@@ -12,12 +12,17 @@
 //! - [`malformed`]: requests that do not decode get `InvalidArgument`, not `Internal`;
 //! - [`peers`]: who may use a Unix socket: its file mode and owner, and the peer-credential
 //!   allow-list checked on every connection (`[server.unix]`);
+//! - [`doors`]: every door of kvtierd and kvtier-agent (method, stream, listener) as data:
+//!   the roles it admits, its bound and its owner; [`guard`]: the layer on every gRPC
+//!   server that enforces it;
 //! - [`conn`]: how many connections a listener holds, how long a new one has to start, and
 //!   accept loops that wait out descriptor exhaustion (`[server.connections]`).
 //!
 //! kvtier-client stays a client library; server plumbing goes here.
 
 pub mod conn;
+pub mod doors;
+pub mod guard;
 pub mod malformed;
 pub mod metrics;
 pub mod peers;

@@ -17,6 +17,7 @@ use kvtier_config::unix::UnixAccess;
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::conn::{Cap, ConnMetrics, Limited, Permit};
+use crate::doors::Listener;
 use crate::metrics::MetricRegistry;
 use crate::serving::{BindError, bind_unix};
 
@@ -64,13 +65,10 @@ impl PeerGate {
     }
 
     /// Binds `path` (see [`bind_unix`]), gives the file `[server.unix]`'s mode and owner, and
-    /// returns a listener that admits only allowed peers. `socket` names it in logs and the
-    /// counter's label.
-    pub async fn bind(
-        &self,
-        path: &Path,
-        socket: &'static str,
-    ) -> Result<GatedListener, BindError> {
+    /// returns a listener that admits only allowed peers. `door`'s row in the doors table
+    /// names it in logs and the counter's label.
+    pub async fn bind(&self, path: &Path, door: Listener) -> Result<GatedListener, BindError> {
+        let socket = door.door().name;
         let listener = bind_unix(path).await?;
         set_file_access(path, &self.access).map_err(|source| BindError::Io {
             what: "setting server.unix's mode and owner on",
@@ -83,7 +81,7 @@ impl PeerGate {
             listener,
             gate: self.clone(),
             socket,
-            cap: Cap::new(&self.limits, socket, &self.conns),
+            cap: Cap::new(&self.limits, door, &self.conns),
         })
     }
 

@@ -49,13 +49,7 @@ impl Auth {
         let Some(want) = &self.token else {
             return true;
         };
-        let got = req
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split_once(' '))
-            // The scheme is case-insensitive (RFC 9110).
-            .and_then(|(scheme, t)| scheme.eq_ignore_ascii_case("bearer").then_some(t.trim()));
+        let got = crate::guard::bearer(req.headers());
         let ok = got
             .is_some_and(|g| kvtier_config::tls::constant_time_eq(g.as_bytes(), want.as_bytes()));
         if !ok {

@@ -92,6 +92,20 @@ pub(crate) fn bind_peer(headers: &mut Vec<(Vec<u8>, Vec<u8>)>, peer: &Peer) {
     }
 }
 
+/// The doors-table role of a relayed call, from the headers only the relay sets: a named
+/// tenant's engine, or the default tenant's. (The relay adds its headers to every request;
+/// one without them did not come through it, and is no one's.)
+pub fn who(headers: &tonic::codegen::http::HeaderMap) -> kvtier_server::doors::Who {
+    use kvtier_server::doors::Who;
+    if headers.get(UID_HEADER).is_none() {
+        return Who::Unauthenticated;
+    }
+    match headers.get(TENANT_HEADER) {
+        Some(t) if !t.is_empty() => Who::Tenant,
+        _ => Who::DefaultTenant,
+    }
+}
+
 /// Whether HTTP would take `v` as an authority.
 fn valid_authority(v: &[u8]) -> bool {
     tonic::codegen::http::uri::Authority::try_from(v).is_ok()

@@ -30,6 +30,7 @@ mod metrics;
 pub mod service;
 
 pub use authority::incoming as grpc_incoming;
+pub use authority::who as relayed_caller;
 
 pub use cache::ObjectCache;
 pub use metrics::SglangMetrics;
@@ -496,7 +497,10 @@ mod tests {
             &kvtier_server::metrics::MetricRegistry::new(),
         )
         .unwrap();
-        let listener = gate.bind(&path, "sglang_mempool").await.unwrap();
+        let listener = gate
+            .bind(&path, kvtier_server::doors::Listener::SglangMempool)
+            .await
+            .unwrap();
         let pools = Arc::new(Pools::default());
         let stop = CancellationToken::new();
         tokio::spawn(serve_registrations(listener, pools.clone(), stop.clone()));
