@@ -384,9 +384,18 @@ const STREAM_DEPTH: usize = 4;
 
 /// A stream's messages being put together: its header, then the entries of the events it
 /// sends, at most [`MAX_BATCH_EVENTS`] a message.
+///
+/// A stream limited to one tenant's pages numbers what it sends itself: from 1, one more for
+/// each event it sends, with its own stream id (fresh per stream). The node's numbers would
+/// show, in their gaps, how many changes other tenants made and when; so its events are
+/// encoded here, never copied from the node's encoding. Such a stream does not resume (its
+/// id is known to no later call): a reconnect gets a RESYNC and a snapshot of the tenant's
+/// pages.
 struct Outgoing {
     header: Bytes,
     tenant: Option<TenantTag>,
+    /// A tenant's stream: the seq of the last event it numbered.
+    own_seq: u64,
     current: BytesMut,
     count: usize,
     ready: Vec<Bytes>,
@@ -394,11 +403,20 @@ struct Outgoing {
 
 impl Outgoing {
     fn new(stream_id: u64, node: &str, tenant: Option<TenantTag>) -> Self {
+        let stream_id = match tenant {
+            None => stream_id,
+            Some(_) => {
+                let mut id = [0u8; 8];
+                let _ = getrandom::fill(&mut id);
+                u64::from_le_bytes(id).max(1)
+            }
+        };
         let header = Bytes::from(batch_header(stream_id, node));
         Self {
             current: BytesMut::from(&header[..]),
             header,
             tenant,
+            own_seq: 0,
             count: 0,
             ready: Vec::new(),
         }
@@ -409,20 +427,23 @@ impl Outgoing {
         self.ready.len() * MAX_BATCH_EVENTS + self.count
     }
 
-    /// Adds those of `events` (encoded as `wire`) the subscriber may see, as runs of
-    /// entries copied whole.
+    /// Adds a publish's `events` (encoded as `wire`): all of them, as runs of entries copied
+    /// whole, for a stream of every tenant's pages; a tenant's own, numbered anew, for a
+    /// tenant's stream.
     fn add(&mut self, events: &[Event], wire: &EncodedEvents) {
+        if self.tenant.is_some() {
+            self.add_own(events);
+        } else {
+            self.add_encoded(events, wire);
+        }
+    }
+
+    /// Adds `events`, encoded as `wire`, as runs of entries copied whole.
+    fn add_encoded(&mut self, events: &[Event], wire: &EncodedEvents) {
         let mut i = 0;
         while i < events.len() {
-            if !events[i].visible_to(self.tenant) {
-                i += 1;
-                continue;
-            }
             let room = MAX_BATCH_EVENTS - self.count;
-            let mut j = i + 1;
-            while j < events.len() && j - i < room && events[j].visible_to(self.tenant) {
-                j += 1;
-            }
+            let j = (i + room).min(events.len());
             self.current.extend_from_slice(wire.entries(i, j));
             self.count += j - i;
             if self.count == MAX_BATCH_EVENTS {
@@ -432,19 +453,30 @@ impl Outgoing {
         }
     }
 
-    /// Adds events of this stream's own (a replay, a snapshot), encoded here: only those
-    /// its tenant may see, when it has one (a snapshot of a shared node is mostly others').
+    /// Adds events of this stream's own (a replay, a snapshot), encoded here: for a tenant's
+    /// stream only those it may see, in its own numbers (a RESYNC at the last seq it sent,
+    /// a snapshot's pages at 0, every other event one more).
     fn add_own(&mut self, events: &[Event]) {
         if self.tenant.is_none() {
-            self.add(events, &EncodedEvents::new(events));
-        } else {
-            let seen: Vec<Event> = events
-                .iter()
-                .filter(|e| e.visible_to(self.tenant))
-                .copied()
-                .collect();
-            self.add(&seen, &EncodedEvents::new(&seen));
+            self.add_encoded(events, &EncodedEvents::new(events));
+            return;
         }
+        let seen: Vec<Event> = events
+            .iter()
+            .filter(|e| e.visible_to(self.tenant))
+            .map(|e| {
+                let seq = match e.kind {
+                    EventKind::Resync => self.own_seq,
+                    _ if e.seq == 0 => 0,
+                    _ => {
+                        self.own_seq += 1;
+                        self.own_seq
+                    }
+                };
+                Event { seq, ..*e }
+            })
+            .collect();
+        self.add_encoded(&seen, &EncodedEvents::new(&seen));
     }
 
     fn seal(&mut self) {
@@ -465,7 +497,8 @@ impl Outgoing {
 
 /// The stream of one WatchEvents call: where the subscriber starts (a replay, or a RESYNC
 /// and a snapshot), then what is published, in `EventBatch` messages (already encoded) of at
-/// most [`MAX_BATCH_EVENTS`] events, limited to `tenant`'s pages when given. It ends when
+/// most [`MAX_BATCH_EVENTS`] events, limited to `tenant`'s pages when given (and then in
+/// the stream's own numbers, see [`Outgoing`]). It ends when
 /// the caller goes or kvtierd shuts down. A caller that reads too slowly only delays its
 /// own stream: when it falls [`BACKLOG`] batches behind it gets a RESYNC and a fresh
 /// snapshot.
@@ -478,6 +511,11 @@ pub fn watch(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, tonic::Status>> {
     let (tx, out) = tokio::sync::mpsc::channel(STREAM_DEPTH);
+    // A tenant's stream numbers its own events, so it never resumes the node's.
+    let (stream_id, after_seq) = match tenant {
+        None => (stream_id, after_seq),
+        Some(_) => (0, 0),
+    };
     let (sub, mut outgoing, metrics) = {
         let mut st = state.lock();
         let sub = st.subscribe_events(stream_id, after_seq, tenant);
@@ -671,6 +709,92 @@ mod tests {
             bus.subscribe(bus.stream_id(), 5).0,
             Start::Resync(_)
         ));
+    }
+
+    /// A key of tenant `tag`: its first 8 bytes are the tag.
+    fn of_tenant(tag: u64, i: u8) -> PageKey {
+        let mut key = [i; 32];
+        key[..8].copy_from_slice(&tag.to_be_bytes());
+        PageKey(key)
+    }
+
+    #[test]
+    fn a_tenants_stream_numbers_its_own_events_and_shows_no_gap_for_anothers() {
+        let (acme, globex) = (0xacu64, 0x61u64);
+        let mut bus = EventBus::new("n1".into());
+        let mut out = Outgoing::new(bus.stream_id(), "n1", Some(TenantTag(acme)));
+        let mut all = Outgoing::new(bus.stream_id(), "n1", None);
+        let (_, mut rx) = bus.subscribe(0, 0);
+        // A snapshot first: a RESYNC at 0 and the tenant's pages at 0.
+        out.add_own(&[
+            Event {
+                seq: 40,
+                unix_nanos: 1,
+                kind: EventKind::Resync,
+                layout: None,
+                tier: EventTier::L2Host,
+            },
+            Event {
+                seq: 0,
+                unix_nanos: 1,
+                kind: EventKind::Stored {
+                    key: of_tenant(acme, 9),
+                    parent: None,
+                },
+                layout: Some(FP),
+                tier: EventTier::L2Host,
+            },
+        ]);
+        // Globex writes between acme's writes, and an operator clears everything.
+        let store = |tag, i| IndexChange::Stored {
+            key: of_tenant(tag, i),
+            parent: None,
+        };
+        bus.publish(FP, vec![store(acme, 1), store(globex, 2), store(globex, 3)]);
+        bus.publish(FP, vec![store(globex, 4)]);
+        bus.publish(FP, vec![store(acme, 5)]);
+        bus.cleared(None);
+        bus.publish(FP, vec![store(globex, 6), store(acme, 7)]);
+        while let Ok(p) = rx.try_recv() {
+            out.add(p.events(), p.wire());
+            all.add(p.events(), p.wire());
+        }
+        let decode = |o: &mut Outgoing| -> Vec<kvtier_proto::events::EventBatch> {
+            o.take()
+                .iter()
+                .map(|m| kvtier_proto::events::decode_batch(m).unwrap())
+                .collect()
+        };
+        let mine = decode(&mut out);
+        let seqs: Vec<u64> = mine
+            .iter()
+            .flat_map(|b| b.events.iter().map(|e| e.seq))
+            .collect();
+        // RESYNC 0, snapshot page 0, then 1, 2 (acme's), 3 (the clear), 4 (acme's): no gap
+        // for globex's five.
+        assert_eq!(seqs, [0, 0, 1, 2, 3, 4]);
+        let keys: Vec<PageKey> = mine
+            .iter()
+            .flat_map(|b| &b.events)
+            .filter_map(|e| match e.kind {
+                EventKind::Stored { key, .. } => Some(key),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            keys.iter().all(|k| TenantTag::of(k) == TenantTag(acme)),
+            "{keys:?}"
+        );
+        // Its stream id is its own, not the node's (which resumes the node's numbers).
+        assert_ne!(mine[0].stream_id, bus.stream_id());
+        // A stream of every tenant's pages keeps the node's numbers and id.
+        let node = decode(&mut all);
+        let seqs: Vec<u64> = node
+            .iter()
+            .flat_map(|b| b.events.iter().map(|e| e.seq))
+            .collect();
+        assert_eq!(seqs, (1..=8).collect::<Vec<_>>());
+        assert_eq!(node[0].stream_id, bus.stream_id());
     }
 
     #[test]

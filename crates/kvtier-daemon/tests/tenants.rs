@@ -672,5 +672,31 @@ fn a_tenant_watches_only_its_own_pages_and_the_operator_all() {
         let all = watched(&mut op).await;
         assert_eq!(all.len(), 7);
         assert!(all.is_superset(&scoped("acme", &ka)) && all.is_superset(&scoped("globex", &kg)));
+
+        // Acme's stream numbers acme's events itself: globex's writes between them leave no
+        // gap to count, and its stream id is not the node's.
+        let mut w = a.watch_events(0, 0).await.unwrap();
+        let mut node = op.watch_events(0, 0).await.unwrap();
+        let first = w.next().await.unwrap().unwrap();
+        let node_id = node.next().await.unwrap().unwrap().stream_id;
+        assert_ne!(first.stream_id, node_id);
+        write(&mut g, &sg, &chain(7, 3), &bytes(3)).await;
+        write(&mut a, &sa, &chain(8, 2), &bytes(2)).await;
+        write(&mut g, &sg, &chain(9, 2), &bytes(2)).await;
+        write(&mut a, &sa, &chain(10, 1), &bytes(1)).await;
+        // Its 3 pages, each as L2 and (written through) L3 events: 6, numbered 1 to 6.
+        let mut seqs: Vec<u64> = first.events.iter().map(|e| e.seq).collect();
+        while let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(500), w.next())
+            .await
+            .map(|r| r.unwrap())
+        {
+            seqs.extend(b.events.iter().map(|e| e.seq));
+        }
+        let live: Vec<u64> = seqs.into_iter().filter(|s| *s > 0).collect();
+        assert_eq!(
+            live,
+            (1..=6).collect::<Vec<_>>(),
+            "acme's own numbers, one after another"
+        );
     });
 }
