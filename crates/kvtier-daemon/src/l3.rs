@@ -404,8 +404,9 @@ impl L3Slot {
         g.as_ref().map(|a| a.l3.clone())
     }
 
-    /// Opens the backend `cfg` describes, starts its writer (and flusher for write-back) and
-    /// makes it the tier, draining any tier it replaces. `l3.backend = "none"` detaches.
+    /// Opens the backend `cfg` describes, starts its writer and flusher (the flusher runs
+    /// under every write policy: it writes the coldest unwritten pages of a pool running short
+    /// of free slots) and makes it the tier, draining any tier it replaces. `l3.backend = "none"` detaches.
     pub async fn attach(&self, cfg: &DaemonConfig) -> Result<(), StorageError> {
         let Some(store) = open_backend(cfg).await? else {
             self.detach().await;
