@@ -4,8 +4,8 @@
 //! same bytes, interleaved with the subject, because absolute times on a shared machine drift.
 //! [`compare`] does that: it alternates baseline and subject runs and takes medians.
 
+use parking_lot::Mutex;
 use std::hint::black_box;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 pub mod diag;
@@ -71,20 +71,14 @@ pub fn live_bytes() -> usize {
 
 /// The local Ceph cluster the s3 scenarios share (started on first use: ~20 s here).
 pub fn shared_ceph() -> std::sync::Arc<ceph::Ceph> {
-    let mut g = match CEPH.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    };
+    let mut g = CEPH.lock();
     g.get_or_insert_with(|| std::sync::Arc::new(ceph::Ceph::start()))
         .clone()
 }
 
 /// Stops the shared Ceph cluster, if one was started (call before exiting).
 pub fn stop_shared_ceph() {
-    let c = match CEPH.lock() {
-        Ok(mut g) => g.take(),
-        Err(p) => p.into_inner().take(),
-    };
+    let c = CEPH.lock().take();
     drop(c);
 }
 
@@ -136,19 +130,13 @@ macro_rules! say {
 }
 static SCENARIO: Mutex<String> = Mutex::new(String::new());
 
-fn rows() -> std::sync::MutexGuard<'static, Vec<Row>> {
-    match ROWS.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
+fn rows() -> parking_lot::MutexGuard<'static, Vec<Row>> {
+    ROWS.lock()
 }
 
 /// Sets the scenario that following rows belong to.
 pub fn begin(scenario: &str) {
-    *match SCENARIO.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    } = scenario.to_string();
+    *SCENARIO.lock() = scenario.to_string();
 }
 
 /// Records one row of the current scenario.
@@ -160,10 +148,7 @@ pub fn record(
     baseline_value: f64,
     ratio: Option<f64>,
 ) {
-    let scenario = match SCENARIO.lock() {
-        Ok(g) => g.clone(),
-        Err(p) => p.into_inner().clone(),
-    };
+    let scenario = SCENARIO.lock().clone();
     rows().push(Row {
         scenario,
         figure: figure.to_string(),

@@ -1,7 +1,8 @@
 //! docs/ARCHITECTURE.md's crate table against the Cargo manifests: every workspace crate has
 //! a row, and the row's "depends on" column names exactly the crate's dependencies among our
 //! own crates (and only dependencies the manifest has). The test crate, which has only
-//! dev-dependencies, is held to those.
+//! dev-dependencies, is held to those. And no source takes std's poisoning locks (they are
+//! `parking_lot`'s everywhere, so no file recovers from poisoning by hand).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -99,4 +100,48 @@ fn the_crate_table_matches_the_manifests() {
         "docs/ARCHITECTURE.md is stale:\n{}",
         wrong.join("\n")
     );
+}
+
+/// Every `.rs` file under `dir`.
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            if p.file_name().is_some_and(|n| n != "target") {
+                rust_files(&p, out);
+            }
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// Locks are `parking_lot`'s, which do not poison: no file takes std's `Mutex` or `RwLock`
+/// and recovers from poisoning its own way (there were 13 such helpers).
+#[test]
+fn no_lock_poisons_and_none_is_recovered_by_hand() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut files = Vec::new();
+    for d in ["crates", "benches", "tests"] {
+        rust_files(&root.join(d), &mut files);
+    }
+    let this = Path::new(file!()).file_name().unwrap();
+    let mut wrong = Vec::new();
+    for f in files.iter().filter(|f| f.file_name() != Some(this)) {
+        let text = std::fs::read_to_string(f).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            let named = ["Mutex", "RwLock", "Condvar"]
+                .iter()
+                .any(|l| line.contains(&format!("std::sync::{l}")));
+            let used = line.trim_start().starts_with("use std::sync")
+                && ["Mutex", "RwLock", "Condvar"]
+                    .iter()
+                    .any(|l| line.contains(l));
+            let std_lock = named || used;
+            if std_lock || line.contains("PoisonError") {
+                wrong.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "use parking_lot's locks: {wrong:#?}");
 }

@@ -122,7 +122,7 @@ fn subscribe(
     target: &str,
     rt: &tokio::runtime::Runtime,
     measuring: &Arc<AtomicBool>,
-    lags: &Arc<std::sync::Mutex<Vec<u64>>>,
+    lags: &Arc<parking_lot::Mutex<Vec<u64>>>,
     received: &Arc<AtomicU64>,
 ) -> (
     Vec<tokio::task::JoinHandle<()>>,
@@ -159,7 +159,7 @@ fn subscribe(
                         }
                     }
                     if !mine.is_empty() {
-                        lags.lock().unwrap().append(&mut mine);
+                        lags.lock().append(&mut mine);
                     }
                 }
             })
@@ -173,7 +173,7 @@ struct Subs<'a> {
     target: &'a str,
     rt: &'a tokio::runtime::Runtime,
     measuring: &'a Arc<AtomicBool>,
-    lags: &'a Arc<std::sync::Mutex<Vec<u64>>>,
+    lags: &'a Arc<parking_lot::Mutex<Vec<u64>>>,
     received: &'a Arc<AtomicU64>,
 }
 
@@ -234,7 +234,7 @@ pub fn run(quick: bool) {
         let s = c.register("bench", &spec()).await.unwrap();
         commit(&mut c, &s, &mut next, burst / 4, None).await;
         let measuring = Arc::new(AtomicBool::new(false));
-        let lags = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let lags = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let received = Arc::new(AtomicU64::new(0));
         let stop = |tasks: Vec<tokio::task::JoinHandle<()>>| async move {
             for t in &tasks {
@@ -295,7 +295,7 @@ pub fn run(quick: bool) {
         with.sort_unstable();
         let (alone, with) = (alone[1], with[1]);
 
-        let mut v = std::mem::take(&mut *lags.lock().unwrap());
+        let mut v = std::mem::take(&mut *lags.lock());
         v.sort_unstable();
         let pct = |p: f64| v.get(((v.len().max(1) - 1) as f64 * p) as usize).copied().unwrap_or(0) as f64 / 1e6;
         crate::say!(

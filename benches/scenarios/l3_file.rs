@@ -121,17 +121,15 @@ pub fn run(quick: bool) {
     // The same floor as an async caller has it: each page's verified read in a blocking task
     // (the hop every tokio file read pays; `--diag` prints it alone), into the same reused
     // buffer. What kvtier's get costs beyond this is its own.
-    let shared_buf = std::sync::Arc::new(std::sync::Mutex::new(vec![0u8; page_bytes]));
+    let shared_buf = std::sync::Arc::new(parking_lot::Mutex::new(vec![0u8; page_bytes]));
     let mut async_floor = || {
         rt.block_on(async {
             let mut x = 0u32;
             for i in 0..pages {
                 let (p, b) = (raw_dir.join(format!("{i}")), shared_buf.clone());
-                x ^= tokio::task::spawn_blocking(move || {
-                    read_verified(&p, 0, &mut b.lock().unwrap())
-                })
-                .await
-                .unwrap();
+                x ^= tokio::task::spawn_blocking(move || read_verified(&p, 0, &mut b.lock()))
+                    .await
+                    .unwrap();
             }
             x
         })
@@ -179,12 +177,12 @@ fn read_whole_verified(path: &std::path::Path, at: u64, buf: &mut Vec<u8>) -> u3
 
 /// A destination kvtier reads into in place, reused from page to page (what an L2 slot or
 /// SGLang's recycled buffer is to the daemon).
-struct Reused(std::sync::Mutex<Vec<u8>>);
+struct Reused(parking_lot::Mutex<Vec<u8>>);
 
 impl kvtier_storage::ObjectSink for Reused {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
         let o = offset as usize;
-        self.0.lock().unwrap()[o..o + bytes.len()].copy_from_slice(bytes);
+        self.0.lock()[o..o + bytes.len()].copy_from_slice(bytes);
         Ok(())
     }
 
@@ -195,7 +193,7 @@ impl kvtier_storage::ObjectSink for Reused {
         fill: kvtier_storage::Fill<'_>,
     ) -> Option<Result<(), String>> {
         let o = offset as usize;
-        Some(fill(&mut self.0.lock().unwrap()[o..o + len]))
+        Some(fill(&mut self.0.lock()[o..o + len]))
     }
 }
 
@@ -220,7 +218,7 @@ fn diagnose(
         vec![0u8; page_bytes],
         vec![0u8; page_bytes],
     );
-    let sink = std::sync::Arc::new(Reused(std::sync::Mutex::new(vec![0u8; page_bytes])));
+    let sink = std::sync::Arc::new(Reused(parking_lot::Mutex::new(vec![0u8; page_bytes])));
     crate::diag::Ladder::new("l3_file get of one 2 MiB page", pages)
         .rung(
             "std::fs::read (a new buffer per page; the row's baseline)",

@@ -47,7 +47,9 @@ class EventTier(enum.Enum):
 @dataclass(frozen=True)
 class PageEvent:
     """One event. ``seq`` is 0 on a snapshot's pages; ``layout`` is empty on a CLEARED of every
-    layout and on a RESYNC."""
+    layout and on a RESYNC. ``tenant_tag`` is set on a CLEARED of one tenant's own pool: the
+    tag (first 8 bytes, big-endian) of that tenant's keys; 0 when every tenant's pages of
+    ``layout`` went."""
 
     seq: int
     unix_nanos: int
@@ -56,6 +58,7 @@ class PageEvent:
     parent: bytes | None
     layout: str
     tier: EventTier
+    tenant_tag: int = 0
 
     @staticmethod
     def of(e: host_pb2.PageEvent) -> PageEvent:
@@ -69,7 +72,9 @@ class PageEvent:
             tier = EventTier(e.tier)
         except ValueError:
             raise KvtierError(f"events: tier {e.tier} is not a tier") from None
-        return PageEvent(e.seq, e.unix_nanos, kind, e.key, e.parent or None, e.layout, tier)
+        return PageEvent(
+            e.seq, e.unix_nanos, kind, e.key, e.parent or None, e.layout, tier, e.tenant_tag
+        )
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,9 @@ class NodeView:
                 if held is not None:
                     held.discard(e.key)
             elif e.kind is EventKind.CLEARED:
+                # One tenant's pool (tenant_tag) or every tenant's: the key sets keep each
+                # key's last 8 bytes, not its tenant tag, so either way the layout's set goes
+                # (another tenant's pages forgotten cost a miss there, never a wrong route).
                 if e.layout:
                     tier.pop(e.layout, None)
                 else:

@@ -140,6 +140,25 @@ def test_a_malformed_event_is_an_error_naming_the_field() -> None:
         PageEvent.of(host_pb2.PageEvent(kind=host_pb2.PAGE_EVENT_KIND_STORED, key=b"abc"))
 
 
+def test_a_clear_of_one_tenants_pool_names_the_tenant_and_the_view_forgets_the_layout() -> None:
+    fp = "d" * 32
+    e = PageEvent.of(
+        host_pb2.PageEvent(
+            seq=3,
+            kind=host_pb2.PAGE_EVENT_KIND_CLEARED,
+            tier=host_pb2.EVENT_TIER_L2_HOST,
+            layout=fp,
+            tenant_tag=0xACAC,
+        )
+    )
+    assert e.kind is EventKind.CLEARED and e.tenant_tag == 0xACAC
+    v = NodeView()
+    stored = PageEvent(1, 0, EventKind.STORED, b"\x01" * 32, None, fp, EventTier.L2_HOST)
+    v.apply(EventBatch(1, "n", (stored,)))
+    v.apply(EventBatch(1, "n", (e,)))
+    assert v.held() == 0 and v.last_seq == 3
+
+
 def test_a_key_set_agrees_with_a_set_through_splits_and_removals(monkeypatch) -> None:
     import random
 

@@ -23,8 +23,9 @@
 //!   remembered as cancelled for [`CANCELLED_FOR`], and a call arriving under it starts
 //!   with its fence closed.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvtier_device::Fence;
@@ -96,10 +97,8 @@ impl Drop for Registered {
 }
 
 impl Calls {
-    fn lock(&self) -> std::sync::MutexGuard<'_, CallsInner> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, CallsInner> {
+        self.0.lock()
     }
 
     /// Enters the call of `req` under `fence` when it names itself: a bad id, or one that

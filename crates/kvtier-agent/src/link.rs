@@ -6,7 +6,8 @@
 //! blip, not a loss. Each new session has a new generation; the agent is told before the
 //! session is used ([`Link::set_on_linked`]), so it re-checks what it believed L2 held.
 
-use std::sync::{Arc, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_client::{ClientError, HostClient, SlotLease};
@@ -76,18 +77,12 @@ impl std::fmt::Debug for Link {
 /// Builds the report each heartbeat carries.
 pub type Reporter = Arc<dyn Fn() -> kvtier_proto::v1::ClientReport + Send + Sync>;
 
-fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    match l.read() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
+fn read<T>(l: &RwLock<T>) -> parking_lot::RwLockReadGuard<'_, T> {
+    l.read()
 }
 
-fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    match l.write() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
+fn write<T>(l: &RwLock<T>) -> parking_lot::RwLockWriteGuard<'_, T> {
+    l.write()
 }
 
 /// Whether an error means the link itself is gone (daemon down, restarted, session expired),
@@ -133,11 +128,11 @@ impl Link {
     }
 
     fn down_since(&self) -> Option<Instant> {
-        *self.down_since.lock().unwrap_or_else(|p| p.into_inner())
+        *self.down_since.lock()
     }
 
     fn set_down_since(&self, at: Option<Instant>) {
-        *self.down_since.lock().unwrap_or_else(|p| p.into_inner()) = at;
+        *self.down_since.lock() = at;
     }
 
     /// The live session; when there is none but the link broke (or was asked for) less than
@@ -208,10 +203,7 @@ impl Link {
             );
             *cur = None;
             self.set_down_since(Some(Instant::now()));
-            self.abandoned
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(linked.session);
+            self.abandoned.lock().push(linked.session);
             self.wake.notify_one();
         }
     }
@@ -220,7 +212,7 @@ impl Link {
     /// the calls in flight on them held in kvtierd goes at once. A restarted kvtierd knows
     /// none of them (nothing to close).
     fn close_abandoned(&self, linked: &Linked) {
-        let old = std::mem::take(&mut *self.abandoned.lock().unwrap_or_else(|e| e.into_inner()));
+        let old = std::mem::take(&mut *self.abandoned.lock());
         if old.is_empty() {
             return;
         }

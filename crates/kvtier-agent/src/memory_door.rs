@@ -13,9 +13,10 @@
 //! read hold at most [`MAX_INFLIGHT_FDS`] more. Answers are counted in
 //! `kvtier_agent_memory_door_answers_total{outcome}`.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_server::metrics::MetricRegistry;
@@ -73,7 +74,7 @@ pub struct Deposits {
 
 impl std::fmt::Debug for Deposits {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.pending.lock().map_or(0, |p| p.len());
+        let n = self.pending.lock().len();
         f.debug_struct("Deposits").field("pending", &n).finish()
     }
 }
@@ -112,7 +113,7 @@ impl Deposits {
     /// newest (an engine registers one pool at a time), so no uid can hold the places
     /// another needs.
     fn put(&self, fds: Vec<OwnedFd>, uid: u32) -> Option<Ticket> {
-        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.pending.lock();
         p.retain(|_, d| d.at.elapsed() < DEPOSIT_TTL && d.uid != uid);
         let held: usize = p.values().map(|d| d.fds.len()).sum();
         if p.len() >= MAX_PENDING || held + fds.len() > MAX_PENDING_FDS {
@@ -138,7 +139,7 @@ impl Deposits {
         let ticket: Ticket = ticket
             .try_into()
             .map_err(|_| TakeError::Malformed(ticket.len()))?;
-        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.pending.lock();
         let d = p.get(&ticket).ok_or(TakeError::Unknown)?;
         if d.at.elapsed() >= DEPOSIT_TTL {
             p.remove(&ticket);
@@ -173,7 +174,7 @@ impl Deposits {
 
     /// Deposits waiting now (tests and stats).
     pub fn pending(&self) -> usize {
-        self.pending.lock().map_or(0, |p| p.len())
+        self.pending.lock().len()
     }
 }
 

@@ -122,7 +122,7 @@ pub struct Owner {
     /// process that reuses its pid.
     started: Option<u64>,
     /// When it last presented its token (for owners whose pid is not visible).
-    last_seen: std::sync::Mutex<Instant>,
+    last_seen: parking_lot::Mutex<Instant>,
 }
 
 /// Why a registration was refused: the pool belongs to a live client.
@@ -169,7 +169,7 @@ impl Owner {
             token: OwnerToken::random()?,
             peer: caller.peer,
             started,
-            last_seen: std::sync::Mutex::new(Instant::now()),
+            last_seen: parking_lot::Mutex::new(Instant::now()),
         })
     }
 
@@ -179,7 +179,7 @@ impl Owner {
     }
 
     fn last_seen(&self) -> Instant {
-        *self.last_seen.lock().unwrap_or_else(|p| p.into_inner())
+        *self.last_seen.lock()
     }
 
     /// Whether `caller` is this owner: it presents the token, or it is the owner's own
@@ -224,7 +224,7 @@ impl Owner {
     pub fn admits(&self, caller: &Caller) -> Result<(), ApiError> {
         match caller.token {
             Some(t) if t == self.token => {
-                *self.last_seen.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                *self.last_seen.lock() = Instant::now();
                 Ok(())
             }
             Some(_) => Err(ApiError::NotFound(format!(

@@ -6,9 +6,10 @@
 //! never across an await: copies and daemon calls happen outside it, with the pages they read
 //! locked in the tree (so eviction cannot hand them back to the engine mid-copy).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvtier_config::agent::AgentConfig;
@@ -219,10 +220,7 @@ impl Shared {
     /// The state; a panic elsewhere while it was held does not stop the agent (every
     /// mutation under the lock leaves the tree consistent between its own steps).
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        match self.state.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
+        self.state.lock()
     }
 
     pub(crate) fn policy(&self) -> WritePolicy {

@@ -9,7 +9,7 @@
 //! Every daemon call here runs under `call_timeout`: a kvtierd that stops answering is an
 //! error ([`PageError::Daemon`]), never a hung caller.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use kvtier_core::host_index::Landed;
@@ -65,23 +65,18 @@ impl SlotLease {
 
     /// Slots held and not in use by a write.
     pub fn held(&self) -> usize {
-        self.lock().len()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
-        // A poisoned lease is a list of slot numbers: still right.
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+        self.slots.lock().len()
     }
 
     /// `n` slots, or none when fewer are held.
     fn take(&self, n: usize) -> Option<Vec<u32>> {
-        let mut s = self.lock();
+        let mut s = self.slots.lock();
         let len = s.len();
         (len >= n).then(|| s.split_off(len - n))
     }
 
     fn give(&self, slots: impl IntoIterator<Item = u32>) {
-        self.lock().extend(slots);
+        self.slots.lock().extend(slots);
     }
 
     /// Slots of a [`PageError::LeasedCopy`] that may take another write: nothing a later

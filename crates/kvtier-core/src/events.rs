@@ -20,8 +20,12 @@ pub enum EventKind {
         /// The page.
         key: PageKey,
     },
-    /// Every page of the event's layout (every layout when it has none) left.
-    Cleared,
+    /// Every page of the event's layout (every layout when it has none) left: of one
+    /// tenant's (its tag: a tenant's own pool went) or, with none, of every tenant's.
+    Cleared {
+        /// The tenant whose pages left; `None`: every tenant's.
+        tenant: Option<TenantTag>,
+    },
     /// The subscriber must forget this node's pages: a snapshot follows.
     Resync,
 }
@@ -60,7 +64,8 @@ impl Event {
             (Some(t), EventKind::Stored { key, .. } | EventKind::Removed { key }) => {
                 TenantTag::of(&key) == t
             }
-            (Some(_), EventKind::Cleared | EventKind::Resync) => true,
+            (Some(t), EventKind::Cleared { tenant }) => tenant.is_none_or(|c| c == t),
+            (Some(_), EventKind::Resync) => true,
         }
     }
 }

@@ -54,7 +54,15 @@ pub fn render_event(e: &Event) -> String {
                 short(&key)
             )
         }
-        EventKind::Cleared => write!(line, "{:>10} cleared  {tier} {layout}", e.seq),
+        EventKind::Cleared { tenant: None } => {
+            write!(line, "{:>10} cleared  {tier} {layout}", e.seq)
+        }
+        EventKind::Cleared { tenant: Some(t) } => write!(
+            line,
+            "{:>10} cleared  {tier} {layout} tenant {}",
+            e.seq,
+            t.to_hex()
+        ),
         EventKind::Resync => write!(
             line,
             "{:>10} resync      (a snapshot of what the node holds follows)",
@@ -141,10 +149,15 @@ mod tests {
             fp,
         ));
         assert!(removed.contains("removed  l2 abababababababab 0202020202020202"));
-        assert!(render_event(&ev(EventKind::Cleared, None)).ends_with("cleared  l2 *"));
+        let all = EventKind::Cleared { tenant: None };
+        assert!(render_event(&ev(all, None)).ends_with("cleared  l2 *"));
+        let one = EventKind::Cleared {
+            tenant: Some(kvtier_core::TenantTag(0xac)),
+        };
+        assert!(render_event(&ev(one, fp)).ends_with("tenant 00000000000000ac"));
         let l3 = Event {
             tier: EventTier::L3Storage,
-            ..ev(EventKind::Cleared, None)
+            ..ev(all, None)
         };
         assert!(render_event(&l3).ends_with("cleared  l3 *"));
         assert!(render_event(&ev(EventKind::Resync, None)).contains("resync"));

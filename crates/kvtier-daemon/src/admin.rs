@@ -1,8 +1,9 @@
 //! `kvtier.v1.Admin`: attach, detach and swap the storage tier while the daemon runs, show
 //! the configuration it runs with, clear or flush a tier, and drain before a stop.
 
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::DaemonConfig;
@@ -157,17 +158,11 @@ impl AdminService {
     }
 
     fn running(&self) -> DaemonConfig {
-        match self.running.lock() {
-            Ok(g) => g.clone(),
-            Err(p) => p.into_inner().clone(),
-        }
+        self.running.lock().clone()
     }
 
     fn set_running(&self, cfg: DaemonConfig) {
-        match self.running.lock() {
-            Ok(mut g) => *g = cfg,
-            Err(p) => *p.into_inner() = cfg,
-        }
+        *self.running.lock() = cfg;
     }
 }
 

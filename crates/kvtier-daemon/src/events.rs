@@ -240,11 +240,12 @@ impl EventBus {
         ));
     }
 
-    /// Publishes that every L2 page of `layout` (every pool's, when `None`) is gone.
-    pub fn cleared(&mut self, layout: Option<LayoutFingerprint>) {
+    /// Publishes that every L2 page of `layout` (every pool's, when `None`) is gone: of
+    /// `tenant`'s own pool, or of every tenant's (`None`).
+    pub fn cleared(&mut self, layout: Option<LayoutFingerprint>, tenant: Option<TenantTag>) {
         self.push(Body::Each(vec![(
             layout,
-            EventKind::Cleared,
+            EventKind::Cleared { tenant },
             EventTier::L2Host,
         )]));
     }
@@ -670,7 +671,7 @@ mod tests {
         bus.publish(FP, vec![stored(1), stored(2)]);
         bus.publish(FP, vec![]);
         bus.publish(FP, vec![IndexChange::Removed { key: k(1) }]);
-        bus.cleared(None);
+        bus.cleared(None, None);
         assert_eq!(bus.last_seq(), 4);
         let first = early.try_recv().unwrap();
         assert_eq!(
@@ -685,7 +686,7 @@ mod tests {
         let last = early.try_recv().unwrap();
         assert_eq!(
             (last.events()[0].kind, last.events()[0].layout),
-            (EventKind::Cleared, None)
+            (EventKind::Cleared { tenant: None }, None)
         );
         // Resuming after seq 1 of this stream replays 2..=4; another stream's id, or a seq
         // not published yet, starts over.
@@ -753,7 +754,7 @@ mod tests {
         bus.publish(FP, vec![store(acme, 1), store(globex, 2), store(globex, 3)]);
         bus.publish(FP, vec![store(globex, 4)]);
         bus.publish(FP, vec![store(acme, 5)]);
-        bus.cleared(None);
+        bus.cleared(None, None);
         bus.publish(FP, vec![store(globex, 6), store(acme, 7)]);
         while let Ok(p) = rx.try_recv() {
             out.add(p.events(), p.wire());
@@ -860,7 +861,7 @@ mod tests {
     }
 
     #[test]
-    fn a_tenant_sees_its_own_pages_and_every_clear() {
+    fn a_tenant_sees_its_own_pages_every_clear_of_all_and_its_own_pools_clears() {
         let scope = kvtier_core::TenantScope::new("a");
         let mine = scope.apply(&k(1));
         let theirs = kvtier_core::TenantScope::new("b").apply(&k(1));
@@ -887,7 +888,12 @@ mod tests {
             })
             .visible_to(None)
         );
-        assert!(ev(EventKind::Cleared).visible_to(t));
+        assert!(ev(EventKind::Cleared { tenant: None }).visible_to(t));
+        // A CLEARED of one tenant's own pool is that tenant's alone.
+        let of = |tag| EventKind::Cleared { tenant: Some(tag) };
+        let me = scope.tag();
+        assert!(ev(of(me)).visible_to(t) && ev(of(me)).visible_to(None));
+        assert!(!ev(of(TenantTag(me.0 ^ 1))).visible_to(t));
     }
 
     #[test]

@@ -13,8 +13,9 @@
 //! [`HostIndex::queue_for_l3`]: kvtier_core::host_index::HostIndex::queue_for_l3
 //! [`L3Mode`]: kvtier_core::host_index::L3Mode
 
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -363,7 +364,7 @@ struct Attached {
 /// stops.
 #[derive(Debug)]
 pub struct L3Slot {
-    current: std::sync::RwLock<Option<Attached>>,
+    current: parking_lot::RwLock<Option<Attached>>,
     state: Arc<Shared>,
     metrics: L3Metrics,
     shutdown: CancellationToken,
@@ -380,7 +381,7 @@ impl L3Slot {
         drain: Duration,
     ) -> Result<Arc<Self>, prometheus::Error> {
         let slot = Arc::new(Self {
-            current: std::sync::RwLock::new(None),
+            current: parking_lot::RwLock::new(None),
             state,
             metrics: L3Metrics::new(registry)?,
             shutdown,
@@ -397,10 +398,7 @@ impl L3Slot {
 
     /// The attached tier, if any.
     pub fn current(&self) -> Option<Arc<L3>> {
-        let g = match self.current.read() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let g = self.current.read();
         g.as_ref().map(|a| a.l3.clone())
     }
 
@@ -443,10 +441,7 @@ impl L3Slot {
     }
 
     fn swap(&self, new: Option<Attached>) -> Option<Attached> {
-        let mut g = match self.current.write() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let mut g = self.current.write();
         std::mem::replace(&mut *g, new)
     }
 

@@ -65,10 +65,17 @@ fn config(what: &'static str, key: &str, e: impl std::fmt::Display) -> DaemonErr
 }
 
 impl Ctx {
-    /// The context of a daemon with `cfg`; creates its data directory.
+    /// The context of a daemon with `cfg`; creates its data directory, and refuses one that
+    /// another uid could change (its sockets and L3 live there: whoever can rename them can
+    /// stand in for kvtierd, or swap its objects).
     pub(crate) fn new(cfg: DaemonConfig, shutdown: CancellationToken) -> Result<Self, DaemonError> {
         std::fs::create_dir_all(&cfg.data_dir)
             .map_err(setup("creating data_dir", &cfg.data_dir))?;
+        kvtier_shm::check_trusted_dir(&cfg.data_dir).map_err(|e| DaemonError::Setup {
+            what: "trusting data_dir",
+            path: cfg.data_dir.display().to_string(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
         Ok(Self {
             cfg,
             metrics: MetricRegistry::new(),

@@ -22,8 +22,9 @@
 //!
 //! [`ReadWindow`]: kvtier_core::ReadWindow
 
+use parking_lot::Mutex;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
@@ -91,31 +92,21 @@ const PAGE_REREADS: u8 = 4;
 /// L3 exists calls in flight for one key-by-key Lookup.
 const EACH_KEY_CONCURRENCY: usize = 32;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
-
 /// Closes a prefetch's slots to writes: after [`Fence::close`] returns, no write into them
 /// is in progress and none will start. Backend reads may outlive the task that asked for them
 /// (a blocking read thread keeps going after its future is dropped); the fence is what keeps
 /// such a late read out of a slot that has been freed and handed to someone else.
 #[derive(Debug)]
-struct Fence(std::sync::RwLock<bool>);
+struct Fence(parking_lot::RwLock<bool>);
 
 impl Fence {
     fn new() -> Arc<Self> {
-        Arc::new(Self(std::sync::RwLock::new(true)))
+        Arc::new(Self(parking_lot::RwLock::new(true)))
     }
 
     /// Waits for writes in progress (each one chunk) and refuses every later one.
     fn close(&self) {
-        *match self.0.write() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        } = false;
+        *self.0.write() = false;
     }
 }
 
@@ -128,10 +119,7 @@ struct SlotSink {
 
 impl ObjectSink for SlotSink {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
-        let open = match self.fence.0.read() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let open = self.fence.0.read();
         if !*open {
             return Err("the prefetch has stopped".into());
         }
@@ -188,7 +176,7 @@ impl Prefetcher {
 
     /// How many leading `keys` are not remembered as failed.
     pub fn usable(&self, fp: LayoutFingerprint, keys: &[PageKey]) -> usize {
-        lock(&self.negative).first(fp, keys, Instant::now())
+        self.negative.lock().first(fp, keys, Instant::now())
     }
 
     /// How many leading `keys` L2 or L3 holds, each page in either (`in_l2[i]`: ready in
@@ -242,7 +230,7 @@ impl Prefetcher {
     ) -> Vec<bool> {
         let now = Instant::now();
         let probe: Vec<usize> = {
-            let mut negative = lock(&self.negative);
+            let mut negative = self.negative.lock();
             (0..keys.len())
                 .filter(|&i| !in_l2[i] && !negative.contains(fp, &keys[i], now))
                 .collect()
@@ -263,7 +251,7 @@ impl Prefetcher {
     }
 
     fn remember_failed(&self, fp: LayoutFingerprint, key: PageKey) {
-        let mut n = lock(&self.negative);
+        let mut n = self.negative.lock();
         n.insert(fp, key, Instant::now());
         self.metrics.negative_keys.set(n.len() as i64);
     }
@@ -375,7 +363,7 @@ impl Prefetcher {
             .unwrap_or(self.cfg.recompute_tokens_per_second);
         if rate > 0 {
             let recompute = (hit as u64 * page_size) as f64 / rate as f64;
-            let load = lock(&tier.estimate).seconds(hit as u64, page_bytes);
+            let load = tier.estimate.lock().seconds(hit as u64, page_bytes);
             if load.is_some_and(|load| load > recompute) {
                 return Ok(once(self.revoked(
                     request_id,
@@ -461,7 +449,7 @@ impl Prefetcher {
         let batch = self.cfg.batch_pages as usize;
         // Reads in flight: the tier's window, learnt from read latencies across prefetches
         // (wide for a latency-bound backend, narrow for a saturated one).
-        let window = || lock(&tier.read_window).limit();
+        let window = || tier.read_window.lock().limit();
         let timeout = tier.timeout;
         // Each page is its own task, so verification and the copy into the pool run on every
         // worker thread at once; results land strictly in order.
@@ -549,7 +537,7 @@ impl Prefetcher {
                 }
                 Some(Ok((i, took, r))) => {
                     if r.is_ok() {
-                        lock(&tier.read_window).observe(took);
+                        tier.read_window.lock().observe(took);
                     }
                     arrived[i] = Some(r.map(Some));
                 }
@@ -590,7 +578,7 @@ impl Prefetcher {
             // Only pages read from L3 tell how fast it loads.
             let fetched = in_place.iter().take(done.landed).filter(|p| !**p).count();
             let rest_bytes = (fetched as u64).saturating_sub(1) * page_bytes as u64;
-            lock(&tier.estimate).observe(
+            tier.estimate.lock().observe(
                 (first - started).as_secs_f64(),
                 rest_bytes,
                 first.elapsed().as_secs_f64(),

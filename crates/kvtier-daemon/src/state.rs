@@ -108,30 +108,27 @@ pub struct Session {
 /// A session's pins: slot → how many.
 pub type SlotPins = HashMap<u32, u32, kvtier_core::key_map::BuildKeyHasher>;
 
-/// The host state as every service and task shares it: the one mutex over [`HostState`], and
-/// what a poisoned lock means. A panic while holding it is a bug, but every state update is
-/// all-or-nothing per call, so serving on beats refusing every later request.
+/// The host state as every service and task shares it: the one mutex over [`HostState`]. A
+/// `parking_lot` mutex, which does not poison: a panic while holding it is a bug, but every
+/// state update is all-or-nothing per call, so serving on beats refusing every later request.
 #[derive(Debug)]
-pub struct Shared(std::sync::Mutex<HostState>);
+pub struct Shared(parking_lot::Mutex<HostState>);
 
 impl Shared {
     /// Shares `state`.
     pub fn new(state: HostState) -> Self {
-        Self(std::sync::Mutex::new(state))
+        Self(parking_lot::Mutex::new(state))
     }
 
     /// The state, locked. What the holder changed in L2 is published as events when the
     /// guard goes, before the lock is let go (`HostState::publish_changes`).
     pub fn lock(&self) -> StateGuard<'_> {
-        StateGuard(match self.0.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        })
+        StateGuard(self.0.lock())
     }
 }
 
 /// The locked state ([`Shared::lock`]); publishes the holder's changes to L2 when dropped.
-pub struct StateGuard<'a>(std::sync::MutexGuard<'a, HostState>);
+pub struct StateGuard<'a>(parking_lot::MutexGuard<'a, HostState>);
 
 impl std::ops::Deref for StateGuard<'_> {
     type Target = HostState;
@@ -329,7 +326,7 @@ impl HostState {
         let mut events = EventBus::new(node_name());
         // A new run holds nothing of what an earlier one published: its first event says so
         // (pages it takes over from a crashed run are published as stored after it).
-        events.cleared(None);
+        events.cleared(None, None);
         Ok(Self {
             pools: HashMap::new(),
             events,
@@ -501,6 +498,19 @@ impl HostState {
             )));
         }
         Ok(())
+    }
+
+    /// The tag of the tenant whose own pool `pool` is (`l2.tenant_pools`); `None` for a
+    /// layout's pool, which every tenant's sessions share.
+    pub(crate) fn own_pool_tenant(&self, pool: &Pool) -> Option<TenantTag> {
+        let fp = pool.layout.fingerprint();
+        if pool.key == fp {
+            return None;
+        }
+        self.tenants
+            .iter()
+            .find(|(name, _, _)| pool.key == pool_key(&fp, name))
+            .map(|(_, tag, _)| *tag)
     }
 
     fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, StateError> {

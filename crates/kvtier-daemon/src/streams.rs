@@ -9,9 +9,10 @@
 //! is refused (`RESOURCE_EXHAUSTED`, naming it) and counted in
 //! `kvtier_streams_refused_total{stream}`.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 
 use kvtier_proto::ApiError;
 use kvtier_server::doors;
@@ -95,7 +96,7 @@ impl StreamCaps {
         }
         let key = (kind, caller);
         let bound = self.per_caller.load(Ordering::Relaxed);
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = self.open.lock();
         let now = std::time::Instant::now();
         let c = open.entry(key.clone()).or_insert(Caller {
             open: 0,
@@ -138,7 +139,7 @@ impl StreamCaps {
 
     /// Streams of `kind` open for all callers (tests).
     pub fn open_now(&self, kind: &str) -> u32 {
-        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let open = self.open.lock();
         open.iter()
             .filter(|((k, _), _)| *k == kind)
             .map(|(_, c)| c.open)
@@ -148,7 +149,7 @@ impl StreamCaps {
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        let mut open = self.caps.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = self.caps.open.lock();
         if let Some(c) = open.get_mut(&self.key) {
             c.open = c.open.saturating_sub(1);
         }

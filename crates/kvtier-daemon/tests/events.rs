@@ -41,7 +41,7 @@ impl Held {
                     self.l3.clear();
                     self.resyncs += 1;
                 }
-                EventKind::Cleared => tier.clear(),
+                EventKind::Cleared { .. } => tier.clear(),
                 EventKind::Stored { key, parent } => {
                     tier.insert(key, parent);
                 }
@@ -194,7 +194,10 @@ fn a_resume_replays_what_was_missed_and_a_restart_is_a_new_stream() {
         // The new run's first event says it holds nothing of the old one's.
         let mut w = c.watch_events(b.stream_id, 0).await.unwrap();
         let b = w.next().await.unwrap().unwrap();
-        assert_eq!((b.events[0].seq, b.events[0].kind), (1, EventKind::Cleared));
+        assert_eq!(
+            (b.events[0].seq, b.events[0].kind),
+            (1, EventKind::Cleared { tenant: None })
+        );
     });
 }
 

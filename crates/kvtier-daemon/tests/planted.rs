@@ -115,6 +115,87 @@ fn a_planted_or_writable_pool_directory_stops_kvtierd_and_a_readable_one_is_narr
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Runs kvtierd with `data_dir` (and an L3 file store under it, its default), expecting it
+/// to refuse to start: its stderr.
+fn refused_data_dir(data: &Path, extra: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtierd"))
+        .args(["--set", &format!("data_dir={}", data.display())])
+        .args(["--set", "metrics.listen=", "--set", "l2.backing=memfd"])
+        .args(extra.iter().flat_map(|s| ["--set", s]))
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "kvtierd started on {}",
+        data.display()
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_data_dir_or_l3_root_another_uid_can_change_stops_kvtierd() {
+    // Review finding F2: another uid made `data_dir` first (0777, in a sticky /tmp-like
+    // directory); kvtierd used it, and the other uid then renamed kvtierd's sockets away to
+    // bind its own at their names, and swapped `l3/` for a directory of its own.
+    let dir =
+        std::env::temp_dir().join(format!("kvtierd-test-{}-planted-data", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let public = shared_shm(&dir);
+    let data = public.join("data");
+    std::fs::create_dir(&data).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = refused_data_dir(&data, &[]);
+    assert!(e.contains("data_dir") && e.contains("mode 777"), "{e}");
+    assert_eq!(
+        std::fs::read_dir(&data).unwrap().count(),
+        0,
+        "it made something there"
+    );
+    if is_root() {
+        std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::chown(&data, Some(NOBODY), Some(NOBODY)).unwrap();
+        let e = refused_data_dir(&data, &[]);
+        assert!(e.contains(&format!("owned by uid {NOBODY}")), "{e}");
+        // A symlink another uid planted on the way, to a directory kvtierd could use.
+        let mine = dir.join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        let link = public.join("link");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        rustix::fs::chownat(
+            rustix::fs::CWD,
+            &link,
+            Some(rustix::fs::Uid::from_raw(NOBODY)),
+            Some(rustix::fs::Gid::from_raw(NOBODY)),
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+        let e = refused_data_dir(&link, &[]);
+        assert!(e.contains(&format!("a symlink of uid {NOBODY}")), "{e}");
+        assert_eq!(std::fs::read_dir(&mine).unwrap().count(), 0);
+    } else {
+        eprintln!("skipped the other-owner cases: they need root");
+    }
+    // Its own data_dir, but an L3 root others may write (l3.file.path elsewhere): refused.
+    let ok = dir.join("ok");
+    std::fs::create_dir(&ok).unwrap();
+    let l3 = public.join("l3");
+    std::fs::create_dir(&l3).unwrap();
+    std::fs::set_permissions(&l3, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = refused_data_dir(&ok, &[&format!("l3.file.path={}", l3.display())]);
+    assert!(e.contains("file store") && e.contains("mode 777"), "{e}");
+    // Fixed, kvtierd starts on the same directories.
+    std::fs::set_permissions(&l3, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let d = Daemon::start_in(
+        ok.clone(),
+        &[
+            &format!("l3.file.path={}", l3.display()),
+            "l2.pool_pages=16",
+        ],
+    );
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A client holding a file-backed pool's descriptor can shrink the file: then no mapping of it
 /// shows the pages, and every new mapping is refused. kvtierd retires such a pool within a
 /// sweep: its sessions end (their clients register again, into a new pool that works), its

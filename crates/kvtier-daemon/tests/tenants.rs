@@ -626,7 +626,7 @@ async fn watched(c: &mut HostClient) -> std::collections::BTreeSet<kvtier_core::
                 EventKind::Removed { key } => {
                     held.remove(&key);
                 }
-                EventKind::Cleared | EventKind::Resync => held.clear(),
+                EventKind::Cleared { .. } | EventKind::Resync => held.clear(),
             }
         }
     }
@@ -698,5 +698,91 @@ fn a_tenant_watches_only_its_own_pages_and_the_operator_all() {
             (1..=6).collect::<Vec<_>>(),
             "acme's own numbers, one after another"
         );
+    });
+}
+
+/// The CLEARED events a stream sends within `wait`: (layout, tenant tag) of each.
+async fn clears_within(
+    w: &mut kvtier_client::EventStream,
+    wait: Duration,
+) -> Vec<Option<kvtier_core::TenantTag>> {
+    use kvtier_core::events::EventKind;
+    let mut out = Vec::new();
+    let until = tokio::time::Instant::now() + wait;
+    while let Ok(Some(b)) = tokio::time::timeout_at(until, w.next())
+        .await
+        .map(|r| r.unwrap())
+    {
+        for e in b.events {
+            if let EventKind::Cleared { tenant } = e.kind {
+                out.push(tenant);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_tenants_own_pool_going_clears_its_pages_alone_in_every_stream() {
+    // Review finding: globex's own pool going idle (or damaged) published a CLEARED of the
+    // whole layout, which acme's stream showed too: acme's router forgot pages acme still
+    // had, at globex's will.
+    let (_d, tcp) = {
+        let d = start(
+            "tenant-clears",
+            "[l2]\nidle_pool_ttl = \"50ms\"\n\n[sessions]\nttl = \"2s\"\n\n\
+             [tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n",
+        );
+        let tcp = format!("http://{}", d.tcp);
+        (d, tcp)
+    };
+    let spec = layout("tenant-clears");
+    rt().block_on(async {
+        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
+            .await
+            .unwrap();
+        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
+            .await
+            .unwrap();
+        let mut op = HostClient::connect_with(&tcp, &token("tok-admin"))
+            .await
+            .unwrap();
+        let sa = a.register("acme-worker", &spec).await.unwrap();
+        let len = sa.layout.page_bytes();
+        write(
+            &mut a,
+            &sa,
+            &chain(11, 3),
+            &[
+                seeded_bytes(1, len),
+                seeded_bytes(2, len),
+                seeded_bytes(3, len),
+            ],
+        )
+        .await;
+        let mut wa = a.watch_events(0, 0).await.unwrap();
+        let mut wo = op.watch_events(0, 0).await.unwrap();
+        // Their snapshots first.
+        clears_within(&mut wa, Duration::from_millis(300)).await;
+        clears_within(&mut wo, Duration::from_millis(300)).await;
+        let sg = g.register("globex-worker", &spec).await.unwrap();
+        write(&mut g, &sg, &chain(12, 1), &[seeded_bytes(4, len)]).await;
+        g.close(sg.id).await.unwrap();
+        a.heartbeat(sa.id).await.unwrap();
+        let globex = kvtier_core::TenantScope::new("globex").tag();
+        let op_clears = clears_within(&mut wo, Duration::from_millis(1500)).await;
+        assert_eq!(
+            op_clears,
+            [Some(globex)],
+            "the operator hears globex's pool went"
+        );
+        assert!(
+            clears_within(&mut wa, Duration::from_millis(200))
+                .await
+                .is_empty(),
+            "acme's stream showed globex's pool going"
+        );
+        // Acme's pages are all still there.
+        assert_eq!(a.lookup(sa.id, &chain(11, 3)).await.unwrap(), 3);
     });
 }

@@ -12,8 +12,9 @@
 //! and why a client that cancels a call waits for [`Fence::close_and_settle`]: it returns
 //! once no part is moving, after which the copy touches nothing more.
 
+use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Whether a copy may go on; cheap to clone and check.
@@ -99,11 +100,12 @@ impl Fence {
             return false;
         };
         i.closed.store(true, Ordering::SeqCst);
-        let waiting = lock(&i.settling);
-        let (_waiting, _) = i
-            .settled
-            .wait_timeout_while(waiting, within, |_| i.moving.load(Ordering::SeqCst) > 0)
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut waiting = i.settling.lock();
+        i.settled.wait_while_for(
+            &mut waiting,
+            |_| i.moving.load(Ordering::SeqCst) > 0,
+            within,
+        );
         i.moving.load(Ordering::SeqCst) == 0
     }
 
@@ -125,16 +127,11 @@ impl Drop for Moving<'_> {
             // close that saw this part moving is waiting by then (it holds the lock until
             // it waits), so the wake-up is not lost.
             if i.moving.fetch_sub(1, Ordering::SeqCst) == 1 && i.closed.load(Ordering::SeqCst) {
-                let _waiting = lock(&i.settling);
+                let _waiting = i.settling.lock();
                 i.settled.notify_all();
             }
         }
     }
-}
-
-/// The settling lock; it guards nothing that a panic could leave half-changed.
-fn lock(m: &Mutex<()>) -> std::sync::MutexGuard<'_, ()> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Closes its fence when dropped (see [`Fence::close_on_drop`]).

@@ -3,7 +3,7 @@
 //! `select` runs on a GPU at device open (`scripts/gpu-check` exercises the real methods).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use kvtier_core::CopyMethod;
@@ -42,18 +42,18 @@ impl Scratch for Mem {
         HOST
     }
     fn write_device(&self, bytes: &[u8]) -> Result<(), DeviceError> {
-        self.dev.lock().unwrap().copy_from_slice(bytes);
+        self.dev.lock().copy_from_slice(bytes);
         Ok(())
     }
     fn read_device(&self, out: &mut [u8]) -> Result<(), DeviceError> {
-        out.copy_from_slice(&self.dev.lock().unwrap());
+        out.copy_from_slice(&self.dev.lock());
         Ok(())
     }
     fn write_host(&self, bytes: &[u8]) {
-        self.host.lock().unwrap().copy_from_slice(bytes);
+        self.host.lock().copy_from_slice(bytes);
     }
     fn read_host(&self, out: &mut [u8]) {
-        out.copy_from_slice(&self.host.lock().unwrap());
+        out.copy_from_slice(&self.host.lock());
     }
 }
 
@@ -91,8 +91,8 @@ impl Mover for Fake<'static> {
         if let Lie::Slow(d) = self.lie {
             std::thread::sleep(d);
         }
-        let mut dev = self.mem.dev.lock().unwrap();
-        let mut host = self.mem.host.lock().unwrap();
+        let mut dev = self.mem.dev.lock();
+        let mut host = self.mem.host.lock();
         for r in runs {
             let (d, h, n) = (
                 (r.device - DEV) as usize,

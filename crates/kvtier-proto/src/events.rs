@@ -13,7 +13,7 @@
 
 use crate::v1;
 use kvtier_core::events::{Event, EventKind, EventTier};
-use kvtier_core::{LayoutFingerprint, PageKey};
+use kvtier_core::{LayoutFingerprint, PageKey, TenantTag};
 
 /// Protobuf wire types.
 const VARINT: u64 = 0;
@@ -70,7 +70,7 @@ fn wire_kind(k: &EventKind) -> v1::PageEventKind {
     match k {
         EventKind::Stored { .. } => v1::PageEventKind::Stored,
         EventKind::Removed { .. } => v1::PageEventKind::Removed,
-        EventKind::Cleared => v1::PageEventKind::Cleared,
+        EventKind::Cleared { .. } => v1::PageEventKind::Cleared,
         EventKind::Resync => v1::PageEventKind::Resync,
     }
 }
@@ -157,12 +157,16 @@ impl EncodedEvents {
                 parent.as_ref().map_or(&[][..], |p| p.as_bytes()),
             ),
             EventKind::Removed { key } => (key.as_bytes(), &[]),
-            EventKind::Cleared | EventKind::Resync => (&[], &[]),
+            EventKind::Cleared { .. } | EventKind::Resync => (&[], &[]),
         };
         let hex = e.layout.map(|fp| self.layout_hex(fp));
         let layout: &[u8] = hex.as_ref().map_or(&[], |h| &h[..]);
         let kind = wire_kind(&e.kind) as u64;
         let tier = wire_tier(e.tier) as u64;
+        let tenant = match e.kind {
+            EventKind::Cleared { tenant: Some(t) } => t.0,
+            _ => 0,
+        };
         // PageEvent's fields, in number order, as prost writes them.
         let body = varint_field_len(1, e.seq)
             + varint_field_len(2, e.unix_nanos)
@@ -170,7 +174,8 @@ impl EncodedEvents {
             + varint_field_len(4, tier)
             + bytes_field_len(5, key)
             + bytes_field_len(6, parent)
-            + bytes_field_len(7, layout);
+            + bytes_field_len(7, layout)
+            + varint_field_len(8, tenant);
         let b = &mut self.bytes;
         put_varint(b, (BATCH_EVENTS << 3) | LEN);
         put_varint(b, body as u64);
@@ -181,6 +186,7 @@ impl EncodedEvents {
         put_bytes_field(b, 5, key);
         put_bytes_field(b, 6, parent);
         put_bytes_field(b, 7, layout);
+        put_varint_field(b, 8, tenant);
         self.ends.push(b.len());
     }
 }
@@ -317,7 +323,7 @@ fn decode_event<'a>(
     body: &'a [u8],
     last: &mut Option<(&'a [u8], LayoutFingerprint)>,
 ) -> Result<Event, String> {
-    let (mut seq, mut unix_nanos, mut kind, mut tier) = (0, 0, 0u64, 0u64);
+    let (mut seq, mut unix_nanos, mut kind, mut tier, mut tenant) = (0, 0, 0u64, 0u64, 0u64);
     let (mut key, mut parent, mut layout): (&[u8], &[u8], &[u8]) = (&[], &[], &[]);
     let mut f = Fields(body);
     while let Some((n, v)) = f.next()? {
@@ -329,6 +335,7 @@ fn decode_event<'a>(
             5 => key = want_bytes("key", v)?,
             6 => parent = want_bytes("parent", v)?,
             7 => layout = want_bytes("layout", v)?,
+            8 => tenant = want_varint("tenant_tag", v)?,
             _ => {}
         }
     }
@@ -346,7 +353,9 @@ fn decode_event<'a>(
         Ok(v1::PageEventKind::Removed) => EventKind::Removed {
             key: page("key", key)?,
         },
-        Ok(v1::PageEventKind::Cleared) => EventKind::Cleared,
+        Ok(v1::PageEventKind::Cleared) => EventKind::Cleared {
+            tenant: (tenant != 0).then_some(TenantTag(tenant)),
+        },
         Ok(v1::PageEventKind::Resync) => EventKind::Resync,
         _ => return Err(format!("kind: {} is not an event kind", kind as i32)),
     };
@@ -402,6 +411,10 @@ mod tests {
                     key,
                     parent,
                     layout: e.layout.map(|l| l.to_hex()).unwrap_or_default(),
+                    tenant_tag: match e.kind {
+                        EventKind::Cleared { tenant: Some(t) } => t.0,
+                        _ => 0,
+                    },
                 }
             })
             .collect();
@@ -448,8 +461,26 @@ mod tests {
                 Some(fp(8)),
                 EventTier::L3Storage,
             ),
-            ev(300, EventKind::Cleared, None, EventTier::L3Storage),
-            ev(301, EventKind::Cleared, Some(fp(7)), EventTier::L2Host),
+            ev(
+                300,
+                EventKind::Cleared { tenant: None },
+                None,
+                EventTier::L3Storage,
+            ),
+            ev(
+                301,
+                EventKind::Cleared { tenant: None },
+                Some(fp(7)),
+                EventTier::L2Host,
+            ),
+            ev(
+                302,
+                EventKind::Cleared {
+                    tenant: Some(TenantTag(0xacac_0000_1111_2222)),
+                },
+                Some(fp(7)),
+                EventTier::L2Host,
+            ),
         ];
         // A zero is left out, as prost leaves it out.
         v[4].unix_nanos = 0;

@@ -11,11 +11,12 @@
 //! endpoints through [`crate::prometheus_http::serve`]. Every process fits its limits to its
 //! open-file limit at start ([`fit_to_descriptors`]), each listener an equal share.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::future::Future as _;
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -55,10 +56,7 @@ impl Throttle {
 
     /// `Some(lines suppressed since the last one)` when a line may be logged now.
     pub fn allow(&self) -> Option<u64> {
-        let mut s = match self.state.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let mut s = self.state.lock();
         let now = Instant::now();
         if s.0
             .is_some_and(|last| now.duration_since(last) < self.every)
@@ -181,7 +179,7 @@ impl Cap {
             return refuse("limit");
         };
         {
-            let mut peers = lock(&self.peers);
+            let mut peers = self.peers.lock();
             let n = peers.entry(peer).or_insert(0);
             if *n >= self.limits.per_peer {
                 drop(peers);
@@ -240,13 +238,6 @@ impl Cap {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
-
 /// One admitted connection's place under its listener's cap; given back on drop.
 #[derive(Debug)]
 pub struct Permit {
@@ -258,7 +249,7 @@ pub struct Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let mut peers = lock(&self.peers);
+        let mut peers = self.peers.lock();
         if let Some(n) = peers.get_mut(&self.peer) {
             *n = n.saturating_sub(1);
             if *n == 0 {

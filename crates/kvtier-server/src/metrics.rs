@@ -10,7 +10,8 @@
 //! Names follow `kvtier_<subsystem>_<noun>_<unit>`; counters end in `_total`; durations are
 //! `_seconds` histograms; labels are bounded.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -54,13 +55,9 @@ pub struct MetricRegistry {
 impl std::fmt::Debug for MetricRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MetricRegistry")
-            .field("declared", &lock(&self.declared).len())
+            .field("declared", &self.declared.lock().len())
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The result of declaring a metric: a name used twice, or an invalid name or label.
@@ -84,7 +81,7 @@ impl MetricRegistry {
             .map(|d| d.fq_name.clone())
             .unwrap_or_default();
         self.registry.register(Box::new(m.clone()))?;
-        lock(&self.declared).push(Declared {
+        self.declared.lock().push(Declared {
             name,
             kind,
             labels: labels.iter().map(|l| l.to_string()).collect(),
@@ -141,13 +138,13 @@ impl MetricRegistry {
     /// Runs `hook` before every scrape: for gauges (or counters kept elsewhere) that mirror
     /// state, refreshed when read so they never drift. The hook must not block for long.
     pub fn on_scrape(&self, hook: impl Fn() + Send + Sync + 'static) {
-        lock(&self.hooks).push(Box::new(hook));
+        self.hooks.lock().push(Box::new(hook));
     }
 
     /// Runs the scrape hooks and returns every metric family: what both the Prometheus
     /// endpoint and kvtierd's `WatchMetrics` send.
     pub fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
-        for hook in lock(&self.hooks).iter() {
+        for hook in self.hooks.lock().iter() {
             hook();
         }
         self.registry.gather()
@@ -171,7 +168,7 @@ impl MetricRegistry {
 
     /// Every metric declared so far.
     pub fn declared(&self) -> Vec<Declared> {
-        lock(&self.declared).clone()
+        self.declared.lock().clone()
     }
 
     /// Checks `doc` (docs/metrics.md) against the declarations: each declared metric has a

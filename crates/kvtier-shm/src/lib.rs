@@ -46,7 +46,7 @@ mod slot_table;
 
 pub use access::open_own;
 pub use guard::guarded;
-pub use own_dir::OwnDir;
+pub use own_dir::{OwnDir, check_trusted_dir};
 pub use region::ShmRegion;
 
 /// This machine's physical memory in bytes (at least 1 GiB where it cannot be read): the

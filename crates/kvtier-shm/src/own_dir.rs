@@ -19,6 +19,87 @@ use rustix::fs::{AtFlags, Mode, OFlags};
 
 use crate::ShmError;
 
+/// Checks that only this process's uid (or root) can change what is at `path`, an existing
+/// directory kvtier keeps its own files under (kvtierd's `data_dir`, the file store's root):
+/// - every directory above it (of the path as resolved) is owned by this uid or root, and is
+///   writable by its group or others only when sticky (then no one else can rename or remove
+///   what is in it);
+/// - no symlink on the way (the path as written) is another uid's;
+/// - the directory itself is owned by this uid or root and is not writable by its group or
+///   others (anyone could have planted a name in it: remove it, or fix its mode after
+///   checking what is inside).
+///
+/// Refused with [`ShmError::Untrusted`] naming the directory and why. The directory may be
+/// readable and searchable by others: sockets live in it.
+pub fn check_trusted_dir(path: &Path) -> Result<(), ShmError> {
+    let me = rustix::process::geteuid().as_raw();
+    let untrusted = |at: &Path, why: String| ShmError::Untrusted {
+        path: at.display().to_string(),
+        why,
+    };
+    let trusted_owner = |uid: u32| uid == me || uid == 0;
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(crate::io_err("find the working directory of", path))?
+            .join(path)
+    };
+    // The path as written: a symlink on it is followed only when its owner could have
+    // written the directory it names anyway.
+    let mut at = PathBuf::new();
+    for c in abs.components() {
+        at.push(c);
+        if let Ok(m) = std::fs::symlink_metadata(&at)
+            && m.file_type().is_symlink()
+        {
+            use std::os::unix::fs::MetadataExt as _;
+            if !trusted_owner(m.uid()) {
+                return Err(untrusted(
+                    &at,
+                    format!(
+                        "a symlink of uid {} on the way to {}",
+                        m.uid(),
+                        path.display()
+                    ),
+                ));
+            }
+        }
+    }
+    let real = std::fs::canonicalize(&abs).map_err(crate::io_err("resolve", path))?;
+    let mut dirs: Vec<&Path> = real.ancestors().collect();
+    dirs.reverse();
+    for dir in dirs {
+        use std::os::unix::fs::MetadataExt as _;
+        let m = std::fs::metadata(dir).map_err(crate::io_err("stat", dir))?;
+        if !m.is_dir() {
+            return Err(untrusted(dir, "not a directory".into()));
+        }
+        if !trusted_owner(m.uid()) {
+            return Err(untrusted(
+                dir,
+                format!(
+                    "owned by uid {}: only this process's uid ({me}) or root may own {} and                      the directories above it",
+                    m.uid(),
+                    path.display()
+                ),
+            ));
+        }
+        let others_write = m.mode() & 0o022 != 0;
+        let sticky = m.mode() & 0o1000 != 0;
+        if others_write && (dir == real || !sticky) {
+            return Err(untrusted(
+                dir,
+                format!(
+                    "mode {:o} lets others create, rename or remove names in it: fix its                      mode after checking what is inside, or choose another directory",
+                    m.mode() & 0o7777
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A directory only this process's uid may list, read or write (mode 0700, owned by the
 /// effective uid, not a symlink), held open: every file kvtierd shares as memory lives in one.
 #[derive(Clone, Debug)]
@@ -218,6 +299,79 @@ mod tests {
         let _ = std::fs::remove_dir_all(&p);
         let _ = std::fs::remove_file(&p);
         p
+    }
+
+    #[test]
+    fn a_trusted_directory_is_one_no_other_uid_can_change_on_the_way() {
+        let top = scratch("trusted");
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        let data = top.join("a").join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        mode(&data, 0o755);
+        mode(&top.join("a"), 0o755);
+        check_trusted_dir(&data).unwrap();
+        // The directory itself writable by others: refused, naming it.
+        mode(&data, 0o775);
+        let e = check_trusted_dir(&data).unwrap_err();
+        assert!(
+            e.is_untrusted() && e.to_string().contains("mode 775"),
+            "{e}"
+        );
+        mode(&data, 0o755);
+        // A parent others may write: refused, unless sticky (as /tmp is).
+        mode(&top.join("a"), 0o777);
+        assert!(check_trusted_dir(&data).unwrap_err().is_untrusted());
+        mode(&top.join("a"), 0o1777);
+        check_trusted_dir(&data).unwrap();
+        // A relative path is checked as the absolute one it names.
+        let cwd = std::env::current_dir().unwrap();
+        let rel = pathdiff(&data, &cwd);
+        check_trusted_dir(&rel).unwrap();
+        // Through a symlink of this uid: the directory it names is checked.
+        let link = top.join("link");
+        std::os::unix::fs::symlink(&data, &link).unwrap();
+        check_trusted_dir(&link).unwrap();
+        mode(&data, 0o777);
+        assert!(check_trusted_dir(&link).unwrap_err().is_untrusted());
+        mode(&data, 0o755);
+        if rustix::process::geteuid().is_root() {
+            // Another uid's directory, or its symlink on the way: refused.
+            std::os::unix::fs::chown(&data, Some(65534), None).unwrap();
+            assert!(
+                check_trusted_dir(&data)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("uid 65534")
+            );
+            std::os::unix::fs::chown(&data, Some(0), None).unwrap();
+            rustix::fs::chownat(
+                rustix::fs::CWD,
+                &link,
+                Some(rustix::fs::Uid::from_raw(65534)),
+                None,
+                AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .unwrap();
+            let e = check_trusted_dir(&link).unwrap_err().to_string();
+            assert!(e.contains("a symlink of uid 65534"), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&top);
+    }
+
+    /// `to` relative to `from` (both absolute).
+    fn pathdiff(to: &Path, from: &Path) -> PathBuf {
+        let (t, f): (Vec<_>, Vec<_>) = (to.components().collect(), from.components().collect());
+        let same = t.iter().zip(&f).take_while(|(a, b)| a == b).count();
+        let mut out = PathBuf::new();
+        for _ in same..f.len() {
+            out.push("..");
+        }
+        for c in &t[same..] {
+            out.push(c);
+        }
+        out
     }
 
     #[test]

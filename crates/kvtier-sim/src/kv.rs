@@ -7,7 +7,7 @@
 //! with `--device cuda`, GPU memory: one allocation per (layer, K|V) buffer, registered with
 //! the agent by CUDA IPC handle, so the agent's cuda device (its copy methods) moves every page.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 
 use anyhow::{Context, Result};
 use kvtier_client::PoolMemory;
@@ -108,7 +108,7 @@ impl KvPool {
                 ipc_handles: buffers
                     .iter()
                     .map(|b| {
-                        let b = b.lock().unwrap_or_else(|p| p.into_inner());
+                        let b = b.lock();
                         b.ipc_handle().map(|h| h.to_vec())
                     })
                     .collect::<Result<_, _>>()
@@ -135,11 +135,7 @@ impl KvPool {
             Memory::Cpu { region, .. } => region
                 .write(buffer * self.pool.buffer_bytes() + offset, bytes)
                 .is_ok(),
-            Memory::Cuda(b) => b[buffer]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .write_at(offset, bytes)
-                .is_ok(),
+            Memory::Cuda(b) => b[buffer].lock().write_at(offset, bytes).is_ok(),
         }
     }
 
@@ -148,11 +144,7 @@ impl KvPool {
             Memory::Cpu { region, .. } => region
                 .read(buffer * self.pool.buffer_bytes() + offset, out)
                 .is_ok(),
-            Memory::Cuda(b) => b[buffer]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .read_at(offset, out)
-                .is_ok(),
+            Memory::Cuda(b) => b[buffer].lock().read_at(offset, out).is_ok(),
         }
     }
 

@@ -245,7 +245,7 @@ pub async fn run(
                 .iter()
                 .map(|a| a.socket.clone())
                 .collect::<Vec<_>>();
-            (Some(Arc::new(std::sync::Mutex::new(c))), d, a)
+            (Some(Arc::new(parking_lot::Mutex::new(c))), d, a)
         }
         Target::Attach { daemon, agents } => (None, daemon.clone(), agents.clone()),
     };
@@ -279,7 +279,9 @@ pub async fn run(
     let n = requests.len();
     let requests = Arc::new(requests);
     let done = Arc::new(AtomicUsize::new(0));
-    let outcomes = Arc::new(std::sync::Mutex::new(Vec::<Result<Outcome, String>>::new()));
+    let outcomes = Arc::new(parking_lot::Mutex::new(
+        Vec::<Result<Outcome, String>>::new(),
+    ));
     let started = Instant::now();
 
     // Progress on stderr.
@@ -317,9 +319,7 @@ pub async fn run(
                 }
                 let cluster = cluster.clone();
                 let r = tokio::task::spawn_blocking(move || -> Result<()> {
-                    let mut c = cluster
-                        .lock()
-                        .map_err(|_| anyhow::anyhow!("cluster lock"))?;
+                    let mut c = cluster.lock();
                     let launcher = c.launcher().clone();
                     match ev {
                         Chaos::KillDaemonAt(_) => c.daemon.restart(&launcher),
@@ -339,16 +339,13 @@ pub async fn run(
         })
     });
 
-    let reachable = Arc::new(std::sync::Mutex::new(Reachable::default()));
+    let reachable = Arc::new(parking_lot::Mutex::new(Reachable::default()));
     let (done2, outcomes2, reachable2) = (done.clone(), outcomes.clone(), reachable.clone());
     let serve = move |w: Arc<Mutex<Worker>>, req: Request| {
         let (done, outcomes, reachable) = (done2.clone(), outcomes2.clone(), reachable2.clone());
         async move {
             let mut w = w.lock().await;
-            let could = match reachable.lock() {
-                Ok(mut r) => r.ask(&w.prompt_keys(&req), page_size),
-                Err(_) => 0,
-            };
+            let could = reachable.lock().ask(&w.prompt_keys(&req), page_size);
             let mut r = w.serve(&req).await;
             if r.is_err() {
                 // The agent (or the daemon behind it) went away: reconnect once and retry.
@@ -377,17 +374,13 @@ pub async fn run(
                         "served less than finished requests had computed"
                     );
                 }
-                if let Ok(mut r) = reachable.lock() {
-                    r.done.extend(w.all_keys(&req));
-                }
+                reachable.lock().done.extend(w.all_keys(&req));
             }
             let r = r.map_err(|e| format!("request {}: {e:#}", req.index));
             if let Err(e) = &r {
                 tracing::warn!("{e}");
             }
-            if let Ok(mut o) = outcomes.lock() {
-                o.push(r);
-            }
+            outcomes.lock().push(r);
             done.fetch_add(1, Ordering::Relaxed);
         }
     };
@@ -467,7 +460,7 @@ pub async fn run(
         ..Report::default()
     };
     let mut load_time = Duration::ZERO;
-    let results = std::mem::take(&mut *outcomes.lock().map_err(|_| anyhow::anyhow!("lock"))?);
+    let results = std::mem::take(&mut *outcomes.lock());
     let served: Vec<&Request> = results
         .iter()
         .filter_map(|r| r.as_ref().ok())
@@ -538,7 +531,7 @@ pub async fn run(
         started: rep.prefetch.values().sum(),
         completed: rep.prefetch.get("completed").copied().unwrap_or(0),
     };
-    rep.reachable_reusable_tokens = reachable.lock().map(|r| r.tokens).unwrap_or(0);
+    rep.reachable_reusable_tokens = reachable.lock().tokens;
     if rep.ideal_reusable_tokens > 0 {
         rep.served_fraction = rep.hits() as f64 / rep.ideal_reusable_tokens as f64;
     }

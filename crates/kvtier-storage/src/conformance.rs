@@ -223,19 +223,19 @@ pub async fn pages(store: Arc<dyn Store>) {
 
 /// A sink collecting what it is given, refusing writes past `limit` bytes.
 struct VecSink {
-    buf: std::sync::Mutex<Vec<u8>>,
+    buf: parking_lot::Mutex<Vec<u8>>,
     limit: usize,
 }
 
 impl VecSink {
     fn new(limit: usize) -> Arc<Self> {
         Arc::new(Self {
-            buf: std::sync::Mutex::new(Vec::new()),
+            buf: parking_lot::Mutex::new(Vec::new()),
             limit,
         })
     }
     fn bytes(&self) -> Vec<u8> {
-        self.buf.lock().unwrap().clone()
+        self.buf.lock().clone()
     }
 }
 
@@ -245,7 +245,7 @@ impl ObjectSink for VecSink {
         if end > self.limit {
             return Err(format!("{end} bytes do not fit in {}", self.limit));
         }
-        let mut b = self.buf.lock().unwrap();
+        let mut b = self.buf.lock();
         if b.len() < end {
             b.resize(end, 0);
         }

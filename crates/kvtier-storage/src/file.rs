@@ -25,10 +25,11 @@
 //!
 //! Blocking file I/O runs on tokio's blocking pool, never on the async workers.
 
+use parking_lot::Mutex;
 use std::io::{ErrorKind, Write as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -36,7 +37,7 @@ use bytes::Bytes;
 use kvtier_config::l3::FileSection;
 use kvtier_core::TenantTag;
 
-use crate::lru::{Index, blocking, check_fits, lock, now_ns};
+use crate::lru::{Index, blocking, check_fits, now_ns};
 use crate::{ObjectSink, Removed, SinkReadError, StorageError, Store, StoreStats, check_name};
 
 /// Bytes per read of [`Store::read_into`]: large enough for few syscalls, small enough to
@@ -89,6 +90,13 @@ fn private_dirs(dir: &Path) -> std::io::Result<()> {
         .recursive(true)
         .mode(0o700)
         .create(dir)
+}
+
+/// Refuses a directory of the store that another uid could change (own it, or write it):
+/// they could rename, swap or remove kvtier's objects in it.
+fn trusted(dir: &Path) -> Result<(), StorageError> {
+    kvtier_shm::check_trusted_dir(dir)
+        .map_err(|e| StorageError::Invalid(format!("the file store's directory: {e}")))
 }
 
 /// Moves the written temp file `tmp` to its object's `path`, replacing what is there.
@@ -148,6 +156,7 @@ impl FileStore {
         claim(&root)?;
         let objects = root.join("objects");
         private_dirs(&objects).map_err(io("create", &objects))?;
+        trusted(&objects)?;
         // Versions before 0.2 wrote temp files to `tmp/`: its temp files go, then it, if empty.
         let old_tmp = root.join("tmp");
         if std::fs::symlink_metadata(&old_tmp).is_ok_and(|m| m.is_dir()) {
@@ -169,10 +178,10 @@ impl FileStore {
         let opened = SystemTime::now();
         // Writers serve while the listing runs: what they insert or evict meanwhile wins
         // over what the listing finds (an evicted object's file may not be gone yet).
-        lock(&store.index).start_rebuild();
+        store.index.lock().start_rebuild();
         tokio::task::spawn_blocking(move || {
             let n = rebuild(&root, &root, &index, opened);
-            lock(&index).end_rebuild();
+            index.lock().end_rebuild();
             tracing::info!(root = %root.display(), objects = n, "file store index rebuilt");
         });
         Ok(store)
@@ -198,7 +207,7 @@ impl FileStore {
                 Ok(()) => {}
                 Err(e) if e.kind() == ErrorKind::NotFound => {}
                 Err(e) => {
-                    lock(index).delete_failures += 1;
+                    index.lock().delete_failures += 1;
                     tracing::warn!(path = %p.display(), "cannot delete an evicted object: {e}");
                 }
             }
@@ -215,6 +224,7 @@ pub const MARKER: &str = ".kvtier-file-store";
 /// not write.
 fn claim(root: &Path) -> Result<(), StorageError> {
     private_dirs(root).map_err(io("create", root))?;
+    trusted(root)?;
     let marker = root.join(MARKER);
     if std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
         return Ok(());
@@ -316,7 +326,7 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
             .ok()
             .and_then(|m| m.duration_since(UNIX_EPOCH).ok())
             .map_or(0, |d| d.as_nanos() as u64);
-        if lock(index).found(&name, meta.len(), at) {
+        if index.lock().found(&name, meta.len(), at) {
             n += 1;
         }
     }
@@ -353,7 +363,7 @@ fn clear_dir(objects: &Path, dir: &Path, index: &Mutex<Index>) -> Result<u64, St
             Err(err) if err.kind() == ErrorKind::NotFound => {}
             Err(err) => return Err(io("delete", &path)(err)),
         }
-        lock(index).remove(&name);
+        index.lock().remove(&name);
     }
     Ok(n)
 }
@@ -438,20 +448,20 @@ impl Store for FileStore {
             let mut f = match std::fs::File::open(&path) {
                 Ok(f) => f,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
-                    lock(&index).remove(&name_owned);
+                    index.lock().remove(&name_owned);
                     return Ok(None);
                 }
                 Err(e) => return Err(io("open", &path)(e)),
             };
             if ttl.is_some() && expired(ttl, &f.metadata().map_err(io("stat", &path))?) {
-                lock(&index).remove(&name_owned);
+                index.lock().remove(&name_owned);
                 // Best effort: an undeletable expired file is still never served.
                 let _ = std::fs::remove_file(&path);
                 return Ok(None);
             }
             let mut buf = Vec::new();
             std::io::Read::read_to_end(&mut f, &mut buf).map_err(io("read", &path))?;
-            lock(&index).touch(&name_owned, now_ns());
+            index.lock().touch(&name_owned, now_ns());
             Ok(Some(Bytes::from(buf)))
         })
         .await
@@ -471,14 +481,14 @@ impl Store for FileStore {
             let mut f = match std::fs::File::open(&path) {
                 Ok(f) => f,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
-                    lock(&index).remove(&name_owned);
+                    index.lock().remove(&name_owned);
                     return Ok(None);
                 }
                 Err(e) => return Err(io("open", &path)(e)),
             };
             let meta = f.metadata().map_err(io("stat", &path))?;
             if expired(ttl, &meta) {
-                lock(&index).remove(&name_owned);
+                index.lock().remove(&name_owned);
                 let _ = std::fs::remove_file(&path);
                 return Ok(None);
             }
@@ -490,7 +500,7 @@ impl Store for FileStore {
                 SinkReadError::Io(e) => io("read", &path)(e),
                 SinkReadError::Sink(why) => StorageError::Invalid(why),
             })?;
-            lock(&index).touch(&name_owned, now_ns());
+            index.lock().touch(&name_owned, now_ns());
             Ok(Some((Bytes::from(head), rest)))
         })
         .await
@@ -522,7 +532,7 @@ impl Store for FileStore {
         let size = (head.len() + body.len()) as u64;
         let cap = self.cfg.capacity_bytes.0;
         check_fits(size, cap)?;
-        lock(&self.index).check_quota(name, size)?;
+        self.index.lock().check_quota(name, size)?;
         let min_free = self.cfg.min_free_bytes.0;
         let sync = self.cfg.sync;
         let path = self.path_of(name);
@@ -566,7 +576,7 @@ impl Store for FileStore {
                 let _ = std::fs::remove_file(&tmp);
                 return Err(io("write", &path)(e));
             }
-            let mut g = lock(&index);
+            let mut g = index.lock();
             g.insert(&name_owned, size, now_ns());
             Ok(g.victims(cap, &name_owned))
         })
@@ -598,12 +608,12 @@ impl Store for FileStore {
     async fn delete(&self, name: &str) -> Result<(), StorageError> {
         check_name(name)?;
         let path = self.path_of(name);
-        lock(&self.index).remove(name);
+        self.index.lock().remove(name);
         match tokio::fs::remove_file(&path).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
             Err(e) => {
-                lock(&self.index).delete_failures += 1;
+                self.index.lock().delete_failures += 1;
                 Err(io("delete", &path)(e))
             }
         }
@@ -615,11 +625,11 @@ impl Store for FileStore {
     }
 
     fn take_removed(&self) -> Removed {
-        lock(&self.index).removed.take()
+        self.index.lock().removed.take()
     }
 
     fn stats(&self) -> StoreStats {
-        let g = lock(&self.index);
+        let g = self.index.lock();
         StoreStats {
             objects: g.entries.len() as u64,
             bytes: g.bytes,
@@ -678,7 +688,7 @@ mod tests {
             if end > self.limit {
                 return Err(format!("{end} bytes do not fit"));
             }
-            let mut b = self.buf.lock().unwrap();
+            let mut b = self.buf.lock();
             assert_eq!(b.len(), offset as usize, "pieces arrive in order");
             b.resize(end, 0);
             fill(&mut b[offset as usize..end])
@@ -712,7 +722,7 @@ mod tests {
                 return None;
             }
             self.calls.fetch_add(1, Ordering::Relaxed);
-            let mut b = self.plain.buf.lock().unwrap();
+            let mut b = self.plain.buf.lock();
             Some(match src.read_to_end(&mut b) {
                 Ok(n) => {
                     seen(&b);
@@ -804,7 +814,7 @@ mod tests {
             let mut f = std::fs::File::open(&path).unwrap();
             let n = read_rest(&mut f, data.len() as u64, &sink).ok().unwrap();
             assert_eq!(n, data.len() as u64);
-            assert_eq!(*sink.buf.lock().unwrap(), data, "lend: {lend}");
+            assert_eq!(*sink.buf.lock(), data, "lend: {lend}");
             assert_eq!(
                 sink.lent.load(Ordering::Relaxed),
                 pieces,
@@ -822,7 +832,7 @@ mod tests {
             let mut f = std::fs::File::open(&path).unwrap();
             let n = read_rest(&mut f, data.len() as u64, &sink).ok().unwrap();
             assert_eq!(n, data.len() as u64);
-            assert_eq!(*sink.plain.buf.lock().unwrap(), data, "expect {expect}");
+            assert_eq!(*sink.plain.buf.lock(), data, "expect {expect}");
             assert_eq!(sink.calls.load(Ordering::Relaxed), appended);
         }
         // The file is shorter than the caller was told: an I/O error.

@@ -5,7 +5,6 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use kvtier_core::TenantTag;
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::StorageError;
@@ -235,15 +234,6 @@ impl Index {
             out.push(first.1);
         }
         out
-    }
-}
-
-/// Locks an index (or a sink's state), riding over a poisoned lock (their updates are
-/// single statements).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
     }
 }
 

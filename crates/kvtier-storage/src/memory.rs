@@ -1,8 +1,8 @@
 //! `memory`: objects in a hash map, with an optional capacity bound (FIFO eviction). For
 //! tests and for trying kvtier without a disk.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -39,11 +39,8 @@ impl MemoryStore {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        match self.inner.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
+        self.inner.lock()
     }
 
     /// Replaces an object's bytes without any checks, to simulate corruption in tests.

@@ -7,7 +7,6 @@ use bytes::Bytes;
 use kvtier_core::{LayoutFingerprint, PageKey};
 
 use crate::format::{HEADER_LEN, header, object_name, verify_head};
-use crate::lru::lock;
 use crate::{Fill, ObjectSink, OpCtx, SinkReadError, StorageError, Store, StoreStats};
 use kvtier_core::checksum::crc32c_append;
 
@@ -97,7 +96,7 @@ pub enum Landed {
 struct Checksummed {
     inner: Arc<dyn ObjectSink>,
     /// (running CRC32C, next expected offset)
-    crc: std::sync::Mutex<(u32, u64)>,
+    crc: parking_lot::Mutex<(u32, u64)>,
 }
 
 fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
@@ -111,7 +110,7 @@ fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
 impl ObjectSink for Checksummed {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
         {
-            let mut g = lock(&self.crc);
+            let mut g = self.crc.lock();
             in_order(&g, offset)?;
             g.0 = crc32c_append(g.0, bytes);
             g.1 += bytes.len() as u64;
@@ -121,7 +120,7 @@ impl ObjectSink for Checksummed {
 
     fn take(&self, rest: Bytes) -> Result<(), String> {
         {
-            let mut g = lock(&self.crc);
+            let mut g = self.crc.lock();
             in_order(&g, 0)?;
             g.0 = crc32c_append(g.0, &rest);
             g.1 += rest.len() as u64;
@@ -137,7 +136,7 @@ impl ObjectSink for Checksummed {
         src: &mut dyn std::io::Read,
         seen: &mut dyn FnMut(&[u8]),
     ) -> Option<Result<u64, SinkReadError>> {
-        let mut g = lock(&self.crc);
+        let mut g = self.crc.lock();
         if let Err(e) = in_order(&g, offset) {
             return Some(Err(SinkReadError::Sink(e)));
         }
@@ -154,7 +153,7 @@ impl ObjectSink for Checksummed {
 
     /// Checksums each piece right after the backend filled it, while it is still in cache.
     fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
-        let mut g = lock(&self.crc);
+        let mut g = self.crc.lock();
         if let Err(e) = in_order(&g, offset) {
             return Some(Err(e));
         }
@@ -174,7 +173,7 @@ impl ObjectSink for Checksummed {
 /// The destination of [`PageStore::get`]: the payload in memory of its own, reserved up front
 /// when the length is known, and filled without zeroing it first where the backend reads a
 /// file ([`ObjectSink::append_from`]).
-struct HeapSink(std::sync::Mutex<HeapBuf>);
+struct HeapSink(parking_lot::Mutex<HeapBuf>);
 
 enum HeapBuf {
     /// Filled in place or appended to: all of it is payload; its capacity is the length asked.
@@ -185,7 +184,7 @@ enum HeapBuf {
 
 impl HeapSink {
     fn new(expected_len: Option<usize>) -> Self {
-        Self(std::sync::Mutex::new(HeapBuf::Owned(Vec::with_capacity(
+        Self(parking_lot::Mutex::new(HeapBuf::Owned(Vec::with_capacity(
             expected_len.unwrap_or(0),
         ))))
     }
@@ -193,7 +192,7 @@ impl HeapSink {
     /// The payload received so far (the whole of it after a hit); leaves the sink empty, so a
     /// late write from a read that outlived its caller lands nowhere that matters.
     fn take_bytes(&self) -> Bytes {
-        match std::mem::replace(&mut *lock(&self.0), HeapBuf::Owned(Vec::new())) {
+        match std::mem::replace(&mut *self.0.lock(), HeapBuf::Owned(Vec::new())) {
             HeapBuf::Owned(buf) => Bytes::from(buf),
             HeapBuf::Taken(b) => b,
         }
@@ -201,7 +200,7 @@ impl HeapSink {
 
     /// Fills the next `len` bytes, growing the buffer (zeroed pieces, on the reading thread).
     fn put(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
-        let mut g = lock(&self.0);
+        let mut g = self.0.lock();
         let HeapBuf::Owned(buf) = &mut *g else {
             return Err("bytes arrived after a whole object".into());
         };
@@ -227,7 +226,7 @@ impl ObjectSink for HeapSink {
     }
 
     fn take(&self, rest: Bytes) -> Result<(), String> {
-        let mut g = lock(&self.0);
+        let mut g = self.0.lock();
         match &*g {
             HeapBuf::Owned(buf) if buf.is_empty() => {
                 *g = HeapBuf::Taken(rest);
@@ -251,7 +250,7 @@ impl ObjectSink for HeapSink {
         src: &mut dyn std::io::Read,
         seen: &mut dyn FnMut(&[u8]),
     ) -> Option<Result<u64, SinkReadError>> {
-        let mut g = lock(&self.0);
+        let mut g = self.0.lock();
         let HeapBuf::Owned(buf) = &mut *g else {
             return Some(Err(SinkReadError::Sink(
                 "bytes arrived after a whole object".into(),
@@ -371,14 +370,14 @@ impl PageStore {
         let c = &self.counters;
         let sum = Arc::new(Checksummed {
             inner: sink,
-            crc: std::sync::Mutex::new((0, 0)),
+            crc: parking_lot::Mutex::new((0, 0)),
         });
         let r = ctx
             .run(self.store.read_into(&name, HEADER_LEN, sum.clone()))
             .await;
         match r {
             Ok(Some((head, len))) => {
-                let (crc, seen) = *lock(&sum.crc);
+                let (crc, seen) = *sum.crc.lock();
                 let check = verify_head(&head, fp, key, expected_len, len).and_then(|want| {
                     if seen != len {
                         Err(format!("{seen} of {len} payload bytes arrived"))

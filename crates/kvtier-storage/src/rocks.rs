@@ -9,8 +9,9 @@
 //! The capacity bound is the same LRU as the file backend's (recency starts afresh after a
 //! restart). Every RocksDB call is blocking and runs on tokio's blocking pool.
 
+use parking_lot::Mutex;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -21,7 +22,7 @@ use rocksdb::{
     WriteOptions,
 };
 
-use crate::lru::{Index, blocking, check_fits, lock, now_ns};
+use crate::lru::{Index, blocking, check_fits, now_ns};
 use crate::{Removed, StorageError, Store, StoreStats, check_name};
 
 const SIZES: &str = "sizes";
@@ -99,6 +100,9 @@ impl RocksStore {
                 target: path.display().to_string(),
                 source,
             })?;
+            // No one else may swap the database's files under it.
+            kvtier_shm::check_trusted_dir(&path)
+                .map_err(|e| StorageError::Invalid(format!("l3.rocksdb.path: {e}")))?;
             let mut opts = Options::default();
             opts.create_if_missing(true);
             opts.create_missing_column_families(true);
@@ -123,7 +127,7 @@ impl RocksStore {
             blocking("rocksdb", move || {
                 let cf = sizes_cf(&db)?;
                 let at = now_ns();
-                let mut g = lock(&index);
+                let mut g = index.lock();
                 for item in db.iterator_cf(cf, IteratorMode::Start) {
                     let (k, v) = item.map_err(err("scan sizes"))?;
                     let (Ok(name), Ok(size)) = (std::str::from_utf8(&k), <[u8; 8]>::try_from(&*v))
@@ -156,7 +160,7 @@ impl RocksStore {
 
     /// Takes deleted `names` out of the capacity index; returns how many there were.
     fn forget(index: &Mutex<Index>, names: &mut Vec<String>) -> u64 {
-        let mut g = lock(index);
+        let mut g = index.lock();
         for n in names.iter() {
             g.remove(n);
         }
@@ -180,7 +184,7 @@ impl Store for RocksStore {
                 .get_opt(name.as_bytes(), &value_read_opts())
                 .map_err(err("get"))?;
             if v.is_some() {
-                lock(&index).touch(&name, now_ns());
+                index.lock().touch(&name, now_ns());
             }
             Ok(v.map(Bytes::from))
         })
@@ -192,7 +196,7 @@ impl Store for RocksStore {
         let size = (head.len() + body.len()) as u64;
         let cap = self.cfg.capacity_bytes.0;
         check_fits(size, cap)?;
-        lock(&self.index).check_quota(name, size)?;
+        self.index.lock().check_quota(name, size)?;
         let (db, index, name) = (self.db.clone(), self.index.clone(), name.to_string());
         let sync = self.cfg.sync;
         blocking("rocksdb", move || {
@@ -205,14 +209,14 @@ impl Store for RocksStore {
             b.put_cf(cf, name.as_bytes(), size.to_le_bytes());
             db.write_opt(b, &write_opts(sync)).map_err(err("put"))?;
             let victims = {
-                let mut g = lock(&index);
+                let mut g = index.lock();
                 g.insert(&name, size, now_ns());
                 g.victims(cap, &name)
             };
             if !victims.is_empty()
                 && let Err(e) = Self::remove_batch(&db, &victims, sync)
             {
-                lock(&index).delete_failures += victims.len() as u64;
+                index.lock().delete_failures += victims.len() as u64;
                 tracing::warn!("rocksdb: evicting {} objects failed: {e}", victims.len());
             }
             Ok(())
@@ -242,7 +246,7 @@ impl Store for RocksStore {
             self.cfg.sync,
         );
         blocking("rocksdb", move || {
-            lock(&index).remove(&name);
+            index.lock().remove(&name);
             Self::remove_batch(&db, std::slice::from_ref(&name), sync)
         })
         .await
@@ -273,11 +277,11 @@ impl Store for RocksStore {
     }
 
     fn take_removed(&self) -> Removed {
-        lock(&self.index).removed.take()
+        self.index.lock().removed.take()
     }
 
     fn stats(&self) -> StoreStats {
-        let g = lock(&self.index);
+        let g = self.index.lock();
         StoreStats {
             objects: g.entries.len() as u64,
             bytes: g.bytes,

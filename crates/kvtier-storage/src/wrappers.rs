@@ -1,7 +1,7 @@
 //! Wrappers that compose over any [`Store`]: a circuit breaker that turns a failing backend
 //! into fast misses, and a fault injector for tests.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -174,11 +174,8 @@ impl Breaker {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        match self.st.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
+        self.st.lock()
     }
 
     /// The current state.

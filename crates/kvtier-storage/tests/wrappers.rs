@@ -145,7 +145,7 @@ async fn bad_requests_do_not_open_the_breaker() {
 #[tokio::test]
 async fn metered_reports_every_call_with_outcome_and_bytes() {
     use kvtier_storage::wrappers::{Metered, StoreObserver};
-    use std::sync::Mutex;
+    use parking_lot::Mutex;
 
     #[derive(Debug, Default)]
     struct Log(Mutex<Vec<(&'static str, &'static str, &'static str, u64)>>);
@@ -159,7 +159,7 @@ async fn metered_reports_every_call_with_outcome_and_bytes() {
             seconds: f64,
         ) {
             assert!(seconds >= 0.0);
-            self.0.lock().unwrap().push((backend, op, outcome, bytes));
+            self.0.lock().push((backend, op, outcome, bytes));
         }
     }
     let log = Arc::new(Log::default());
@@ -177,7 +177,7 @@ async fn metered_reports_every_call_with_outcome_and_bytes() {
     assert!(m.get("ab/02").await.unwrap().is_none());
     faulty.set_fault(Some(Fault::Error));
     assert!(m.exists("ab/01").await.is_err());
-    let log = log.0.lock().unwrap();
+    let log = log.0.lock();
     let tail: Vec<_> = log.iter().rev().take(4).rev().cloned().collect();
     assert_eq!(
         tail,

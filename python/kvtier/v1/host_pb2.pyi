@@ -580,7 +580,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class PageEvent(_message.Message):
-    __slots__ = ("seq", "unix_nanos", "kind", "tier", "key", "parent", "layout")
+    __slots__ = ("seq", "unix_nanos", "kind", "tier", "key", "parent", "layout", "tenant_tag")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -588,6 +588,7 @@ class PageEvent(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_TAG_FIELD_NUMBER: _ClassVar[int]
     seq: int
     unix_nanos: int
     kind: PageEventKind
@@ -595,7 +596,8 @@ class PageEvent(_message.Message):
     key: bytes
     parent: bytes
     layout: str
-    def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., kind: _Optional[_Union[PageEventKind, str]] = ..., tier: _Optional[_Union[EventTier, str]] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., layout: _Optional[str] = ...) -> None: ...
+    tenant_tag: int
+    def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., kind: _Optional[_Union[PageEventKind, str]] = ..., tier: _Optional[_Union[EventTier, str]] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., layout: _Optional[str] = ..., tenant_tag: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("stream_id", "node", "events")

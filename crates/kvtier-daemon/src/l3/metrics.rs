@@ -187,11 +187,7 @@ impl L3Metrics {
         }
         catch_up(&self.retries.with_label_values(&["retried"]), r.retries);
         catch_up(&self.retries.with_label_values(&["saved"]), r.saved);
-        let window = l3
-            .read_window
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .limit();
+        let window = l3.read_window.lock().limit();
         self.read_window.set(window as i64);
         self.queue
             .set(l3.counters.queued.load(Ordering::Relaxed) as i64);

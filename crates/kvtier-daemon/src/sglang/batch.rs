@@ -5,8 +5,9 @@
 //! stays in one task: its objects apply in the request's order, so a later put of an id
 //! wins and the bounded memory keeps a batch's last objects.)
 
+use parking_lot::RwLock;
 use std::future::Future;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 
 use futures::StreamExt;
 
@@ -23,13 +24,13 @@ pub(super) struct CopyGate {
 impl CopyGate {
     /// Runs `copy` unless the gate is closed (then `None`), holding it open until done.
     pub(super) fn copy<R>(&self, copy: impl FnOnce() -> R) -> Option<R> {
-        let closed = self.closed.read().unwrap_or_else(PoisonError::into_inner);
+        let closed = self.closed.read();
         (!*closed).then(copy)
     }
 
     /// Closes the gate, waiting for a copy under way (one transfer's memcpy) to finish.
     fn close(&self) {
-        *self.closed.write().unwrap_or_else(PoisonError::into_inner) = true;
+        *self.closed.write() = true;
     }
 }
 
@@ -118,14 +119,12 @@ mod tests {
     async fn a_dropped_batch_copies_nothing_more() {
         let copied = Arc::new(AtomicUsize::new(0));
         let c = copied.clone();
-        let gates: Arc<std::sync::Mutex<Vec<Arc<CopyGate>>>> = Arc::default();
+        let gates: Arc<parking_lot::Mutex<Vec<Arc<CopyGate>>>> = Arc::default();
         let g = gates.clone();
         let batch = run((0..8).collect(), 2, -1, move |_: i32, gate| {
             let (c, g) = (c.clone(), g.clone());
             async move {
-                g.lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(gate.clone());
+                g.lock().push(gate.clone());
                 tokio::task::yield_now().await;
                 // Busy without a yield (an abort cannot stop this part), as a transfer between
                 // its read and its copy; the call goes away meanwhile.
@@ -146,7 +145,7 @@ mod tests {
             0,
             "a copy ran after the call ended"
         );
-        let gates = gates.lock().unwrap_or_else(PoisonError::into_inner);
+        let gates = gates.lock();
         assert!(!gates.is_empty(), "no transfer had started");
         assert!(
             gates.iter().all(|g| g.copy(|| ()).is_none()),

@@ -36,10 +36,11 @@ pub use cache::ObjectCache;
 pub use metrics::SglangMetrics;
 pub use service::StorageService;
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvtier_proto::ApiError;
 use kvtier_server::peers::GatedListener;
@@ -159,11 +160,8 @@ impl Registry {
 }
 
 impl Pools {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
-        match self.map.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        }
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Registry> {
+        self.map.lock()
     }
 
     /// The pool registered as `id`, while its client is connected.

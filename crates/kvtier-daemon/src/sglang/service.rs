@@ -24,8 +24,9 @@
 //! its copies into the engine's memory spread over the runtime's workers, and none runs once
 //! the call is over (`batch`); a BatchPut runs in one task, applying its objects in order.
 
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -120,13 +121,6 @@ struct BufferSink {
     overflow: AtomicBool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
-
 impl ObjectSink for BufferSink {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
         self.fill(offset, bytes.len(), &mut |dst| {
@@ -143,7 +137,7 @@ impl ObjectSink for BufferSink {
 
 impl BufferSink {
     fn fill(&self, offset: u64, len: usize, fill: Fill<'_>) -> Result<(), String> {
-        let mut b = lock(&self.buf);
+        let mut b = self.buf.lock();
         let start = usize::try_from(offset).map_err(|e| e.to_string())?;
         match start.checked_add(len) {
             Some(end) if end <= b.len() => fill(&mut b[start..end]),
@@ -404,7 +398,7 @@ impl Objects {
             .get_into(&ctx, &namespace(), &key, None, sink.clone())
             .await;
         // The backend is done with the sink (or its late writes find an empty buffer).
-        let buf = std::mem::take(&mut *lock(&sink.buf));
+        let buf = std::mem::take(&mut *sink.buf.lock());
         let c = match landed {
             Landed::Hit(v) if v.len as usize == total && !sink.overflow.load(Ordering::Relaxed) => {
                 let c = Self::scatter(gate, &pool, &ranges, &buf);

@@ -51,7 +51,8 @@ impl HostState {
 
     /// L3 was cleared by the operator: every page of every layout is gone from it.
     pub(super) fn l3_cleared(&mut self) {
-        self.l3_events.push((None, EventKind::Cleared));
+        self.l3_events
+            .push((None, EventKind::Cleared { tenant: None }));
     }
 
     /// What L3's backend removed on its own (capacity or quota evictions): REMOVED events

@@ -65,7 +65,9 @@ impl HostState {
             let Some(pool) = self.pools.remove(&fp) else {
                 continue;
             };
-            self.events.cleared(Some(pool.layout.fingerprint()));
+            // A tenant's own pool: a CLEARED of that tenant's pages alone.
+            let tenant = self.own_pool_tenant(&pool);
+            self.events.cleared(Some(pool.layout.fingerprint()), tenant);
             let s = pool.index.stats();
             if self.l3_mode() == L3Mode::Absent {
                 self.counters.lost_no_l3 += u64::from(s.ready);
@@ -113,7 +115,8 @@ impl HostState {
             let Some(pool) = self.pools.remove(fp) else {
                 continue;
             };
-            self.events.cleared(Some(pool.layout.fingerprint()));
+            let tenant = self.own_pool_tenant(&pool);
+            self.events.cleared(Some(pool.layout.fingerprint()), tenant);
             let s = pool.index.stats();
             let lost = if self.l3_mode() == L3Mode::Absent {
                 s.ready

@@ -17,7 +17,8 @@ mod buffer;
 mod driver;
 mod movers;
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
@@ -292,7 +293,7 @@ impl CudaDevice {
             .slot_ptr(0)
             .map_err(|e| DeviceError::Copy(e.to_string()))?;
         let (base, len) = (base.as_ptr() as usize, host.len());
-        let mut reg = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reg = self.registered.lock();
         if reg.iter().any(|r| r.base == base && r.len == len) {
             return Ok(None);
         }

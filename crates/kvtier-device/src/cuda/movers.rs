@@ -3,8 +3,9 @@
 //! in `copy.ptx`. Each copy waits for its stream before returning. [`offered`] sets up every
 //! method this driver can run, or says why it cannot; `method::select` then self-checks them.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 use kvtier_core::copy_method::Method;
@@ -17,10 +18,6 @@ use crate::plan::Run;
 /// Runs per driver call: batches are split here (the driver allocates per-call state in
 /// proportion to the count).
 pub(super) const MAX_BATCH: usize = 4096;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// One stream per direction, so a backup and a load overlap. Field order is drop order: the
 /// streams go before the context they belong to.
@@ -44,10 +41,10 @@ impl Lanes {
     /// The direction's stream, locked, with the context current on this thread.
     fn lane(&self, dir: Direction) -> Result<MutexGuard<'_, Stream>, DeviceError> {
         self.ctx.make_current()?;
-        Ok(lock(match dir {
-            Direction::ToHost => &self.to_host,
-            Direction::FromHost => &self.from_host,
-        }))
+        Ok(match dir {
+            Direction::ToHost => self.to_host.lock(),
+            Direction::FromHost => self.from_host.lock(),
+        })
     }
 }
 
@@ -343,7 +340,7 @@ impl Mover for Kernel {
             return Ok(());
         }
         let stream = self.lanes.lane(dir)?;
-        let mut desc = lock(&self.descriptors[dir as usize]);
+        let mut desc = self.descriptors[dir as usize].lock();
         for batch in runs.chunks(MAX_BATCH) {
             let table: Vec<u64> = batch
                 .iter()
