@@ -5,7 +5,8 @@
 //! without a row is refused until one is written.
 //!
 //! Refusals: a caller without a token the server knows (over TCP, where one is needed) gets
-//! `UNAUTHENTICATED`, counted in `kvtier_server_denied_calls_total`; a known caller whose role
+//! `UNAUTHENTICATED` for every method but those its row opens to anyone (health), so it
+//! learns not even which methods exist; counted in `kvtier_server_denied_calls_total`; a known caller whose role
 //! the row does not admit gets `PERMISSION_DENIED` naming what would admit it, counted in
 //! `kvtier_server_forbidden_calls_total{service}`; a method with no row gets `UNIMPLEMENTED`.
 //! Each kind is logged at most every [`crate::conn::LOG_EVERY`].
@@ -93,7 +94,25 @@ impl Guard {
         static DENIED: Throttle = Throttle::new(LOG_EVERY);
         static FORBIDDEN: Throttle = Throttle::new(LOG_EVERY);
         let path = req.uri().path();
-        let Some(door) = doors::method_on(self.listener, path) else {
+        let who = (self.resolve)(req.extensions(), req.headers());
+        let door = doors::method_on(self.listener, path);
+        // A caller without a token learns nothing, not even which methods exist.
+        if who == Who::Unauthenticated
+            && !door.is_some_and(|d| d.admits.admits(who, self.one_trust_domain))
+        {
+            self.metrics.denied.inc();
+            if let Some(more) = DENIED.allow() {
+                tracing::warn!(
+                    path,
+                    suppressed = more,
+                    "refused a TCP call without a valid token"
+                );
+            }
+            return Err(tonic::Status::unauthenticated(
+                "calls over TCP need \"authorization: Bearer <server.token>\"",
+            ));
+        }
+        let Some(door) = door else {
             if let Some(more) = UNKNOWN.allow() {
                 tracing::warn!(
                     path,
@@ -107,22 +126,8 @@ impl Guard {
                 self.listener.name()
             )));
         };
-        let who = (self.resolve)(req.extensions(), req.headers());
         if door.admits.admits(who, self.one_trust_domain) {
             return Ok(());
-        }
-        if who == Who::Unauthenticated {
-            self.metrics.denied.inc();
-            if let Some(more) = DENIED.allow() {
-                tracing::warn!(
-                    path,
-                    suppressed = more,
-                    "refused a TCP call without a valid token"
-                );
-            }
-            return Err(tonic::Status::unauthenticated(
-                "calls over TCP need \"authorization: Bearer <server.token>\"",
-            ));
         }
         self.metrics
             .forbidden
@@ -239,6 +244,14 @@ mod tests {
             Some(Code::Unauthenticated)
         );
         assert_eq!(call(&guard(Who::Unauthenticated, false), health), None);
+        // Without a token, not even which methods exist.
+        assert_eq!(
+            call(
+                &guard(Who::Unauthenticated, false),
+                "/kvtier.v1.Admin/Format"
+            ),
+            Some(Code::Unauthenticated)
+        );
         // A method with no row is refused to everyone, the operator too.
         assert_eq!(
             call(&guard(Who::Operator, true), "/kvtier.v1.Admin/Format"),
