@@ -500,12 +500,15 @@ impl HostState {
         Ok(())
     }
 
-    /// The tag of the tenant whose own pool `pool` is (`l2.tenant_pools`); `None` for a
-    /// layout's pool, which every tenant's sessions share.
+    /// The tag of the one tenant whose pages `pool` can hold: a named tenant's own pool's
+    /// (`l2.tenant_pools`), or, while named tenants have their own pools, the layout's pool,
+    /// which then holds the default tenant's alone. `None` when every tenant's pages share
+    /// the pool (no tenants named, or `l2.tenant_pools = false`).
     pub(crate) fn own_pool_tenant(&self, pool: &Pool) -> Option<TenantTag> {
         let fp = pool.layout.fingerprint();
+        let named = self.tenants.iter().any(|(n, _, _)| !n.is_empty());
         if pool.key == fp {
-            return None;
+            return (self.tenant_pools && named).then(|| TenantScope::new("").tag());
         }
         self.tenants
             .iter()

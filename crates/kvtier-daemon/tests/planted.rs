@@ -170,7 +170,20 @@ fn a_data_dir_or_l3_root_another_uid_can_change_stops_kvtierd() {
         )
         .unwrap();
         let e = refused_data_dir(&link, &[]);
-        assert!(e.contains(&format!("a symlink of uid {NOBODY}")), "{e}");
+        assert!(
+            e.contains(&format!("a symlink owned by uid {NOBODY}")),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_dir(&mine).unwrap().count(), 0);
+        // The same symlink one hop further, behind one of kvtierd's own (second review): the
+        // other uid could repoint it later, so it is refused all the same.
+        let front = dir.join("front");
+        std::os::unix::fs::symlink(&link, &front).unwrap();
+        let e = refused_data_dir(&front, &[]);
+        assert!(
+            e.contains(&format!("a symlink owned by uid {NOBODY}")),
+            "{e}"
+        );
         assert_eq!(std::fs::read_dir(&mine).unwrap().count(), 0);
     } else {
         eprintln!("skipped the other-owner cases: they need root");
@@ -193,6 +206,22 @@ fn a_data_dir_or_l3_root_another_uid_can_change_stops_kvtierd() {
         ],
     );
     drop(d);
+    // A directory under objects/ that others may write (planted while the store was open
+    // to them): whoever owns it could swap the pages in it, so the store does not open.
+    let planted = l3.join("objects").join("0123456789abcdef0123456789abcdef");
+    std::fs::create_dir(&planted).unwrap();
+    std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = refused_data_dir(&ok, &[&format!("l3.file.path={}", l3.display())]);
+    assert!(
+        e.contains("0123456789abcdef") && e.contains("mode 777"),
+        "{e}"
+    );
+    std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o700)).unwrap();
+    if is_root() {
+        std::os::unix::fs::chown(&planted, Some(NOBODY), Some(NOBODY)).unwrap();
+        let e = refused_data_dir(&ok, &[&format!("l3.file.path={}", l3.display())]);
+        assert!(e.contains(&format!("owned by uid {NOBODY}")), "{e}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

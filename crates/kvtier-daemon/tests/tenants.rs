@@ -784,5 +784,24 @@ fn a_tenants_own_pool_going_clears_its_pages_alone_in_every_stream() {
         );
         // Acme's pages are all still there.
         assert_eq!(a.lookup(sa.id, &chain(11, 3)).await.unwrap(), 3);
+        // The layout's own pool holds only the default tenant's pages while named tenants
+        // have pools of their own: its going is the default tenant's clear (second review).
+        let mut n = HostClient::connect_with(&tcp, &token("tok-default"))
+            .await
+            .unwrap();
+        let sn = n.register("default-worker", &spec).await.unwrap();
+        write(&mut n, &sn, &chain(13, 1), &[seeded_bytes(5, len)]).await;
+        n.close(sn.id).await.unwrap();
+        a.heartbeat(sa.id).await.unwrap();
+        let default = kvtier_core::TenantScope::new("").tag();
+        let op_clears = clears_within(&mut wo, Duration::from_millis(1500)).await;
+        assert_eq!(op_clears, [Some(default)], "the default tenant's pool went");
+        assert!(
+            clears_within(&mut wa, Duration::from_millis(200))
+                .await
+                .is_empty(),
+            "acme's stream showed the default tenant's pool going"
+        );
+        assert_eq!(a.lookup(sa.id, &chain(11, 3)).await.unwrap(), 3);
     });
 }

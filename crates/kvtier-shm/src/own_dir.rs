@@ -21,23 +21,56 @@ use crate::ShmError;
 
 /// Checks that only this process's uid (or root) can change what is at `path`, an existing
 /// directory kvtier keeps its own files under (kvtierd's `data_dir`, the file store's root):
-/// - every directory above it (of the path as resolved) is owned by this uid or root, and is
-///   writable by its group or others only when sticky (then no one else can rename or remove
-///   what is in it);
-/// - no symlink on the way (the path as written) is another uid's;
+/// - the path is resolved here, one name at a time: every directory passed through is owned
+///   by this uid or root, and writable by its group or others only when sticky (then no one
+///   else can rename or remove what is in it), and every symlink met (however deep in the
+///   resolution) is owned by this uid or root, so no one else can repoint it later;
 /// - the directory itself is owned by this uid or root and is not writable by its group or
-///   others (anyone could have planted a name in it: remove it, or fix its mode after
-///   checking what is inside).
+///   others (anyone could have planted a name in it: fix its mode after checking what is
+///   inside).
 ///
-/// Refused with [`ShmError::Untrusted`] naming the directory and why. The directory may be
-/// readable and searchable by others: sockets live in it.
+/// Refused with [`ShmError::Untrusted`] naming the directory or symlink and why. The
+/// directory may be readable and searchable by others: sockets live in it.
 pub fn check_trusted_dir(path: &Path) -> Result<(), ShmError> {
+    use std::collections::VecDeque;
+    use std::os::unix::fs::MetadataExt as _;
+    use std::path::Component;
+
     let me = rustix::process::geteuid().as_raw();
     let untrusted = |at: &Path, why: String| ShmError::Untrusted {
         path: at.display().to_string(),
         why,
     };
-    let trusted_owner = |uid: u32| uid == me || uid == 0;
+    let owner_ok = |at: &Path, m: &std::fs::Metadata, what: &str| {
+        if m.uid() == me || m.uid() == 0 {
+            Ok(())
+        } else {
+            Err(untrusted(
+                at,
+                format!(
+                    "{what} owned by uid {}: only this process's uid ({me}) or root may own \
+                     what leads to {}",
+                    m.uid(),
+                    path.display()
+                ),
+            ))
+        }
+    };
+    // A directory passed through: others may not rename what is in it.
+    let passable = |at: &Path| -> Result<(), ShmError> {
+        let m = std::fs::symlink_metadata(at).map_err(crate::io_err("stat", at))?;
+        owner_ok(at, &m, "a directory")?;
+        if m.mode() & 0o022 != 0 && m.mode() & 0o1000 == 0 {
+            return Err(untrusted(
+                at,
+                format!(
+                    "mode {:o} lets others rename what is in it (it is not sticky)",
+                    m.mode() & 0o7777
+                ),
+            ));
+        }
+        Ok(())
+    };
     let abs = if path.is_absolute() {
         path.to_path_buf()
     } else {
@@ -45,57 +78,56 @@ pub fn check_trusted_dir(path: &Path) -> Result<(), ShmError> {
             .map_err(crate::io_err("find the working directory of", path))?
             .join(path)
     };
-    // The path as written: a symlink on it is followed only when its owner could have
-    // written the directory it names anyway.
-    let mut at = PathBuf::new();
-    for c in abs.components() {
-        at.push(c);
-        if let Ok(m) = std::fs::symlink_metadata(&at)
-            && m.file_type().is_symlink()
-        {
-            use std::os::unix::fs::MetadataExt as _;
-            if !trusted_owner(m.uid()) {
-                return Err(untrusted(
-                    &at,
-                    format!(
-                        "a symlink of uid {} on the way to {}",
-                        m.uid(),
-                        path.display()
-                    ),
-                ));
+    // The names still to walk (a symlink's target is put in front as it is met).
+    let mut names: VecDeque<std::path::PathBuf> = abs
+        .components()
+        .map(|c| PathBuf::from(c.as_os_str()))
+        .collect();
+    let mut cur = PathBuf::from("/");
+    passable(&cur)?;
+    let mut links = 0;
+    while let Some(name) = names.pop_front() {
+        match name.components().next() {
+            None | Some(Component::CurDir) => {}
+            Some(Component::RootDir | Component::Prefix(_)) => {
+                cur = PathBuf::from("/");
+            }
+            Some(Component::ParentDir) => {
+                cur.pop();
+            }
+            Some(Component::Normal(n)) => {
+                let next = cur.join(n);
+                let m = std::fs::symlink_metadata(&next).map_err(crate::io_err("stat", &next))?;
+                if m.file_type().is_symlink() {
+                    owner_ok(&next, &m, "a symlink")?;
+                    links += 1;
+                    if links > 40 {
+                        return Err(untrusted(&next, "too many symlinks".into()));
+                    }
+                    let target =
+                        std::fs::read_link(&next).map_err(crate::io_err("read the link", &next))?;
+                    for c in target.components().rev() {
+                        names.push_front(PathBuf::from(c.as_os_str()));
+                    }
+                } else if m.is_dir() {
+                    cur = next;
+                    passable(&cur)?;
+                } else {
+                    return Err(untrusted(&next, "not a directory".into()));
+                }
             }
         }
     }
-    let real = std::fs::canonicalize(&abs).map_err(crate::io_err("resolve", path))?;
-    let mut dirs: Vec<&Path> = real.ancestors().collect();
-    dirs.reverse();
-    for dir in dirs {
-        use std::os::unix::fs::MetadataExt as _;
-        let m = std::fs::metadata(dir).map_err(crate::io_err("stat", dir))?;
-        if !m.is_dir() {
-            return Err(untrusted(dir, "not a directory".into()));
-        }
-        if !trusted_owner(m.uid()) {
-            return Err(untrusted(
-                dir,
-                format!(
-                    "owned by uid {}: only this process's uid ({me}) or root may own {} and                      the directories above it",
-                    m.uid(),
-                    path.display()
-                ),
-            ));
-        }
-        let others_write = m.mode() & 0o022 != 0;
-        let sticky = m.mode() & 0o1000 != 0;
-        if others_write && (dir == real || !sticky) {
-            return Err(untrusted(
-                dir,
-                format!(
-                    "mode {:o} lets others create, rename or remove names in it: fix its                      mode after checking what is inside, or choose another directory",
-                    m.mode() & 0o7777
-                ),
-            ));
-        }
+    let m = std::fs::metadata(&cur).map_err(crate::io_err("stat", &cur))?;
+    if m.mode() & 0o022 != 0 {
+        return Err(untrusted(
+            &cur,
+            format!(
+                "mode {:o} lets others create, rename or remove names in it: fix its mode \
+                 after checking what is inside, or choose another directory",
+                m.mode() & 0o7777
+            ),
+        ));
     }
     Ok(())
 }
@@ -355,7 +387,12 @@ mod tests {
             )
             .unwrap();
             let e = check_trusted_dir(&link).unwrap_err().to_string();
-            assert!(e.contains("a symlink of uid 65534"), "{e}");
+            assert!(e.contains("a symlink owned by uid 65534"), "{e}");
+            // Met deeper in the resolution, behind a symlink of this uid: refused too.
+            let front = top.join("front");
+            std::os::unix::fs::symlink(&link, &front).unwrap();
+            let e = check_trusted_dir(&front).unwrap_err().to_string();
+            assert!(e.contains("a symlink owned by uid 65534"), "{e}");
         }
         let _ = std::fs::remove_dir_all(&top);
     }

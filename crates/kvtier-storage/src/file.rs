@@ -99,6 +99,55 @@ fn trusted(dir: &Path) -> Result<(), StorageError> {
         .map_err(|e| StorageError::Invalid(format!("the file store's directory: {e}")))
 }
 
+/// Refuses a store with a directory under `objects/` that is not kvtierd's alone (another
+/// uid's, one others may write, or a symlink): whoever owns it could swap the files in it.
+/// Every directory kvtierd makes there is 0700 inside 0700 ones, so such a one was planted
+/// before (in a store another uid could write then). Only the directories are looked at
+/// (`objects/<layout>/` and the 256 prefixes under each, [`FileStore::path_of`]), never the
+/// objects in them.
+fn own_tree(objects: &Path) -> Result<(), StorageError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let me = rustix::process::geteuid().as_raw();
+    let mut dirs = vec![(objects.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).map_err(io("list", &dir))? {
+            let e = e.map_err(io("list", &dir))?;
+            let ft = e.file_type().map_err(io("stat", &e.path()))?;
+            if !ft.is_dir() && !ft.is_symlink() {
+                continue;
+            }
+            let p = e.path();
+            let m = std::fs::symlink_metadata(&p).map_err(io("stat", &p))?;
+            let bad = |why: String| {
+                StorageError::Invalid(format!(
+                    "the file store's directory {}: {why}; remove it (or fix it after checking \
+                     what is inside)",
+                    p.display()
+                ))
+            };
+            if m.file_type().is_symlink() {
+                return Err(bad("a symlink, which kvtier never makes there".into()));
+            }
+            if !m.is_dir() {
+                continue;
+            }
+            if m.uid() != me && m.uid() != 0 {
+                return Err(bad(format!("owned by uid {}", m.uid())));
+            }
+            if m.mode() & 0o022 != 0 {
+                return Err(bad(format!(
+                    "mode {:o} lets others write it",
+                    m.mode() & 0o7777
+                )));
+            }
+            if depth < 1 {
+                dirs.push((p, depth + 1));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Moves the written temp file `tmp` to its object's `path`, replacing what is there.
 ///
 /// Never by renaming over an existing file: ext4 (with its default `auto_da_alloc`) then
@@ -157,6 +206,7 @@ impl FileStore {
         let objects = root.join("objects");
         private_dirs(&objects).map_err(io("create", &objects))?;
         trusted(&objects)?;
+        own_tree(&objects)?;
         // Versions before 0.2 wrote temp files to `tmp/`: its temp files go, then it, if empty.
         let old_tmp = root.join("tmp");
         if std::fs::symlink_metadata(&old_tmp).is_ok_and(|m| m.is_dir()) {
