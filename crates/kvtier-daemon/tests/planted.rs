@@ -221,6 +221,22 @@ fn a_data_dir_or_l3_root_another_uid_can_change_stops_kvtierd() {
         std::os::unix::fs::chown(&planted, Some(NOBODY), Some(NOBODY)).unwrap();
         let e = refused_data_dir(&ok, &[&format!("l3.file.path={}", l3.display())]);
         assert!(e.contains(&format!("owned by uid {NOBODY}")), "{e}");
+        // In its place, a symlink of theirs (to a directory kvtierd could use): refused.
+        std::fs::remove_dir(&planted).unwrap();
+        std::os::unix::fs::symlink(&ok, &planted).unwrap();
+        rustix::fs::chownat(
+            rustix::fs::CWD,
+            &planted,
+            Some(rustix::fs::Uid::from_raw(NOBODY)),
+            Some(rustix::fs::Gid::from_raw(NOBODY)),
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+        let e = refused_data_dir(&ok, &[&format!("l3.file.path={}", l3.display())]);
+        assert!(
+            e.contains(&format!("a symlink owned by uid {NOBODY}")),
+            "{e}"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

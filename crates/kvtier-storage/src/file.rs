@@ -100,7 +100,8 @@ fn trusted(dir: &Path) -> Result<(), StorageError> {
 }
 
 /// Refuses a store with a directory under `objects/` that is not kvtierd's alone (another
-/// uid's, one others may write, or a symlink): whoever owns it could swap the files in it.
+/// uid's, one others may write, or a symlink another uid owns or that leads to such a
+/// directory): whoever owns it could swap the files in it.
 /// Every directory kvtierd makes there is 0700 inside 0700 ones, so such a one was planted
 /// before (in a store another uid could write then). Only the directories are looked at
 /// (`objects/<layout>/` and the 256 prefixes under each, [`FileStore::path_of`]), never the
@@ -126,7 +127,13 @@ fn own_tree(objects: &Path) -> Result<(), StorageError> {
                 ))
             };
             if m.file_type().is_symlink() {
-                return Err(bad("a symlink, which kvtier never makes there".into()));
+                // An operator's (a layout moved to another disk): it and where it leads must
+                // be no one else's to change.
+                if m.uid() != me && m.uid() != 0 {
+                    return Err(bad(format!("a symlink owned by uid {}", m.uid())));
+                }
+                kvtier_shm::check_trusted_dir(&p).map_err(|e| bad(e.to_string()))?;
+                continue;
             }
             if !m.is_dir() {
                 continue;
