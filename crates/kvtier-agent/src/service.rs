@@ -262,7 +262,7 @@ impl AgentService {
         } else {
             Mode::Tree
         };
-        if mode == Mode::EngineCache && !s.policy().saves_before_eviction() {
+        if mode == Mode::EngineCache && !s.policy().copies_while_held() {
             return Err(ApiError::FailedPrecondition(
                 "engine_cache with write_policy write_back: the engine never says when it \
                  evicts a page, so a page saved only then would never be saved; set \

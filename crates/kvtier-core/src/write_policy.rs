@@ -2,8 +2,8 @@
 //! (device → L2 backups) and kvtierd (L2 → L3 writes) follow.
 //!
 //! Every policy keeps the same promise: **a page is in the tier below before its slot in this
-//! tier is reused** ([`WritePolicy::before_eviction`]). A computed page therefore leaves the
-//! system only when the tier below refuses it (full of pinned pages, down, unreachable), and
+//! tier is reused** ([`WritePolicy::copied_below_before_reuse`]). A computed page therefore
+//! leaves the system only when the tier below refuses it (full of pinned pages, down, unreachable), and
 //! that is counted with its reason by the caller. The policies differ only in how *early* the
 //! copy is made:
 //!
@@ -98,7 +98,7 @@ impl WritePolicy {
     /// not only when it evicts them? A tier that never hears of its own evictions (an
     /// engine's prefix cache, the agent's engine-cache mode) needs one that does, or it would
     /// never save anything.
-    pub fn saves_before_eviction(self) -> bool {
+    pub fn copies_while_held(self) -> bool {
         self.on_store() || self.on_hit(u64::MAX)
     }
 
@@ -106,7 +106,7 @@ impl WritePolicy {
     /// yes: that is what keeps computed pages from being lost to load. Eviction asks this and
     /// copies (or waits for the copy) first; only when the tier below refuses does it give
     /// the page up, counted with the reason.
-    pub fn before_eviction(self) -> bool {
+    pub fn copied_below_before_reuse(self) -> bool {
         match self {
             Self::WriteThrough | Self::WriteThroughSelective { .. } | Self::WriteBack => true,
         }
@@ -179,8 +179,8 @@ mod tests {
         assert!(WritePolicy::WriteThrough.saves_looked_up(0));
         assert!(!WritePolicy::WriteThrough.counts_hits());
         // write_back is refused for engine caches; it would save nothing.
-        assert!(!WritePolicy::WriteBack.saves_before_eviction());
-        assert!(WritePolicy::WriteThrough.saves_before_eviction() && sel.saves_before_eviction());
+        assert!(!WritePolicy::WriteBack.copies_while_held());
+        assert!(WritePolicy::WriteThrough.copies_while_held() && sel.copies_while_held());
         assert!(!WritePolicy::WriteBack.saves_looked_up(u64::MAX));
         assert!(!WritePolicy::WriteBack.counts_hits());
     }
@@ -204,7 +204,7 @@ mod tests {
         assert!(!sel.on_hit(2) && sel.on_hit(3) && sel.on_hit(4));
         for p in [wt, sel, wb] {
             assert!(
-                p.before_eviction(),
+                p.copied_below_before_reuse(),
                 "{p}: nothing computed may be lost to load"
             );
         }

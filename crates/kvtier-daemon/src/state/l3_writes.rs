@@ -60,7 +60,7 @@ impl HostState {
         match (self.write, self.l3_down) {
             (None, _) => L3Mode::Absent,
             // Every policy copies a page to L3 before its slot is reused.
-            (Some(p), false) if p.before_eviction() => L3Mode::Up,
+            (Some(p), false) if p.copied_below_before_reuse() => L3Mode::Up,
             (Some(_), _) => L3Mode::Down,
         }
     }
