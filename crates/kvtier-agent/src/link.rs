@@ -77,14 +77,6 @@ impl std::fmt::Debug for Link {
 /// Builds the report each heartbeat carries.
 pub type Reporter = Arc<dyn Fn() -> kvtier_proto::v1::ClientReport + Send + Sync>;
 
-fn read<T>(l: &RwLock<T>) -> parking_lot::RwLockReadGuard<'_, T> {
-    l.read()
-}
-
-fn write<T>(l: &RwLock<T>) -> parking_lot::RwLockWriteGuard<'_, T> {
-    l.write()
-}
-
 /// Whether an error means the link itself is gone (daemon down, restarted, session expired),
 /// rather than a refused request.
 pub fn is_link_error(e: &ClientError) -> bool {
@@ -124,7 +116,7 @@ impl Link {
 
     /// Sets what runs when a new session is established, before anything uses it.
     pub fn set_on_linked(&self, f: OnLinked) {
-        *write(&self.on_linked) = Some(f);
+        *self.on_linked.write() = Some(f);
     }
 
     fn down_since(&self) -> Option<Instant> {
@@ -167,7 +159,7 @@ impl Link {
 
     /// Sets what each heartbeat reports to kvtierd (its per-session view of this worker).
     pub fn set_reporter(&self, r: Reporter) {
-        *write(&self.reporter) = Some(r);
+        *self.reporter.write() = Some(r);
     }
 
     /// Per-call deadline.
@@ -180,7 +172,7 @@ impl Link {
         let changed = self.want.borrow().as_ref() != Some(&layout);
         if changed {
             self.want.send_replace(Some(layout));
-            *write(&self.current) = None;
+            *self.current.write() = None;
             // A session being set up counts as a link that just broke: saves issued before
             // it is up wait for it (up to their grace) instead of being given up at once.
             self.set_down_since(Some(Instant::now()));
@@ -189,13 +181,13 @@ impl Link {
 
     /// The live session, if any.
     pub fn current(&self) -> Option<Arc<Linked>> {
-        read(&self.current).clone()
+        self.current.read().clone()
     }
 
     /// Reports that a call on `linked` failed in a way that means the session is gone; the
     /// background task reconnects.
     pub fn broken(&self, linked: &Arc<Linked>, why: &ClientError) {
-        let mut cur = write(&self.current);
+        let mut cur = self.current.write();
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, linked)) {
             tracing::warn!(
                 session = %linked.session,
@@ -261,13 +253,13 @@ impl Link {
                                 + 1;
                             linked.generation = generation;
                             tracing::info!(session = %linked.session, generation, address = %self.address, "registered with kvtierd");
-                            let hook = read(&self.on_linked).clone();
+                            let hook = self.on_linked.read().clone();
                             if let Some(hook) = hook {
                                 hook(&linked);
                             }
                             let ttl = linked.ttl;
                             self.close_abandoned(&linked);
-                            *write(&self.current) = Some(Arc::new(linked));
+                            *self.current.write() = Some(Arc::new(linked));
                             self.set_down_since(None);
                             self.linked.send_replace(generation);
                             backoff = self.backoff.0;
@@ -288,7 +280,7 @@ impl Link {
                 }
                 (Some(_), Some(linked)) => {
                     let mut c = linked.client.clone();
-                    let report = read(&self.reporter).as_ref().map(|r| r());
+                    let report = self.reporter.read().as_ref().map(|r| r());
                     let beat = c.heartbeat_with(linked.session, report);
                     match tokio::time::timeout(self.timeout, beat).await {
                         Ok(Ok(())) => {}

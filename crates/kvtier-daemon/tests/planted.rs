@@ -115,6 +115,11 @@ fn a_planted_or_writable_pool_directory_stops_kvtierd_and_a_readable_one_is_narr
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Makes the symlink at `link` (not what it names) nobody's.
+fn give_link_to_nobody(link: &Path) {
+    std::os::unix::fs::lchown(link, Some(NOBODY), Some(NOBODY)).unwrap();
+}
+
 /// Runs kvtierd with `data_dir` (and an L3 file store under it, its default), expecting it
 /// to refuse to start: its stderr.
 fn refused_data_dir(data: &Path, extra: &[&str]) -> String {
@@ -161,14 +166,7 @@ fn a_data_dir_or_l3_root_another_uid_can_change_stops_kvtierd() {
         std::fs::create_dir(&mine).unwrap();
         let link = public.join("link");
         std::os::unix::fs::symlink(&mine, &link).unwrap();
-        rustix::fs::chownat(
-            rustix::fs::CWD,
-            &link,
-            Some(rustix::fs::Uid::from_raw(NOBODY)),
-            Some(rustix::fs::Gid::from_raw(NOBODY)),
-            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
-        )
-        .unwrap();
+        give_link_to_nobody(&link);
         let e = refused_data_dir(&link, &[]);
         assert!(
             e.contains(&format!("a symlink owned by uid {NOBODY}")),
@@ -224,14 +222,7 @@ fn a_data_dir_or_l3_root_another_uid_can_change_stops_kvtierd() {
         // In its place, a symlink of theirs (to a directory kvtierd could use): refused.
         std::fs::remove_dir(&planted).unwrap();
         std::os::unix::fs::symlink(&ok, &planted).unwrap();
-        rustix::fs::chownat(
-            rustix::fs::CWD,
-            &planted,
-            Some(rustix::fs::Uid::from_raw(NOBODY)),
-            Some(rustix::fs::Gid::from_raw(NOBODY)),
-            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
-        )
-        .unwrap();
+        give_link_to_nobody(&planted);
         let e = refused_data_dir(&ok, &[&format!("l3.file.path={}", l3.display())]);
         assert!(
             e.contains(&format!("a symlink owned by uid {NOBODY}")),

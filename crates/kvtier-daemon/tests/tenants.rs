@@ -48,6 +48,11 @@ async fn read(
     out
 }
 
+/// A client of kvtierd's TCP listener `tcp` presenting token `t`.
+async fn as_tenant(tcp: &str, t: &str) -> HostClient {
+    HostClient::connect_with(tcp, &token(t)).await.unwrap()
+}
+
 /// A kvtierd whose config file is `toml`, with an insecure loopback TCP listener and a pool
 /// of 64 pages.
 fn start(name: &str, toml: &str) -> Daemon {
@@ -83,12 +88,8 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
     let spec = layout("tenants");
     let keys = chain(5, 8);
     rt().block_on(async {
-        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
-            .await
-            .unwrap();
-        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
+        let mut a = as_tenant(&tcp, "tok-acme").await;
+        let mut g = as_tenant(&tcp, "tok-globex").await;
         let mut u = HostClient::connect(&d.target()).await.unwrap();
         let (sa, sg, su) = (
             a.register("acme-worker", &spec).await.unwrap(),
@@ -149,9 +150,7 @@ fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
             );
         }
         // A caller that is no tenant (TCP without a tenant token) finds nothing of theirs.
-        let mut n = HostClient::connect_with(&tcp, &token("tok-default"))
-            .await
-            .unwrap();
+        let mut n = as_tenant(&tcp, "tok-default").await;
         let sn = n.register("no-tenant", &spec).await.unwrap();
         assert_eq!(n.lookup_tiers(sn.id, &keys, true).await.unwrap(), (0, 0));
         // Nor by naming the keys acme's are stored under (the scope is a public function):
@@ -333,9 +332,7 @@ fn a_tenant_at_its_quotas_evicts_only_its_own_pages_in_l2_and_l3() {
     assert_eq!(usage("").l2_pages, 0);
     // Every globex page is still in L2, byte for byte.
     rt().block_on(async {
-        let mut c = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
+        let mut c = as_tenant(&tcp, "tok-globex").await;
         let s = c.register("globex-reader", &spec).await.unwrap();
         for k in &globex {
             let want: Vec<_> = k
@@ -423,9 +420,7 @@ fn a_tenant_that_reserves_and_never_commits_cannot_block_the_others() {
                 .filter(|x| matches!(x, kvtier_client::Reserved::Slot(_)))
                 .count()
         };
-        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
-            .await
-            .unwrap();
+        let mut a = as_tenant(&tcp, "tok-acme").await;
         let sa = a.register("hog", &spec).await.unwrap();
         // Acme asks for the whole pool and never commits.
         let got = reserved(a.reserve(sa.id, None, &chain(1, 64)).await.unwrap());
@@ -434,17 +429,13 @@ fn a_tenant_that_reserves_and_never_commits_cannot_block_the_others() {
         let got = reserved(a.reserve(sa2.id, None, &chain(2, 8)).await.unwrap());
         assert_eq!(got, 0, "acme's second session is within acme's budget too");
         // Globex and the default tenant still write.
-        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
+        let mut g = as_tenant(&tcp, "tok-globex").await;
         let sg = g.register("writer", &spec).await.unwrap();
         let keys = chain(3, 12);
         let got = reserved(g.reserve(sg.id, None, &keys).await.unwrap());
         assert_eq!(got, 12, "globex was blocked by acme's open reservations");
         g.commit(sg.id, &keys).await.unwrap();
-        let mut n = HostClient::connect_with(&tcp, &token("tok-default"))
-            .await
-            .unwrap();
+        let mut n = as_tenant(&tcp, "tok-default").await;
         let sn = n.register("writer", &spec).await.unwrap();
         assert_eq!(
             reserved(n.reserve(sn.id, None, &chain(4, 4)).await.unwrap()),
@@ -473,9 +464,7 @@ fn leased_slots_count_in_a_tenants_share() {
     let tcp = format!("http://{}", d.tcp);
     let spec = layout("leases");
     rt().block_on(async {
-        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
-            .await
-            .unwrap();
+        let mut a = as_tenant(&tcp, "tok-acme").await;
         let mut leased = 0;
         let mut sessions = Vec::new();
         for i in 0..40 {
@@ -484,9 +473,7 @@ fn leased_slots_count_in_a_tenants_share() {
             sessions.push(s);
         }
         assert_eq!(leased, 16, "acme leased past its share");
-        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
+        let mut g = as_tenant(&tcp, "tok-globex").await;
         let sg = g.register("writer", &spec).await.unwrap();
         let keys = chain(3, 12);
         let got = g.reserve(sg.id, None, &keys).await.unwrap();
@@ -514,9 +501,7 @@ fn a_tenant_cannot_keep_every_pool_place() {
     );
     let tcp = format!("http://{}", d.tcp);
     rt().block_on(async {
-        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
-            .await
-            .unwrap();
+        let mut a = as_tenant(&tcp, "tok-acme").await;
         let held = [
             a.register("a0", &layout("acme-0")).await.unwrap(),
             a.register("a1", &layout("acme-1")).await.unwrap(),
@@ -526,9 +511,7 @@ fn a_tenant_cannot_keep_every_pool_place() {
         assert_eq!(e.code(), Some(tonic::Code::ResourceExhausted), "{e}");
         assert!(e.to_string().contains("max_pools_per_tenant"), "{e}");
         // Globex's first registrations are not.
-        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
+        let mut g = as_tenant(&tcp, "tok-globex").await;
         g.register("g0", &layout("globex-0")).await.unwrap();
         g.register("g1", &layout("globex-1")).await.unwrap();
         // One of acme's pools idle: its new layout takes that place.
@@ -638,12 +621,8 @@ fn a_tenant_watches_only_its_own_pages_and_the_operator_all() {
     let (_d, tcp) = acme_and_globex("tenant-events");
     let spec = layout("tenant-events");
     rt().block_on(async {
-        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
-            .await
-            .unwrap();
-        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
+        let mut a = as_tenant(&tcp, "tok-acme").await;
+        let mut g = as_tenant(&tcp, "tok-globex").await;
         let (sa, sg) = (
             a.register("acme-worker", &spec).await.unwrap(),
             g.register("globex-worker", &spec).await.unwrap(),
@@ -666,9 +645,7 @@ fn a_tenant_watches_only_its_own_pages_and_the_operator_all() {
         assert_eq!(watched(&mut a).await, scoped("acme", &ka));
         assert_eq!(watched(&mut g).await, scoped("globex", &kg));
         // The operator hears of every page.
-        let mut op = HostClient::connect_with(&tcp, &token("tok-admin"))
-            .await
-            .unwrap();
+        let mut op = as_tenant(&tcp, "tok-admin").await;
         let all = watched(&mut op).await;
         assert_eq!(all.len(), 7);
         assert!(all.is_superset(&scoped("acme", &ka)) && all.is_superset(&scoped("globex", &kg)));
@@ -738,15 +715,9 @@ fn a_tenants_own_pool_going_clears_its_pages_alone_in_every_stream() {
     };
     let spec = layout("tenant-clears");
     rt().block_on(async {
-        let mut a = HostClient::connect_with(&tcp, &token("tok-acme"))
-            .await
-            .unwrap();
-        let mut g = HostClient::connect_with(&tcp, &token("tok-globex"))
-            .await
-            .unwrap();
-        let mut op = HostClient::connect_with(&tcp, &token("tok-admin"))
-            .await
-            .unwrap();
+        let mut a = as_tenant(&tcp, "tok-acme").await;
+        let mut g = as_tenant(&tcp, "tok-globex").await;
+        let mut op = as_tenant(&tcp, "tok-admin").await;
         let sa = a.register("acme-worker", &spec).await.unwrap();
         let len = sa.layout.page_bytes();
         write(
@@ -786,9 +757,7 @@ fn a_tenants_own_pool_going_clears_its_pages_alone_in_every_stream() {
         assert_eq!(a.lookup(sa.id, &chain(11, 3)).await.unwrap(), 3);
         // The layout's own pool holds only the default tenant's pages while named tenants
         // have pools of their own: its going is the default tenant's clear (second review).
-        let mut n = HostClient::connect_with(&tcp, &token("tok-default"))
-            .await
-            .unwrap();
+        let mut n = as_tenant(&tcp, "tok-default").await;
         let sn = n.register("default-worker", &spec).await.unwrap();
         write(&mut n, &sn, &chain(13, 1), &[seeded_bytes(5, len)]).await;
         n.close(sn.id).await.unwrap();

@@ -98,5 +98,3 @@ pub fn grpc_server() -> tonic::transport::Server<
         .tcp_nodelay(true)
         .layer(crate::malformed::layer())
 }
-
-pub use kvtier_config::tls::constant_time_eq;
