@@ -25,9 +25,12 @@ _MAX_MESSAGE = 64 << 20
 class KvtierError(Exception):
     """A call to kvtierd failed; ``retryable`` when the daemon may come back (restart, load)."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, lost: str | None = None):
         super().__init__(message)
         self.code = code
+        # What a NOT_FOUND says the caller lost (its ``kvtier-lost`` trailer): "session"
+        # (kvtierd's) or "pool" (an agent's); None for any other error.
+        self.lost = lost if code == grpc.StatusCode.NOT_FOUND else None
 
     @property
     def refused(self) -> bool:
@@ -62,14 +65,15 @@ class KvtierError(Exception):
 
     @property
     def session_lost(self) -> bool:
-        """The daemon no longer knows the session (it expired, or kvtierd restarted)."""
-        return self.code == grpc.StatusCode.NOT_FOUND
+        """The daemon no longer knows the session (it expired, or kvtierd restarted): register
+        again. Not a prefetch or request that is gone, though that is NOT_FOUND too."""
+        return self.lost == "session"
 
     @property
     def pool_lost(self) -> bool:
         """An agent no longer serves this client's pool (the agent restarted, or the pool was
         registered again): register it again."""
-        return self.code == grpc.StatusCode.NOT_FOUND
+        return self.lost == "pool"
 
     @property
     def pool_taken(self) -> bool:
@@ -101,11 +105,25 @@ def call(fn, request, timeout: float, metadata: Sequence[tuple[str, str]] | None
     try:
         return fn(request, timeout=timeout, metadata=[*(metadata or ()), deadline])
     except grpc.RpcError as e:
-        code = e.code() if hasattr(e, "code") else None
-        details = e.details() if hasattr(e, "details") else str(e)
-        name = getattr(fn, "_method", b"call")
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        raise KvtierError(f"{name}: {code.name if code else 'error'}: {details}", code) from None
+        raise error(getattr(fn, "_method", b"call"), e) from None
+
+
+# The trailer of a NOT_FOUND that says what the caller lost ("session" or "pool").
+LOST_TRAILER = "kvtier-lost"
+
+
+def error(method: bytes | str, e: grpc.RpcError) -> KvtierError:
+    """``e``, from a call of ``method``, as a :class:`KvtierError` with its code and what it
+    says the caller lost."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    name = method.decode() if isinstance(method, bytes) else str(method)
+    lost = None
+    trailers = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    for m in trailers or ():
+        if m.key == LOST_TRAILER:
+            lost = m.value.decode() if isinstance(m.value, bytes) else str(m.value)
+    return KvtierError(f"{name}: {code.name if code else 'error'}: {details}", code, lost)
 
 
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$")

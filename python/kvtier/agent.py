@@ -391,20 +391,24 @@ class AgentClient:
         timeout: float | None = None,
         owner: str | None = None,
         call_id: str | None = None,
+        whole_load_pages: int = 0,
     ) -> Loaded:
         """Engine-cache mode: loads pages ``start_page..`` of the prompt into
         ``device_pages`` in order; returns how many leading ones hold their page (the rest
         the engine computes) and the last one's key. ``policy``: how to wait for pages from
         L3 (None: the daemon's). ``owner``: present this registration's token
         (PoolInfo.owner) rather than the client's latest. ``call_id``: names the call for
-        :meth:`cancel` (unique among this client's calls)."""
+        :meth:`cancel` (unique among this client's calls). ``whole_load_pages``: where this
+        call loads one piece of a larger load, that load's pages (kvtierd's
+        load-versus-recompute decision weighs the whole load, so every piece gets its
+        answer)."""
         toks, parent = _prompt(tokens)
         req = agent_pb2.LoadPagesRequest(
             packed_tokens=toks,
             namespace=namespace_pb(namespace),
             start_page=start_page,
             device_pages=device_pages,
-            hints=host_pb2.PrefetchHints(timeout_ms=timeout_ms),
+            hints=host_pb2.PrefetchHints(timeout_ms=timeout_ms, whole_load_pages=whole_load_pages),
             parent_key=parent,
         )
         if policy is not None:

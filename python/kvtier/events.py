@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvtier._rpc import KvtierError
+from kvtier._rpc import error as _error
 from kvtier.host import DaemonClient
 from kvtier.v1 import host_pb2
 
@@ -95,7 +96,7 @@ def watch(client: DaemonClient, stream_id: int = 0, after_seq: int = 0) -> Itera
         for b in stream:
             yield EventBatch(b.stream_id, b.node, tuple(PageEvent.of(e) for e in b.events))
     except grpc.RpcError as e:
-        raise KvtierError(f"WatchEvents: {e.code().name}: {e.details()}", e.code()) from None
+        raise _error("WatchEvents", e) from None
     finally:
         stream.cancel()
 

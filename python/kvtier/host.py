@@ -23,6 +23,7 @@ from kvtier import _pool_door
 from kvtier import keys as _keys
 from kvtier._rpc import KvtierError as KvtierError  # integrations catch it from here
 from kvtier._rpc import call as _call
+from kvtier._rpc import error as _error
 from kvtier._rpc import grpc_channel
 from kvtier._rpc import packed as _packed
 from kvtier.layout import DTYPES as DTYPES  # integrations name dtypes from here
@@ -58,7 +59,7 @@ class DaemonClient:
         try:
             yield from stream
         except grpc.RpcError as e:
-            raise KvtierError(f"WatchMetrics: {e.code().name}: {e.details()}", e.code()) from None
+            raise _error("WatchMetrics", e) from None
         finally:
             stream.cancel()
 
@@ -177,7 +178,7 @@ def final_progress(
         for p in method(request, timeout=timeout, metadata=list(metadata) or None):
             last = p
     except grpc.RpcError as e:
-        raise KvtierError(f"Prefetch: {e.code().name}: {e.details()}", e.code()) from None
+        raise _error("Prefetch", e) from None
     if last is None:
         raise KvtierError("Prefetch: the stream ended without progress")
     return Progress.of(last)
@@ -492,7 +493,7 @@ class HostSession:
         ``KvtierError`` (session lost) when the session was already given up."""
         with self._users_lock:
             if self.closed:
-                raise KvtierError("the session was given up", grpc.StatusCode.NOT_FOUND)
+                raise KvtierError("the session was given up", grpc.StatusCode.NOT_FOUND, "session")
             self._users += 1
         try:
             yield self

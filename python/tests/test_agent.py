@@ -206,7 +206,8 @@ def test_a_pool_belongs_to_the_client_that_registered_it(engine, agent) -> None:
     stranger = AgentClient(agent.socket)
     with pytest.raises(KvtierError) as e:
         stranger.match(tokens)
-    assert e.value.pool_lost and "kvtier-pool-owner" in str(e.value)
+    assert e.value.pool_lost and not e.value.session_lost
+    assert "kvtier-pool-owner" in str(e.value)
     stranger.close()
     # The owner registering again (a new pool, same process) gets a new token: a call
     # with the old one is refused, never served against the new pool.

@@ -3,6 +3,7 @@ two-phase write and pinned read through the mapped pool, and refusals that name 
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from kvtier.host import DaemonClient, KvtierError
@@ -96,7 +97,15 @@ def test_refusals_name_what_is_wrong(client: DaemonClient) -> None:
     s.close()
     with pytest.raises(KvtierError) as e:
         s.lookup(page_keys(list(range(4)), 4))
-    assert e.value.session_lost
+    # The NOT_FOUND's trailer says what is lost: the session, not an agent's pool.
+    assert e.value.session_lost and not e.value.pool_lost
+    # A prefetch that does not exist is NOT_FOUND too, but the session is fine.
+    live = client.register("live", layout())
+    with pytest.raises(KvtierError) as e:
+        live.release_prefetch("no-such-request")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert not e.value.session_lost and not e.value.pool_lost
+    live.close()
 
 
 def test_the_pool_arrives_as_a_descriptor_and_the_door_refuses_a_stranger(

@@ -310,7 +310,7 @@ impl CacheMode {
         // The progress stream is not needed: TakePrefetch waits per the policy.
         let Some(_progress) = self
             .l2
-            .call_prefetch(linked, c.prefetch(linked.session, &id, keys, opts))
+            .call(linked, c.prefetch(linked.session, &id, keys, opts))
             .await
         else {
             return Vec::new();
@@ -319,16 +319,14 @@ impl CacheMode {
         // wait_complete), longer than the engine may wait for this call: once the call's
         // fence closes, the prefetch is given up, so its landed pages are unpinned now and
         // the take comes back (what it pinned already is released after the fenced copy).
-        let take = self
-            .l2
-            .call_prefetch(linked, c.take_prefetch(linked.session, &id));
+        let take = self.l2.call(linked, c.take_prefetch(linked.session, &id));
         tokio::pin!(take);
         let taken = tokio::select! {
             r = &mut take => r,
             () = call_fence::closed(fence) => {
                 let mut c = linked.client.clone();
                 self.l2
-                    .call_prefetch(linked, c.release_prefetch(linked.session, &id))
+                    .call(linked, c.release_prefetch(linked.session, &id))
                     .await;
                 take.await
             }
@@ -341,7 +339,7 @@ impl CacheMode {
             None => {
                 let mut c = linked.client.clone();
                 self.l2
-                    .call_prefetch(linked, c.release_prefetch(linked.session, &id))
+                    .call(linked, c.release_prefetch(linked.session, &id))
                     .await;
                 Vec::new()
             }

@@ -104,30 +104,12 @@ impl L2 {
     }
 
     /// Runs a daemon call with the link's deadline; `None` when it failed (a failure that
-    /// means the link is gone marks it broken).
+    /// means the link is gone marks it broken: kvtierd unreachable, or the session lost, as
+    /// its `NOT_FOUND` trailer says; a prefetch that is gone is not).
     pub(crate) async fn call<T>(
         &self,
         linked: &Arc<Linked>,
         fut: impl Future<Output = Result<T, ClientError>>,
-    ) -> Option<T> {
-        self.call_as(linked, fut, false).await
-    }
-
-    /// [`Self::call`] for a call about one prefetch: `NotFound` then means the prefetch is
-    /// gone (revoked before it held anything, or released), not that the session is.
-    pub(crate) async fn call_prefetch<T>(
-        &self,
-        linked: &Arc<Linked>,
-        fut: impl Future<Output = Result<T, ClientError>>,
-    ) -> Option<T> {
-        self.call_as(linked, fut, true).await
-    }
-
-    async fn call_as<T>(
-        &self,
-        linked: &Arc<Linked>,
-        fut: impl Future<Output = Result<T, ClientError>>,
-        about_prefetch: bool,
     ) -> Option<T> {
         let r = match tokio::time::timeout(self.s.link.timeout(), fut).await {
             Ok(r) => r,
@@ -136,7 +118,7 @@ impl L2 {
         match r {
             Ok(v) => Some(v),
             Err(e) => {
-                self.failed(linked, &e, about_prefetch);
+                self.failed(linked, &e);
                 None
             }
         }
@@ -146,10 +128,8 @@ impl L2 {
     /// so does a call that timed out (kvtierd may still carry it out: a pin or reservation
     /// nobody waits for any more, which only closing the session gives back; the link
     /// closes it once a new session is up).
-    fn failed(&self, linked: &Arc<Linked>, e: &ClientError, about_prefetch: bool) {
-        let gone = about_prefetch
-            && matches!(e, ClientError::Status(s) if s.code() == tonic::Code::NotFound);
-        if (is_link_error(e) || matches!(e, ClientError::Protocol(_))) && !gone {
+    fn failed(&self, linked: &Arc<Linked>, e: &ClientError) {
+        if is_link_error(e) || matches!(e, ClientError::Protocol(_)) {
             self.s.link.broken(linked, e);
         } else {
             tracing::debug!("kvtierd call failed: {e}");
@@ -217,7 +197,7 @@ impl L2 {
                 Err(LoadFailure::CopyFailed)
             }
             Err(PageError::Daemon(e)) => {
-                self.failed(linked, &e, false);
+                self.failed(linked, &e);
                 Err(LoadFailure::DaemonUnreachable)
             }
         }

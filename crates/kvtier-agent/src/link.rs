@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use kvtier_client::{ClientError, HostClient, SlotLease};
 use kvtier_config::agent::AgentConfig;
 use kvtier_core::LayoutSpec;
+use kvtier_proto::Lost;
 use kvtier_shm::ShmPool;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -78,18 +79,20 @@ impl std::fmt::Debug for Link {
 pub type Reporter = Arc<dyn Fn() -> kvtier_proto::v1::ClientReport + Send + Sync>;
 
 /// Whether an error means the link itself is gone (daemon down, restarted, session expired),
-/// rather than a refused request.
+/// rather than a refused request (a `NOT_FOUND` of a prefetch or a request is not: only one
+/// whose trailer says the session is lost).
 pub fn is_link_error(e: &ClientError) -> bool {
     match e {
         ClientError::Connect { .. } => true,
-        ClientError::Status(s) => matches!(
-            s.code(),
-            tonic::Code::Unavailable
-                | tonic::Code::NotFound
-                | tonic::Code::Unknown
-                | tonic::Code::Cancelled
-                | tonic::Code::DeadlineExceeded
-        ),
+        ClientError::Status(s) => {
+            matches!(
+                s.code(),
+                tonic::Code::Unavailable
+                    | tonic::Code::Unknown
+                    | tonic::Code::Cancelled
+                    | tonic::Code::DeadlineExceeded
+            ) || Lost::of(s) == Some(Lost::Session)
+        }
         _ => false,
     }
 }

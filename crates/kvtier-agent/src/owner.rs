@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvtier_proto::ApiError;
+use kvtier_proto::{ApiError, Lost};
 
 /// The metadata header that carries the owner token.
 pub const OWNER_HEADER: &str = "kvtier-pool-owner";
@@ -227,14 +227,18 @@ impl Owner {
                 *self.last_seen.lock() = Instant::now();
                 Ok(())
             }
-            Some(_) => Err(ApiError::NotFound(format!(
-                "{OWNER_HEADER}: the token names no pool registered here (the pool was \
-                 registered again, by this client or after its owner was gone, or the agent \
-                 restarted); call RegisterPool again"
-            ))),
-            None => Err(ApiError::NotFound(format!(
-                "{OWNER_HEADER}: missing; present the owner token RegisterPool returned"
-            ))),
+            Some(_) => Err(ApiError::Lost(
+                Lost::Pool,
+                format!(
+                    "{OWNER_HEADER}: the token names no pool registered here (the pool was \
+                     registered again, by this client or after its owner was gone, or the \
+                     agent restarted); call RegisterPool again"
+                ),
+            )),
+            None => Err(ApiError::Lost(
+                Lost::Pool,
+                format!("{OWNER_HEADER}: missing; present the owner token RegisterPool returned"),
+            )),
         }
     }
 }
@@ -286,11 +290,11 @@ mod tests {
         let stale = OwnerToken::random().unwrap();
         assert!(matches!(
             owner.admits(&caller(Some(stale), Some(me))),
-            Err(ApiError::NotFound(_))
+            Err(ApiError::Lost(Lost::Pool, _))
         ));
         assert!(matches!(
             owner.admits(&caller(None, Some(me))),
-            Err(ApiError::NotFound(_))
+            Err(ApiError::Lost(Lost::Pool, _))
         ));
     }
 

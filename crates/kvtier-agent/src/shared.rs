@@ -18,7 +18,7 @@ use kvtier_core::{
     DevicePool, Namespace, PageHasher, PageKey, PolicyKind, RadixTree, TokenIds, WritePolicy,
 };
 use kvtier_device::Device;
-use kvtier_proto::ApiError;
+use kvtier_proto::{ApiError, Lost};
 
 use crate::handle_ids::HandleIds;
 use crate::link::Link;
@@ -100,7 +100,10 @@ impl State {
     /// The registered pool, whoever registered it (for calls that read no pool memory).
     pub(crate) fn any_registered(&self) -> Result<&Engine, ApiError> {
         self.engine.as_ref().ok_or_else(|| {
-            ApiError::NotFound("pool: no KV pool is registered; call RegisterPool first".into())
+            ApiError::Lost(
+                Lost::Pool,
+                "pool: no KV pool is registered; call RegisterPool first".into(),
+            )
         })
     }
 

@@ -168,7 +168,7 @@ impl TreeMode {
         if want == 0 {
             if let Some(id) = prefetch {
                 self.l2
-                    .call_prefetch(&linked, c.release_prefetch(linked.session, &id))
+                    .call(&linked, c.release_prefetch(linked.session, &id))
                     .await;
             }
             return Ok(unchanged(self.device_prefix(handle)));
@@ -178,7 +178,7 @@ impl TreeMode {
         let mut slots = match &prefetch {
             Some(id) => self
                 .l2
-                .call_prefetch(&linked, c.take_prefetch(linked.session, id))
+                .call(&linked, c.take_prefetch(linked.session, id))
                 .await
                 .map(|(_, s)| s)
                 .unwrap_or_default(),
@@ -315,7 +315,7 @@ impl TreeMode {
         {
             let mut c = linked.client.clone();
             self.l2
-                .call_prefetch(&linked, c.release_prefetch(linked.session, &id))
+                .call(&linked, c.release_prefetch(linked.session, &id))
                 .await;
         }
         Ok(())

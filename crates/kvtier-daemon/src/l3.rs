@@ -97,6 +97,24 @@ impl LoadEstimate {
         }
     }
 
+    /// Whether loading `pages` pages of `page_bytes` (`page_size` tokens each) is expected
+    /// to take longer than an engine recomputing them at `rate` tokens a second; false
+    /// until measured, and for a rate of 0.
+    pub fn slower_than_recompute(
+        &self,
+        pages: u64,
+        page_bytes: u64,
+        page_size: u64,
+        rate: u64,
+    ) -> bool {
+        if rate == 0 {
+            return false;
+        }
+        let recompute = pages.saturating_mul(page_size) as f64 / rate as f64;
+        self.seconds(pages, page_bytes)
+            .is_some_and(|load| load > recompute)
+    }
+
     /// Estimated seconds to load `pages` pages of `page_bytes`; `None` until measured.
     pub fn seconds(&self, pages: u64, page_bytes: u64) -> Option<f64> {
         let latency = self.latency?;

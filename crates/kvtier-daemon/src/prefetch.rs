@@ -68,6 +68,9 @@ pub struct PrefetchAsk {
     pub threshold_tokens: Option<u64>,
     /// The engine's prefill rate; `None` takes `prefetch.recompute_tokens_per_second`.
     pub recompute_tokens_per_second: Option<u64>,
+    /// The pages of the whole load this prefetch is a piece of (0: it is the whole load):
+    /// the load-versus-recompute decision weighs them, so every piece gets one answer.
+    pub whole_load_pages: u64,
 }
 
 /// Plans, runs and hands over prefetches.
@@ -361,10 +364,15 @@ impl Prefetcher {
         let rate = req
             .recompute_tokens_per_second
             .unwrap_or(self.cfg.recompute_tokens_per_second);
+        // A piece of a larger load is judged as the whole load, so a load the engine
+        // planned on is not refused piece by piece (a short last piece is all latency).
+        let judged = (hit as u64).max(req.whole_load_pages);
         if rate > 0 {
-            let recompute = (hit as u64 * page_size) as f64 / rate as f64;
-            let load = tier.estimate.lock().seconds(hit as u64, page_bytes);
-            if load.is_some_and(|load| load > recompute) {
+            let slower = tier
+                .estimate
+                .lock()
+                .slower_than_recompute(judged, page_bytes, page_size, rate);
+            if slower {
                 return Ok(once(self.revoked(
                     request_id,
                     policy,
@@ -704,6 +712,22 @@ mod tests {
         let mut back = [0u8; 100];
         shm.read(1, 0, &mut back).unwrap();
         assert_eq!(back, [7; 100], "a write after close landed");
+    }
+
+    #[test]
+    fn a_piece_of_a_load_is_judged_as_the_whole_load() {
+        // 10 ms to the first page, then 1 ms a page; the engine recomputes a page (16
+        // tokens) in 2 ms.
+        let mut e = crate::l3::LoadEstimate::default();
+        assert!(
+            !e.slower_than_recompute(2, 1000, 16, 8000),
+            "unmeasured: never slower"
+        );
+        e.observe(0.010, 1_000_000, 1.0);
+        // A 2-page piece is all latency: 11 ms against 4 ms of recompute.
+        assert!(e.slower_than_recompute(2, 1000, 16, 8000));
+        // The whole 12-page load: 21 ms against 24 ms.
+        assert!(!e.slower_than_recompute(12, 1000, 16, 8000));
     }
 
     #[test]

@@ -29,6 +29,7 @@ mod lease;
 mod register;
 mod routing;
 mod stats;
+mod watch;
 
 pub use events_route::HostTierRoutes;
 use stats::SnapshotStream;
@@ -191,7 +192,7 @@ impl HostService {
         let outcome = match &r {
             Ok(_) => "ok",
             Err(ApiError::InvalidArgument { .. }) => "invalid_argument",
-            Err(ApiError::NotFound(_)) => "not_found",
+            Err(ApiError::NotFound(_) | ApiError::Lost(..)) => "not_found",
             Err(ApiError::FailedPrecondition(_)) => "failed_precondition",
             Err(ApiError::AlreadyExists(_)) => "already_exists",
             Err(ApiError::ResourceExhausted(_)) => "resource_exhausted",

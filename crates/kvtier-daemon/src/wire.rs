@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use kvtier_config::daemon::StopPolicy;
-use kvtier_proto::{ApiError, page_keys, request_keys, v1};
+use kvtier_proto::{ApiError, Lost, page_keys, request_keys, v1};
 
 use crate::prefetch::PrefetchAsk;
 use crate::state::{ClientReport, Phase, Progress, StateError};
@@ -15,9 +15,8 @@ impl From<StateError> for ApiError {
         let msg = e.to_string();
         match e {
             StateError::Invalid { field, reason } => ApiError::invalid(field, reason),
-            StateError::UnknownSession { .. } | StateError::UnknownPrefetch(_) => {
-                ApiError::NotFound(msg)
-            }
+            StateError::UnknownSession { .. } => ApiError::Lost(Lost::Session, msg),
+            StateError::UnknownPrefetch(_) => ApiError::NotFound(msg),
             StateError::Full(_) => ApiError::ResourceExhausted(msg),
             StateError::Refused(_) => ApiError::FailedPrecondition(msg),
             StateError::Draining(_) => ApiError::Unavailable(msg),
@@ -44,6 +43,7 @@ pub fn prefetch_ask(req: v1::PrefetchRequest) -> Result<PrefetchAsk, ApiError> {
         threshold_tokens: hints.threshold_tokens,
         recompute_tokens_per_second: (hints.recompute_tokens_per_second > 0)
             .then_some(hints.recompute_tokens_per_second),
+        whole_load_pages: u64::from(hints.whole_load_pages),
     })
 }
 

@@ -193,6 +193,7 @@ fn methods(
                         timeout_ms: 50,
                         threshold_tokens: Some(0),
                         recompute_tokens_per_second: 0,
+                        whole_load_pages: 0,
                     }),
                     ..Default::default()
                 }

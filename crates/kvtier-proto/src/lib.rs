@@ -39,9 +39,15 @@ pub enum ApiError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The named thing (a session, a request) does not exist or no longer does (`NOT_FOUND`).
+    /// The named thing (a request, a prefetch) does not exist or no longer does
+    /// (`NOT_FOUND`).
     #[error("{0}")]
     NotFound(String),
+    /// The caller's daemon session or agent pool is gone (expired, a restart, registered
+    /// again): `NOT_FOUND` with the [`LOST_TRAILER`] naming which, so a client registers the
+    /// right thing again rather than guess from the code.
+    #[error("{1}")]
+    Lost(Lost, String),
     /// The request is well-formed but refused in the current state, e.g. a layout or hash
     /// self-test that disagrees with the daemon's (`FAILED_PRECONDITION`).
     #[error("{0}")]
@@ -62,6 +68,43 @@ pub enum ApiError {
     /// A bug or an unexpected OS failure (`INTERNAL`).
     #[error("{0}")]
     Internal(String),
+}
+
+/// What a caller lost, in a `NOT_FOUND` status's [`LOST_TRAILER`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lost {
+    /// Its kvtierd session (it expired, or kvtierd restarted): register again.
+    Session,
+    /// Its pool at an agent (the agent restarted, or the pool was registered again):
+    /// `RegisterPool` again.
+    Pool,
+}
+
+/// The metadata key of a `NOT_FOUND` status that says what the caller lost
+/// (`session` or `pool`).
+pub const LOST_TRAILER: &str = "kvtier-lost";
+
+impl Lost {
+    /// Its value in [`LOST_TRAILER`].
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lost::Session => "session",
+            Lost::Pool => "pool",
+        }
+    }
+
+    /// What `status` says its caller lost: `None` for any other status, a `NOT_FOUND` of
+    /// something else included.
+    pub fn of(status: &tonic::Status) -> Option<Lost> {
+        if status.code() != tonic::Code::NotFound {
+            return None;
+        }
+        match status.metadata().get(LOST_TRAILER)?.to_str().ok()? {
+            "session" => Some(Lost::Session),
+            "pool" => Some(Lost::Pool),
+            _ => None,
+        }
+    }
 }
 
 impl ApiError {
@@ -110,6 +153,14 @@ impl From<ApiError> for tonic::Status {
         match e {
             ApiError::InvalidArgument { .. } => tonic::Status::invalid_argument(msg),
             ApiError::NotFound(_) => tonic::Status::not_found(msg),
+            ApiError::Lost(lost, _) => {
+                let mut status = tonic::Status::not_found(msg);
+                status.metadata_mut().insert(
+                    LOST_TRAILER,
+                    tonic::metadata::MetadataValue::from_static(lost.as_str()),
+                );
+                status
+            }
             ApiError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             ApiError::AlreadyExists(_) => tonic::Status::already_exists(msg),
             ApiError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),
@@ -351,6 +402,24 @@ impl From<&[PageKey]> for v1::PageKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_session_or_pool_is_named_in_its_not_found_and_nothing_else_is() {
+        for lost in [Lost::Session, Lost::Pool] {
+            let s = tonic::Status::from(ApiError::Lost(lost, "gone".into()));
+            assert_eq!((s.code(), s.message()), (tonic::Code::NotFound, "gone"));
+            assert_eq!(Lost::of(&s), Some(lost));
+        }
+        let other = tonic::Status::from(ApiError::NotFound("no prefetch".into()));
+        assert_eq!(Lost::of(&other), None);
+        // The trailer means something only on a NOT_FOUND.
+        let mut odd = tonic::Status::unavailable("down");
+        odd.metadata_mut().insert(
+            LOST_TRAILER,
+            tonic::metadata::MetadataValue::from_static("session"),
+        );
+        assert_eq!(Lost::of(&odd), None);
+    }
 
     fn descriptor() -> v1::LayoutDescriptor {
         v1::LayoutDescriptor {

@@ -92,14 +92,16 @@ EVENT_TIER_L2_HOST: EventTier
 EVENT_TIER_L3_STORAGE: EventTier
 
 class PrefetchHints(_message.Message):
-    __slots__ = ("timeout_ms", "threshold_tokens", "recompute_tokens_per_second")
+    __slots__ = ("timeout_ms", "threshold_tokens", "recompute_tokens_per_second", "whole_load_pages")
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_LOAD_PAGES_FIELD_NUMBER: _ClassVar[int]
     timeout_ms: int
     threshold_tokens: int
     recompute_tokens_per_second: int
-    def __init__(self, timeout_ms: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., recompute_tokens_per_second: _Optional[int] = ...) -> None: ...
+    whole_load_pages: int
+    def __init__(self, timeout_ms: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., recompute_tokens_per_second: _Optional[int] = ..., whole_load_pages: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_id", "request_id", "keys", "parent", "policy", "hints", "packed_keys")
