@@ -30,7 +30,7 @@ impl HostService {
                 .streams
                 .open("watch_events", &role, unix_uid(&request))?;
             let r = request.get_ref();
-            let stream = crate::events::watch(
+            let stream = super::watch::watch(
                 self.state.clone(),
                 r.stream_id,
                 r.after_seq,
