@@ -926,6 +926,34 @@ mod tests {
     }
 
     #[test]
+    fn a_removed_key_is_refused_naming_what_replaced_it() {
+        let file = Sources {
+            file: Some((
+                "t.toml".into(),
+                "[l3]\nretries = 3\n[l3.s3]\nbucket = \"b\"\nretries = 2\n".into(),
+            )),
+            ..Sources::default()
+        };
+        let set = Sources {
+            sets: vec!["l3.s3.retries=1".into()],
+            ..Sources::default()
+        };
+        for src in [file, set] {
+            let e = DaemonConfig::load(&src).unwrap_err().to_string();
+            assert!(
+                e.contains("l3.s3.retries") && e.contains("set l3.retries instead"),
+                "{e}"
+            );
+        }
+        // The key that replaced it, and a section of that name without it, are fine.
+        let ok = Sources {
+            file: Some(("t.toml".into(), "[l3]\nretries = 3\n".into())),
+            ..Sources::default()
+        };
+        assert_eq!(DaemonConfig::load(&ok).unwrap().l3.retries, 3);
+    }
+
+    #[test]
     fn overrides_apply_to_a_running_config() {
         let base = DaemonConfig::load(&Sources {
             sets: vec!["l3.backend=none".into(), "l3.s3.secret_key=s".into()],

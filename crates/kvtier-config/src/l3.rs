@@ -192,8 +192,6 @@ pub struct S3Section {
     pub secret_key: Secret,
     /// Virtual-hosted-style requests.
     pub virtual_hosted: bool,
-    /// Retries inside the S3 client.
-    pub retries: u32,
 }
 
 /// `[l3.remote]`: another kvtierd's storage tier.
@@ -287,7 +285,6 @@ impl Default for S3Section {
             access_key: None,
             secret_key: Secret::default(),
             virtual_hosted: false,
-            retries: 2,
         }
     }
 }
@@ -472,7 +469,6 @@ impl S3Section {
             access_key: _,
             secret_key: _,
             virtual_hosted: _,
-            retries,
         } = self;
         if active && bucket.is_empty() {
             return Err(ConfigError::invalid(
@@ -488,7 +484,7 @@ impl S3Section {
                 format!("{endpoint:?} is not an http:// or https:// URL"),
             ));
         }
-        crate::check_ranges(&[("l3.s3.retries", u64::from(*retries), 0, 10)])
+        Ok(())
     }
 }
 

@@ -114,7 +114,7 @@ fn typed(key: &str, default: &Value, raw: &str) -> Result<Value, ConfigError> {
 /// Sets `section.key`, `section.sub.key` (or top-level `key`) in `table`, typed by `schema`.
 fn set_path(table: &mut Table, schema: &Table, path: &str, raw: &str) -> Result<(), ConfigError> {
     let parts: Vec<&str> = path.split('.').collect();
-    let unknown = || ConfigError::invalid(path, "no such key");
+    let unknown = || removed(path).unwrap_or_else(|| ConfigError::invalid(path, "no such key"));
     let (key, sections) = parts.split_last().ok_or_else(unknown)?;
     let (mut table, mut schema) = (table, schema);
     for (i, section) in sections.iter().enumerate() {
@@ -201,6 +201,37 @@ impl Sources {
     }
 }
 
+/// Keys that were settings once, each with what replaced it: a file (or `--set`) that still
+/// names one is refused with that, rather than with serde's list of the keys there are.
+const REMOVED: &[(&str, &str)] = &[(
+    "l3.s3.retries",
+    "removed: S3 calls are retried once, by l3.retries (the S3 client's own retries under \
+     them multiplied a call's attempts up to 9); set l3.retries instead",
+)];
+
+/// The error for `key` where it is a removed setting.
+fn removed(key: &str) -> Option<ConfigError> {
+    REMOVED
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(k, why)| ConfigError::invalid(*k, *why))
+}
+
+fn refuse_removed(table: &Table) -> Result<(), ConfigError> {
+    for (key, why) in REMOVED {
+        let mut at = Some(table);
+        let mut parts = key.split('.').peekable();
+        while let (Some(t), Some(part)) = (at, parts.next()) {
+            match (t.get(part), parts.peek()) {
+                (Some(_), None) => return Err(ConfigError::invalid(*key, *why)),
+                (Some(Value::Table(inner)), Some(_)) => at = Some(inner),
+                _ => at = None,
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Loads a configuration of type `T` whose commented default file is `default_toml`.
 pub fn load<T: DeserializeOwned>(default_toml: &str, src: &Sources) -> Result<T, ConfigError> {
     load_env(default_toml, src, Env::Daemon)
@@ -264,6 +295,7 @@ pub fn load_env<T: DeserializeOwned>(
             .ok_or_else(|| ConfigError::invalid(set.clone(), "expected section.key=value"))?;
         set_path(&mut table, &schema, path.trim(), raw)?;
     }
+    refuse_removed(&table)?;
     // The path-tracking deserializer names the key of a bad value (`cache.write_policy`),
     // whichever source gave it; enum-valued settings fail here with the allowed words.
     serde_path_to_error::deserialize(Value::Table(table)).map_err(|e| {

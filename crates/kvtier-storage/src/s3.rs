@@ -46,8 +46,8 @@ fn backend(op: &'static str, e: &object_store::Error) -> StorageError {
 }
 
 impl S3Store {
-    /// Builds the client from `[l3.s3]`, each request bounded by `request_timeout` (and
-    /// retried `cfg.retries` times inside object_store). Fails on a configuration that cannot
+    /// Builds the client from `[l3.s3]`, each request bounded by `request_timeout` and tried
+    /// once (the daemon's `Retrying` retries, above it). Fails on a configuration that cannot
     /// work (no bucket, bad URL); an unreachable server is found on first use.
     pub fn new(cfg: &S3Section, request_timeout: Duration) -> Result<Self, StorageError> {
         if cfg.bucket.is_empty() {
@@ -66,9 +66,11 @@ impl S3Store {
                             .is_some_and(|e| e.starts_with("http://")),
                     ),
             )
+            // One retry layer: kvtierd's (`l3.retries`, jittered, within the call's
+            // deadline, counted). The client's own would multiply its attempts.
             .with_retry(RetryConfig {
-                max_retries: cfg.retries as usize,
-                retry_timeout: request_timeout * (cfg.retries + 1),
+                max_retries: 0,
+                retry_timeout: request_timeout,
                 ..RetryConfig::default()
             });
         if let Some(endpoint) = &cfg.endpoint {

@@ -240,8 +240,6 @@ secret_key = ""
 # Virtual-hosted-style requests (bucket.host). false: path style, which MinIO and Ceph RGW
 # need.
 virtual_hosted = false
-# Retries of one request inside the S3 client (0 to 10); l3.timeout bounds each.
-retries = 2
 
 [l3.remote]
 # The kvtierd whose storage tier this one uses: https://host:port (its server.tcp with TLS),

@@ -131,7 +131,6 @@ impl Ceph {
             access_key: Some(self.access_key().into()),
             secret_key: Secret(self.secret_key().into()),
             virtual_hosted: false,
-            retries: 2,
         }
     }
 
