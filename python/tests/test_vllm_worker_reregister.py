@@ -10,7 +10,7 @@ import threading
 import grpc
 
 from kvtier.host import KvtierError
-from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.integrations.vllm.transfer import DmaTransfer
 
 
 class RestartedAgent:
@@ -30,28 +30,27 @@ class RestartedAgent:
     def call(self, owner: str) -> str:
         if not owner or owner != self.token:
             raise KvtierError(
-                "Load: NOT_FOUND: no KV pool is registered", grpc.StatusCode.NOT_FOUND
+                "Load: NOT_FOUND: no KV pool is registered", grpc.StatusCode.NOT_FOUND, "pool"
             )
         return owner
 
 
-def worker(agent: RestartedAgent) -> WorkerSide:
-    # Only what WorkerSide._call reads for DMA: the registration lock and owner token.
-    w = WorkerSide.__new__(WorkerSide)
-    w._registering = threading.RLock()
-    w._owner = "owner-before-the-restart"
-    w._staging = None
+def transfer(agent: RestartedAgent) -> DmaTransfer:
+    # Only what DmaTransfer._call reads: the registration lock and owner token.
+    t = DmaTransfer.__new__(DmaTransfer)
+    t._registering = threading.RLock()
+    t._owner_token = "owner-before-the-restart"
 
-    def register_dma() -> None:
-        w._owner = agent.register()
+    def register() -> None:
+        t._owner_token = agent.register()
 
-    w._register_dma = register_dma  # type: ignore[method-assign]
-    return w
+    t.register = register  # type: ignore[method-assign]
+    return t
 
 
 def test_threads_that_meet_a_lost_registration_at_once_register_once() -> None:
     agent = RestartedAgent()
-    w = worker(agent)
+    dma = transfer(agent)
     threads = 6
     # Every call is sent before any of them learns the registration is lost.
     sent = threading.Barrier(threads)
@@ -62,14 +61,14 @@ def test_threads_that_meet_a_lost_registration_at_once_register_once() -> None:
         first = [True]
 
         def fn() -> str:
-            owner = w._owner
+            owner = dma._owner_token
             if first[0]:
                 first[0] = False
                 sent.wait(5)
             return agent.call(owner)
 
         try:
-            answers.append(w._call(None, fn))
+            answers.append(dma._call(None, fn))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

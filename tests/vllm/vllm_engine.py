@@ -486,12 +486,12 @@ def run(
     if fail_new_staging:
         # After the first staging pool, the next ones cannot be created (no room left in
         # the staging directory, say): a replacement fails and must be tried again later.
-        from kvtier.integrations.vllm import worker as worker_module
-        from kvtier.integrations.vllm.worker import WorkerSide
+        from kvtier.integrations.vllm import staged
+        from kvtier.integrations.vllm.staged import StagedTransfer
 
         # The engine's steps here take milliseconds, not vLLM's tens: try again sooner.
-        worker_module.STAGING_RETRY_S = 0.05
-        new_staging = WorkerSide._new_staging
+        staged.STAGING_RETRY_S = 0.05
+        new_staging = StagedTransfer._new_staging
         made = {"n": 0}
 
         def no_room(self):
@@ -500,7 +500,7 @@ def run(
                 raise OSError("injected: no room for a new staging pool")
             return new_staging(self)
 
-        WorkerSide._new_staging = no_room
+        StagedTransfer._new_staging = no_room
     if fail_copy:
         # The first staging copy raises, as a device copy that fails would.
         from kvtier.integrations.vllm.staging import Staging

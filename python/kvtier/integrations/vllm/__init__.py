@@ -3,8 +3,12 @@
 - ``connector.py``: :class:`KvtierConnector`, the ``KVConnectorBase_V1`` vLLM loads, which
   hands each call to its role's side;
 - ``scheduler.py``: :class:`SchedulerSide`, lookups and each step's loads and saves;
-- ``worker.py``: :class:`WorkerSide`, the staging pool registered with the agent, loads
-  before the forward pass and saves after it;
+- ``worker.py``: :class:`WorkerSide`, vLLM's worker-side bookkeeping: loads before the
+  forward pass, saves after it, finished requests held for their saves;
+- ``transfer.py``: the :class:`Transfer` interface a worker moves blocks through, chosen once,
+  and its DMA implementation; ``staged.py``: its staging implementations (CPU, GPU);
+- ``reads.py``: :class:`BlockReads`, the one rule for when a save may still read a request's
+  blocks (held, waited for, given up);
 - ``staging.py``: :class:`Staging`, the shared memory a worker copies blocks through;
 - ``common.py``: settings, ranks, the step's jobs (:class:`KvtierMetadata`), counters.
 """

@@ -10,6 +10,9 @@ as ``host``, pages from L3 as ``disk``.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -23,6 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from kvtier.integrations.vllm.common import Counts
 
 # The counters an interval sums, each exported as vllm:kvtier_<name>_total.
 COUNTERS: dict[str, str] = {
@@ -83,6 +88,48 @@ class KvtierStats(KVConnectorStats):
             if xs:
                 out[f"{op}_calls"] = len(xs)
                 out[f"{op}_avg_ms"] = round(sum(xs) / len(xs) * 1e3, 3)
+        return out
+
+
+class Tally:
+    """What one worker's transfers did: its :class:`Counts` for logs and tests, this
+    interval's :class:`KvtierStats` for vLLM, and the blocks loads did not fill since vLLM
+    last asked. Shared by the worker and its transfer, from any thread."""
+
+    def __init__(self, counts: Counts):
+        self.counts = counts
+        self._lock = threading.Lock()
+        self._stats = KvtierStats()
+        self._load_errors: set[int] = set()
+
+    def count(self, **add: int) -> None:
+        with self._lock:
+            for k, v in add.items():
+                setattr(self.counts, k, getattr(self.counts, k) + v)
+            self._stats.count(**{k: v for k, v in add.items() if k in COUNTERS})
+
+    def took(self, op: str, since: float) -> None:
+        """One ``op`` call that began at ``since`` (``time.monotonic``) ended now."""
+        with self._lock:
+            self._stats.took(op, time.monotonic() - since)
+
+    def missed(self, blocks: Sequence[int]) -> None:
+        """Blocks a load did not fill: reported to vLLM, which recomputes from the first."""
+        with self._lock:
+            self._load_errors.update(blocks)
+        self.count(load_error_pages=len(blocks))
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> KvtierStats | None:
+        """This interval's figures (then a new interval starts); None when there are none."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KvtierStats()
         return out
 
 

@@ -1,0 +1,205 @@
+"""The vLLM worker's three transfers (DMA, CPU staging, GPU staging) under the one rule of
+reads.py, each against real kvtier-agent and kvtierd processes on CPU: what a step saves
+loads back bit-identical into other blocks; a finished request is held while a save will
+still read its blocks; and once a preemption gives up waiting, a save that had not read a
+request's blocks never reads them, so the bytes vLLM writes into them next are never saved
+under the old request's keys.
+
+GPU staging gathers within the step on CPU tensors too (a synchronous copy instead of the
+stream's); DMA runs over the KV cache in shared memory, the agent reading it in place (the
+engine fuzzer's stand-in for a GPU's DMA)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvtier.agent import AgentClient
+from kvtier.integrations.vllm.blocks import block_bytes, storage_bytes
+from kvtier.integrations.vllm.common import Counts, Job, Settings
+from kvtier.integrations.vllm.reads import BlockReads
+from kvtier.integrations.vllm.staged import CpuStaging, GpuStaging
+from kvtier.integrations.vllm.stats import Tally
+from kvtier.integrations.vllm.transfer import DmaTransfer, KvBlocks, Transfer
+from kvtier.keys import Namespace
+from kvtier.layout import LayoutSpec, State
+
+BLOCKS, BS, HEADS, HEAD, LAYERS = 16, 4, 2, 8, 2
+KINDS = {"dma": DmaTransfer, "cpu_staging": CpuStaging, "gpu_staging": GpuStaging}
+# Whether the kind's saves read the blocks after the step (and so hold and give up).
+READS_AFTER_STEP = {"dma": True, "cpu_staging": True, "gpu_staging": False}
+TIMEOUT_S = 0.3
+
+
+def kv_blocks(kind: str) -> KvBlocks:
+    g = torch.Generator().manual_seed(7)
+    tensors = []
+    for _ in range(LAYERS):
+        t = torch.randint(-30000, 30000, (BLOCKS, 2, BS, HEADS, HEAD), generator=g)
+        t = t.to(torch.int16).view(torch.bfloat16)
+        if kind == "dma":
+            t.share_memory_()
+        tensors.append(t)
+    geometry = [block_bytes(f"layer.{i}", t, BLOCKS) for i, t in enumerate(tensors)]
+    size = geometry[0].block_bytes
+    return KvBlocks(
+        tensors=tensors,
+        geometry=geometry,
+        layers=[x.view(storage_bytes(t)) for x, t in zip(geometry, tensors, strict=True)],
+        block_bytes=size,
+        block_size=BS,
+        num_blocks=BLOCKS,
+        descriptor=LayoutSpec(
+            model_id=f"transfers-{kind}",
+            model_version="",
+            dtype="uint8",
+            num_layers=LAYERS,
+            page_size=BS,
+            shape=State(size // BS),
+        ).descriptor(),
+    )
+
+
+@pytest.fixture(params=list(KINDS))
+def transfer(request: pytest.FixtureRequest, agent) -> Iterator[Transfer]:
+    kind: str = request.param
+    settings = Settings(timeout_s=TIMEOUT_S, staging_pages=8)
+    tally = Tally(Counts())
+    client = AgentClient(agent.socket)
+    t = KINDS[kind](kv_blocks(kind), client, settings, tally, BlockReads(TIMEOUT_S, tally))
+    t.register()
+    deadline = time.monotonic() + 10
+    while not client.stats().daemon_connected:
+        assert time.monotonic() < deadline, "the agent never connected to kvtierd"
+        time.sleep(0.05)
+    yield t
+    t.reads.drain(10)
+    t.shutdown()
+    client.close()
+
+
+def job(req: str, seed: int, blocks: list[int]) -> Job:
+    tokens = [(seed * 1000 + i) % 50000 for i in range(len(blocks) * BS)]
+    return Job(req, tokens, Namespace(tenant="transfers"), 0, blocks)
+
+
+def block(t: Transfer, b: int) -> list[bytes]:
+    return [layer[b].contiguous().numpy().tobytes() for layer in t.kv.layers]
+
+
+def poison(t: Transfer, blocks: list[int]) -> None:
+    for layer in t.kv.layers:
+        for b in blocks:
+            layer[b].fill_(0xA5)
+
+
+def load_back(t: Transfer, seed: int, into: list[int]) -> list[int]:
+    """Loads ``seed``'s prompt into ``into``; the blocks it filled."""
+    t.tally.take_load_errors()
+    t.load(job("reader", seed, into))
+    missed = t.tally.take_load_errors()
+    return [b for b in into if b not in missed]
+
+
+def test_a_save_loads_back_bit_identical(transfer: Transfer) -> None:
+    t = transfer
+    want = [block(t, b) for b in (0, 1, 2, 3)]
+    t.save([job("a", 1, [0, 1, 2, 3])])
+    assert t.reads.drain(10)
+    assert t.tally.counts.saved_pages == 4, t.tally.counts
+    assert load_back(t, 1, [8, 9, 10, 11]) == [8, 9, 10, 11]
+    assert [block(t, b) for b in (8, 9, 10, 11)] == want
+
+
+def test_a_finished_request_is_held_while_a_save_will_read_its_blocks(
+    transfer: Transfer, request: pytest.FixtureRequest
+) -> None:
+    t = transfer
+    kind = request.node.callspec.params["transfer"]
+    gate = threading.Event()
+    # The save thread is busy: the step's save waits behind it.
+    t._savers.submit(gate.wait, 10)
+    t.save([job("a", 2, [0, 1])])
+    held = not t.reads.unread({"a"})
+    gate.set()
+    assert t.reads.drain(10)
+    assert held == READS_AFTER_STEP[kind]
+    assert t.reads.unread({"a"}) == {"a"}
+
+
+def test_a_preempted_requests_blocks_are_never_read_once_the_wait_gave_up(
+    transfer: Transfer, request: pytest.FixtureRequest
+) -> None:
+    t = transfer
+    kind = request.node.callspec.params["transfer"]
+    want = [block(t, b) for b in (0, 1, 2, 3)]
+    gate = threading.Event()
+    t._savers.submit(gate.wait, 10)
+    t.save([job("a", 3, [0, 1, 2, 3])])
+    started = time.monotonic()
+    t.reads.give_up(["a"], t.stop_reading)
+    waited = time.monotonic() - started
+    # vLLM reuses the blocks for another request at once.
+    poison(t, [0, 1, 2, 3])
+    gate.set()
+    assert t.reads.drain(10)
+    got = load_back(t, 3, [8, 9, 10, 11])
+    # Whatever was saved under the request's keys is the request's, never what vLLM wrote
+    # into the blocks after the give-up.
+    assert [block(t, b) for b in got] == want[: len(got)], "a page saved over reused blocks"
+    c = t.tally.counts
+    if READS_AFTER_STEP[kind]:
+        # It waited out the deadline, then the save skipped the request: nothing stored.
+        assert waited >= TIMEOUT_S + 1.0 - 0.05
+        assert c.save_preempted_pages == 4 and c.saved_pages == 0, c
+        assert got == []
+    else:
+        # Read within the step: nothing to wait for, and what was saved is the request's.
+        assert waited < TIMEOUT_S
+        assert c.saved_pages == 4 and c.save_preempted_pages == 0, c
+        assert got == [8, 9, 10, 11]
+
+
+def test_a_later_batch_of_a_resumed_request_is_saved(transfer: Transfer) -> None:
+    """Giving up covers the batches queued before it, not the resumed request's own."""
+    t = transfer
+    gate = threading.Event()
+    t._savers.submit(gate.wait, 10)
+    t.save([job("a", 4, [0, 1])])
+    t.reads.give_up(["a"], t.stop_reading)
+    want = [block(t, b) for b in (4, 5)]
+    t.save([job("a", 5, [4, 5])])
+    gate.set()
+    assert t.reads.drain(10)
+    assert load_back(t, 5, [12, 13]) == [12, 13]
+    assert [block(t, b) for b in (12, 13)] == want
+
+
+@pytest.mark.parametrize("transfer", ["cpu_staging", "gpu_staging"], indirect=True)
+def test_every_piece_of_a_load_names_the_whole_load(transfer: Transfer) -> None:
+    """A load larger than half the staging pool goes in pieces; each piece names the whole
+    load's size, so kvtierd judges load versus recompute once for the load (a short last
+    piece, all latency, would be refused on its own after the pieces before it loaded)."""
+    t = transfer
+    want = [block(t, b) for b in range(6)]
+    t.save([job("a", 6, list(range(6)))])
+    assert t.reads.drain(10)
+    asked: list[tuple[int, int]] = []
+    real = t.agent.load_pages
+
+    def load_pages(*a, **k):  # the real call, its arguments noted
+        asked.append((len(a[3]), k["whole_load_pages"]))
+        return real(*a, **k)
+
+    t.agent.load_pages = load_pages  # type: ignore[method-assign]
+    # 8 staging pages: pieces of at most 4.
+    assert load_back(t, 6, list(range(6, 12))) == list(range(6, 12))
+    assert asked == [(4, 6), (2, 6)]
+    assert [block(t, b) for b in range(6, 12)] == want
+    asked.clear()
+    assert load_back(t, 6, [12, 13, 14]) == [12, 13, 14]
+    assert asked == [(3, 0)], "a load in one piece is the whole load"
