@@ -115,7 +115,7 @@ level = "info"
 
 /// The agent's configuration, as read. Use [`AgentConfig::load`]; it validates.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct AgentConfig {
     /// Directory for the socket.
     pub data_dir: PathBuf,
@@ -135,7 +135,7 @@ pub struct AgentConfig {
 
 /// `[server]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct AgentServerConfig {
     /// UDS path; unset means `<data_dir>/kvtier-agent.sock`.
     #[serde(
@@ -164,7 +164,7 @@ pub struct AgentServerConfig {
 
 /// `[daemon]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct DaemonLinkConfig {
     /// kvtierd's socket or URL; unset means `<data_dir>/kvtierd.sock`.
     #[serde(
@@ -184,7 +184,7 @@ pub struct DaemonLinkConfig {
 
 /// `[cache]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct CacheConfig {
     /// Eviction policy name.
     pub eviction_policy: PolicyKind,
@@ -204,7 +204,7 @@ pub struct CacheConfig {
 
 /// `[device]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
     /// Threads per cpu copy batch.
     pub copy_threads: u32,
@@ -214,7 +214,7 @@ pub struct DeviceConfig {
 
 /// `[metrics]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct AgentMetricsConfig {
     /// Listen address; unset disables the endpoint.
     #[serde(
@@ -226,71 +226,29 @@ pub struct AgentMetricsConfig {
 
 /// `[log]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct AgentLogConfig {
     /// Filter directives.
     pub level: String,
 }
 
+crate::defaults_from_file!(defaults, AgentConfig, DEFAULT_TOML);
+
 impl Default for AgentConfig {
+    /// The commented default file ([`DEFAULT_TOML`]), the one place defaults are written.
     fn default() -> Self {
-        Self {
-            data_dir: PathBuf::from("kvtier-data"),
-            server: AgentServerConfig {
-                socket: None,
-                memory_socket: None,
-                max_tokens: 1 << 20,
-                drain_timeout: Dur(Duration::from_secs(2)),
-                pool_lease: Dur(Duration::from_secs(300)),
-                unix: UnixAccess::default(),
-                connections: crate::connections::ConnectionLimits::default(),
-            },
-            daemon: DaemonLinkConfig {
-                address: None,
-                name: "kvtier-agent".into(),
-                reconnect_min: Dur(Duration::from_millis(100)),
-                reconnect_max: Dur(Duration::from_secs(5)),
-                timeout: Dur(Duration::from_secs(5)),
-            },
-            cache: CacheConfig {
-                eviction_policy: PolicyKind::Lru,
-                write_policy: WritePolicy::WriteThrough,
-                write_threshold: 2,
-                backup_concurrency: 4,
-                backup_queue: 256,
-                evict_wait: Dur(Duration::from_secs(5)),
-                daemon_wait: Dur(Duration::from_secs(60)),
-            },
-            device: DeviceConfig {
-                copy_threads: 4,
-                copy_method: kvtier_core::CopyMethod::Auto,
-            },
-            metrics: AgentMetricsConfig {
-                listen: Some("127.0.0.1:9465".into()),
-            },
-            log: AgentLogConfig {
-                level: "info".into(),
-            },
-        }
+        defaults().clone()
     }
 }
 
-macro_rules! default_from_parent {
-    ($($t:ty => $f:ident),*) => {$(
-        impl Default for $t {
-            fn default() -> Self {
-                AgentConfig::default().$f
-            }
-        }
-    )*};
-}
-default_from_parent!(
+crate::default_from_parent!(
+    defaults,
     AgentServerConfig => server,
     DaemonLinkConfig => daemon,
     CacheConfig => cache,
     DeviceConfig => device,
     AgentMetricsConfig => metrics,
-    AgentLogConfig => log
+    AgentLogConfig => log,
 );
 
 impl AgentConfig {
@@ -459,8 +417,11 @@ mod tests {
 
     #[test]
     fn the_commented_default_file_is_the_default() {
-        let parsed: AgentConfig = toml::from_str(DEFAULT_TOML).unwrap();
-        assert_eq!(parsed, AgentConfig::default());
+        assert_eq!(
+            AgentConfig::load(&Sources::default()).unwrap(),
+            AgentConfig::default()
+        );
+        assert_eq!(CacheConfig::default(), AgentConfig::default().cache);
         AgentConfig::default().validate().unwrap();
     }
 

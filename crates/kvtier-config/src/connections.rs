@@ -36,7 +36,7 @@ handshake_timeout = "10s"
 
 /// `[server.connections]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct ConnectionLimits {
     /// Most connections per listener.
     pub max: u32,
@@ -44,16 +44,6 @@ pub struct ConnectionLimits {
     pub per_peer: u32,
     /// Time a new connection has for its first bytes.
     pub handshake_timeout: Dur,
-}
-
-impl Default for ConnectionLimits {
-    fn default() -> Self {
-        Self {
-            max: 1024,
-            per_peer: 256,
-            handshake_timeout: Dur(Duration::from_secs(10)),
-        }
-    }
 }
 
 impl ConnectionLimits {

@@ -24,7 +24,7 @@ pub const REDACTED: &str = "<redacted>";
 
 /// The daemon's configuration, as read. Use [`DaemonConfig::load`]; it validates.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct DaemonConfig {
     /// Directory for the socket and local state.
     pub data_dir: PathBuf,
@@ -50,7 +50,7 @@ pub struct DaemonConfig {
 
 /// `[server]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// UDS path; unset means `<data_dir>/kvtierd.sock`.
     #[serde(
@@ -149,7 +149,7 @@ impl ServerConfig {
 
 /// `[metrics]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct MetricsConfig {
     /// Listen address; unset disables the endpoint.
     #[serde(
@@ -202,7 +202,7 @@ pub enum SglangStore {
 
 /// `[l2]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct L2Config {
     /// tmpfs directory for pool files.
     pub shm_dir: PathBuf,
@@ -240,7 +240,7 @@ pub struct L2Config {
 
 /// `[sglang_rpc]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct SglangRpcConfig {
     /// Serve the protocol.
     pub enable: bool,
@@ -267,23 +267,9 @@ pub struct SglangRpcConfig {
     pub max_batch: u32,
 }
 
-impl Default for SglangRpcConfig {
-    fn default() -> Self {
-        Self {
-            enable: false,
-            mempool_socket: None,
-            grpc_socket: None,
-            l3: SglangStore::Shared,
-            memory_bytes: ByteSize(1 << 30),
-            concurrency: 16,
-            max_batch: 65536,
-        }
-    }
-}
-
 /// `[prefetch]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct PrefetchConfig {
     /// Default stop policy.
     pub policy: StopPolicy,
@@ -333,29 +319,9 @@ impl PrefetchConfig {
     }
 }
 
-impl Default for PrefetchConfig {
-    fn default() -> Self {
-        Self {
-            policy: StopPolicy::Timeout,
-            threshold_tokens: 256,
-            recompute_tokens_per_second: 20000,
-            budget_fraction: 0.5,
-            batch_pages: 128,
-            concurrency: 16,
-            max_concurrency: 512,
-            timeout_base: Dur(Duration::from_secs(2)),
-            timeout_per_1k_tokens: Dur(Duration::from_millis(100)),
-            timeout_max: Dur(Duration::from_secs(30)),
-            negative_ttl: Dur(Duration::from_secs(5)),
-            negative_capacity: 65536,
-            max_per_session: 1024,
-        }
-    }
-}
-
 /// `[sessions]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct SessionsConfig {
     /// Lease time without heartbeat.
     pub ttl: Dur,
@@ -363,103 +329,40 @@ pub struct SessionsConfig {
 
 /// `[log]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct LogConfig {
     /// Filter directives.
     pub level: String,
 }
 
+crate::defaults_from_file!(defaults, DaemonConfig, DEFAULT_TOML);
+
 impl Default for DaemonConfig {
+    /// The commented default file ([`DEFAULT_TOML`]), the one place defaults are written.
     fn default() -> Self {
-        Self {
-            data_dir: PathBuf::from("kvtier-data"),
-            server: ServerConfig::default(),
-            metrics: MetricsConfig::default(),
-            l2: L2Config::default(),
-            l3: L3Config::default(),
-            prefetch: PrefetchConfig::default(),
-            sglang_rpc: SglangRpcConfig::default(),
-            sessions: SessionsConfig::default(),
-            tenants: std::collections::BTreeMap::new(),
-            log: LogConfig::default(),
-        }
+        defaults().clone()
     }
 }
 
-impl Default for ServerConfig {
-    fn default() -> Self {
-        Self {
-            socket: None,
-            pool_socket: None,
-            tcp: None,
-            max_batch: 65536,
-            max_streams_per_caller: 32,
-            drain_timeout: Dur(Duration::from_secs(10)),
-            admin_token: Secret::default(),
-            tls_cert: None,
-            tls_key: None,
-            tls_client_ca: None,
-            token: Secret::default(),
-            token_file: None,
-            tcp_insecure: false,
-            unix: UnixAccess::default(),
-            peer_token: Secret::default(),
-            peer_token_file: None,
-            admin: crate::roles::AdminAccess::default(),
-            connections: crate::connections::ConnectionLimits::default(),
-        }
-    }
-}
-
-impl Default for MetricsConfig {
-    fn default() -> Self {
-        Self {
-            listen: Some("127.0.0.1:9464".into()),
-            token: Secret::default(),
-            token_file: None,
-            tenant_series: false,
-        }
-    }
-}
-
-impl Default for L2Config {
-    fn default() -> Self {
-        Self {
-            shm_dir: PathBuf::from("/dev/shm"),
-            backing: L2Backing::ShmFile,
-            pool_bytes: ByteSize(256 << 20),
-            pool_pages: 0,
-            max_page_bytes: ByteSize(64 << 20),
-            tenant_pools: true,
-            max_pools: 8,
-            max_pools_per_tenant: 0,
-            idle_pool_ttl: Dur(Duration::from_secs(3600)),
-            eviction_policy: PolicyKind::Lru,
-            mlock: false,
-            huge_pages: false,
-            reserve: true,
-            dirty_fraction: 0.5,
-            reserve_share: 0.5,
-            take_over_after_crash: true,
-        }
-    }
-}
-
-impl Default for SessionsConfig {
-    fn default() -> Self {
-        Self {
-            ttl: Dur(Duration::from_secs(10)),
-        }
-    }
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        Self {
-            level: "info".into(),
-        }
-    }
-}
+crate::default_from_parent!(
+    defaults,
+    ServerConfig => server,
+    MetricsConfig => metrics,
+    L2Config => l2,
+    L3Config => l3,
+    PrefetchConfig => prefetch,
+    SglangRpcConfig => sglang_rpc,
+    SessionsConfig => sessions,
+    LogConfig => log,
+    crate::l3::FileSection => l3.file,
+    crate::l3::RocksdbSection => l3.rocksdb,
+    crate::l3::S3Section => l3.s3,
+    crate::l3::RemoteSection => l3.remote,
+    crate::l3::MemorySection => l3.memory,
+    UnixAccess => server.unix,
+    crate::roles::AdminAccess => server.admin,
+    crate::connections::ConnectionLimits => server.connections,
+);
 
 /// Most keys per request the daemon can be configured to accept.
 pub const MAX_BATCH_LIMIT: u32 = 1 << 20;
@@ -881,12 +784,30 @@ mod tests {
 
     #[test]
     fn the_commented_default_file_is_the_default() {
-        let parsed: DaemonConfig = toml::from_str(DEFAULT_TOML).unwrap();
-        assert_eq!(parsed, DaemonConfig::default());
         assert_eq!(
             DaemonConfig::load(&Sources::default()).unwrap(),
             DaemonConfig::default()
         );
+        // A section's default is the file's section, wherever it is asked for.
+        assert_eq!(
+            crate::l3::S3Section::default(),
+            DaemonConfig::default().l3.s3
+        );
+        assert_eq!(L2Config::default().pool_bytes, ByteSize(256 << 20));
+        // A file that gives one key of a section keeps the file's default for the others.
+        let c = DaemonConfig::load(&Sources {
+            file: Some(("t.toml".into(), "[l2]\npool_pages = 7\n".into())),
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(
+            c.l2,
+            L2Config {
+                pool_pages: 7,
+                ..L2Config::default()
+            }
+        );
+        assert_eq!(c.l3, L3Config::default());
     }
 
     #[test]

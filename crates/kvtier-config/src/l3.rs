@@ -79,7 +79,7 @@ impl std::fmt::Display for L3Backend {
 
 /// `[l3]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct L3Config {
     /// The backend.
     pub backend: L3Backend,
@@ -128,7 +128,7 @@ pub struct L3Config {
 
 /// `[l3.file]`: one file per page.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct FileSection {
     /// Directory of the pages (unset: `<data_dir>/l3`).
     #[serde(
@@ -148,7 +148,7 @@ pub struct FileSection {
 
 /// `[l3.rocksdb]`: pages in a RocksDB database.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct RocksdbSection {
     /// Database directory (unset: `<data_dir>/rocksdb`).
     #[serde(
@@ -164,7 +164,7 @@ pub struct RocksdbSection {
 
 /// `[l3.s3]`: an S3-compatible object store.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct S3Section {
     /// Endpoint URL (unset: AWS).
     #[serde(
@@ -195,8 +195,8 @@ pub struct S3Section {
 }
 
 /// `[l3.remote]`: another kvtierd's storage tier.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
 pub struct RemoteSection {
     /// `https://host:port` / `http://host:port` (its `server.tcp`) or a Unix socket path.
     pub address: String,
@@ -237,7 +237,7 @@ impl RemoteSection {
 
 /// `[l3.memory]`: a bounded in-process map.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct MemorySection {
     /// Most bytes kept (oldest pages evicted first).
     pub capacity_bytes: ByteSize,
@@ -249,78 +249,6 @@ impl FileSection {
         Self {
             min_free_bytes: ByteSize(0),
             ..Self::default()
-        }
-    }
-}
-
-impl Default for FileSection {
-    fn default() -> Self {
-        Self {
-            path: None,
-            capacity_bytes: ByteSize(0),
-            min_free_bytes: ByteSize(1 << 30),
-            ttl: Dur(Duration::ZERO),
-            sync: false,
-        }
-    }
-}
-
-impl Default for RocksdbSection {
-    fn default() -> Self {
-        Self {
-            path: None,
-            capacity_bytes: ByteSize(0),
-            sync: false,
-        }
-    }
-}
-
-impl Default for S3Section {
-    fn default() -> Self {
-        Self {
-            endpoint: None,
-            region: None,
-            bucket: String::new(),
-            prefix: String::new(),
-            access_key: None,
-            secret_key: Secret::default(),
-            virtual_hosted: false,
-        }
-    }
-}
-
-impl Default for MemorySection {
-    fn default() -> Self {
-        Self {
-            capacity_bytes: ByteSize(1 << 30),
-        }
-    }
-}
-
-impl Default for L3Config {
-    fn default() -> Self {
-        Self {
-            backend: L3Backend::File,
-            write_policy: WritePolicy::WriteThrough,
-            write_threshold: 2,
-            queue_pages: 16384,
-            batch_pages: 128,
-            concurrency: 4,
-            timeout: Dur(Duration::from_secs(5)),
-            retries: 2,
-            retry_backoff: Dur(Duration::from_millis(2)),
-            breaker_failure_rate: 0.5,
-            breaker_min_calls: 20,
-            breaker_window: Dur(Duration::from_secs(10)),
-            breaker_cooldown: Dur(Duration::from_secs(1)),
-            fault_get_delay: Dur(Duration::ZERO),
-            fault_set_delay: Dur(Duration::ZERO),
-            fault_error_rate: 0.0,
-            file: FileSection::default(),
-            rocksdb: RocksdbSection::default(),
-            s3: S3Section::default(),
-            remote: RemoteSection::default(),
-            memory: MemorySection::default(),
         }
     }
 }

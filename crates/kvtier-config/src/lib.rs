@@ -232,6 +232,54 @@ fn refuse_removed(table: &Table) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Every default is written once, in a process's commented default file: its configuration
+/// type's `Default` is that file, parsed once (`defaults_from_file!(name, Type, FILE)` makes
+/// `name() -> &'static Type`), and a section's `Default` is the file's section
+/// (`default_from_parent!`). No type has serde defaults: [`load`] lays what the sources give
+/// over the whole file, so a key the file lacked would fail every load (and the tests).
+#[macro_export]
+#[doc(hidden)]
+macro_rules! defaults_from_file {
+    ($name:ident, $t:ty, $file:expr) => {
+        fn $name() -> &'static $t {
+            static PARSED: std::sync::OnceLock<$t> = std::sync::OnceLock::new();
+            PARSED.get_or_init(|| match toml::from_str($file) {
+                Ok(d) => d,
+                Err(e) => panic!(
+                    "the default file of {} does not make one: {e}",
+                    stringify!($t)
+                ),
+            })
+        }
+    };
+}
+
+/// `impl Default for Section { parent().section.clone() }`, for each `Section => field`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! default_from_parent {
+    ($parent:ident, $($t:ty => $($f:ident).+),* $(,)?) => {$(
+        impl Default for $t {
+            fn default() -> Self {
+                $parent().$($f).+.clone()
+            }
+        }
+    )*};
+}
+
+/// Lays `over` onto `base`, table by table: a key `over` gives replaces `base`'s, a table in
+/// both is laid over in turn.
+fn lay_over(base: &mut Table, over: Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(Value::Table(b)), Value::Table(o)) => lay_over(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
 /// Loads a configuration of type `T` whose commented default file is `default_toml`.
 pub fn load<T: DeserializeOwned>(default_toml: &str, src: &Sources) -> Result<T, ConfigError> {
     load_env(default_toml, src, Env::Daemon)
@@ -274,13 +322,16 @@ pub fn load_env<T: DeserializeOwned>(
         file: "<built-in defaults>".into(),
         reason: e.to_string(),
     })?;
-    let mut table = match &src.file {
-        Some((name, text)) => toml::from_str::<Table>(text).map_err(|e| ConfigError::File {
+    // Every key starts at the default file's value; the sources are laid over it.
+    let mut table = schema.clone();
+    if let Some((name, text)) = &src.file {
+        let file = toml::from_str::<Table>(text).map_err(|e| ConfigError::File {
             file: name.clone(),
             reason: e.to_string(),
-        })?,
-        None => Table::new(),
-    };
+        })?;
+        refuse_removed(&file)?;
+        lay_over(&mut table, file);
+    }
     let mut env: Vec<&(String, String)> = src.env.iter().filter(|(k, _)| which.takes(k)).collect();
     env.sort();
     for (var, raw) in env {
@@ -295,7 +346,6 @@ pub fn load_env<T: DeserializeOwned>(
             .ok_or_else(|| ConfigError::invalid(set.clone(), "expected section.key=value"))?;
         set_path(&mut table, &schema, path.trim(), raw)?;
     }
-    refuse_removed(&table)?;
     // The path-tracking deserializer names the key of a bad value (`cache.write_policy`),
     // whichever source gave it; enum-valued settings fail here with the allowed words.
     serde_path_to_error::deserialize(Value::Table(table)).map_err(|e| {

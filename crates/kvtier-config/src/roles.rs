@@ -37,8 +37,8 @@ attach_root = ""
 }
 
 /// `[server.admin]`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
 pub struct AdminAccess {
     /// Unix-socket peer uids that are operators, besides kvtierd's own.
     pub allow_uids: Vec<u32>,

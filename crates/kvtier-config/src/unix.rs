@@ -38,7 +38,7 @@ allow_gids = []
 
 /// `[server.unix]`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(deny_unknown_fields)]
 pub struct UnixAccess {
     /// Permission bits of the socket files.
     pub mode: FileMode,
@@ -50,18 +50,6 @@ pub struct UnixAccess {
     pub allow_uids: Vec<u32>,
     /// Peer gids (primary or supplementary) admitted.
     pub allow_gids: Vec<u32>,
-}
-
-impl Default for UnixAccess {
-    fn default() -> Self {
-        Self {
-            mode: FileMode(0o600),
-            uid: -1,
-            gid: -1,
-            allow_uids: Vec::new(),
-            allow_gids: Vec::new(),
-        }
-    }
 }
 
 impl UnixAccess {
