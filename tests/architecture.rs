@@ -145,3 +145,31 @@ fn no_lock_poisons_and_none_is_recovered_by_hand() {
     }
     assert!(wrong.is_empty(), "use parking_lot's locks: {wrong:#?}");
 }
+
+/// kvtierd's tasks run on its tracker (`crates/kvtier-daemon/src/tasks.rs`), which the drain
+/// waits on: no code of the daemon outside its tests calls `tokio::spawn` itself, but a
+/// sub-task its parent holds and aborts (`// scoped:` on the line before says so).
+#[test]
+fn every_daemon_task_is_on_the_tracker() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut files = Vec::new();
+    rust_files(&root.join("crates/kvtier-daemon/src"), &mut files);
+    let mut wrong = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        // The tests at the end of a file may spawn as they like.
+        let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let lines: Vec<&str> = code.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let scoped = i > 0 && lines[i - 1].trim_start().starts_with("// scoped:");
+            if line.contains("tokio::spawn(") && !line.trim_start().starts_with("//") && !scoped
+            {
+                wrong.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "spawn on the part's Tasks (tasks.rs): {wrong:#?}"
+    );
+}

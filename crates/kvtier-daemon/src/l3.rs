@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::state::Job;
 use crate::state::Shared;
+use crate::tasks::Tasks;
 use kvtier_server::metrics::MetricRegistry;
 
 mod metrics;
@@ -268,13 +269,15 @@ async fn write_one(
     Ok(true)
 }
 
-/// Runs the writer until `stop`: takes jobs in batches, writes up to `concurrency` at once,
-/// and reports each outcome to the index (persisted, or to be tried again later).
+/// Runs the writer until `stop`: takes jobs in batches, writes up to `concurrency` at once
+/// (each a task on `tasks`), and reports each outcome to the index (persisted, or to be
+/// tried again later).
 pub async fn run_writer(
     parts: WriterParts,
     l3: Arc<L3>,
     state: Arc<Shared>,
     stop: CancellationToken,
+    tasks: Tasks,
 ) {
     let WriterParts {
         mut rx,
@@ -297,7 +300,7 @@ pub async fn run_writer(
                 break;
             };
             let (l3, state, stop) = (l3.clone(), state.clone(), stop.clone());
-            tokio::spawn(async move {
+            tasks.spawn(async move {
                 let t = Instant::now();
                 let r = write_one(&job, &l3.store, l3.timeout, &stop).await;
                 let (c, metrics) = (&l3.counters, &l3.metrics);
@@ -385,24 +388,25 @@ pub struct L3Slot {
     current: parking_lot::RwLock<Option<Attached>>,
     state: Arc<Shared>,
     metrics: L3Metrics,
-    shutdown: CancellationToken,
+    /// Where the writer, the flusher and their writes run; its shutdown stops the tier.
+    tasks: Tasks,
     drain: Duration,
 }
 
 impl L3Slot {
-    /// An empty slot; `shutdown` stops whatever tier is attached. The tier's series are
-    /// declared in `registry` and follow whichever tier is attached.
+    /// An empty slot; `tasks`' shutdown stops whatever tier is attached. The tier's series
+    /// are declared in `registry` and follow whichever tier is attached.
     pub fn new(
         state: Arc<Shared>,
         registry: &MetricRegistry,
-        shutdown: CancellationToken,
+        tasks: Tasks,
         drain: Duration,
     ) -> Result<Arc<Self>, prometheus::Error> {
         let slot = Arc::new(Self {
             current: parking_lot::RwLock::new(None),
             state,
             metrics: L3Metrics::new(registry)?,
-            shutdown,
+            tasks,
             drain,
         });
         slot.metrics.watch(registry, &slot);
@@ -430,14 +434,15 @@ impl L3Slot {
         };
         let (l3, writer) = L3::new(store, cfg, self.metrics.clone());
         let l3 = Arc::new(l3);
-        let stop = self.shutdown.child_token();
-        tokio::spawn(run_writer(
+        let stop = self.tasks.shutdown.child_token();
+        self.tasks.spawn(run_writer(
             writer,
             l3.clone(),
             self.state.clone(),
             stop.clone(),
+            self.tasks.clone(),
         ));
-        tokio::spawn(run_flusher(
+        self.tasks.spawn(run_flusher(
             l3.clone(),
             self.state.clone(),
             cfg.l3.batch_pages as usize,

@@ -21,6 +21,7 @@ pub mod sglang;
 pub mod state;
 pub mod storage_service;
 pub mod streams;
+pub mod tasks;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -111,7 +112,7 @@ pub async fn run(
     parts::spawn_metrics(&ctx, &gate, metrics)?;
     parts::spawn_upkeep(&ctx, &core.state)?;
     let sglang_sockets = sglang.serve(&ctx, &gate, &core).await?;
-    ctx.tracker.close();
+    ctx.tasks.close();
 
     let socket = ctx.cfg.socket_path();
     tracing::info!(
@@ -125,7 +126,7 @@ pub async fn run(
         tcp: control.tcp_addr,
         metrics: control.metrics_addr,
     });
-    ctx.shutdown.cancelled().await;
+    ctx.tasks.shutdown.cancelled().await;
     let result = control.drain(&ctx).await;
     let pool_socket = ctx.cfg.pool_socket();
     for p in sglang_sockets.iter().chain([&socket, &pool_socket]) {
@@ -159,15 +160,15 @@ mod tests {
         let cfg = DaemonConfig::default();
         let registry = MetricRegistry::new();
         let state = Arc::new(Shared::new(HostState::new(&cfg).unwrap()));
-        let stop = CancellationToken::new();
-        let l3 = l3::L3Slot::new(state.clone(), &registry, stop.clone(), Duration::ZERO).unwrap();
+        let tasks = tasks::Tasks::new(CancellationToken::new());
+        let l3 = l3::L3Slot::new(state.clone(), &registry, tasks.clone(), Duration::ZERO).unwrap();
         let prefetcher = Arc::new(
             prefetch::Prefetcher::new(
                 cfg.prefetch.clone(),
                 state.clone(),
                 l3.clone(),
                 &registry,
-                stop.clone(),
+                tasks.clone(),
                 16,
             )
             .unwrap(),
@@ -179,7 +180,7 @@ mod tests {
             String::new(),
             l3,
             prefetcher,
-            stop,
+            tasks,
         )
         .unwrap();
         sglang::SglangMetrics::new(&registry).unwrap();

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::tasks::Tasks;
 use kvtier_config::daemon::DaemonConfig;
 use kvtier_config::tenants::Tenants;
 use kvtier_proto::v1::host_tier_server::HostTierServer;
@@ -29,7 +30,6 @@ use kvtier_server::peers::{GatedListener, PeerGate};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::l3::L3Slot;
 use crate::prefetch::Prefetcher;
@@ -44,10 +44,8 @@ pub(crate) struct Ctx {
     pub(crate) cfg: DaemonConfig,
     /// The registry every component declares its series in.
     pub(crate) metrics: MetricRegistry,
-    /// Cancelled on SIGTERM / SIGINT.
-    pub(crate) shutdown: CancellationToken,
-    /// Every serving task; the drain waits on it.
-    pub(crate) tracker: TaskTracker,
+    /// Every task, and the shutdown that stops them; the drain waits on them.
+    pub(crate) tasks: Tasks,
 }
 
 fn setup(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError {
@@ -79,8 +77,7 @@ impl Ctx {
         Ok(Self {
             cfg,
             metrics: MetricRegistry::new(),
-            shutdown,
-            tracker: TaskTracker::new(),
+            tasks: Tasks::new(shutdown),
         })
     }
 }
@@ -173,7 +170,7 @@ impl Core {
         let l3 = L3Slot::new(
             state.clone(),
             &ctx.metrics,
-            ctx.shutdown.clone(),
+            ctx.tasks.clone(),
             cfg.server.drain_timeout.0,
         )?;
         l3.attach(cfg)
@@ -184,7 +181,7 @@ impl Core {
             state.clone(),
             l3.clone(),
             &ctx.metrics,
-            ctx.shutdown.clone(),
+            ctx.tasks.clone(),
             cfg.server.max_batch as usize,
         )?);
         Ok(Self {
@@ -206,12 +203,12 @@ impl Core {
         listener: GatedListener,
     ) -> Result<(), DaemonError> {
         let metrics = pool_door::DoorMetrics::new(&ctx.metrics)?;
-        ctx.tracker.spawn(pool_door::serve(
+        ctx.tasks.spawn(pool_door::serve(
             listener,
             self.state.clone(),
             self.roles.clone(),
             metrics,
-            ctx.shutdown.clone(),
+            ctx.tasks.clone(),
         ));
         Ok(())
     }
@@ -251,10 +248,10 @@ impl Sglang {
         let reg = gate.bind(&reg_path, Listener::SglangMempool).await?;
         let grpc = gate.bind(&grpc_path, Listener::SglangGrpc).await?;
         let pools = Arc::new(sglang::Pools::with_gauge(self.metrics.pools.clone()));
-        ctx.tracker.spawn(sglang::serve_registrations(
+        ctx.tasks.spawn(sglang::serve_registrations(
             reg,
             pools.clone(),
-            ctx.shutdown.clone(),
+            ctx.tasks.clone(),
         ));
         let svc = kvtier_proto::sglang::storage_server_server::StorageServerServer::new(
             sglang::StorageService::new(
@@ -263,16 +260,15 @@ impl Sglang {
                 core.l3.clone(),
                 memory,
                 self.metrics,
-                ctx.shutdown.clone(),
+                ctx.tasks.shutdown.clone(),
             ),
         )
         .max_decoding_message_size(512 << 20)
         .max_encoding_message_size(512 << 20);
-        let stop = ctx.shutdown.clone();
+        let stop = ctx.tasks.shutdown.clone();
         // Through the relay that makes grpcio's `:authority` acceptable to h2, and binds
         // each connection to its peer.
-        let incoming =
-            sglang::grpc_incoming(grpc, ctx.shutdown.clone(), Arc::new(core.tenants.clone()));
+        let incoming = sglang::grpc_incoming(grpc, &ctx.tasks, Arc::new(core.tenants.clone()));
         // Engines only, by the doors table; the relay names each call's tenant.
         let guard = kvtier_server::guard::Guard::new(
             Listener::SglangGrpc,
@@ -280,7 +276,7 @@ impl Sglang {
             core.roles.one_trust_domain(),
             &core.guards,
         );
-        ctx.tracker.spawn(
+        ctx.tasks.spawn(
             kvtier_server::serving::grpc_server()
                 .layer(guard)
                 .add_service(svc)
@@ -351,7 +347,7 @@ impl Control {
             metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
             core.l3.clone(),
             core.prefetcher.clone(),
-            ctx.shutdown.clone(),
+            ctx.tasks.clone(),
         )?
         .with_roles(core.roles.clone())
         .with_max_streams(cfg.server.max_streams_per_caller)
@@ -385,8 +381,8 @@ impl Control {
                 .add_service(reflection.clone())
                 .add_service(objects.clone())
         };
-        let stop = ctx.shutdown.clone();
-        let uds = ctx.tracker.spawn(
+        let stop = ctx.tasks.shutdown.clone();
+        let uds = ctx.tasks.spawn(
             router()
                 .add_service(admin.clone())
                 .serve_with_incoming_shutdown(uds.incoming(), async move {
@@ -420,9 +416,9 @@ impl Control {
                 // token, or a tenant's; what each may then call is its row in the doors
                 // table (Admin: only with the admin token).
                 let over_tcp = core.roles.guard(Some(token_required), &core.guards);
-                let stop = ctx.shutdown.clone();
+                let stop = ctx.tasks.shutdown.clone();
                 let mut layered = server.layer(over_tcp);
-                let task = ctx.tracker.spawn(
+                let task = ctx.tasks.spawn(
                     layered
                         .add_service(HostTierRoutes::new(host.clone()))
                         .add_service(health_service.clone())
@@ -455,10 +451,7 @@ impl Control {
             .await;
         tracing::info!("shutting down: draining in-flight requests");
         let drain = ctx.cfg.server.drain_timeout.0;
-        if tokio::time::timeout(drain, ctx.tracker.wait())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(drain, ctx.tasks.wait()).await.is_err() {
             tracing::warn!(
                 ?drain,
                 "connections still open after the drain deadline; closing them"
@@ -503,12 +496,12 @@ pub(crate) fn spawn_metrics(
         let tenant_series = ctx.cfg.metrics.tenant_series;
         let cap =
             kvtier_server::conn::Cap::new(gate.limits(), Listener::Metrics, gate.conn_metrics());
-        ctx.tracker.spawn(kvtier_server::prometheus_http::serve(
+        ctx.tasks.spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || {
                 metrics.render_where(|name| tenant_series || !name.starts_with("kvtier_tenant_"))
             }),
-            ctx.shutdown.clone(),
+            ctx.tasks.shutdown.clone(),
             cap,
             auth,
         ));
@@ -521,14 +514,14 @@ pub(crate) fn spawn_metrics(
 /// stopped heartbeating, and gives back pools nobody uses).
 pub(crate) fn spawn_upkeep(ctx: &Ctx, state: &Arc<Shared>) -> Result<(), DaemonError> {
     if state.lock().seals_enabled() {
-        let sealer = sealer::start(state.clone(), ctx.shutdown.clone())
+        let sealer = sealer::start(state.clone(), ctx.tasks.shutdown.clone())
             .map_err(setup("start the sealer thread", Path::new("")))?;
-        ctx.tracker.spawn(sealer);
+        ctx.tasks.spawn(sealer);
     }
     let state = state.clone();
-    let stop = ctx.shutdown.clone();
+    let stop = ctx.tasks.shutdown.clone();
     let period = (ctx.cfg.sessions.ttl.0 / 4).max(Duration::from_millis(20));
-    ctx.tracker.spawn(async move {
+    ctx.tasks.spawn(async move {
         let mut tick = tokio::time::interval(period);
         loop {
             tokio::select! {

@@ -21,10 +21,10 @@ use kvtier_server::peers::GatedListener;
 use kvtier_shm::door::{self, Answer};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
-use tokio_util::sync::CancellationToken;
 
 use crate::roles::{Role, Roles, UnixPeer};
 use crate::state::Shared;
+use crate::tasks::Tasks;
 
 /// The door's counters.
 #[derive(Clone, Debug)]
@@ -60,8 +60,9 @@ pub(crate) async fn serve(
     state: Arc<Shared>,
     roles: Arc<Roles>,
     metrics: DoorMetrics,
-    stop: CancellationToken,
+    tasks: Tasks,
 ) {
+    let stop = tasks.shutdown.clone();
     let timeout = listener.cap().handshake_timeout();
     loop {
         let (stream, permit) = tokio::select! {
@@ -69,7 +70,7 @@ pub(crate) async fn serve(
             () = stop.cancelled() => return,
         };
         let (state, roles, metrics) = (state.clone(), roles.clone(), metrics.clone());
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let outcome = tokio::time::timeout(timeout, answer(&stream, &state, &roles))
                 .await
                 .unwrap_or("timeout");

@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::l3::{L3, L3Slot};
 use crate::state::Shared;
 use crate::state::{Opened, Phase, PrefetchOpen, Progress, StopCause};
+use crate::tasks::Tasks;
 
 mod metrics;
 mod negative;
@@ -81,7 +82,8 @@ pub struct Prefetcher {
     l3: Arc<L3Slot>,
     metrics: PrefetchMetrics,
     negative: Mutex<NegativeCache>,
-    shutdown: CancellationToken,
+    /// Where prefetches run; its shutdown cancels them.
+    tasks: Tasks,
     max_batch: usize,
 }
 
@@ -162,7 +164,7 @@ impl Prefetcher {
         state: Arc<Shared>,
         l3: Arc<L3Slot>,
         registry: &MetricRegistry,
-        shutdown: CancellationToken,
+        tasks: Tasks,
         max_batch: usize,
     ) -> Result<Self, prometheus::Error> {
         let negative = NegativeCache::new(cfg.negative_ttl.0, cfg.negative_capacity as usize);
@@ -172,7 +174,7 @@ impl Prefetcher {
             state,
             l3,
             negative: Mutex::new(negative),
-            shutdown,
+            tasks,
             max_batch,
         })
     }
@@ -336,7 +338,7 @@ impl Prefetcher {
             return Ok(once(self.revoked(request_id, policy, l2, "no_storage")));
         };
         // Keys that just failed are not asked for again until they expire.
-        let ctx = OpCtx::child(&self.shutdown, tier.timeout);
+        let ctx = OpCtx::child(&self.tasks.shutdown, tier.timeout);
         let hit = match self.reachable(&tier, &ctx, fp, &keys[l2..], &in_l2).await {
             Ok(n) => n,
             Err(e) => {
@@ -386,7 +388,7 @@ impl Prefetcher {
             (StopPolicy::Timeout, Some(t)) => t.min(self.cfg.timeout_max.0),
             _ => self.cfg.timeout_max.0,
         };
-        let cancel = self.shutdown.child_token();
+        let cancel = self.tasks.shutdown.child_token();
         let min_pages = threshold.div_ceil(page_size.max(1)) as usize;
         let opened = self.state.lock().prefetch_open(PrefetchOpen {
             session,
@@ -424,7 +426,7 @@ impl Prefetcher {
             .inc_by(fetch * page_bytes);
         tracing::debug!(request = %request_id, l2, hit = hit.len(), ?deadline, "prefetch started");
         let me = self.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             me.run(Task {
                 id,
                 tier,
@@ -614,7 +616,7 @@ impl Prefetcher {
             }
             tokio::select! {
                 r = rx.changed() => if r.is_err() { break },
-                () = self.shutdown.cancelled() => {
+                () = self.tasks.shutdown.cancelled() => {
                     return Err(ApiError::Unavailable("kvtierd is shutting down".into()));
                 }
             }

@@ -59,7 +59,8 @@ pub struct HostService {
     metrics_address: String,
     l3: Arc<L3Slot>,
     prefetcher: Arc<Prefetcher>,
-    shutdown: tokio_util::sync::CancellationToken,
+    /// Where its streams' tasks run, and the shutdown that ends them.
+    tasks: crate::tasks::Tasks,
     /// Who is which tenant (empty: tenancy off), and who sees all of them.
     roles: Arc<Roles>,
     /// The tenants of `roles`.
@@ -89,7 +90,7 @@ impl HostService {
         metrics_address: String,
         l3: Arc<L3Slot>,
         prefetcher: Arc<Prefetcher>,
-        shutdown: tokio_util::sync::CancellationToken,
+        tasks: crate::tasks::Tasks,
     ) -> Result<Self, prometheus::Error> {
         state
             .lock()
@@ -104,7 +105,7 @@ impl HostService {
             metrics_address,
             l3,
             prefetcher,
-            shutdown,
+            tasks,
             roles: Arc::new(Roles::open()),
             tenants: Arc::new(Tenants::default()),
             pool_socket: None,

@@ -36,7 +36,7 @@ impl HostService {
                 r.after_seq,
                 tenant,
                 slot,
-                self.shutdown.clone(),
+                &self.tasks,
             );
             Ok(Box::pin(stream) as EncodedEventStream)
         })

@@ -148,7 +148,7 @@ impl HostService {
             let only = only.clone();
             async move {
                 tokio::select! {
-                    () = svc.shutdown.cancelled() => return None,
+                    () = svc.tasks.shutdown.cancelled() => return None,
                     _ = tick.tick() => {}
                 }
                 let families = svc.registry.gather();

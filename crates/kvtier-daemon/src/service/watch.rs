@@ -148,8 +148,9 @@ pub(crate) fn watch(
     after_seq: u64,
     tenant: Option<TenantTag>,
     slot: crate::streams::StreamSlot,
-    shutdown: tokio_util::sync::CancellationToken,
+    tasks: &crate::tasks::Tasks,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, tonic::Status>> {
+    let shutdown = tasks.shutdown.clone();
     let (tx, out) = tokio::sync::mpsc::channel(STREAM_DEPTH);
     // A tenant's stream numbers its own events, so it never resumes the node's.
     let (stream_id, after_seq) = match tenant {
@@ -166,7 +167,7 @@ pub(crate) fn watch(
             bus.metrics().cloned(),
         )
     };
-    tokio::spawn(async move {
+    tasks.spawn(async move {
         // The caller's place under its stream bound, for as long as this stream runs.
         let _slot = slot;
         let _open = metrics
@@ -405,7 +406,8 @@ mod tests {
             let slot = caps
                 .open("watch_events", &crate::roles::Role::Operator, None)
                 .unwrap();
-            let mut s = watch(state.clone(), 0, 0, None, slot, stop.clone());
+            let tasks = crate::tasks::Tasks::new(stop.clone());
+            let mut s = watch(state.clone(), 0, 0, None, slot, &tasks);
             use futures::StreamExt;
             use prost::Message;
             let decode = |b: Bytes| kvtier_proto::v1::EventBatch::decode(b).unwrap();

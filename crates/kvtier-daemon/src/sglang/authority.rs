@@ -36,7 +36,8 @@ use kvtier_server::peers::GatedListener;
 use loona_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+
+use crate::tasks::Tasks;
 
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const HEADERS: u8 = 0x1;
@@ -253,16 +254,17 @@ fn frame_head(len: usize, kind: u8, flags: u8, stream: [u8; 4]) -> [u8; 9] {
     ]
 }
 
-/// Accepts connections on `listener` until `stop`; each is relayed to the returned
+/// Accepts connections on `listener` until `tasks`' shutdown; each is relayed (a task on `tasks`) to the returned
 /// receiver's pipe end (hand it to tonic's `serve_with_incoming_shutdown`), bound to its
 /// peer's uid and (while `tenants` names any) tenant.
 pub fn incoming(
     listener: GatedListener,
-    stop: CancellationToken,
+    tasks: &Tasks,
     tenants: Arc<Tenants>,
 ) -> tokio_stream::wrappers::ReceiverStream<io::Result<DuplexStream>> {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
+    let (stop, relays) = (tasks.shutdown.clone(), tasks.clone());
+    tasks.spawn(async move {
         loop {
             let (client, permit) = tokio::select! {
                 () = stop.cancelled() => return,
@@ -286,7 +288,7 @@ pub fn incoming(
             if tx.send(Ok(theirs)).await.is_err() {
                 return;
             }
-            tokio::spawn(relay(client, ours, peer));
+            relays.spawn(relay(client, ours, peer));
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
@@ -301,6 +303,7 @@ where
     let (mut sr, sw) = tokio::io::split(ours);
     // Responses flow until tonic closes its end (which it does when the client goes, or
     // after its graceful drain at shutdown) ...
+    // scoped: the relay (a tracked task) waits for it or aborts it.
     let mut down = tokio::spawn(async move {
         tokio::io::copy(&mut sr, &mut cw).await?;
         cw.shutdown().await

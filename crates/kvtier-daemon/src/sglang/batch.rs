@@ -69,6 +69,7 @@ where
     let _closes = Closes(gate.clone());
     futures::stream::iter(items)
         .map(|t| {
+            // scoped: the batch holds it and aborts it when dropped.
             let task = Aborts(tokio::spawn(one(t, gate.clone())));
             async move {
                 let mut task = task;

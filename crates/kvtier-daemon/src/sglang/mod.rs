@@ -47,7 +47,8 @@ use kvtier_server::peers::GatedListener;
 use kvtier_shm::ShmRegion;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
-use tokio_util::sync::CancellationToken;
+
+use crate::tasks::Tasks;
 
 /// The preamble's magic, as SGLang sends it.
 pub const MAGIC: u64 = 0x8DF6_FBFD;
@@ -384,12 +385,9 @@ pub fn register_pool(
     Ok((c, u32::from_le_bytes(id)))
 }
 
-/// Accepts registrations on `listener` until `stop`.
-pub async fn serve_registrations(
-    listener: GatedListener,
-    pools: Arc<Pools>,
-    stop: CancellationToken,
-) {
+/// Accepts registrations on `listener` until `tasks`' shutdown, each served on `tasks`.
+pub async fn serve_registrations(listener: GatedListener, pools: Arc<Pools>, tasks: Tasks) {
+    let stop = tasks.shutdown.clone();
     let handshake = listener.cap().handshake_timeout();
     loop {
         let (stream, permit) = tokio::select! {
@@ -397,7 +395,7 @@ pub async fn serve_registrations(
             a = listener.accept() => a,
         };
         let (pools, stop) = (pools.clone(), stop.clone());
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             // The connection's place under the socket's cap, for as long as it is served.
             let _permit = permit;
             tokio::select! {
@@ -416,6 +414,7 @@ pub async fn serve_registrations(
 mod tests {
     use std::os::fd::{AsFd, BorrowedFd};
     use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
 
     use super::*;
 
@@ -501,7 +500,11 @@ mod tests {
             .unwrap();
         let pools = Arc::new(Pools::default());
         let stop = CancellationToken::new();
-        tokio::spawn(serve_registrations(listener, pools.clone(), stop.clone()));
+        tokio::spawn(serve_registrations(
+            listener,
+            pools.clone(),
+            Tasks::new(stop.clone()),
+        ));
 
         // A good registration: a random non-zero id, the memfd's bytes visible through the
         // mapping.
