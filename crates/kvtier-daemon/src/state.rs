@@ -58,7 +58,7 @@ pub fn open_pool_dir(cfg: &DaemonConfig) -> Result<kvtier_shm::OwnDir, StateErro
 
 /// One pool class: the shared memory of one layout and its index.
 #[derive(Debug)]
-pub struct Pool {
+pub struct L2Pool {
     /// Its key among the pools: its layout's fingerprint, or (a tenant's own pool,
     /// `l2.tenant_pools`) one derived from it and the tenant ([`pool_key`]).
     pub key: LayoutFingerprint,
@@ -83,7 +83,7 @@ pub struct Session {
     pub name: String,
     /// Its layout's fingerprint (what L3 names its pages by).
     pub fingerprint: LayoutFingerprint,
-    /// The pool it uses ([`Pool::key`]).
+    /// The pool it uses ([`L2Pool::key`]).
     pub pool: LayoutFingerprint,
     /// Last request or heartbeat.
     pub last_seen: Instant,
@@ -250,7 +250,7 @@ pub struct Registered {
 /// All L2 state of the daemon.
 #[derive(Debug)]
 pub struct HostState {
-    pools: HashMap<LayoutFingerprint, Pool>,
+    pools: HashMap<LayoutFingerprint, L2Pool>,
     /// What L2 holds, published for routers (`events.rs`).
     events: EventBus,
     sessions: HashMap<SessionId, Session>,
@@ -440,7 +440,7 @@ impl HostState {
     }
 
     /// Pools by layout.
-    pub fn pools(&self) -> impl Iterator<Item = &Pool> {
+    pub fn pools(&self) -> impl Iterator<Item = &L2Pool> {
         self.pools.values()
     }
 
@@ -504,7 +504,7 @@ impl HostState {
     /// (`l2.tenant_pools`), or, while named tenants have their own pools, the layout's pool,
     /// which then holds the default tenant's alone. `None` when every tenant's pages share
     /// the pool (no tenants named, or `l2.tenant_pools = false`).
-    pub(crate) fn own_pool_tenant(&self, pool: &Pool) -> Option<TenantTag> {
+    pub(crate) fn own_pool_tenant(&self, pool: &L2Pool) -> Option<TenantTag> {
         let fp = pool.layout.fingerprint();
         let named = self.tenants.iter().any(|(n, _, _)| !n.is_empty());
         if pool.key == fp {
@@ -516,7 +516,7 @@ impl HostState {
             .map(|(_, tag, _)| *tag)
     }
 
-    fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut Pool, StateError> {
+    fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut L2Pool, StateError> {
         // A named tenant's own pool (its sessions alone get its descriptor); else the
         // layout's, which every tenant's sessions share.
         let own = self.tenant_pools
@@ -625,7 +625,7 @@ impl HostState {
             index.set_dirty_limit(((f64::from(slots) * self.dirty_fraction) as u32).max(1));
             self.pools.insert(
                 fp,
-                Pool {
+                L2Pool {
                     key: fp,
                     layout: layout.clone(),
                     shm: Arc::new(shm),
@@ -713,7 +713,7 @@ impl HostState {
         &mut self,
         id: SessionId,
         now: Instant,
-    ) -> Result<(&mut Session, &mut Pool), StateError> {
+    ) -> Result<(&mut Session, &mut L2Pool), StateError> {
         let s = self
             .sessions
             .get_mut(&id)

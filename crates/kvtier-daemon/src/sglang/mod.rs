@@ -65,14 +65,14 @@ pub const MAX_NAME: usize = 4096;
 /// pool is marked damaged (every later transfer naming it gets `FAILED_PRECONDITION`; the
 /// client must register again).
 #[derive(Debug)]
-pub struct Pool {
+pub struct EnginePool {
     region: ShmRegion,
     sealed: bool,
     /// The uid of the process that registered it: only its transfers may name the pool.
     owner: u32,
 }
 
-impl Pool {
+impl EnginePool {
     /// A pool over `region` registered by `owner` (a uid), sealed if its file allows it.
     pub fn new(region: ShmRegion, owner: u32) -> Self {
         let sealed = region.seal_shrink();
@@ -141,7 +141,7 @@ pub struct Pools {
 
 #[derive(Debug, Default)]
 struct Registry {
-    live: HashMap<u32, Arc<Pool>>,
+    live: HashMap<u32, Arc<EnginePool>>,
     issued: HashSet<u32>,
 }
 
@@ -166,7 +166,7 @@ impl Pools {
     }
 
     /// The pool registered as `id`, while its client is connected.
-    pub fn get(&self, id: u32) -> Option<Arc<Pool>> {
+    pub fn get(&self, id: u32) -> Option<Arc<EnginePool>> {
         self.lock().live.get(&id).cloned()
     }
 
@@ -188,7 +188,7 @@ impl Pools {
         }
     }
 
-    fn add(&self, pool: Pool) -> Result<u32, ApiError> {
+    fn add(&self, pool: EnginePool) -> Result<u32, ApiError> {
         let mut m = self.lock();
         let id = m.fresh_id()?;
         m.live.insert(id, Arc::new(pool));
@@ -328,7 +328,7 @@ async fn serve_one(
     }
     let region = ShmRegion::from_fd(fd, &name).map_err(|e| RegisterError::Pool(e.to_string()))?;
     let bytes = region.len();
-    let pool = Pool::new(region, owner);
+    let pool = EnginePool::new(region, owner);
     let sealed = pool.sealed();
     let id = pools
         .add(pool)

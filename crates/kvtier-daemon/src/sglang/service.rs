@@ -41,7 +41,7 @@ use tonic::{Request, Response, Status};
 
 use super::SglangMetrics;
 use super::batch::{self, CopyGate};
-use super::{ObjectCache, Pool, Pools};
+use super::{EnginePool, ObjectCache, Pools};
 use crate::l3::L3Slot;
 
 /// Longest id accepted (SGLang's are ~70 bytes).
@@ -150,7 +150,7 @@ impl BufferSink {
 }
 
 /// A transfer's pool, its checked `(offset, length)` ranges, and their total length.
-type Ranges = (Arc<Pool>, Vec<(usize, usize)>, usize);
+type Ranges = (Arc<EnginePool>, Vec<(usize, usize)>, usize);
 
 /// The `sglang.runtime.hicache.StorageServer` service.
 #[derive(Debug, Clone)]
@@ -295,7 +295,7 @@ impl Objects {
 
     /// Copies `data` over the transfer's ranges of the engine's pool (already checked), while
     /// the batch's call lasts (`UNAVAILABLE`, nothing written, once it is over).
-    fn scatter(gate: &CopyGate, pool: &Pool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
+    fn scatter(gate: &CopyGate, pool: &EnginePool, ranges: &[(usize, usize)], data: &[u8]) -> i32 {
         gate.copy(|| {
             let mut at = 0;
             for &(off, len) in ranges {

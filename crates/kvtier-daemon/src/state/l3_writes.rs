@@ -8,7 +8,7 @@ use kvtier_core::host_index::L3Mode;
 use kvtier_core::{LayoutFingerprint, PageKey, WritePolicy};
 use kvtier_shm::ShmPool;
 
-use super::{HostState, Pool};
+use super::{HostState, L2Pool};
 
 /// One page for the L3 writer: chosen by the state (under the write policy, or by the
 /// flusher), pinned in its slot until the writer reports how the write went.
@@ -16,7 +16,7 @@ use super::{HostState, Pool};
 pub struct Job {
     /// Layout class (what L3 names the page by).
     pub fp: LayoutFingerprint,
-    /// The L2 pool it is in ([`Pool::key`]).
+    /// The L2 pool it is in ([`L2Pool::key`]).
     pub pool_key: LayoutFingerprint,
     /// Page key.
     pub key: PageKey,
@@ -31,7 +31,7 @@ pub struct Job {
     pub epoch: u64,
 }
 impl HostState {
-    pub(super) fn jobs(pool: &Pool, queued: Vec<(PageKey, u32)>, epoch: u64) -> Vec<Job> {
+    pub(super) fn jobs(pool: &L2Pool, queued: Vec<(PageKey, u32)>, epoch: u64) -> Vec<Job> {
         queued
             .into_iter()
             .map(|(key, slot)| Job {

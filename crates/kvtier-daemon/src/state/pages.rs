@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvtier_core::host_index::{L3Mark, L3Mode, Landed, OwnerId, PageState, Reserve};
 use kvtier_core::{PageKey, SessionId, WritePolicy};
 
-use super::{HostState, Job, Pool, Session, SlotPins, StateError};
+use super::{HostState, Job, L2Pool, Session, SlotPins, StateError};
 
 /// Most slots one session may hold leased: enough for a decode step's pages, small against
 /// any pool a lease is worth it in.
@@ -35,7 +35,7 @@ pub struct LeasedCommit {
 /// [`LEASE_POOL_SHARE`] slots of the pool); none while kvtierd takes no new pages. Returns
 /// the new slots and the keys evicted for them.
 fn top_up(
-    pool: &mut Pool,
+    pool: &mut L2Pool,
     owner: OwnerId,
     want: usize,
     admitting: bool,
@@ -260,7 +260,7 @@ impl HostState {
     fn stored_jobs(
         write: Option<WritePolicy>,
         epoch: u64,
-        pool: &mut Pool,
+        pool: &mut L2Pool,
         keys: &[PageKey],
     ) -> Vec<Job> {
         match write {

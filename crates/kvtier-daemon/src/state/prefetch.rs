@@ -115,7 +115,7 @@ pub struct PrefetchEntry {
     pub session: SessionId,
     /// The session's name for it.
     pub request_id: String,
-    /// The pool ([`super::Pool::key`]).
+    /// The pool ([`super::L2Pool::key`]).
     pub fp: LayoutFingerprint,
     /// Stop policy.
     pub policy: StopPolicy,

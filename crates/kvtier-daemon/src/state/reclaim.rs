@@ -44,7 +44,7 @@ impl HostState {
         &mut self,
         now: Instant,
         make_room: bool,
-        which: impl Fn(&super::Pool) -> bool,
+        which: impl Fn(&super::L2Pool) -> bool,
     ) -> usize {
         let ttl = self.idle_pool_ttl;
         let mut idle: Vec<(Instant, LayoutFingerprint)> = self

@@ -7,7 +7,7 @@
 //! only if the slot has not been handed out again meanwhile (its epoch is unchanged). So a
 //! record only ever describes bytes that were committed and have not been rewritten since.
 //!
-//! Pool files are named `kvtier-<instance>-<pid>-<run>-<fingerprint>`, the instance being a
+//! L2Pool files are named `kvtier-<instance>-<pid>-<run>-<fingerprint>`, the instance being a
 //! hash of the daemon's socket path, the same across restarts, and the run this kvtierd
 //! run's epoch (no two runs share a name, even when both were pid 1 in a container). At start ([`take_over_dead_pools`])
 //! kvtierd looks in its own pool directory (`kvtierd-<uid>` in `l2.shm_dir`) for pools of its own instance whose kvtierd is gone (another
@@ -29,7 +29,7 @@ use kvtier_proto::v1;
 use kvtier_shm::{OwnDir, ShmPool, SlotRecord, SlotTable, table_name};
 use prost::Message;
 
-use super::{HostState, Pool};
+use super::{HostState, L2Pool};
 
 /// The seal bookkeeping of one pool.
 #[derive(Debug)]
@@ -132,7 +132,7 @@ pub struct TakeoverCounts {
     pub pools_ignored: u64,
 }
 
-impl Pool {
+impl L2Pool {
     /// Clears the records of freshly reserved slots.
     pub(super) fn handed_out(&mut self, slots: impl IntoIterator<Item = u32>) {
         if let Some(s) = &mut self.seals {
