@@ -11,15 +11,17 @@ use kvtier_config::daemon::{DaemonConfig, L2Backing};
 use kvtier_config::tenants::TenantQuota;
 use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
 use kvtier_core::{
-    Epoch, Layout, LayoutFingerprint, PolicyKind, SessionId, TenantScope, TenantTag, WritePolicy,
+    Epoch, Layout, LayoutFingerprint, PolicyKind, SessionId, TenantScope, TenantTag,
 };
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
 use crate::events::EventBus;
 pub use events::Subscription;
+use l3_view::L3View;
 
 mod error;
 mod events;
+mod l3_view;
 mod l3_writes;
 mod metrics;
 mod operator;
@@ -282,19 +284,8 @@ pub struct HostState {
     /// Which kvtierd this is, across restarts (from its socket path): pool files carry it,
     /// so a restarted daemon takes over its own predecessor's pools and no one else's.
     instance: String,
-    /// The L2 → L3 write policy while a tier is attached; the daemon's one copy of it.
-    write: Option<WritePolicy>,
-    /// Whether the attached tier is failing (its breaker open): eviction may then give up
-    /// pages L3 does not hold.
-    l3_down: bool,
-    /// L3's generation: advanced when L3 is cleared, so writes and loads from before the
-    /// clear do not mark pages held.
-    l3_epoch: u64,
-    /// What this kvtierd learned of L3 since the last publication (`state/events.rs`).
-    l3_events: Vec<(
-        Option<kvtier_core::LayoutFingerprint>,
-        crate::events::EventKind,
-    )>,
+    /// What L2 knows of L3 (`state/l3_view.rs`).
+    l3: L3View,
     /// Draining (`kvtierctl drain`): no new sessions, writes or prefetches; every page L3
     /// lacks is written.
     draining: bool,
@@ -349,10 +340,11 @@ impl HostState {
             reserve_share: cfg.l2.reserve_share,
             take_over: cfg.l2.take_over_after_crash,
             instance: survive::instance_id(&cfg.socket_path()),
-            write: cfg.l3.backend.stores().then(|| cfg.l3.write_policy()),
-            l3_down: false,
-            l3_epoch: 0,
-            l3_events: Vec::new(),
+            l3: {
+                let mut l3 = L3View::default();
+                l3.attach(cfg.l3.backend.stores().then(|| cfg.l3.write_policy()));
+                l3
+            },
             draining: false,
             flushes: 0,
             prefetches: Prefetches::new(cfg.prefetch.budget_fraction),

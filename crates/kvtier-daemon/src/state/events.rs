@@ -33,8 +33,9 @@ impl HostState {
                 self.events.publish(fp, pool.index.take_changes());
             }
         }
-        if !self.l3_events.is_empty() {
-            self.events.publish_l3(std::mem::take(&mut self.l3_events));
+        let learned = self.l3.take_learned();
+        if !learned.is_empty() {
+            self.events.publish_l3(learned);
         }
     }
 
@@ -45,25 +46,19 @@ impl HostState {
         key: PageKey,
         parent: Option<PageKey>,
     ) {
-        self.l3_events
-            .push((Some(fp), EventKind::Stored { key, parent }));
-    }
-
-    /// L3 was cleared by the operator: every page of every layout is gone from it.
-    pub(super) fn l3_cleared(&mut self) {
-        self.l3_events
-            .push((None, EventKind::Cleared { tenant: None }));
+        self.l3.learn(Some(fp), EventKind::Stored { key, parent });
     }
 
     /// What L3's backend removed on its own (capacity or quota evictions): REMOVED events
     /// for kvtier's pages, or a CLEARED when it removed more than it could name.
     pub fn l3_removed(&mut self, removed: Removed) {
         if removed.overflowed {
-            self.l3_cleared();
+            // More than it could name: every page of every layout may be gone.
+            self.l3.learn(None, EventKind::Cleared { tenant: None });
         }
         for name in removed.names {
             if let Some((fp, key)) = parse_object_name(&name) {
-                self.l3_events.push((Some(fp), EventKind::Removed { key }));
+                self.l3.learn(Some(fp), EventKind::Removed { key });
             }
         }
     }

@@ -53,16 +53,11 @@ impl HostState {
 
     /// The L2 → L3 write policy, while a tier is attached.
     pub fn write_policy(&self) -> Option<WritePolicy> {
-        self.write
+        self.l3.write()
     }
 
     pub(super) fn l3_mode(&self) -> L3Mode {
-        match (self.write, self.l3_down) {
-            (None, _) => L3Mode::Absent,
-            // Every policy copies a page to L3 before its slot is reused.
-            (Some(p), false) if p.copied_below_before_reuse() => L3Mode::Up,
-            (Some(_), _) => L3Mode::Down,
-        }
+        self.l3.mode()
     }
 
     pub(super) fn apply_l3_mode(&mut self) {
@@ -75,16 +70,14 @@ impl HostState {
     /// Changes the L3 write policy (an L3 tier attached, swapped or detached). With a tier,
     /// a page leaves L2 only once L3 holds it; without, every pool evicts freely again.
     pub fn set_write(&mut self, write: Option<WritePolicy>) {
-        self.write = write;
-        self.l3_down = false;
+        self.l3.attach(write);
         self.apply_l3_mode();
     }
 
     /// Records whether the attached tier is failing. While it is, pages L3 does not hold may
     /// be evicted (counted as lost), so a dead backend never wedges L2.
     pub fn set_l3_down(&mut self, down: bool) {
-        if self.l3_down != down {
-            self.l3_down = down;
+        if self.l3.set_down(down) {
             if down {
                 tracing::warn!(
                     "l3 is down: L2 may now evict pages it has not written (counted in kvtier_l2_lost_pages_total)"
@@ -109,7 +102,7 @@ impl HostState {
     /// Ends an L3 write queued in L3 generation `epoch`: unpins the page, and marks it
     /// persisted if the write landed and L3 was not cleared since.
     pub fn finish_l3(&mut self, job: &Job, landed: bool) {
-        let landed = landed && job.epoch == self.l3_epoch;
+        let landed = landed && job.epoch == self.l3.epoch();
         if let Some(p) = self.pools.get_mut(&job.pool_key) {
             p.index.finish_l3(&job.key, landed);
             if landed {
@@ -124,11 +117,11 @@ impl HostState {
     /// write policy, what must be written before those slots can be reused.
     pub fn flush_jobs(&mut self, batch: usize) -> Vec<Job> {
         let mut out = Vec::new();
-        if self.write.is_none() || self.l3_down {
+        if !self.l3.writable() {
             return out;
         }
         let all = self.draining || self.flushes > 0;
-        let epoch = self.l3_epoch;
+        let epoch = self.l3.epoch();
         for pool in self.pools.values_mut() {
             let s = pool.index.stats();
             // Short of free slots, or half way to the dirty limit (where writers would wait).

@@ -87,8 +87,7 @@ impl HostState {
     /// L3 was cleared: no page is held by it any more, and writes or loads that began
     /// before do not count as holding. Returns how many pages were marked held.
     pub fn forget_l3(&mut self) -> u64 {
-        self.l3_epoch += 1;
-        self.l3_cleared();
+        self.l3.cleared();
         self.pools
             .values_mut()
             .map(|p| u64::from(p.index.forget_l3()))
@@ -111,8 +110,8 @@ impl HostState {
         let mut r = DrainReport {
             draining: self.draining,
             sessions: self.sessions.len() as u64,
-            l3_attached: self.write.is_some(),
-            l3_down: self.l3_down,
+            l3_attached: self.l3.write().is_some(),
+            l3_down: self.l3.is_down(),
             ..DrainReport::default()
         };
         for p in self.pools.values() {

@@ -193,7 +193,7 @@ impl HostState {
         now: Instant,
     ) -> Result<(Vec<Job>, Vec<u32>, usize), StateError> {
         let admitting = self.admitting("new pages").is_ok();
-        let (write, epoch) = (self.write, self.l3_epoch);
+        let (write, epoch) = (self.l3.write(), self.l3.epoch());
         // What it commits no longer counts against it.
         let room = self.writer_room(id) + keys.len();
         let (session, pool) = self.session_pool(id, now)?;
@@ -223,7 +223,7 @@ impl HostState {
         now: Instant,
     ) -> Result<LeasedCommit, StateError> {
         let admitting = self.admitting("new pages").is_ok();
-        let (write, epoch) = (self.write, self.l3_epoch);
+        let (write, epoch) = (self.l3.write(), self.l3.epoch());
         // The leased slots it lands no longer count against it.
         let room = self.writer_room(id) + slots.len();
         let (session, pool) = self.session_pool(id, now)?;
@@ -293,7 +293,7 @@ impl HostState {
         keys: &[PageKey],
         now: Instant,
     ) -> Result<(Vec<u32>, Vec<Job>), StateError> {
-        let (write, epoch) = (self.write, self.l3_epoch);
+        let (write, epoch) = (self.l3.write(), self.l3.epoch());
         let (session, pool) = self.session_pool(id, now)?;
         let slots = pool.index.acquire(keys);
         let hit = &keys[..slots.len()];

@@ -419,7 +419,7 @@ impl HostState {
             page_bytes,
             started: o.started,
             deadline: o.deadline,
-            epoch: self.l3_epoch,
+            epoch: self.l3.epoch(),
             state: Phase::Running,
             reason: String::new(),
             cancel: o.cancel,
@@ -461,7 +461,7 @@ impl HostState {
         let Some(pool) = self.pools.get_mut(&e.fp) else {
             return false;
         };
-        let held = e.epoch == self.l3_epoch;
+        let held = e.epoch == self.l3.epoch();
         match pool
             .index
             .commit_pinned(PrefetchEntry::owner(id), &[key], held)
