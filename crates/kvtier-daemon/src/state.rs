@@ -18,6 +18,7 @@ use kvtier_shm::{Backing, PoolSpec, ShmPool};
 use crate::events::EventBus;
 pub use events::Subscription;
 use l3_view::L3View;
+use operator::OperatorFlags;
 
 mod error;
 mod events;
@@ -286,12 +287,8 @@ pub struct HostState {
     instance: String,
     /// What L2 knows of L3 (`state/l3_view.rs`).
     l3: L3View,
-    /// Draining (`kvtierctl drain`): no new sessions, writes or prefetches; every page L3
-    /// lacks is written.
-    draining: bool,
-    /// Flushes in progress (`kvtierctl flush`): while any is, every page L3 lacks is written,
-    /// not only those of pools running short of free slots.
-    flushes: u32,
+    /// A drain or flushes the operator started (`state/operator.rs`).
+    operator: OperatorFlags,
     /// Open prefetches (their slots are in the pools).
     prefetches: Prefetches,
     /// Tenants tracked in every pool, with their L2 page quotas (empty: tenancy is off).
@@ -345,8 +342,7 @@ impl HostState {
                 l3.attach(cfg.l3.backend.stores().then(|| cfg.l3.write_policy()));
                 l3
             },
-            draining: false,
-            flushes: 0,
+            operator: OperatorFlags::default(),
             prefetches: Prefetches::new(cfg.prefetch.budget_fraction),
             tenants: Vec::new(),
             tenant_pools: cfg.l2.tenant_pools,

@@ -120,7 +120,7 @@ impl HostState {
         if !self.l3.writable() {
             return out;
         }
-        let all = self.draining || self.flushes > 0;
+        let all = self.operator.writes_everything();
         let epoch = self.l3.epoch();
         for pool in self.pools.values_mut() {
             let s = pool.index.stats();

@@ -47,9 +47,21 @@ impl FlushWait {
     }
 }
 
-impl HostState {
+/// What the operator has set running on the whole node, a component of [`HostState`]: a
+/// drain, and flushes in progress. It calls nothing; the state asks it.
+#[derive(Debug, Default)]
+pub(crate) struct OperatorFlags {
+    /// Draining (`kvtierctl drain`): no new sessions, writes or prefetches; every page L3
+    /// lacks is written.
+    draining: bool,
+    /// Flushes in progress (`kvtierctl flush`): while any is, every page L3 lacks is
+    /// written, not only those of pools running short of free slots.
+    flushes: u32,
+}
+
+impl OperatorFlags {
     /// Refuses `what` while draining.
-    pub(super) fn admitting(&self, what: &str) -> Result<(), StateError> {
+    pub(crate) fn admitting(&self, what: &str) -> Result<(), StateError> {
         if self.draining {
             return Err(StateError::Draining(format!(
                 "kvtierd is draining (kvtierctl drain): it takes no {what}; \
@@ -57,6 +69,19 @@ impl HostState {
             )));
         }
         Ok(())
+    }
+
+    /// Whether every page L3 lacks is to be written now (a drain or a flush runs), not
+    /// only those of pools short of free slots.
+    pub(crate) fn writes_everything(&self) -> bool {
+        self.draining || self.flushes > 0
+    }
+}
+
+impl HostState {
+    /// Refuses `what` while draining.
+    pub(super) fn admitting(&self, what: &str) -> Result<(), StateError> {
+        self.operator.admitting(what)
     }
 
     /// Removes every page of every pool that is not in use, or (`dry_run`) counts what that
@@ -97,18 +122,18 @@ impl HostState {
     /// Starts or ends draining: while on, no new sessions, reservations or prefetches are
     /// taken, and the flusher writes every page L3 lacks.
     pub fn set_draining(&mut self, on: bool) {
-        self.draining = on;
+        self.operator.draining = on;
     }
 
     /// Whether the daemon is draining.
     pub fn draining(&self) -> bool {
-        self.draining
+        self.operator.draining
     }
 
     /// Where a drain stands.
     pub fn drain_report(&self) -> DrainReport {
         let mut r = DrainReport {
-            draining: self.draining,
+            draining: self.operator.draining,
             sessions: self.sessions.len() as u64,
             l3_attached: self.l3.write().is_some(),
             l3_down: self.l3.is_down(),
@@ -124,7 +149,7 @@ impl HostState {
     /// Starts a flush: every page L3 lacks now is queued as the writer has room, until
     /// [`Self::end_flush`]. Returns those pages, to wait for with [`Self::flush_left`].
     pub fn begin_flush(&mut self) -> FlushWait {
-        self.flushes += 1;
+        self.operator.flushes += 1;
         FlushWait {
             keys: self
                 .pools
@@ -150,7 +175,7 @@ impl HostState {
 
     /// Ends a flush begun with [`Self::begin_flush`].
     pub fn end_flush(&mut self) {
-        self.flushes = self.flushes.saturating_sub(1);
+        self.operator.flushes = self.operator.flushes.saturating_sub(1);
     }
 }
 
