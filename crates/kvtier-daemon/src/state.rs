@@ -10,15 +10,14 @@ use std::time::{Duration, Instant};
 use kvtier_config::daemon::{DaemonConfig, L2Backing};
 use kvtier_config::tenants::TenantQuota;
 use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
-use kvtier_core::{
-    Epoch, Layout, LayoutFingerprint, PolicyKind, SessionId, TenantScope, TenantTag,
-};
+use kvtier_core::{Layout, LayoutFingerprint, PolicyKind, SessionId, TenantScope, TenantTag};
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
 use crate::events::EventBus;
 pub use events::Subscription;
 use l3_view::L3View;
 use operator::OperatorFlags;
+use sessions::Sessions;
 
 mod error;
 mod events;
@@ -29,6 +28,7 @@ mod operator;
 mod pages;
 mod prefetch;
 mod reclaim;
+mod sessions;
 mod survive;
 
 pub use error::StateError;
@@ -256,12 +256,8 @@ pub struct HostState {
     pools: HashMap<LayoutFingerprint, L2Pool>,
     /// What L2 holds, published for routers (`events.rs`).
     events: EventBus,
-    sessions: HashMap<SessionId, Session>,
-    /// This run's start: every session id it issues carries it.
-    epoch: Epoch,
-    /// Index owner of the next session (internal; never on the wire).
-    next_owner: OwnerId,
-    ttl: Duration,
+    /// The live sessions (`state/sessions.rs`).
+    sessions: Sessions,
     policy: PolicyKind,
     /// Where pools live: a memfd each, or files in kvtierd's own directory ([`pool_dir`]).
     backing: Backing,
@@ -299,10 +295,6 @@ pub struct HostState {
     pub counters: Counters,
 }
 
-fn unknown_session(id: SessionId, epoch: Epoch) -> StateError {
-    StateError::UnknownSession { id, epoch }
-}
-
 impl HostState {
     /// Empty state configured by `cfg` (already validated). Refused when kvtierd's own pool
     /// directory ([`pool_dir`]) cannot be made or is not kvtierd's alone.
@@ -318,10 +310,7 @@ impl HostState {
         Ok(Self {
             pools: HashMap::new(),
             events,
-            sessions: HashMap::new(),
-            epoch: crate::ids::epoch_now(),
-            next_owner: 1,
-            ttl: cfg.sessions.ttl.0,
+            sessions: Sessions::new(crate::ids::epoch_now(), cfg.sessions.ttl.0),
             policy: cfg.l2.eviction_policy,
             backing,
             pool_bytes: cfg.l2.pool_bytes.0,
@@ -398,10 +387,7 @@ impl HostState {
 
     /// The layout class of a session.
     pub fn session_fingerprint(&self, id: SessionId) -> Result<LayoutFingerprint, StateError> {
-        self.sessions
-            .get(&id)
-            .map(|s| s.fingerprint)
-            .ok_or_else(|| unknown_session(id, self.epoch))
+        self.sessions.get(id).map(|s| s.fingerprint)
     }
 
     /// Marks a session alive and keeps the report its heartbeat carried.
@@ -411,10 +397,7 @@ impl HostState {
         report: Option<ClientReport>,
         now: Instant,
     ) -> Result<(), StateError> {
-        let s = self
-            .sessions
-            .get_mut(&id)
-            .ok_or_else(|| unknown_session(id, self.epoch))?;
+        let s = self.sessions.get_mut(id)?;
         s.last_seen = now;
         if report.is_some() {
             s.report = report;
@@ -424,7 +407,7 @@ impl HostState {
 
     /// Session lease.
     pub fn ttl(&self) -> Duration {
-        self.ttl
+        self.sessions.ttl()
     }
 
     /// Pools by layout.
@@ -435,10 +418,7 @@ impl HostState {
     /// The pool `id` maps and the tenant it was bound to: what the pool door hands over,
     /// and to whom.
     pub fn mapped_pool(&self, id: SessionId) -> Result<(Arc<ShmPool>, &str), StateError> {
-        let s = self
-            .sessions
-            .get(&id)
-            .ok_or_else(|| unknown_session(id, self.epoch))?;
+        let s = self.sessions.get(id)?;
         let p = self
             .pools
             .get(&s.pool)
@@ -559,7 +539,7 @@ impl HostState {
                 "kvtier-{}-{}-{}-{}",
                 self.instance,
                 std::process::id(),
-                self.epoch,
+                self.sessions.epoch(),
                 fp.to_hex()
             );
             let (shm, replaced) = ShmPool::create(&PoolSpec {
@@ -639,17 +619,7 @@ impl HostState {
         now: Instant,
     ) -> Result<Registered, StateError> {
         self.admitting("new sessions")?;
-        // Random, so no client can name another's session; a draw that repeats a live id
-        // (2^-128) is drawn again rather than trusted.
-        let id = loop {
-            let id = SessionId::new(
-                self.epoch,
-                crate::ids::random().map_err(|e| StateError::Internal(e.to_string()))?,
-            );
-            if !self.sessions.contains_key(&id) {
-                break id;
-            }
-        };
+        let id = self.sessions.new_id()?;
         let pool = self.pool_for(layout, tenant)?;
         let pool_key = pool.key;
         let reg = Registered {
@@ -658,8 +628,7 @@ impl HostState {
             slots: pool.shm.slots(),
             stride: pool.shm.stride(),
         };
-        let owner = self.next_owner;
-        self.next_owner += 1;
+        let owner = self.sessions.next_owner();
         self.sessions.insert(
             id,
             Session {
@@ -680,19 +649,12 @@ impl HostState {
 
     /// The key mapping of a session's tenant.
     pub fn session_scope(&self, id: SessionId) -> Result<TenantScope, StateError> {
-        self.sessions
-            .get(&id)
-            .map(|s| s.scope.clone())
-            .ok_or_else(|| unknown_session(id, self.epoch))
+        self.sessions.get(id).map(|s| s.scope.clone())
     }
 
     /// Marks a session alive; every request does this.
     pub fn touch(&mut self, id: SessionId, now: Instant) -> Result<(), StateError> {
-        let s = self
-            .sessions
-            .get_mut(&id)
-            .ok_or_else(|| unknown_session(id, self.epoch))?;
-        s.last_seen = now;
+        self.sessions.get_mut(id)?.last_seen = now;
         Ok(())
     }
 
@@ -702,10 +664,7 @@ impl HostState {
         id: SessionId,
         now: Instant,
     ) -> Result<(&mut Session, &mut L2Pool), StateError> {
-        let s = self
-            .sessions
-            .get_mut(&id)
-            .ok_or_else(|| unknown_session(id, self.epoch))?;
+        let s = self.sessions.get_mut(id)?;
         s.last_seen = now;
         let pool = self
             .pools
@@ -717,16 +676,13 @@ impl HostState {
 
     /// Ends a session: drops its pins and frees what it was writing.
     pub fn close(&mut self, id: SessionId) -> Result<(), StateError> {
-        if !self.sessions.contains_key(&id) {
-            return Err(unknown_session(id, self.epoch));
+        if !self.sessions.contains(id) {
+            return Err(self.sessions.unknown(id));
         }
         for name in self.prefetches.of_session(id) {
             self.prefetch_drop(id, &name, StopCause::SessionClosed);
         }
-        let s = self
-            .sessions
-            .remove(&id)
-            .ok_or_else(|| unknown_session(id, self.epoch))?;
+        let s = self.sessions.remove(id)?;
         let Some(pool) = self.pools.get_mut(&s.pool) else {
             return Ok(());
         };
@@ -757,17 +713,11 @@ impl HostState {
 
     /// Ends every session idle for longer than the TTL. Returns their ids.
     pub fn expire(&mut self, now: Instant) -> Vec<SessionId> {
-        let ttl = self.ttl;
-        let dead: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| now.saturating_duration_since(s.last_seen) > ttl)
-            .map(|(&id, _)| id)
-            .collect();
+        let dead = self.sessions.expired(now);
         for &id in &dead {
             let name = self
                 .sessions
-                .get(&id)
+                .get(id)
                 .map(|s| s.name.clone())
                 .unwrap_or_default();
             tracing::warn!(session = %id, client = %name, "session lease expired; dropping its pins and reservations");

@@ -116,7 +116,7 @@ impl HostState {
     /// commits cannot take it all from the others. (Without tenants every writer is one
     /// trust domain, as for everything else: the whole of it.)
     fn writer_room(&self, id: SessionId) -> usize {
-        let Some(me) = self.sessions.get(&id) else {
+        let Ok(me) = self.sessions.get(id) else {
             return 0;
         };
         let Some(pool) = self.pools.get(&me.pool) else {

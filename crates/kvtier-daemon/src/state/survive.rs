@@ -393,7 +393,7 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
     };
     names.sort();
     let instance = state.instance.clone();
-    let run = state.epoch.to_string();
+    let run = state.sessions.epoch().to_string();
     for name in &names {
         // A table of ours whose pool file is gone is of no use.
         if let Some(pool) = name.strip_suffix(".slots")
