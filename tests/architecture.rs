@@ -162,8 +162,7 @@ fn every_daemon_task_is_on_the_tracker() {
         let lines: Vec<&str> = code.lines().collect();
         for (i, line) in lines.iter().enumerate() {
             let scoped = i > 0 && lines[i - 1].trim_start().starts_with("// scoped:");
-            if line.contains("tokio::spawn(") && !line.trim_start().starts_with("//") && !scoped
-            {
+            if line.contains("tokio::spawn(") && !line.trim_start().starts_with("//") && !scoped {
                 wrong.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
             }
         }
