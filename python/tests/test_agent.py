@@ -437,3 +437,30 @@ def _wait_linked(c: AgentClient) -> None:
     deadline = time.monotonic() + 10
     while not c.stats().daemon_connected and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+class _NotFound(grpc.RpcError):
+    """A NOT_FOUND as an agent older than the kvtier-lost trailer answers it."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return "no KV pool is registered"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+def test_an_agents_not_found_without_the_trailer_is_a_lost_pool() -> None:
+    """A newer Python package beside an older agent still registers again after the agent
+    restarted: every NOT_FOUND an agent answers is of the caller's pool."""
+
+    def old_agent(request, timeout=None, metadata=None):
+        raise _NotFound()
+
+    c = AgentClient("/nonexistent/agent.sock")
+    with pytest.raises(KvtierError) as e:
+        c._call(old_agent, agent_pb2.CancelRequest())
+    assert e.value.pool_lost and not e.value.session_lost
+    c.close()
