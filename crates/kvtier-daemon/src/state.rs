@@ -18,6 +18,7 @@ pub use events::Subscription;
 use l3_view::L3View;
 use operator::OperatorFlags;
 use sessions::Sessions;
+use tenants::TenantTable;
 
 mod error;
 mod events;
@@ -30,6 +31,7 @@ mod prefetch;
 mod reclaim;
 mod sessions;
 mod survive;
+mod tenants;
 
 pub use error::StateError;
 pub use l3_writes::Job;
@@ -287,10 +289,8 @@ pub struct HostState {
     operator: OperatorFlags,
     /// Open prefetches (their slots are in the pools).
     prefetches: Prefetches,
-    /// Tenants tracked in every pool, with their L2 page quotas (empty: tenancy is off).
-    tenants: Vec<(String, TenantTag, Option<u32>)>,
-    /// A pool per named tenant and layout (`l2.tenant_pools`).
-    tenant_pools: bool,
+    /// The tenants tracked in every pool (`state/tenants.rs`; empty: tenancy is off).
+    tenants: TenantTable,
     /// Counters since start.
     pub counters: Counters,
 }
@@ -333,8 +333,7 @@ impl HostState {
             },
             operator: OperatorFlags::default(),
             prefetches: Prefetches::new(cfg.prefetch.budget_fraction),
-            tenants: Vec::new(),
-            tenant_pools: cfg.l2.tenant_pools,
+            tenants: TenantTable::new(cfg.l2.tenant_pools),
             counters: Counters::default(),
         })
     }
@@ -342,13 +341,10 @@ impl HostState {
     /// Tracks `tenants` (`[tenants]`, resolved) in every pool, now and to come: their pages
     /// are counted and held to their L2 quotas.
     pub fn set_tenants(&mut self, tenants: &[TenantQuota]) {
-        self.tenants = tenants
-            .iter()
-            .map(|q| (q.name.clone(), TenantScope::new(&q.name).tag(), q.l2_pages))
-            .collect();
+        self.tenants.set(tenants);
         for p in self.pools.values_mut() {
-            for (_, tag, quota) in &self.tenants {
-                p.index.set_tenant_quota(*tag, *quota);
+            for t in self.tenants.iter() {
+                p.index.set_tenant_quota(t.tag, t.quota);
             }
         }
     }
@@ -357,7 +353,7 @@ impl HostState {
     pub fn tenant_names(&self) -> Vec<(TenantTag, String)> {
         self.tenants
             .iter()
-            .map(|(n, t, _)| (*t, n.clone()))
+            .map(|t| (t.tag, t.name.clone()))
             .collect()
     }
 
@@ -366,21 +362,21 @@ impl HostState {
     pub fn tenant_usage(&self) -> Vec<(String, TenantTag, TenantUse)> {
         self.tenants
             .iter()
-            .map(|(name, tag, quota)| {
+            .map(|t| {
                 let mut sum = TenantUse {
-                    quota: *quota,
+                    quota: t.quota,
                     ..TenantUse::default()
                 };
                 for u in self
                     .pools
                     .values()
-                    .filter_map(|p| p.index.tenant_usage(*tag))
+                    .filter_map(|p| p.index.tenant_usage(t.tag))
                 {
                     sum.pages += u.pages;
                     sum.quota_evictions += u.quota_evictions;
                     sum.quota_refusals += u.quota_refusals;
                 }
-                (name.clone(), *tag, sum)
+                (t.name.clone(), t.tag, sum)
             })
             .collect()
     }
@@ -435,10 +431,7 @@ impl HostState {
     /// even share of `l2.max_pools` with the shared pools).
     fn tenant_pool_share(&self) -> usize {
         match self.max_pools_per_tenant {
-            0 => {
-                let named = self.tenants.iter().filter(|(n, ..)| !n.is_empty()).count();
-                (self.max_pools as usize / (named + 1)).max(1)
-            }
+            0 => (self.max_pools as usize / (self.tenants.named() + 1)).max(1),
             n => n as usize,
         }
     }
@@ -473,28 +466,14 @@ impl HostState {
     /// which then holds the default tenant's alone. `None` when every tenant's pages share
     /// the pool (no tenants named, or `l2.tenant_pools = false`).
     pub(crate) fn own_pool_tenant(&self, pool: &L2Pool) -> Option<TenantTag> {
-        let fp = pool.layout.fingerprint();
-        let named = self.tenants.iter().any(|(n, _, _)| !n.is_empty());
-        if pool.key == fp {
-            return (self.tenant_pools && named).then(|| TenantScope::new("").tag());
-        }
         self.tenants
-            .iter()
-            .find(|(name, _, _)| pool.key == pool_key(&fp, name))
-            .map(|(_, tag, _)| *tag)
+            .only_tenant_of(&pool.key, &pool.layout.fingerprint())
     }
 
     fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut L2Pool, StateError> {
         // A named tenant's own pool (its sessions alone get its descriptor); else the
         // layout's, which every tenant's sessions share.
-        let own = self.tenant_pools
-            && !tenant.is_empty()
-            && self.tenants.iter().any(|(n, _, _)| n == tenant);
-        let fp = if own {
-            pool_key(&layout.fingerprint(), tenant)
-        } else {
-            layout.fingerprint()
-        };
+        let (fp, own) = self.tenants.pool_of(&layout.fingerprint(), tenant);
         if !self.pools.contains_key(&fp) {
             if own {
                 self.make_room_for_tenant(tenant)?;
@@ -586,8 +565,8 @@ impl HostState {
             };
             let mut index = HostIndex::new(slots, self.policy);
             index.record_changes(true);
-            for (_, tag, quota) in &self.tenants {
-                index.set_tenant_quota(*tag, *quota);
+            for t in self.tenants.iter() {
+                index.set_tenant_quota(t.tag, t.quota);
             }
             index.set_l3_mode(self.l3_mode());
             index.set_dirty_limit(((f64::from(slots) * self.dirty_fraction) as u32).max(1));
