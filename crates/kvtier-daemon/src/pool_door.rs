@@ -37,7 +37,7 @@ impl DoorMetrics {
     pub(crate) fn new(metrics: &MetricRegistry) -> prometheus::Result<Self> {
         let answers = metrics.counter_vec(
             "kvtier_pool_door_answers_total",
-            "pool door requests, by outcome: granted (the pool's descriptor sent), unknown_session, other_tenant (the session is another tenant's), malformed, timeout, failed (the answer could not be sent)",
+            "pool door requests, by outcome: granted (the pool's descriptor sent), unknown_session, other_tenant (the session is another tenant's), malformed, timeout, shutdown (kvtierd stopped first), failed (the answer could not be sent)",
             &["outcome"],
         )?;
         for o in [
@@ -46,6 +46,7 @@ impl DoorMetrics {
             "other_tenant",
             "malformed",
             "timeout",
+            "shutdown",
             "failed",
         ] {
             answers.with_label_values(&[o]);
@@ -70,10 +71,16 @@ pub(crate) async fn serve(
             () = stop.cancelled() => return,
         };
         let (state, roles, metrics) = (state.clone(), roles.clone(), metrics.clone());
+        let stop = stop.clone();
         tasks.spawn(async move {
-            let outcome = tokio::time::timeout(timeout, answer(&stream, &state, &roles))
-                .await
-                .unwrap_or("timeout");
+            // A caller that says nothing is cut off at the handshake deadline, or at once
+            // when kvtierd stops (the drain waits for this task).
+            let outcome = tokio::select! {
+                r = tokio::time::timeout(timeout, answer(&stream, &state, &roles)) => {
+                    r.unwrap_or("timeout")
+                }
+                () = stop.cancelled() => "shutdown",
+            };
             metrics.answers.with_label_values(&[outcome]).inc();
             drop(permit);
         });

@@ -328,3 +328,34 @@ fn with_few_descriptors_a_flood_on_one_listener_leaves_the_control_socket_servin
     assert!(refused("metrics") >= 200.0, "{m}");
     assert!(refused("pool_door") >= 160.0, "{m}");
 }
+
+/// Clients that connect to the pool door or SGLang's registration socket and say nothing do
+/// not hold kvtierd's shutdown: every connection task is on the tracker the drain waits on,
+/// and each of these ends when kvtierd stops (a review finding: the pool door's waited out
+/// its handshake deadline, and the drain with it).
+#[test]
+fn silent_clients_of_the_doors_do_not_hold_the_shutdown() {
+    let mut d = Daemon::start(
+        "conn-door-stop",
+        &[
+            "server.drain_timeout=8s",
+            "server.connections.handshake_timeout=60s",
+            "sglang_rpc.enable=true",
+        ],
+    );
+    let pools = format!("{}.pools", d.target());
+    let mempool = d.dir.join("sglang-mempool.sock");
+    let _quiet = [
+        UnixStream::connect(&pools).unwrap(),
+        UnixStream::connect(&mempool).unwrap(),
+    ];
+    // Let the accept loops take them.
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    assert!(d.stop(), "kvtierd did not exit cleanly");
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "kvtierd took {took:?} to stop beside silent door clients"
+    );
+}
