@@ -22,7 +22,7 @@ from kvtier.agent import AgentClient
 from kvtier.integrations.vllm.blocks import block_bytes, storage_bytes
 from kvtier.integrations.vllm.common import Counts, Job, Settings
 from kvtier.integrations.vllm.reads import BlockReads
-from kvtier.integrations.vllm.staged import CpuStaging, GpuStaging
+from kvtier.integrations.vllm.staged import CpuStaging, GpuStaging, StagedTransfer
 from kvtier.integrations.vllm.stats import Tally
 from kvtier.integrations.vllm.transfer import DmaTransfer, KvBlocks, Transfer
 from kvtier.keys import Namespace
@@ -203,3 +203,13 @@ def test_every_piece_of_a_load_names_the_whole_load(transfer: Transfer) -> None:
     asked.clear()
     assert load_back(t, 6, [12, 13, 14]) == [12, 13, 14]
     assert asked == [(3, 0)], "a load in one piece is the whole load"
+    # A load the busy pool splits (other transfers hold 6 of its 8 pages) names its whole
+    # size too (a review finding: its pieces were judged alone).
+    asked.clear()
+    assert isinstance(t, StagedTransfer) and t._staging is not None
+    held = t._staging.take(6)
+    try:
+        assert load_back(t, 6, [12, 13, 14]) == [12, 13, 14]
+    finally:
+        t._staging.give(held)
+    assert asked == [(2, 3), (1, 3)]

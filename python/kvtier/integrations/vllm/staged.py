@@ -157,8 +157,10 @@ class StagedTransfer(Transfer):
         from the first piece that falls short, the rest are load errors."""
         most = max(1, self.settings.staging_pages // 2)
         bs = self.kv.block_size
-        # In pieces, each is judged by kvtierd as the whole load (load versus recompute).
-        whole = len(job.blocks) if len(job.blocks) > most else 0
+        # A load that goes in pieces (larger than half the pool, or the pool busy with other
+        # transfers) names its whole size in each, so kvtierd judges load versus recompute
+        # once for the load; 0 while the first piece may be the whole.
+        whole = 0
         rest: Job | None = job
         while rest is not None:
             staging = self._current_staging()
@@ -172,6 +174,8 @@ class StagedTransfer(Transfer):
                 self.tally.missed(rest.blocks)
                 return
             n = len(slots)
+            if n < len(rest.blocks):
+                whole = len(job.blocks)
             loaded = self._load_piece(staging, rest.head(n, bs), slots, whole)
             if n >= len(rest.blocks):
                 return
