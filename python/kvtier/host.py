@@ -454,11 +454,18 @@ class HostSession:
         )
 
     def heartbeat(self, timeout: float | None = None) -> None:
-        r = _call(
-            self.client.host.Heartbeat,
-            host_pb2.HeartbeatRequest(session_id=self.session_id),
-            self._t(timeout),
-        )
+        try:
+            r = _call(
+                self.client.host.Heartbeat,
+                host_pb2.HeartbeatRequest(session_id=self.session_id),
+                self._t(timeout),
+            )
+        except KvtierError as e:
+            # A heartbeat's only NOT_FOUND is of its session; a kvtierd older than the
+            # kvtier-lost trailer says so by its code alone.
+            if e.code == grpc.StatusCode.NOT_FOUND and e.lost is None:
+                e.lost = "session"
+            raise
         if r.ttl_ms:
             self.ttl_s = r.ttl_ms / 1000.0
 

@@ -142,3 +142,35 @@ def test_the_pool_arrives_as_a_descriptor_and_the_door_refuses_a_stranger(
         assert e.value.retryable
     finally:
         s.close()
+
+
+class _OldNotFound(grpc.RpcError):
+    """A NOT_FOUND as a kvtierd older than the kvtier-lost trailer answers a heartbeat."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return "unknown session"
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+
+def test_a_heartbeats_not_found_without_the_trailer_is_a_lost_session() -> None:
+    """Beside a kvtierd older than the trailer, a session it forgot is still seen as lost
+    at the next heartbeat (not only after a whole lease): a heartbeat's only NOT_FOUND is of
+    its session."""
+    from types import SimpleNamespace
+
+    from kvtier.host import HostSession
+
+    def old_daemon(request, timeout=None, metadata=None):
+        raise _OldNotFound()
+
+    s = HostSession.__new__(HostSession)
+    s.client = SimpleNamespace(host=SimpleNamespace(Heartbeat=old_daemon), timeout=1.0)  # type: ignore[assignment]
+    s.session_id = b"x" * 16
+    with pytest.raises(KvtierError) as e:
+        s.heartbeat()
+    assert e.value.session_lost and not e.value.pool_lost

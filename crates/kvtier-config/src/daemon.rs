@@ -859,7 +859,11 @@ mod tests {
             sets: vec!["l3.s3.retries=1".into()],
             ..Sources::default()
         };
-        for src in [file, set] {
+        let env_var = Sources {
+            env: env(&[("KVTIER_L3_S3_RETRIES", "1")]),
+            ..Sources::default()
+        };
+        for src in [file, set, env_var] {
             let e = DaemonConfig::load(&src).unwrap_err().to_string();
             assert!(
                 e.contains("l3.s3.retries") && e.contains("set l3.retries instead"),

@@ -217,6 +217,15 @@ fn removed(key: &str) -> Option<ConfigError> {
         .map(|(k, why)| ConfigError::invalid(*k, *why))
 }
 
+/// The error for environment variable `var` where it names a removed setting.
+fn removed_env(var: &str, prefix: &str) -> Option<ConfigError> {
+    let rest = var.strip_prefix(prefix)?.to_ascii_lowercase();
+    REMOVED
+        .iter()
+        .find(|(k, _)| k.replace('.', "_") == rest)
+        .map(|(k, why)| ConfigError::invalid(format!("{var} ({k})"), *why))
+}
+
 fn refuse_removed(table: &Table) -> Result<(), ConfigError> {
     for (key, why) in REMOVED {
         let mut at = Some(table);
@@ -335,8 +344,10 @@ pub fn load_env<T: DeserializeOwned>(
     let mut env: Vec<&(String, String)> = src.env.iter().filter(|(k, _)| which.takes(k)).collect();
     env.sort();
     for (var, raw) in env {
-        let path = env_path(&schema, var, which.prefix())
-            .ok_or_else(|| ConfigError::invalid(var.clone(), "no such configuration key"))?;
+        let path = env_path(&schema, var, which.prefix()).ok_or_else(|| {
+            removed_env(var, which.prefix())
+                .unwrap_or_else(|| ConfigError::invalid(var.clone(), "no such configuration key"))
+        })?;
         set_path(&mut table, &schema, &path, raw)
             .map_err(|e| ConfigError::invalid(var.clone(), e.to_string()))?;
     }
