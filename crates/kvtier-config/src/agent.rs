@@ -216,10 +216,11 @@ pub struct DeviceConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentMetricsConfig {
-    /// Listen address; unset disables the endpoint.
+    /// Listen address; unset disables the endpoint (written `""`, so a configuration
+    /// written out and read again keeps it off: the default is on).
     #[serde(
         deserialize_with = "crate::units::empty_is_none",
-        skip_serializing_if = "Option::is_none"
+        serialize_with = "crate::units::none_as_empty"
     )]
     pub listen: Option<String>,
 }

@@ -151,10 +151,11 @@ impl ServerConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsConfig {
-    /// Listen address; unset disables the endpoint.
+    /// Listen address; unset disables the endpoint (written `""`, so a configuration
+    /// written out and read again keeps it off: the default is on).
     #[serde(
         deserialize_with = "crate::units::empty_is_none",
-        skip_serializing_if = "Option::is_none"
+        serialize_with = "crate::units::none_as_empty"
     )]
     pub listen: Option<String>,
     /// Bearer token a scrape must present (`Authorization: Bearer <token>`); empty: none.
@@ -876,6 +877,21 @@ mod tests {
             ..Sources::default()
         };
         assert_eq!(DaemonConfig::load(&ok).unwrap().l3.retries, 3);
+    }
+
+    #[test]
+    fn a_disabled_metrics_endpoint_stays_disabled_through_overrides() {
+        // Review finding: written out, an unset listen was left out, and read back it took
+        // the file's default (on).
+        let off = DaemonConfig::load(&Sources {
+            sets: vec!["metrics.listen=".into()],
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(off.metrics.listen, None);
+        let again = off.with_overrides(&["l3.backend=memory".into()]).unwrap();
+        assert_eq!(again.metrics.listen, None);
+        assert!(off.to_redacted_toml().unwrap().contains("listen = \"\""));
     }
 
     #[test]

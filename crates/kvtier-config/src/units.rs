@@ -178,6 +178,16 @@ where
     Ok(s.filter(|s| !s.is_empty()).map(T::from))
 }
 
+/// Serializes a key that may be unset as the default files spell it: `None` is `""`. For
+/// keys whose default is set (an endpoint on by default), so that a configuration written
+/// out and read again (`with_overrides`, `kvtierctl config`) keeps them off.
+pub(crate) fn none_as_empty<S>(v: &Option<String>, s: S) -> Result<S::Ok, S::Error>
+where
+    S: serde::Serializer,
+{
+    s.serialize_str(v.as_deref().unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
