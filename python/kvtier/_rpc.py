@@ -100,12 +100,25 @@ def packed(keys: Sequence[bytes]) -> bytes:
 DEADLINE_HEADER = "kvtier-deadline-unix-ns"
 
 
-def call(fn, request, timeout: float, metadata: Sequence[tuple[str, str]] | None = None):
+def call(
+    fn,
+    request,
+    timeout: float,
+    metadata: Sequence[tuple[str, str]] | None = None,
+    bare_not_found: str | None = None,
+):
+    """``fn(request)`` with a deadline; a gRPC error raised as :class:`KvtierError`.
+    ``bare_not_found``: what a NOT_FOUND without the kvtier-lost trailer says the caller
+    lost, for a call whose every NOT_FOUND is of one thing (an agent's calls: its pool; a
+    heartbeat: its session), so a server older than the trailer is read right."""
     deadline = (DEADLINE_HEADER, str(time.time_ns() + int(timeout * 1e9)))
     try:
         return fn(request, timeout=timeout, metadata=[*(metadata or ()), deadline])
     except grpc.RpcError as e:
-        raise error(getattr(fn, "_method", b"call"), e) from None
+        err = error(getattr(fn, "_method", b"call"), e)
+        if err.code == grpc.StatusCode.NOT_FOUND and err.lost is None:
+            err.lost = bare_not_found
+        raise err from None
 
 
 # The trailer of a NOT_FOUND that says what the caller lost ("session" or "pool").

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from kvtier import _memory_door
 from kvtier._rpc import KvtierError, grpc_channel
 from kvtier._rpc import call as _call
@@ -216,14 +214,9 @@ class AgentClient:
         meta = self._owner if owner is None else [(OWNER_HEADER, owner)]
         if call_id is not None:
             meta = [*meta, (CALL_ID_HEADER, call_id)]
-        try:
-            return _call(fn, request, timeout or self.timeout, meta)
-        except KvtierError as e:
-            # Every NOT_FOUND an agent answers is of the caller's pool; one from an agent
-            # older than the kvtier-lost trailer says so by its code alone.
-            if e.code == grpc.StatusCode.NOT_FOUND and e.lost is None:
-                e.lost = "pool"
-            raise
+        # Every NOT_FOUND an agent answers is of the caller's pool (one older than the
+        # kvtier-lost trailer says so by its code alone).
+        return _call(fn, request, timeout or self.timeout, meta, bare_not_found="pool")
 
     def cancel(
         self, call_ids: Sequence[str], owner: str | None = None, timeout: float | None = None

@@ -454,18 +454,14 @@ class HostSession:
         )
 
     def heartbeat(self, timeout: float | None = None) -> None:
-        try:
-            r = _call(
-                self.client.host.Heartbeat,
-                host_pb2.HeartbeatRequest(session_id=self.session_id),
-                self._t(timeout),
-            )
-        except KvtierError as e:
-            # A heartbeat's only NOT_FOUND is of its session; a kvtierd older than the
-            # kvtier-lost trailer says so by its code alone.
-            if e.code == grpc.StatusCode.NOT_FOUND and e.lost is None:
-                e.lost = "session"
-            raise
+        # A heartbeat's only NOT_FOUND is of its session (a kvtierd older than the
+        # kvtier-lost trailer says so by its code alone).
+        r = _call(
+            self.client.host.Heartbeat,
+            host_pb2.HeartbeatRequest(session_id=self.session_id),
+            self._t(timeout),
+            bare_not_found="session",
+        )
         if r.ttl_ms:
             self.ttl_s = r.ttl_ms / 1000.0
 

@@ -18,6 +18,7 @@ from kvtier.agent import MAX_SAVE_BATCH, After, AgentClient, PagePiece, SaveItem
 from kvtier.host import DaemonClient, KvtierError
 from kvtier.keys import Namespace, page_keys
 from kvtier.testing import Agent, Kvtierd
+from kvtier.testing.old_servers import BareNotFound
 from kvtier.v1 import agent_pb2, common_pb2
 
 LAYERS, PAGE, SLOTS, TOKEN_BYTES = 2, 4, 64, 16  # 1 KV head of 8 bf16
@@ -439,28 +440,13 @@ def _wait_linked(c: AgentClient) -> None:
         time.sleep(0.05)
 
 
-class _NotFound(grpc.RpcError):
-    """A NOT_FOUND as an agent older than the kvtier-lost trailer answers it."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.NOT_FOUND
-
-    def details(self) -> str:
-        return "no KV pool is registered"
-
-    def trailing_metadata(self) -> tuple:
-        return ()
-
-
 def test_an_agents_not_found_without_the_trailer_is_a_lost_pool() -> None:
     """A newer Python package beside an older agent still registers again after the agent
     restarted: every NOT_FOUND an agent answers is of the caller's pool."""
 
-    def old_agent(request, timeout=None, metadata=None):
-        raise _NotFound()
-
+    old_agent = BareNotFound("no KV pool is registered")
     c = AgentClient("/nonexistent/agent.sock")
     with pytest.raises(KvtierError) as e:
-        c._call(old_agent, agent_pb2.CancelRequest())
+        c._call(old_agent.answer, agent_pb2.CancelRequest())
     assert e.value.pool_lost and not e.value.session_lost
     c.close()

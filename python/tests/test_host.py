@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.host import DaemonClient, KvtierError
 from kvtier.keys import page_keys
+from kvtier.testing.old_servers import BareNotFound
 from kvtier.v1 import common_pb2, host_pb2
 
 
@@ -144,19 +145,6 @@ def test_the_pool_arrives_as_a_descriptor_and_the_door_refuses_a_stranger(
         s.close()
 
 
-class _OldNotFound(grpc.RpcError):
-    """A NOT_FOUND as a kvtierd older than the kvtier-lost trailer answers a heartbeat."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.NOT_FOUND
-
-    def details(self) -> str:
-        return "unknown session"
-
-    def trailing_metadata(self) -> tuple:
-        return ()
-
-
 def test_a_heartbeats_not_found_without_the_trailer_is_a_lost_session() -> None:
     """Beside a kvtierd older than the trailer, a session it forgot is still seen as lost
     at the next heartbeat (not only after a whole lease): a heartbeat's only NOT_FOUND is of
@@ -165,11 +153,9 @@ def test_a_heartbeats_not_found_without_the_trailer_is_a_lost_session() -> None:
 
     from kvtier.host import HostSession
 
-    def old_daemon(request, timeout=None, metadata=None):
-        raise _OldNotFound()
-
+    old_daemon = BareNotFound("unknown session")
     s = HostSession.__new__(HostSession)
-    s.client = SimpleNamespace(host=SimpleNamespace(Heartbeat=old_daemon), timeout=1.0)  # type: ignore[assignment]
+    s.client = SimpleNamespace(host=SimpleNamespace(Heartbeat=old_daemon.answer), timeout=1.0)  # type: ignore[assignment]
     s.session_id = b"x" * 16
     with pytest.raises(KvtierError) as e:
         s.heartbeat()

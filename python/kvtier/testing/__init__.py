@@ -2,8 +2,9 @@
 (:mod:`kvtier.testing.processes`), pytest fixtures over them
 (:mod:`kvtier.testing.fixtures`), a client of SGLang's HiCache RPC protocol
 (:mod:`kvtier.testing.hicache_rpc`), SGLang's host pools built the way SGLang builds them
-(:mod:`kvtier.testing.sglang`, which needs SGLang), and the engine fuzzers' command line
-(:mod:`kvtier.testing.fuzzing`).
+(:mod:`kvtier.testing.sglang`, which needs SGLang), the engine fuzzers' command line
+(:mod:`kvtier.testing.fuzzing`), and answers as older servers give them
+(:mod:`kvtier.testing.old_servers`).
 
 The processes run the binaries of the checkout the package is installed from (editable, as
 ``scripts/setup`` installs it); nothing here is needed to run kvtier.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from kvtier.integrations.vllm.common import Job
 
 logger = logging.getLogger("kvtier.vllm")
-
-T = TypeVar("T")
 
 # After a staging pool could not be replaced, how long until the next try (each try may
 # allocate the whole pool in the staging directory again).
@@ -91,23 +89,14 @@ class StagedTransfer(Transfer):
         assert via is not None
         return via.owner
 
-    def _call(self, via: Staging | None, fn: Callable[[], T]) -> T:
-        """After an agent restart (the pool unknown to it) registers a new pool (a fresh
-        memfd; the old one is retired), and the call, planned against the old one, fails:
-        a miss, unless the pool was replaced meanwhile."""
-        try:
-            return fn()
-        except KvtierError as e:
-            if not e.pool_lost:
-                raise
-            with self._registering:
-                if via is not self._staging or via is None or via.retired:
-                    raise
-                logger.warning(
-                    "kvtier: the agent lost the pool (restarted?); registering a new one"
-                )
-                self._replace_staging(via)
-                raise
+    def _recover(self, via: Staging | None, sent_with: str) -> bool:
+        """Registers a new pool (a fresh memfd; the old one is retired), unless the pool
+        was replaced meanwhile; the call, planned against the old one, is never retried:
+        a miss."""
+        if via is self._staging and via is not None and not via.retired:
+            logger.warning("kvtier: the agent lost the pool (restarted?); registering a new one")
+            self._replace_staging(via)
+        return False
 
     def _failed(self, via: Staging | None, why: KvtierError) -> None:
         """After a call that may have left the agent copying in ``via`` (a timeout, a

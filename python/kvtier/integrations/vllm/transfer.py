@@ -112,10 +112,27 @@ class Transfer(ABC):
 
     # ------------------------------------------------------------ shared by all three
 
-    @abstractmethod
     def _call(self, via: Staging | None, fn: Callable[[], T]) -> T:
-        """An agent call through ``via`` (None: vLLM's own blocks), with this transfer's
-        recovery when the agent lost the registration."""
+        """An agent call through ``via`` (None: vLLM's own blocks). When the agent lost the
+        registration the call presented (it restarted), this transfer recovers under the
+        registration lock (:meth:`_recover`) and the call is tried once more, or fails: a
+        miss."""
+        sent_with = self._owner(via)
+        try:
+            return fn()
+        except KvtierError as e:
+            if not e.pool_lost:
+                raise
+            with self._registering:
+                if not self._recover(via, sent_with):
+                    raise
+                return fn()
+
+    @abstractmethod
+    def _recover(self, via: Staging | None, sent_with: str) -> bool:
+        """Under the registration lock, after a call through ``via`` presenting owner token
+        ``sent_with`` found its registration lost: registers again as this transfer does;
+        whether the call may be tried again."""
 
     @abstractmethod
     def _owner(self, via: Staging | None) -> str:
@@ -210,23 +227,15 @@ class DmaTransfer(Transfer):
     def _owner(self, via: Staging | None) -> str:
         return self._owner_token
 
-    def _call(self, via: Staging | None, fn: Callable[[], T]) -> T:
-        """After an agent restart (the registration unknown to it) registers vLLM's KV cache
-        again and retries once."""
-        owner = self._owner_token
-        try:
-            return fn()
-        except KvtierError as e:
-            if not e.pool_lost:
-                raise
-            with self._registering:
-                # Only if no other call registered since this one was sent: every load and
-                # save thread meets the lost registration at once, and each registering
-                # again would make the others' retries stale in turn.
-                if self._owner_token == owner:
-                    logger.warning("kvtier: the agent lost the KV cache (restarted?); again")
-                    self.register()
-                return fn()
+    def _recover(self, via: Staging | None, sent_with: str) -> bool:
+        """Registers vLLM's KV cache again, and the call is retried. Only if no other call
+        registered since this one was sent: every load and save thread meets the lost
+        registration at once, and each registering again would make the others' retries
+        stale in turn."""
+        if self._owner_token == sent_with:
+            logger.warning("kvtier: the agent lost the KV cache (restarted?); again")
+            self.register()
+        return True
 
     def load(self, job: Job) -> None:
         """The agent copies the job's pages from L2 straight into vLLM's blocks, returning
