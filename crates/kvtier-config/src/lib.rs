@@ -246,8 +246,6 @@ fn refuse_removed(table: &Table) -> Result<(), ConfigError> {
 /// `name() -> &'static Type`), and a section's `Default` is the file's section
 /// (`default_from_parent!`). No type has serde defaults: [`load`] lays what the sources give
 /// over the whole file, so a key the file lacked would fail every load (and the tests).
-#[macro_export]
-#[doc(hidden)]
 macro_rules! defaults_from_file {
     ($name:ident, $t:ty, $file:expr) => {
         fn $name() -> &'static $t {
@@ -262,10 +260,9 @@ macro_rules! defaults_from_file {
         }
     };
 }
+pub(crate) use defaults_from_file;
 
 /// `impl Default for Section { parent().section.clone() }`, for each `Section => field`.
-#[macro_export]
-#[doc(hidden)]
 macro_rules! default_from_parent {
     ($parent:ident, $($t:ty => $($f:ident).+),* $(,)?) => {$(
         impl Default for $t {
@@ -275,6 +272,7 @@ macro_rules! default_from_parent {
         }
     )*};
 }
+pub(crate) use default_from_parent;
 
 /// Lays `over` onto `base`, table by table: a key `over` gives replaces `base`'s, a table in
 /// both is laid over in turn.
