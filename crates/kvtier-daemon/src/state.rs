@@ -1,5 +1,5 @@
-//! The daemon's L2 state: one pool per layout class (shared memory + index) and the client
-//! sessions that own pins and reservations. Synchronous; the service holds it behind a mutex
+//! The daemon's L2 state: the pools (`state/pools.rs`: one per layout class, shared memory
+//! and index) and the client sessions that own pins and reservations in them. Synchronous; the service holds it behind a mutex
 //! for the few microseconds each batch takes, and never across an await.
 
 use std::collections::HashMap;
@@ -7,16 +7,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_config::daemon::{DaemonConfig, L2Backing};
+use kvtier_config::daemon::DaemonConfig;
 use kvtier_config::tenants::TenantQuota;
-use kvtier_core::host_index::{HostIndex, HostIndexStats, OwnerId, TenantUse};
-use kvtier_core::{Layout, LayoutFingerprint, PolicyKind, SessionId, TenantScope, TenantTag};
-use kvtier_shm::{Backing, PoolSpec, ShmPool};
+use kvtier_core::host_index::{HostIndexStats, OwnerId, TenantUse};
+use kvtier_core::{Layout, LayoutFingerprint, SessionId, TenantScope, TenantTag};
+use kvtier_shm::ShmPool;
 
 use crate::events::EventBus;
 pub use events::Subscription;
 use l3_view::L3View;
 use operator::OperatorFlags;
+use pools::{NewPool, Pools};
 use sessions::Sessions;
 use tenants::TenantTable;
 
@@ -27,6 +28,7 @@ mod l3_writes;
 mod metrics;
 mod operator;
 mod pages;
+mod pools;
 mod prefetch;
 mod reclaim;
 mod sessions;
@@ -37,49 +39,11 @@ pub use error::StateError;
 pub use l3_writes::Job;
 pub use metrics::L2Metrics;
 pub use operator::{ClearedL2, DrainReport, FlushWait};
+pub use pools::{L2Pool, open_pool_dir, pool_dir, pool_key};
 pub use prefetch::{
     Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Prefetches, Progress, StopCause,
 };
 pub use survive::{SealJob, Seals, TakeoverCounts, take_over_dead_pools};
-
-/// kvtierd's own directory of pool files and slot tables: `kvtierd-<euid>` in `l2.shm_dir`
-/// (a tmpfs), mode 0700, so no other uid can plant, open or list a file in it. Clients get
-/// the pools as descriptors (the pool door), never by name.
-pub fn pool_dir(cfg: &DaemonConfig) -> PathBuf {
-    let uid = rustix::process::geteuid().as_raw();
-    cfg.l2.shm_dir.join(format!("kvtierd-{uid}"))
-}
-
-/// Opens (creating it if need be) [`pool_dir`] as kvtierd's own directory.
-pub fn open_pool_dir(cfg: &DaemonConfig) -> Result<kvtier_shm::OwnDir, StateError> {
-    let path = pool_dir(cfg);
-    let (dir, narrowed) = kvtier_shm::OwnDir::open_or_create(&path)
-        .map_err(|e| StateError::Refused(e.to_string()))?;
-    if narrowed {
-        tracing::warn!(path = %path.display(), "kvtierd's pool directory was open to others; narrowed to 0700");
-    }
-    Ok(dir)
-}
-
-/// One pool class: the shared memory of one layout and its index.
-#[derive(Debug)]
-pub struct L2Pool {
-    /// Its key among the pools: its layout's fingerprint, or (a tenant's own pool,
-    /// `l2.tenant_pools`) one derived from it and the tenant ([`pool_key`]).
-    pub key: LayoutFingerprint,
-    /// The layout every page in this pool has.
-    pub layout: Layout,
-    /// The shared memory (shared with the L3 writer, which copies pinned slots out).
-    pub shm: Arc<ShmPool>,
-    /// Which key is in which slot.
-    pub index: HostIndex,
-    /// Slots held by prefetches: reserved for pages on their way, or landed and not taken.
-    pub prefetch_held: u32,
-    /// The slot table that lets a later kvtierd take this pool over after a crash.
-    pub seals: Option<Seals>,
-    /// When a session last used it (created, registered to, called on).
-    pub last_used: Instant,
-}
 
 /// A registered client.
 #[derive(Debug)]
@@ -255,34 +219,14 @@ pub struct Registered {
 /// All L2 state of the daemon.
 #[derive(Debug)]
 pub struct HostState {
-    pools: HashMap<LayoutFingerprint, L2Pool>,
+    /// The pools (`state/pools.rs`).
+    pools: Pools,
     /// What L2 holds, published for routers (`events.rs`).
     events: EventBus,
     /// The live sessions (`state/sessions.rs`).
     sessions: Sessions,
-    policy: PolicyKind,
-    /// Where pools live: a memfd each, or files in kvtierd's own directory ([`pool_dir`]).
-    backing: Backing,
-    pool_bytes: u64,
-    pool_pages: u64,
-    max_pools: u32,
-    /// Most own pools of one named tenant (0: an even share of `max_pools`).
-    max_pools_per_tenant: u32,
-    /// How long an unused pool lives (zero: until its place is needed).
-    idle_pool_ttl: Duration,
-    /// Largest slot a layout may have.
-    max_page_bytes: u64,
-    mlock: bool,
-    huge_pages: bool,
-    reserve: bool,
-    dirty_fraction: f64,
     /// Share of a pool's dirty limit one session (and one tenant) may hold reserved.
     reserve_share: f64,
-    /// Keep slot tables, so the pools survive a crash.
-    take_over: bool,
-    /// Which kvtierd this is, across restarts (from its socket path): pool files carry it,
-    /// so a restarted daemon takes over its own predecessor's pools and no one else's.
-    instance: String,
     /// What L2 knows of L3 (`state/l3_view.rs`).
     l3: L3View,
     /// A drain or flushes the operator started (`state/operator.rs`).
@@ -299,33 +243,15 @@ impl HostState {
     /// Empty state configured by `cfg` (already validated). Refused when kvtierd's own pool
     /// directory ([`pool_dir`]) cannot be made or is not kvtierd's alone.
     pub fn new(cfg: &DaemonConfig) -> Result<Self, StateError> {
-        let backing = match cfg.l2.backing {
-            L2Backing::Memfd => Backing::Memfd,
-            L2Backing::ShmFile => Backing::ShmFile(open_pool_dir(cfg)?),
-        };
         let mut events = EventBus::new(node_name());
         // A new run holds nothing of what an earlier one published: its first event says so
         // (pages it takes over from a crashed run are published as stored after it).
         events.cleared(None, None);
         Ok(Self {
-            pools: HashMap::new(),
+            pools: Pools::new(cfg)?,
             events,
             sessions: Sessions::new(crate::ids::epoch_now(), cfg.sessions.ttl.0),
-            policy: cfg.l2.eviction_policy,
-            backing,
-            pool_bytes: cfg.l2.pool_bytes.0,
-            pool_pages: cfg.l2.pool_pages,
-            max_pools: cfg.l2.max_pools,
-            max_pools_per_tenant: cfg.l2.max_pools_per_tenant,
-            idle_pool_ttl: cfg.l2.idle_pool_ttl.0,
-            max_page_bytes: cfg.l2.max_page_bytes.0,
-            mlock: cfg.l2.mlock,
-            huge_pages: cfg.l2.huge_pages,
-            reserve: cfg.l2.reserve,
-            dirty_fraction: cfg.l2.dirty_fraction,
             reserve_share: cfg.l2.reserve_share,
-            take_over: cfg.l2.take_over_after_crash,
-            instance: survive::instance_id(&cfg.socket_path()),
             l3: {
                 let mut l3 = L3View::default();
                 l3.attach(cfg.l3.backend.stores().then(|| cfg.l3.write_policy()));
@@ -427,20 +353,11 @@ impl HostState {
         self.sessions.iter()
     }
 
-    /// The most own pools a named tenant may have ([`Self::max_pools_per_tenant`], or an
-    /// even share of `l2.max_pools` with the shared pools).
-    fn tenant_pool_share(&self) -> usize {
-        match self.max_pools_per_tenant {
-            0 => (self.max_pools as usize / (self.tenants.named() + 1)).max(1),
-            n => n as usize,
-        }
-    }
-
     /// Before a new own pool of `tenant`'s: at its share, its least recently used idle pool
     /// gives its place, or the registration is refused (the other tenants' places stay
     /// theirs).
     fn make_room_for_tenant(&mut self, tenant: &str) -> Result<(), StateError> {
-        let share = self.tenant_pool_share();
+        let share = self.pools.tenant_share(self.tenants.named());
         let owns = |st: &Self| {
             st.pools
                 .values()
@@ -474,118 +391,35 @@ impl HostState {
         // A named tenant's own pool (its sessions alone get its descriptor); else the
         // layout's, which every tenant's sessions share.
         let (fp, own) = self.tenants.pool_of(&layout.fingerprint(), tenant);
-        if !self.pools.contains_key(&fp) {
+        if !self.pools.contains(&fp) {
             if own {
                 self.make_room_for_tenant(tenant)?;
             }
-            if layout.slot_stride() as u64 > self.max_page_bytes {
-                return Err(StateError::invalid(
-                    "layout",
-                    format!(
-                        "a page of {} bytes is larger than l2.max_page_bytes ({})",
-                        layout.slot_stride(),
-                        self.max_page_bytes
-                    ),
-                ));
-            }
-            if self.pools.len() >= self.max_pools as usize {
+            self.pools.check_page_fits(layout)?;
+            if self.pools.at_limit() {
                 // The least recently used pool nobody uses gives its place.
                 self.reclaim_pools(Instant::now(), true);
             }
-            if self.pools.len() >= self.max_pools as usize {
-                return Err(StateError::Full(format!(
-                    "l2.max_pools ({}) layouts are already served; this layout ({}) is not",
-                    self.max_pools,
-                    layout.spec().model_id
-                )));
+            if self.pools.at_limit() {
+                return Err(self.pools.full(layout));
             }
-            let stride = layout.slot_stride() as u64;
-            let slots = if self.pool_pages > 0 {
-                self.pool_pages
-            } else {
-                self.pool_bytes / stride
-            };
-            if slots == 0 {
-                return Err(StateError::Refused(format!(
-                    "l2.pool_bytes ({}) is smaller than one page of this layout ({stride} bytes)",
-                    self.pool_bytes
-                )));
-            }
-            let slots = u32::try_from(slots).unwrap_or(u32::MAX);
-            // The run's epoch in the name: a restarted kvtierd that got the same pid (pid 1
-            // in a container) never makes a pool under its dead predecessor's name.
-            let name = format!(
-                "kvtier-{}-{}-{}-{}",
-                self.instance,
-                std::process::id(),
-                self.sessions.epoch(),
-                fp.to_hex()
-            );
-            let (shm, replaced) = ShmPool::create(&PoolSpec {
-                name: name.clone(),
-                backing: self.backing.clone(),
-                slots,
-                stride: layout.slot_stride(),
-                mlock: self.mlock,
-                huge_pages: self.huge_pages,
-                reserve: self.reserve,
-            })
-            .map_err(|e| match e {
-                kvtier_shm::ShmError::NoSpace { .. } => StateError::Full(format!(
-                    "no room for the pool of {fp} ({e}): lower l2.pool_bytes / l2.pool_pages \
-                     or give l2.shm_dir more space"
-                )),
-                e => StateError::Internal(format!("creating the pool for {fp}: {e}")),
+            let quotas = self.tenants.iter().map(|t| (t.tag, t.quota)).collect();
+            let l3_mode = self.l3_mode();
+            let (_, replaced) = self.pools.create(NewPool {
+                key: fp,
+                layout,
+                own,
+                epoch: self.sessions.epoch(),
+                quotas,
+                l3_mode,
             })?;
             if replaced {
                 self.counters.takeover.pools_removed += 1;
-                tracing::warn!(%name, "removed a stale file at a new pool's name (a dead kvtierd's)");
             }
-            tracing::info!(
-                fingerprint = %fp,
-                model = %layout.spec().model_id,
-                slots,
-                stride,
-                path = %shm.path().display(),
-                "created pool class"
-            );
-            // A tenant's pool is not taken over after a crash: its table would name the layout,
-            // not the tenant (its pages come back from L3).
-            let seals = match &self.backing {
-                Backing::ShmFile(dir) if self.seals_enabled() && !own => {
-                    match Seals::create(dir, &name, layout, slots) {
-                        Ok(s) => Some(s),
-                        Err(e) => {
-                            tracing::warn!(fingerprint = %fp, "no slot table, so this pool will not survive a crash: {e}");
-                            None
-                        }
-                    }
-                }
-                _ => None,
-            };
-            let mut index = HostIndex::new(slots, self.policy);
-            index.record_changes(true);
-            for t in self.tenants.iter() {
-                index.set_tenant_quota(t.tag, t.quota);
-            }
-            index.set_l3_mode(self.l3_mode());
-            index.set_dirty_limit(((f64::from(slots) * self.dirty_fraction) as u32).max(1));
-            self.pools.insert(
-                fp,
-                L2Pool {
-                    key: fp,
-                    layout: layout.clone(),
-                    shm: Arc::new(shm),
-                    index,
-                    prefetch_held: 0,
-                    seals,
-                    last_used: Instant::now(),
-                },
-            );
         }
         match self.pools.get_mut(&fp) {
             Some(p) => Ok(p),
-            None => unreachable!("pool inserted above"),
+            None => unreachable!("pool made above"),
         }
     }
 
@@ -711,46 +545,13 @@ impl HostState {
 
     /// Index counters of every pool, summed.
     pub fn totals(&self) -> HostIndexStats {
-        let mut t = HostIndexStats::default();
-        for p in self.pools.values() {
-            let s = p.index.stats();
-            t.capacity += s.capacity;
-            t.ready += s.ready;
-            t.writing += s.writing;
-            t.pinned += s.pinned;
-            t.pins += s.pins;
-            t.evictions += s.evictions;
-            t.unwritten_evictions += s.unwritten_evictions;
-            t.dirty += s.dirty;
-            t.leased += s.leased;
-        }
-        t
+        self.pools.totals()
     }
 
     /// Bytes of shared memory mapped for pools, and bytes holding ready or writing pages.
     pub fn pool_bytes(&self) -> (u64, u64) {
-        self.pools.values().fold((0, 0), |(total, used), p| {
-            let s = p.index.stats();
-            let stride = p.shm.stride() as u64;
-            (
-                total + p.shm.len() as u64,
-                used + u64::from(s.ready + s.writing) * stride,
-            )
-        })
+        self.pools.bytes()
     }
-}
-
-/// The key of tenant `tenant`'s own pool of the layout with fingerprint `fp`: 16 bytes of
-/// SHA-256 over both, so it names the pool file and never equals a layout's fingerprint.
-pub fn pool_key(fp: &LayoutFingerprint, tenant: &str) -> LayoutFingerprint {
-    use sha2::Digest as _;
-    let mut h = sha2::Sha256::new();
-    h.update(b"kvtier/tenant-pool/v1");
-    h.update(fp.0);
-    h.update(tenant.as_bytes());
-    let mut k = [0u8; 16];
-    k.copy_from_slice(&h.finalize()[..16]);
-    LayoutFingerprint(k)
 }
 
 /// What the state's unit tests share.
@@ -779,6 +580,17 @@ pub(crate) mod testing {
             .unwrap()
             .session_id;
         (st, id)
+    }
+
+    /// A tracked tenant without quotas.
+    pub(crate) fn tenant(name: &str) -> kvtier_config::tenants::TenantQuota {
+        kvtier_config::tenants::TenantQuota {
+            name: name.into(),
+            l2_pages: None,
+            l3_bytes: None,
+            uids: Vec::new(),
+            gids: Vec::new(),
+        }
     }
 
     /// `n` distinct keys.

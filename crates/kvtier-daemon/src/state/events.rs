@@ -8,6 +8,7 @@ use kvtier_storage::Removed;
 use kvtier_storage::format::parse_object_name;
 
 use super::HostState;
+use super::tenants::Sees;
 use crate::events::{EventBus, EventKind, EventMetrics, EventTier, First, Snapshot, Start};
 use kvtier_core::TenantTag;
 
@@ -102,19 +103,26 @@ impl HostState {
     /// orders them, makes them events and encodes them after the lock, a batch at a time.
     pub fn event_snapshot(&mut self, tenant: Option<TenantTag>) -> Snapshot {
         self.publish_changes();
-        let keep = |k: &PageKey| tenant.is_none_or(|t| TenantTag::of(k) == t);
         // L2's pages, then those L3 holds as far as this kvtierd knows (its writes landed,
         // the page is still indexed): pages only L3 holds are not listed (Locate finds them).
+        // Another tenant's own pool is not scanned at all, and the subscriber's own whole.
         let parts = self
             .pools
             .values()
-            .flat_map(|p| {
+            .filter_map(|p| {
                 let fp = p.layout.fingerprint();
-                [
+                let only = match self.tenants.sees(tenant, &p.key, &fp) {
+                    Sees::Nothing => return None,
+                    Sees::All => None,
+                    Sees::Only(t) => Some(t),
+                };
+                let keep = move |k: &PageKey| only.is_none_or(|t| TenantTag::of(k) == t);
+                Some([
                     (fp, EventTier::L2Host, p.index.snapshot_pages(false, keep)),
                     (fp, EventTier::L3Storage, p.index.snapshot_pages(true, keep)),
-                ]
+                ])
             })
+            .flatten()
             .filter(|(_, _, pages)| !pages.is_empty())
             .collect();
         Snapshot::new(self.events.last_seq(), parts)
@@ -135,5 +143,46 @@ impl HostState {
         changes: Vec<kvtier_core::host_index::IndexChange>,
     ) {
         self.events.publish(layout, changes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::time::Instant;
+
+    use kvtier_core::{PageKey, TenantScope};
+
+    use crate::state::testing::{keys, state, tenant, tiny_layout};
+
+    /// A tenant's snapshot is made from its own pool alone: another tenant's own pool is not
+    /// even scanned (the stream's later filter would hide its pages, but not the time the
+    /// scan holds the lock), and the shared layout pool holds the default tenant's pages.
+    #[test]
+    fn a_tenants_snapshot_holds_its_own_pools_pages_alone() {
+        let (mut st, default) = state();
+        st.set_tenants(&[tenant(""), tenant("acme"), tenant("globex")]);
+        let now = Instant::now();
+        let stored = |st: &mut crate::state::HostState, name: &str, n: u8, first: u8| {
+            let id = if name.is_empty() {
+                default
+            } else {
+                st.register(name.into(), name, &tiny_layout(), now)
+                    .unwrap()
+                    .session_id
+            };
+            let mut ks: Vec<PageKey> = keys(first + n - 1).split_off(usize::from(first - 1));
+            TenantScope::new(name).apply_all(&mut ks);
+            st.reserve(id, None, &ks, now).unwrap();
+            st.commit(id, &ks, 0, now).unwrap();
+        };
+        stored(&mut st, "", 2, 1);
+        stored(&mut st, "acme", 3, 3);
+        stored(&mut st, "globex", 4, 6);
+        let tag = |name: &str| Some(TenantScope::new(name).tag());
+        assert_eq!(st.event_snapshot(tag("acme")).len(), 3);
+        assert_eq!(st.event_snapshot(tag("globex")).len(), 4);
+        assert_eq!(st.event_snapshot(tag("")).len(), 2);
+        assert_eq!(st.event_snapshot(None).len(), 9);
     }
 }

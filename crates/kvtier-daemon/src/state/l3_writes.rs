@@ -48,7 +48,7 @@ impl HostState {
 
     /// Whether pools keep slot tables (so a later kvtierd can take them over).
     pub fn seals_enabled(&self) -> bool {
-        self.take_over && self.backing.is_file()
+        self.pools.seals_enabled()
     }
 
     /// The L2 → L3 write policy, while a tier is attached.

@@ -153,8 +153,8 @@ impl HostState {
         FlushWait {
             keys: self
                 .pools
-                .iter()
-                .map(|(fp, p)| (*fp, p.index.unwritten_keys()))
+                .values()
+                .map(|p| (p.key, p.index.unwritten_keys()))
                 .filter(|(_, k)| !k.is_empty())
                 .collect(),
         }

@@ -70,20 +70,16 @@ impl HostState {
         Ok(pool.index.lookup(keys))
     }
 
-    /// With no session: how many leading `keys` are ready in the pool of layout `fp` (the
-    /// tenant's own pool when it has one), and which are, each on its own. Nothing held:
-    /// (0, all false).
+    /// With no session: how many leading `keys` are ready in the pool of layout `fp` that
+    /// `tenant`'s sessions use (its own pool when it has one, never another's), and which
+    /// are, each on its own. Nothing held: (0, all false).
     pub fn locate(
         &self,
         fp: &kvtier_core::LayoutFingerprint,
         tenant: &str,
         keys: &[PageKey],
     ) -> (usize, Vec<bool>) {
-        let pool = self
-            .pools
-            .get(&super::pool_key(fp, tenant))
-            .or_else(|| self.pools.get(fp));
-        match pool {
+        match self.pools.get(&self.tenants.pool_of(fp, tenant).0) {
             Some(p) => (
                 p.index.lookup(keys),
                 keys.iter()

@@ -46,12 +46,12 @@ impl HostState {
         make_room: bool,
         which: impl Fn(&super::L2Pool) -> bool,
     ) -> usize {
-        let ttl = self.idle_pool_ttl;
+        let ttl = self.pools.idle_ttl();
         let mut idle: Vec<(Instant, LayoutFingerprint)> = self
             .pools
-            .iter()
-            .filter(|(fp, p)| which(p) && self.reclaimable(fp))
-            .map(|(fp, p)| (p.last_used, *fp))
+            .values()
+            .filter(|p| which(p) && self.reclaimable(&p.key))
+            .map(|p| (p.last_used, p.key))
             .collect();
         idle.sort();
         let mut gone = 0;
@@ -96,9 +96,9 @@ impl HostState {
     pub fn retire_damaged_pools(&mut self) -> usize {
         let damaged: Vec<LayoutFingerprint> = self
             .pools
-            .iter()
-            .filter(|(_, p)| !p.shm.file_intact())
-            .map(|(fp, _)| *fp)
+            .values()
+            .filter(|p| !p.shm.file_intact())
+            .map(|p| p.key)
             .collect();
         for fp in &damaged {
             let sessions: Vec<SessionId> = self

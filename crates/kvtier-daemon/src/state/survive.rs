@@ -201,12 +201,12 @@ impl HostState {
     /// Up to `max` committed pages waiting to be sealed.
     pub fn seal_jobs(&mut self, max: usize) -> Vec<SealJob> {
         let mut out = Vec::new();
-        for (fp, pool) in &mut self.pools {
+        for pool in self.pools.values_mut() {
             let Some(s) = &mut pool.seals else { continue };
             let n = s.pending.len().min(max - out.len());
             let len = pool.layout.page_bytes();
             out.extend(s.pending.drain(..n).map(|(slot, key, epoch)| SealJob {
-                fp: *fp,
+                fp: pool.key,
                 shm: pool.shm.clone(),
                 slot,
                 key,
@@ -372,10 +372,10 @@ fn classify<'a>(name: &'a str, instance: &str, run: &str) -> Found<'a> {
 /// daemon serves.
 pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> TakeoverCounts {
     let mut counts = TakeoverCounts::default();
-    let dir = match &state.backing {
-        kvtier_shm::Backing::ShmFile(dir) => dir.clone(),
+    let dir = match state.pools.dir() {
+        Some(dir) => dir.clone(),
         // memfd pools: only an earlier run's files to remove, if it left any.
-        kvtier_shm::Backing::Memfd => {
+        None => {
             if !super::pool_dir(cfg).is_dir() {
                 return counts;
             }
@@ -392,7 +392,7 @@ pub fn take_over_dead_pools(cfg: &DaemonConfig, state: &mut HostState) -> Takeov
         return counts;
     };
     names.sort();
-    let instance = state.instance.clone();
+    let instance = state.pools.instance().to_string();
     let run = state.sessions.epoch().to_string();
     for name in &names {
         // A table of ours whose pool file is gone is of no use.

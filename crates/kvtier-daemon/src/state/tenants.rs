@@ -17,6 +17,18 @@ pub(crate) struct Tracked {
     pub(crate) quota: Option<u32>,
 }
 
+/// What one tenant may see of one pool's pages ([`TenantTable::sees`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sees {
+    /// None: another tenant's own pool (its pages are never even looked at).
+    Nothing,
+    /// Every page: the viewer may see all (an operator's view), or the pool holds the
+    /// viewer's pages alone.
+    All,
+    /// The pages of this tenant among everyone's (a shared pool).
+    Only(TenantTag),
+}
+
 /// The tracked tenants (empty: tenancy is off).
 #[derive(Debug)]
 pub(crate) struct TenantTable {
@@ -76,6 +88,25 @@ impl TenantTable {
         }
     }
 
+    /// What `viewer` may see of the pool `key` of layout `fp` (`None`: every tenant's
+    /// pages). The one answer events, Locate and Stats give a tenant: nothing of another
+    /// tenant's own pool, all of its own, its own pages of a shared one.
+    pub(crate) fn sees(
+        &self,
+        viewer: Option<TenantTag>,
+        key: &LayoutFingerprint,
+        fp: &LayoutFingerprint,
+    ) -> Sees {
+        let Some(viewer) = viewer else {
+            return Sees::All;
+        };
+        match self.only_tenant_of(key, fp) {
+            Some(only) if only == viewer => Sees::All,
+            Some(_) => Sees::Nothing,
+            None => Sees::Only(viewer),
+        }
+    }
+
     /// The tag of the one tenant whose pages the pool `key` (of layout `fp`) can hold: a
     /// named tenant's own pool's, or, while named tenants have their own pools, the
     /// layout's pool, which then holds the default tenant's alone. `None` when every
@@ -99,15 +130,7 @@ impl TenantTable {
 mod tests {
     use super::*;
 
-    fn quota(name: &str) -> TenantQuota {
-        TenantQuota {
-            name: name.into(),
-            l2_pages: None,
-            l3_bytes: None,
-            uids: Vec::new(),
-            gids: Vec::new(),
-        }
-    }
+    use crate::state::testing::tenant as quota;
 
     #[test]
     fn a_named_tenant_has_its_own_pool_only_with_tenant_pools() {
@@ -135,5 +158,29 @@ mod tests {
         let mut t = TenantTable::new(true);
         t.set(&[quota("")]);
         assert_eq!(t.only_tenant_of(&fp, &fp), None);
+    }
+
+    #[test]
+    fn a_tenant_sees_its_own_pool_whole_another_s_not_at_all_and_its_pages_of_a_shared_one() {
+        let fp = LayoutFingerprint([3; 16]);
+        let acme = TenantScope::new("acme").tag();
+        let globex = TenantScope::new("globex").tag();
+        let default = TenantScope::new("").tag();
+        let mut t = TenantTable::new(true);
+        t.set(&[quota(""), quota("acme"), quota("globex")]);
+        let acme_pool = pool_key(&fp, "acme");
+        assert_eq!(t.sees(Some(acme), &acme_pool, &fp), Sees::All);
+        assert_eq!(t.sees(Some(globex), &acme_pool, &fp), Sees::Nothing);
+        assert_eq!(t.sees(Some(default), &acme_pool, &fp), Sees::Nothing);
+        // The layout's pool holds the default tenant's pages alone.
+        assert_eq!(t.sees(Some(default), &fp, &fp), Sees::All);
+        assert_eq!(t.sees(Some(acme), &fp, &fp), Sees::Nothing);
+        // An operator sees everything.
+        assert_eq!(t.sees(None, &acme_pool, &fp), Sees::All);
+        // Shared pools: each tenant its own pages.
+        let mut shared = TenantTable::new(false);
+        shared.set(&[quota(""), quota("acme")]);
+        assert_eq!(shared.sees(Some(acme), &fp, &fp), Sees::Only(acme));
+        assert_eq!(shared.sees(Some(default), &fp, &fp), Sees::Only(default));
     }
 }
