@@ -146,14 +146,16 @@ fn no_lock_poisons_and_none_is_recovered_by_hand() {
     assert!(wrong.is_empty(), "use parking_lot's locks: {wrong:#?}");
 }
 
-/// kvtierd's tasks run on its tracker (`crates/kvtier-daemon/src/tasks.rs`), which the drain
-/// waits on: no code of the daemon outside its tests calls `tokio::spawn` itself, but a
+/// kvtierd's and the agent's tasks run on their tracker (`kvtier_server::tasks`), which the
+/// drain waits on: no code of either outside its tests calls `tokio::spawn` itself, but a
 /// sub-task its parent holds and aborts (`// scoped:` on the line before says so).
 #[test]
-fn every_daemon_task_is_on_the_tracker() {
+fn every_server_task_is_on_the_tracker() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let mut files = Vec::new();
+    // kvtierd's and the agent's: each drains by waiting on its tracker.
     rust_files(&root.join("crates/kvtier-daemon/src"), &mut files);
+    rust_files(&root.join("crates/kvtier-agent/src"), &mut files);
     let mut wrong = Vec::new();
     for f in &files {
         let text = std::fs::read_to_string(f).unwrap();
@@ -169,6 +171,6 @@ fn every_daemon_task_is_on_the_tracker() {
     }
     assert!(
         wrong.is_empty(),
-        "spawn on the part's Tasks (tasks.rs): {wrong:#?}"
+        "spawn on the part's Tasks (kvtier_server::tasks): {wrong:#?}"
     );
 }

@@ -330,11 +330,8 @@ impl Backups {
 
     /// Runs queued early backups, `cache.backup_concurrency` at a time, until the queue
     /// closes or `stop`.
-    pub(crate) async fn run(
-        self: Arc<Self>,
-        worker: BackupWorker,
-        stop: tokio_util::sync::CancellationToken,
-    ) {
+    pub(crate) async fn run(self: Arc<Self>, worker: BackupWorker) {
+        let stop = self.s.tasks.shutdown.clone();
         let BackupWorker { mut rx } = worker;
         let permits = Arc::new(Semaphore::new(self.s.settings.backup_concurrency));
         loop {
@@ -346,7 +343,7 @@ impl Backups {
                 break;
             };
             let me = self.clone();
-            tokio::spawn(async move {
+            self.s.tasks.spawn(async move {
                 // Queued nodes were locked by `enqueue`; an early backup that fails is tried
                 // again when the node is evicted. Its pages leave the queue's room when it
                 // ends.

@@ -32,6 +32,7 @@ mod service;
 mod shared;
 mod tree;
 
+use kvtier_server::tasks::Tasks;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -134,23 +135,26 @@ pub async fn run(
         .and_then(kvtier_server::prometheus_http::local);
     let metrics = Metrics::new(&registry)?;
     let refusals = GuardMetrics::new(&registry, Server::Agent)?;
-    let link = Arc::new(Link::new(&cfg));
+    // Every task of the agent runs on this tracker; the drain waits on it.
+    let tasks = Tasks::new(shutdown.clone());
+    let link = Arc::new(Link::new(&cfg, tasks.clone()));
     let (service, worker) = AgentService::new(
         &cfg,
         link.clone(),
         metrics.clone(),
         metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
         deposits.clone(),
+        tasks.clone(),
     );
-    tokio::spawn(memory_door::serve(door, deposits, shutdown.clone()));
+    tasks.spawn(memory_door::serve(door, deposits, tasks.clone()));
     {
         let svc = service.clone();
         link.set_reporter(Arc::new(move || svc.report()));
         let svc = service.clone();
         link.set_on_linked(Arc::new(move |linked| svc.relinked(linked)));
     }
-    let link_task = tokio::spawn(link.clone().run(shutdown.clone()));
-    let backups = tokio::spawn(service.run_backups(worker, shutdown.clone()));
+    tasks.spawn(link.clone().run(shutdown.clone()));
+    tasks.spawn(service.run_backups(worker));
     if let Some(l) = metrics_listener {
         let svc = service.clone();
         registry.on_scrape(move || svc.refresh_gauges());
@@ -161,7 +165,7 @@ pub async fn run(
         );
         // The agent's series are its one engine's: no tenant's name or usage in them.
         let auth = kvtier_server::prometheus_http::Auth::new(None, &registry)?;
-        tokio::spawn(kvtier_server::prometheus_http::serve(
+        tasks.spawn(kvtier_server::prometheus_http::serve(
             l,
             Arc::new(move || registry.render()),
             shutdown.clone(),
@@ -193,7 +197,7 @@ pub async fn run(
         &refusals,
     );
     let stop = shutdown.clone();
-    let mut server = tokio::spawn(
+    let mut server = tasks.spawn(
         kvtier_server::serving::grpc_server()
             .layer(guard)
             .add_service(kvtier_proto::v1::agent_server::AgentServer::new(service))
@@ -209,9 +213,12 @@ pub async fn run(
         r = &mut server => Some(r),
         () = shutdown.cancelled() => None,
     };
+    // One deadline for the whole drain: open engine connections, then every task still
+    // running (backups under way, calls finishing their copies, the link's last calls).
+    let deadline = tokio::time::Instant::now() + cfg.server.drain_timeout.0;
     let served = match served {
         Some(r) => r,
-        None => match tokio::time::timeout(cfg.server.drain_timeout.0, &mut server).await {
+        None => match tokio::time::timeout_at(deadline, &mut server).await {
             Ok(r) => r,
             Err(_) => {
                 tracing::warn!(
@@ -231,8 +238,13 @@ pub async fn run(
         }
     };
     shutdown.cancel();
-    let _ = backups.await;
-    let _ = link_task.await;
+    tasks.close();
+    if tokio::time::timeout_at(deadline, tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("agent tasks still running after the drain deadline; stopping anyway");
+    }
     for path in [&socket, &memory_socket] {
         if let Err(e) = std::fs::remove_file(path) {
             tracing::warn!(socket = %path.display(), "could not remove the socket: {e}");

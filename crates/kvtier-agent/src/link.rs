@@ -6,6 +6,7 @@
 //! blip, not a loss. Each new session has a new generation; the agent is told before the
 //! session is used ([`Link::set_on_linked`]), so it re-checks what it believed L2 held.
 
+use kvtier_server::tasks::Tasks;
 use parking_lot::{Mutex, RwLock};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,6 +42,8 @@ pub const LEASE_SLOTS: u32 = 16;
 
 /// The link, shared by the service and the background task that maintains it.
 pub struct Link {
+    /// Where its background calls run.
+    tasks: Tasks,
     address: String,
     name: String,
     timeout: Duration,
@@ -99,8 +102,9 @@ pub fn is_link_error(e: &ClientError) -> bool {
 
 impl Link {
     /// A link to the daemon `cfg` names; nothing happens until [`Link::want`] gives a layout.
-    pub fn new(cfg: &AgentConfig) -> Self {
+    pub fn new(cfg: &AgentConfig, tasks: Tasks) -> Self {
         Self {
+            tasks,
             address: cfg.daemon_address(),
             name: cfg.daemon.name.clone(),
             timeout: cfg.daemon.timeout.0,
@@ -213,7 +217,7 @@ impl Link {
         }
         let mut c = linked.client.clone();
         let timeout = self.timeout;
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             for session in old {
                 match tokio::time::timeout(timeout, c.close(session)).await {
                     Ok(Ok(())) => tracing::info!(%session, "closed a session given up as broken"),

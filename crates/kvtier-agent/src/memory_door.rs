@@ -13,6 +13,7 @@
 //! read hold at most [`MAX_INFLIGHT_FDS`] more. Answers are counted in
 //! `kvtier_agent_memory_door_answers_total{outcome}`.
 
+use kvtier_server::tasks::Tasks;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -24,7 +25,6 @@ use kvtier_server::peers::GatedListener;
 use kvtier_shm::memory_door::{self, Answer, Request, TICKET_LEN};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
-use tokio_util::sync::CancellationToken;
 
 /// Deposits waiting for their `RegisterPool` at once.
 pub const MAX_PENDING: usize = 8;
@@ -179,7 +179,8 @@ impl Deposits {
 }
 
 /// Serves the door on `listener` until `stop`.
-pub async fn serve(listener: GatedListener, deposits: Arc<Deposits>, stop: CancellationToken) {
+pub async fn serve(listener: GatedListener, deposits: Arc<Deposits>, tasks: Tasks) {
+    let stop = tasks.shutdown.clone();
     let timeout = listener.cap().handshake_timeout();
     loop {
         let (stream, permit) = tokio::select! {
@@ -187,7 +188,7 @@ pub async fn serve(listener: GatedListener, deposits: Arc<Deposits>, stop: Cance
             () = stop.cancelled() => return,
         };
         let deposits = deposits.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             // What the deposit set aside goes back however it ends (a timeout drops `answer`
             // mid-read, and the descriptors it read with it).
             let mut aside = 0usize;

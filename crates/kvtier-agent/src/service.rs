@@ -5,6 +5,7 @@
 //! counters (AgentStats, the heartbeat report, gauges) and the reaction to a new kvtierd
 //! session live here too: they span both modes.
 
+use kvtier_server::tasks::Tasks;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -92,11 +93,13 @@ impl AgentService {
         metrics: Metrics,
         metrics_address: String,
         deposits: Arc<Deposits>,
+        tasks: Tasks,
     ) -> (Self, BackupWorker) {
         let s = Arc::new(Shared::new(
             Settings::new(cfg, metrics_address),
             link,
             metrics,
+            tasks,
         ));
         let l2 = L2::new(s.clone());
         let (tree, worker) = TreeMode::new(s.clone(), l2.clone());
@@ -113,13 +116,12 @@ impl AgentService {
         )
     }
 
-    /// The early-backup workers; run until `stop`.
+    /// The early-backup workers; run until the agent's shutdown.
     pub(crate) fn run_backups(
         &self,
         worker: BackupWorker,
-        stop: tokio_util::sync::CancellationToken,
     ) -> impl Future<Output = ()> + Send + 'static {
-        self.tree.backups().run(worker, stop)
+        self.tree.backups().run(worker)
     }
 
     /// A new kvtierd session: what the tree believed L2 held may be gone (a restarted
@@ -387,6 +389,7 @@ impl AgentService {
 /// and aborts what it held in kvtierd. A call that names itself is in `calls` (a Cancel can
 /// close its fence) until its task ends.
 async fn fenced_call<T, F, Fut>(
+    tasks: &Tasks,
     calls: Result<call_fence::Registered, ApiError>,
     fence: Fence,
     call: F,
@@ -399,12 +402,13 @@ where
     let registered = calls?;
     let _closes = fence.close_on_drop();
     let run = call(fence.clone());
-    tokio::spawn(async move {
-        let _registered = registered;
-        run.await
-    })
-    .await
-    .unwrap_or_else(|e| Err(ApiError::Internal(format!("call task failed: {e}"))))
+    tasks
+        .spawn(async move {
+            let _registered = registered;
+            run.await
+        })
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Internal(format!("call task failed: {e}"))))
 }
 
 /// A Save's pages, from its request and the tokens decoded from it.
@@ -488,7 +492,7 @@ impl agent_server::Agent for AgentService {
         let req = request.into_inner();
         let tree = self.tree.clone();
         to_status(
-            fenced_call(calls, fence, move |fence| async move {
+            fenced_call(&self.s.tasks, calls, fence, move |fence| async move {
                 tree.load_back(&caller, req.handle, req.free_pages, &fence)
                     .await
             })
@@ -598,7 +602,7 @@ impl agent_server::Agent for AgentService {
         let calls = self.calls.register(&request, &caller, &fence);
         let req = request.into_inner();
         let cache = self.cache.clone();
-        let r = fenced_call(calls, fence, move |fence| async move {
+        let r = fenced_call(&self.s.tasks, calls, fence, move |fence| async move {
             let policy = prefetch_policy(req.policy)?;
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = pages(
@@ -629,7 +633,7 @@ impl agent_server::Agent for AgentService {
         let calls = self.calls.register(&request, &caller, &fence);
         let req = request.into_inner();
         let cache = self.cache.clone();
-        let r = fenced_call(calls, fence, move |fence| async move {
+        let r = fenced_call(&self.s.tasks, calls, fence, move |fence| async move {
             let tokens = request_tokens(&[], &req.packed_tokens)?;
             let p = save_pages(&req, tokens)?;
             cache.save(&caller, &p, req.selected, &fence).await
@@ -646,7 +650,7 @@ impl agent_server::Agent for AgentService {
         let calls = self.calls.register(&request, &caller, &fence);
         let reqs = request.into_inner().requests;
         let cache = self.cache.clone();
-        let r = fenced_call(calls, fence, move |fence| async move {
+        let r = fenced_call(&self.s.tasks, calls, fence, move |fence| async move {
             if reqs.len() > MAX_SAVE_BATCH {
                 return Err(ApiError::invalid(
                     "requests",

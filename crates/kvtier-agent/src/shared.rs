@@ -6,6 +6,7 @@
 //! never across an await: copies and daemon calls happen outside it, with the pages they read
 //! locked in the tree (so eviction cannot hand them back to the engine mid-copy).
 
+use kvtier_server::tasks::Tasks;
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -207,16 +208,19 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     pub(crate) settings: Settings,
     pub(crate) counters: Counters,
+    /// Where the agent's tasks run (the drain waits on them).
+    pub(crate) tasks: Tasks,
 }
 
 impl Shared {
-    pub(crate) fn new(settings: Settings, link: Arc<Link>, metrics: Metrics) -> Self {
+    pub(crate) fn new(settings: Settings, link: Arc<Link>, metrics: Metrics, tasks: Tasks) -> Self {
         Self {
             state: Mutex::new(State::new(settings.eviction)),
             link,
             metrics,
             settings,
             counters: Counters::default(),
+            tasks,
         }
     }
 

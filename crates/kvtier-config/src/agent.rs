@@ -33,8 +33,8 @@ socket = ""
 memory_socket = ""
 # Most tokens in one request (1 to 16777216).
 max_tokens = 1048576
-# On shutdown, how long open engine connections get to finish before they are closed
-# (10ms to 10m).
+# On shutdown, how long open engine connections, and then the agent's tasks still running
+# (backups under way, calls finishing their copies), get to finish, in all (10ms to 10m).
 drain_timeout = "2s"
 # The registered pool belongs to the client that registered it; another client's
 # registration is refused while the owner's process lives. When the owner's pid is not
@@ -152,7 +152,7 @@ pub struct AgentServerConfig {
     pub memory_socket: Option<PathBuf>,
     /// Most tokens per request.
     pub max_tokens: u64,
-    /// Grace period for open connections at shutdown.
+    /// Grace period at shutdown for open connections, then for the tasks still running.
     pub drain_timeout: Dur,
     /// How long an owner whose process is not visible keeps the pool without a call.
     pub pool_lease: Dur,

@@ -29,8 +29,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::state::Job;
 use crate::state::Shared;
-use crate::tasks::Tasks;
 use kvtier_server::metrics::MetricRegistry;
+use kvtier_server::tasks::Tasks;
 
 mod metrics;
 pub use kvtier_storage::open_backend;

@@ -21,7 +21,6 @@ pub mod sglang;
 pub mod state;
 pub mod storage_service;
 pub mod streams;
-pub mod tasks;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -160,7 +159,7 @@ mod tests {
         let cfg = DaemonConfig::default();
         let registry = MetricRegistry::new();
         let state = Arc::new(Shared::new(HostState::new(&cfg).unwrap()));
-        let tasks = tasks::Tasks::new(CancellationToken::new());
+        let tasks = kvtier_server::tasks::Tasks::new(CancellationToken::new());
         let l3 = l3::L3Slot::new(state.clone(), &registry, tasks.clone(), Duration::ZERO).unwrap();
         let prefetcher = Arc::new(
             prefetch::Prefetcher::new(

@@ -19,7 +19,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::tasks::Tasks;
 use kvtier_config::daemon::DaemonConfig;
 use kvtier_config::tenants::Tenants;
 use kvtier_proto::v1::host_tier_server::HostTierServer;
@@ -27,6 +26,7 @@ use kvtier_server::doors::Listener;
 use kvtier_server::guard::GuardMetrics;
 use kvtier_server::metrics::MetricRegistry;
 use kvtier_server::peers::{GatedListener, PeerGate};
+use kvtier_server::tasks::Tasks;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

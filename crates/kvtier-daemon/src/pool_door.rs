@@ -24,7 +24,7 @@ use tokio::net::UnixStream;
 
 use crate::roles::{Role, Roles, UnixPeer};
 use crate::state::Shared;
-use crate::tasks::Tasks;
+use kvtier_server::tasks::Tasks;
 
 /// The door's counters.
 #[derive(Clone, Debug)]

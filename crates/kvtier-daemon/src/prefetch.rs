@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::l3::{L3, L3Slot};
 use crate::state::Shared;
 use crate::state::{Opened, Phase, PrefetchOpen, Progress, StopCause};
-use crate::tasks::Tasks;
+use kvtier_server::tasks::Tasks;
 
 mod metrics;
 mod negative;

@@ -60,7 +60,7 @@ pub struct HostService {
     l3: Arc<L3Slot>,
     prefetcher: Arc<Prefetcher>,
     /// Where its streams' tasks run, and the shutdown that ends them.
-    tasks: crate::tasks::Tasks,
+    tasks: kvtier_server::tasks::Tasks,
     /// Who is which tenant (empty: tenancy off), and who sees all of them.
     roles: Arc<Roles>,
     /// The tenants of `roles`.
@@ -90,7 +90,7 @@ impl HostService {
         metrics_address: String,
         l3: Arc<L3Slot>,
         prefetcher: Arc<Prefetcher>,
-        tasks: crate::tasks::Tasks,
+        tasks: kvtier_server::tasks::Tasks,
     ) -> Result<Self, prometheus::Error> {
         state
             .lock()

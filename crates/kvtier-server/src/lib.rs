@@ -29,3 +29,4 @@ pub mod peers;
 pub mod process;
 pub mod prometheus_http;
 pub mod serving;
+pub mod tasks;

@@ -148,7 +148,7 @@ pub(crate) fn watch(
     after_seq: u64,
     tenant: Option<TenantTag>,
     slot: crate::streams::StreamSlot,
-    tasks: &crate::tasks::Tasks,
+    tasks: &kvtier_server::tasks::Tasks,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, tonic::Status>> {
     let shutdown = tasks.shutdown.clone();
     let (tx, out) = tokio::sync::mpsc::channel(STREAM_DEPTH);
@@ -406,7 +406,7 @@ mod tests {
             let slot = caps
                 .open("watch_events", &crate::roles::Role::Operator, None)
                 .unwrap();
-            let tasks = crate::tasks::Tasks::new(stop.clone());
+            let tasks = kvtier_server::tasks::Tasks::new(stop.clone());
             let mut s = watch(state.clone(), 0, 0, None, slot, &tasks);
             use futures::StreamExt;
             use prost::Message;

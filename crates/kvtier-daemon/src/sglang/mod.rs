@@ -48,7 +48,7 @@ use kvtier_shm::ShmRegion;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
-use crate::tasks::Tasks;
+use kvtier_server::tasks::Tasks;
 
 /// The preamble's magic, as SGLang sends it.
 pub const MAGIC: u64 = 0x8DF6_FBFD;

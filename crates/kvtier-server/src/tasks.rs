@@ -1,6 +1,7 @@
-//! Where kvtierd's tasks run: every task is spawned on one tracker, which the drain waits on
-//! (up to `server.drain_timeout`), and stops when the shutdown token is cancelled. A part is
-//! handed a [`Tasks`]; it never calls `tokio::spawn` itself (tests/architecture.rs).
+//! Where a server's tasks run (kvtierd's and the agent's): every task is spawned on one
+//! tracker, which the drain waits on (up to `server.drain_timeout`), and stops when the
+//! shutdown token is cancelled. A part is handed a [`Tasks`]; it never calls `tokio::spawn`
+//! itself (tests/architecture.rs).
 
 use std::future::Future;
 
@@ -8,7 +9,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// The shutdown token and the tracker of one kvtierd.
+/// The shutdown token and the tracker of one server process.
 #[derive(Debug, Clone)]
 pub struct Tasks {
     /// Cancelled on SIGTERM / SIGINT.
