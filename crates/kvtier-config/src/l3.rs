@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ByteSize, ConfigError, Dur, Secret};
+use crate::{ByteSize, Capacity, ConfigError, Dur, Secret};
 
 /// Which storage tier backs L2.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -136,8 +136,8 @@ pub struct FileSection {
         skip_serializing_if = "Option::is_none"
     )]
     pub path: Option<PathBuf>,
-    /// Most bytes kept (0: unbounded).
-    pub capacity_bytes: ByteSize,
+    /// Most bytes kept: a size, a share of the space the store may use, or none.
+    pub capacity_bytes: Capacity,
     /// Free-space guard.
     pub min_free_bytes: ByteSize,
     /// Pages older than this are misses (0: never).
@@ -247,6 +247,7 @@ impl FileSection {
     /// No bound, no free-space guard, no expiry, no fsync: for tests and benchmarks.
     pub fn unbounded() -> Self {
         Self {
+            capacity_bytes: Capacity::Unbounded,
             min_free_bytes: ByteSize(0),
             ..Self::default()
         }

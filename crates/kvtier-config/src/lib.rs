@@ -20,7 +20,7 @@ pub mod tls;
 mod units;
 pub mod unix;
 
-pub use units::{ByteSize, Dur, Secret};
+pub use units::{ByteSize, Capacity, Dur, Secret};
 
 use serde::de::DeserializeOwned;
 use toml::{Table, Value};

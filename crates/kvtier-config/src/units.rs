@@ -30,6 +30,96 @@ impl fmt::Debug for Secret {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct ByteSize(pub u64);
 
+/// A store's bound (`l3.file.capacity_bytes`): a size, `0` for none, or a share of the space
+/// the store may use, `"50%"`: of the filesystem's free space when the store opens plus the
+/// bytes the store already holds (so a restart over a full store keeps the same bound).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Capacity {
+    /// No bound.
+    Unbounded,
+    /// At most this many bytes.
+    Bytes(u64),
+    /// This percentage (more than 0, at most 100) of the free space at start plus the
+    /// store's own bytes.
+    Percent(f64),
+}
+
+impl Capacity {
+    /// Parses `50%`, `256GiB`, `0`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        if let Some(p) = s.trim().strip_suffix('%') {
+            let p: f64 = p
+                .trim()
+                .parse()
+                .map_err(|_| format!("{s:?} is not a percentage (e.g. 50%)"))?;
+            if !(p > 0.0 && p <= 100.0) {
+                return Err(format!(
+                    "{s:?}: a share must be more than 0% and at most 100%"
+                ));
+            }
+            return Ok(Self::Percent(p));
+        }
+        match ByteSize::parse(s)?.0 {
+            0 => Ok(Self::Unbounded),
+            n => Ok(Self::Bytes(n)),
+        }
+    }
+
+    /// The bound in bytes, given the filesystem's free bytes at start and the store's own
+    /// (0: none).
+    pub fn resolve(self, free_at_start: u64, held: u64) -> u64 {
+        match self {
+            Self::Unbounded => 0,
+            Self::Bytes(n) => n,
+            Self::Percent(p) => {
+                let space = free_at_start.saturating_add(held) as f64;
+                ((space * p / 100.0) as u64).max(1)
+            }
+        }
+    }
+}
+
+impl fmt::Display for Capacity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unbounded => f.write_str("0"),
+            Self::Bytes(n) => ByteSize(*n).fmt(f),
+            Self::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+struct CapacityVisitor;
+
+impl Visitor<'_> for CapacityVisitor {
+    type Value = Capacity;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a size such as 256GiB, a number of bytes, or a share such as 50%")
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Capacity, E> {
+        let bytes = SizeVisitor.visit_i64::<E>(v)?;
+        Capacity::parse(&bytes.0.to_string()).map_err(E::custom)
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Capacity, E> {
+        Capacity::parse(&v.to_string()).map_err(E::custom)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Capacity, E> {
+        Capacity::parse(v).map_err(E::custom)
+    }
+}
+
+impl<'de> Deserialize<'de> for Capacity {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(CapacityVisitor)
+    }
+}
+
+impl Serialize for Capacity {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
 /// A duration. Accepts a string with a unit: `ms`, `s`, `m`, `h` (e.g. `500ms`, `10s`), or an
 /// integer number of seconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
@@ -191,6 +281,29 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capacity_is_a_size_none_or_a_share_of_the_space() {
+        assert_eq!(Capacity::parse("0").unwrap(), Capacity::Unbounded);
+        assert_eq!(Capacity::parse("2GiB").unwrap(), Capacity::Bytes(2 << 30));
+        assert_eq!(Capacity::parse(" 50 % ").unwrap(), Capacity::Percent(50.0));
+        for bad in ["0%", "101%", "-5%", "half%", "12 parsecs"] {
+            assert!(Capacity::parse(bad).is_err(), "{bad}");
+        }
+        // Round trips as the default files spell it.
+        for s in ["0", "2GiB", "50%", "33.5%"] {
+            assert_eq!(Capacity::parse(s).unwrap().to_string(), s);
+        }
+        // A share of the free space plus what the store holds: a restart over a store that
+        // filled its share keeps the same bound.
+        let half = Capacity::Percent(50.0);
+        assert_eq!(half.resolve(100, 0), 50);
+        assert_eq!(half.resolve(50, 50), 50);
+        assert_eq!(Capacity::Unbounded.resolve(100, 7), 0);
+        assert_eq!(Capacity::Bytes(9).resolve(100, 7), 9);
+        // Never 0 (which would mean no bound) on a full disk.
+        assert_eq!(Capacity::Percent(1.0).resolve(0, 0), 1);
+    }
 
     #[test]
     fn sizes_and_durations_parse() {

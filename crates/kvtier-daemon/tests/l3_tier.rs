@@ -49,6 +49,8 @@ fn write_through_writes_every_committed_page() {
         20.0
     );
     assert_eq!(metric(&m, "kvtier_l3_objects"), 20.0);
+    // The default file store is bounded by a share of the disk, and says so.
+    assert!(metric(&m, "kvtier_l3_capacity_bytes") > 0.0);
     // Every backend call is measured: 20 sets, each after an exists that missed.
     let ops = |op: &str, outcome: &str| {
         metric(

@@ -34,6 +34,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use kvtier_config::Capacity;
 use kvtier_config::l3::FileSection;
 use kvtier_core::TenantTag;
 
@@ -58,6 +59,10 @@ pub struct FileStore {
     objects: PathBuf,
     index: Arc<Mutex<Index>>,
     seq: AtomicU64,
+    /// The bound in bytes (0: none): `cfg.capacity_bytes` resolved. A share of the space is
+    /// resolved once the index is rebuilt (it counts the bytes the store holds) and is no
+    /// bound until then, so a write meanwhile never evicts what the listing has not reached.
+    capacity: Arc<AtomicU64>,
 }
 
 impl FileStore {
@@ -224,22 +229,51 @@ impl FileStore {
             }
             let _ = std::fs::remove_dir(&old_tmp);
         }
+        let share = match cfg.capacity_bytes {
+            Capacity::Percent(_) => {
+                let st =
+                    rustix::fs::statvfs(&objects).map_err(|e| io("statvfs", &objects)(e.into()))?;
+                Some(st.f_bavail.saturating_mul(st.f_frsize))
+            }
+            Capacity::Unbounded | Capacity::Bytes(_) => None,
+        };
         let store = Arc::new(Self {
             objects,
             index: Arc::new(Mutex::new(Index::with_quotas(tenant_quotas))),
             seq: AtomicU64::new(0),
             root,
             cfg: cfg.clone(),
+            // A share: no bound until the rebuild resolves it.
+            capacity: Arc::new(AtomicU64::new(match share {
+                Some(_) => 0,
+                None => cfg.capacity_bytes.resolve(0, 0),
+            })),
         });
         let (root, index) = (store.objects.clone(), store.index.clone());
+        let (bound, capacity) = (cfg.capacity_bytes, store.capacity.clone());
         let opened = SystemTime::now();
         // Writers serve while the listing runs: what they insert or evict meanwhile wins
         // over what the listing finds (an evicted object's file may not be gone yet).
         store.index.lock().start_rebuild();
         tokio::task::spawn_blocking(move || {
             let n = rebuild(&root, &root, &index, opened);
-            index.lock().end_rebuild();
+            let held = {
+                let mut g = index.lock();
+                g.end_rebuild();
+                g.bytes
+            };
             tracing::info!(root = %root.display(), objects = n, "file store index rebuilt");
+            if let Some(free) = share {
+                let cap = bound.resolve(free, held);
+                capacity.store(cap, Ordering::Relaxed);
+                tracing::info!(
+                    root = %root.display(),
+                    capacity_bytes = cap,
+                    free_at_start = free,
+                    held,
+                    "file store bounded at {bound} of the free space plus what it holds"
+                );
+            }
         });
         Ok(store)
     }
@@ -587,7 +621,7 @@ impl Store for FileStore {
     async fn set(&self, name: &str, head: Bytes, body: Bytes) -> Result<(), StorageError> {
         check_name(name)?;
         let size = (head.len() + body.len()) as u64;
-        let cap = self.cfg.capacity_bytes.0;
+        let cap = self.capacity.load(Ordering::Relaxed);
         check_fits(size, cap)?;
         self.index.lock().check_quota(name, size)?;
         let min_free = self.cfg.min_free_bytes.0;
@@ -690,7 +724,7 @@ impl Store for FileStore {
         StoreStats {
             objects: g.entries.len() as u64,
             bytes: g.bytes,
-            capacity: self.cfg.capacity_bytes.0,
+            capacity: self.capacity.load(Ordering::Relaxed),
             evictions: g.evictions,
             delete_failures: g.delete_failures,
             tenants: g.tenants(),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kvtier_config::l3::{FileSection, RocksdbSection};
-use kvtier_config::{ByteSize, Dur};
+use kvtier_config::{ByteSize, Capacity, Dur};
 use kvtier_core::{LayoutFingerprint, PageKey};
 use kvtier_storage::file::FileStore;
 use kvtier_storage::memory::MemoryStore;
@@ -170,11 +170,64 @@ async fn file_pages_survive_restart_and_crash_leftovers_are_never_served() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// `capacity_bytes = "N%"`: N% of the filesystem's free space at start plus what the store
+/// already holds, resolved once the index is rebuilt and shown in its stats. Reopened over the
+/// pages of an earlier run, the bound counts them as the store's own space.
+#[tokio::test]
+async fn file_capacity_as_a_share_counts_the_free_space_and_what_the_store_holds() {
+    let dir = tmpdir("cap-share");
+    let n = |i: u32| format!("ab/{i:04x}");
+    {
+        let s = FileStore::open(&dir, &FileSection::unbounded(), &[])
+            .await
+            .unwrap();
+        for i in 0..3 {
+            s.set(&n(i), Bytes::new(), Bytes::from(vec![7u8; 100_000]))
+                .await
+                .unwrap();
+        }
+    }
+    let free = {
+        let st = rustix::fs::statvfs(&dir).unwrap();
+        st.f_bavail * st.f_frsize
+    };
+    let cfg = FileSection {
+        capacity_bytes: Capacity::Percent(50.0),
+        ..FileSection::unbounded()
+    };
+    let s = FileStore::open(&dir, &cfg, &[]).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.stats().capacity == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the share was never resolved"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let st = s.stats();
+    assert_eq!(
+        (st.objects, st.bytes),
+        (3, 300_000),
+        "the earlier run's pages"
+    );
+    let want = (free + st.bytes) as f64 / 2.0;
+    // Other processes write to the same filesystem meanwhile: within 5%.
+    assert!(
+        (st.capacity as f64 - want).abs() < want * 0.05,
+        "capacity {} for {free} free + {} held",
+        st.capacity,
+        st.bytes
+    );
+    // Nothing was evicted: the bound is far above what it holds.
+    assert!(s.exists(&n(0)).await.unwrap());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[tokio::test]
 async fn file_capacity_evicts_least_recently_used() {
     let dir = tmpdir("cap");
     let cfg = FileSection {
-        capacity_bytes: ByteSize(4 * 1000),
+        capacity_bytes: Capacity::Bytes(4 * 1000),
         ..FileSection::unbounded()
     };
     let s = FileStore::open(&dir, &cfg, &[]).await.unwrap();

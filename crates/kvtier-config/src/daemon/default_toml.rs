@@ -206,8 +206,10 @@ fault_error_rate = 0.0
 [l3.file]
 # Directory of the pages. Empty: <data_dir>/l3.
 path = ""
-# Most bytes kept; least recently used pages are evicted above it. 0: no bound.
-capacity_bytes = "0"
+# Most bytes kept; least recently used pages are evicted above it. A size ("500GiB"), a share
+# of the space the store may use ("50%": of the filesystem's free space when kvtierd starts
+# plus what the store already holds; kvtierctl backend status shows the bytes), or 0: no bound.
+capacity_bytes = "50%"
 # Writes are refused while the filesystem has less free space than this.
 min_free_bytes = "1GiB"
 # Pages older than this are misses and are deleted. 0s: never.

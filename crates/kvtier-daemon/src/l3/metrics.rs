@@ -29,6 +29,7 @@ pub struct L3Metrics {
     queue: IntGauge,
     objects: IntGauge,
     bytes: IntGauge,
+    capacity: IntGauge,
     evictions: IntGauge,
     breaker_open: IntGauge,
     breaker_transitions: IntCounterVec,
@@ -60,6 +61,10 @@ impl L3Metrics {
             )?,
             objects: r.gauge("kvtier_l3_objects", "Pages held by L3")?,
             bytes: r.gauge("kvtier_l3_bytes", "Bytes held by L3")?,
+            capacity: r.gauge(
+                "kvtier_l3_capacity_bytes",
+                "Most bytes L3 keeps before it evicts (0: no bound, or not known to kvtierd)",
+            )?,
             evictions: r.gauge(
                 "kvtier_l3_evicted_objects",
                 "Pages L3 evicted to honour its capacity since start",
@@ -175,6 +180,7 @@ impl L3Metrics {
         let st = l3.store.store_stats();
         self.objects.set(st.objects as i64);
         self.bytes.set(st.bytes as i64);
+        self.capacity.set(st.capacity as i64);
         self.evictions.set(st.evictions as i64);
         self.breaker_open.set(i64::from(l3.breaker_open()));
         let (b, r) = (l3.breaker.counts(), l3.retrying.counts());
