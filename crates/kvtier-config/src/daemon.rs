@@ -169,6 +169,8 @@ pub struct MetricsConfig {
     pub token_file: Option<PathBuf>,
     /// Whether the endpoint shows series labelled by tenant (`kvtier_tenant_*`).
     pub tenant_series: bool,
+    /// The window of `kvtier_lookup_hit_ceiling_ratio`: requests within one to two of it.
+    pub hit_ceiling_window: Dur,
 }
 
 impl MetricsConfig {
@@ -496,6 +498,7 @@ impl DaemonConfig {
                     token: _,
                     token_file: _,
                     tenant_series,
+                    hit_ceiling_window,
                 },
             l2:
                 L2Config {
@@ -663,6 +666,14 @@ impl DaemonConfig {
                     ),
                 ));
             }
+        }
+        if hit_ceiling_window.0 < Duration::from_secs(1)
+            || hit_ceiling_window.0 > Duration::from_secs(7 * 86400)
+        {
+            return Err(ConfigError::invalid(
+                "metrics.hit_ceiling_window",
+                format!("{hit_ceiling_window} is outside 1s..=7d"),
+            ));
         }
         if shm_dir.as_os_str().is_empty() {
             return Err(ConfigError::invalid("l2.shm_dir", "must not be empty"));
@@ -1153,6 +1164,20 @@ mod tests {
                     ..Sources::default()
                 },
                 "sessions.ttl",
+            ),
+            (
+                Sources {
+                    sets: vec!["metrics.hit_ceiling_window=10ms".into()],
+                    ..Sources::default()
+                },
+                "metrics.hit_ceiling_window",
+            ),
+            (
+                Sources {
+                    sets: vec!["l3.file.capacity_bytes=150%".into()],
+                    ..Sources::default()
+                },
+                "l3.file.capacity_bytes",
             ),
             (
                 Sources {

@@ -28,6 +28,7 @@
 pub mod checksum;
 pub mod copy_method;
 pub mod events;
+pub mod hit_ceiling;
 pub mod host_index;
 pub mod ids;
 pub mod key_map;

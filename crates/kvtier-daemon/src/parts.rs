@@ -351,6 +351,7 @@ impl Control {
         )?
         .with_roles(core.roles.clone())
         .with_max_streams(cfg.server.max_streams_per_caller)
+        .with_hit_ceiling_window(cfg.metrics.hit_ceiling_window.0)
         .with_pool_socket(cfg.pool_socket());
         let (health, health_service) = tonic_health::server::health_reporter();
         health.set_serving::<HostTierServer<HostService>>().await;

@@ -126,6 +126,13 @@ impl HostService {
         self
     }
 
+    /// Measures the lookups' hit-rate ceiling over windows of `window`
+    /// (`metrics.hit_ceiling_window`).
+    pub fn with_hit_ceiling_window(self, window: std::time::Duration) -> Self {
+        self.metrics.set_hit_ceiling_window(window);
+        self
+    }
+
     /// Tells every registering client where the pool door is.
     pub fn with_pool_socket(mut self, path: std::path::PathBuf) -> Self {
         self.pool_socket = Some(path);
@@ -351,6 +358,7 @@ impl HostTier for HostService {
                     }
                 }
                 let beyond = (keys.len() - n) as u64;
+                self.metrics.observe_lookup(&keys);
                 let tiers = &self.metrics.lookup_pages;
                 tiers.with_label_values(&["l2"]).inc_by(n as u64);
                 if asked {

@@ -24,6 +24,26 @@ async fn wait_objects(c: &mut HostClient, n: u64) {
     }
 }
 
+/// The lookups' hit-rate ceiling: 16 pages looked up, then the same 16 and 16 new ones. Of
+/// the 48 pages asked for, 16 had been asked for before: a cache without bound hits 1 in 3.
+#[test]
+fn the_hit_ceiling_is_the_share_of_looked_up_pages_asked_for_before() {
+    let d = Daemon::start("ceiling", &["l2.pool_pages=64"]);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        let (first, second) = (chain(1, 16), chain(2, 16));
+        store(&mut c, &s, &first).await;
+        c.lookup(s.id, &first).await.unwrap();
+        c.lookup(s.id, &[&first[..], &second[..]].concat())
+            .await
+            .unwrap();
+    });
+    let ceiling = metric(&d.metrics(), "kvtier_lookup_hit_ceiling_ratio");
+    // Within a page of it (two keys may share one of the sketch's registers).
+    assert!((ceiling - 1.0 / 3.0).abs() < 1.5 / 48.0, "{ceiling}");
+}
+
 #[test]
 fn write_through_writes_every_committed_page() {
     let d = Daemon::start("wt", &["l2.pool_pages=64", "l3.write_policy=write_through"]);

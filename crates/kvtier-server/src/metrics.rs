@@ -108,6 +108,11 @@ impl MetricRegistry {
         self.add(IntGauge::new(name, help)?, "gauge", &[])
     }
 
+    /// A gauge of a fractional value (a ratio).
+    pub fn ratio_gauge(&self, name: &str, help: &str) -> Result<prometheus::Gauge> {
+        self.add(prometheus::Gauge::new(name, help)?, "gauge", &[])
+    }
+
     /// A gauge with labels.
     pub fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec> {
         self.add(

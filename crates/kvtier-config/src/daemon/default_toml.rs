@@ -83,6 +83,10 @@ token_file = ""
 # endpoint. Off by default: they are the operator's (kvtierctl status, WatchMetrics). On with
 # a listen address other hosts can reach, a token is required.
 tenant_series = false
+# kvtier_lookup_hit_ceiling_ratio is the hit rate a cache without bound could reach: the share
+# of the pages looked up that had been looked up before, over the requests of the last one to
+# two of these windows (1s to 7d).
+hit_ceiling_window = "1h"
 
 [l2]
 # A tmpfs where kvtierd keeps its pool files and slot tables, in a directory of its own made

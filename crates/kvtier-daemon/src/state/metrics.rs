@@ -4,9 +4,13 @@
 //! metrics handle) are brought up to its totals at scrape time too.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use kvtier_core::PageKey;
+use kvtier_core::hit_ceiling::HitCeiling;
 use kvtier_server::metrics::{MetricRegistry, RPC_BUCKETS, Result, catch_up};
-use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
+use parking_lot::Mutex;
+use prometheus::{Gauge, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::HostState;
 use crate::state::Shared;
@@ -24,6 +28,10 @@ pub struct L2Metrics {
     pub evictions: IntCounter,
     /// Looked-up pages by where they were found.
     pub lookup_pages: IntCounterVec,
+    /// What share of the looked-up pages a cache without bound could have hit (none until
+    /// [`Self::set_hit_ceiling_window`]).
+    hit_ceiling: Arc<Mutex<Option<HitCeiling>>>,
+    hit_ceiling_ratio: Gauge,
     expired_sessions: IntCounter,
     dropped_pins: IntCounter,
     dropped_reservations: IntCounter,
@@ -53,6 +61,13 @@ impl L2Metrics {
     /// mirrored ones from `state` at each scrape.
     pub fn new(r: &MetricRegistry, state: Arc<Shared>) -> Result<Self> {
         let m = Self {
+            hit_ceiling: Arc::default(),
+            hit_ceiling_ratio: r.ratio_gauge(
+                "kvtier_lookup_hit_ceiling_ratio",
+                "Share of the pages looked up within metrics.hit_ceiling_window (one to two of \
+                 it) that had been looked up before in it: the hit rate a cache without bound \
+                 could reach, beside kvtier_lookup_pages_total's",
+            )?,
             requests: r.counter_vec(
                 "kvtier_l2_requests_total",
                 "Host-tier RPCs by operation and outcome",
@@ -192,7 +207,23 @@ impl L2Metrics {
         Ok(m)
     }
 
+    /// Measures the hit-rate ceiling over windows of `window` (`metrics.hit_ceiling_window`),
+    /// from now.
+    pub fn set_hit_ceiling_window(&self, window: Duration) {
+        *self.hit_ceiling.lock() = Some(HitCeiling::new(window, Instant::now()));
+    }
+
+    /// Counts a lookup of `keys` toward the hit-rate ceiling.
+    pub fn observe_lookup(&self, keys: &[PageKey]) {
+        if let Some(c) = &mut *self.hit_ceiling.lock() {
+            c.observe(keys, Instant::now());
+        }
+    }
+
     fn refresh(&self, st: &HostState) {
+        if let Some(c) = &mut *self.hit_ceiling.lock() {
+            self.hit_ceiling_ratio.set(c.ratio(Instant::now()));
+        }
         let t = st.totals();
         let (total, used) = st.pool_bytes();
         self.pool_bytes
