@@ -14,11 +14,12 @@ messages stay inside this module.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier import _memory_door
-from kvtier._rpc import KvtierError, grpc_channel
+from kvtier._rpc import KvtierError, grpc_channel, grpc_target
 from kvtier._rpc import call as _call
 from kvtier.host import POLICIES, Progress, final_progress, namespace_pb
 from kvtier.keys import Namespace
@@ -218,14 +219,34 @@ class AgentClient:
         # kvtier-lost trailer says so by its code alone).
         return _call(fn, request, timeout or self.timeout, meta, bare_not_found="pool")
 
+    def listening(self, timeout: float = 1.0) -> bool:
+        """Whether a process listens at the agent's address (a connection is accepted, even
+        by an agent too stopped to answer it). False: the agent that served calls there is
+        gone, and no copy of its can still move."""
+        target = grpc_target(self.address)
+        try:
+            if target.startswith("unix:"):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(timeout)
+                    s.connect(target.removeprefix("unix://").removeprefix("unix:"))
+            else:
+                host, _, port = target.rpartition(":")
+                socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            # Anything else (a timeout, a full backlog): something is there.
+            return True
+        return True
+
     def cancel(
         self, call_ids: Sequence[str], owner: str | None = None, timeout: float | None = None
     ) -> int:
         """Stops this client's calls named ``call_ids`` (each sent with ``call_id=``) before
         their deadline: returns once no part of their copies is still moving, so the pages
         lent to them are the engine's again; how many were running. A call that reaches the
-        agent after its Cancel copies nothing. ``KvtierError.unavailable`` when a copy did
-        not stop within 2 s: then the pages are not free until the call answers."""
+        agent after its Cancel copies nothing. A ``KvtierError`` (``retryable``) when a copy
+        did not stop within 2 s: then the pages are not free until a Cancel answers."""
         req = agent_pb2.CancelRequest(call_ids=list(call_ids))
         return self._call(self.stub.Cancel, req, timeout, owner).cancelled
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import threading
 from collections.abc import Callable
@@ -60,8 +61,8 @@ def config_digest(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-# Weight files, by the suffixes engines load.
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Weight files (checkpoints and adapters), by the suffixes engines load.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # The indexes that name which weight file holds which tensor.
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # Digests of files, by (kind, real path, size, mtime): a file rewritten in place is read
@@ -115,13 +116,76 @@ def _sampled_digest(path: str) -> str:
     return _once("samples", path, _samples)
 
 
-def checkpoint_digest(model: str) -> str:
-    """The checkpoint by content, where it is a local directory or file: the bytes of its
-    ``config.json`` and weight index, and for every weight file its name, size and three
-    1 MiB samples (hashing whole weights would read the model at every start). Empty for a
-    hub id that is not on this machine (its ``revision`` then says which commit). A volume
-    downloaded again with other weights, a checkpoint fine-tuned in place, or a ``current``
-    symlink moved to another checkpoint gets another digest."""
+def hub_snapshot(model: str, revision: str = "") -> str:
+    """Where the Hugging Face cache holds hub id ``model`` at ``revision`` (a commit, a
+    branch or a tag; empty: ``main``), as the engines download it: the snapshot directory
+    of the commit the ref names now. Empty when it is not there."""
+    if not model or "/" not in model or os.path.isabs(model) or model.startswith("."):
+        return ""
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
+        "hub",
+    )
+    repo = os.path.join(hub, "models--" + model.replace("/", "--"))
+    ref = revision or "main"
+    commit = ref if re.fullmatch(r"[0-9a-f]{40}", ref) else ""
+    if not commit:
+        try:
+            with open(os.path.join(repo, "refs", ref)) as f:
+                commit = f.read().strip()
+        except OSError:
+            return ""
+    snapshot = os.path.join(repo, "snapshots", commit)
+    return snapshot if commit and os.path.isdir(snapshot) else ""
+
+
+def longrope_limit(model: str, revision: str = "", overrides: str = "") -> int | None:
+    """For a LongRoPE checkpoint (Phi-3 128k, Phi-3.5, Phi-4-mini) whose long and short
+    factors differ: its ``original_max_position_embeddings``, past which the long factors
+    apply. ``None`` for any other model, or one whose ``config.json`` is not on this machine
+    (a local path, or a hub id in the Hugging Face cache). ``overrides``: SGLang's
+    ``--json-model-override-args``, laid over the config."""
+    where = model if os.path.exists(model) else hub_snapshot(model, revision)
+    try:
+        with open(os.path.join(where, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if overrides:
+        try:
+            cfg.update(json.loads(overrides))
+        except ValueError:
+            pass
+    found: list[dict] = []
+    for key in ("rope_scaling", "rope_parameters"):
+        v = cfg.get(key)
+        if isinstance(v, dict):
+            nested = [x for x in v.values() if isinstance(x, dict)]
+            found += nested or [v]
+    for p in found:
+        if (p.get("rope_type") or p.get("type")) not in ("longrope", "su"):
+            continue
+        if p.get("short_factor") == p.get("long_factor"):
+            return None
+        orig = p.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings"
+        )
+        return int(orig) if orig else 0
+    return None
+
+
+def checkpoint_digest(model: str, revision: str = "") -> str:
+    """The checkpoint by content, where it is a local directory or file, or a hub id in
+    the Hugging Face cache (the snapshot its ``revision``, else ``main``, names now): the
+    bytes of its ``config.json`` and weight index, and for every weight file its name, size
+    and three 1 MiB samples (hashing whole weights would read the model at every start).
+    Empty for a hub id not on this machine. A volume downloaded again with other weights, a
+    hub ref that moved to another commit, or a ``current`` symlink moved to another
+    checkpoint gets another digest; weights rewritten in place with the same sizes and
+    changed only away from the samples do not (give them another path, a revision or a
+    weight version)."""
+    if model and not os.path.exists(model):
+        model = hub_snapshot(model, revision)
     if not model or not os.path.exists(model):
         return ""
     real = os.path.realpath(model)
@@ -134,7 +198,7 @@ def checkpoint_digest(model: str) -> str:
         if os.path.isfile(f):
             h.update(f"{name}={file_digest(f)}".encode())
     for name in sorted(os.listdir(real)):
-        if name.endswith(_WEIGHTS):
+        if name.endswith(WEIGHT_SUFFIXES):
             h.update(f"{name}:{_sampled_digest(os.path.join(real, name))}".encode())
     return h.hexdigest()[:16]
 
@@ -150,7 +214,7 @@ def adapter_digest(path: str) -> str:
         return file_digest(real)
     h = hashlib.sha256()
     for name in sorted(os.listdir(real)):
-        if name == "adapter_config.json" or name.endswith(_WEIGHTS):
+        if name == "adapter_config.json" or name.endswith(WEIGHT_SUFFIXES):
             h.update(f"{name}={file_digest(os.path.join(real, name))}".encode())
     return h.hexdigest()[:16]
 

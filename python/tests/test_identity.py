@@ -48,8 +48,31 @@ def test_a_checkpoint_is_named_by_its_content_not_its_path(tmp_path: Path):
     e = _checkpoint(tmp_path / "copy", 2, 100)
     (e / "config.json").write_text((a / "config.json").read_text())
     assert checkpoint_digest(str(e)) == checkpoint_digest(str(a))
-    # A hub id not on this machine: empty (its revision names the commit).
+    # A hub id not on this machine: empty.
     assert checkpoint_digest("org/model-that-is-not-here") == ""
+
+
+def test_a_hub_id_is_named_by_the_snapshot_its_ref_names_now(tmp_path: Path, monkeypatch):
+    """A hub id in the Hugging Face cache, as the engines download it: `main` moved to
+    another commit upstream and downloaded again on one node is another checkpoint there,
+    though both nodes name the model alike (review of issue 61)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--model"
+    old, new = "a" * 40, "b" * 40
+    _checkpoint(repo / "snapshots" / old, 2, 100)
+    _checkpoint(repo / "snapshots" / new, 3, 100)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(old)
+    before = checkpoint_digest("org/model")
+    assert before and before == checkpoint_digest(str(repo / "snapshots" / old))
+    (repo / "refs" / "main").write_text(new)
+    after = checkpoint_digest("org/model")
+    assert after and after != before
+    # A revision given by commit, or by a ref of its own.
+    assert checkpoint_digest("org/model", old) == before
+    (repo / "refs" / "v1").write_text(old)
+    assert checkpoint_digest("org/model", "v1") == before
+    assert checkpoint_digest("org/model", "no-such-ref") == ""
 
 
 def test_a_lora_adapter_is_named_by_its_content(tmp_path: Path):
@@ -66,6 +89,28 @@ def test_a_lora_adapter_is_named_by_its_content(tmp_path: Path):
     moved = SimpleNamespace(lora_name="support", lora_path=str(two), lora_int_id=2)
     assert lora_id(lr) != lora_id(moved)
     assert lora_id(lr).startswith("support@")
+
+
+def test_a_lora_adapter_whose_files_change_while_loaded_shares_nothing_after(tmp_path: Path):
+    """vLLM reloads an evicted adapter from its path, so files rewritten under a loaded one
+    leave no way to tell which weights it computes with: from then on its pages are this
+    process's alone (review of issue 61: the digest was taken once for the process's life)."""
+    from kvtier.integrations.vllm.identity import lora_id
+
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"r": 8}')
+    (d / "adapter_model.safetensors").write_bytes(b"1" * 64)
+    lr = SimpleNamespace(lora_name="support", lora_path=str(d), lora_int_id=7)
+    first = lora_id(lr)
+    assert lora_id(lr) == first
+    # Rewritten in place (same size, new bytes).
+    tmp = d / "new.tmp"
+    tmp.write_bytes(b"2" * 64)
+    os.replace(tmp, d / "adapter_model.safetensors")
+    changed = lora_id(lr)
+    assert changed != first and changed.startswith(first + "+changed/")
+    assert lora_id(lr) == changed
 
 
 def test_longrope_is_keyed_by_the_factors_vllm_picks():

@@ -80,6 +80,26 @@ def test_every_load_is_asynchronous_where_vllm_overlaps_steps() -> None:
         assert SchedulerSide(Settings(load_async=mode), BS, SlowAgent(), Counts()).load_mode == mode
 
 
+def test_every_load_is_asynchronous_where_the_agent_writes_into_vllms_blocks() -> None:
+    """DMA (``dma``, or ``auto`` on a GPU): vLLM keeps an asynchronous load's blocks until it
+    is reported finished, which a failed DMA load is only once the agent's copies into them
+    stopped; a synchronous load has no such hold."""
+    for transfer, device, dma in (
+        ("dma", "cpu", True),
+        ("auto", "cuda", True),
+        ("auto", "cpu", False),
+        ("staging", "cuda", False),
+    ):
+        settings = Settings(transfer=transfer)
+        assert settings.may_dma(device) == dma, (transfer, device)
+        for mode in ("auto", "never", "always"):
+            side = SchedulerSide(
+                Settings(load_async=mode, transfer=transfer), BS, SlowAgent(), Counts(), dma=dma
+            )
+            assert side.load_mode == ("always" if dma else mode), (transfer, device, mode)
+            side.shutdown()
+
+
 class BrokenAgent:
     """A lookup that raises something other than the agent's errors (a bug, a token id the
     wire cannot carry)."""

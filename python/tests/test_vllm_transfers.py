@@ -11,6 +11,8 @@ engine fuzzer's stand-in for a GPU's DMA)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from kvtier.integrations.vllm.common import Counts, Job, Settings
 from kvtier.integrations.vllm.reads import BlockReads
 from kvtier.integrations.vllm.staged import CpuStaging, GpuStaging, StagedTransfer
 from kvtier.integrations.vllm.stats import Tally
-from kvtier.integrations.vllm.transfer import DmaTransfer, KvBlocks, Transfer
+from kvtier.integrations.vllm.transfer import SETTLE_CALL_S, DmaTransfer, KvBlocks, Transfer
 from kvtier.keys import Namespace
 from kvtier.layout import LayoutSpec, State
 
@@ -213,3 +215,73 @@ def test_every_piece_of_a_load_names_the_whole_load(transfer: Transfer) -> None:
     finally:
         t._staging.give(held)
     assert asked == [(2, 3), (1, 3)]
+
+
+def test_blocks_a_failed_load_gave_back_are_never_written_after(
+    transfer: Transfer, agent, request: pytest.FixtureRequest
+) -> None:
+    """The agent stops (SIGSTOP: a descheduled copy thread, a CPU-quota pause) while a load
+    is out, and its deadline passes. Once ``load`` returns, the blocks are vLLM's to give to
+    another request: the agent must never write into them after. Staging loads land in the
+    staging pool, which the failed call retires, so they return at the deadline; a DMA load
+    writes into vLLM's blocks itself, so it returns only once the agent's Cancel says its
+    copies stopped, after the agent runs again (a copy part it was in the middle of would
+    otherwise land in the next owner's blocks). (A staging load may wait for the agent too:
+    the pool that replaces the retired one is registered with it.)"""
+    t = transfer
+    kind = request.node.callspec.params["transfer"]
+    blocks = [0, 1, 2, 3]
+    t.save([job("a", 7, blocks)])
+    assert t.reads.drain(10)
+    into = [8, 9, 10, 11]
+    done = threading.Event()
+    missed: list[int] = []
+
+    def run() -> None:
+        t.tally.take_load_errors()
+        t.load(job("reader", 7, into))
+        missed.extend(t.tally.take_load_errors())
+        done.set()
+
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        threading.Thread(target=run, daemon=True).start()
+        # Stopped past the deadline and a whole Cancel's wait (SETTLE_CALL_S).
+        returned_while_stopped = done.wait(TIMEOUT_S + SETTLE_CALL_S + 2.0)
+    finally:
+        if returned_while_stopped:
+            # vLLM hands the blocks to another request, which writes them, before the agent
+            # runs again.
+            poison(t, into)
+        os.kill(agent.proc.pid, signal.SIGCONT)
+    if kind == "dma":
+        assert not returned_while_stopped, "a DMA load gave its blocks back mid-copy"
+    assert done.wait(10), "the load never returned once the agent ran again"
+    if not returned_while_stopped:
+        # It returned once the agent ran again: vLLM gets the blocks now.
+        poison(t, into)
+    assert sorted(missed) == into
+    time.sleep(0.5)
+    for b in into:
+        assert all(set(layer) == {0xA5} for layer in block(t, b)), f"block {b} written after"
+    assert t.tally.counts.load_settle_waits == (1 if kind == "dma" else 0)
+
+
+@pytest.mark.parametrize("transfer", ["dma"], indirect=True)
+def test_a_failed_dma_load_is_given_back_once_its_agent_is_gone(transfer: Transfer, agent) -> None:
+    """An agent killed while a DMA load is out copies nothing more: the load returns once
+    nothing listens at the agent's socket, without waiting for a Cancel that cannot come."""
+    t = transfer
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    done = threading.Event()
+
+    def run() -> None:
+        t.load(job("reader", 8, [8, 9]))
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert not done.wait(TIMEOUT_S + 2.0)
+    agent.proc.kill()
+    agent.proc.wait()
+    assert done.wait(10), "a load waited on a dead agent"
+    assert sorted(t.tally.take_load_errors()) == [8, 9]

@@ -464,3 +464,48 @@ def test_the_checkpoint_and_weight_version_keep_pages_apart_never_the_served_ali
     assert served(b, "llm", "--exists", "4") == 0  # same alias, other weights
     assert served(a, "chat", "--exists", "4") == 4  # same weights, other alias
     assert served(a, "llm", "--weight-version", "v2", "--exists", "4") == 0
+
+
+def test_a_longrope_model_past_its_original_context_is_refused(tmp_path: Path):
+    """SGLang's LongRoPE picks its long or short factors for a whole batch: the K of a
+    prompt's first page differs with what else is in the batch, so no page of such a model
+    could be shared (review of issue 61). Refused by name, unless served within its original
+    context, where the short factors always apply."""
+    import json
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.rotary_embedding.rope_variant import (
+        Phi3LongRoPEScaledRotaryEmbedding as LongRope,
+    )
+
+    from kvtier.integrations.sglang.backend import _refuse_batch_dependent_rope
+
+    head, orig = 16, 4096
+    rope = LongRope(
+        head, head, 131072, orig, 10000, True, torch.float32, [1.0] * (head // 2), [4.0] * 8
+    )
+    torch.manual_seed(0)
+    q, k = torch.randn(16, head), torch.randn(16, head)
+    _, alone = rope(torch.arange(16), q.clone(), k.clone())
+    batch = torch.cat([torch.arange(16), torch.tensor([orig + 1])])
+    _, together = rope(batch, torch.cat([q, q[:1]]), torch.cat([k, k[:1]]))
+    assert not torch.equal(alone.reshape(16, -1), together[:16].reshape(16, -1))
+
+    model = tmp_path / "phi"
+    model.mkdir()
+    scaling = {"type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
+    cfg = {"max_position_embeddings": 131072, "original_max_position_embeddings": orig}
+    (model / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    args = SimpleNamespace(model_path=str(model), context_length=None)
+    with pytest.raises(ValueError, match="LongRoPE.*--context-length 4096"):
+        _refuse_batch_dependent_rope(args)
+    args.context_length = 8192
+    with pytest.raises(ValueError, match="LongRoPE"):
+        _refuse_batch_dependent_rope(args)
+    # Within the original context: always the short factors.
+    args.context_length = orig
+    _refuse_batch_dependent_rope(args)
+    # Equal factors, or no LongRoPE: nothing batch-dependent.
+    same = {**scaling, "long_factor": [1.0]}
+    (model / "config.json").write_text(json.dumps({**cfg, "rope_scaling": same}))
+    _refuse_batch_dependent_rope(SimpleNamespace(model_path=str(model), context_length=None))

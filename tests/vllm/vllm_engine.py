@@ -865,12 +865,16 @@ def _phase(
                     key = getattr(src, "value", str(src))
                     vllm_stats.hits[key] = vllm_stats.hits.get(key, 0) + n
         if faults is not None and faults.stalled and invalid:
-            # The stalled Load failed: its client gives up on the request.
+            # The stalled Load failed: its client gives up on the request. Never the first
+            # request, which runs to its end so that the run checks blocks at all (drawn
+            # aborts spare it too; review of issue 61: seed 1372401902 aborted every request
+            # of a worker, the first by this stall, and failed as vacuous).
             faults.stalled = False
+            first = next(iter(reqs), None)
             owners = [
                 r
                 for r in list(sched.requests)
-                if invalid & set(sched.kv_cache_manager.get_block_ids(r)[0])
+                if r != first and invalid & set(sched.kv_cache_manager.get_block_ids(r)[0])
             ]
             if owners:
                 sched.finish_requests(owners, RequestStatus.FINISHED_ABORTED)

@@ -34,6 +34,7 @@ from kvtier.identity import (
     checkpoint_digest,
     config_digest,
     file_digest,
+    longrope_limit,
 )
 from kvtier.integrations.sglang import pages
 from kvtier.integrations.sglang.link import PoolLink, Reporter
@@ -130,6 +131,31 @@ class Settings:
         return SGLANG_PREFETCH_BASE_S + SGLANG_PREFETCH_PER_KI_TOKEN_S * pages * page_tokens / 1024
 
 
+def _refuse_batch_dependent_rope(sa: object) -> None:
+    """Refuses a LongRoPE model served past its original context. SGLang picks the long or
+    the short factors for a whole batch, by whether any position in it passes
+    ``original_max_position_embeddings`` (its ``Phi3LongRoPEScaledRotaryEmbedding``): a
+    page's K then depends on the other requests in its batch, and no page could be shared or
+    loaded as recomputed. Within the original context the short factors always apply."""
+    path = str(getattr(sa, "model_path", "") or "")
+    limit = longrope_limit(
+        path,
+        str(getattr(sa, "revision", "") or ""),
+        str(getattr(sa, "json_model_override_args", "") or ""),
+    )
+    if limit is None:
+        return
+    context = getattr(sa, "context_length", None)
+    if limit == 0 or context is None or int(context) > limit:
+        raise ValueError(
+            f"kvtier: {path} uses LongRoPE, and SGLang picks its long or short factors for a "
+            f"whole batch (long once any position passes original_max_position_embeddings = "
+            f"{limit or 'unknown'}): a page's K would depend on the other requests in its "
+            f"batch, so no page could be shared. Serve it with --context-length {limit or 'N'} "
+            f"or less (the short factors then always apply), or without kvtier's backend"
+        )
+
+
 class KvtierStorage(HiCacheStorage):
     """SGLang HiCache storage backed by kvtierd (L2 shared memory, then L3)."""
 
@@ -153,6 +179,7 @@ class KvtierStorage(HiCacheStorage):
                 "key 'model_id'"
             )
         self.model_id = model
+        _refuse_batch_dependent_rope(sa)
         self.namespace = Namespace(tenant=self.settings.namespace)
         # clear() moves to a new epoch: keys of earlier pages are never asked for again.
         self.epoch = WeightEpoch()
@@ -244,7 +271,9 @@ class KvtierStorage(HiCacheStorage):
             engine="sglang",
             model=self.model_id,
             revision=str(getattr(sa, "revision", "") or ""),
-            checkpoint=checkpoint_digest(str(getattr(sa, "model_path", "") or "")),
+            checkpoint=checkpoint_digest(
+                str(getattr(sa, "model_path", "") or ""), str(getattr(sa, "revision", "") or "")
+            ),
             config=config_digest(
                 str(getattr(sa, "quantization", "") or ""),
                 str(getattr(sa, "json_model_override_args", "") or ""),

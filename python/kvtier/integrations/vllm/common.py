@@ -124,7 +124,12 @@ class Settings:
             return True
         return self.transfer != "staging" and device_type == "cuda"
 
-    def load_mode(self, overlapped_steps: bool) -> str:
+    def may_dma(self, device_type: str) -> bool:
+        """Whether the workers may move blocks by DMA (``choose_transfer``): ``dma``, or
+        ``auto`` on a GPU. The agent then writes a load straight into vLLM's blocks."""
+        return self.transfer == "dma" or (self.transfer == "auto" and device_type == "cuda")
+
+    def load_mode(self, overlapped_steps: bool, dma: bool = False) -> str:
         """``load_async`` as the scheduler applies it. Where vLLM runs a step before the
         previous one's output is back (``overlapped_steps``: async scheduling, its default on
         a GPU, or pipeline parallelism, whose batch queue holds a step per stage) every load
@@ -132,15 +137,25 @@ class Settings:
         after vLLM already ran the next step over the failed blocks, and vLLM 0.33 keeps that
         step's output (the request's next token, sampled over the stale blocks; found by the
         engine fuzzer, seeds 2, 3, 19 and 35, and by review under PP 2). An asynchronous load
-        fails before the request computes anything."""
-        if overlapped_steps and self.load_async != "always":
+        fails before the request computes anything.
+
+        Where the agent may write loads straight into vLLM's blocks (``dma``), every load is
+        asynchronous too: vLLM keeps a request's blocks until its asynchronous load is
+        reported finished, and the worker reports a load that failed only once no part of
+        its copies can still write (transfer.py, ``DmaTransfer.load``). A synchronous load
+        has no such hold: blocks reported failed may go to another request while a part of
+        the agent's copy is still on its way."""
+        why = ""
+        if dma:
+            why = "the agent writes loads into vLLM's blocks itself (DMA)"
+        elif overlapped_steps:
+            why = (
+                "vLLM runs a step before the last one's output is back (async scheduling or "
+                "pipeline parallelism)"
+            )
+        if why and self.load_async != "always":
             if self.load_async == "never":
-                logger.warning(
-                    "kvtier: load_async = never, but vLLM runs a step before the last one's "
-                    "output is back (async scheduling or pipeline parallelism): loads are "
-                    "asynchronous anyway (a failed synchronous load would leave vLLM a step "
-                    "computed over it)"
-                )
+                logger.warning("kvtier: load_async = never, but %s: loads are asynchronous", why)
             return "always"
         return self.load_async
 
@@ -424,6 +439,9 @@ class Counts:
     retired_staging: int = 0
     # Workers whose KV is on a GPU that fell back from the agent's DMA to the staging pool.
     dma_fallbacks: int = 0
+    # Failed DMA loads whose blocks were held past one Cancel: the agent was slow to stop
+    # copying into them (stopped, or too busy).
+    load_settle_waits: int = 0
 
 
 def parallel_rank(get: Any, default: int = 0) -> int:

@@ -137,6 +137,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 holds=self.settings.holds_blocks(device),
                 consumes=ktc.is_kv_consumer,
                 overlapped_steps=overlapped_steps(vllm_config),
+                dma=self.settings.may_dma(device),
             )
         else:
             self.worker = WorkerSide(

@@ -3,18 +3,30 @@ and the layers and KV cache the worker holds."""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.identity import CacheIdentity, adapter_digest, checkpoint_digest, config_digest
+from kvtier.identity import (
+    WEIGHT_SUFFIXES,
+    CacheIdentity,
+    adapter_digest,
+    checkpoint_digest,
+    config_digest,
+)
 from kvtier.integrations.vllm.blocks import BlockBytes
 from kvtier.integrations.vllm.common import Settings, parallel_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+logger = logging.getLogger("kvtier.vllm")
 
 
 def cache_identity(
@@ -59,7 +71,7 @@ def cache_identity(
         engine="vllm",
         model=str(model),
         revision=str(mc.revision or ""),
-        checkpoint=checkpoint_digest(str(mc.model)),
+        checkpoint=checkpoint_digest(str(mc.model), str(getattr(mc, "revision", "") or "")),
         config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
         rope=resolved_rope(getattr(mc, "hf_config", None), int(mc.max_model_len)),
         weight_version=settings.weight_version,
@@ -111,15 +123,51 @@ def resolved_rope(hf_config: object, max_model_len: int) -> str:
 
 def lora_id(lora_request: object) -> str:
     """A LoRA adapter in the page keys' namespace: its name, path and content
-    (``adapter_digest``), so a name pointed at another adapter shares nothing with it."""
+    (``adapter_digest``), so a name pointed at another adapter shares nothing with it.
+
+    The digest is taken once per adapter id; each call checks the adapter's files by their
+    stat (size, mtime, inode: microseconds). Files changed under a loaded adapter leave no
+    way to tell which weights vLLM computes with (the ones it holds, or the new ones it
+    reads when it loads the adapter again after evicting it), so from then on the adapter's
+    pages are this process's alone: shared with no other instance, and none of theirs
+    used."""
     name = str(getattr(lora_request, "lora_name", "") or "")
     path = str(getattr(lora_request, "lora_path", "") or "")
-    # vLLM loads an adapter once per id; so is its digest taken (the scheduler asks per call).
     key = (name, path, int(getattr(lora_request, "lora_int_id", 0) or 0))
+    stamp = _adapter_stamp(path)
     found = _lora_ids.get(key)
     if found is None:
-        found = _lora_ids[key] = f"{name}@{adapter_digest(path)}"
-    return found
+        found = _lora_ids[key] = (stamp, f"{name}@{adapter_digest(path)}")
+    elif found[0] != stamp and not found[1].endswith(_CHANGED):
+        logger.warning(
+            "kvtier: the files of LoRA adapter %r (%s) changed while it is loaded; its pages "
+            "are this instance's alone from now on (load changed weights under a new name "
+            "or path to share them)",
+            name,
+            path,
+        )
+        found = _lora_ids[key] = (found[0], found[1] + _CHANGED)
+    return found[1]
 
 
-_lora_ids: dict[tuple[str, str, int], str] = {}
+def _adapter_stamp(path: str) -> tuple:
+    """The adapter's files as ``stat`` sees them (through symlinks): what changes when
+    they are rewritten, replaced or re-pointed."""
+    try:
+        real = os.path.realpath(path)
+        if os.path.isfile(real):
+            st = os.stat(real)
+            return ((real, st.st_size, st.st_mtime_ns, st.st_ino),)
+        out: list[tuple] = []
+        for entry in sorted(os.scandir(real), key=lambda e: e.name):
+            if entry.name == "adapter_config.json" or entry.name.endswith(WEIGHT_SUFFIXES):
+                st = entry.stat()
+                out.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ino))
+        return (real, *out)
+    except OSError:
+        return ()
+
+
+_lora_ids: dict[tuple[str, str, int], tuple[tuple, str]] = {}
+# What an adapter's id becomes once its files changed while it was loaded: this process's.
+_CHANGED = "+changed/" + secrets.token_hex(8)

@@ -221,6 +221,7 @@ class SchedulerSide:
         holds: bool = False,
         consumes: bool = True,
         overlapped_steps: bool = False,
+        dma: bool = False,
     ):
         self.settings, self.block_size, self.agent, self.counts = (
             settings,
@@ -233,8 +234,9 @@ class SchedulerSide:
         self.produces = produces
         self.consumes = consumes
         # "auto", "always" or "never" (Settings.load_mode): always where vLLM runs a step
-        # before the previous one's output is back.
-        self.load_mode = settings.load_mode(overlapped_steps)
+        # before the previous one's output is back, and where the agent may write loads
+        # into vLLM's blocks itself (``dma``).
+        self.load_mode = settings.load_mode(overlapped_steps, dma)
         # The number of the next step (KvtierMetadata.step), and the requests whose loads
         # before that step's forward pass wait for its result (StepsDone).
         self._step = 0

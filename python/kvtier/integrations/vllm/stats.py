@@ -42,6 +42,8 @@ COUNTERS: dict[str, str] = {
     "thread copied them, and vLLM reused the blocks after waiting timeout_s.",
     "dma_fallbacks": "Workers with the KV cache on a GPU that copy through a staging pool "
     "because the agent could not copy their blocks directly (transfer auto).",
+    "load_settle_waits": "Failed DMA loads whose blocks the worker held past one Cancel, "
+    "until the agent (stopped or too busy) stopped copying into them.",
 }
 # Per-call durations, each exported as the histogram vllm:kvtier_<name>_seconds.
 DURATIONS: dict[str, str] = {

@@ -43,6 +43,12 @@ T = TypeVar("T")
 
 # DMA: steps whose saves may wait for the save thread at once.
 DMA_QUEUE = 8
+# DMA: how long one Cancel of a failed load may take (the agent waits up to 2 s for a copy
+# part to stop), and the pause between Cancels while the agent does not answer.
+SETTLE_CALL_S = 3.0
+SETTLE_PAUSE_S = 0.2
+# How often a load still waiting for its copies to stop is logged again.
+SETTLE_LOG_S = 10.0
 
 
 @dataclass
@@ -239,9 +245,15 @@ class DmaTransfer(Transfer):
 
     def load(self, job: Job) -> None:
         """The agent copies the job's pages from L2 straight into vLLM's blocks, returning
-        once they landed; pages it could not load are load errors."""
+        once they landed; pages it could not load are load errors. A load that failed
+        (its deadline passed, the agent stopped answering) returns only once no part of its
+        copies can still write into the blocks (:meth:`_settle`): until then they are the
+        request's, since vLLM keeps an asynchronous load's blocks until it is reported
+        finished (and every load is asynchronous where the agent writes into vLLM's blocks,
+        ``Settings.load_mode``)."""
         t0 = time.monotonic()
         args = self._load_args()
+        call = uuid.uuid4().hex
         try:
             loaded = self._call(
                 None,
@@ -251,6 +263,7 @@ class DmaTransfer(Transfer):
                     job.start,
                     job.blocks,
                     owner=self._owner_token,
+                    call_id=call,
                     **args,
                 ),
             ).pages
@@ -259,10 +272,46 @@ class DmaTransfer(Transfer):
                 "kvtier: load of %d pages failed, vLLM recomputes: %s", len(job.blocks), e
             )
             loaded = 0
+            self._settle(call, job)
         loaded = max(0, min(loaded, len(job.blocks)))
         self.tally.missed(job.blocks[loaded:])
         self.tally.count(loaded_pages=loaded, loaded_bytes=loaded * self.kv.page_bytes)
         self.tally.took("load", t0)
+
+    def _settle(self, call: str, job: Job) -> None:
+        """After load ``call`` failed: returns once none of its copies can still write into
+        ``job``'s blocks. The agent's Cancel answers once the call's copies stopped (a call
+        that has not reached the agent yet will copy nothing); an agent that does not answer
+        (stopped, or too busy) is asked again, for as long as something listens at its
+        address; one that is gone (nothing listens) copies nothing more. Meanwhile the
+        blocks stay the request's: an agent stopped in the middle of a copy part would write
+        the rest of that part into them when it runs again."""
+        t0 = last_log = time.monotonic()
+        held = False
+        while True:
+            try:
+                self.agent.cancel([call], owner=self._owner_token, timeout=SETTLE_CALL_S)
+                break
+            except KvtierError as e:
+                if not self.agent.listening():
+                    break
+                if not held:
+                    held = True
+                    self.tally.count(load_settle_waits=1)
+                if time.monotonic() - last_log >= SETTLE_LOG_S:
+                    last_log = time.monotonic()
+                    logger.warning(
+                        "kvtier: a failed load of %s still waits, %.0f s on, for the agent to "
+                        "stop copying into its %d blocks (they stay the request's): %s",
+                        job.req_id,
+                        last_log - t0,
+                        len(job.blocks),
+                        e,
+                    )
+                time.sleep(SETTLE_PAUSE_S)
+        if held:
+            waited = time.monotonic() - t0
+            logger.warning("kvtier: the failed load of %s settled after %.1f s", job.req_id, waited)
 
     def save(self, jobs: list[Job]) -> None:
         """The agent copies the blocks itself, after an event on the step's stream (on CPU,
