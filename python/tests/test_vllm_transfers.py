@@ -285,3 +285,48 @@ def test_a_failed_dma_load_is_given_back_once_its_agent_is_gone(transfer: Transf
     agent.proc.wait()
     assert done.wait(10), "a load waited on a dead agent"
     assert sorted(t.tally.take_load_errors()) == [8, 9]
+
+
+def test_a_failed_dma_loads_settle_is_decided_by_how_the_agent_answers() -> None:
+    """Without a process (the decision alone): a Cancel answered settles at once; a refused
+    one (an agent that lost this worker's registration: it runs, so the failed call's last
+    copy part ends within SETTLE_PART_S) after that bound; one not answered is asked again
+    while something listens at the agent's address, and settles once nothing does."""
+    import grpc
+
+    from kvtier.host import KvtierError
+    from kvtier.integrations.vllm.transfer import SETTLE_PART_S
+
+    class Agent:
+        def __init__(self, answers: list[KvtierError | None], listening: list[bool]):
+            self.answers, self.listens, self.cancels = answers, listening, 0
+
+        def cancel(self, ids: list[str], owner: str | None = None, timeout: float = 0) -> int:
+            self.cancels += 1
+            answer = self.answers.pop(0)
+            if answer is not None:
+                raise answer
+            return 1
+
+        def listening(self) -> bool:
+            return self.listens.pop(0)
+
+    lost = KvtierError("no pool", grpc.StatusCode.NOT_FOUND, lost="pool")
+    late = KvtierError("deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
+    cases = [
+        ([None], [], 1, 0.0),
+        ([lost], [], 1, SETTLE_PART_S),
+        ([late, late, None], [True, True], 3, 0.0),
+        ([late, late], [True, False], 2, 0.0),
+    ]
+    for answers, listening, cancels, at_least in cases:
+        tally = Tally(Counts())
+        agent = Agent(list(answers), list(listening))
+        t = DmaTransfer(kv_blocks("dma"), agent, Settings(), tally, BlockReads(1.0, tally))  # type: ignore[arg-type]
+        started = time.monotonic()
+        t._settle("call", job("r", 1, [0]))
+        took = time.monotonic() - started
+        assert agent.cancels == cancels and not agent.answers, answers
+        assert at_least <= took < at_least + 1.5, (answers, took)
+        assert tally.counts.load_settle_waits == (1 if late in answers else 0)
+        t.shutdown()

@@ -47,6 +47,9 @@ DMA_QUEUE = 8
 # part to stop), and the pause between Cancels while the agent does not answer.
 SETTLE_CALL_S = 3.0
 SETTLE_PAUSE_S = 0.2
+# How long a copy part a running agent was in the middle of may take to end (the agent's own
+# bound for a Cancel: a part is at most 256 KiB per CPU copy thread, 64 MiB on a GPU stream).
+SETTLE_PART_S = 2.0
 # How often a load still waiting for its copies to stop is logged again.
 SETTLE_LOG_S = 10.0
 
@@ -285,7 +288,11 @@ class DmaTransfer(Transfer):
         (stopped, or too busy) is asked again, for as long as something listens at its
         address; one that is gone (nothing listens) copies nothing more. Meanwhile the
         blocks stay the request's: an agent stopped in the middle of a copy part would write
-        the rest of that part into them when it runs again."""
+        the rest of that part into them when it runs again. An agent that refuses the Cancel
+        (another process on the socket, which lost this worker's registration) is running:
+        the failed call's fence closed when it failed (its deadline, or its client leaving),
+        so what may still move is the one part each copy thread was in the middle of, done
+        within ``SETTLE_PART_S``."""
         t0 = last_log = time.monotonic()
         held = False
         while True:
@@ -293,6 +300,9 @@ class DmaTransfer(Transfer):
                 self.agent.cancel([call], owner=self._owner_token, timeout=SETTLE_CALL_S)
                 break
             except KvtierError as e:
+                if e.refused:
+                    time.sleep(SETTLE_PART_S)
+                    break
                 if not self.agent.listening():
                     break
                 if not held:
