@@ -1,7 +1,7 @@
 """The one way kvtier's Python clients talk gRPC: the channel to a kvtier server (kvtierd or
 kvtier-agent), a call with its deadline and metadata, and :class:`KvtierError`, whose typed
-predicates (``refused``, ``timed_out``, ``retryable``, ``session_lost``, ``pool_lost``,
-``pool_taken``) come from the status code, never from the message text.
+predicates (``refused``, ``timed_out``, ``unanswered``, ``retryable``, ``session_lost``,
+``pool_lost``, ``pool_taken``) come from the status code, never from the message text.
 
 :mod:`kvtier.host` and :mod:`kvtier.agent` build on it; integrations catch ``KvtierError``
 (re-exported by :mod:`kvtier.host`) and ask its predicates.
@@ -53,6 +53,17 @@ class KvtierError(Exception):
     def timed_out(self) -> bool:
         """The call's deadline passed; the server may still be working on it."""
         return self.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    @property
+    def unanswered(self) -> bool:
+        """No answer came from the server (its deadline passed, or it could not be reached):
+        it may be stopped, busy, or gone. Any other error is an answer from a running
+        server."""
+        return self.code in (
+            None,
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
 
     @property
     def retryable(self) -> bool:

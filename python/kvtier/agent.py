@@ -189,6 +189,25 @@ class PoolInfo:
     owner: str = ""
 
 
+def _socket_address(target: str) -> str | tuple[str, int] | None:
+    """The socket a gRPC ``target`` (as ``grpc_target`` makes it) connects to: a Unix
+    socket's path, or (host, port); None for a form without both (a name to resolve
+    through an authority, no port)."""
+    if target.startswith("unix:"):
+        return target.removeprefix("unix:").removeprefix("//")
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target.removeprefix(scheme)
+            if target.startswith("//"):
+                # dns://[authority]/host:port
+                target = target[2:].partition("/")[2]
+            break
+    host, colon, port = target.rpartition(":")
+    if not colon or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
 class AgentClient:
     """A channel to one kvtier-agent (its socket path, or ``host:port``)."""
 
@@ -222,16 +241,18 @@ class AgentClient:
     def listening(self, timeout: float = 1.0) -> bool:
         """Whether a process listens at the agent's address (a connection is accepted, even
         by an agent too stopped to answer it). False: the agent that served calls there is
-        gone, and no copy of its can still move."""
-        target = grpc_target(self.address)
+        gone, and no copy of its can still move. An address it cannot tell counts as
+        listening (the caller keeps asking rather than assume the agent gone)."""
+        where = _socket_address(grpc_target(self.address))
         try:
-            if target.startswith("unix:"):
+            if where is None:
+                return True
+            if isinstance(where, str):
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     s.settimeout(timeout)
-                    s.connect(target.removeprefix("unix://").removeprefix("unix:"))
+                    s.connect(where)
             else:
-                host, _, port = target.rpartition(":")
-                socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+                socket.create_connection(where, timeout).close()
         except (ConnectionRefusedError, FileNotFoundError):
             return False
         except OSError:

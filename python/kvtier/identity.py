@@ -116,16 +116,34 @@ def _sampled_digest(path: str) -> str:
     return _once("samples", path, _samples)
 
 
-def hub_snapshot(model: str, revision: str = "") -> str:
-    """Where the Hugging Face cache holds hub id ``model`` at ``revision`` (a commit, a
-    branch or a tag; empty: ``main``), as the engines download it: the snapshot directory
-    of the commit the ref names now. Empty when it is not there."""
+def hf_hub_cache() -> str:
+    """The Hugging Face hub cache the engines download into, as ``huggingface_hub`` resolves
+    it (``HF_HUB_CACHE``, the older ``HUGGINGFACE_HUB_CACHE``, ``HF_HOME``,
+    ``XDG_CACHE_HOME``), or the same rules here where it is not installed."""
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+    except ImportError:
+        pass
+    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if env:
+        return os.path.expanduser(env)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface",
+    )
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def hub_snapshot(model: str, revision: str = "", cache_dir: str = "") -> str:
+    """Where the Hugging Face cache (``cache_dir``, an engine's download directory, else
+    :func:`hf_hub_cache`) holds hub id ``model`` at ``revision`` (a commit, a branch or a
+    tag; empty: ``main``), as the engines download it: the snapshot directory of the commit
+    the ref names now. Empty when it is not there."""
     if not model or "/" not in model or os.path.isabs(model) or model.startswith("."):
         return ""
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"),
-        "hub",
-    )
+    hub = os.path.expanduser(cache_dir) if cache_dir else hf_hub_cache()
     repo = os.path.join(hub, "models--" + model.replace("/", "--"))
     ref = revision or "main"
     commit = ref if re.fullmatch(r"[0-9a-f]{40}", ref) else ""
@@ -139,26 +157,14 @@ def hub_snapshot(model: str, revision: str = "") -> str:
     return snapshot if commit and os.path.isdir(snapshot) else ""
 
 
-def longrope_limit(model: str, revision: str = "", overrides: str = "") -> int | None:
-    """For a LongRoPE checkpoint (Phi-3 128k, Phi-3.5, Phi-4-mini) whose long and short
-    factors differ: its ``original_max_position_embeddings``, past which the long factors
-    apply. ``None`` for any other model, or one whose ``config.json`` is not on this machine
-    (a local path, or a hub id in the Hugging Face cache). ``overrides``: SGLang's
-    ``--json-model-override-args``, laid over the config."""
-    where = model if os.path.exists(model) else hub_snapshot(model, revision)
-    try:
-        with open(os.path.join(where, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if overrides:
-        try:
-            cfg.update(json.loads(overrides))
-        except ValueError:
-            pass
+def longrope_limit(config: dict) -> int | None:
+    """For a LongRoPE model config (Phi-3 128k, Phi-3.5, Phi-4-mini: a ``config.json`` as
+    a dict) whose long and short factors differ: its ``original_max_position_embeddings``,
+    past which the long factors apply (0 when the config does not say). ``None`` for any
+    other model."""
     found: list[dict] = []
     for key in ("rope_scaling", "rope_parameters"):
-        v = cfg.get(key)
+        v = config.get(key)
         if isinstance(v, dict):
             nested = [x for x in v.values() if isinstance(x, dict)]
             found += nested or [v]
@@ -167,14 +173,14 @@ def longrope_limit(model: str, revision: str = "", overrides: str = "") -> int |
             continue
         if p.get("short_factor") == p.get("long_factor"):
             return None
-        orig = p.get("original_max_position_embeddings") or cfg.get(
+        orig = p.get("original_max_position_embeddings") or config.get(
             "original_max_position_embeddings"
         )
         return int(orig) if orig else 0
     return None
 
 
-def checkpoint_digest(model: str, revision: str = "") -> str:
+def checkpoint_digest(model: str, revision: str = "", cache_dir: str = "") -> str:
     """The checkpoint by content, where it is a local directory or file, or a hub id in
     the Hugging Face cache (the snapshot its ``revision``, else ``main``, names now): the
     bytes of its ``config.json`` and weight index, and for every weight file its name, size
@@ -185,7 +191,7 @@ def checkpoint_digest(model: str, revision: str = "") -> str:
     changed only away from the samples do not (give them another path, a revision or a
     weight version)."""
     if model and not os.path.exists(model):
-        model = hub_snapshot(model, revision)
+        model = hub_snapshot(model, revision, cache_dir)
     if not model or not os.path.exists(model):
         return ""
     real = os.path.realpath(model)

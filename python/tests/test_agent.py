@@ -450,3 +450,40 @@ def test_an_agents_not_found_without_the_trailer_is_a_lost_pool() -> None:
         c._call(old_agent.answer, agent_pb2.CancelRequest())
     assert e.value.pool_lost and not e.value.session_lost
     c.close()
+
+
+def test_listening_tells_a_gone_agent_by_every_address_form(tmp_path) -> None:
+    """``AgentClient.listening`` (a failed DMA load settles once nothing listens): every
+    address form ``grpc_target`` accepts is probed at its socket (review: ``dns:`` and
+    ``ipv4:`` forms read as listening when nothing was, and a ``dns:`` name without a port
+    raised)."""
+    import socket
+
+    from kvtier._rpc import grpc_target
+    from kvtier.agent import AgentClient, _socket_address
+
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    gone = [
+        str(tmp_path / "no.sock"),
+        f"unix:{tmp_path / 'no.sock'}",
+        f"127.0.0.1:{port}",
+        f"dns:127.0.0.1:{port}",
+        f"dns:///127.0.0.1:{port}",
+        f"ipv4:127.0.0.1:{port}",
+    ]
+    for address in gone:
+        assert not AgentClient(address).listening(), address
+    # Something listening, on both kinds of socket.
+    with socket.socket(socket.AF_UNIX) as u, socket.socket() as t:
+        u.bind(str(tmp_path / "yes.sock"))
+        u.listen()
+        t.bind(("127.0.0.1", 0))
+        t.listen()
+        assert AgentClient(str(tmp_path / "yes.sock")).listening()
+        assert AgentClient(f"ipv4:127.0.0.1:{t.getsockname()[1]}").listening()
+    # A form without a socket to probe counts as listening (the caller keeps asking).
+    assert _socket_address(grpc_target("dns:agent-host")) is None
+    assert AgentClient("dns:agent-host").listening()

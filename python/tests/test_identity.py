@@ -52,27 +52,30 @@ def test_a_checkpoint_is_named_by_its_content_not_its_path(tmp_path: Path):
     assert checkpoint_digest("org/model-that-is-not-here") == ""
 
 
-def test_a_hub_id_is_named_by_the_snapshot_its_ref_names_now(tmp_path: Path, monkeypatch):
-    """A hub id in the Hugging Face cache, as the engines download it: `main` moved to
-    another commit upstream and downloaded again on one node is another checkpoint there,
-    though both nodes name the model alike (review of issue 61)."""
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+def test_a_hub_id_is_named_by_the_snapshot_its_ref_names_now(tmp_path: Path):
+    """A hub id in the Hugging Face cache, as the engines download it (here the engine's
+    download directory; else huggingface_hub's own cache, ``hf_hub_cache``): `main` moved
+    to another commit upstream and downloaded again on one node is another checkpoint
+    there, though both nodes name the model alike (review of issue 61)."""
+    hub = str(tmp_path / "hub")
     repo = tmp_path / "hub" / "models--org--model"
     old, new = "a" * 40, "b" * 40
     _checkpoint(repo / "snapshots" / old, 2, 100)
     _checkpoint(repo / "snapshots" / new, 3, 100)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(old)
-    before = checkpoint_digest("org/model")
+    before = checkpoint_digest("org/model", "", hub)
     assert before and before == checkpoint_digest(str(repo / "snapshots" / old))
     (repo / "refs" / "main").write_text(new)
-    after = checkpoint_digest("org/model")
+    after = checkpoint_digest("org/model", "", hub)
     assert after and after != before
     # A revision given by commit, or by a ref of its own.
-    assert checkpoint_digest("org/model", old) == before
+    assert checkpoint_digest("org/model", old, hub) == before
     (repo / "refs" / "v1").write_text(old)
-    assert checkpoint_digest("org/model", "v1") == before
-    assert checkpoint_digest("org/model", "no-such-ref") == ""
+    assert checkpoint_digest("org/model", "v1", hub) == before
+    assert checkpoint_digest("org/model", "no-such-ref", hub) == ""
+    # Not in the cache the engine uses: no content to name.
+    assert checkpoint_digest("org/model", "", str(tmp_path / "elsewhere")) == ""
 
 
 def test_a_lora_adapter_is_named_by_its_content(tmp_path: Path):
@@ -103,6 +106,12 @@ def test_a_lora_adapter_whose_files_change_while_loaded_shares_nothing_after(tmp
     (d / "adapter_model.safetensors").write_bytes(b"1" * 64)
     lr = SimpleNamespace(lora_name="support", lora_path=str(d), lora_int_id=7)
     first = lora_id(lr)
+    assert lora_id(lr) == first
+    # Touched, or copied over with the same bytes: still the same adapter, shared.
+    os.utime(d / "adapter_model.safetensors")
+    same = d / "same.tmp"
+    same.write_bytes(b"1" * 64)
+    os.replace(same, d / "adapter_model.safetensors")
     assert lora_id(lr) == first
     # Rewritten in place (same size, new bytes).
     tmp = d / "new.tmp"

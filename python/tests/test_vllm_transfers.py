@@ -288,10 +288,11 @@ def test_a_failed_dma_load_is_given_back_once_its_agent_is_gone(transfer: Transf
 
 
 def test_a_failed_dma_loads_settle_is_decided_by_how_the_agent_answers() -> None:
-    """Without a process (the decision alone): a Cancel answered settles at once; a refused
-    one (an agent that lost this worker's registration: it runs, so the failed call's last
-    copy part ends within SETTLE_PART_S) after that bound; one not answered is asked again
-    while something listens at the agent's address, and settles once nothing does."""
+    """Without a process (the decision alone): a Cancel answered settles at once; one turned
+    down (an agent that lost this worker's registration, an older one without Cancel: it
+    runs, so the failed call's last copy part ends within SETTLE_PART_S) after that bound;
+    one not answered is asked again while something listens at the agent's address, and
+    settles once nothing does."""
     import grpc
 
     from kvtier.host import KvtierError
@@ -312,10 +313,14 @@ def test_a_failed_dma_loads_settle_is_decided_by_how_the_agent_answers() -> None
             return self.listens.pop(0)
 
     lost = KvtierError("no pool", grpc.StatusCode.NOT_FOUND, lost="pool")
+    old = KvtierError("no such method", grpc.StatusCode.UNIMPLEMENTED)
     late = KvtierError("deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
     cases = [
         ([None], [], 1, 0.0),
+        # Answered, though not with a Cancel (review: a restarted agent's "pool lost" was
+        # asked again forever).
         ([lost], [], 1, SETTLE_PART_S),
+        ([old], [], 1, SETTLE_PART_S),
         ([late, late, None], [True, True], 3, 0.0),
         ([late, late], [True, False], 2, 0.0),
     ]
@@ -324,9 +329,42 @@ def test_a_failed_dma_loads_settle_is_decided_by_how_the_agent_answers() -> None
         agent = Agent(list(answers), list(listening))
         t = DmaTransfer(kv_blocks("dma"), agent, Settings(), tally, BlockReads(1.0, tally))  # type: ignore[arg-type]
         started = time.monotonic()
-        t._settle("call", job("r", 1, [0]))
+        t._settle("call", "owner", job("r", 1, [0]))
         took = time.monotonic() - started
         assert agent.cancels == cancels and not agent.answers, answers
         assert at_least <= took < at_least + 1.5, (answers, took)
         assert tally.counts.load_settle_waits == (1 if late in answers else 0)
         t.shutdown()
+
+
+@pytest.mark.parametrize("transfer", ["dma"], indirect=True)
+def test_a_failed_dma_load_returns_once_a_restarted_agent_answers(
+    transfer: Transfer, agent, kvtierd, tmp_path
+) -> None:
+    """The agent a DMA load was out to is stopped, then replaced on its socket by a new one
+    that knows nothing of the worker's registration: every Cancel is answered "pool lost".
+    The answer says a running agent holds the socket, so the load returns (review: it asked
+    again forever, and the worker's shutdown hung behind it)."""
+    from kvtier.testing.processes import Agent
+
+    t = transfer
+    done = threading.Event()
+
+    def run() -> None:
+        t.load(job("reader", 9, [8, 9]))
+        done.set()
+
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    threading.Thread(target=run, daemon=True).start()
+    assert not done.wait(TIMEOUT_S + 1.0)
+    (tmp_path / "new").mkdir()
+    new = Agent(tmp_path / "new", "agent", kvtierd.socket)
+    try:
+        os.replace(new.socket, agent.socket)
+        agent.proc.kill()
+        agent.proc.wait()
+        assert done.wait(15), "the load never returned to a restarted agent's answers"
+        assert sorted(t.tally.take_load_errors()) == [8, 9]
+    finally:
+        new.proc.kill()
+        new.proc.wait()

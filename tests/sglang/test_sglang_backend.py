@@ -491,11 +491,23 @@ def test_a_longrope_model_past_its_original_context_is_refused(tmp_path: Path):
     _, together = rope(batch, torch.cat([q, q[:1]]), torch.cat([k, k[:1]]))
     assert not torch.equal(alone.reshape(16, -1), together[:16].reshape(16, -1))
 
-    model = tmp_path / "phi"
-    model.mkdir()
-    scaling = {"type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
-    cfg = {"max_position_embeddings": 131072, "original_max_position_embeddings": orig}
-    (model / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    scaling = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    cfg = {
+        "model_type": "phi3",
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": orig,
+    }
+
+    def write(rope: dict, name: str) -> Path:
+        # A directory per config: SGLang caches the configs it loaded, by path.
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rope}))
+        return tmp_path / name
+
+    model = write(scaling, "phi-longrope")
     args = SimpleNamespace(model_path=str(model), context_length=None)
     with pytest.raises(ValueError, match="LongRoPE.*--context-length 4096"):
         _refuse_batch_dependent_rope(args)
@@ -505,7 +517,11 @@ def test_a_longrope_model_past_its_original_context_is_refused(tmp_path: Path):
     # Within the original context: always the short factors.
     args.context_length = orig
     _refuse_batch_dependent_rope(args)
-    # Equal factors, or no LongRoPE: nothing batch-dependent.
-    same = {**scaling, "long_factor": [1.0]}
-    (model / "config.json").write_text(json.dumps({**cfg, "rope_scaling": same}))
-    _refuse_batch_dependent_rope(SimpleNamespace(model_path=str(model), context_length=None))
+    # Equal factors: nothing batch-dependent.
+    same = write({**scaling, "long_factor": [1.0] * 8}, "phi-same")
+    _refuse_batch_dependent_rope(SimpleNamespace(model_path=str(same), context_length=None))
+    # A config that cannot be read cannot be checked: refused, naming why.
+    with pytest.raises(ValueError, match="cannot read the config"):
+        _refuse_batch_dependent_rope(
+            SimpleNamespace(model_path=str(tmp_path / "nowhere"), context_length=None)
+        )

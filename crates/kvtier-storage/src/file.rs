@@ -256,12 +256,10 @@ impl FileStore {
         // over what the listing finds (an evicted object's file may not be gone yet).
         store.index.lock().start_rebuild();
         tokio::task::spawn_blocking(move || {
-            let n = rebuild(&root, &root, &index, opened);
-            let held = {
-                let mut g = index.lock();
-                g.end_rebuild();
-                g.bytes
-            };
+            // What the store held when it opened: the listing's bytes, not the index's,
+            // which also counts writes made since, already out of `free`.
+            let (n, held) = rebuild(&root, &root, &index, opened);
+            index.lock().end_rebuild();
             tracing::info!(root = %root.display(), objects = n, "file store index rebuilt");
             if let Some(free) = share {
                 let cap = bound.resolve(free, held);
@@ -382,17 +380,20 @@ fn is_own_temp(file_name: &std::ffi::OsStr) -> bool {
 /// removes temp files: a write that never completed, never visible. (Temp files of this
 /// process, and of writes still running elsewhere, which are younger than the store's
 /// opening by more than [`STALE_TEMP`], are left.)
-fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime) -> usize {
+/// Lists the objects under `dir` into `index`: how many it found, and their bytes.
+fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime) -> (usize, u64) {
     let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
+        return (0, 0);
     };
-    let mut n = 0;
+    let (mut n, mut bytes) = (0, 0);
     for e in rd.flatten() {
         let path = e.path();
         // The entry's own type: symlinks are never followed (nor deleted).
         let Ok(ty) = e.file_type() else { continue };
         if ty.is_dir() {
-            n += rebuild(objects, &path, index, opened);
+            let (m, b) = rebuild(objects, &path, index, opened);
+            n += m;
+            bytes += b;
             continue;
         }
         if !ty.is_file() {
@@ -419,9 +420,10 @@ fn rebuild(objects: &Path, dir: &Path, index: &Mutex<Index>, opened: SystemTime)
             .map_or(0, |d| d.as_nanos() as u64);
         if index.lock().found(&name, meta.len(), at) {
             n += 1;
+            bytes += meta.len();
         }
     }
-    n
+    (n, bytes)
 }
 
 /// Deletes every object file under `dir` (temp files of writes in flight are left: they

@@ -105,7 +105,7 @@ impl HostState {
         self.publish_changes();
         // L2's pages, then those L3 holds as far as this kvtierd knows (its writes landed,
         // the page is still indexed): pages only L3 holds are not listed (Locate finds them).
-        // Another tenant's own pool is not scanned at all, and the subscriber's own whole.
+        // Another tenant's own pool is not scanned at all.
         let parts = self
             .pools
             .values()
@@ -184,5 +184,31 @@ mod tests {
         assert_eq!(st.event_snapshot(tag("globex")).len(), 4);
         assert_eq!(st.event_snapshot(tag("")).len(), 2);
         assert_eq!(st.event_snapshot(None).len(), 9);
+    }
+
+    /// A crashed kvtierd ran with `l2.tenant_pools = false`: its layout pool held every
+    /// tenant's pages. The next run, with tenant pools on, takes it over into the layout's
+    /// pool, the default tenant's own: its snapshot still lists its own pages alone (review:
+    /// the tenant's own pool was listed unfiltered, acme's keys in it). Modelled by
+    /// committing under the old table and swapping in the new run's.
+    #[test]
+    fn a_pool_adopted_from_a_run_without_tenant_pools_is_still_filtered() {
+        let (mut st, _) = state();
+        let now = Instant::now();
+        st.tenants = crate::state::tenants::TenantTable::new(false);
+        st.set_tenants(&[tenant(""), tenant("acme")]);
+        let id = st
+            .register("a".into(), "acme", &tiny_layout(), now)
+            .unwrap()
+            .session_id;
+        let mut ks: Vec<PageKey> = keys(3);
+        TenantScope::new("acme").apply_all(&mut ks);
+        st.reserve(id, None, &ks, now).unwrap();
+        st.commit(id, &ks, 0, now).unwrap();
+        let default = Some(TenantScope::new("").tag());
+        assert_eq!(st.event_snapshot(default).len(), 0);
+        st.tenants = crate::state::tenants::TenantTable::new(true);
+        st.set_tenants(&[tenant(""), tenant("acme")]);
+        assert_eq!(st.event_snapshot(default).len(), 0, "acme's pages listed");
     }
 }

@@ -22,10 +22,11 @@ pub(crate) struct Tracked {
 pub(crate) enum Sees {
     /// None: another tenant's own pool (its pages are never even looked at).
     Nothing,
-    /// Every page: the viewer may see all (an operator's view), or the pool holds the
-    /// viewer's pages alone.
+    /// Every page: an operator's view.
     All,
-    /// The pages of this tenant among everyone's (a shared pool).
+    /// The pages of this tenant: a shared pool's, or the tenant's own pool's (filtered all
+    /// the same: a pool a crash takeover adopted may hold pages from before
+    /// `l2.tenant_pools` was turned on).
     Only(TenantTag),
 }
 
@@ -89,8 +90,8 @@ impl TenantTable {
     }
 
     /// What `viewer` may see of the pool `key` of layout `fp` (`None`: every tenant's
-    /// pages). The one answer events, Locate and Stats give a tenant: nothing of another
-    /// tenant's own pool, all of its own, its own pages of a shared one.
+    /// pages). The one answer events and Locate give a tenant: nothing of another tenant's
+    /// own pool, its own pages of any other.
     pub(crate) fn sees(
         &self,
         viewer: Option<TenantTag>,
@@ -101,9 +102,8 @@ impl TenantTable {
             return Sees::All;
         };
         match self.only_tenant_of(key, fp) {
-            Some(only) if only == viewer => Sees::All,
-            Some(_) => Sees::Nothing,
-            None => Sees::Only(viewer),
+            Some(only) if only != viewer => Sees::Nothing,
+            _ => Sees::Only(viewer),
         }
     }
 
@@ -161,7 +161,7 @@ mod tests {
     }
 
     #[test]
-    fn a_tenant_sees_its_own_pool_whole_another_s_not_at_all_and_its_pages_of_a_shared_one() {
+    fn a_tenant_sees_its_own_pages_and_nothing_of_another_tenants_own_pool() {
         let fp = LayoutFingerprint([3; 16]);
         let acme = TenantScope::new("acme").tag();
         let globex = TenantScope::new("globex").tag();
@@ -169,11 +169,12 @@ mod tests {
         let mut t = TenantTable::new(true);
         t.set(&[quota(""), quota("acme"), quota("globex")]);
         let acme_pool = pool_key(&fp, "acme");
-        assert_eq!(t.sees(Some(acme), &acme_pool, &fp), Sees::All);
+        assert_eq!(t.sees(Some(acme), &acme_pool, &fp), Sees::Only(acme));
         assert_eq!(t.sees(Some(globex), &acme_pool, &fp), Sees::Nothing);
         assert_eq!(t.sees(Some(default), &acme_pool, &fp), Sees::Nothing);
-        // The layout's pool holds the default tenant's pages alone.
-        assert_eq!(t.sees(Some(default), &fp, &fp), Sees::All);
+        // The layout's pool holds the default tenant's pages alone (or, adopted after a
+        // crash from a run without tenant pools, others' too: filtered).
+        assert_eq!(t.sees(Some(default), &fp, &fp), Sees::Only(default));
         assert_eq!(t.sees(Some(acme), &fp, &fp), Sees::Nothing);
         // An operator sees everything.
         assert_eq!(t.sees(None, &acme_pool, &fp), Sees::All);

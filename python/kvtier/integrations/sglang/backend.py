@@ -20,6 +20,7 @@ logged at most once per ``log_interval_s`` per reason.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -136,13 +137,22 @@ def _refuse_batch_dependent_rope(sa: object) -> None:
     the short factors for a whole batch, by whether any position in it passes
     ``original_max_position_embeddings`` (its ``Phi3LongRoPEScaledRotaryEmbedding``): a
     page's K then depends on the other requests in its batch, and no page could be shared or
-    loaded as recomputed. Within the original context the short factors always apply."""
+    loaded as recomputed. Within the original context the short factors always apply. The
+    model's config is SGLang's own (``get_config``, as it loaded it: download directory,
+    revision and override arguments applied); one that cannot be read is refused too, since
+    nothing else could tell."""
     path = str(getattr(sa, "model_path", "") or "")
-    limit = longrope_limit(
-        path,
-        str(getattr(sa, "revision", "") or ""),
-        str(getattr(sa, "json_model_override_args", "") or ""),
-    )
+    if not path:
+        # SGLang's classes run without its server arguments (tests): the model is a name.
+        return
+    try:
+        config = _sglang_model_config(sa)
+    except Exception as e:  # noqa: BLE001 - whatever stops the config from loading
+        raise ValueError(
+            f"kvtier: cannot read the config of {path} to check how its RoPE is computed "
+            f"({e}); kvtier shares pages only of models whose KV depends on the request alone"
+        ) from e
+    limit = longrope_limit(config)
     if limit is None:
         return
     context = getattr(sa, "context_length", None)
@@ -154,6 +164,27 @@ def _refuse_batch_dependent_rope(sa: object) -> None:
             f"batch, so no page could be shared. Serve it with --context-length {limit or 'N'} "
             f"or less (the short factors then always apply), or without kvtier's backend"
         )
+
+
+def _sglang_model_config(sa: object) -> dict:
+    """The model's config as SGLang loads it, as a dict."""
+    try:
+        from sglang.srt.utils.hf_transformers.config import get_config
+    except ImportError:  # older SGLang
+        from sglang.srt.utils.hf_transformers_utils import get_config  # type: ignore[no-redef]
+    overrides = str(getattr(sa, "json_model_override_args", "") or "")
+    kwargs: dict[str, Any] = {}
+    download_dir = getattr(sa, "download_dir", None)
+    if download_dir:
+        kwargs["cache_dir"] = download_dir
+    config = get_config(
+        str(getattr(sa, "model_path", "")),
+        bool(getattr(sa, "trust_remote_code", False)),
+        revision=getattr(sa, "revision", None) or None,
+        model_override_args=json.loads(overrides) if overrides else None,
+        **kwargs,
+    )
+    return config.to_dict()
 
 
 class KvtierStorage(HiCacheStorage):
@@ -272,7 +303,9 @@ class KvtierStorage(HiCacheStorage):
             model=self.model_id,
             revision=str(getattr(sa, "revision", "") or ""),
             checkpoint=checkpoint_digest(
-                str(getattr(sa, "model_path", "") or ""), str(getattr(sa, "revision", "") or "")
+                str(getattr(sa, "model_path", "") or ""),
+                str(getattr(sa, "revision", "") or ""),
+                str(getattr(sa, "download_dir", "") or ""),
             ),
             config=config_digest(
                 str(getattr(sa, "quantization", "") or ""),

@@ -71,7 +71,11 @@ def cache_identity(
         engine="vllm",
         model=str(model),
         revision=str(mc.revision or ""),
-        checkpoint=checkpoint_digest(str(mc.model), str(getattr(mc, "revision", "") or "")),
+        checkpoint=checkpoint_digest(
+            str(mc.model),
+            str(getattr(mc, "revision", "") or ""),
+            str(getattr(getattr(vllm_config, "load_config", None), "download_dir", "") or ""),
+        ),
         config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
         rope=resolved_rope(getattr(mc, "hf_config", None), int(mc.max_model_len)),
         weight_version=settings.weight_version,
@@ -126,7 +130,8 @@ def lora_id(lora_request: object) -> str:
     (``adapter_digest``), so a name pointed at another adapter shares nothing with it.
 
     The digest is taken once per adapter id; each call checks the adapter's files by their
-    stat (size, mtime, inode: microseconds). Files changed under a loaded adapter leave no
+    stat (size, mtime, inode: tens of microseconds), and a changed stat by their digest.
+    Files whose bytes changed under a loaded adapter leave no
     way to tell which weights vLLM computes with (the ones it holds, or the new ones it
     reads when it loads the adapter again after evicting it), so from then on the adapter's
     pages are this process's alone: shared with no other instance, and none of theirs
@@ -139,6 +144,10 @@ def lora_id(lora_request: object) -> str:
     if found is None:
         found = _lora_ids[key] = (stamp, f"{name}@{adapter_digest(path)}")
     elif found[0] != stamp and not found[1].endswith(_CHANGED):
+        if found[1] == f"{name}@{adapter_digest(path)}":
+            # Touched, or copied over with the same bytes: the same adapter.
+            _lora_ids[key] = (stamp, found[1])
+            return found[1]
         logger.warning(
             "kvtier: the files of LoRA adapter %r (%s) changed while it is loaded; its pages "
             "are this instance's alone from now on (load changed weights under a new name "

@@ -257,31 +257,36 @@ class DmaTransfer(Transfer):
         t0 = time.monotonic()
         args = self._load_args()
         call = uuid.uuid4().hex
+        # The owner token the load was last sent with (a retry after registering again sends
+        # the new one): its Cancel must present the same.
+        sent = [self._owner_token]
+
+        def load() -> Any:
+            sent[0] = self._owner_token
+            return self.agent.load_pages(
+                job.prompt(),
+                job.namespace,
+                job.start,
+                job.blocks,
+                owner=sent[0],
+                call_id=call,
+                **args,
+            )
+
         try:
-            loaded = self._call(
-                None,
-                lambda: self.agent.load_pages(
-                    job.prompt(),
-                    job.namespace,
-                    job.start,
-                    job.blocks,
-                    owner=self._owner_token,
-                    call_id=call,
-                    **args,
-                ),
-            ).pages
+            loaded = self._call(None, load).pages
         except KvtierError as e:
             logger.warning(
                 "kvtier: load of %d pages failed, vLLM recomputes: %s", len(job.blocks), e
             )
             loaded = 0
-            self._settle(call, job)
+            self._settle(call, sent[0], job)
         loaded = max(0, min(loaded, len(job.blocks)))
         self.tally.missed(job.blocks[loaded:])
         self.tally.count(loaded_pages=loaded, loaded_bytes=loaded * self.kv.page_bytes)
         self.tally.took("load", t0)
 
-    def _settle(self, call: str, job: Job) -> None:
+    def _settle(self, call: str, owner: str, job: Job) -> None:
         """After load ``call`` failed: returns once none of its copies can still write into
         ``job``'s blocks. The agent's Cancel answers once the call's copies stopped (a call
         that has not reached the agent yet will copy nothing); an agent that does not answer
@@ -289,18 +294,19 @@ class DmaTransfer(Transfer):
         address; one that is gone (nothing listens) copies nothing more. Meanwhile the
         blocks stay the request's: an agent stopped in the middle of a copy part would write
         the rest of that part into them when it runs again. An agent that refuses the Cancel
-        (another process on the socket, which lost this worker's registration) is running:
-        the failed call's fence closed when it failed (its deadline, or its client leaving),
-        so what may still move is the one part each copy thread was in the middle of, done
-        within ``SETTLE_PART_S``."""
+        (another process on the socket, which lost this worker's registration; an older
+        agent without Cancel) answered, so it runs: the failed call's fence closed when it
+        failed (its deadline, or its client leaving), and what may still move is the one part
+        each copy thread was in the middle of, done within ``SETTLE_PART_S``. ``owner``: the
+        token the load was sent with."""
         t0 = last_log = time.monotonic()
         held = False
         while True:
             try:
-                self.agent.cancel([call], owner=self._owner_token, timeout=SETTLE_CALL_S)
+                self.agent.cancel([call], owner=owner, timeout=SETTLE_CALL_S)
                 break
             except KvtierError as e:
-                if e.refused:
+                if not e.unanswered:
                     time.sleep(SETTLE_PART_S)
                     break
                 if not self.agent.listening():
