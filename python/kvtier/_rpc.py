@@ -1,6 +1,6 @@
 """The one way kvtier's Python clients talk gRPC: the channel to a kvtier server (kvtierd or
 kvtier-agent), a call with its deadline and metadata, and :class:`KvtierError`, whose typed
-predicates (``refused``, ``timed_out``, ``unanswered``, ``retryable``, ``session_lost``,
+predicates (``refused``, ``turned_down``, ``timed_out``, ``retryable``, ``session_lost``,
 ``pool_lost``, ``pool_taken``) come from the status code, never from the message text.
 
 :mod:`kvtier.host` and :mod:`kvtier.agent` build on it; integrations catch ``KvtierError``
@@ -55,14 +55,13 @@ class KvtierError(Exception):
         return self.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
     @property
-    def unanswered(self) -> bool:
-        """No answer came from the server (its deadline passed, or it could not be reached):
-        it may be stopped, busy, or gone. Any other error is an answer from a running
-        server."""
-        return self.code in (
-            None,
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
+    def turned_down(self) -> bool:
+        """A running server answered and did none of the call: ``refused``, or a method or
+        credential it does not take (an older server). Transport failures, deadlines and
+        anything the server may have sent half-way are not."""
+        return self.refused or self.code in (
+            grpc.StatusCode.UNIMPLEMENTED,
+            grpc.StatusCode.UNAUTHENTICATED,
         )
 
     @property

@@ -306,7 +306,7 @@ class DmaTransfer(Transfer):
                 self.agent.cancel([call], owner=owner, timeout=SETTLE_CALL_S)
                 break
             except KvtierError as e:
-                if not e.unanswered:
+                if e.turned_down:
                     time.sleep(SETTLE_PART_S)
                     break
                 if not self.agent.listening():
