@@ -260,7 +260,12 @@ def test_blocks_a_failed_load_gave_back_are_never_written_after(
     if not returned_while_stopped:
         # It returned once the agent ran again: vLLM gets the blocks now.
         poison(t, into)
-    assert sorted(missed) == into
+    if kind == "dma":
+        assert sorted(missed) == into
+    else:
+        # A staging load that waited for its pool's replacement may load once the agent
+        # runs again: all of it or none.
+        assert sorted(missed) in (into, []), missed
     time.sleep(0.5)
     for b in into:
         assert all(set(layer) == {0xA5} for layer in block(t, b)), f"block {b} written after"
