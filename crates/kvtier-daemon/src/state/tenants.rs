@@ -90,8 +90,8 @@ impl TenantTable {
     }
 
     /// What `viewer` may see of the pool `key` of layout `fp` (`None`: every tenant's
-    /// pages). The one answer events and Locate give a tenant: nothing of another tenant's
-    /// own pool, its own pages of any other.
+    /// pages). What a tenant's events snapshot lists: nothing of another tenant's own pool,
+    /// its own pages of any other.
     pub(crate) fn sees(
         &self,
         viewer: Option<TenantTag>,
