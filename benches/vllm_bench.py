@@ -13,7 +13,10 @@ Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):
   request to its end, and every call it makes on the connector is timed, a call about one
   request charged to it, a call about the whole step split among the requests the
   scheduler holds (``--explain`` prints the time per connector method); baseline: one
-  blocking lookup of the same prompt, what the scheduler paid before.
+  blocking lookup of the same prompt, what the scheduler paid before. Beside each, the
+  same figure against vLLM's own scheduler work for the same requests (``schedule`` and
+  ``update_from_output`` less the connector's calls in them, charged the same way): what
+  the connector adds to what the scheduler pays anyway.
 - **Save of the one page a decode step completes**, at 1k, 16k and 128k tokens: the Save
   named after its parent page's key, carrying 16 tokens; baseline: the same Save carrying
   the whole prefix.
@@ -37,6 +40,7 @@ Rows (``kvtier-bench --only vllm`` runs this and holds them to their goals):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -213,6 +217,8 @@ class Engine:
         self.hook_s = 0.0
         self.saved_pages = 0
         self.n = 0
+        # Set by scheduler_lookups: charged vLLM's own scheduler time per step.
+        self.clock: ConnectorClock | None = None
 
     def add(self, tokens: list[int], max_tokens: int) -> str:
         from vllm.sampling_params import SamplingParams
@@ -236,7 +242,11 @@ class Engine:
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
+        clock = self.clock
+        c0 = clock.total if clock is not None else 0.0
+        s0 = time.perf_counter()
         so = self.sched.schedule()
+        own = time.perf_counter() - s0
         meta = so.kv_connector_metadata
         self.saved_pages = sum(len(j.blocks) for j in getattr(meta, "saves", []))
         t = time.perf_counter()
@@ -259,15 +269,18 @@ class Engine:
             r = self.sched.requests[rid]
             done = r.num_computed_tokens >= r.num_tokens
             sampled.append([random.randrange(32000)] if done else [])
-        self.sched.update_from_output(
-            so,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=kv_out,
-            ),
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
         )
+        s0 = time.perf_counter()
+        self.sched.update_from_output(so, runner_output)
+        own += time.perf_counter() - s0
+        if clock is not None:
+            # vLLM's own part: the two calls less the connector calls made inside them.
+            clock.scheduler_step(own - (clock.total - c0))
 
     def drain(self) -> bool:
         """Waits for the worker's saves in flight; True when none is left."""
@@ -316,8 +329,21 @@ class ConnectorClock:
         # rest: waiting for the GIL, or a lock).
         self.cpu: dict[str, float] = {}
         self.queued: dict[str, float] = {}
-        # Per request followed: its wall (what the rows report), CPU and queued time.
+        # Of the time in them, the garbage collector's passes (on the scheduler thread, set
+        # off by whichever allocation crossed its threshold: vLLM's or kvtier's).
+        self.collecting: dict[str, float] = {}
+        self._gc_s = 0.0
+        self._gc_start = 0.0
+        if detail:
+            gc.callbacks.append(self._gc)
+        # Per request followed: its wall (what the rows report), CPU, queued and collector
+        # time.
         self.how: dict[str, list[float]] = {}
+        # Every connector call's time, summed; and per request followed, vLLM's own
+        # scheduler time (schedule and update_from_output less the connector's calls in
+        # them), split among the requests held as the step-wide calls are.
+        self.total = 0.0
+        self.own: dict[str, float] = {}
         self._held = held
         for name in dir(type(conn)):
             if name.startswith("_") or name == "shutdown":
@@ -327,12 +353,23 @@ class ConnectorClock:
                 continue
             setattr(conn, name, self._timed(name, getattr(conn, name)))
 
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc_s += time.perf_counter() - self._gc_start
+
+    def close(self) -> None:
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+
     def _timed(self, name: str, fn):
         detail = self.detail
 
         def timed(*args, **kwargs):
             # Outside the timed span: the CPU clock and schedstat are system calls.
             q, c = (_runqueue_s(), time.thread_time()) if detail else (0.0, 0.0)
+            g = self._gc_s
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -340,15 +377,18 @@ class ConnectorClock:
                 spent = time.perf_counter() - t
                 cpu = time.thread_time() - c if detail else 0.0
                 queued = _runqueue_s() - q if detail else 0.0
+                collecting = self._gc_s - g
+                self.total += spent
                 self.by_method[name] = self.by_method.get(name, 0.0) + spent
                 self.cpu[name] = self.cpu.get(name, 0.0) + cpu
                 self.queued[name] = self.queued.get(name, 0.0) + queued
+                self.collecting[name] = self.collecting.get(name, 0.0) + collecting
                 self.calls[name] = self.calls.get(name, 0) + 1
-                self._charge(name, args, (spent, cpu, queued))
+                self._charge(name, args, (spent, cpu, queued, collecting))
 
         return timed
 
-    def _charge(self, name: str, args, spent: tuple[float, float, float]) -> None:
+    def _charge(self, name: str, args, spent: tuple[float, float, float, float]) -> None:
         rid = getattr(args[0], "request_id", None) if args else None
         ids = [rid] if rid is not None else list(self._held())
         for r in ids:
@@ -356,12 +396,18 @@ class ConnectorClock:
                 mine = self.spent_by[r]
                 mine[name] = mine.get(name, 0.0) + spent[0] / len(ids)
                 how = self.how[r]
-                for i in range(3):
+                for i in range(4):
                     how[i] += spent[i] / len(ids)
 
+    def scheduler_step(self, seconds: float) -> None:
+        ids = [r for r in self._held() if r in self.own]
+        for r in ids:
+            self.own[r] += seconds / len(ids)
+
     def follow(self, rid: str) -> None:
+        self.own[rid] = 0.0
         self.spent_by[rid] = {}
-        self.how[rid] = [0.0, 0.0, 0.0]
+        self.how[rid] = [0.0, 0.0, 0.0, 0.0]
 
 
 def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
@@ -393,6 +439,7 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
             async_scheduling=overlapped,
         )
         clock = ConnectorClock(e.sched_connector, lambda e=e: e.sched.requests.keys(), explain)
+        e.clock = clock
         for length, count in lengths:
             prompts = [tokens(length, length + i) for i in range(count)]
             blocking = []
@@ -410,23 +457,30 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
             if explain:
                 ms = {
                     k: f"{v * 1e3:.2f} ms ({clock.cpu[k] * 1e3:.2f} cpu, "
-                    f"{clock.queued[k] * 1e3:.2f} queued) / {clock.calls[k]}"
+                    f"{clock.queued[k] * 1e3:.2f} queued, "
+                    f"{clock.collecting[k] * 1e3:.2f} collecting) / {clock.calls[k]}"
                     for k, v in clock.by_method.items()
                 }
                 print(phase, length, "per connector method (time / calls):", ms, file=sys.stderr)
-                for d in (clock.by_method, clock.cpu, clock.queued, clock.calls):
+                for d in (
+                    clock.by_method,
+                    clock.cpu,
+                    clock.queued,
+                    clock.collecting,
+                    clock.calls,
+                ):
                     d.clear()
             times = sorted(clock.how[rid][0] for rid in ids)
             p99 = times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3
             if explain:
                 worst = max(ids, key=lambda r: clock.how[r][0])
                 ms = {k: round(v * 1e3, 3) for k, v in clock.spent_by[worst].items() if v}
-                wall, cpu, queued = (round(x * 1e3, 3) for x in clock.how[worst])
+                wall, cpu, queued, collecting = (round(x * 1e3, 3) for x in clock.how[worst])
                 print(
                     phase,
                     length,
-                    f"the slowest request: {wall} ms ({cpu} cpu, {queued} waiting for a core); "
-                    "by method:",
+                    f"the slowest request: {wall} ms ({cpu} cpu, {queued} waiting for a core, "
+                    f"{collecting} in the garbage collector); by method:",
                     ms,
                     file=sys.stderr,
                 )
@@ -439,10 +493,25 @@ def scheduler_lookups(agent, quick: bool, explain: bool = False) -> None:
                 base,
                 base / p99 if p99 else None,
             )
+            # The same requests' share of vLLM's own scheduler work (its schedule and
+            # update_from_output, the connector's calls taken out): what the connector adds
+            # to a step the scheduler pays anyway.
+            own = sorted(clock.own[rid] for rid in ids)
+            own99 = own[min(len(own) - 1, int(0.99 * len(own)))] * 1e3
+            row(
+                f"connector time per waiting request vs vLLM's own, {length // 1024}k tokens, "
+                f"{phase}",
+                p99,
+                "ms",
+                "vLLM's own scheduler time p99",
+                own99,
+                own99 / p99 if p99 else None,
+            )
         done = e.worker.counts
         sched_side = e.sched_connector
         assert isinstance(sched_side, KvtierConnector), type(sched_side)
         announced = sched_side.counts.async_loads
+        clock.close()
         e.close()
         del e
         # Each round must have done what it is named for, or its rows measure something else.
