@@ -151,6 +151,17 @@ const GOALS: &[(&str, &str, Goal)] = &[
     // P9: remote near raw loopback TCP.
     ("l3_remote", "set 2 MiB vs raw TCP", Goal::RatioAtLeast(0.7)),
     ("l3_remote", "get 2 MiB vs raw TCP", Goal::RatioAtLeast(0.7)),
+    // Issue 65: an admission filter keeps the reuse and writes less.
+    (
+        "sim",
+        "replay, l3.admission tinylfu against all: reuse kept",
+        Goal::RatioAtLeast(0.98),
+    ),
+    (
+        "sim",
+        "replay, l3.admission tinylfu against all: bytes written",
+        Goal::ValueAtMost(0.6),
+    ),
     // Issue 41: the vLLM connector at engine speed.
     (
         "vllm",

@@ -3,7 +3,8 @@
 //! the two workers serving concurrently as fast as they can (`--time-scale 0`: the stress
 //! case, where backpressure from L3 sets the pace). Reports the sustained requests/s,
 //! verified pages/s, the share of the ideal reuse served and the pages lost; there is no
-//! baseline to divide the rates by.
+//! baseline to divide the rates by. Then the same replay under `l3.admission = "tinylfu"`:
+//! the reuse it keeps and the bytes it writes to L3, against writing every page.
 
 use kvtier_core::{DType, KvKind, LayoutSpec};
 use kvtier_proto::v1::PrefetchPolicy;
@@ -51,17 +52,6 @@ pub fn run(quick: bool) {
         chaos: Vec::new(),
         progress: false,
     };
-    let target = Target::Embedded(ClusterSpec {
-        workers: 2,
-        daemon_sets: vec![
-            "l2.pool_pages=8192".into(),
-            "l3.backend=file".into(),
-            "prefetch.recompute_tokens_per_second=0".into(),
-            "prefetch.threshold_tokens=0".into(),
-            "prefetch.budget_fraction=1.0".into(),
-        ],
-        agent_sets: Vec::new(),
-    });
     let Ok(launcher) = Launcher::this_binary() else {
         crate::say!("sim: skipped (cannot locate this binary)");
         return;
@@ -76,46 +66,97 @@ pub fn run(quick: bool) {
             return;
         }
     };
-    match rt.block_on(kvtier_sim::run(requests, opts, target, launcher)) {
-        Ok(r) => {
-            crate::say!("{}", r.table());
-            let secs = r.wall_seconds.max(1e-9);
-            crate::record(
-                &format!("replay {} requests, concurrent: requests/s", r.requests),
-                r.requests_per_second,
-                "req/s",
-                "-",
-                0.0,
-                None,
-            );
-            crate::record(
-                &format!("replay {} requests: verified pages/s", r.requests),
-                r.pages_verified as f64 / secs,
-                "pages/s",
-                "-",
-                0.0,
-                None,
-            );
-            crate::record(
-                &format!(
-                    "replay: hits / ideal ({} corrupt, {} lost, {} unreachable pages)",
-                    r.pages_corrupt, r.pages_lost_total, r.pages_unreachable
-                ),
-                r.served_fraction,
-                "fraction",
-                "ideal",
-                1.0,
-                None,
-            );
-            crate::record(
-                &format!("replay: backup waits ({} calls)", r.backup_waits.count),
-                r.backup_waits.seconds / secs,
-                "s/s",
-                "-",
-                0.0,
-                None,
-            );
+    let replay = |admission: &str| {
+        let target = Target::Embedded(ClusterSpec {
+            workers: 2,
+            daemon_sets: vec![
+                "l2.pool_pages=8192".into(),
+                "l3.backend=file".into(),
+                format!("l3.admission={admission}"),
+                "prefetch.recompute_tokens_per_second=0".into(),
+                "prefetch.threshold_tokens=0".into(),
+                "prefetch.budget_fraction=1.0".into(),
+            ],
+            agent_sets: Vec::new(),
+        });
+        rt.block_on(kvtier_sim::run(
+            requests.clone(),
+            opts.clone(),
+            target,
+            launcher.clone(),
+        ))
+    };
+    let all = match replay("all") {
+        Ok(r) => r,
+        Err(e) => {
+            crate::say!("sim: failed: {e:#}");
+            return;
         }
-        Err(e) => crate::say!("sim: failed: {e:#}"),
-    }
+    };
+    crate::say!("{}", all.table());
+    let secs = all.wall_seconds.max(1e-9);
+    crate::record(
+        &format!("replay {} requests, concurrent: requests/s", all.requests),
+        all.requests_per_second,
+        "req/s",
+        "-",
+        0.0,
+        None,
+    );
+    crate::record(
+        &format!("replay {} requests: verified pages/s", all.requests),
+        all.pages_verified as f64 / secs,
+        "pages/s",
+        "-",
+        0.0,
+        None,
+    );
+    crate::record(
+        &format!(
+            "replay: hits / ideal ({} corrupt, {} lost, {} unreachable pages)",
+            all.pages_corrupt, all.pages_lost_total, all.pages_unreachable
+        ),
+        all.served_fraction,
+        "fraction",
+        "ideal",
+        1.0,
+        None,
+    );
+    crate::record(
+        &format!("replay: backup waits ({} calls)", all.backup_waits.count),
+        all.backup_waits.seconds / secs,
+        "s/s",
+        "-",
+        0.0,
+        None,
+    );
+    // Issue 65: the admission filter against writing every page, on the same trace.
+    let lfu = match replay("tinylfu") {
+        Ok(r) => r,
+        Err(e) => {
+            crate::say!("sim: the tinylfu replay failed: {e:#}");
+            return;
+        }
+    };
+    let kept = lfu.served_fraction / all.served_fraction.max(1e-9);
+    crate::record(
+        &format!(
+            "replay, l3.admission tinylfu against all: reuse kept ({} corrupt pages)",
+            lfu.pages_corrupt
+        ),
+        lfu.served_fraction,
+        "fraction",
+        "all",
+        all.served_fraction,
+        Some(kept),
+    );
+    let written = lfu.bytes.l3_write as f64 / (all.bytes.l3_write as f64).max(1.0);
+    crate::record(
+        "replay, l3.admission tinylfu against all: bytes written to L3",
+        written,
+        "of all",
+        "all (bytes)",
+        all.bytes.l3_write as f64,
+        None,
+    );
 }

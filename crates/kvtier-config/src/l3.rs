@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use kvtier_core::WritePolicy;
+use kvtier_core::{AdmissionKind, WritePolicy};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -88,6 +88,10 @@ pub struct L3Config {
     pub write_policy: WritePolicy,
     /// Hits at which `write_through_selective` writes a page.
     pub write_threshold: u64,
+    /// Which pages may go to L3 at all (the admission filter).
+    pub admission: AdmissionKind,
+    /// Sightings the admission filter remembers per window (about the pages L3 holds).
+    pub admission_window: u64,
     /// Writer queue length in pages.
     pub queue_pages: u32,
     /// Pages per writer batch.
@@ -275,6 +279,8 @@ impl L3Config {
             backend,
             write_policy: _,
             write_threshold,
+            admission: _,
+            admission_window,
             queue_pages,
             batch_pages,
             concurrency,
@@ -302,6 +308,7 @@ impl L3Config {
                 100_000,
             ),
             ("l3.write_threshold", *write_threshold, 1, 1_000_000),
+            ("l3.admission_window", *admission_window, 1024, 1 << 28),
             ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
             ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
             ("l3.concurrency", u64::from(*concurrency), 1, 256),

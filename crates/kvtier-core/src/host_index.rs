@@ -192,6 +192,9 @@ pub struct HostIndexStats {
     /// Of those, pages L3 did not hold (there was no L3, or it was down): gone from the
     /// node's shared tiers.
     pub unwritten_evictions: u64,
+    /// Pages evicted unwritten because the admission filter declined them (`l3.admission`):
+    /// given up by choice, not lost to a missing or failing L3.
+    pub declined_evictions: u64,
     /// Pages clients wrote (reserved, committed) that L3 does not hold yet.
     pub dirty: u32,
     /// Slots leased to writers ([`HostIndex::lease`]): no page yet, counted toward the dirty
@@ -342,7 +345,9 @@ impl HostIndex {
         let leaf = e.children == 0;
         let held = e.l3 == L3Mark::Persisted;
         match self.l3_mode {
+            // A page the admission filter declined leaves as it would with no L3.
             L3Mode::Absent => leaf.then_some(Class::Leaf),
+            L3Mode::Up | L3Mode::Down if e.l3 == L3Mark::Declined => leaf.then_some(Class::Leaf),
             L3Mode::Up | L3Mode::Down => match (held, leaf) {
                 (true, true) => Some(Class::Leaf),
                 (true, false) => Some(Class::Interior),
@@ -458,8 +463,10 @@ impl HostIndex {
     fn evict_slot(&mut self, slot: u32) -> PageKey {
         self.stats.evictions += 1;
         let e = self.remove(slot);
-        if e.l3 != L3Mark::Persisted {
-            self.stats.unwritten_evictions += 1;
+        match e.l3 {
+            L3Mark::Persisted => {}
+            L3Mark::Declined => self.stats.declined_evictions += 1,
+            L3Mark::None | L3Mark::Queued => self.stats.unwritten_evictions += 1,
         }
         e.key
     }
@@ -1160,6 +1167,43 @@ mod tests {
         ix.set_l3_mode(L3Mode::Absent);
         assert_eq!(ix.evict(2).len(), 2);
         assert_eq!(ix.stats().unwritten_evictions, 3);
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn declined_pages_leave_as_leaves_unwritten_counted_apart_and_readmitted_ones_are_written() {
+        let mut ix = HostIndex::new(3, PolicyKind::Lru);
+        ix.set_l3_mode(L3Mode::Up);
+        let a = keys(1..4);
+        ix.reserve(1, None, &a);
+        ix.commit(1, &a).unwrap();
+        assert_eq!(ix.stats().dirty, 3);
+        // a[2] and a[1] declined: not dirty, never flushed; a[0] stays to be written.
+        assert!(ix.decline_l3(&a[2]) && ix.decline_l3(&a[1]));
+        assert!(!ix.decline_l3(&a[2]), "declined twice");
+        assert_eq!(ix.stats().dirty, 1);
+        assert_eq!(ix.unpersisted(), 1);
+        assert_eq!(ix.unwritten_keys(), vec![a[0]]);
+        ix.validate().unwrap();
+        // Room for one page: the declined leaf leaves, counted apart from lost pages. The
+        // declined interior page a[1] stays while its child is there.
+        let b = keys(10..11);
+        let (r, evicted) = ix.reserve(1, None, &b);
+        assert!(matches!(r[..], [Reserve::Reserved(_)]), "{r:?}");
+        assert_eq!(evicted, vec![a[2]]);
+        assert_eq!(ix.stats().declined_evictions, 1);
+        assert_eq!(ix.stats().unwritten_evictions, 0);
+        ix.validate().unwrap();
+        // Seen again: a[1] is admitted, dirty and flushable again, and written like any page.
+        assert!(ix.readmit_l3(&a[1]));
+        assert!(!ix.readmit_l3(&a[1]), "readmitted twice");
+        assert_eq!(ix.stats().dirty, 3);
+        let queued = ix.queue_for_l3(&a[1..2]);
+        assert_eq!(queued.len(), 1);
+        ix.finish_l3(&a[1], true);
+        assert_eq!(ix.l3_info(&a[1]).unwrap().1, L3Mark::Persisted);
+        // A page L3 holds or is writing is never declined.
+        assert!(!ix.decline_l3(&a[1]));
         ix.validate().unwrap();
     }
 }

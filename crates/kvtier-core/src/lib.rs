@@ -25,6 +25,7 @@
 //! exhaustively without processes, sockets or devices; the crates that move bytes never decide
 //! policy.
 
+pub mod admission;
 pub mod checksum;
 pub mod copy_method;
 pub mod events;
@@ -41,6 +42,7 @@ pub mod slots;
 pub mod tenant;
 pub mod write_policy;
 
+pub use admission::{Admission, AdmissionKind};
 pub use copy_method::CopyMethod;
 pub use ids::{Epoch, SessionId};
 pub use key_map::{KeyMap, KeySet, KeyTable};

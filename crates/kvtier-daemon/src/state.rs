@@ -180,6 +180,10 @@ pub struct Counters {
     pub dropped_reservations: u64,
     /// Pages evicted to make room for prefetches.
     pub prefetch_evictions: u64,
+    /// Pages the admission filter let go to L3 (stored, or declined and seen again).
+    pub admitted_pages: u64,
+    /// Pages the admission filter declined when they were stored.
+    pub declined_pages: u64,
     /// Pages evicted from L2 that L3 did not hold, because there is no L3.
     pub lost_no_l3: u64,
     /// Pages evicted from L2 that L3 did not hold, because L3 was down (breaker open).
@@ -548,6 +552,12 @@ impl HostState {
         self.pools.totals()
     }
 
+    /// Pages the admission filter declined that left L2 unwritten since start, and their
+    /// bytes.
+    pub fn declined(&self) -> (u64, u64) {
+        self.pools.declined()
+    }
+
     /// Bytes of shared memory mapped for pools, and bytes holding ready or writing pages.
     pub fn pool_bytes(&self) -> (u64, u64) {
         self.pools.bytes()
@@ -568,11 +578,17 @@ pub(crate) mod testing {
 
     /// A state with a 16-page memfd pool, write-through to an in-memory L3, and one session.
     pub(crate) fn state() -> (HostState, SessionId) {
+        state_with(|_| {})
+    }
+
+    /// [`state`], with `edit` applied to its configuration first.
+    pub(crate) fn state_with(edit: impl FnOnce(&mut DaemonConfig)) -> (HostState, SessionId) {
         let mut cfg = DaemonConfig::default();
         cfg.l2.backing = L2Backing::Memfd;
         cfg.l2.pool_pages = 16;
         cfg.l2.take_over_after_crash = false;
         cfg.l3.backend = L3Backend::Memory;
+        edit(&mut cfg);
         let mut st = HostState::new(&cfg).unwrap();
         st.set_write(Some(WritePolicy::WriteThrough));
         let id = st

@@ -120,6 +120,59 @@ fn write_through_selective_writes_only_hot_pages() {
 }
 
 #[test]
+fn seen_twice_writes_a_page_once_it_is_hit_and_lets_pages_seen_once_go_counted() {
+    let d = Daemon::start(
+        "admission",
+        &[
+            "l2.pool_pages=16",
+            "l3.admission=seen_twice",
+            "l3.admission_window=1024",
+        ],
+    );
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        let keys = chain(3, 8);
+        store(&mut c, &s, &keys).await;
+        // Seen once each: nothing goes to L3.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(l3_objects(&mut c).await, 0);
+        // The first three are hit: seen twice, they are written at once (write_through).
+        let slots = c.acquire(s.id, &keys[..3]).await.unwrap();
+        assert_eq!(slots.len(), 3);
+        c.release(s.id, &keys[..3]).await.unwrap();
+        wait_objects(&mut c, 3).await;
+        // Twice the pool in pages seen once: the declined ones leave L2 unwritten, and no
+        // writer is held back by them (they are not dirty).
+        for seed in 10..14 {
+            store(&mut c, &s, &chain(seed, 8)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(l3_objects(&mut c).await, 3);
+        let m = d.metrics();
+        let admission = |decision: &str| {
+            metric(
+                &m,
+                &format!("kvtier_l3_admission_pages_total{{decision=\"{decision}\"}}"),
+            )
+        };
+        assert_eq!(admission("admitted"), 3.0);
+        assert_eq!(admission("declined"), 40.0);
+        // 40 pages in 16 slots: at least 24 left, the 3 written ones among them at most.
+        let declined = metric(&m, "kvtier_l2_declined_pages_total");
+        assert!(declined >= 21.0, "{declined} declined pages left L2");
+        assert_eq!(
+            metric(&m, "kvtier_l2_declined_bytes_total"),
+            declined * 16384.0
+        );
+        assert_eq!(
+            metric(&m, "kvtier_l2_lost_pages_total{reason=\"l3_down\"}"),
+            0.0
+        );
+    });
+}
+
+#[test]
 fn write_back_writes_pages_before_their_slots_are_reused() {
     // The whole pool may hold unwritten pages (no dirty limit before it is full).
     let d = Daemon::start(

@@ -170,6 +170,19 @@ backend = "file"
 write_policy = "write_through"
 # Hits at which write_through_selective writes a page early (1 to 1000000).
 write_threshold = 2
+# Which pages L2 writes to L3 at all. Each pool's filter hears of every page it stores or
+# serves, and a page it declines leaves L2 unwritten (as with no L3), counted in
+# kvtier_l3_admission_pages_total and kvtier_l2_declined_pages_total. Seen again while L2
+# still holds it, it is admitted and written then.
+#   all         every page;
+#   seen_twice  a page seen twice within the last one to two windows;
+#   tinylfu     a page seen twice within a window, or often before (TinyLFU's frequency
+#               sketch, its counts halved every ten windows).
+admission = "all"
+# Sightings (pages stored or served) per window of the admission filter, about the pages L3
+# holds (1024 to 268435456). Memory per pool: about 2.5 bytes per sighting for seen_twice,
+# 3.25 for tinylfu, none for all.
+admission_window = 1048576
 # Early writes waiting for the writer (1 to 1048576). When full, a page waits in L2 for the
 # flush before its eviction (counted as deferred); no client ever waits for L3.
 queue_pages = 16384

@@ -10,6 +10,7 @@ impl HostIndex {
             capacity: self.stats.capacity,
             evictions: self.stats.evictions,
             unwritten_evictions: self.stats.unwritten_evictions,
+            declined_evictions: self.stats.declined_evictions,
             ..HostIndexStats::default()
         };
         let mut children = vec![0u32; self.entries.len()];

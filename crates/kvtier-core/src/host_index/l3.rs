@@ -29,6 +29,10 @@ pub enum L3Mark {
     Queued,
     /// L3 holds it (written, or found there).
     Persisted,
+    /// The admission filter turned it away from L3 (`l3.admission`): it leaves L2 unwritten
+    /// as it would with no L3 (a leaf, by policy), counted in
+    /// [`super::HostIndexStats::declined_evictions`]. Admitted later, it is `None` again.
+    Declined,
 }
 
 impl HostIndex {
@@ -136,6 +140,40 @@ impl HostIndex {
             self.clean(s);
             self.refresh(s);
         }
+    }
+
+    /// Marks `key` (ready, not in L3 nor on its way) as turned away from L3 by the admission
+    /// filter: it is no longer dirty, never flushed, and evicted as a leaf. Says whether it
+    /// was marked.
+    pub fn decline_l3(&mut self, key: &PageKey) -> bool {
+        let Some(s) = self.slot_of(key) else {
+            return false;
+        };
+        let e = self.entry(s);
+        if e.state != PageState::Ready || e.l3 != L3Mark::None {
+            return false;
+        }
+        self.entry_mut(s).l3 = L3Mark::Declined;
+        self.clean(s);
+        self.refresh(s);
+        true
+    }
+
+    /// Undoes [`Self::decline_l3`]: the filter admitted `key` after all (seen again), so it
+    /// is written to L3 like any page not there yet. Says whether it was declined.
+    pub fn readmit_l3(&mut self, key: &PageKey) -> bool {
+        let Some(s) = self.slot_of(key) else {
+            return false;
+        };
+        if self.entry(s).l3 != L3Mark::Declined {
+            return false;
+        }
+        let e = self.entry_mut(s);
+        e.l3 = L3Mark::None;
+        e.dirty = true;
+        self.stats.dirty += 1;
+        self.refresh(s);
+        true
     }
 
     /// Hit count and L3 mark of `key`.

@@ -17,9 +17,10 @@ pub struct Cleared {
     pub kept: u32,
 }
 
-/// Ready and not held by L3: what a flush or a drain still has to write.
+/// Ready and not held by L3 nor declined by the admission filter: what a flush or a drain
+/// still has to write.
 fn unwritten(e: &Entry) -> bool {
-    e.state == PageState::Ready && e.l3 != L3Mark::Persisted
+    e.state == PageState::Ready && matches!(e.l3, L3Mark::None | L3Mark::Queued)
 }
 
 /// Ready and pinned by nobody: what a clear removes.

@@ -36,6 +36,9 @@ pub struct L2Metrics {
     dropped_pins: IntCounter,
     dropped_reservations: IntCounter,
     lost_pages: IntCounterVec,
+    admission_pages: IntCounterVec,
+    declined_pages: IntCounter,
+    declined_bytes: IntCounter,
     takeover_pages: IntCounterVec,
     takeover_pools: IntCounterVec,
     sealed_pages: IntCounter,
@@ -104,6 +107,22 @@ impl L2Metrics {
                  (evicted), cleared (an operator's clear), pool_damaged (their pool's file \
                  was shrunk or grown by a client)",
                 &["reason"],
+            )?,
+            admission_pages: r.counter_vec(
+                "kvtier_l3_admission_pages_total",
+                "Pages L2's admission filter (l3.admission) decided on, by decision: \
+                 admitted (may go to L3: when stored, or declined before and seen again) or \
+                 declined (when stored; they leave L2 unwritten unless seen again)",
+                &["decision"],
+            )?,
+            declined_pages: r.counter(
+                "kvtier_l2_declined_pages_total",
+                "Pages that left L2 unwritten because the admission filter declined them: \
+                 given up by choice (l3.admission), not lost",
+            )?,
+            declined_bytes: r.counter(
+                "kvtier_l2_declined_bytes_total",
+                "Bytes of those pages: what the admission filter kept from being written to L3",
             )?,
             takeover_pages: r.counter_vec(
                 "kvtier_l2_takeover_pages_total",
@@ -196,6 +215,9 @@ impl L2Metrics {
         for reason in ["no_l3", "l3_down", "cleared", "pool_damaged"] {
             m.lost_pages.with_label_values(&[reason]);
         }
+        for decision in ["admitted", "declined"] {
+            m.admission_pages.with_label_values(&[decision]);
+        }
         for outcome in ["adopted", "refused_checksum", "no_room"] {
             m.takeover_pages.with_label_values(&[outcome]);
         }
@@ -276,6 +298,17 @@ impl L2Metrics {
             c.lost_cleared,
         );
         catch_up(&self.cleared_pages, c.cleared_pages);
+        catch_up(
+            &self.admission_pages.with_label_values(&["admitted"]),
+            c.admitted_pages,
+        );
+        catch_up(
+            &self.admission_pages.with_label_values(&["declined"]),
+            c.declined_pages,
+        );
+        let (declined, declined_bytes) = st.declined();
+        catch_up(&self.declined_pages, declined);
+        catch_up(&self.declined_bytes, declined_bytes);
         self.draining.set(i64::from(st.draining()));
         catch_up(&self.sealed_pages, c.sealed_pages);
         catch_up(&self.sealed_from_reads, c.sealed_from_reads);

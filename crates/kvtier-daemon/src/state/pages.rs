@@ -196,12 +196,13 @@ impl HostState {
         let slots = pool.index.commit(session.owner, keys)?;
         pool.committed_at(keys, &slots);
         session.writing = session.writing.saturating_sub(keys.len());
-        let jobs = Self::stored_jobs(write, epoch, pool, keys);
+        let (jobs, admission) = Self::stored_jobs(write, epoch, pool, keys);
         let (mode, lost) = (pool.index.l3_mode(), pool.index.stats().unwritten_evictions);
         let (granted, evicted) = top_up(pool, session.owner, lease_want, admitting, room);
         let lost_after = pool.index.stats().unwritten_evictions;
         self.counters.commit_calls += 1;
         self.counters.committed_pages += keys.len() as u64;
+        self.count_admission(admission);
         self.count_lost(mode, lost, lost_after);
         Ok((jobs, granted, evicted.len()))
     }
@@ -234,7 +235,7 @@ impl HostState {
             .map(|(k, _)| *k)
             .collect();
         pool.committed(&stored);
-        let jobs = Self::stored_jobs(write, epoch, pool, &stored);
+        let (jobs, admission) = Self::stored_jobs(write, epoch, pool, &stored);
         let (granted, more) = top_up(pool, session.owner, want, admitting, room);
         evicted.extend(more);
         let lost_after = pool.index.stats().unwritten_evictions;
@@ -243,6 +244,7 @@ impl HostState {
         c.committed_pages += stored.len() as u64;
         c.dedup_pages += landed.iter().filter(|l| **l == Landed::Present).count() as u64;
         c.no_space_pages += landed.iter().filter(|l| **l == Landed::NoRoom).count() as u64;
+        self.count_admission(admission);
         self.count_lost(mode, lost, lost_after);
         Ok(LeasedCommit {
             landed,
@@ -252,20 +254,31 @@ impl HostState {
         })
     }
 
-    /// The L3 writes the write policy asks for when `keys` were stored in `pool`.
+    /// The L3 writes the write policy asks for when `keys` were stored in `pool`, once the
+    /// pool's admission filter heard of them (only while an L3 is attached); and how many
+    /// the filter admitted and declined.
     fn stored_jobs(
         write: Option<WritePolicy>,
         epoch: u64,
         pool: &mut L2Pool,
         keys: &[PageKey],
-    ) -> Vec<Job> {
-        match write {
-            Some(p) if p.on_store() && !keys.is_empty() => {
-                let queued = pool.index.queue_for_l3(keys);
-                Self::jobs(pool, queued, epoch)
-            }
-            _ => Vec::new(),
+    ) -> (Vec<Job>, (u64, u64)) {
+        let Some(p) = write.filter(|_| !keys.is_empty()) else {
+            return (Vec::new(), (0, 0));
+        };
+        let (admitted, declined) = pool.admit_stored(keys);
+        let n = admitted.len() as u64;
+        if !p.on_store() || admitted.is_empty() {
+            return (Vec::new(), (n, declined));
         }
+        let queued = pool.index.queue_for_l3(&admitted);
+        (Self::jobs(pool, queued, epoch), (n, declined))
+    }
+
+    /// Counts the admission filter's decisions (admitted, declined).
+    fn count_admission(&mut self, (admitted, declined): (u64, u64)) {
+        self.counters.admitted_pages += admitted;
+        self.counters.declined_pages += declined;
     }
 
     /// Frees reserved pages.
@@ -296,9 +309,12 @@ impl HostState {
         for &s in &slots {
             *session.pins.entry(s).or_insert(0) += 1;
         }
-        let jobs = match write {
+        let (jobs, readmitted) = match write {
             Some(p) => {
-                let hot: Vec<PageKey> = hit
+                // A page the admission filter declined and now admits, seen again, is
+                // written like any page not in L3 yet: at once under write_through.
+                let readmitted = pool.admit_served(hit);
+                let mut hot: Vec<PageKey> = hit
                     .iter()
                     .filter(|k| {
                         pool.index
@@ -307,11 +323,15 @@ impl HostState {
                     })
                     .copied()
                     .collect();
+                if p.on_store() {
+                    hot.extend_from_slice(&readmitted);
+                }
                 let queued = pool.index.queue_for_l3(&hot);
-                Self::jobs(pool, queued, epoch)
+                (Self::jobs(pool, queued, epoch), readmitted.len() as u64)
             }
-            None => Vec::new(),
+            None => (Vec::new(), 0),
         };
+        self.count_admission((readmitted, 0));
         self.counters.acquire_calls += 1;
         self.counters.acquired_pages += slots.len() as u64;
         Ok((slots, jobs))
@@ -370,7 +390,9 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use std::time::Instant;
 
-    use crate::state::testing::{keys, state};
+    use kvtier_core::{AdmissionKind, PageKey};
+
+    use crate::state::testing::{keys, state, state_with};
 
     #[test]
     fn a_release_is_all_or_nothing_and_a_repeated_key_needs_a_pin_per_mention() {
@@ -425,5 +447,55 @@ mod tests {
         assert_eq!(st.totals().pins, before + 1);
         st.release(other, &ks[2..], now).unwrap();
         assert_eq!(st.totals().pins, before);
+    }
+
+    #[test]
+    fn the_admission_filter_keeps_first_stores_from_l3_and_writes_a_page_seen_again() {
+        let now = Instant::now();
+        // `all`: every committed page is written through, as before the filter.
+        let (mut st, id) = state();
+        let ks = keys(3);
+        st.reserve(id, None, &ks, now).unwrap();
+        assert_eq!(st.commit(id, &ks, 0, now).unwrap().0.len(), 3);
+        assert_eq!(
+            (st.counters.admitted_pages, st.counters.declined_pages),
+            (3, 0)
+        );
+        for kind in [AdmissionKind::SeenTwice, AdmissionKind::TinyLfu] {
+            let (mut st, id) = state_with(|cfg| {
+                cfg.l3.admission = kind;
+                cfg.l3.admission_window = 1024;
+            });
+            st.reserve(id, None, &ks, now).unwrap();
+            let (jobs, _, _) = st.commit(id, &ks, 0, now).unwrap();
+            assert!(jobs.is_empty(), "{kind}: first stores written");
+            assert_eq!(st.counters.declined_pages, 3, "{kind}");
+            // Declined pages are not dirty: writers are never held back for them.
+            assert_eq!(st.totals().dirty, 0, "{kind}");
+            // Hit: seen again, admitted, and written at once under write_through.
+            let (slots, jobs) = st.acquire(id, &ks[..1], now).unwrap();
+            assert_eq!((slots.len(), jobs.len()), (1, 1), "{kind}");
+            assert_eq!(jobs[0].key, ks[0], "{kind}");
+            assert_eq!(st.counters.admitted_pages, 1, "{kind}");
+            st.finish_l3(&jobs[0], true);
+            st.release(id, &ks[..1], now).unwrap();
+            // The pool (16 slots) filled with pages seen once: the declined ones leave
+            // unwritten, counted as declined and not as lost, with their bytes.
+            let more: Vec<PageKey> = (100..120u8).map(|i| PageKey([i; 32])).collect();
+            for k in &more {
+                st.reserve(id, None, std::slice::from_ref(k), now).unwrap();
+                st.commit(id, std::slice::from_ref(k), 0, now).unwrap();
+            }
+            let (declined, bytes) = st.declined();
+            assert!(declined >= 4, "{kind}: {declined} declined pages evicted");
+            let page = st.pools().next().unwrap().layout.page_bytes() as u64;
+            assert_eq!(bytes, declined * page, "{kind}");
+            assert_eq!(st.totals().unwritten_evictions, 0, "{kind}");
+            assert_eq!(
+                st.counters.lost_l3_down + st.counters.lost_no_l3,
+                0,
+                "{kind}"
+            );
+        }
     }
 }

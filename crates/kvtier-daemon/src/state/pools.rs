@@ -4,6 +4,7 @@
 //! the pool settings of `[l2]`. Which pool a session of a tenant uses is the tenant table's
 //! answer; when a pool may go is the state's (it needs the sessions and prefetches).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_config::daemon::{DaemonConfig, L2Backing};
 use kvtier_core::host_index::{HostIndex, HostIndexStats, L3Mode};
-use kvtier_core::{Epoch, Layout, LayoutFingerprint, PolicyKind, TenantTag};
+use kvtier_core::{
+    Admission, AdmissionKind, Epoch, Layout, LayoutFingerprint, PageKey, PolicyKind, TenantTag,
+};
 use kvtier_shm::{Backing, PoolSpec, ShmPool};
 
 use super::StateError;
@@ -67,6 +70,42 @@ pub struct L2Pool {
     pub seals: Option<Seals>,
     /// When a session last used it (created, registered to, called on).
     pub last_used: Instant,
+    /// Which of its pages may go to L3 (`l3.admission`).
+    pub admission: Admission,
+}
+
+impl L2Pool {
+    /// Tells the admission filter of `keys`, just stored here, and marks those it turns
+    /// away as declined (they leave L2 unwritten). Returns the admitted keys and how many
+    /// were declined. Only while an L3 is attached.
+    pub(super) fn admit_stored<'k>(&mut self, keys: &'k [PageKey]) -> (Cow<'k, [PageKey]>, u64) {
+        if self.admission.kind() == AdmissionKind::All {
+            return (Cow::Borrowed(keys), 0);
+        }
+        let mut admitted = Vec::with_capacity(keys.len());
+        let mut declined = 0;
+        for k in keys {
+            if self.admission.admit(k) {
+                admitted.push(*k);
+            } else if self.index.decline_l3(k) {
+                declined += 1;
+            }
+        }
+        (Cow::Owned(admitted), declined)
+    }
+
+    /// Tells the admission filter of `keys`, just served here (hit, or stored again by
+    /// another writer). Returns those it declined before and admits now: they are written
+    /// to L3 like any page not there yet.
+    pub(super) fn admit_served(&mut self, keys: &[PageKey]) -> Vec<PageKey> {
+        if self.admission.kind() == AdmissionKind::All {
+            return Vec::new();
+        }
+        keys.iter()
+            .filter(|k| self.admission.admit(k) && self.index.readmit_l3(k))
+            .copied()
+            .collect()
+    }
 }
 
 /// What a new pool's index starts with besides its size.
@@ -108,6 +147,11 @@ pub(crate) struct Pools {
     dirty_fraction: f64,
     /// Keep slot tables, so the pools survive a crash.
     take_over: bool,
+    /// Each new pool's admission filter (`l3.admission`) and its window.
+    admission: AdmissionKind,
+    admission_window: u64,
+    /// Pages the admission filter declined that pools now gone evicted, and their bytes.
+    retired_declined: (u64, u64),
     /// Which kvtierd this is, across restarts (from its socket path): pool files carry it,
     /// so a restarted daemon takes over its own predecessor's pools and no one else's.
     instance: String,
@@ -135,6 +179,9 @@ impl Pools {
             reserve: cfg.l2.reserve,
             dirty_fraction: cfg.l2.dirty_fraction,
             take_over: cfg.l2.take_over_after_crash,
+            admission: cfg.l3.admission,
+            admission_window: cfg.l3.admission_window,
+            retired_declined: (0, 0),
             instance: survive::instance_id(&cfg.socket_path()),
         })
     }
@@ -166,7 +213,25 @@ impl Pools {
 
     /// Takes pool `key` out (its memory goes with its last reference).
     pub(crate) fn remove(&mut self, key: &LayoutFingerprint) -> Option<L2Pool> {
-        self.map.remove(key)
+        let pool = self.map.remove(key)?;
+        let (pages, bytes) = Self::declined_of(&pool);
+        self.retired_declined.0 += pages;
+        self.retired_declined.1 += bytes;
+        Some(pool)
+    }
+
+    fn declined_of(pool: &L2Pool) -> (u64, u64) {
+        let n = pool.index.stats().declined_evictions;
+        (n, n * pool.layout.page_bytes() as u64)
+    }
+
+    /// Pages the admission filter declined that left L2 unwritten since start, and their
+    /// bytes: what was not written to L3 by choice.
+    pub(crate) fn declined(&self) -> (u64, u64) {
+        self.map
+            .values()
+            .map(Self::declined_of)
+            .fold(self.retired_declined, |(p, b), (p2, b2)| (p + p2, b + b2))
     }
 
     /// Whether `l2.max_pools` pools exist already.
@@ -305,6 +370,7 @@ impl Pools {
             }
             _ => None,
         };
+        let admission = Admission::new(self.admission, self.admission_window);
         let mut index = HostIndex::new(slots, self.policy);
         index.record_changes(true);
         for (tag, quota) in quotas {
@@ -320,6 +386,7 @@ impl Pools {
             prefetch_held: 0,
             seals,
             last_used: Instant::now(),
+            admission,
         });
         Ok((pool.into_mut(), replaced))
     }
@@ -336,6 +403,7 @@ impl Pools {
             t.pins += s.pins;
             t.evictions += s.evictions;
             t.unwritten_evictions += s.unwritten_evictions;
+            t.declined_evictions += s.declined_evictions;
             t.dirty += s.dirty;
             t.leased += s.leased;
         }
