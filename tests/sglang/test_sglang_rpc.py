@@ -135,7 +135,8 @@ def test_objects_are_served_after_kvtierd_restarts_with_the_file_backend(tmp_pat
     )
     c.close()
     d.kill()  # no flush: a put is in L3 before it is answered
-    d = Kvtierd(data)
+    # The crashed kvtierd's L2 (its memory of the objects) is not taken over: L3 serves them.
+    d = Kvtierd(data, "l2.take_over_after_crash=false")
     try:
         c = connect(d)
         assert c.exist(list(objs)) == [True] * 8
@@ -146,6 +147,43 @@ def test_objects_are_served_after_kvtierd_restarts_with_the_file_backend(tmp_pat
         for i, b in enumerate(objs.values()):
             assert c.pool.read(i * 65536, 65536) == b
         assert d.metric('kvtier_sglang_hits_total{op="get",tier="l3"}') == 8
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_objects_kept_only_in_memory_survive_a_kvtierd_crash(tmp_path):
+    """With no L3 the objects' only copy is kvtierd's own L2 pages: sealed as they land, a
+    crashed kvtierd's successor takes their pool over and serves them, bit for bit."""
+    data = tmp_path / "kvtierd"
+    d = Kvtierd(data, "sglang_rpc.l3=none", "sglang_rpc.memory_bytes=4MiB")
+    c = connect(d)
+    objs = {f"{i:064x}_0_k": pattern(60 + i, 65536) for i in range(8)}
+    for i, b in enumerate(objs.values()):
+        c.pool.write(i * 65536, b)
+    assert (
+        c.batch_put([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)])
+        == [OK] * 8
+    )
+    deadline = time.time() + 10
+    while d.metric("kvtier_l2_sealed_pages_total") < 8:
+        assert time.time() < deadline, "the objects' pages were never sealed"
+        time.sleep(0.02)
+    c.close()
+    d.kill()
+    d = Kvtierd(data, "sglang_rpc.l3=none", "sglang_rpc.memory_bytes=4MiB")
+    try:
+        c = connect(d)
+        assert c.exist(list(objs)) == [True] * 8
+        c.pool.write(0, bytes(8 * 65536))
+        assert (
+            c.batch_get([c.transfer(oid, [(i * 65536, 65536)]) for i, oid in enumerate(objs)])
+            == [OK] * 8
+        )
+        for i, b in enumerate(objs.values()):
+            assert c.pool.read(i * 65536, 65536) == b
+        assert d.metric('kvtier_sglang_hits_total{op="get",tier="memory"}') == 8
+        assert d.metric('kvtier_l2_takeover_pages_total{outcome="adopted"}') == 8
         c.close()
     finally:
         d.stop()

@@ -535,6 +535,18 @@ impl HostIndex {
         Some(slot)
     }
 
+    /// Removes `key` if it is ready, pinned by nobody and the parent of no indexed page (a
+    /// page its writer replaces); returns its freed slot. Not counted as an eviction.
+    pub fn remove_idle(&mut self, key: &PageKey) -> Option<u32> {
+        let s = self.slot_of(key)?;
+        let e = self.entry(s);
+        if e.state != PageState::Ready || e.pins > 0 || e.children > 0 {
+            return None;
+        }
+        self.remove(s);
+        Some(s)
+    }
+
     /// The slot and state of `key`, if indexed.
     pub fn get(&self, key: &PageKey) -> Option<(u32, PageState)> {
         self.slot_of(key).map(|s| (s, self.entry(s).state))
@@ -1167,6 +1179,25 @@ mod tests {
         ix.set_l3_mode(L3Mode::Absent);
         assert_eq!(ix.evict(2).len(), 2);
         assert_eq!(ix.stats().unwritten_evictions, 3);
+        ix.validate().unwrap();
+    }
+
+    #[test]
+    fn only_an_idle_childless_ready_page_is_removed_and_its_slot_freed() {
+        let mut ix = HostIndex::new(4, PolicyKind::Lru);
+        let a = keys(1..3);
+        ix.reserve(1, None, &a);
+        assert_eq!(ix.remove_idle(&a[1]), None, "a page being written");
+        ix.commit(1, &a).unwrap();
+        assert_eq!(ix.remove_idle(&a[0]), None, "a parent");
+        ix.acquire(&a[1..]);
+        assert_eq!(ix.remove_idle(&a[1]), None, "a pinned page");
+        ix.release(&a[1..]).unwrap();
+        let free = ix.free_slots();
+        assert!(ix.remove_idle(&a[1]).is_some());
+        assert_eq!(ix.free_slots(), free + 1);
+        assert_eq!(ix.lookup(&a), 1);
+        assert_eq!(ix.stats().evictions, 0);
         ix.validate().unwrap();
     }
 

@@ -17,7 +17,6 @@ use tonic_health::server::HealthReporter;
 
 use crate::l3::{L3Slot, wire_stats};
 use crate::service::HostService;
-use crate::sglang::ObjectCache;
 use crate::state::DrainReport;
 use crate::state::Shared;
 
@@ -31,8 +30,6 @@ const MAX_FLUSH_WAIT_MS: u32 = 3_600_000;
 pub struct AdminService {
     l3: Arc<L3Slot>,
     state: Arc<Shared>,
-    /// kvtierd's memory of SGLang objects, when it serves SGLang.
-    sglang_memory: Option<Arc<ObjectCache>>,
     health: HealthReporter,
     /// The configuration as it runs now (attach applies overrides on top of it).
     running: Arc<Mutex<DaemonConfig>>,
@@ -61,14 +58,12 @@ impl AdminService {
     pub fn new(
         l3: Arc<L3Slot>,
         state: Arc<Shared>,
-        sglang_memory: Option<Arc<ObjectCache>>,
         health: HealthReporter,
         cfg: DaemonConfig,
     ) -> Self {
         Self {
             l3,
             state,
-            sglang_memory,
             health,
             started: Arc::new(cfg.clone()),
             running: Arc::new(Mutex::new(cfg)),
@@ -123,23 +118,18 @@ impl AdminService {
     }
 
     fn clear_l2(&self, dry_run: bool) -> v1::ClearResponse {
+        // SGLang's objects are kvtierd's own L2 pages: cleared with the others.
         let c = self.state.lock().clear_l2(dry_run);
-        let sglang = match (&self.sglang_memory, dry_run) {
-            (Some(m), false) => m.clear() as u64,
-            (Some(m), true) => m.usage().1 as u64,
-            (None, _) => 0,
-        };
         if !dry_run {
             tracing::warn!(
                 pages = c.pages,
                 unwritten = c.unwritten,
                 kept = c.kept,
-                sglang_objects = sglang,
                 "l2 cleared by admin request"
             );
         }
         v1::ClearResponse {
-            removed: c.pages + sglang,
+            removed: c.pages,
             unwritten: c.unwritten,
             kept: c.kept,
             rewrite: 0,

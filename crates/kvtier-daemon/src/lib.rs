@@ -106,8 +106,7 @@ pub async fn run(
     let metrics_addr = metrics
         .as_ref()
         .and_then(kvtier_server::prometheus_http::local);
-    let control =
-        parts::Control::serve(&ctx, &core, &sglang, &gate, uds, tcp, metrics_addr).await?;
+    let control = parts::Control::serve(&ctx, &core, &gate, uds, tcp, metrics_addr).await?;
     parts::spawn_metrics(&ctx, &gate, metrics)?;
     parts::spawn_upkeep(&ctx, &core.state)?;
     let sglang_sockets = sglang.serve(&ctx, &gate, &core).await?;

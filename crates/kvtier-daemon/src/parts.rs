@@ -214,23 +214,15 @@ impl Core {
     }
 }
 
-/// SGLang's HiCache RPC protocol: its series always, its memory and sockets when enabled.
+/// SGLang's HiCache RPC protocol: its series always, its sockets when enabled.
 pub(crate) struct Sglang {
     metrics: sglang::SglangMetrics,
-    /// kvtierd's memory of SGLang objects, when it serves SGLang (the admin clears it with L2).
-    memory: Option<Arc<sglang::ObjectCache>>,
 }
 
 impl Sglang {
     pub(crate) fn new(ctx: &Ctx) -> Result<Self, DaemonError> {
         let metrics = sglang::SglangMetrics::new(&ctx.metrics)?;
-        let memory = ctx.cfg.sglang_rpc.enable.then(|| {
-            Arc::new(sglang::ObjectCache::new(
-                ctx.cfg.sglang_rpc.memory_bytes.0,
-                Some(metrics.cache.clone()),
-            ))
-        });
-        Ok(Self { metrics, memory })
+        Ok(Self { metrics })
     }
 
     /// Binds SGLang's two sockets and serves them, when enabled; returns their paths.
@@ -240,9 +232,17 @@ impl Sglang {
         gate: &PeerGate,
         core: &Core,
     ) -> Result<Vec<PathBuf>, DaemonError> {
-        let Some(memory) = self.memory else {
+        if !ctx.cfg.sglang_rpc.enable {
             return Ok(Vec::new());
-        };
+        }
+        // kvtierd's memory of SGLang objects: its own L2 pages (the admin clears them with L2).
+        let memory = Arc::new(sglang::ObjectPages::new(
+            core.state.clone(),
+            ctx.cfg.sglang_rpc.memory_bytes.0,
+            Some(self.metrics.memory.clone()),
+        ));
+        memory.adopt();
+        memory.report();
         let cfg = &ctx.cfg;
         let (reg_path, grpc_path) = (cfg.sglang_mempool_socket(), cfg.sglang_grpc_socket());
         let reg = gate.bind(&reg_path, Listener::SglangMempool).await?;
@@ -333,7 +333,6 @@ impl Control {
     pub(crate) async fn serve(
         ctx: &Ctx,
         core: &Core,
-        sglang: &Sglang,
         gate: &PeerGate,
         uds: GatedListener,
         tcp: Option<TcpListener>,
@@ -368,7 +367,6 @@ impl Control {
         let admin = kvtier_proto::v1::admin_server::AdminServer::new(admin::AdminService::new(
             core.l3.clone(),
             core.state.clone(),
-            sglang.memory.clone(),
             health.clone(),
             cfg.clone(),
         ));

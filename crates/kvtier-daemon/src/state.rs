@@ -27,6 +27,7 @@ mod l3_view;
 mod l3_writes;
 mod metrics;
 mod operator;
+mod own_pages;
 mod pages;
 mod pools;
 mod prefetch;
@@ -39,6 +40,7 @@ pub use error::StateError;
 pub use l3_writes::Job;
 pub use metrics::L2Metrics;
 pub use operator::{ClearedL2, DrainReport, FlushWait};
+pub use own_pages::{OwnSlot, OwnUsage};
 pub use pools::{L2Pool, open_pool_dir, pool_dir, pool_key};
 pub use prefetch::{
     Finished, Opened, Phase, PrefetchEntry, PrefetchOpen, Prefetches, Progress, StopCause,
@@ -72,10 +74,17 @@ pub struct Session {
     scope: TenantScope,
     /// Who owns its reservations in the index.
     owner: OwnerId,
+    /// kvtierd's own session (the SGLang object store's, [`HostState::register_own`]): it
+    /// never expires.
+    pub own: bool,
 }
 
 /// A session's pins: slot → how many.
 pub type SlotPins = HashMap<u32, u32, kvtier_core::key_map::BuildKeyHasher>;
+
+/// Model ids of kvtierd's own layouts (the SGLang object store's pages): no client may
+/// register one, and a dead kvtierd's pool of one is taken over as kvtierd's own.
+pub const OWN_LAYOUT_PREFIX: &str = "kvtierd/";
 
 /// The host state as every service and task shares it: the one mutex over [`HostState`]. A
 /// `parking_lot` mutex, which does not poison: a panic while holding it is a bug, but every
@@ -391,7 +400,15 @@ impl HostState {
             .only_tenant_of(&pool.key, &pool.layout.fingerprint())
     }
 
-    fn pool_for(&mut self, layout: &Layout, tenant: &str) -> Result<&mut L2Pool, StateError> {
+    /// The pool `tenant`'s sessions of `layout` use, made if need be: with `own_slots`
+    /// (`Some`), one of kvtierd's own, of that size, its L3 its owner's business
+    /// ([`L2Pool::writes_own_l3`]).
+    fn pool_for(
+        &mut self,
+        layout: &Layout,
+        tenant: &str,
+        own_slots: Option<u32>,
+    ) -> Result<&mut L2Pool, StateError> {
         // A named tenant's own pool (its sessions alone get its descriptor); else the
         // layout's, which every tenant's sessions share.
         let (fp, own) = self.tenants.pool_of(&layout.fingerprint(), tenant);
@@ -416,6 +433,7 @@ impl HostState {
                 epoch: self.sessions.epoch(),
                 quotas,
                 l3_mode,
+                own_slots,
             })?;
             if replaced {
                 self.counters.takeover.pools_removed += 1;
@@ -435,9 +453,53 @@ impl HostState {
         layout: &Layout,
         now: Instant,
     ) -> Result<Registered, StateError> {
+        if layout.spec().model_id.starts_with(OWN_LAYOUT_PREFIX) {
+            return Err(StateError::invalid(
+                "layout.model_id",
+                format!("names beginning {OWN_LAYOUT_PREFIX:?} are kvtierd's own"),
+            ));
+        }
         self.admitting("new sessions")?;
+        self.add_session(name, tenant, layout, None, now)
+    }
+
+    /// Registers a session of kvtierd's own (the SGLang object store's) for `tenant`'s pages
+    /// of `layout`: it never expires, and a pool made for it has `slots` slots and leaves
+    /// L3 to its owner ([`L2Pool::writes_own_l3`]). Taken while draining too: it serves
+    /// what is stored already.
+    pub fn register_own(
+        &mut self,
+        name: String,
+        tenant: &str,
+        layout: &Layout,
+        slots: u32,
+        now: Instant,
+    ) -> Result<SessionId, StateError> {
+        let id = self
+            .add_session(name, tenant, layout, Some(slots), now)?
+            .session_id;
+        let pool = self.sessions.get(id)?.pool;
+        if !self.pools.get(&pool).is_some_and(|p| p.writes_own_l3) {
+            // The layout's pool was a client's (its layout is named like kvtierd's own).
+            let _ = self.close(id);
+            return Err(StateError::Refused(format!(
+                "the pool of {} is a client's, not kvtierd's own",
+                layout.spec().model_id
+            )));
+        }
+        Ok(id)
+    }
+
+    fn add_session(
+        &mut self,
+        name: String,
+        tenant: &str,
+        layout: &Layout,
+        own_slots: Option<u32>,
+        now: Instant,
+    ) -> Result<Registered, StateError> {
         let id = self.sessions.new_id()?;
-        let pool = self.pool_for(layout, tenant)?;
+        let pool = self.pool_for(layout, tenant, own_slots)?;
         let pool_key = pool.key;
         let reg = Registered {
             session_id: id,
@@ -459,6 +521,7 @@ impl HostState {
                 tenant: tenant.to_string(),
                 scope: TenantScope::new(tenant),
                 owner,
+                own: own_slots.is_some(),
             },
         );
         Ok(reg)

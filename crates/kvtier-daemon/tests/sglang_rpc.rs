@@ -353,9 +353,34 @@ fn a_second_sglang_instance_is_served_from_memory_and_objects_outlive_the_daemon
     );
     assert_eq!(sample("kvtier_sglang_memory_objects", &[]), n as f64);
 
-    // The daemon dies without a chance to flush: the objects were in L3 before their puts
-    // were answered, so a restarted daemon (memory empty) serves them from the file backend,
-    // then from memory.
+    // The objects are kvtierd's own L2 pages: sealed, they survive a crash. The daemon dies
+    // without a chance to flush; its successor takes their pool over and serves every one
+    // from memory.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while metric(&d.metrics(), "kvtier_l2_sealed_pages_total") < n as f64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the objects' pages were never sealed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let d = Daemon::start_in(d.kill(), &["sglang_rpc.enable=true"]);
+    let (_cr, pr, fr) = register(&d.dir.join("sglang-mempool.sock"), (2 * n * OBJ) as u64);
+    rt().block_on(async {
+        let mut c = client(&d).await;
+        assert_eq!(get_all(&mut c, &fr, pr, n).await, vec![0; n]);
+    });
+    let m = d.metrics();
+    assert_eq!(hits(&m, "get", "memory"), n as f64);
+    assert_eq!(hits(&m, "get", "l3"), 0.0);
+    assert_eq!(
+        metric(&m, "kvtier_l2_takeover_pages_total{outcome=\"adopted\"}"),
+        n as f64
+    );
+
+    // It dies again, and its successor may not take the pool over: the objects were in L3
+    // before their puts were answered, so it serves them from the file backend, then from
+    // memory.
     let dir = d.kill();
     // Meanwhile one object rots on disk (a flipped byte) and another is cut short.
     let file_of = |i: usize| {
@@ -379,7 +404,10 @@ fn a_second_sglang_instance_is_served_from_memory_and_objects_outlive_the_daemon
         .unwrap()
         .set_len(len - 1000)
         .unwrap();
-    let d = Daemon::start_in(dir, &["sglang_rpc.enable=true"]);
+    let d = Daemon::start_in(
+        dir,
+        &["sglang_rpc.enable=true", "l2.take_over_after_crash=false"],
+    );
     let (_cc, pc, fc) = register(&d.dir.join("sglang-mempool.sock"), (2 * n * OBJ) as u64);
     rt().block_on(async {
         let mut c = client(&d).await;

@@ -336,9 +336,12 @@ grpc_socket = ""
 # Where SGLang's objects persist: "shared" (the [l3] backend above, in a namespace of their
 # own: its capacity, breaker, timeout and metrics apply) or "none" (memory only, below).
 l3 = "shared"
-# Recently put or got objects kept in kvtierd's memory (LRU, bounded), so every SGLang
-# instance on the node is served from memory instead of L3 (plus at most 64 MiB of spare
-# buffers kept for reuse). "0B": off; with l3 = "none" it is the only copy.
+# Recently put or got objects kept in kvtierd's memory, so every SGLang instance on the node
+# is served from memory instead of L3: kvtierd's own L2 pages, one pool of this many bytes per
+# object size (SGLang's come in one or two sizes; at most two per tenant are kept), under L2's
+# eviction policy and quotas, counted toward l2.max_pools, surviving a crash as L2 does (plus
+# at most 64 MiB of spare buffers kept for reuse). "0B": off; with l3 = "none" it is the only
+# copy.
 memory_bytes = "1GiB"
 # Backend calls in flight per batch (1 to 256).
 concurrency = 16

@@ -1,11 +1,11 @@
 //! The SGLang HiCache RPC protocol's metrics: objects moved by operation and outcome, bytes,
-//! batch timings, where hits were served from, registered host pools, and the in-memory
-//! object cache.
+//! batch timings, where hits were served from, registered host pools, and the objects kept
+//! in memory.
 
 use kvtier_server::metrics::{IO_BUCKETS, MetricRegistry, Result};
 use prometheus::{HistogramVec, IntCounterVec, IntGauge};
 
-use super::cache::CacheGauges;
+use super::objects::MemoryGauges;
 
 /// Series of the SGLang protocol.
 #[derive(Clone, Debug)]
@@ -20,8 +20,8 @@ pub struct SglangMetrics {
     pub hits: IntCounterVec,
     /// Host pools registered now.
     pub pools: IntGauge,
-    /// The in-memory object cache.
-    pub cache: CacheGauges,
+    /// The objects kept in kvtierd's memory (its own L2 pages).
+    pub memory: MemoryGauges,
 }
 
 impl SglangMetrics {
@@ -50,14 +50,14 @@ impl SglangMetrics {
                 "SGLang gets served and exists found, by the tier that had the object",
                 &["op", "tier"],
             )?,
-            cache: CacheGauges {
+            memory: MemoryGauges {
                 bytes: r.gauge(
                     "kvtier_sglang_memory_bytes",
-                    "Bytes of SGLang objects kept in kvtierd's memory",
+                    "Bytes of SGLang objects kept in kvtierd's memory (its own L2 pages)",
                 )?,
                 objects: r.gauge(
                     "kvtier_sglang_memory_objects",
-                    "SGLang objects kept in kvtierd's memory",
+                    "SGLang objects kept in kvtierd's memory (its own L2 pages)",
                 )?,
                 evictions: r.counter(
                     "kvtier_sglang_memory_evictions_total",

@@ -21,19 +21,19 @@
 //! a log line naming the problem; nothing else is affected.
 //!
 //! Part 2, [`service`]: the gRPC `StorageServer` that moves objects by offset into these
-//! pools, over kvtier's L3 and the shared memory cache of [`cache`].
+//! pools, over kvtier's L3 and kvtierd's own L2 pages of [`objects`].
 
 mod authority;
 mod batch;
-pub mod cache;
 mod metrics;
+pub mod objects;
 pub mod service;
 
 pub use authority::incoming as grpc_incoming;
 pub use authority::who as relayed_caller;
 
-pub use cache::ObjectCache;
 pub use metrics::SglangMetrics;
+pub use objects::ObjectPages;
 pub use service::StorageService;
 
 use parking_lot::Mutex;

@@ -4,9 +4,10 @@
 //! A put stores the concatenation of its iovecs (read from the registered pool) as one
 //! object; a get scatters an object back over its iovecs. Objects live in two places:
 //!
-//! - **memory** ([`ObjectCache`]): the objects recently put or got on this node, bounded by
-//!   `sglang_rpc.memory_bytes`. Every SGLang instance registered here reads them, so a second
-//!   instance that asks for ids another one stored is served by one memcpy;
+//! - **memory** ([`ObjectPages`]): the objects recently put or got on this node, as kvtierd's
+//!   own L2 pages (a pool of `sglang_rpc.memory_bytes` per object size). Every SGLang
+//!   instance registered here reads them, so a second instance that asks for ids another one
+//!   stored is served from memory, and they survive a kvtierd crash as L2 does;
 //! - **L3** (`sglang_rpc.l3 = "shared"`): kvtierd's own backend, each object framed and
 //!   checksummed like a kvtier page and named in a namespace of its own (a fixed fingerprint
 //!   and the SHA-256 of the id), so it never collides with kvtier's page keys. A put is
@@ -18,7 +19,8 @@
 //! may shrink its memfd) before a byte moves; a bad transfer gets an error code in its slot
 //! and a log line, the others proceed. A stored object whose length differs from the
 //! transfer's is `NOT_FOUND` (and stays stored); a corrupt or torn L3 object is `NOT_FOUND`
-//! (and is deleted). A request with more transfers than `sglang_rpc.max_batch` is
+//! (and is deleted). A put of an id another transfer is reading from memory right now is
+//! `UNAVAILABLE`, nothing written: the copy being read stays, and must not be answered for. A request with more transfers than `sglang_rpc.max_batch` is
 //! `InvalidArgument` as a whole. Transfers of one batch run `sglang_rpc.concurrency` at a
 //! time; results keep the request's order. A BatchGet runs each transfer on its own task, so
 //! its copies into the engine's memory spread over the runtime's workers, and none runs once
@@ -41,7 +43,8 @@ use tonic::{Request, Response, Status};
 
 use super::SglangMetrics;
 use super::batch::{self, CopyGate};
-use super::{EnginePool, ObjectCache, Pools};
+use super::objects::{Busy, ObjectPages};
+use super::{EnginePool, Pools};
 use crate::l3::L3Slot;
 
 /// Longest id accepted (SGLang's are ~70 bytes).
@@ -70,16 +73,20 @@ struct Caller {
     /// The tenant scope of its connection (`authority::TENANT_HEADER`; absent while tenancy
     /// is off).
     scope: Option<TenantScope>,
+    /// That tenant's name (`""`: the default tenant, and every caller while tenancy is off).
+    tenant: String,
     /// Its peer uid (`authority::UID_HEADER`); `None` names no pool.
     uid: Option<u32>,
 }
 
 fn request_caller<T>(request: &Request<T>) -> Caller {
     let m = request.metadata();
+    let tenant = m
+        .get(super::authority::TENANT_HEADER)
+        .map(|t| t.to_str().unwrap_or_default().to_string());
     Caller {
-        scope: m
-            .get(super::authority::TENANT_HEADER)
-            .map(|t| TenantScope::new(t.to_str().unwrap_or_default())),
+        scope: tenant.as_deref().map(TenantScope::new),
+        tenant: tenant.unwrap_or_default(),
         uid: m
             .get(super::authority::UID_HEADER)
             .and_then(|v| v.to_str().ok())
@@ -163,7 +170,7 @@ pub struct StorageService {
 struct Objects {
     pools: Arc<Pools>,
     l3: Option<Arc<L3Slot>>,
-    memory: Arc<ObjectCache>,
+    memory: Arc<ObjectPages>,
     concurrency: usize,
     max_batch: usize,
     metrics: SglangMetrics,
@@ -177,7 +184,7 @@ impl StorageService {
         cfg: &SglangRpcConfig,
         pools: Arc<Pools>,
         l3: Arc<L3Slot>,
-        memory: Arc<ObjectCache>,
+        memory: Arc<ObjectPages>,
         metrics: SglangMetrics,
         stop: CancellationToken,
     ) -> Self {
@@ -316,23 +323,33 @@ impl Objects {
             Ok(r) => r,
             Err(c) => return c,
         };
+        let key = object_key(scope, &t.id);
+        // Memory first: a copy someone is reading stays, and this put is not answered for.
+        let slot = match self.memory.reserve(&caller.tenant, key, total) {
+            Ok(s) => s,
+            Err(Busy) => {
+                tracing::debug!(
+                    id = %String::from_utf8_lossy(&t.id),
+                    "sglang put: the object is being read from memory; not stored"
+                );
+                return code::UNAVAILABLE;
+            }
+        };
         // Every byte of the buffer is overwritten: the ranges add up to `total`.
         let mut buf = self.memory.take_buffer(total);
         let mut at = 0;
         for (off, len) in ranges {
             if pool.read(off, &mut buf[at..at + len]).is_err() {
-                self.memory.recycle(Bytes::from(buf));
+                self.memory.recycle_vec(buf);
                 return code::OUT_OF_RANGE;
             }
             at += len;
         }
         let data = Bytes::from(buf);
-        let key = object_key(scope, &t.id);
-        let in_memory = self.memory.insert(key.0, data.clone());
-        let code = match self.l3.as_ref().map(|s| s.current()) {
+        let (code, in_l3) = match self.l3.as_ref().map(|s| s.current()) {
             // Memory is the only copy (`sglang_rpc.l3 = "none"`).
-            None if in_memory => code::OK,
-            None | Some(None) => code::UNAVAILABLE,
+            None => (code::OK, false),
+            Some(None) => (code::UNAVAILABLE, false),
             Some(Some(l3)) => match l3
                 .store
                 .set(
@@ -343,18 +360,21 @@ impl Objects {
                 )
                 .await
             {
-                Ok(()) => code::OK,
+                Ok(()) => (code::OK, true),
                 Err(e) => {
                     tracing::warn!(
                         id = %String::from_utf8_lossy(&t.id),
                         "sglang put: the L3 write failed: {e}"
                     );
-                    code::UNAVAILABLE
+                    (code::UNAVAILABLE, false)
                 }
             },
         };
-        if !in_memory {
-            self.memory.recycle(data);
+        let kept = slot.is_some_and(|s| s.commit(&data, in_l3));
+        self.memory.recycle(data);
+        self.memory.report();
+        if self.l3.is_none() && !kept {
+            return code::UNAVAILABLE;
         }
         code
     }
@@ -375,14 +395,15 @@ impl Objects {
             );
             code::NOT_FOUND
         };
-        if let Some(data) = self.memory.get(&key.0) {
-            if data.len() != total {
-                return wrong_length(data.len());
-            }
+        let mut buf = self.memory.take_buffer(total);
+        if self.memory.get(&caller.tenant, key, &mut buf) {
             self.served("get", "memory");
-            return Self::scatter(gate, &pool, &ranges, &data);
+            let c = Self::scatter(gate, &pool, &ranges, &buf);
+            self.memory.recycle_vec(buf);
+            return c;
         }
         let Some(l3) = self.l3.as_ref().and_then(|s| s.current()) else {
+            self.memory.recycle_vec(buf);
             return code::NOT_FOUND;
         };
         let ctx = OpCtx::child(&self.stop, l3.timeout);
@@ -390,7 +411,7 @@ impl Objects {
         // is given to the store, so a request of the wrong length cannot make it treat a good
         // object as corrupt (and delete it).
         let sink = Arc::new(BufferSink {
-            buf: Mutex::new(self.memory.take_buffer(total)),
+            buf: Mutex::new(buf),
             overflow: AtomicBool::new(false),
         });
         let landed = l3
@@ -404,9 +425,11 @@ impl Objects {
                 let c = Self::scatter(gate, &pool, &ranges, &buf);
                 if c == code::OK {
                     self.served("get", "l3");
-                    if self.memory.enabled() {
-                        self.memory.insert(key.0, Bytes::from(buf));
-                        return c;
+                    // Kept in memory for the next reader; a copy someone reads or writes
+                    // now is left as it is.
+                    if let Ok(Some(slot)) = self.memory.reserve(&caller.tenant, key, total) {
+                        slot.commit(&buf, true);
+                        self.memory.report();
                     }
                 }
                 c
@@ -420,16 +443,16 @@ impl Objects {
                 code::UNAVAILABLE
             }
         };
-        self.memory.recycle(Bytes::from(buf));
+        self.memory.recycle_vec(buf);
         c
     }
 
-    async fn exists_one(&self, scope: Option<&TenantScope>, id: &[u8]) -> bool {
+    async fn exists_one(&self, caller: &Caller, id: &[u8]) -> bool {
         if id.is_empty() || id.len() > MAX_ID {
             return false;
         }
-        let key = object_key(scope, id);
-        if self.memory.contains(&key.0) {
+        let key = object_key(caller.scope.as_ref(), id);
+        if self.memory.contains(&caller.tenant, key) {
             self.served("exist", "memory");
             return true;
         }
@@ -463,14 +486,14 @@ impl sglang::storage_server_server::StorageServer for StorageService {
         request: Request<sglang::ExistRequest>,
     ) -> Result<Response<sglang::ExistResponse>, Status> {
         let started = Instant::now();
-        let scope = request_caller(&request).scope;
+        let caller = request_caller(&request);
         let ids = request.into_inner().id;
         let this = &self.inner;
         this.check_batch("Exist", ids.len())?;
         let results: Vec<bool> = futures::stream::iter(ids)
             .map(|id| {
-                let (this, scope) = (this.clone(), scope.clone());
-                async move { this.exists_one(scope.as_ref(), &id).await }
+                let (this, caller) = (this.clone(), caller.clone());
+                async move { this.exists_one(&caller, &id).await }
             })
             .buffered(this.concurrency)
             .collect()

@@ -62,7 +62,7 @@ impl HostState {
 
     pub(super) fn apply_l3_mode(&mut self) {
         let mode = self.l3_mode();
-        for pool in self.pools.values_mut() {
+        for pool in self.pools.values_mut().filter(|p| !p.writes_own_l3) {
             pool.index.set_l3_mode(mode);
         }
     }

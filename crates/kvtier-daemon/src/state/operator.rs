@@ -139,7 +139,8 @@ impl HostState {
             l3_down: self.l3.is_down(),
             ..DrainReport::default()
         };
-        for p in self.pools.values() {
+        // kvtierd's own pools write L3 themselves: nothing of theirs waits for the writer.
+        for p in self.pools.values().filter(|p| !p.writes_own_l3) {
             r.unwritten += u64::from(p.index.unwritten());
             r.writing += u64::from(p.index.stats().writing);
         }
@@ -154,6 +155,7 @@ impl HostState {
             keys: self
                 .pools
                 .values()
+                .filter(|p| !p.writes_own_l3)
                 .map(|p| (p.key, p.index.unwritten_keys()))
                 .filter(|(_, k)| !k.is_empty())
                 .collect(),

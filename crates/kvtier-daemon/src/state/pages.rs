@@ -263,7 +263,7 @@ impl HostState {
         pool: &mut L2Pool,
         keys: &[PageKey],
     ) -> (Vec<Job>, (u64, u64)) {
-        let Some(p) = write.filter(|_| !keys.is_empty()) else {
+        let Some(p) = write.filter(|_| !keys.is_empty() && !pool.writes_own_l3) else {
             return (Vec::new(), (0, 0));
         };
         let (admitted, declined) = pool.admit_stored(keys);
@@ -309,7 +309,7 @@ impl HostState {
         for &s in &slots {
             *session.pins.entry(s).or_insert(0) += 1;
         }
-        let (jobs, readmitted) = match write {
+        let (jobs, readmitted) = match write.filter(|_| !pool.writes_own_l3) {
             Some(p) => {
                 // A page the admission filter declined and now admits, seen again, is
                 // written like any page not in L3 yet: at once under write_through.

@@ -72,6 +72,10 @@ pub struct L2Pool {
     pub last_used: Instant,
     /// Which of its pages may go to L3 (`l3.admission`).
     pub admission: Admission,
+    /// One of kvtierd's own pools (the SGLang object store's): its owner writes L3 itself,
+    /// so L2's writer, flusher, drain and admission filter leave it alone, and it evicts as
+    /// with no L3 (a page its owner did not mark held in L3 is counted lost when it goes).
+    pub writes_own_l3: bool,
 }
 
 impl L2Pool {
@@ -121,8 +125,10 @@ pub(crate) struct NewPool<'a> {
     pub epoch: Epoch,
     /// The L2 quota of every tracked tenant.
     pub quotas: Vec<(TenantTag, Option<u32>)>,
-    /// What L3 is to it now.
+    /// What L3 is to it now (for one of kvtierd's own pools: ignored, it has none).
     pub l3_mode: L3Mode,
+    /// `Some(slots)`: one of kvtierd's own pools ([`L2Pool::writes_own_l3`]), of that size.
+    pub own_slots: Option<u32>,
 }
 
 /// Every L2 pool, and the `[l2]` settings they are made by.
@@ -307,13 +313,19 @@ impl Pools {
             epoch,
             quotas,
             l3_mode,
+            own_slots,
         } = new;
         self.check_page_fits(layout)?;
         let stride = layout.slot_stride() as u64;
-        let slots = if self.pool_pages > 0 {
-            self.pool_pages
+        let slots = match own_slots {
+            Some(n) => u64::from(n),
+            None if self.pool_pages > 0 => self.pool_pages,
+            None => self.pool_bytes / stride,
+        };
+        let l3_mode = if own_slots.is_some() {
+            L3Mode::Absent
         } else {
-            self.pool_bytes / stride
+            l3_mode
         };
         if slots == 0 {
             return Err(StateError::Refused(format!(
@@ -387,6 +399,7 @@ impl Pools {
             seals,
             last_used: Instant::now(),
             admission,
+            writes_own_l3: own_slots.is_some(),
         });
         Ok((pool.into_mut(), replaced))
     }

@@ -114,7 +114,7 @@ impl Sessions {
     pub(crate) fn expired(&self, now: Instant) -> Vec<SessionId> {
         self.live
             .iter()
-            .filter(|(_, s)| now.saturating_duration_since(s.last_seen) > self.ttl)
+            .filter(|(_, s)| !s.own && now.saturating_duration_since(s.last_seen) > self.ttl)
             .map(|(&id, _)| id)
             .collect()
     }

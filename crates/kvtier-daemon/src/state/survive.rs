@@ -249,7 +249,13 @@ impl HostState {
         counts: &mut TakeoverCounts,
     ) -> Result<(), String> {
         let page_bytes = layout.page_bytes();
-        let pool = self.pool_for(layout, "").map_err(|e| e.to_string())?;
+        // One of kvtierd's own pools comes back as one, of its size.
+        let own = layout
+            .spec()
+            .model_id
+            .starts_with(super::OWN_LAYOUT_PREFIX)
+            .then(|| table.slots().min(old.slots()));
+        let pool = self.pool_for(layout, "", own).map_err(|e| e.to_string())?;
         let mut records: HashMap<PageKey, (u32, SlotRecord)> = HashMap::new();
         for slot in 0..table.slots().min(old.slots()) {
             if let Some(r) = table.record(slot) {
