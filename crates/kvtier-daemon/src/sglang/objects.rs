@@ -143,10 +143,20 @@ impl ObjectPages {
         if !self.enabled() || len == 0 {
             return None;
         }
-        if let Some(o) = self.existing(len, tenant) {
-            return Some(o);
+        let layout = layout(len)?;
+        let slots =
+            u32::try_from(self.pool_bytes / layout.slot_stride() as u64).unwrap_or(u32::MAX);
+        if slots == 0 {
+            return None;
         }
-        if self.own_of(tenant).len() >= MAX_SIZES {
+        // Under the map's lock (then the state's: always in that order), so two first puts of
+        // a size make one session, not one each.
+        let mut own = self.own.lock();
+        let k = (len, tenant.to_string());
+        if let Some(o) = own.get(&k) {
+            return Some(o.clone());
+        }
+        if own.keys().filter(|(_, t)| t == tenant).count() >= MAX_SIZES {
             if let Some(more) = NOT_KEPT_LOG.allow() {
                 tracing::warn!(
                     len,
@@ -155,13 +165,6 @@ impl ObjectPages {
                     "sglang objects of a third size are not kept in memory (at most {MAX_SIZES} sizes per tenant)"
                 );
             }
-            return None;
-        }
-        let k = (len, tenant.to_string());
-        let layout = layout(len)?;
-        let slots =
-            u32::try_from(self.pool_bytes / layout.slot_stride() as u64).unwrap_or(u32::MAX);
-        if slots == 0 {
             return None;
         }
         let made = {
@@ -178,7 +181,7 @@ impl ObjectPages {
         match made {
             Ok((id, shm)) => {
                 let o = Own { id, shm, len };
-                self.own.lock().insert(k, o.clone());
+                own.insert(k, o.clone());
                 Some(o)
             }
             Err(e) => {
@@ -249,8 +252,10 @@ impl ObjectPages {
 
     /// Whether memory holds `key` of `tenant`, of any size (its age is left alone).
     pub fn contains(&self, tenant: &str, key: PageKey) -> bool {
+        // The sessions first: the map's lock is never taken under the state's.
+        let own = self.own_of(tenant);
         let mut st = self.state.lock();
-        self.own_of(tenant).iter().any(|o| {
+        own.iter().any(|o| {
             st.lookup(o.id, &[key], Instant::now())
                 .is_ok_and(|n| n == 1)
         })
