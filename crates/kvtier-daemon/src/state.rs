@@ -19,6 +19,7 @@ use l3_view::L3View;
 use operator::OperatorFlags;
 use pools::{NewPool, Pools};
 use sessions::Sessions;
+pub(crate) use tenants::Sees;
 use tenants::TenantTable;
 
 mod error;
@@ -389,6 +390,16 @@ impl HostState {
             )));
         }
         Ok(())
+    }
+
+    /// What a caller limited to `tenant` (`None`: the operator) may see of `pool`: the tenant
+    /// table's answer, as the events snapshot and Stats take it.
+    pub(crate) fn sees(&self, tenant: Option<&str>, pool: &L2Pool) -> Sees {
+        self.tenants.sees(
+            tenant.map(|t| TenantScope::new(t).tag()),
+            &pool.key,
+            &pool.layout.fingerprint(),
+        )
     }
 
     /// The tag of the one tenant whose pages `pool` can hold: a named tenant's own pool's

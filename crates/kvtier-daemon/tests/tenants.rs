@@ -73,6 +73,66 @@ fn start(name: &str, toml: &str) -> Daemon {
 }
 
 #[test]
+fn a_tenant_sees_its_own_pages_of_a_pool_tenants_share_and_nothing_of_the_others() {
+    let dir = std::env::temp_dir().join(format!("kvtier-test-stats-view-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("kvtierd.toml"),
+        "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n",
+    )
+    .unwrap();
+    let d = Daemon::start_in(
+        dir,
+        &[
+            "server.tcp=127.0.0.1:0",
+            "server.tcp_insecure=true",
+            "server.token=tok-default",
+            "server.admin_token=tok-admin",
+            "l2.pool_pages=64",
+            "l2.tenant_pools=false",
+        ],
+    );
+    let tcp = format!("http://{}", d.tcp);
+    let spec = layout("shared-view");
+    rt().block_on(async {
+        let mut a = as_tenant(&tcp, "tok-acme").await;
+        let mut g = as_tenant(&tcp, "tok-globex").await;
+        let sa = a.register("acme-worker", &spec).await.unwrap();
+        let sg = g.register("globex-worker", &spec).await.unwrap();
+        let len = sa.layout.page_bytes();
+        let pages = |seed: u64, n: u64| -> Vec<Vec<u8>> {
+            (0..n).map(|i| seeded_bytes(seed * 100 + i, len)).collect()
+        };
+        write(&mut a, &sa, &chain(1, 8), &pages(1, 8)).await;
+        write(&mut g, &sg, &chain(2, 3), &pages(2, 3)).await;
+        // One pool holds both tenants' pages: each sees its own count, not the other's.
+        let seen = |s: v1::StatsResponse| -> Vec<(String, u32, u64)> {
+            s.pools
+                .iter()
+                .map(|p| (p.model_id.clone(), p.ready_pages, p.evictions))
+                .collect()
+        };
+        assert_eq!(
+            seen(g.stats().await.unwrap()),
+            vec![("shared-view".to_string(), 3, 0)]
+        );
+        assert_eq!(
+            seen(a.stats().await.unwrap()),
+            vec![("shared-view".to_string(), 8, 0)]
+        );
+        // The operator sees the whole pool.
+        let all = HostClient::connect_with(&d.target(), &token("tok-admin"))
+            .await
+            .unwrap()
+            .stats()
+            .await
+            .unwrap();
+        assert_eq!(seen(all), vec![("shared-view".to_string(), 11, 0)]);
+    });
+}
+
+#[test]
 fn equal_keys_of_two_tenants_never_meet_in_l2_or_l3() {
     // This process is the "local" tenant on the Unix socket by its primary gid (its uid is
     // kvtierd's own, the operator's, which no tenant may claim).

@@ -1,6 +1,8 @@
 //! What kvtierd shows of itself over HostTier: `Stats` (pools, sessions, counters, every
 //! tenant's use of L2 and L3) and `WatchMetrics` (snapshots of the Prometheus registry at an
-//! interval). A tenant's caller sees only its own sessions, pools, usage and series.
+//! interval). A tenant's caller sees only its own sessions, usage and series, and of the
+//! pools what the tenant table lets it ([`HostState::sees`]): of a pool tenants share, its own
+//! pages only.
 
 use std::time::Instant;
 
@@ -8,7 +10,7 @@ use kvtier_proto::{ApiError, v1};
 use tonic::Status;
 
 use super::HostService;
-use crate::state::HostState;
+use crate::state::{HostState, Sees};
 
 /// Shortest, default and longest interval between WatchMetrics snapshots.
 const WATCH_MIN_MS: u64 = 100;
@@ -59,13 +61,16 @@ impl HostService {
         let st = self.state();
         let now = Instant::now();
         let mut sessions: Vec<_> = st.sessions().filter(|(_, s)| mine(&s.tenant)).collect();
-        let seen: std::collections::HashSet<_> = sessions.iter().map(|(_, s)| s.pool).collect();
+        let used: std::collections::HashSet<_> = sessions.iter().map(|(_, s)| s.pool).collect();
+        // What the tenant table lets the caller see of each pool: all of it (the operator, or
+        // a pool that holds this tenant's pages alone), nothing (another tenant's own pool),
+        // or, of a pool tenants share, its own pages only (the other counts are the pool's
+        // and so everyone's: 0), listed when it has pages or a session there.
         let pools = st
             .pools()
-            .filter(|p| only.is_none() || seen.contains(&p.key))
-            .map(|p| {
+            .filter_map(|p| {
                 let s = p.index.stats();
-                v1::PoolStats {
+                let mut out = v1::PoolStats {
                     fingerprint: p.layout.fingerprint().0.to_vec(),
                     model_id: p.layout.spec().model_id.clone(),
                     pool_path: p.shm.path().display().to_string(),
@@ -78,6 +83,22 @@ impl HostService {
                     evictions: s.evictions,
                     mlocked: p.shm.is_locked(),
                     huge_pages: p.shm.huge_pages(),
+                };
+                match st.sees(only, p) {
+                    Sees::Nothing => None,
+                    Sees::All => Some(out),
+                    Sees::Only(t) if st.own_pool_tenant(p) == Some(t) => Some(out),
+                    Sees::Only(t) => {
+                        let mine = p.index.tenant_usage(t).map_or(0, |u| u.pages);
+                        (mine > 0 || used.contains(&p.key)).then(|| {
+                            out.ready_pages = mine;
+                            out.writing_pages = 0;
+                            out.pinned_pages = 0;
+                            out.pins = 0;
+                            out.evictions = 0;
+                            out
+                        })
+                    }
                 }
             })
             .collect();
