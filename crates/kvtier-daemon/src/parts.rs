@@ -259,6 +259,7 @@ impl Sglang {
                 pools,
                 core.l3.clone(),
                 memory,
+                cfg.l2.max_page_bytes.0,
                 self.metrics,
                 ctx.tasks.shutdown.clone(),
             ),

@@ -782,3 +782,145 @@ fn clients_that_break_off_or_stay_silent_leave_no_descriptor_behind() {
         .unwrap();
     });
 }
+
+/// Puts `bytes` as object `id` from offset 0 of the pool; returns the code.
+async fn put_one(
+    c: &mut StorageServerClient<tonic::transport::Channel>,
+    fd: &OwnedFd,
+    pool: u32,
+    id: &str,
+    bytes: &[u8],
+) -> i32 {
+    fill(fd, 0, bytes);
+    c.batch_put(BatchPutRequest {
+        puts: vec![t(id, pool, &[(0, bytes.len() as u32)])],
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .results[0]
+}
+
+/// Gets object `id` of `len` bytes into offset 0 of the pool; returns the code and bytes.
+async fn get_one(
+    c: &mut StorageServerClient<tonic::transport::Channel>,
+    fd: &OwnedFd,
+    pool: u32,
+    id: &str,
+    len: usize,
+) -> (i32, Vec<u8>) {
+    fill(fd, 0, &vec![0u8; len]);
+    let r = c
+        .batch_get(BatchGetRequest {
+            gets: vec![t(id, pool, &[(0, len as u32)])],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results[0];
+    (r, read(fd, 0, len))
+}
+
+#[test]
+fn the_same_id_put_twice_keeps_the_later_bytes_and_both_are_answered() {
+    // Review finding: the second put of an id in one batch was refused (14) while the first
+    // held its memory slot across its slow L3 write, and the first one's bytes stayed.
+    let d = Daemon::start(
+        "sglang-same-id",
+        &["sglang_rpc.enable=true", "l3.fault_set_delay=200ms"],
+    );
+    let (_c, p, fd) = register(&d.dir.join("sglang-mempool.sock"), 4 * OBJ as u64);
+    let (v1, v2) = (object(1, OBJ), object(2, OBJ));
+    fill(&fd, 0, &v1);
+    fill(&fd, OBJ as u64, &v2);
+    rt().block_on(async {
+        let mut c = client(&d).await;
+        let r = c
+            .batch_put(BatchPutRequest {
+                puts: vec![
+                    t("x", p, &[(0, OBJ as u32)]),
+                    t("x", p, &[(OBJ as u64, OBJ as u32)]),
+                ],
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .results;
+        assert_eq!(r, vec![0, 0]);
+        let (code, got) = get_one(&mut c, &fd, p, "x", OBJ).await;
+        assert_eq!(code, 0);
+        assert!(got == v2, "an earlier put of the id won");
+    });
+}
+
+#[test]
+fn an_object_longer_than_a_slot_is_refused_before_any_buffer_and_kvtierd_serves_on() {
+    // Review finding: 65,536 iovecs of 4 GiB over a sparse memfd made kvtierd ask for
+    // 256 TiB and abort.
+    let d = Daemon::start(
+        "sglang-huge",
+        &["sglang_rpc.enable=true", "sglang_rpc.l3=none"],
+    );
+    let (_c, p, fd) = register(&d.dir.join("sglang-mempool.sock"), 4 << 30);
+    rt().block_on(async {
+        let mut c = client(&d).await;
+        let iov: Vec<(u64, u32)> = vec![(0, u32::MAX); 65536];
+        for get in [true, false] {
+            let r = if get {
+                c.batch_get(BatchGetRequest {
+                    gets: vec![t("huge", p, &iov)],
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .results
+            } else {
+                c.batch_put(BatchPutRequest {
+                    puts: vec![t("huge", p, &iov)],
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .results
+            };
+            assert_eq!(r, vec![3], "get {get}");
+        }
+        assert_eq!(put_one(&mut c, &fd, p, "small", &object(3, 4096)).await, 0);
+    });
+}
+
+#[test]
+fn object_sizes_keep_no_memory_or_pool_place_for_good() {
+    // Review finding: the first two object lengths any caller put held their pools for
+    // good, so SGLang's own size was never kept and an agent's layout found no pool place.
+    let d = Daemon::start(
+        "sglang-sizes",
+        &[
+            "sglang_rpc.enable=true",
+            "sglang_rpc.l3=none",
+            "sglang_rpc.memory_bytes=1MiB",
+            "l2.max_pools=2",
+        ],
+    );
+    let (_c, p, fd) = register(&d.dir.join("sglang-mempool.sock"), 4 * OBJ as u64);
+    let published = || metric(&d.metrics(), "kvtier_events_published_total");
+    let before = published();
+    rt().block_on(async {
+        let mut c = client(&d).await;
+        assert_eq!(put_one(&mut c, &fd, p, "junk1", &[1]).await, 0);
+        assert_eq!(put_one(&mut c, &fd, p, "junk3", &[1, 2, 3]).await, 0);
+        // A third size takes the least recently used one's place.
+        let page = object(4, OBJ);
+        assert_eq!(put_one(&mut c, &fd, p, "page", &page).await, 0);
+        let (code, got) = get_one(&mut c, &fd, p, "page", OBJ).await;
+        assert_eq!(code, 0);
+        assert!(got == page);
+        // Objects are no engine's KV: routers hear nothing of them.
+        assert_eq!(published(), before);
+        // Both pool places are kvtierd's own now: an agent's layout gets one all the same.
+        let mut h = kvtier_client::HostClient::connect(&d.target())
+            .await
+            .unwrap();
+        h.register("agent", &layout("m")).await.unwrap();
+    });
+}

@@ -38,9 +38,10 @@ pub struct MemoryGauges {
     pub evictions: IntCounter,
 }
 
-/// Object sizes kept in memory per tenant, each in a pool of its own: SGLang's objects come
-/// in one size (page-first layouts, MLA) or two (K and V apart), and a client naming lengths
-/// at will must not make kvtierd map a pool for each.
+/// Object sizes kept in memory per tenant at once, each in a pool of its own: SGLang's objects
+/// come in one size (page-first layouts, MLA) or two (K and V apart), and a client naming
+/// lengths at will must not make kvtierd map a pool for each. A further size takes the place
+/// of the least recently used one.
 pub const MAX_SIZES: usize = 2;
 
 /// Most bytes of spare buffers kept for reuse.
@@ -60,6 +61,14 @@ struct Own {
     shm: Arc<ShmPool>,
     /// Its objects' length.
     len: usize,
+    /// When it was last used (put or served), for giving a third size its place.
+    used: Arc<Mutex<Instant>>,
+}
+
+impl Own {
+    fn touch(&self) {
+        *self.used.lock() = Instant::now();
+    }
 }
 
 /// SGLang's objects as kvtierd's own L2 pages. See the [module docs](self).
@@ -156,16 +165,24 @@ impl ObjectPages {
         if let Some(o) = own.get(&k) {
             return Some(o.clone());
         }
+        // A third size takes the place of the tenant's least recently used one: its session
+        // ends, so its pool goes when it is next needed, or idle for l2.idle_pool_ttl. No
+        // size, once put, keeps memory for good.
         if own.keys().filter(|(_, t)| t == tenant).count() >= MAX_SIZES {
-            if let Some(more) = NOT_KEPT_LOG.allow() {
-                tracing::warn!(
-                    len,
+            let oldest = own
+                .iter()
+                .filter(|((_, t), _)| t == tenant)
+                .min_by_key(|(_, o)| *o.used.lock())
+                .map(|(k, o)| (k.clone(), o.id));
+            if let Some((k, id)) = oldest {
+                own.remove(&k);
+                let _ = self.state.lock().close(id);
+                tracing::info!(
+                    len = k.0,
                     tenant,
-                    suppressed = more,
-                    "sglang objects of a third size are not kept in memory (at most {MAX_SIZES} sizes per tenant)"
+                    "sglang objects of a size no longer used give their memory to a new size"
                 );
             }
-            return None;
         }
         let made = {
             let mut st = self.state.lock();
@@ -180,7 +197,12 @@ impl ObjectPages {
         };
         match made {
             Ok((id, shm)) => {
-                let o = Own { id, shm, len };
+                let o = Own {
+                    id,
+                    shm,
+                    len,
+                    used: Arc::new(Mutex::new(Instant::now())),
+                };
                 own.insert(k, o.clone());
                 Some(o)
             }
@@ -237,6 +259,7 @@ impl ObjectPages {
                 return false;
             }
         };
+        o.touch();
         let copied = o.shm.read(slot, 0, dst);
         if let Err(e) = self.state.lock().release(o.id, &[key], Instant::now()) {
             tracing::error!("sglang object memory: releasing a page it pinned: {e}");
@@ -252,8 +275,12 @@ impl ObjectPages {
 
     /// Whether memory holds `key` of `tenant`, of any size (its age is left alone).
     pub fn contains(&self, tenant: &str, key: PageKey) -> bool {
-        // The sessions first: the map's lock is never taken under the state's.
-        let own = self.own_of(tenant);
+        // The sessions first: the map's lock is never taken under the state's. A pool taken
+        // over from a dead kvtierd is opened as the default tenant's (see `get`).
+        let mut own = self.own_of(tenant);
+        if !tenant.is_empty() {
+            own.extend(self.own_of(""));
+        }
         let mut st = self.state.lock();
         own.iter().any(|o| {
             st.lookup(o.id, &[key], Instant::now())
@@ -261,25 +288,52 @@ impl ObjectPages {
         })
     }
 
-    /// A place for the object `key` of `len` bytes of `tenant`: copies of `key` there and of
-    /// other sizes are removed first (a later put wins). `Ok(None)` when it is not kept
-    /// (too large, no room, memory off: no copy of it is left in memory); `Err(Busy)` when a
-    /// copy of it is being read or written (it stays: the caller must not report a put that
-    /// another copy may still answer for).
+    /// A place for the object `key` of `len` bytes of `tenant`, for a put: copies of `key`
+    /// there and of other sizes are removed first (a later put wins). `Ok(None)` when it is
+    /// not kept (too large, no room, memory off: no copy of it is left in memory);
+    /// `Err(Busy)` when a copy of it is being read or written (it stays: the caller must not
+    /// report a put that another copy may still answer for).
     pub fn reserve(&self, tenant: &str, key: PageKey, len: usize) -> Result<Option<Slot>, Busy> {
         let now = Instant::now();
         let others = self.own_of(tenant).into_iter().filter(|o| o.len != len);
         for o in others {
-            match self.state.lock().forget_own(o.id, key, now) {
+            // Bound first: the state's guard must be gone before `lost` takes the map's lock.
+            let forgot = self.state.lock().forget_own(o.id, key, now);
+            match forgot {
                 Ok(true) => {}
                 Ok(false) => return Err(Busy),
                 Err(e) => self.lost(&o, &e),
             }
         }
+        self.place(tenant, key, len, true)
+    }
+
+    /// A place for the object `key` of `len` bytes of `tenant` only if memory holds no copy
+    /// of it (any size): what a get read from L3 is kept for the next reader, never over a
+    /// copy a put stored meanwhile.
+    pub fn reserve_if_absent(&self, tenant: &str, key: PageKey, len: usize) -> Option<Slot> {
+        if self.contains(tenant, key) {
+            return None;
+        }
+        self.place(tenant, key, len, false).ok().flatten()
+    }
+
+    fn place(
+        &self,
+        tenant: &str,
+        key: PageKey,
+        len: usize,
+        replace: bool,
+    ) -> Result<Option<Slot>, Busy> {
         let Some(o) = self.own(len, tenant) else {
             return Ok(None);
         };
-        match self.state.lock().reserve_own(o.id, key, now) {
+        let placed = self
+            .state
+            .lock()
+            .reserve_own(o.id, key, replace, Instant::now());
+        o.touch();
+        match placed {
             Ok(OwnSlot::Placed(slot)) => Ok(Some(Slot {
                 state: self.state.clone(),
                 own: o,
@@ -390,5 +444,54 @@ impl Drop for Slot {
                 .lock()
                 .abort(self.own.id, &[self.key], Instant::now());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::sync::Arc;
+
+    use kvtier_core::PageKey;
+
+    use super::ObjectPages;
+    use crate::state::Shared;
+    use crate::state::testing::state;
+
+    fn read(m: &ObjectPages, key: PageKey) -> Option<Vec<u8>> {
+        let mut b = vec![0u8; 64];
+        m.get("", key, &mut b).then_some(b)
+    }
+
+    #[test]
+    fn what_a_get_read_from_l3_never_replaces_a_copy_a_put_stored_meanwhile() {
+        // Review finding: a get that read v1 from L3 kept it over the v2 a put committed
+        // while the read ran, and every later get served v1.
+        let m = ObjectPages::new(Arc::new(Shared::new(state().0)), 1 << 20, None);
+        let key = PageKey([7; 32]);
+        // The put of v2 lands while a get is reading v1 from L3 ...
+        m.reserve("", key, 64)
+            .unwrap()
+            .unwrap()
+            .commit(&[2; 64], true);
+        // ... and the get, done, keeps what it read only where memory has no copy.
+        assert!(m.reserve_if_absent("", key, 64).is_none());
+        assert_eq!(read(&m, key), Some(vec![2; 64]));
+        // A put replaces the copy (a later put wins); a get's copy fills a gap.
+        m.reserve("", key, 64)
+            .unwrap()
+            .unwrap()
+            .commit(&[3; 64], true);
+        assert_eq!(read(&m, key), Some(vec![3; 64]));
+        let other = PageKey([8; 32]);
+        m.reserve_if_absent("", other, 64)
+            .unwrap()
+            .commit(&[4; 64], true);
+        assert_eq!(read(&m, other), Some(vec![4; 64]));
+        // A slot given up (the put's copy failed) leaves nothing behind.
+        let gone = PageKey([9; 32]);
+        drop(m.reserve("", gone, 64).unwrap().unwrap());
+        assert_eq!(read(&m, gone), None);
+        assert!(m.reserve_if_absent("", gone, 64).is_some());
     }
 }

@@ -47,6 +47,11 @@ use super::objects::{Busy, ObjectPages};
 use super::{EnginePool, Pools};
 use crate::l3::L3Slot;
 
+/// How often, and how long apart, a put waits for a copy of its id that someone is reading
+/// from memory (one copy: microseconds to milliseconds).
+const BUSY_TRIES: u32 = 20;
+const BUSY_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Longest id accepted (SGLang's are ~70 bytes).
 pub const MAX_ID: usize = 1024;
 /// Most iovecs in one transfer.
@@ -171,6 +176,8 @@ struct Objects {
     pools: Arc<Pools>,
     l3: Option<Arc<L3Slot>>,
     memory: Arc<ObjectPages>,
+    /// Longest object (`l2.max_page_bytes`: it must fit one L2 slot).
+    max_object: usize,
     concurrency: usize,
     max_batch: usize,
     metrics: SglangMetrics,
@@ -185,6 +192,7 @@ impl StorageService {
         pools: Arc<Pools>,
         l3: Arc<L3Slot>,
         memory: Arc<ObjectPages>,
+        max_object: u64,
         metrics: SglangMetrics,
         stop: CancellationToken,
     ) -> Self {
@@ -193,6 +201,7 @@ impl StorageService {
                 pools,
                 l3: (cfg.l3 == SglangStore::Shared).then_some(l3),
                 memory,
+                max_object: usize::try_from(max_object).unwrap_or(usize::MAX),
                 concurrency: cfg.concurrency.max(1) as usize,
                 max_batch: cfg.max_batch as usize,
                 metrics,
@@ -297,6 +306,18 @@ impl Objects {
             ranges.push((v.offset as usize, v.length as usize));
             total += v.length as usize;
         }
+        // An object is a page of SGLang's: it fits in one L2 slot. Larger is refused before
+        // a buffer of its size is taken (a client naming 65,536 iovecs of 4 GiB would ask for
+        // 256 TiB).
+        if total > self.max_object {
+            tracing::warn!(
+                pool = t.pool_id,
+                total,
+                max = self.max_object,
+                "sglang transfer refused: longer than l2.max_page_bytes"
+            );
+            return Err(code::INVALID_ARGUMENT);
+        }
         Ok((pool, ranges, total))
     }
 
@@ -324,17 +345,6 @@ impl Objects {
             Err(c) => return c,
         };
         let key = object_key(scope, &t.id);
-        // Memory first: a copy someone is reading stays, and this put is not answered for.
-        let slot = match self.memory.reserve(&caller.tenant, key, total) {
-            Ok(s) => s,
-            Err(Busy) => {
-                tracing::debug!(
-                    id = %String::from_utf8_lossy(&t.id),
-                    "sglang put: the object is being read from memory; not stored"
-                );
-                return code::UNAVAILABLE;
-            }
-        };
         // Every byte of the buffer is overwritten: the ranges add up to `total`.
         let mut buf = self.memory.take_buffer(total);
         let mut at = 0;
@@ -370,12 +380,41 @@ impl Objects {
                 }
             },
         };
-        let kept = slot.is_some_and(|s| s.commit(&data, in_l3));
+        // Then memory, with no wait between its reservation and its commit: a later put of
+        // the id (in this batch, or another instance's) finds this copy landed and replaces
+        // it. A copy someone is reading right now is waited for a moment (a read is one
+        // copy), and stays if it is still read: then this put is not answered for.
+        let mut kept = Err(Busy);
+        for _ in 0..BUSY_TRIES {
+            kept = self.memory.reserve(&caller.tenant, key, total);
+            if kept.is_ok() {
+                break;
+            }
+            tokio::time::sleep(BUSY_WAIT).await;
+        }
+        let code = match kept {
+            Ok(Some(slot)) => {
+                if slot.commit(&data, in_l3) {
+                    code
+                } else if self.l3.is_none() {
+                    code::UNAVAILABLE
+                } else {
+                    code
+                }
+            }
+            // Not kept (and no copy left): only L3 answers for it.
+            Ok(None) if self.l3.is_none() => code::UNAVAILABLE,
+            Ok(None) => code,
+            Err(Busy) => {
+                tracing::warn!(
+                    id = %String::from_utf8_lossy(&t.id),
+                    "sglang put: the object is being read from memory; this put is not answered for"
+                );
+                code::UNAVAILABLE
+            }
+        };
         self.memory.recycle(data);
         self.memory.report();
-        if self.l3.is_none() && !kept {
-            return code::UNAVAILABLE;
-        }
         code
     }
 
@@ -425,9 +464,9 @@ impl Objects {
                 let c = Self::scatter(gate, &pool, &ranges, &buf);
                 if c == code::OK {
                     self.served("get", "l3");
-                    // Kept in memory for the next reader; a copy someone reads or writes
-                    // now is left as it is.
-                    if let Ok(Some(slot)) = self.memory.reserve(&caller.tenant, key, total) {
+                    // Kept in memory for the next reader, unless memory has a copy now (a
+                    // put may have stored newer bytes since this read began).
+                    if let Some(slot) = self.memory.reserve_if_absent(&caller.tenant, key, total) {
                         slot.commit(&buf, true);
                         self.memory.report();
                     }

@@ -109,6 +109,7 @@ impl HostState {
         let parts = self
             .pools
             .values()
+            .filter(|p| !p.writes_own_l3)
             .filter_map(|p| {
                 let fp = p.layout.fingerprint();
                 let only = match self.tenants.sees(tenant, &p.key, &fp) {

@@ -33,16 +33,23 @@ pub struct OwnUsage {
 }
 
 impl HostState {
-    /// A slot for `key` in own session `id`'s pool, to fill and then [`Self::commit_own`];
-    /// a copy of `key` there that nobody reads is replaced first (its writer's later bytes
-    /// win).
+    /// A slot for `key` in own session `id`'s pool, to fill and then [`Self::commit_own`].
+    /// With `replace`, a copy of `key` there that nobody reads is removed first (its
+    /// writer's later bytes win); without, any copy of it makes this `Busy`.
     pub fn reserve_own(
         &mut self,
         id: SessionId,
         key: PageKey,
+        replace: bool,
         now: Instant,
     ) -> Result<OwnSlot, StateError> {
-        if !self.forget_own(id, key, now)? {
+        let gone = if replace {
+            self.forget_own(id, key, now)?
+        } else {
+            let (_, pool) = self.session_pool(id, now)?;
+            pool.index.get(&key).is_none()
+        };
+        if !gone {
             return Ok(OwnSlot::Busy);
         }
         if self.admitting("new pages").is_err() {
@@ -153,7 +160,8 @@ mod tests {
         assert!(e.contains("layout.model_id"), "{e}");
         // Five objects in a pool of four: one evicted, none written by L2's writer.
         for i in 1..=5u8 {
-            let OwnSlot::Placed(slot) = st.reserve_own(id, PageKey([i; 32]), t0).unwrap() else {
+            let OwnSlot::Placed(slot) = st.reserve_own(id, PageKey([i; 32]), true, t0).unwrap()
+            else {
                 panic!("object {i} not placed");
             };
             let shm = st.mapped_pool(id).unwrap().0;
@@ -179,12 +187,12 @@ mod tests {
         assert_eq!(buf, [2; 100]);
         // A copy being read is not replaced; once released, it is.
         assert_eq!(
-            st.reserve_own(id, PageKey([2; 32]), later).unwrap(),
+            st.reserve_own(id, PageKey([2; 32]), true, later).unwrap(),
             OwnSlot::Busy
         );
         st.release(id, &[PageKey([2; 32])], later).unwrap();
         assert!(matches!(
-            st.reserve_own(id, PageKey([2; 32]), later).unwrap(),
+            st.reserve_own(id, PageKey([2; 32]), true, later).unwrap(),
             OwnSlot::Placed(_)
         ));
         // Client pools are untouched by all this.

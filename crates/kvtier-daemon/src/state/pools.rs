@@ -384,7 +384,8 @@ impl Pools {
         };
         let admission = Admission::new(self.admission, self.admission_window);
         let mut index = HostIndex::new(slots, self.policy);
-        index.record_changes(true);
+        // kvtierd's own pages are no engine's KV: routers hear nothing of them.
+        index.record_changes(own_slots.is_none());
         for (tag, quota) in quotas {
             index.set_tenant_quota(tag, quota);
         }

@@ -16,15 +16,16 @@ use kvtier_core::{LayoutFingerprint, SessionId};
 use super::HostState;
 
 impl HostState {
-    /// Whether pool `fp` can go now: no session on it, nothing pinned, reserved or
-    /// prefetching, and (while L3 is attached) nothing L3 lacks.
+    /// Whether pool `fp` can go now: no client's session on it (kvtierd's own sessions do
+    /// not keep a pool: they end with it), nothing pinned, reserved or prefetching, and
+    /// (while L3 is attached, for a pool whose pages L2's writer writes) nothing L3 lacks.
     fn reclaimable(&self, fp: &LayoutFingerprint) -> bool {
         let Some(p) = self.pools.get(fp) else {
             return false;
         };
         let s = p.index.stats();
-        let in_use = self.sessions.values().any(|x| x.pool == *fp);
-        let unwritten = self.l3_mode() != L3Mode::Absent && s.dirty > 0;
+        let in_use = self.sessions.values().any(|x| x.pool == *fp && !x.own);
+        let unwritten = !p.writes_own_l3 && self.l3_mode() != L3Mode::Absent && s.dirty > 0;
         !in_use
             && s.pinned == 0
             && s.writing == 0
@@ -60,16 +61,32 @@ impl HostState {
             if !(expired || (make_room && i == 0)) {
                 continue;
             }
+            // kvtierd's own sessions on it end with it (their owner opens a new one).
+            let own: Vec<SessionId> = self
+                .sessions
+                .iter()
+                .filter(|(_, s)| s.pool == fp && s.own)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in own {
+                let _ = self.close(id);
+            }
             // Its last changes, then the pool itself goes: one CLEARED for its layout.
             self.publish_changes();
             let Some(pool) = self.pools.remove(&fp) else {
                 continue;
             };
-            // A tenant's own pool: a CLEARED of that tenant's pages alone.
+            // A tenant's own pool: a CLEARED of that tenant's pages alone (none for
+            // kvtierd's own pages, which routers never heard of).
             let tenant = self.own_pool_tenant(&pool);
-            self.events.cleared(Some(pool.layout.fingerprint()), tenant);
+            if !pool.writes_own_l3 {
+                self.events.cleared(Some(pool.layout.fingerprint()), tenant);
+            }
             let s = pool.index.stats();
-            if self.l3_mode() == L3Mode::Absent {
+            if pool.writes_own_l3 {
+                // Its owner's pages L3 lacks (it did not mark them held there).
+                self.counters.lost_no_l3 += u64::from(s.dirty);
+            } else if self.l3_mode() == L3Mode::Absent {
                 self.counters.lost_no_l3 += u64::from(s.ready);
             }
             self.counters.pools_reclaimed += 1;
