@@ -308,7 +308,7 @@ impl L3Config {
                 100_000,
             ),
             ("l3.write_threshold", *write_threshold, 1, 1_000_000),
-            ("l3.admission_window", *admission_window, 1024, 1 << 28),
+            ("l3.admission_window", *admission_window, 1024, 1 << 26),
             ("l3.queue_pages", u64::from(*queue_pages), 1, 1 << 20),
             ("l3.batch_pages", u64::from(*batch_pages), 1, 4096),
             ("l3.concurrency", u64::from(*concurrency), 1, 256),

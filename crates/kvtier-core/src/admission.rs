@@ -13,9 +13,9 @@
 //!   would push out; L3 does not say which page that is, so the filter compares with a fixed
 //!   threshold instead.
 //!
-//! A window is a number of sightings (`l3.admission_window`), about the pages L3 holds: a
-//! page seen again farther apart than that is as good as new, as L3 would have evicted it by
-//! then anyway. A window sized to L2 instead forgets a page long before it comes back: on
+//! A window is a number of new pages sighted (`l3.admission_window`), about the pages L3
+//! holds: a page seen again farther apart than that is as good as new, as L3 would have
+//! evicted it by then anyway. Repeat sightings do not advance it. A window sized to L2 instead forgets a page long before it comes back: on
 //! the Mooncake trace with a 1,024-page L2, that kept 4% of the reuse. A declined page seen
 //! again while L2 still holds it is admitted then, and written.
 //!
@@ -144,8 +144,11 @@ impl Bloom {
         })
     }
 
+    /// Forgets every key. A fresh allocation, not a fill: the kernel hands zeroed pages
+    /// over lazily, where writing zeros over a large filter first faults every page in (1.25 s
+    /// under kvtierd's state lock at the largest window, in review).
     fn clear(&mut self) {
-        self.bits.fill(0);
+        self.bits = vec![0; self.bits.len()];
     }
 }
 
@@ -233,9 +236,9 @@ enum Filter {
 pub struct Admission {
     kind: AdmissionKind,
     filter: Filter,
-    /// Sightings per window.
+    /// New pages per window.
     window: u64,
-    /// Sightings since the last rotation (`seen_twice`) or halving (`tinylfu`).
+    /// New pages sighted since the last rotation (`seen_twice`) or halving (`tinylfu`).
     sightings: u64,
 }
 
@@ -243,9 +246,11 @@ pub struct Admission {
 const TINYLFU_WINDOWS: u64 = 10;
 
 impl Admission {
-    /// A filter remembering sightings over windows of `window` sightings (at least
-    /// [`MIN_WINDOW`]). Its memory: none for `all`, about 2.5 bytes per sighting of a window
-    /// for `seen_twice` and 3.25 for `tinylfu`.
+    /// A filter remembering sightings over windows of `window` new pages (at least
+    /// [`MIN_WINDOW`]). Its memory: none for `all`; two Bloom filters of `10 × window` bits
+    /// rounded up to a power of two for `seen_twice`; one such Bloom filter and four rows of
+    /// `window` (rounded up) 4-bit counters for `tinylfu`. Either is 4 bytes per page of a
+    /// window that is a power of two (up to 5 and 6.5 bytes otherwise).
     pub fn new(kind: AdmissionKind, window: u64) -> Self {
         let window = window.max(MIN_WINDOW);
         let filter = match kind {
@@ -276,11 +281,16 @@ impl Admission {
     /// page may go to L3 now.
     pub fn admit(&mut self, key: &PageKey) -> bool {
         let h = hashes(key);
-        self.sightings += 1;
         match &mut self.filter {
             Filter::All => true,
             Filter::SeenTwice { current, previous } => {
                 let seen = current.insert(h) || previous.contains(h);
+                // The window counts pages, not repeats: one hot page seen over and over (a
+                // shared system prompt, a tenant's loop) must not make the filter forget
+                // everyone else's first sightings.
+                if !seen {
+                    self.sightings += 1;
+                }
                 if self.sightings >= self.window {
                     std::mem::swap(current, previous);
                     current.clear();
@@ -290,12 +300,16 @@ impl Admission {
             }
             Filter::TinyLfu { doorkeeper, sketch } => {
                 // The first sighting only sets the doorkeeper's bits; later ones count. The
-                // doorkeeper is cleared every window, the counters halved every ten.
-                if doorkeeper.insert(h) {
+                // doorkeeper is cleared every window of new pages, the counters halved every
+                // ten.
+                let new = !doorkeeper.insert(h);
+                if new {
+                    self.sightings += 1;
+                } else {
                     sketch.increment(h);
                 }
                 let estimate = sketch.estimate(h) + 1;
-                if self.sightings.is_multiple_of(self.window) {
+                if new && self.sightings.is_multiple_of(self.window) {
                     doorkeeper.clear();
                 }
                 if self.sightings >= self.window * TINYLFU_WINDOWS {
@@ -395,6 +409,20 @@ mod tests {
             twice.admit(&key(i + 100_000));
         }
         assert!(twice.admit(&key(0)));
+    }
+
+    #[test]
+    fn a_page_seen_over_and_over_does_not_make_the_filters_forget_the_others() {
+        // Review finding: one hot page rotated the window, and every other page's first
+        // sighting was forgotten before its second.
+        for kind in [AdmissionKind::SeenTwice, AdmissionKind::TinyLfu] {
+            let mut a = Admission::new(kind, MIN_WINDOW);
+            a.admit(&key(1));
+            for _ in 0..4 * MIN_WINDOW {
+                a.admit(&key(2));
+            }
+            assert!(a.admit(&key(1)), "{kind}: page 1 forgotten");
+        }
     }
 
     #[test]

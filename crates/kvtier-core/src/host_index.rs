@@ -1236,5 +1236,19 @@ mod tests {
         // A page L3 holds or is writing is never declined.
         assert!(!ix.decline_l3(&a[1]));
         ix.validate().unwrap();
+        // A clear gives declined pages up by choice too: not counted as unwritten (lost).
+        let mut ix = HostIndex::new(3, PolicyKind::Lru);
+        ix.set_l3_mode(L3Mode::Up);
+        let c = keys(20..22);
+        ix.reserve(1, None, &c);
+        ix.commit(1, &c).unwrap();
+        assert!(ix.decline_l3(&c[1]));
+        let cleared = ix.clearable();
+        assert_eq!(cleared.unwritten, ix.unwritten());
+        let before = ix.unwritten();
+        assert_eq!(before, 1);
+        let (gone, _) = ix.clear();
+        assert_eq!((gone.pages, gone.unwritten), (2, before));
+        ix.validate().unwrap();
     }
 }

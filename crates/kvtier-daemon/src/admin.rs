@@ -20,6 +20,9 @@ use crate::service::HostService;
 use crate::state::DrainReport;
 use crate::state::Shared;
 
+/// `[l3]` keys an attach may not change: each pool's admission filter is made with it.
+const START_ONLY: [&str; 2] = ["admission", "admission_window"];
+
 /// How often a flush or drain looks at its progress.
 const POLL: Duration = Duration::from_millis(20);
 /// The longest a flush may be asked to wait.
@@ -175,6 +178,16 @@ impl Admin for AdminService {
                 return Err(ApiError::invalid(
                     format!("settings[{i}]"),
                     format!("{s:?} is not KEY=VALUE"),
+                )
+                .into());
+            }
+            // Each pool's admission filter is made with the pool: what an attach said of it
+            // would be shown and not done.
+            let key = s.split('=').next().unwrap_or_default().trim();
+            if START_ONLY.contains(&key) {
+                return Err(ApiError::invalid(
+                    format!("settings[{i}]"),
+                    format!("l3.{key} is read at start only; restart kvtierd to change it"),
                 )
                 .into());
             }

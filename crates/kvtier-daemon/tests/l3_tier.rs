@@ -517,6 +517,15 @@ fn backend_attach_swap_and_detach_at_runtime() {
             .unwrap()
             .contains("no l3 backend attached")
     );
+    // The admission filter is made with each pool: an attach may not claim to change it
+    // (review finding: it was shown in the running config and not done).
+    for key in ["admission=seen_twice", "admission_window=4096"] {
+        let e = ctl(BackendAction::Attach {
+            settings: vec!["backend=memory".into(), key.into()],
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("read at start only"), "{e:#}");
+    }
     let out = ctl(BackendAction::Attach {
         settings: vec!["backend=memory".into()],
     })

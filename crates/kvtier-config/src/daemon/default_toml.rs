@@ -179,9 +179,10 @@ write_threshold = 2
 #   tinylfu     a page seen twice within a window, or often before (TinyLFU's frequency
 #               sketch, its counts halved every ten windows).
 admission = "all"
-# Sightings (pages stored or served) per window of the admission filter, about the pages L3
-# holds (1024 to 268435456). Memory per pool: about 2.5 bytes per sighting for seen_twice,
-# 3.25 for tinylfu, none for all.
+# New pages sighted (stored or served; repeats do not count) per window of the admission
+# filter, about the pages L3 holds (1024 to 67108864). Memory per pool: none for all; for
+# either filter 4 bytes per page of the window when it is a power of two (up to 5 for
+# seen_twice and 6.5 for tinylfu otherwise): 4 MiB at the default, 256 MiB at the largest.
 admission_window = 1048576
 # Early writes waiting for the writer (1 to 1048576). When full, a page waits in L2 for the
 # flush before its eviction (counted as deferred); no client ever waits for L3.

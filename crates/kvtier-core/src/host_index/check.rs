@@ -72,6 +72,9 @@ impl HostIndex {
             }
             filed += usize::from(e.filed.is_some());
             flush_filed += usize::from(e.flush_filed);
+            if e.l3 == L3Mark::Declined && (e.state != PageState::Ready || e.dirty) {
+                return Err(format!("slot {slot}: declined but not ready, or dirty"));
+            }
             if e.l3 == L3Mark::Queued && e.pins == 0 {
                 return Err(format!("slot {slot}: queued for L3 but not pinned"));
             }

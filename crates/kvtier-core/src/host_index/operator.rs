@@ -10,7 +10,8 @@ use crate::keys::PageKey;
 pub struct Cleared {
     /// Ready, unpinned pages removed.
     pub pages: u32,
-    /// Of those, pages L3 did not hold: gone from the node's shared tiers.
+    /// Of those, pages L3 did not hold (and the admission filter had not declined): gone
+    /// from the node's shared tiers.
     pub unwritten: u32,
     /// Pages kept because they are in use: being written, pinned by a reader, or queued for
     /// L3.
@@ -37,10 +38,7 @@ impl HostIndex {
     fn count_clear(&self, slots: &[u32]) -> Cleared {
         Cleared {
             pages: slots.len() as u32,
-            unwritten: slots
-                .iter()
-                .filter(|&&s| self.entry(s).l3 != L3Mark::Persisted)
-                .count() as u32,
+            unwritten: slots.iter().filter(|&&s| unwritten(self.entry(s))).count() as u32,
             kept: (self.table.len() - slots.len()) as u32,
         }
     }

@@ -98,9 +98,10 @@ impl L2Pool {
         (Cow::Owned(admitted), declined)
     }
 
-    /// Tells the admission filter of `keys`, just served here (hit, or stored again by
-    /// another writer). Returns those it declined before and admits now: they are written
-    /// to L3 like any page not there yet.
+    /// Tells the admission filter of `keys`, just served here (an acquire's hits; a page a
+    /// writer finds present, or an engine hits on its device, is no sighting of L2's).
+    /// Returns those it declined before and admits now: they are written to L3 like any page
+    /// not there yet.
     pub(super) fn admit_served(&mut self, keys: &[PageKey]) -> Vec<PageKey> {
         if self.admission.kind() == AdmissionKind::All {
             return Vec::new();

@@ -289,6 +289,13 @@ impl HostState {
                 if !ok {
                     counts.refused_checksum += 1;
                 } else if let Some(new) = pool.index.adopt(key, rec.parent.map(PageKey)) {
+                    // Under an admission filter, a page comes back as one it has not admitted
+                    // (the filter's memory died with the old kvtierd): seen again, it is
+                    // written; else it leaves unwritten, as before the crash. Not a burst of
+                    // writes of every page L2 held.
+                    if pool.admission.kind() != kvtier_core::AdmissionKind::All {
+                        pool.index.decline_l3(&key);
+                    }
                     if let Err(e) = pool.shm.write(new, 0, &buf) {
                         return Err(format!("copying into slot {new}: {e}"));
                     }
