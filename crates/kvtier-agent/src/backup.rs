@@ -165,17 +165,29 @@ impl Backups {
     /// requests split the path meanwhile. A mark is made only through the current session (a
     /// mark made through a session since replaced would be assumed, not checked).
     async fn backup_locked(&self, node: NodeId) -> Backup {
+        let fence = self.s.lock().engine.as_ref().map(|e| e.fence.clone());
         let r = self.backup(node).await;
-        let _ = self.s.lock().tree.unlock(node);
+        {
+            // A registration since made a new tree: `node` names nothing of it (its ids
+            // start over), so it is not touched. Checked under the lock a registration takes.
+            let mut st = self.s.lock();
+            if fence.is_some_and(|f| f.is_open()) {
+                let _ = st.tree.unlock(node);
+            }
+        }
         self.ended();
         r
     }
 
     async fn backup(&self, node: NodeId) -> Backup {
         let s = &self.s;
-        let (device, keys, pages, parent) = {
+        let (device, fence, keys, pages, parent) = {
             let st = s.lock();
-            let Some(device) = st.engine.as_ref().map(|e| e.device.clone()) else {
+            let Some((device, fence)) = st
+                .engine
+                .as_ref()
+                .map(|e| (e.device.clone(), e.fence.clone()))
+            else {
                 return Backup::Failed(Loss::Refused);
             };
             let Ok(path) = st.tree.unbacked_path(node) else {
@@ -198,19 +210,19 @@ impl Backups {
                 Some(&first) => st.tree.parent_key(first).ok().flatten(),
                 None => return Backup::Done,
             };
-            (device, keys, pages, parent)
+            (device, fence, keys, pages, parent)
         };
         let stored = self
             .l2
             .write(
-                Writer::Background,
+                Writer::Background(&fence),
                 &device,
                 &keys,
                 &pages,
                 parent,
                 |linked, upto| {
                     let mut st = s.lock();
-                    if st.link_generation == linked.generation {
+                    if st.link_generation == linked.generation && fence.is_open() {
                         let _ = st.tree.mark_backed_up_through(node, &keys[upto - 1]);
                     }
                 },

@@ -28,21 +28,21 @@ use crate::shared::Shared;
 
 /// Who waits on a write: the engine (a Save it blocks on, whose wait for the link is counted
 /// as a backpressure wait, and whose pages are the engine's only while the call's fence is
-/// open) or a background backup (the agent's own pages; its waits count where an engine call
-/// waits on it, at Insert or Evict).
+/// open) or a background backup (the agent's own pages while the engine's registration that
+/// gave them lasts: under that registration's fence, closed when the engine registers again
+/// and takes every page back; its waits count where an engine call waits on it, at Insert or
+/// Evict).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Writer<'a> {
     Engine(&'a Fence),
-    Background,
+    Background(&'a Fence),
 }
 
 impl Writer<'_> {
     /// The fence the write's copies run under.
     fn fence(&self) -> &Fence {
-        const NEVER: &Fence = &Fence::never();
         match self {
-            Writer::Engine(f) => f,
-            Writer::Background => NEVER,
+            Writer::Engine(f) | Writer::Background(f) => f,
         }
     }
 }
@@ -285,7 +285,7 @@ impl L2 {
         // host (`cache.daemon_wait`); a Save the engine blocks on waits `cache.evict_wait`.
         let link_wait = match writer {
             Writer::Engine(_) => wait,
-            Writer::Background => s.settings.daemon_wait,
+            Writer::Background(_) => s.settings.daemon_wait,
         };
         let mut deadline = Instant::now() + wait;
         let mut pause = Duration::from_millis(1);
@@ -304,7 +304,7 @@ impl L2 {
                     let l = s.link.current_or_wait(link_wait).await;
                     match writer {
                         Writer::Engine(_) => s.count_wait("link", t.elapsed()),
-                        Writer::Background => s.count_daemon_wait(t.elapsed()),
+                        Writer::Background(_) => s.count_daemon_wait(t.elapsed()),
                     }
                     if l.is_some() {
                         // A daemon back from a restart gets the whole wait for room (its

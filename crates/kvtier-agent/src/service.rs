@@ -289,11 +289,17 @@ impl AgentService {
             {
                 st.lookups.clear();
             }
+            // Every page is the engine's again: backups of the old registration's pages stop
+            // before their next copy part, and commit nothing.
+            if let Some(old) = &st.engine {
+                old.fence.close();
+            }
             st.engine = Some(Engine {
                 device,
                 pool,
                 mode,
                 owner,
+                fence: kvtier_device::Fence::until(None),
             });
             st.tree = RadixTree::new(s.settings.eviction);
             st.in_tree = vec![false; num_pages];

@@ -58,6 +58,10 @@ pub(crate) struct Engine {
     pub(crate) mode: Mode,
     /// The client that registered it; only it is served.
     pub(crate) owner: Owner,
+    /// Open while this registration lasts: background backups of its pages copy and commit
+    /// under it, so once the engine registers again (and takes every page back) none of
+    /// them reads a page the engine reuses and stores it under an old key.
+    pub(crate) fence: kvtier_device::Fence,
 }
 
 /// An open request of the tree mode: the tree node whose prefix it locks, its keys and

@@ -805,3 +805,46 @@ fn batched_calls_from_concurrent_tasks_keep_each_prompt_apart() {
         }
     });
 }
+
+#[test]
+fn a_backup_of_a_registration_the_engine_replaced_stores_nothing_it_reuses() {
+    // kvtier-sim served wrong pages from L3 (review of stop 76): a worker registered its pool
+    // again, taking every device page back, while write-through backups of the old
+    // registration still waited for kvtierd. They then copied the pages the engine had
+    // reused and stored them under the old keys (checksummed, so L3 served them as good).
+    let d = dir("reregister");
+    let spec = mha(0, 1);
+    rt().block_on(async {
+        // No kvtierd yet: the backups of what the engine inserts wait for it.
+        let a = agent(&d, "w", &["cache.write_policy=write_through"]);
+        let mut e = Engine::start(&a, spec.clone(), 64, "rereg").await;
+        let t = tokens(70, 4);
+        let ks = keys(&spec, &t);
+        e.prefill_and_insert(&t, &[0, 1, 2, 3]).await;
+        // The engine starts over on the same memory, and reuses the pages for other KV.
+        let mem = kvtier_client::PoolMemory::Cpu {
+            fd: std::sync::Arc::new(e.region.fd().try_clone_to_owned().unwrap()),
+        };
+        e.client.register_pool(&spec, 64 * 16, mem).await.unwrap();
+        let other = keys(&spec, &tokens(71, 4));
+        for (p, k) in (0..4).zip(&other) {
+            e.compute(p, k);
+        }
+        // kvtierd comes: the old backups must store nothing (their pages are the engine's).
+        let _kvtierd = daemon(&d, &["l2.pool_pages=128", "l3.backend=none"]);
+        e.wait_connected().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let socket = d.join("kvtierd.sock");
+        assert_eq!(
+            l2_pages(&socket, &spec, &ks).await,
+            0,
+            "a backup of the old registration stored a page the engine had reused"
+        );
+        // The new registration backs up what it inserts, as ever.
+        e.client
+            .insert(tokens(71, 4), None, vec![0, 1, 2, 3])
+            .await
+            .unwrap();
+        wait_l2(&socket, &spec, &other, 4).await;
+    });
+}
