@@ -269,7 +269,7 @@ def make_schedule(seed: int) -> Schedule:
         if brng.random() < 0.3:
             w.opts += ["--aborts", str(brng.choice([0.2, 0.4]))]
             w.faults.append("abort")
-    # kvtierd stopped (SIGSTOP) through a worker's first Load's deadline while the agent
+    # kvtierd stopped (SIGSTOP) through a worker's second Load's deadline while the agent
     # waits for its pages; the request is then aborted and its blocks another's before
     # kvtierd answers the agent.
     srng = random.Random(f"stall-{seed}")

@@ -51,7 +51,7 @@ back.
 Faults for the fuzzer (fuzz.py): ``--short-loads P`` (a Load asks the agent for only some of
 its pages, as when pages left L2 between lookup and load), ``--drop-saves RANK:P`` (a TP
 rank's saves are lost, so the ranks' agents disagree), ``--aborts P`` (the client aborts a
-request, whatever it is doing), ``--stall-load PID`` (kvtierd stopped through the first
+request, whatever it is doing), ``--stall-load PID`` (kvtierd stopped through the second
 Load's deadline while the agent waits for it; the request is then aborted),
 ``--late-save SECS`` (the saves reading a preempted request's blocks go out past the
 connector's wait for them), ``--seed`` (their generator), ``--max-batched-tokens`` (chunked
@@ -960,7 +960,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the faults' random generator")
     ap.add_argument("--aborts", type=float, default=0.0, help="P: the client aborts a request")
     ap.add_argument(
-        "--stall-load", type=int, help="PID: kvtierd stopped through the first Load's deadline"
+        "--stall-load", type=int, help="PID: kvtierd stopped through the second Load's deadline"
     )
     ap.add_argument("--short-loads", type=float, default=0.0, help="P: a Load asks for fewer")
     ap.add_argument(
