@@ -74,24 +74,10 @@ fn start(name: &str, toml: &str) -> Daemon {
 
 #[test]
 fn a_tenant_sees_its_own_pages_of_a_pool_tenants_share_and_nothing_of_the_others() {
-    let dir = std::env::temp_dir().join(format!("kvtier-test-stats-view-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("kvtierd.toml"),
-        "[tenants.acme]\ntoken = \"tok-acme\"\n\n[tenants.globex]\ntoken = \"tok-globex\"\n",
-    )
-    .unwrap();
-    let d = Daemon::start_in(
-        dir,
-        &[
-            "server.tcp=127.0.0.1:0",
-            "server.tcp_insecure=true",
-            "server.token=tok-default",
-            "server.admin_token=tok-admin",
-            "l2.pool_pages=64",
-            "l2.tenant_pools=false",
-        ],
+    let d = start(
+        "stats-view",
+        "[l2]\ntenant_pools = false\n\n[tenants.acme]\ntoken = \"tok-acme\"\n\n\
+         [tenants.globex]\ntoken = \"tok-globex\"\n",
     );
     let tcp = format!("http://{}", d.tcp);
     let spec = layout("shared-view");
