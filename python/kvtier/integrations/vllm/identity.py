@@ -42,10 +42,30 @@ def cache_identity(
     computes are its own); ``layer_names`` are the attention layers it holds."""
     import vllm
 
+    # vLLM's bytes of a block are opaque to kvtier: its version and the block's axes in
+    # the order a page stores them (blocks.py) keep apart workers whose bytes differ.
+    layout = f"vllm-{vllm.__version__}|{sample.dtype}|{geometry.form}"
+    return engine_identity(
+        vllm_config, settings.model_id, settings.weight_version, instance, layer_names, layout
+    )
+
+
+def engine_identity(
+    vllm_config: VllmConfig,
+    model_id: str,
+    weight_version: str,
+    instance: str,
+    layer_names: Sequence[str],
+    layout: str,
+) -> CacheIdentity:
+    """The cache identity of pages a vLLM engine stores as ``layout`` describes their bytes:
+    :func:`cache_identity`'s for the connector's blocks, the secondary tier's (tier.py) for
+    rows of vLLM's own CPU offload region. ``model_id`` and ``weight_version`` are the
+    settings of the same names (empty: vLLM's model, no version)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     pc = vllm_config.parallel_config
 
-    model = settings.model_id or mc.model
+    model = model_id or mc.model
     kv_dtype = str(cc.cache_dtype)
     if kv_dtype == "auto":
         kv_dtype = str(mc.dtype).removeprefix("torch.")
@@ -65,8 +85,6 @@ def cache_identity(
         if size > 1:
             rank = parallel_rank(lambda ps, fn=rank_fn: getattr(ps, fn)())
             shards.append(f"{name}{rank}of{size}")
-    # vLLM's bytes of a block are opaque to kvtier: its version and the block's axes in
-    # the order a page stores them (blocks.py) keep apart workers whose bytes differ.
     return CacheIdentity(
         engine="vllm",
         model=str(model),
@@ -78,12 +96,12 @@ def cache_identity(
         ),
         config=config_digest(getattr(mc, "hf_config", None), getattr(mc, "quantization", None)),
         rope=resolved_rope(getattr(mc, "hf_config", None), int(mc.max_model_len)),
-        weight_version=settings.weight_version,
+        weight_version=weight_version,
         kv_dtype=kv_dtype,
         kv_scales=scales,
         layers=layer_range(layer_names),
         shards="/".join(shards),
-        layout=f"vllm-{vllm.__version__}|{sample.dtype}|{geometry.form}",
+        layout=layout,
     )
 
 
