@@ -143,6 +143,27 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "get vs the verified-read floor behind one blocking hop",
         Goal::RatioAtLeast(0.9),
     ),
+    // Issue 65: L3 hits from the disk, near raw O_DIRECT transfers of the same bytes.
+    (
+        "l3_file",
+        "cold get 2 MiB pages, io = direct, vs raw O_DIRECT read",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "l3_file",
+        "cold get, 8 pages in flight, io = direct, vs raw O_DIRECT reads",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "l3_file",
+        "set 2 MiB pages, io = direct, vs raw O_DIRECT write",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "prefetch",
+        "prefetch * x 2 MiB from the disk (file, io = direct)",
+        Goal::RatioAtLeast(0.85),
+    ),
     (
         "l3_rocksdb",
         "rocksdb get vs file get",
@@ -210,6 +231,11 @@ const GOALS: &[(&str, &str, Goal)] = &[
     (
         "prefetch",
         "prefetch 64 x 2 MiB from file",
+        Goal::RatioAtLeast(0.85),
+    ),
+    (
+        "sglang",
+        "BatchGet 128x1MiB, cold file L3 (io = direct) vs raw O_DIRECT reads",
         Goal::RatioAtLeast(0.85),
     ),
     (

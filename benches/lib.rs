@@ -25,6 +25,7 @@ pub mod scenarios {
     pub mod index;
     pub mod keys;
     pub mod l3_file;
+    pub mod l3_file_cold;
     pub mod l3_remote;
     pub mod l3_rocksdb;
     pub mod l3_s3;

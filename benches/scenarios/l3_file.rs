@@ -1,6 +1,7 @@
 //! The file backend against raw file I/O of the same bytes, in the same directory, with the
 //! same sync semantics (none), in the same run: set/get of 2 MiB pages through PageStore
-//! (framing, CRC32C, temp file + rename, index) vs `std::fs::write` / `std::fs::read`.
+//! (framing, CRC32C, temp file + rename, index) vs `std::fs::write` / `std::fs::read`; then
+//! the same from the disk rather than the page cache (`l3_file_cold`).
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -150,6 +151,7 @@ pub fn run(quick: bool) {
         diagnose(&rt, &ps, &fp, &keys, &raw_dir, &objects, page_bytes, rounds);
     }
     drop(ps);
+    crate::scenarios::l3_file_cold::run(quick, &dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 

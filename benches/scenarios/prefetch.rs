@@ -101,13 +101,18 @@ struct Row {
 
 impl Row {
     fn print(self, name: &str, page_bytes: usize) {
+        self.print_as(name, "raw backend reads", page_bytes)
+    }
+
+    /// [`Row::print`] with the baseline named.
+    fn print_as(self, name: &str, baseline: &str, page_bytes: usize) {
         let bytes = (self.pages * page_bytes) as f64;
         let (p, r) = (median(self.prefetch), median(self.raw));
         crate::record(
             &format!("prefetch {} x 2 MiB from {name}", self.pages),
             bytes / p / 1e9,
             "GB/s",
-            "raw backend reads",
+            baseline,
             bytes / r / 1e9,
             Some(r / p),
         );
@@ -211,6 +216,31 @@ where
     row
 }
 
+/// Reads the file store's objects of `keys` with `read` (returning the bytes read), each in a
+/// blocking task, [`CONCURRENCY`] at a time: the raw baseline. Counts the objects read.
+fn raw_reads<R>(
+    store: &Arc<kvtier_storage::file::FileStore>,
+    fp: kvtier_core::LayoutFingerprint,
+    keys: Vec<PageKey>,
+    read: R,
+) -> impl std::future::Future<Output = usize> + use<R>
+where
+    R: Fn(&std::path::Path) -> usize + Copy + Send + 'static,
+{
+    let store = store.clone();
+    async move {
+        futures::stream::iter(keys)
+            .map(|k| {
+                let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
+                tokio::task::spawn_blocking(move || read(&path))
+            })
+            .buffer_unordered(CONCURRENCY)
+            .filter(|r| std::future::ready(r.as_ref().is_ok_and(|&n| n > 0)))
+            .count()
+            .await
+    }
+}
+
 /// Runs the scenario (`quick`: fewer pages and rounds).
 pub fn run(quick: bool) {
     let no_s3 = std::env::args().any(|a| a == "--no-s3");
@@ -278,20 +308,7 @@ pub fn run(quick: bool) {
         "file",
         &l3,
         &chains,
-        |keys| {
-            let store = store.clone();
-            async move {
-                futures::stream::iter(keys)
-                    .map(|k| {
-                        let path = store.path_of(&kvtier_storage::format::object_name(&fp, &k));
-                        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap().len())
-                    })
-                    .buffer_unordered(CONCURRENCY)
-                    .filter(|r| std::future::ready(r.as_ref().is_ok_and(|&n| n > 0)))
-                    .count()
-                    .await
-            }
-        },
+        |keys| raw_reads(&store, fp, keys, |p| std::fs::read(p).unwrap().len()),
         Some(floor),
     ));
     let row_page = median(row.prefetch.clone()) / pages as f64;
@@ -299,6 +316,28 @@ pub fn run(quick: bool) {
     if crate::diag::wanted() {
         diagnose(&rt, &store, &fp, &chains[0], page_bytes, rounds, row_page);
     }
+    // The same from the disk (issue 65): kvtierd reads with O_DIRECT, so no page of the
+    // store is served from the page cache, against raw O_DIRECT reads of the same files at
+    // the same concurrency.
+    let mut direct = l3.clone();
+    direct.push("l3.file.io=direct".into());
+    let object_len = page_bytes + kvtier_storage::format::HEADER_LEN;
+    let row = rt.block_on(measure(
+        "file-direct",
+        &direct,
+        &chains,
+        |keys| {
+            raw_reads(&store, fp, keys, move |p| {
+                crate::scenarios::l3_file_cold::raw_read_reused(p, object_len)
+            })
+        },
+        None::<fn(Vec<PageKey>) -> std::future::Ready<usize>>,
+    ));
+    row.print_as(
+        "the disk (file, io = direct)",
+        "raw O_DIRECT reads",
+        page_bytes,
+    );
     let _ = std::fs::remove_dir_all(&root);
 
     if no_s3 {

@@ -12,6 +12,8 @@
 //!   of them (page cache warm on both sides), with the file backend's 16 calls in flight
 //!   versus one thread for the baseline; BatchGet also against its floor, each page read,
 //!   checksummed and copied into the pool on one thread.
+//! - **L3 path from the disk** (the same with `l3.file.io = "direct"`): BatchGet against raw
+//!   `O_DIRECT` reads of the same bytes, 16 in flight on both sides.
 //!
 //! The client is a tonic client on the gRPC socket (through kvtierd's `:authority` relay, as
 //! SGLang's grpcio client is); the pool is registered over `SCM_RIGHTS` as SGLang does.
@@ -252,4 +254,52 @@ pub fn run(quick: bool) {
     );
     crate::say!("BatchGet served from memory is {pays:.2}x the file L3 path");
     f.daemon.stop();
+
+    // The L3 path from the disk (issue 65): kvtierd reads its files with O_DIRECT, against
+    // raw O_DIRECT reads of the same bytes, 16 in flight on both sides.
+    let d = start(
+        &rt,
+        "sglang-file-direct",
+        &["sglang_rpc.memory_bytes=0B", "l3.file.io=direct"],
+        true,
+    );
+    d.put(&rt);
+    let raw = d.dir.join("raw-baseline");
+    std::fs::create_dir_all(&raw).unwrap();
+    for (i, p) in heap.iter().enumerate() {
+        std::fs::write(raw.join(format!("{i}")), p).unwrap();
+    }
+    let raw_cold = || {
+        std::thread::scope(|s| {
+            let raw = &raw;
+            (0..16)
+                .map(|t| {
+                    s.spawn(move || {
+                        (t..PAGES)
+                            .step_by(16)
+                            .map(|i| {
+                                crate::scenarios::l3_file_cold::raw_read_reused(
+                                    &raw.join(format!("{i}")),
+                                    PAGE,
+                                )
+                            })
+                            .sum::<usize>()
+                    })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .sum::<usize>()
+        })
+    };
+    let cold = compare(
+        "BatchGet 128x1MiB, cold file L3 (io = direct) vs raw O_DIRECT reads",
+        total,
+        rounds,
+        raw_cold,
+        || d.get(&rt),
+    );
+    d.verify();
+    crate::say!("{}", cold.line("GiB/s", gib));
+    d.daemon.stop();
 }

@@ -148,6 +148,23 @@ pub struct FileSection {
     pub ttl: Dur,
     /// fsync each page before it becomes visible.
     pub sync: bool,
+    /// How pages are read and written: through the page cache, or straight to the device.
+    pub io: FileIo,
+}
+
+/// `l3.file.io`: how the file backend moves page bytes to and from its disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileIo {
+    /// Through the kernel's page cache: a page read again soon comes from memory, and the
+    /// cache holds a second copy of what L2 already keeps.
+    #[default]
+    Buffered,
+    /// `O_DIRECT`, through aligned buffers: every read goes to the device, nothing is cached
+    /// twice, and the page cache stays with the engine. Refused at start on a filesystem that
+    /// does not take `O_DIRECT` (some FUSE and network filesystems, tmpfs before
+    /// Linux 6.6).
+    Direct,
 }
 
 /// `[l3.rocksdb]`: pages in a RocksDB database.
@@ -373,6 +390,7 @@ impl FileSection {
             min_free_bytes: _,
             ttl,
             sync: _,
+            io: _,
         } = self;
         within(
             "l3.file.ttl",

@@ -304,6 +304,97 @@ fn file_pages_survive_a_killed_daemon() {
     );
 }
 
+/// `l3.file.io = "direct"`: pages written with O_DIRECT by one kvtierd come back into a
+/// fresh kvtierd's L2 through prefetch (read with O_DIRECT), bit-identical, and a page cut
+/// short on disk is a miss, not the bytes it kept.
+#[test]
+fn direct_io_pages_come_back_bit_identical_and_a_torn_one_is_a_miss() {
+    let dir = std::env::temp_dir().join(format!("kvtierd-test-{}-direct", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let keys = chain(8, 10);
+    let sets = [
+        "l2.pool_pages=32",
+        "l2.take_over_after_crash=false",
+        "l3.file.io=direct",
+        "prefetch.threshold_tokens=0",
+    ];
+    let d = Daemon::start_in(dir.clone(), &sets);
+    rt().block_on(async {
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        store(&mut c, &s, &keys).await;
+        wait_objects(&mut c, 10).await;
+    });
+    let dir = d.kill();
+    // The last page loses its last byte on disk.
+    let fp = kvtier_core::Layout::new(layout("m")).unwrap().fingerprint();
+    let cut = {
+        let name = kvtier_storage::format::object_name(&fp, &keys[9]);
+        let found: Vec<std::path::PathBuf> = walk(&dir.join("l3"))
+            .into_iter()
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|f| name.ends_with(&*f.to_string_lossy()))
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        found[0].clone()
+    };
+    let len = std::fs::metadata(&cut).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&cut)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    let d = Daemon::start_in(dir, &sets);
+    rt().block_on(async {
+        use kvtier_client::{PrefetchOptions, outcome};
+        use kvtier_proto::v1::PrefetchPolicy;
+        let mut c = HostClient::connect(&d.target()).await.unwrap();
+        let s = c.register("w", &layout("m")).await.unwrap();
+        assert_eq!(c.lookup_tiers(s.id, &keys, true).await.unwrap(), (0, 10));
+        let opts = PrefetchOptions::policy(PrefetchPolicy::WaitComplete);
+        let mut stream = c.prefetch(s.id, "r1", &keys, opts).await.unwrap();
+        let first = stream.message().await.unwrap().unwrap();
+        assert_eq!(outcome(&first), "running", "{first:?}");
+        let (p, slots) = c.take_prefetch(s.id, "r1").await.unwrap();
+        assert_eq!(slots.len(), 9, "{p:?}: the torn page came back");
+        assert_ne!(outcome(&p), "completed");
+        let len = s.layout.page_bytes();
+        let mut buf = vec![0u8; len];
+        for (k, &slot) in keys.iter().zip(&slots) {
+            s.pool.read(slot, 0, &mut buf).unwrap();
+            assert!(buf == page_bytes(k, len), "a prefetched page differs");
+        }
+        c.release(s.id, &keys[..9]).await.unwrap();
+    });
+    let m = d.metrics();
+    assert_eq!(
+        metric(
+            &m,
+            "kvtier_prefetch_requests_total{outcome=\"failed\",reason=\"corrupt\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert!(!cut.exists(), "the torn page's file is still there");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
 #[test]
 fn remote_backend_conforms_against_a_second_kvtierd() {
     let a = Daemon::start(

@@ -35,9 +35,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use kvtier_config::Capacity;
-use kvtier_config::l3::FileSection;
+use kvtier_config::l3::{FileIo, FileSection};
 use kvtier_core::TenantTag;
 
+use crate::direct::{self, DirectOpen as _, DirectReader};
 use crate::lru::{Index, blocking, check_fits, now_ns};
 use crate::{ObjectSink, Removed, SinkReadError, StorageError, Store, StoreStats, check_name};
 
@@ -71,20 +72,58 @@ impl FileStore {
         let ttl = self.cfg.ttl.0;
         (!ttl.is_zero()).then_some(ttl)
     }
+
+    /// Whether page bytes go to and from the device with `O_DIRECT` (`l3.file.io`).
+    fn direct(&self) -> bool {
+        self.cfg.io == FileIo::Direct
+    }
 }
 
 /// A new temporary file at `tmp`: `O_CREAT|O_EXCL|O_NOFOLLOW`, so a file or symlink someone
 /// planted at the name is an error (the write fails: a miss), never written through or
 /// truncated; mode 0600 whatever the umask allows beyond it: pages are kvtierd's alone (each
 /// tenant reads its own through kvtierd).
-fn new_file(tmp: &Path) -> std::io::Result<std::fs::File> {
+/// With `direct`, the file is opened for `O_DIRECT` writes.
+fn new_file(tmp: &Path, direct: bool) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt as _;
+    let flags =
+        rustix::fs::OFlags::NOFOLLOW.bits() as i32 | if direct { direct::flag() } else { 0 };
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .custom_flags(flags)
         .open(tmp)
+}
+
+/// Opens object file `path` to read it, with `O_DIRECT` when `direct`.
+fn open_object(path: &Path, direct: bool) -> std::io::Result<std::fs::File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true);
+    if direct {
+        o.custom_flags_direct();
+    }
+    o.open(path)
+}
+
+/// Reads all of `f` (`len` bytes) into `out`: through an aligned buffer where it was opened
+/// with `O_DIRECT`.
+fn read_whole(
+    f: &mut std::fs::File,
+    len: u64,
+    direct: bool,
+    out: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    use std::io::Read as _;
+    out.reserve_exact(len as usize);
+    if direct {
+        direct::with_aligned(DirectReader::buffer_for(len), |buf| {
+            DirectReader::new(f, len, buf).read_to_end(out)
+        })?;
+    } else {
+        f.read_to_end(out)?;
+    }
+    Ok(())
 }
 
 /// Creates `dir` and any missing parents with mode 0700 (kvtierd's alone, whatever the
@@ -219,6 +258,16 @@ impl FileStore {
         private_dirs(&objects).map_err(io("create", &objects))?;
         trusted(&objects)?;
         own_tree(&objects)?;
+        if cfg.io == FileIo::Direct {
+            let probe = objects.join(format!(".t{}-probe", std::process::id()));
+            direct::probe(&probe, || new_file(&probe, true)).map_err(|why| {
+                StorageError::Invalid(format!(
+                    "l3.file.io = \"direct\": {} does not take O_DIRECT writes and reads ({why}); \
+                     set l3.file.io = \"buffered\"",
+                    objects.display()
+                ))
+            })?;
+        }
         // Versions before 0.2 wrote temp files to `tmp/`: its temp files go, then it, if empty.
         let old_tmp = root.join("tmp");
         if std::fs::symlink_metadata(&old_tmp).is_ok_and(|m| m.is_dir()) {
@@ -479,11 +528,10 @@ fn object_name(objects: &Path, path: &Path) -> Option<String> {
 /// cache-sized buffer per thread (no page-sized allocation, and its page faults, per read).
 /// Returns how many bytes went.
 fn read_rest(
-    f: &mut std::fs::File,
+    f: &mut dyn std::io::Read,
     total: u64,
     sink: &dyn ObjectSink,
 ) -> Result<u64, SinkReadError> {
-    use std::io::Read as _;
     if let Some(r) = sink.append_from(0, total, f, &mut |_| {}) {
         return r;
     }
@@ -537,8 +585,9 @@ impl Store for FileStore {
         let path = self.path_of(name);
         let ttl = self.ttl();
         let (name_owned, index) = (name.to_string(), self.index.clone());
+        let direct = self.direct();
         blocking("file", move || {
-            let mut f = match std::fs::File::open(&path) {
+            let mut f = match open_object(&path, direct) {
                 Ok(f) => f,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
                     index.lock().remove(&name_owned);
@@ -546,14 +595,15 @@ impl Store for FileStore {
                 }
                 Err(e) => return Err(io("open", &path)(e)),
             };
-            if ttl.is_some() && expired(ttl, &f.metadata().map_err(io("stat", &path))?) {
+            let meta = f.metadata().map_err(io("stat", &path))?;
+            if expired(ttl, &meta) {
                 index.lock().remove(&name_owned);
                 // Best effort: an undeletable expired file is still never served.
                 let _ = std::fs::remove_file(&path);
                 return Ok(None);
             }
             let mut buf = Vec::new();
-            std::io::Read::read_to_end(&mut f, &mut buf).map_err(io("read", &path))?;
+            read_whole(&mut f, meta.len(), direct, &mut buf).map_err(io("read", &path))?;
             index.lock().touch(&name_owned, now_ns());
             Ok(Some(Bytes::from(buf)))
         })
@@ -570,8 +620,9 @@ impl Store for FileStore {
         let path = self.path_of(name);
         let ttl = self.ttl();
         let (name_owned, index) = (name.to_string(), self.index.clone());
+        let direct = self.direct();
         blocking("file", move || {
-            let mut f = match std::fs::File::open(&path) {
+            let mut f = match open_object(&path, direct) {
                 Ok(f) => f,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
                     index.lock().remove(&name_owned);
@@ -587,12 +638,21 @@ impl Store for FileStore {
             }
             let head_len = split.min(meta.len() as usize);
             let mut head = vec![0u8; head_len];
-            std::io::Read::read_exact(&mut f, &mut head).map_err(io("read", &path))?;
             let total = meta.len() - head_len as u64;
-            let rest = read_rest(&mut f, total, sink.as_ref()).map_err(|e| match e {
-                SinkReadError::Io(e) => io("read", &path)(e),
-                SinkReadError::Sink(why) => StorageError::Invalid(why),
-            })?;
+            let mut read = |f: &mut dyn std::io::Read| {
+                f.read_exact(&mut head).map_err(io("read", &path))?;
+                read_rest(f, total, sink.as_ref()).map_err(|e| match e {
+                    SinkReadError::Io(e) => io("read", &path)(e),
+                    SinkReadError::Sink(why) => StorageError::Invalid(why),
+                })
+            };
+            let rest = if direct {
+                direct::with_aligned(DirectReader::buffer_for(meta.len()), |buf| {
+                    read(&mut DirectReader::new(&f, meta.len(), buf))
+                })?
+            } else {
+                read(&mut f)?
+            };
             index.lock().touch(&name_owned, now_ns());
             Ok(Some((Bytes::from(head), rest)))
         })
@@ -628,6 +688,7 @@ impl Store for FileStore {
         self.index.lock().check_quota(name, size)?;
         let min_free = self.cfg.min_free_bytes.0;
         let sync = self.cfg.sync;
+        let direct = self.direct();
         let path = self.path_of(name);
         let tmp = path.with_file_name(format!(
             ".t{}-{}",
@@ -648,17 +709,21 @@ impl Store for FileStore {
                 }
             }
             let write = || -> std::io::Result<()> {
-                let mut f = match new_file(&tmp) {
+                let mut f = match new_file(&tmp, direct) {
                     Err(e) if e.kind() == ErrorKind::NotFound => {
                         if let Some(dir) = path.parent() {
                             private_dirs(dir)?;
                         }
-                        new_file(&tmp)?
+                        new_file(&tmp, direct)?
                     }
                     r => r?,
                 };
-                f.write_all(&head)?;
-                f.write_all(&body)?;
+                if direct {
+                    direct::write_direct(&f, &head, &body)?;
+                } else {
+                    f.write_all(&head)?;
+                    f.write_all(&body)?;
+                }
                 if sync {
                     f.sync_data()?;
                 }
@@ -839,11 +904,12 @@ mod tests {
         std::fs::write(&victim, b"theirs").unwrap();
         std::os::unix::fs::symlink(&victim, dir.join(".t1")).unwrap();
         std::fs::write(dir.join(".t2"), b"planted").unwrap();
-        assert!(new_file(&dir.join(".t1")).is_err());
-        assert!(new_file(&dir.join(".t2")).is_err());
+        assert!(new_file(&dir.join(".t1"), false).is_err());
+        assert!(new_file(&dir.join(".t2"), false).is_err());
+        assert!(new_file(&dir.join(".t1"), true).is_err());
         assert_eq!(std::fs::read(&victim).unwrap(), b"theirs");
         assert_eq!(std::fs::read(dir.join(".t2")).unwrap(), b"planted");
-        let f = new_file(&dir.join(".t3")).unwrap();
+        let f = new_file(&dir.join(".t3"), false).unwrap();
         use std::os::unix::fs::PermissionsExt as _;
         assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o600);
         private_dirs(&dir.join("a/b")).unwrap();
@@ -856,6 +922,24 @@ mod tests {
 
     /// A written object lands on a free name and replaces a taken one, whole, with its temp
     /// file gone either way; a directory in the way is an error that leaves it alone.
+    /// `io = "direct"` really asks the kernel for O_DIRECT, for reads and for writes.
+    #[test]
+    fn direct_files_are_opened_with_o_direct_and_buffered_ones_without() {
+        let dir = std::env::temp_dir().join(format!("kvtier-file-odirect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let direct = |f: &std::fs::File| {
+            rustix::fs::fcntl_getfl(f)
+                .unwrap()
+                .contains(rustix::fs::OFlags::DIRECT)
+        };
+        let w = new_file(&dir.join(".t1"), true).unwrap();
+        assert!(direct(&w));
+        assert!(!direct(&new_file(&dir.join(".t2"), false).unwrap()));
+        assert!(direct(&open_object(&dir.join(".t1"), true).unwrap()));
+        assert!(!direct(&open_object(&dir.join(".t1"), false).unwrap()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn publish_lands_on_free_names_and_replaces_taken_ones() {
         let dir = std::env::temp_dir().join(format!("kvtier-file-publish-{}", std::process::id()));

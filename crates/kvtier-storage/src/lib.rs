@@ -9,6 +9,7 @@
 //! page as a hit: the framing layer refuses it, counts it and deletes it.
 
 pub mod conformance;
+mod direct;
 pub mod file;
 pub mod format;
 mod lru;

@@ -234,6 +234,12 @@ min_free_bytes = "1GiB"
 ttl = "0s"
 # fsync each page before it becomes visible (durable across power loss).
 sync = false
+# How page bytes reach the disk: "buffered" (through the kernel's page cache, which keeps a
+# second copy of what L2 holds and serves a page read again soon from memory) or "direct"
+# (O_DIRECT through aligned buffers: every read from the device, nothing cached twice;
+# refused at start on a filesystem without O_DIRECT: some FUSE and network filesystems,
+# tmpfs before Linux 6.6).
+io = "buffered"
 
 [l3.rocksdb]
 # Database directory. Empty: <data_dir>/rocksdb.
