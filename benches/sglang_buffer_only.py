@@ -5,7 +5,7 @@
 
 Each worker is SGLang's own device pool, host pool (sized by ``--hicache-ratio`` as SGLang
 sizes it: 2.0, its cache-mode default, against ``--buffer-ratio`` for buffer_only) and
-HiCacheController with kvtier as its ``dynamic`` backend (tests/sglang/buffer_only_node.py
+HiCacheController with kvtier as its ``dynamic`` backend (kvtier/testing/sglang_controller.py
 says what runs in SGLang's place on a CPU). The same seeded trace of requests (prompts of
 shared page chains, spread over the workers) runs in each mode against its own kvtierd:
 
@@ -30,15 +30,12 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "sglang"))
-
 
 def run_mode(socket: str, mode: str, a, ratio: float) -> dict:
     import torch
-    from buffer_only_node import PAGE, Node, page_bytes
 
     from kvtier.testing.sglang import keys
+    from kvtier.testing.sglang_controller import PAGE, Node, page_bytes
 
     nodes = [
         Node(socket, mode, a.layout, device_pages=a.device_pages, ratio=ratio)
@@ -65,7 +62,7 @@ def run_mode(socket: str, mode: str, a, ratio: float) -> dict:
             if rest:
                 room(node, seen, len(rest))
                 n_l3, idx = node.prefetch(rest)
-                if n_l3:
+                if n_l3 and idx is not None:
                     wrong += len(node.wrong_pages(rest, idx, n_l3))
                     if mode == "cache":
                         for i, k in enumerate(rest[:n_l3]):
@@ -97,7 +94,7 @@ def run_mode(socket: str, mode: str, a, ratio: float) -> dict:
 
 def room(node, seen: OrderedDict, pages: int) -> None:
     """cache mode: frees the oldest host-resident pages until ``pages`` fit."""
-    from buffer_only_node import PAGE
+    from kvtier.testing.sglang_controller import PAGE
 
     while node.host.available_size() < pages * PAGE and seen:
         k, _ = seen.popitem(last=False)
@@ -112,7 +109,7 @@ def torch_range(start: int, n: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--device-pages", type=int, default=32, help="device pool, pages")
     ap.add_argument("--cache-ratio", type=float, default=2.0, help="SGLang's cache default")
@@ -126,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
 
-    from buffer_only_node import single_rank
-
     from kvtier.testing.processes import Kvtierd
+    from kvtier.testing.sglang_controller import single_rank
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, single_rank():

@@ -3,7 +3,7 @@ backend: the host pool is a staging buffer and kvtierd's node-wide L2 is the hos
 
 SGLang's own HiCacheController, built with ``host_memory_mode`` ``buffer_only`` (and
 ``cache`` to compare), over its own MHA and MLA host pools in every layout, with kvtier loaded
-by its storage factory, against real kvtierd processes. tests/sglang/buffer_only_node.py says
+by its storage factory, against real kvtierd processes. kvtier/testing/sglang_controller.py says
 which steps run in SGLang's place on a CPU.
 
 Not covered on a CPU: UnifiedRadixCache's buffer pipeline itself and its SWA / Mamba sidecar
@@ -23,14 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from buffer_only_node import Node, page_bytes, single_rank
 from sglang.srt.arg_groups.hicache_hook import handle_hicache
 from sglang.srt.managers.cache_controller import HICACHE_LOAD_POOL_USAGE_FRACTION
 from sglang.srt.server_args import ServerArgs
 
 from kvtier.testing.sglang import LAYOUTS, PAGE, ROOT, Kvtierd, keys
+from kvtier.testing.sglang_controller import Node, page_bytes, single_rank
 
-HERE = Path(__file__).resolve().parent
 MODES = ("buffer_only", "cache")
 
 
@@ -108,7 +107,7 @@ def test_pages_come_back_bit_identical_after_the_host_copy_is_gone(
 
 def worker_process(socket: str, role: str, layout: str, salt: str, n: int) -> str:
     out = subprocess.run(
-        [sys.executable, str(HERE / "buffer_only_node.py"), socket, role, "buffer_only"]
+        [sys.executable, "-m", "kvtier.testing.sglang_controller", socket, role, "buffer_only"]
         + [layout, salt, str(n)],
         capture_output=True,
         text=True,

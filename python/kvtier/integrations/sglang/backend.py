@@ -38,9 +38,9 @@ from kvtier.identity import (
     longrope_limit,
 )
 from kvtier.integrations.sglang import pages
-from kvtier.integrations.sglang.link import PoolLink, Reporter
 from kvtier.keys import Namespace
 from kvtier.layout import DTYPES, LayoutSpec, Mha, Mla, State
+from kvtier.pool_link import PoolLink, Reporter
 from kvtier.settings import fill
 from kvtier.v1 import common_pb2
 
@@ -219,7 +219,7 @@ class KvtierStorage(HiCacheStorage):
         # The KV's logical dtype, decided once the host pool is known (kv_dtype).
         self._kv_dtype = ""
         self.client = DaemonClient(self.settings.socket, self.settings.timeout_s)
-        self.report = Reporter(self.settings.log_interval_s)
+        self.report = Reporter(self.settings.log_interval_s, logging.getLogger("kvtier.sglang"))
         self.counters = self.report.counters
         self.geometry: pages.PageGeometry | None = None
         # SGLang's host pool (a HostKVCache), once registered.

@@ -30,11 +30,9 @@ if TYPE_CHECKING:
 
 import numpy as np
 
+from kvtier.pool_link import UnsupportedPool
+
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-
-
-class UnsupportedPool(ValueError):
-    """The host pool's shape or layout has no kvtier page equivalent."""
 
 
 @dataclass(frozen=True)

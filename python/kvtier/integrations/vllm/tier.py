@@ -60,10 +60,10 @@ from vllm.v1.kv_offload.tiering.base import (
 
 from kvtier.host import POLICIES, DaemonClient
 from kvtier.identity import CacheIdentity, WeightEpoch, checkpoint_digest
-from kvtier.integrations.sglang.link import PoolLink, Reporter
 from kvtier.integrations.vllm.identity import engine_identity, layer_range
 from kvtier.keys import Namespace
 from kvtier.layout import LayoutSpec, State
+from kvtier.pool_link import PoolLink, Reporter
 from kvtier.settings import fill
 from kvtier.v1 import common_pb2
 
@@ -213,7 +213,7 @@ class KvtierTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self.settings = Settings.parse(settings)
         s = self.settings
-        self.report = Reporter(s.log_interval_s)
+        self.report = Reporter(s.log_interval_s, logger)
         self.counters = self.report.counters
         # The region: rows of `stride` bytes; the tier reads and writes them by address.
         self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8)

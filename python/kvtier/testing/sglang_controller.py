@@ -1,6 +1,6 @@
 """One SGLang worker's HiCache storage path, in ``cache`` or ``buffer_only`` host memory mode,
-with kvtier as its ``dynamic`` storage backend (for test_sglang_buffer_only.py and
-benches/sglang_buffer_only.py; run as a script it is one worker process of the tests).
+with kvtier as its ``dynamic`` storage backend (for tests/sglang/test_sglang_buffer_only.py
+and benches/sglang_buffer_only.py; run as a script it is one worker process of the tests).
 
 What is SGLang's own: the device pool, the host pool (``MHATokenToKVPoolHost`` /
 ``MLATokenToKVPoolHost``, sized by ``host_to_device_ratio`` as SGLang sizes it), the
@@ -29,6 +29,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
@@ -117,11 +118,11 @@ class Node:
                 start_layer=0,
                 end_layer=LAYERS - 1,
             )
-            make, extra = MHATokenToKVPoolHost, {}
+            make, extra = MHATokenToKVPoolHost, cast(dict[str, Any], {})
         # SGLang's pool assembler builds the host pool with pin_memory=True, which registers
         # it with CUDA; on the CPU it must be False (the only argument changed).
         self.host = make(
-            dev.get_device_pool_infos()[0].buffer_info,
+            cast(Any, dev.get_device_pool_infos()[0].buffer_info),
             DEFAULT_RATIO[mode] if ratio is None else ratio,
             0,
             PAGE,
@@ -131,7 +132,7 @@ class Node:
             device_capacity_tokens=dev.size,
             start_layer=0,
             end_layer=LAYERS - 1,
-            **extra,
+            **cast(dict[str, Any], extra),
         )
         allocator = TokenToKVPoolAllocator(
             size=tokens, dtype=torch.bfloat16, device="cpu", kvcache=dev, need_sort=False
@@ -148,7 +149,7 @@ class Node:
             allocator,
             self.host,
             PAGE,
-            None,
+            cast(Any, None),  # no process group: one rank
             threading.Event(),
             write_policy="write_through",
             # What SGLang resolves for the layout (page_first needs the kernel backend).
@@ -159,7 +160,11 @@ class Node:
             storage_backend_extra_config=config,
             host_memory_mode=mode,
         )
-        self.worker = Worker(self.host, self.cc.storage_backend, layout, mla)
+        backend = self.cc.storage_backend
+        assert backend is not None, "SGLang built no storage backend"
+        # The backend SGLang loaded: kvtier's KvtierStorage.
+        self.backend: Any = backend
+        self.worker = Worker(self.host, backend, layout, mla)
         self.page_size = self.worker.canonical(0).numel()
         self.counts = Counts()
         self._rid = 0
@@ -177,7 +182,7 @@ class Node:
 
     def close(self) -> None:
         self.cc._stop_storage_threads()
-        self.cc.storage_backend.close()
+        self.backend.close()
 
     def poison(self, pages: list[int] | None = None) -> None:
         """Overwrites host pages (all of them by default) with a pattern no page holds."""
@@ -210,12 +215,14 @@ class Node:
         """Takes one storage ack off SGLang's queue (``op``'s) and does what the mode does
         with its staging: ``buffer_only`` frees (and poisons) it, ``cache`` keeps the pages
         as host-resident."""
-        ack = self.cc.ack_backup_queue.get(timeout=timeout)
+        acks = self.cc.ack_backup_queue
+        assert acks is not None, "SGLang made no backup ack queue (no storage backend)"
+        ack = acks.get(timeout=timeout)
         assert ack.id == op, (ack.id, op)
         done = ack.completed_tokens // PAGE
         self.counts.written += done
         if done < len(ks):
-            backend = self.cc.storage_backend
+            backend = self.backend
             reasons = {
                 k: v
                 for k, v in getattr(backend, "counters", {}).items()
@@ -223,9 +230,11 @@ class Node:
             } or {"unknown": 1}
             why = ",".join(f"{k}={v}" for k, v in sorted(reasons.items()))
             self.counts.given_up[why] = self.counts.given_up.get(why, 0) + len(ks) - done
-        pages = [int(ack.host_indices[i * PAGE]) // PAGE for i in range(len(ks))]
+        staged = ack.host_indices
+        assert staged is not None, "an ack without its host indices"
+        pages = [int(staged[i * PAGE]) // PAGE for i in range(len(ks))]
         if self.mode == "buffer_only":
-            self.cc.mem_pool_host.free(ack.host_indices)
+            self.cc.mem_pool_host.free(staged)
             self.poison(pages)
         else:
             for k, p in zip(ks, pages):
@@ -262,7 +271,7 @@ class Node:
     def hit(self, ks: list[str]) -> int:
         """The leading pages storage holds (the controller's hit query asks the backend's
         ``batch_exists``)."""
-        return self.cc.storage_backend.batch_exists(ks)
+        return self.backend.batch_exists(ks)
 
     def prefetch(self, ks: list[str], timeout: float = 60.0) -> tuple[int, torch.Tensor | None]:
         """Loads the leading ``ks`` storage holds into a host bounce through SGLang's
@@ -276,7 +285,9 @@ class Node:
         assert idx is not None, f"no host room for a {n}-page prefetch bounce"
         self._in_use()
         op.hash_value, op.host_indices, op.storage_hit_count = list(ks[:n]), idx, n * PAGE
-        self.cc.prefetch_buffer.put(op)
+        queue = self.cc.prefetch_buffer
+        assert queue is not None, "SGLang made no prefetch queue (no storage backend)"
+        queue.put(op)
         done = 0
         deadline = time.monotonic() + timeout
         while True:

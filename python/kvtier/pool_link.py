@@ -1,13 +1,16 @@
-"""One kvtierd session per SGLang host pool, and the page moves over it.
+"""One kvtierd session per engine host pool, and the page moves over it: the part every
+integration that copies pages between an engine's host memory and kvtierd's pool shares.
 
-:class:`KvtierStorage` (``backend.py``) holds one :class:`PoolLink` for the KV pool and one per
-hybrid pool (a Mamba state, a sliding-window copy, an indexer cache): each pool has its own
-page size, so its own kvtierd layout, fingerprint and shared-memory pool. A link registers
-its session on first use, again after kvtierd comes back, and never raises into SGLang's
-threads' callers: a failure is a miss, counted by its :class:`Reporter`.
+SGLang's :class:`~kvtier.integrations.sglang.KvtierStorage` holds one :class:`PoolLink` for
+the KV pool and one per hybrid pool (a Mamba state, a sliding-window copy, an indexer cache):
+each pool has its own page size, so its own kvtierd layout, fingerprint and shared-memory
+pool. vLLM's secondary tier (``kvtier.integrations.vllm.tier``) holds one for the rows of
+vLLM's CPU region. A link registers its session on first use, again after kvtierd comes back,
+and never raises into the engine's threads' callers: a failure is a miss, counted by its
+:class:`Reporter`.
 
 How a page's bytes reach a slot is the caller's :class:`Pages`: SGLang's pointer lists for the
-KV pool (``pages.py``), a pool's flat data pages for the others.
+KV pool, a pool's flat data pages, vLLM's region rows.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 from kvtier.host import DaemonClient, HostSession, KvtierError
-from kvtier.integrations.sglang.pages import UnsupportedPool
 from kvtier.keys import Namespace
 from kvtier.v1 import common_pb2
 
-logger = logging.getLogger("kvtier.sglang")
-
 T = TypeVar("T")
+
+
+class UnsupportedPool(ValueError):
+    """The host pool's shape or layout has no kvtier page equivalent."""
 
 
 class Pages(Protocol):
@@ -44,8 +48,10 @@ class Pages(Protocol):
 class Reporter:
     """Counters of what happened, and failure logs at most once per interval per reason."""
 
-    def __init__(self, log_interval_s: float):
+    def __init__(self, log_interval_s: float, logger: logging.Logger):
         self.log_interval_s = log_interval_s
+        # The integration's logger: the link's lines go where the engine's user looks.
+        self.logger = logger
         self.counters: Counter = Counter()
         self.lock = threading.Lock()
         self._logged: dict[str, float] = {}
@@ -61,7 +67,7 @@ class Reporter:
             if now - self._logged.get(reason, -1e9) < self.log_interval_s:
                 return
             self._logged[reason] = now
-        logger.warning("kvtier: %s failed (counted as a miss): %s", reason, e)
+        self.logger.warning("kvtier: %s failed (counted as a miss): %s", reason, e)
 
 
 class PoolLink:
@@ -121,7 +127,7 @@ class PoolLink:
             s.start_heartbeats()
             self._session = s
             self.report.bump("sessions")
-            logger.info(
+            self.report.logger.info(
                 "kvtier: %s session %s on %s (pool %s)",
                 self.label,
                 s.label,
