@@ -9,7 +9,8 @@
 //!
 //! Where things are: the driver (the run loop, the per-page check, the audit) here; what a
 //! run reports, and how it prints, in `report.rs`; workloads, the engine and the embedded
-//! cluster in their own modules.
+//! cluster in their own modules; the fleet replay (many nodes, a router) in `fleet.rs` and
+//! `router.rs`.
 
 /// A name unique to this simulation within the machine (process id, a counter and the
 /// clock), for its directories and shared-memory files: several simulations may run at once.
@@ -28,8 +29,10 @@ pub fn run_id() -> String {
 
 pub mod cluster;
 pub mod engine;
+pub mod fleet;
 pub mod kv;
 mod report;
+pub mod router;
 pub mod workload;
 
 pub use report::{Bytes, HitTokens, Prefetches, Report, StorageWaits, TtftEstimate, Waits};

@@ -61,6 +61,28 @@ enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// Replay a Mooncake-format trace through a fleet: N nodes (each a kvtierd with
+    /// --workers workers) over one shared L3, behind a router, once per policy.
+    Fleet {
+        /// The trace file.
+        #[arg(long)]
+        trace: PathBuf,
+        /// Replay the first N requests (0: all).
+        #[arg(long, default_value_t = 0)]
+        limit: usize,
+        /// Nodes (1 to 64).
+        #[arg(long, default_value_t = 4)]
+        nodes: usize,
+        /// Routing policies, each run on a fresh fleet: round_robin, random, prefix_hash,
+        /// kvtier.
+        #[arg(long, value_delimiter = ',', default_value = "round_robin,kvtier")]
+        policies: Vec<String>,
+        /// Seed of the random policy.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[command(flatten)]
+        common: Common,
+    },
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -168,7 +190,23 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let cli = Cli::parse();
+    let mut fleet = None;
     let (requests, common) = match cli.command {
+        Command::Fleet {
+            trace,
+            limit,
+            nodes,
+            policies,
+            seed,
+            common,
+        } => {
+            let policies = policies
+                .iter()
+                .map(|p| p.parse::<kvtier_sim::router::Policy>())
+                .collect::<Result<Vec<_>>>()?;
+            fleet = Some((nodes, policies, seed));
+            (workload::mooncake(&trace, limit, 256)?, common)
+        }
         Command::Replay {
             trace,
             limit,
@@ -279,6 +317,40 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    if let Some((nodes, policies, seed)) = fleet {
+        let Target::Embedded(node) = target else {
+            bail!("fleet starts its own nodes: --daemon and --agents do not apply");
+        };
+        let mut reports = Vec::new();
+        for policy in policies {
+            let opts = kvtier_sim::fleet::FleetOptions {
+                base: opts.clone(),
+                nodes,
+                node: node.clone(),
+                policy,
+                seed,
+            };
+            let r = rt
+                .block_on(kvtier_sim::fleet::run_fleet(
+                    requests.clone(),
+                    opts,
+                    Launcher::this_binary()?,
+                ))
+                .with_context(|| format!("fleet replay, policy {}", policy.name()))?;
+            reports.push(r);
+        }
+        rt.shutdown_timeout(Duration::from_secs(1));
+        if common.json {
+            println!("{}", serde_json::to_string(&reports)?);
+        } else {
+            print!("{}", kvtier_sim::fleet::table(&reports));
+        }
+        let corrupt: u64 = reports.iter().map(|r| r.pages_corrupt).sum();
+        if corrupt > 0 {
+            bail!("{corrupt} corrupt pages");
+        }
+        return Ok(());
+    }
     let report = rt
         .block_on(kvtier_sim::run(
             requests,
