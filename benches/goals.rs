@@ -172,6 +172,32 @@ const GOALS: &[(&str, &str, Goal)] = &[
     // P9: remote near raw loopback TCP.
     ("l3_remote", "set 2 MiB vs raw TCP", Goal::RatioAtLeast(0.7)),
     ("l3_remote", "get 2 MiB vs raw TCP", Goal::RatioAtLeast(0.7)),
+    // Issue 64: a fleet routed by kvtier's events against round-robin, in the same run.
+    (
+        "fleet",
+        "fleet of 4 nodes, * requests: reuse, kvtier router against round-robin",
+        Goal::RatioAtLeast(2.0),
+    ),
+    (
+        "fleet",
+        "fleet of 4 nodes, * requests: reuse against the unbounded ideal, kvtier router",
+        Goal::RatioAtLeast(0.9),
+    ),
+    (
+        "fleet",
+        "fleet of 4 nodes, * requests: TTFT p99, round-robin over the kvtier router",
+        Goal::RatioAtLeast(2.0),
+    ),
+    (
+        "fleet",
+        "fleet of 4 nodes, * requests: busiest node's prefill over the mean, kvtier router",
+        Goal::ValueAtMost(1.5),
+    ),
+    (
+        "fleet",
+        "fleet of 4 nodes, * requests: corrupt pages",
+        Goal::ValueAtMost(0.0),
+    ),
     // Issue 65: an admission filter keeps the reuse and writes less.
     (
         "sim",

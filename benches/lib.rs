@@ -20,6 +20,7 @@ pub mod thread_cpu;
 pub mod scenarios {
     pub mod agent;
     pub mod events;
+    pub mod fleet;
     pub mod gpu;
     pub mod host_rpc;
     pub mod index;

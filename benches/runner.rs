@@ -88,7 +88,7 @@ fn main() {
 
 /// Every scenario, in the order they run: (name, run, needs Ceph). `--only` takes a
 /// comma-separated list of the names.
-const ALL: [Scenario; 15] = [
+const ALL: [Scenario; 16] = [
     ("keys", scenarios::keys::run, false),
     ("agent", scenarios::agent::run, false),
     ("host_rpc", scenarios::host_rpc::run, false),
@@ -101,6 +101,7 @@ const ALL: [Scenario; 15] = [
     ("prefetch", scenarios::prefetch::run, false),
     ("sglang", scenarios::sglang::run, false),
     ("sim", scenarios::sim::run, false),
+    ("fleet", scenarios::fleet::run, false),
     // Runs kvtierd's side alone unless benches/peers/run set up Mooncake Store.
     ("peers", scenarios::peers::run, false),
     // Measures only where there is an NVIDIA GPU (scripts/gpu-check).
