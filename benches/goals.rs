@@ -41,6 +41,12 @@ const GOALS: &[(&str, &str, Goal)] = &[
         "fleet index bytes per page",
         Goal::ValueAtMost(64.0),
     ),
+    // Issue 64: one router process decides within 1 ms at 1,024 simulated nodes.
+    (
+        "events",
+        "router decision p99, 1024 nodes",
+        Goal::ValueAtMost(1.0),
+    ),
     // P1: the cpu device's copy plan (one memcpy per run) near one memcpy of the same bytes.
     ("agent", "cpu device plan, ", Goal::RatioAtLeast(0.9)),
     // Issue 42: the cuda device's `auto` method near a pinned cuMemcpyAsync of the same bytes

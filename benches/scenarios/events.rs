@@ -2,7 +2,8 @@
 //! pages a second with 4 `WatchEvents` subscribers, and the time from each page's
 //! publication (at its commit) to its arrival at a subscriber; then commit throughput at full
 //! speed with those 4 subscribers against none, in the same run; then the router's fleet
-//! index (`benches/fleet_index_bench.py`): its bytes per page, and a prefix lookup.
+//! index (`benches/fleet_index_bench.py`): its bytes per page, and a prefix lookup; then one
+//! router over simulated fleets (`benches/router_scale_bench.py`, docs/routing.md).
 //!
 //! The daemon runs in-process on its own runtime (one worker per core, as kvtierd's); the
 //! writer and the subscribers are clients on runtimes of their own, so every event crosses
@@ -375,6 +376,14 @@ pub fn run(quick: bool) {
     crate::python::run_rows(
         "events",
         &crate::python::script("fleet_index_bench.py"),
+        args,
+        &[],
+    );
+    // One router process (kvtier.routing) over simulated fleets of 64, 256 and 1,024 nodes:
+    // index memory, decision time, event apply, lag, and where it stops keeping up.
+    crate::python::run_rows(
+        "events",
+        &crate::python::script("router_scale_bench.py"),
         args,
         &[],
     );

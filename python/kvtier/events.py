@@ -7,7 +7,9 @@
 - :class:`FleetIndex` keeps a view per node, follows each node's stream on a thread (resuming
   after a disconnect, rebuilding from the snapshot after a restart or a resync), and answers
   where a prompt's pages are: :meth:`FleetIndex.locate` (leading pages per node) and
-  :meth:`FleetIndex.route` (the node with the longest prefix).
+  :meth:`FleetIndex.route` (the node with the longest prefix), each by scanning every node's
+  view; it tells an index built over it (``changes``, :data:`FleetChanges`) each page a view
+  gains or loses, as :class:`kvtier.routing.Router` uses it to choose a node without scans.
 
 Keys are kvtierd's: a prompt's page keys (:func:`kvtier.keys.page_keys`), scoped by tenant
 when the nodes run with ``[tenants]`` (docs/routing.md gives the scope).
@@ -16,10 +18,11 @@ when the nodes run with ``[tenants]`` (docs/routing.md gives the scope).
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -152,11 +155,17 @@ class KeySet:
         at = bisect_right(self._mins, t) - 1
         return at, bisect_left(self._leaves[at], t), t
 
-    def add(self, key: bytes) -> None:
+    def tags(self) -> Iterator[int]:
+        """Each key's tag (its last 64 bits, little-endian), ascending."""
+        for leaf in self._leaves:
+            yield from leaf
+
+    def add(self, key: bytes) -> bool:
+        """Adds ``key``; whether it was new."""
         at, i, t = self._find(key)
         leaf = self._leaves[at]
         if i < len(leaf) and leaf[i] == t:
-            return
+            return False
         leaf.insert(i, t)
         self._len += 1
         if len(leaf) > self.LEAF:
@@ -165,18 +174,21 @@ class KeySet:
             del leaf[half:]
             self._leaves.insert(at + 1, right)
             self._mins.insert(at + 1, right[0])
+        return True
 
-    def discard(self, key: bytes) -> None:
+    def discard(self, key: bytes) -> bool:
+        """Removes ``key``; whether it was held."""
         at, i, t = self._find(key)
         leaf = self._leaves[at]
         if i == len(leaf) or leaf[i] != t:
-            return
+            return False
         del leaf[i]
         self._len -= 1
         if not leaf and len(self._leaves) > 1:
             del self._leaves[at]
             del self._mins[at]
             self._mins[0] = 0
+        return True
 
     def copy(self) -> KeySet:
         c = KeySet()
@@ -184,6 +196,16 @@ class KeySet:
         c._mins = list(self._mins)
         c._len = self._len
         return c
+
+
+PageChanges = Callable[[EventTier, str, Iterable[int], bool], None]
+"""What :meth:`NodeView.apply` tells of each change: ``(tier, layout, tags, held)``: the pages
+whose tags (each key's last 64 bits, as :class:`KeySet` keeps them) became held in ``layout``
+of ``tier`` (``held`` true) or left it. Called only for real changes: a page stored twice or
+removed when not held is not told."""
+
+FleetChanges = Callable[[str, EventTier, str, Iterable[int], bool], None]
+""":data:`PageChanges` with the node's name first, as :class:`FleetIndex` tells them."""
 
 
 @dataclass
@@ -200,7 +222,10 @@ class NodeView:
     def _tier(self, tier: EventTier) -> dict[str, KeySet]:
         return self.pages if tier is EventTier.L2_HOST else self.storage
 
-    def apply(self, batch: EventBatch) -> None:
+    def apply(self, batch: EventBatch, changes: PageChanges | None = None) -> None:
+        """Applies ``batch``; ``changes``, when given, is told each page that became held or
+        left (what an index over many views, as :class:`kvtier.routing.Router` keeps,
+        follows)."""
         self.stream_id = batch.stream_id
         for e in batch.events:
             tier = self._tier(e.tier)
@@ -208,20 +233,30 @@ class NodeView:
                 held = tier.get(e.layout)
                 if held is None:
                     held = tier[e.layout] = KeySet()
-                held.add(e.key)
+                if held.add(e.key) and changes is not None:
+                    changes(e.tier, e.layout, (_tag(e.key),), True)
             elif e.kind is EventKind.REMOVED:
                 held = tier.get(e.layout)
-                if held is not None:
-                    held.discard(e.key)
+                if held is not None and held.discard(e.key) and changes is not None:
+                    changes(e.tier, e.layout, (_tag(e.key),), False)
             elif e.kind is EventKind.CLEARED:
                 # One tenant's pool (tenant_tag) or every tenant's: the key sets keep each
                 # key's last 8 bytes, not its tenant tag, so either way the layout's set goes
                 # (another tenant's pages forgotten cost a miss there, never a wrong route).
                 if e.layout:
-                    tier.pop(e.layout, None)
+                    gone = tier.pop(e.layout, None)
+                    if gone is not None and changes is not None:
+                        changes(e.tier, e.layout, gone.tags(), False)
                 else:
+                    if changes is not None:
+                        for name, gone in tier.items():
+                            changes(e.tier, name, gone.tags(), False)
                     tier.clear()
             else:  # RESYNC: a snapshot follows
+                if changes is not None:
+                    for t in EventTier:
+                        for name, gone in self._tier(t).items():
+                            changes(t, name, gone.tags(), False)
                 self.pages.clear()
                 self.storage.clear()
                 self.resyncs += 1
@@ -270,14 +305,21 @@ class NodeView:
 class FleetIndex:
     """Views of many nodes, each kept by following its stream (:meth:`follow`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, changes: FleetChanges | None = None) -> None:
+        """``changes``, when given, is told each page that became held or left a node's view
+        (:data:`FleetChanges`), under the index's lock, as each batch is applied."""
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeView] = {}
         self._followers: dict[str, Follower] = {}
+        self._changes = changes
 
     def apply(self, node: str, batch: EventBatch) -> None:
         with self._lock:
-            self._nodes.setdefault(node, NodeView()).apply(batch)
+            view = self._nodes.setdefault(node, NodeView())
+            if self._changes is None:
+                view.apply(batch)
+            else:
+                view.apply(batch, functools.partial(self._changes, node))
 
     def view(self, node: str) -> NodeView:
         """A copy of ``node``'s view now."""
