@@ -483,3 +483,34 @@ def test_a_full_l2_applies_vllms_backpressure(tmp_path: Path, model: str) -> Non
     finally:
         inst.close()
         d.kill()
+
+
+def test_jobs_and_lookups_past_kvtierds_batch_limit_go_in_several_calls(
+    tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's lookups, or a job, of more keys than kvtierd takes in one call
+    (``server.max_batch``) are split, not refused: refused, the lookups would look like
+    kvtierd down and pause every lookup. Here kvtierd takes 5 keys a call and the tier sends 4."""
+    from kvtier.integrations.vllm import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "MAX_KEYS_PER_CALL", 4)
+    d = Kvtierd(tmp_path / "daemon", "l2.pool_pages=256", "server.max_batch=5")
+    try:
+        tokens = prompt(21, 12)
+        first = Instance(model, tier_flag(d.socket))
+        try:
+            first.store(tokens)
+            assert first.tier.counters["stored_pages"] == 12, dict(first.tier.counters)
+            stride = first.stride
+        finally:
+            first.close()
+        second = Instance(model, tier_flag(d.socket))
+        try:
+            assert second.load(tokens) == expected(tokens, stride)
+            counters = dict(second.tier.counters)
+            assert counters["loaded_pages"] == 12, counters
+            assert not any(k.startswith("error:") for k in counters), counters
+        finally:
+            second.close()
+    finally:
+        d.stop()

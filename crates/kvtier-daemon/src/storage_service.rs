@@ -60,6 +60,7 @@ impl ObjectStorageService {
 fn api(e: StorageError) -> ApiError {
     match e {
         StorageError::Invalid(m) => ApiError::invalid("name", m),
+        StorageError::Refused(m) => ApiError::invalid("object", m),
         StorageError::NoSpace(m) => ApiError::ResourceExhausted(m),
         other => ApiError::Unavailable(other.to_string()),
     }

@@ -3,9 +3,12 @@
 //!
 //! `O_DIRECT` wants the memory, the file offset and the length of each transfer aligned to
 //! the device's block. Objects are a head and a body of any length, and L2's pages are not
-//! laid out for it, so every transfer goes through one aligned buffer per thread (reused: no
-//! page-sized allocation, and no page faults, per object) and is copied between it and its
-//! destination: one copy, as a buffered read makes from the page cache.
+//! laid out for it, so every transfer goes through an aligned buffer and is copied between it
+//! and its destination: one copy, as a buffered read makes from the page cache. Buffers come
+//! from one pool for the process ([`with_aligned`]), sized to the transfer and kept for the
+//! next while the idle ones hold at most [`IDLE_BYTES`]: reused (no page-sized allocation,
+//! and no page faults, per object), and bounded however many threads the blocking pool runs
+//! (a buffer per thread once made a burst of reads keep 2 GiB).
 //! - A read ([`DirectReader`]) fetches the file in aligned pieces of up to [`DIRECT_CHUNK`]
 //!   (one transfer for a 2 MiB page and its head: the device sees one request, not the
 //!   read-ahead window's pieces) and hands bytes out as a [`Read`].
@@ -14,10 +17,11 @@
 //!
 //! No `unsafe`: the aligned part of an ordinary byte vector is found with `align_offset`.
 
-use std::cell::RefCell;
 use std::fs::File;
 use std::io::{ErrorKind, Read};
 use std::os::unix::fs::FileExt as _;
+
+use parking_lot::Mutex;
 
 /// The alignment of every transfer's memory, offset and length: the largest logical block a
 /// device has (4 KiB), so it suits 512-byte devices too.
@@ -26,20 +30,42 @@ pub(crate) const ALIGN: usize = 4096;
 /// The most bytes one transfer moves: a 2 MiB page with its head in one request.
 pub(crate) const DIRECT_CHUNK: usize = 4 << 20;
 
-thread_local! {
-    static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
+/// Most bytes of idle buffers the pool keeps: 16 transfers of the largest size.
+pub(crate) const IDLE_BYTES: usize = 16 * (DIRECT_CHUNK + ALIGN);
 
-/// Runs `f` with this thread's aligned buffer of `len` bytes (`len` ≤ [`DIRECT_CHUNK`]).
+/// Idle aligned buffers, and their bytes.
+static IDLE: Mutex<(Vec<Vec<u8>>, usize)> = Mutex::new((Vec::new(), 0));
+
+/// Runs `f` with an aligned buffer of `len` bytes (`len` ≤ [`DIRECT_CHUNK`], a multiple of
+/// [`ALIGN`]) from the pool: an idle one large enough, or a new one; kept for the next
+/// transfer after, unless the idle ones already hold [`IDLE_BYTES`].
 pub(crate) fn with_aligned<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
     debug_assert!(len <= DIRECT_CHUNK && len.is_multiple_of(ALIGN));
-    BUF.with_borrow_mut(|v| {
-        if v.len() < DIRECT_CHUNK + ALIGN {
-            v.resize(DIRECT_CHUNK + ALIGN, 0);
-        }
-        let off = v.as_ptr().align_offset(ALIGN);
-        f(&mut v[off..off + len])
-    })
+    let want = len + ALIGN;
+    let reused = {
+        let mut g = IDLE.lock();
+        let found = g.0.iter().position(|v| v.len() >= want);
+        found.map(|i| {
+            let v = g.0.swap_remove(i);
+            g.1 -= v.len();
+            v
+        })
+    };
+    let mut v = reused.unwrap_or_else(|| vec![0u8; want]);
+    let off = v.as_ptr().align_offset(ALIGN);
+    let r = f(&mut v[off..off + len]);
+    let mut g = IDLE.lock();
+    if g.1 + v.len() <= IDLE_BYTES {
+        g.1 += v.len();
+        g.0.push(v);
+    }
+    r
+}
+
+/// Bytes the pool's idle buffers hold now.
+#[cfg(test)]
+fn idle_bytes() -> usize {
+    IDLE.lock().1
 }
 
 /// `n` rounded up to [`ALIGN`].
@@ -53,7 +79,7 @@ pub(crate) fn flag() -> i32 {
 }
 
 /// Reads a file opened with `O_DIRECT`, `len` bytes long, from its start, in aligned pieces
-/// through this thread's buffer. It borrows the buffer for its life: a thread holds one at
+/// through an aligned buffer from the pool, which it borrows for its life: a thread holds one at
 /// a time.
 pub(crate) struct DirectReader<'a> {
     file: &'a File,
@@ -302,6 +328,26 @@ mod tests {
             std::fs::remove_file(&path).unwrap();
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Many threads reading at once share the pool's buffers: what stays after holds at most
+    /// [`IDLE_BYTES`], however many threads there were, and a small transfer takes a small
+    /// buffer.
+    #[test]
+    fn buffers_are_sized_to_the_transfer_and_the_idle_ones_are_bounded() {
+        std::thread::scope(|s| {
+            for _ in 0..64 {
+                s.spawn(|| {
+                    with_aligned(DIRECT_CHUNK, |b| {
+                        assert_eq!(b.as_ptr().align_offset(ALIGN), 0);
+                        assert_eq!(b.len(), DIRECT_CHUNK);
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                    });
+                });
+            }
+        });
+        assert!(idle_bytes() <= IDLE_BYTES, "{} idle", idle_bytes());
+        with_aligned(ALIGN, |b| assert_eq!(b.len(), ALIGN));
     }
 
     /// A filesystem that takes the `O_DIRECT` open but fails the transfer is refused, and

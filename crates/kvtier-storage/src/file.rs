@@ -38,7 +38,7 @@ use kvtier_config::Capacity;
 use kvtier_config::l3::{FileIo, FileSection};
 use kvtier_core::TenantTag;
 
-use crate::direct::{self, DirectOpen as _, DirectReader};
+use crate::direct::{self, DirectReader};
 use crate::lru::{Index, blocking, check_fits, now_ns};
 use crate::{ObjectSink, Removed, SinkReadError, StorageError, Store, StoreStats, check_name};
 
@@ -96,14 +96,23 @@ fn new_file(tmp: &Path, direct: bool) -> std::io::Result<std::fs::File> {
         .open(tmp)
 }
 
-/// Opens object file `path` to read it, with `O_DIRECT` when `direct`.
+/// Opens object file `path` to read it, with `O_DIRECT` when `direct`: a regular file only.
+/// `O_NONBLOCK` (no effect on a regular file) keeps a FIFO planted at the name from holding
+/// the opening thread until a writer comes; anything but a regular file is refused.
 fn open_object(path: &Path, direct: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     let mut o = std::fs::OpenOptions::new();
-    o.read(true);
-    if direct {
-        o.custom_flags_direct();
+    o.read(true).custom_flags(
+        rustix::fs::OFlags::NONBLOCK.bits() as i32 | if direct { direct::flag() } else { 0 },
+    );
+    let f = o.open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            "not a regular file (kvtier writes only regular files)",
+        ));
     }
-    o.open(path)
+    Ok(f)
 }
 
 /// Reads all of `f` (`len` bytes) into `out`: through an aligned buffer where it was opened
@@ -643,7 +652,7 @@ impl Store for FileStore {
                 f.read_exact(&mut head).map_err(io("read", &path))?;
                 read_rest(f, total, sink.as_ref()).map_err(|e| match e {
                     SinkReadError::Io(e) => io("read", &path)(e),
-                    SinkReadError::Sink(why) => StorageError::Invalid(why),
+                    SinkReadError::Sink(why) => StorageError::Refused(why),
                 })
             };
             let rest = if direct {

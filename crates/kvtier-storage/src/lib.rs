@@ -73,6 +73,10 @@ pub enum StorageError {
     /// The object name or configuration is invalid.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// The read's destination refused the object's bytes (more of them than the page it
+    /// should be, or out of order): the object is not the page asked for.
+    #[error("refused by the destination: {0}")]
+    Refused(String),
 }
 
 impl StorageError {
@@ -85,7 +89,10 @@ impl StorageError {
             ),
             StorageError::Timeout(_) | StorageError::Unavailable(_) => true,
             StorageError::Backend { retryable, .. } => *retryable,
-            StorageError::Cancelled | StorageError::NoSpace(_) | StorageError::Invalid(_) => false,
+            StorageError::Cancelled
+            | StorageError::NoSpace(_)
+            | StorageError::Invalid(_)
+            | StorageError::Refused(_) => false,
         }
     }
 
@@ -99,6 +106,7 @@ impl StorageError {
             StorageError::Unavailable(_) => "unavailable",
             StorageError::Backend { .. } => "backend",
             StorageError::Invalid(_) => "invalid",
+            StorageError::Refused(_) => "refused",
         }
     }
 }
@@ -258,7 +266,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// offsets from 0). `None` when absent. Backends that can stream (file) override this so a
     /// page lands in its destination without a page-sized intermediate buffer; the default
     /// reads the whole object with [`Store::get`] and hands the rest over in one piece. A sink
-    /// error stops the read and is returned as [`StorageError::Invalid`].
+    /// error stops the read and is returned as [`StorageError::Refused`].
     async fn read_into(
         &self,
         name: &str,
@@ -271,7 +279,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         let at = split.min(obj.len());
         let rest = obj.slice(at..);
         let len = rest.len() as u64;
-        sink.take(rest).map_err(StorageError::Invalid)?;
+        sink.take(rest).map_err(StorageError::Refused)?;
         Ok(Some((obj.slice(..at), len)))
     }
 

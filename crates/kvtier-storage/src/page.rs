@@ -97,6 +97,27 @@ struct Checksummed {
     inner: Arc<dyn ObjectSink>,
     /// (running CRC32C, next expected offset)
     crc: parking_lot::Mutex<(u32, u64)>,
+    /// The page's length, when the caller knows it: bytes past it are refused, and the object
+    /// is then a bad one (not the page), whatever else may also refuse bytes.
+    limit: Option<u64>,
+    /// Whether the object ran past `limit`.
+    overrun: std::sync::atomic::AtomicBool,
+}
+
+impl Checksummed {
+    /// Refuses `len` bytes at `offset` that would run past the page.
+    fn room(&self, offset: u64, len: u64) -> Result<(), String> {
+        match self.limit {
+            Some(limit) if offset.saturating_add(len) > limit => {
+                self.overrun.store(true, Ordering::Relaxed);
+                Err(format!(
+                    "the object is longer than the {limit}-byte page ({} bytes at least)",
+                    offset.saturating_add(len)
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
@@ -109,6 +130,7 @@ fn in_order(at: &(u32, u64), offset: u64) -> Result<(), String> {
 
 impl ObjectSink for Checksummed {
     fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        self.room(offset, bytes.len() as u64)?;
         {
             let mut g = self.crc.lock();
             in_order(&g, offset)?;
@@ -119,6 +141,7 @@ impl ObjectSink for Checksummed {
     }
 
     fn take(&self, rest: Bytes) -> Result<(), String> {
+        self.room(0, rest.len() as u64)?;
         {
             let mut g = self.crc.lock();
             in_order(&g, 0)?;
@@ -136,6 +159,9 @@ impl ObjectSink for Checksummed {
         src: &mut dyn std::io::Read,
         seen: &mut dyn FnMut(&[u8]),
     ) -> Option<Result<u64, SinkReadError>> {
+        if let Err(e) = self.room(offset, len) {
+            return Some(Err(SinkReadError::Sink(e)));
+        }
         let mut g = self.crc.lock();
         if let Err(e) = in_order(&g, offset) {
             return Some(Err(SinkReadError::Sink(e)));
@@ -153,6 +179,9 @@ impl ObjectSink for Checksummed {
 
     /// Checksums each piece right after the backend filled it, while it is still in cache.
     fn fill_at(&self, offset: u64, len: usize, fill: Fill<'_>) -> Option<Result<(), String>> {
+        if let Err(e) = self.room(offset, len as u64) {
+            return Some(Err(e));
+        }
         let mut g = self.crc.lock();
         if let Err(e) = in_order(&g, offset) {
             return Some(Err(e));
@@ -371,22 +400,36 @@ impl PageStore {
         let sum = Arc::new(Checksummed {
             inner: sink,
             crc: parking_lot::Mutex::new((0, 0)),
+            limit: expected_len.map(|l| l as u64),
+            overrun: std::sync::atomic::AtomicBool::new(false),
         });
         let r = ctx
             .run(self.store.read_into(&name, HEADER_LEN, sum.clone()))
             .await;
+        let r = match r {
+            // Longer than the page: a bad object, as below. (Other refusals, such as a
+            // prefetch that stopped, say nothing of the object.)
+            Err(e) if sum.overrun.load(Ordering::Relaxed) => {
+                Ok(Some((Bytes::new(), 0, Err(e.to_string()))))
+            }
+            Ok(Some((head, len))) => Ok(Some((head, len, Ok(())))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
         match r {
-            Ok(Some((head, len))) => {
+            Ok(Some((head, len, taken))) => {
                 let (crc, seen) = *sum.crc.lock();
-                let check = verify_head(&head, fp, key, expected_len, len).and_then(|want| {
-                    if seen != len {
-                        Err(format!("{seen} of {len} payload bytes arrived"))
-                    } else if crc != want {
-                        Err("payload checksum mismatch".into())
-                    } else {
-                        Ok(())
-                    }
-                });
+                let check = taken
+                    .and_then(|()| verify_head(&head, fp, key, expected_len, len))
+                    .and_then(|want| {
+                        if seen != len {
+                            Err(format!("{seen} of {len} payload bytes arrived"))
+                        } else if crc != want {
+                            Err("payload checksum mismatch".into())
+                        } else {
+                            Ok(())
+                        }
+                    });
                 match check {
                     Ok(()) => {
                         bump(&c.hits);

@@ -128,6 +128,113 @@ async fn direct_and_buffered_stores_serve_each_others_pages_and_refuse_corrupt_o
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A FIFO (or anything but a regular file) planted at an object's name is refused at once,
+/// under both I/O modes: it never holds a reading thread waiting for a writer. (Its own
+/// runtime, shut down without waiting: a read stuck on the FIFO fails the test, not hangs it.)
+#[test]
+fn a_fifo_at_an_object_name_is_refused_without_blocking() {
+    let dir = tmpdir("fifo");
+    let fp = LayoutFingerprint([7; 16]);
+    let key = PageKey([9; 32]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let outcomes = rt.block_on(async {
+        let mut outcomes = Vec::new();
+        for io in [FileIo::Buffered, FileIo::Direct] {
+            let cfg = FileSection {
+                io,
+                ..FileSection::unbounded()
+            };
+            let store = FileStore::open(&dir, &cfg, &[]).await.unwrap();
+            let name = kvtier_storage::format::object_name(&fp, &key);
+            let path = store.path_of(&name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let _ = std::fs::remove_file(&path);
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &path,
+                rustix::fs::FileType::Fifo,
+                rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+                0,
+            )
+            .unwrap();
+            let raw = tokio::time::timeout(Duration::from_secs(5), store.get(&name))
+                .await
+                .map(|r| r.is_err());
+            let page = tokio::time::timeout(
+                Duration::from_secs(5),
+                PageStore::new(store).get(&ctx(), &fp, &key, None),
+            )
+            .await
+            .map(|f| matches!(f, Fetch::Miss(_)));
+            outcomes.push((io, raw, page));
+        }
+        outcomes
+    });
+    rt.shutdown_timeout(Duration::from_millis(100));
+    for (io, raw, page) in outcomes {
+        assert_eq!(raw, Ok(true), "{io:?}: the store's read (Err: blocked)");
+        assert_eq!(page, Ok(true), "{io:?}: the page read (Err: blocked)");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A destination of a page's size that refuses bytes past its end, as an L2 slot does.
+struct Slot(parking_lot::Mutex<Vec<u8>>);
+
+impl kvtier_storage::ObjectSink for Slot {
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<(), String> {
+        let mut g = self.0.lock();
+        let end = offset as usize + bytes.len();
+        if end > g.len() {
+            return Err(format!("{end} bytes into a {}-byte slot", g.len()));
+        }
+        g[offset as usize..end].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// A page file grown on disk, by a byte or by blocks, is a bad object when read into a slot
+/// of the page's size (which refuses the extra bytes): counted corrupt and deleted, under
+/// both I/O modes, never a plain failure that leaves it to be found again.
+#[tokio::test]
+async fn a_grown_page_file_read_into_a_slot_is_corrupt_and_deleted() {
+    let dir = tmpdir("grown");
+    let fp = LayoutFingerprint([8; 16]);
+    for io in [FileIo::Buffered, FileIo::Direct] {
+        for (i, grow) in [1usize, 4096, 3 << 20].into_iter().enumerate() {
+            let cfg = FileSection {
+                io,
+                ..FileSection::unbounded()
+            };
+            let store = FileStore::open(&dir, &cfg, &[]).await.unwrap();
+            let ps = PageStore::new(store.clone());
+            let key = PageKey([i as u8; 32]);
+            let len = 64 * 1024;
+            ps.set(&ctx(), &fp, &key, Bytes::from(vec![3u8; len]))
+                .await
+                .unwrap();
+            let path = store.path_of(&kvtier_storage::format::object_name(&fp, &key));
+            let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            f.set_len(f.metadata().unwrap().len() + grow as u64)
+                .unwrap();
+            let slot = Arc::new(Slot(parking_lot::Mutex::new(vec![0u8; len])));
+            let got = ps.get_into(&ctx(), &fp, &key, Some(len), slot).await;
+            assert!(
+                matches!(
+                    got,
+                    kvtier_storage::Landed::Miss(kvtier_storage::MissReason::Corrupt(_))
+                ),
+                "{io:?}, grown by {grow}: {got:?}"
+            );
+            assert!(!path.exists(), "{io:?}, grown by {grow}: the file stayed");
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A store pointed at a directory it did not make deletes nothing there: it refuses one with
 /// other files in it, and its clean-ups in its own follow no symlink and spare what kvtier
 /// did not name.

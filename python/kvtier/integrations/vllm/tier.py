@@ -75,6 +75,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.vllm")
 
+# Most keys one kvtierd call carries: a lookup or a job of more goes in several calls (kvtierd
+# refuses a call past its `server.max_batch`, 65,536 by default).
+MAX_KEYS_PER_CALL = 16384
+
 # Page keys of this tier: SHA-256 of this tag, the namespace's seed and vLLM's offload key.
 _KEY_TAG = b"kvtier/vllm-offload-key/v1\x00"
 
@@ -161,6 +165,16 @@ class _Rows:
 
     def from_slot(self, i: int, base: int) -> None:
         ctypes.memmove(self.base + self.chunk_ids[i] * self.stride, base, self.stride)
+
+    def part(self, at: int, n: int) -> _Rows:
+        """The rows of keys ``at .. at + n``."""
+        return _Rows(self.base, self.stride, self.chunk_ids[at : at + n])
+
+
+def _parts(keys: list[bytes]) -> Iterable[tuple[int, list[bytes]]]:
+    """``keys`` in runs of at most :data:`MAX_KEYS_PER_CALL`, each with where it starts."""
+    for at in range(0, len(keys), MAX_KEYS_PER_CALL):
+        yield at, keys[at : at + MAX_KEYS_PER_CALL]
 
 
 @dataclass(frozen=True)
@@ -287,7 +301,11 @@ class KvtierTier(SecondaryTierManager):
                 lookups.pause(now)
                 return [False] * len(keys)
             try:
-                return s.lookup_each(pkeys, True, timeout=self.settings.lookup_timeout_s)
+                found: list[bool] = []
+                for at in range(0, len(pkeys), MAX_KEYS_PER_CALL):
+                    part = pkeys[at : at + MAX_KEYS_PER_CALL]
+                    found += s.lookup_each(part, True, timeout=self.settings.lookup_timeout_s)
+                return found
             except Exception as e:  # noqa: BLE001 - never into vLLM's threads
                 self.report.fail("lookup", e)
                 self.link.drop(s, e)
@@ -338,7 +356,16 @@ class KvtierTier(SecondaryTierManager):
             self._done.put(_Done(job_id, 0, len(keys), 0.0, 0))
 
     def _store(self, pkeys: list[bytes], rows: _Rows) -> int:
-        ok, copied = self.link.store(rows, pkeys, b"")
+        ok: list[bool] = []
+        copied = 0
+        for at, part in _parts(pkeys):
+            parent = pkeys[at - 1] if at else b""
+            got, n = self.link.store(rows.part(at, len(part)), part, parent)
+            ok += got
+            copied += n
+            if False in got:
+                ok += [False] * (len(pkeys) - len(ok))
+                break
         stored = ok.index(False) if False in ok else len(ok)
         self.report.bump("stored_pages", copied)
         if stored < len(ok):
@@ -346,7 +373,13 @@ class KvtierTier(SecondaryTierManager):
         return stored
 
     def _load(self, pkeys: list[bytes], rows: _Rows) -> int:
-        got = self.link.load(rows, pkeys, b"")
+        got = 0
+        for at, part in _parts(pkeys):
+            parent = pkeys[at - 1] if at else b""
+            n = self.link.load(rows.part(at, len(part)), part, parent)
+            got += n
+            if n < len(part):
+                break
         self.report.bump("loaded_pages", got)
         if got < len(pkeys):
             self.report.bump("load_missed_pages", len(pkeys) - got)
