@@ -1,5 +1,7 @@
-//! A fleet (issue 64): 4 nodes of 2 workers over one shared file L3, the trace slice replayed
-//! at trace time (`kvtier-sim fleet`), once routed round-robin and once by kvtier's events.
+//! A fleet (issue 64): 4 nodes of one worker each over one shared file L3, the trace slice
+//! replayed at trace time × 0.1 (`kvtier-sim fleet`), once routed round-robin and once by
+//! kvtier's events. Tiers are small against the slice (2,600 device pages, 3,000 L2 pages a
+//! node, as `tests/sim.rs`'s small runs), so where a request lands decides what it finds.
 //! The baseline is round-robin in the same run: reuse and the modeled time to first token
 //! p99 against it, the reuse against the unbounded ideal, and the busiest node's prefill
 //! against the mean.
@@ -13,7 +15,7 @@ use kvtier_sim::{Options, workload};
 
 /// Nodes, and workers per node.
 const NODES: usize = 4;
-const WORKERS: usize = 2;
+const WORKERS: usize = 1;
 
 /// Runs the scenario (`quick`: fewer requests). Needs the binary it runs in to serve child
 /// roles, as `kvtier-bench` does.
@@ -51,11 +53,11 @@ pub fn run(quick: bool) {
             tp_rank: 0,
             tp_size: 1,
         },
-        device_pages: 4096,
+        device_pages: 2600,
         device: Default::default(),
         prefetch: Some(PrefetchPolicy::WaitComplete),
         sequential: false,
-        time_scale: 0.2,
+        time_scale: 0.1,
         prefill_tokens_per_second: 10_000.0,
         chaos: Vec::new(),
         progress: false,
@@ -67,7 +69,7 @@ pub fn run(quick: bool) {
             node: ClusterSpec {
                 workers: WORKERS,
                 daemon_sets: vec![
-                    "l2.pool_pages=8192".into(),
+                    "l2.pool_pages=3000".into(),
                     "prefetch.recompute_tokens_per_second=0".into(),
                     "prefetch.threshold_tokens=0".into(),
                     "prefetch.budget_fraction=1.0".into(),
