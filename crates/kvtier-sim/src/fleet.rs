@@ -229,8 +229,9 @@ pub async fn run_fleet(
             }));
         }
     }
-    // Arrivals, at trace time, each routed as it comes.
-    let keys_of = workers[0][0].clone();
+    // Arrivals, at trace time, each routed as it comes. The keys come from a hasher of the
+    // router's own: a worker's is behind its lock while it serves.
+    let hasher = kvtier_core::PageHasher::new(page_size, &kvtier_core::Namespace::default())?;
     let total = requests.len();
     for req in requests.iter() {
         let at = Duration::from_secs_f64(req.at_ms as f64 / 1000.0 * opts.base.time_scale);
@@ -238,7 +239,7 @@ pub async fn run_fleet(
         if !left.is_zero() {
             tokio::time::sleep(left).await;
         }
-        let keys = keys_of.lock().await.prompt_keys(req);
+        let keys = hasher.keys(&req.input);
         let ask = Ask {
             keys: &keys,
             tokens: req.input.len() as u64,
