@@ -98,21 +98,23 @@ fn new_file(tmp: &Path, direct: bool) -> std::io::Result<std::fs::File> {
 
 /// Opens object file `path` to read it, with `O_DIRECT` when `direct`: a regular file only.
 /// `O_NONBLOCK` (no effect on a regular file) keeps a FIFO planted at the name from holding
-/// the opening thread until a writer comes; anything but a regular file is refused.
-fn open_object(path: &Path, direct: bool) -> std::io::Result<std::fs::File> {
+/// the opening thread until a writer comes; anything but a regular file is refused. Returns
+/// the file and its metadata (one `fstat` serves the check and the caller).
+fn open_object(path: &Path, direct: bool) -> std::io::Result<(std::fs::File, std::fs::Metadata)> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut o = std::fs::OpenOptions::new();
     o.read(true).custom_flags(
         rustix::fs::OFlags::NONBLOCK.bits() as i32 | if direct { direct::flag() } else { 0 },
     );
     let f = o.open(path)?;
-    if !f.metadata()?.is_file() {
+    let meta = f.metadata()?;
+    if !meta.is_file() {
         return Err(std::io::Error::new(
             ErrorKind::InvalidData,
             "not a regular file (kvtier writes only regular files)",
         ));
     }
-    Ok(f)
+    Ok((f, meta))
 }
 
 /// Reads all of `f` (`len` bytes) into `out`: through an aligned buffer where it was opened
@@ -596,15 +598,14 @@ impl Store for FileStore {
         let (name_owned, index) = (name.to_string(), self.index.clone());
         let direct = self.direct();
         blocking("file", move || {
-            let mut f = match open_object(&path, direct) {
-                Ok(f) => f,
+            let (mut f, meta) = match open_object(&path, direct) {
+                Ok(opened) => opened,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
                     index.lock().remove(&name_owned);
                     return Ok(None);
                 }
                 Err(e) => return Err(io("open", &path)(e)),
             };
-            let meta = f.metadata().map_err(io("stat", &path))?;
             if expired(ttl, &meta) {
                 index.lock().remove(&name_owned);
                 // Best effort: an undeletable expired file is still never served.
@@ -631,15 +632,14 @@ impl Store for FileStore {
         let (name_owned, index) = (name.to_string(), self.index.clone());
         let direct = self.direct();
         blocking("file", move || {
-            let mut f = match open_object(&path, direct) {
-                Ok(f) => f,
+            let (mut f, meta) = match open_object(&path, direct) {
+                Ok(opened) => opened,
                 Err(e) if e.kind() == ErrorKind::NotFound => {
                     index.lock().remove(&name_owned);
                     return Ok(None);
                 }
                 Err(e) => return Err(io("open", &path)(e)),
             };
-            let meta = f.metadata().map_err(io("stat", &path))?;
             if expired(ttl, &meta) {
                 index.lock().remove(&name_owned);
                 let _ = std::fs::remove_file(&path);
@@ -944,8 +944,8 @@ mod tests {
         let w = new_file(&dir.join(".t1"), true).unwrap();
         assert!(direct(&w));
         assert!(!direct(&new_file(&dir.join(".t2"), false).unwrap()));
-        assert!(direct(&open_object(&dir.join(".t1"), true).unwrap()));
-        assert!(!direct(&open_object(&dir.join(".t1"), false).unwrap()));
+        assert!(direct(&open_object(&dir.join(".t1"), true).unwrap().0));
+        assert!(!direct(&open_object(&dir.join(".t1"), false).unwrap().0));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
