@@ -535,6 +535,9 @@ fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
             },
             policy,
             seed: 1,
+            l3: Default::default(),
+            private_l2: false,
+            chaos: Vec::new(),
         };
         let r = rt
             .block_on(run_fleet(requests(n), opts, launcher()))
@@ -553,4 +556,79 @@ fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
         kv.served_fraction,
         rr.served_fraction
     );
+}
+
+/// Chaos in a fleet of three nodes routed by kvtier's events, over a shared L3 that fails
+/// one get or set in twenty: node 0's kvtierd is killed and restarted, node 2 leaves for good,
+/// node 1 leaves and comes back with an empty L2. No page served is wrong, no request fails,
+/// nothing is routed to a node out of the fleet, the router's view of every node agrees with
+/// what the node answers to `Locate` at the end, and it forgot and relearned the nodes whose
+/// streams ended.
+#[test]
+fn a_fleet_under_chaos_serves_no_wrong_page_and_its_router_follows() {
+    use kvtier_sim::fleet::{FleetChaos, FleetOptions, run_fleet};
+    use kvtier_sim::router::Policy;
+    let n = 90;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let opts = FleetOptions {
+        base: Options {
+            layout: layout(),
+            device_pages: 2600,
+            device: Default::default(),
+            prefetch: Some(PrefetchPolicy::WaitComplete),
+            sequential: false,
+            time_scale: 0.05,
+            prefill_tokens_per_second: 10_000.0,
+            chaos: Vec::new(),
+            progress: false,
+        },
+        nodes: 3,
+        node: ClusterSpec {
+            workers: 1,
+            daemon_sets: vec![
+                "l2.pool_pages=3000".into(),
+                "prefetch.recompute_tokens_per_second=0".into(),
+                "prefetch.threshold_tokens=0".into(),
+                "prefetch.budget_fraction=1.0".into(),
+                "l3.fault_error_rate=0.05".into(),
+            ],
+            agent_sets: Vec::new(),
+        },
+        policy: Policy::Kvtier,
+        seed: 1,
+        l3: Default::default(),
+        private_l2: false,
+        chaos: vec![
+            FleetChaos::kill(15, 0),
+            FleetChaos::remove(20, 2),
+            FleetChaos::remove(30, 1),
+            FleetChaos::add(50, 1),
+        ],
+    };
+    let r = rt
+        .block_on(run_fleet(requests(n), opts, launcher()))
+        .unwrap();
+    eprintln!("{}", kvtier_sim::fleet::table(std::slice::from_ref(&r)));
+    eprintln!("{r:?}");
+    assert_eq!((r.requests, r.failed_requests), (n as u64, 0), "{r:?}");
+    assert_eq!(r.pages_corrupt, 0, "{r:?}");
+    assert!(r.pages_verified > 0 && r.hits() > 0, "{r:?}");
+    assert_eq!((r.node_kills, r.nodes_removed, r.nodes_added), (1, 2, 1));
+    assert!(
+        r.requests_per_node[2] <= 20,
+        "node 2 left before request 20 and was sent {}",
+        r.requests_per_node[2]
+    );
+    assert!(
+        r.requests_per_node[1] > 0 && r.requests_per_node[0] > 0,
+        "{:?}",
+        r.requests_per_node
+    );
+    // Node 0's kill and the two removals each ended a stream.
+    assert!(r.view_resyncs >= 3, "{r:?}");
+    assert!(r.view_checked > 0, "{r:?}");
+    assert_eq!(r.view_disagreements, 0, "{r:?}");
 }

@@ -174,7 +174,9 @@ impl Server {
         Ok(())
     }
 
-    fn stop(&mut self) {
+    /// Stops it as an operator would (SIGTERM, SIGKILL after 10 s): kvtierd releases its
+    /// pool, so a later start begins empty.
+    pub fn stop(&mut self) {
         if self.child.try_wait().ok().flatten().is_some() {
             return;
         }

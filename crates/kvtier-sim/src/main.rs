@@ -37,36 +37,18 @@ enum Command {
     },
     /// Generate multi-turn chat sessions with shared system prompts.
     Chat {
-        /// Conversations.
-        #[arg(long, default_value_t = 16)]
-        sessions: usize,
-        /// Turns per conversation.
-        #[arg(long, default_value_t = 4)]
-        turns: usize,
-        /// Distinct system prompts.
-        #[arg(long, default_value_t = 2)]
-        system_prompts: usize,
-        /// Tokens per system prompt.
-        #[arg(long, default_value_t = 2048)]
-        system_tokens: usize,
-        /// Tokens per user message.
-        #[arg(long, default_value_t = 256)]
-        user_tokens: usize,
-        /// Tokens per answer.
-        #[arg(long, default_value_t = 128)]
-        output_tokens: usize,
-        /// Milliseconds between requests (with --time-scale).
-        #[arg(long, default_value_t = 50)]
-        interval_ms: u64,
+        #[command(flatten)]
+        chat: ChatArgs,
         #[command(flatten)]
         common: Common,
     },
-    /// Replay a Mooncake-format trace through a fleet: N nodes (each a kvtierd with
-    /// --workers workers) over one shared L3, behind a router, once per policy.
+    /// Replay a Mooncake-format trace (--trace), or the chat generator's sessions (without
+    /// it), through a fleet: N nodes (each a kvtierd with --workers workers) over one shared
+    /// L3, behind a router, once per policy.
     Fleet {
-        /// The trace file.
+        /// The trace file; without it, the chat generator's workload.
         #[arg(long)]
-        trace: PathBuf,
+        trace: Option<PathBuf>,
         /// Replay the first N requests (0: all).
         #[arg(long, default_value_t = 0)]
         limit: usize,
@@ -80,9 +62,70 @@ enum Command {
         /// Seed of the random policy.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// No shared L3: each node finds only what its own L2 holds (a fleet of isolated
+        /// pools, the baseline kvtier's shared tiers are measured against).
+        #[arg(long)]
+        isolated: bool,
+        /// Each worker gets its own kvtierd with 1/--workers of --l2-pages (one pool per
+        /// engine instance, against one pool the node's workers share).
+        #[arg(long)]
+        private_l2: bool,
+        /// REQUEST:NODE: before that request, SIGKILL the node's kvtierd and start it again
+        /// (repeatable).
+        #[arg(long)]
+        kill_node_at: Vec<String>,
+        /// REQUEST:NODE: before that request, the node leaves the fleet (repeatable).
+        #[arg(long)]
+        remove_node_at: Vec<String>,
+        /// REQUEST:NODE: before that request, a removed node comes back with an empty L2
+        /// (repeatable).
+        #[arg(long)]
+        add_node_at: Vec<String>,
+        #[command(flatten)]
+        chat: ChatArgs,
         #[command(flatten)]
         common: Common,
     },
+}
+
+/// The chat generator's workload.
+#[derive(Debug, Args)]
+struct ChatArgs {
+    /// Conversations.
+    #[arg(long, default_value_t = 16)]
+    sessions: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// Distinct system prompts.
+    #[arg(long, default_value_t = 2)]
+    system_prompts: usize,
+    /// Tokens per system prompt.
+    #[arg(long, default_value_t = 2048)]
+    system_tokens: usize,
+    /// Tokens per user message.
+    #[arg(long, default_value_t = 256)]
+    user_tokens: usize,
+    /// Tokens per answer.
+    #[arg(long, default_value_t = 128)]
+    output_tokens: usize,
+    /// Milliseconds between requests (with --time-scale).
+    #[arg(long, default_value_t = 50)]
+    interval_ms: u64,
+}
+
+impl ChatArgs {
+    fn requests(&self) -> Vec<workload::Request> {
+        workload::chat(&workload::ChatSpec {
+            sessions: self.sessions,
+            turns: self.turns,
+            system_prompts: self.system_prompts,
+            system_tokens: self.system_tokens,
+            user_tokens: self.user_tokens,
+            output_tokens: self.output_tokens,
+            interval_ms: self.interval_ms,
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -198,41 +241,50 @@ fn main() -> Result<()> {
             nodes,
             policies,
             seed,
+            isolated,
+            private_l2,
+            kill_node_at,
+            remove_node_at,
+            add_node_at,
+            chat,
             common,
         } => {
+            use kvtier_sim::fleet::{FleetChaos, FleetL3};
             let policies = policies
                 .iter()
                 .map(|p| p.parse::<kvtier_sim::router::Policy>())
                 .collect::<Result<Vec<_>>>()?;
-            fleet = Some((nodes, policies, seed));
-            (workload::mooncake(&trace, limit, 256)?, common)
+            let mut chaos = Vec::new();
+            for (given, make) in [
+                (
+                    &kill_node_at,
+                    FleetChaos::kill as fn(usize, usize) -> FleetChaos,
+                ),
+                (&remove_node_at, FleetChaos::remove),
+                (&add_node_at, FleetChaos::add),
+            ] {
+                for s in given {
+                    chaos.push(FleetChaos::parse(s, make)?);
+                }
+            }
+            let l3 = if isolated {
+                FleetL3::Isolated
+            } else {
+                FleetL3::Shared
+            };
+            fleet = Some((nodes, policies, seed, l3, private_l2, chaos));
+            let requests = match trace {
+                Some(trace) => workload::mooncake(&trace, limit, 256)?,
+                None => chat.requests(),
+            };
+            (requests, common)
         }
         Command::Replay {
             trace,
             limit,
             common,
         } => (workload::mooncake(&trace, limit, 256)?, common),
-        Command::Chat {
-            sessions,
-            turns,
-            system_prompts,
-            system_tokens,
-            user_tokens,
-            output_tokens,
-            interval_ms,
-            common,
-        } => (
-            workload::chat(&workload::ChatSpec {
-                sessions,
-                turns,
-                system_prompts,
-                system_tokens,
-                user_tokens,
-                output_tokens,
-                interval_ms,
-            }),
-            common,
-        ),
+        Command::Chat { chat, common } => (chat.requests(), common),
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -317,7 +369,7 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    if let Some((nodes, policies, seed)) = fleet {
+    if let Some((nodes, policies, seed, l3, private_l2, chaos)) = fleet {
         let Target::Embedded(node) = target else {
             bail!("fleet starts its own nodes: --daemon and --agents do not apply");
         };
@@ -329,6 +381,9 @@ fn main() -> Result<()> {
                 node: node.clone(),
                 policy,
                 seed,
+                l3,
+                private_l2,
+                chaos: chaos.clone(),
             };
             let r = rt
                 .block_on(kvtier_sim::fleet::run_fleet(
