@@ -18,6 +18,7 @@ from kvtier.agent import MAX_SAVE_BATCH, After, AgentClient, PagePiece, SaveItem
 from kvtier.host import DaemonClient, KvtierError
 from kvtier.keys import Namespace, page_keys
 from kvtier.testing import Agent, Kvtierd
+from kvtier.testing.layouts import tiny_layout
 from kvtier.testing.old_servers import BareNotFound
 from kvtier.v1 import agent_pb2, common_pb2
 
@@ -27,16 +28,7 @@ RUN = PAGE * TOKEN_BYTES
 
 
 def layout() -> common_pb2.LayoutDescriptor:
-    d = common_pb2.LayoutDescriptor(
-        model_id="agent-test",
-        dtype=common_pb2.DTYPE_BF16,
-        num_layers=LAYERS,
-        page_size=PAGE,
-        tp_rank=0,
-        tp_size=1,
-    )
-    d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=1, head_dim=8))
-    return d
+    return tiny_layout(PAGE, model_id="agent-test", num_layers=LAYERS)
 
 
 class CpuPool:

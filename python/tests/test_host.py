@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.host import DaemonClient, KvtierError
 from kvtier.keys import page_keys
+from kvtier.testing.layouts import tiny_layout
 from kvtier.testing.old_servers import BareNotFound
 from kvtier.v1 import common_pb2, host_pb2
 
@@ -19,14 +20,8 @@ def client(kvtierd):
     c.close()
 
 
-def layout(**kw) -> common_pb2.LayoutDescriptor:
-    d = common_pb2.LayoutDescriptor(
-        model_id="m", dtype=common_pb2.DTYPE_BF16, num_layers=2, page_size=4, tp_rank=0, tp_size=1
-    )
-    d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=1, head_dim=8))
-    for k, v in kw.items():
-        setattr(d, k, v)
-    return d
+def layout(**kw: object) -> common_pb2.LayoutDescriptor:
+    return tiny_layout(4, **kw)
 
 
 def test_stats_admin_and_metrics_watch(client: DaemonClient) -> None:

@@ -28,6 +28,7 @@ from kvtier.host import DaemonClient, HostSession
 from kvtier.integrations.vllm.kv_events import END_SEQ, Curve, KvEventsBridge, translate
 from kvtier.keys import page_keys
 from kvtier.testing import Kvtierd
+from kvtier.testing.layouts import tiny_layout
 from kvtier.v1 import admin_pb2, common_pb2
 
 PAGE = 4
@@ -35,11 +36,7 @@ POOL = 16
 
 
 def layout() -> common_pb2.LayoutDescriptor:
-    d = common_pb2.LayoutDescriptor(
-        model_id="m", dtype=common_pb2.DTYPE_BF16, num_layers=2, page_size=PAGE, tp_size=1
-    )
-    d.mha.CopyFrom(common_pb2.MhaShape(kv_heads=1, head_dim=8))
-    return d
+    return tiny_layout(PAGE)
 
 
 def store(s: HostSession, keys: list[bytes], parent: bytes = b"") -> None:
