@@ -100,6 +100,9 @@ pub async fn run(
         tcp,
         metrics,
     } = parts::Listeners::bind(&ctx).await?;
+    // A start that fails from here on (an L3 it cannot open, a pool it cannot map) leaves
+    // no socket file behind.
+    let mut unbind = Unbind(vec![ctx.cfg.socket_path(), ctx.cfg.pool_socket()]);
     let core = parts::Core::start(&ctx).await?;
     core.serve_pool_door(&ctx, pools)?;
     let sglang = parts::Sglang::new(&ctx)?;
@@ -119,6 +122,7 @@ pub async fn run(
         metrics = ?control.metrics_addr,
         "kvtierd serving"
     );
+    unbind.0.clear();
     ready(Ready {
         socket: socket.clone(),
         tcp: control.tcp_addr,
@@ -141,6 +145,17 @@ pub async fn run(
     result
 }
 
+/// Removes the socket files it names when dropped: a failed start's.
+struct Unbind(Vec<std::path::PathBuf>);
+
+impl Drop for Unbind {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -152,6 +167,40 @@ mod tests {
     use super::*;
     use crate::service::HostService;
     use crate::state::{HostState, Shared};
+
+    /// A start refused after the sockets were bound (here: an L3 directory that is a file)
+    /// leaves neither socket file behind.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_start_leaves_no_socket_file() {
+        let dir = std::env::temp_dir().join(format!("kvtierd-unbind-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("not-a-dir"), b"").unwrap();
+        let sets = [
+            format!("data_dir={}", dir.join("data").display()),
+            format!("server.socket={}", dir.join("k.sock").display()),
+            "l3.backend=file".to_string(),
+            format!("l3.file.path={}", dir.join("not-a-dir").display()),
+            "metrics.listen=".to_string(),
+        ];
+        let cfg = DaemonConfig::load(&kvtier_config::Sources {
+            sets: sets.to_vec(),
+            ..Default::default()
+        })
+        .unwrap();
+        let pools = cfg.pool_socket();
+        let e = run(cfg, CancellationToken::new(), |_| panic!("it started"))
+            .await
+            .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("not-a-dir: it exists and is not a directory"),
+            "{e:#}"
+        );
+        for p in [dir.join("k.sock"), pools] {
+            assert!(!p.exists(), "{} left behind", p.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn every_metric_is_declared_once_and_documented() {

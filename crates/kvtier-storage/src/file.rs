@@ -145,6 +145,13 @@ fn private_dirs(dir: &Path) -> std::io::Result<()> {
         .recursive(true)
         .mode(0o700)
         .create(dir)
+        .map_err(|e| match e.kind() {
+            // (Recursive creation says only "File exists" of a file in the directory's place.)
+            std::io::ErrorKind::AlreadyExists => {
+                std::io::Error::new(e.kind(), "it exists and is not a directory")
+            }
+            _ => e,
+        })
 }
 
 /// Refuses a directory of the store that another uid could change (own it, or write it):
