@@ -1,8 +1,9 @@
 //! A fleet (issue 64): 4 nodes of one worker each, the trace slice replayed at trace time ×
 //! 0.1 (`kvtier-sim fleet`), once routed round-robin and once by kvtier's events; first over
-//! one shared file L3, then as isolated pools (no L3: a node finds only its own L2). Tiers
-//! are small against the slice (2,600 device pages, 3,000 L2 pages a node, as `tests/sim.rs`'s
-//! small runs), so where a request lands decides what it finds. The baseline is round-robin
+//! one shared file L3 behind small L2s (2,600 device pages, 3,000 L2 pages a node, as
+//! `tests/sim.rs`'s small runs), then as isolated pools (no L3: a node finds only its own L2,
+//! of 40,000 pages, room for a quarter of the slice), so where a request lands decides what
+//! it finds. The baseline is round-robin
 //! in the same run: reuse and the modeled time to first token p99 against it, the reuse
 //! against the unbounded ideal, and the busiest node's prefill against the mean.
 //!
@@ -85,16 +86,19 @@ pub fn run(quick: bool) {
         }
     };
     let mut corrupt = 0;
-    for (label, l3) in [
-        ("shared L3", FleetL3::Shared),
-        ("isolated pools", FleetL3::Isolated),
+    // Each has room for the slice somewhere: the shared L3 (unbounded) behind small L2s, or
+    // (isolated) each node's L2 big enough for a quarter of it, so the ideal is reachable by
+    // routing alone.
+    for (label, l3, l2_pages) in [
+        ("shared L3", FleetL3::Shared, 3000),
+        ("isolated pools", FleetL3::Isolated, 40_000),
     ] {
         let opts = |policy| FleetOptions {
             base: base.clone(),
             nodes: NODES,
             node: ClusterSpec {
                 workers: WORKERS,
-                daemon_sets: pools(3000),
+                daemon_sets: pools(l2_pages),
                 agent_sets: Vec::new(),
             },
             policy,
