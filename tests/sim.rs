@@ -560,7 +560,7 @@ fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
 
 /// Chaos in a fleet of three nodes routed by kvtier's events, over a shared L3 that fails
 /// one get or set in twenty: node 0's kvtierd is killed and restarted, node 2 leaves for good,
-/// node 1 leaves and comes back with an empty L2. No page served is wrong, no request fails,
+/// node 1 leaves and comes back with an empty L2, node 0 hangs for 3 s. No page served is wrong, no request fails,
 /// nothing is routed to a node out of the fleet, the router's view of every node agrees with
 /// what the node answers to `Locate` at the end, and it forgot and relearned the nodes whose
 /// streams ended.
@@ -606,6 +606,11 @@ fn a_fleet_under_chaos_serves_no_wrong_page_and_its_router_follows() {
             FleetChaos::remove(20, 2),
             FleetChaos::remove(30, 1),
             FleetChaos::add(50, 1),
+            FleetChaos::HangNode {
+                at: 60,
+                node: 0,
+                ms: 3000,
+            },
         ],
     };
     let r = rt
@@ -616,7 +621,13 @@ fn a_fleet_under_chaos_serves_no_wrong_page_and_its_router_follows() {
     assert_eq!((r.requests, r.failed_requests), (n as u64, 0), "{r:?}");
     assert_eq!(r.pages_corrupt, 0, "{r:?}");
     assert!(r.pages_verified > 0 && r.hits() > 0, "{r:?}");
-    assert_eq!((r.node_kills, r.nodes_removed, r.nodes_added), (1, 2, 1));
+    assert_eq!(
+        (r.node_kills, r.node_hangs, r.nodes_removed, r.nodes_added),
+        (1, 1, 2, 1)
+    );
+    // The hang was noticed (and routed around) within its 3 s.
+    assert!(r.stalls >= 1, "{r:?}");
+    assert_eq!(r.view_unreachable, 0, "{r:?}");
     assert!(
         r.requests_per_node[2] <= 20,
         "node 2 left before request 20 and was sent {}",

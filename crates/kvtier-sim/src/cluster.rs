@@ -139,11 +139,24 @@ impl Server {
                 }
             }
         });
-        let line = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(l) => l,
-            Err(_) => {
-                let _ = child.kill();
-                bail!("the {role} did not start within 60 s");
+        // Ready, exited (its error is on stderr, above), or still neither after 60 s.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let line = loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(l) => break l,
+                Err(mpsc::RecvTimeoutError::Disconnected)
+                | Err(mpsc::RecvTimeoutError::Timeout)
+                    if child.try_wait().ok().flatten().is_some() =>
+                {
+                    let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+                    bail!("the {role} exited before it was ready ({status}); its error is above");
+                }
+                Err(_) if std::time::Instant::now() > deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    bail!("the {role} did not start within 60 s");
+                }
+                Err(_) => {}
             }
         };
         let field = |k: &str| {
@@ -159,6 +172,13 @@ impl Server {
             role,
             sets: sets.to_vec(),
         })
+    }
+
+    /// Sends it `signal` (as `kill` takes it: `-STOP`, `-CONT`).
+    pub fn signal(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status();
     }
 
     /// SIGKILLs it (no cleanup, as a crash would).
@@ -236,7 +256,31 @@ impl Cluster {
             "server.drain_timeout=500ms".to_string(),
         ];
         daemon_sets.extend(spec.daemon_sets.iter().cloned());
-        let daemon = Server::start(&launcher, "daemon", &daemon_sets)?;
+        let started = Self::start_in(&launcher, spec, &dir, &daemon_sock, &daemon_sets);
+        match started {
+            Ok((daemon, agents)) => Ok(Self {
+                launcher,
+                dir,
+                daemon,
+                agents,
+            }),
+            Err(e) => {
+                // (What did start stopped when dropped above.)
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// The daemon, then the agents, in `dir`.
+    fn start_in(
+        launcher: &Launcher,
+        spec: &ClusterSpec,
+        dir: &Path,
+        daemon_sock: &Path,
+        daemon_sets: &[String],
+    ) -> Result<(Server, Vec<Server>)> {
+        let daemon = Server::start(launcher, "daemon", daemon_sets)?;
         let mut agents = Vec::new();
         for i in 0..spec.workers {
             let mut sets = vec![
@@ -254,14 +298,9 @@ impl Cluster {
                 "server.drain_timeout=200ms".to_string(),
             ];
             sets.extend(spec.agent_sets.iter().cloned());
-            agents.push(Server::start(&launcher, "agent", &sets)?);
+            agents.push(Server::start(launcher, "agent", &sets)?);
         }
-        Ok(Self {
-            launcher,
-            dir,
-            daemon,
-            agents,
-        })
+        Ok((daemon, agents))
     }
 
     /// The launcher children are started with.

@@ -74,6 +74,10 @@ enum Command {
         /// (repeatable).
         #[arg(long)]
         kill_node_at: Vec<String>,
+        /// REQUEST:NODE:MS: before that request, the node's kvtierd stops answering for MS
+        /// milliseconds (SIGSTOP, then SIGCONT; repeatable).
+        #[arg(long)]
+        hang_node_at: Vec<String>,
         /// REQUEST:NODE: before that request, the node leaves the fleet (repeatable).
         #[arg(long)]
         remove_node_at: Vec<String>,
@@ -227,6 +231,31 @@ fn prefetch_policy(s: &str) -> Result<Option<PrefetchPolicy>> {
     })
 }
 
+impl Common {
+    /// Refuses numbers the run cannot use, before anything starts.
+    fn check(&self) -> Result<()> {
+        if !(self.time_scale.is_finite() && self.time_scale >= 0.0) {
+            bail!(
+                "--time-scale {}: a finite factor, 0 or more",
+                self.time_scale
+            );
+        }
+        if !(self.prefill_tokens_per_second.is_finite() && self.prefill_tokens_per_second > 0.0) {
+            bail!(
+                "--prefill-tokens-per-second {}: a finite rate above 0",
+                self.prefill_tokens_per_second
+            );
+        }
+        if !(0.0..=1.0).contains(&self.l3_fault_rate) {
+            bail!(
+                "--l3-fault-rate {}: a share of L3 calls, 0 to 1",
+                self.l3_fault_rate
+            );
+        }
+        Ok(())
+    }
+}
+
 fn main() -> Result<()> {
     // A re-executed child serves kvtierd or an agent for an embedded cluster.
     if kvtier_sim::cluster::serve_child_from_env() {
@@ -244,6 +273,7 @@ fn main() -> Result<()> {
             isolated,
             private_l2,
             kill_node_at,
+            hang_node_at,
             remove_node_at,
             add_node_at,
             chat,
@@ -266,6 +296,9 @@ fn main() -> Result<()> {
                 for s in given {
                     chaos.push(FleetChaos::parse(s, make)?);
                 }
+            }
+            for s in &hang_node_at {
+                chaos.push(FleetChaos::parse_hang(s)?);
             }
             let l3 = if isolated {
                 FleetL3::Isolated
@@ -293,6 +326,7 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    common.check()?;
     let layout = LayoutSpec {
         model_id: "kvtier-sim".into(),
         model_version: String::new(),
@@ -424,4 +458,44 @@ fn main() -> Result<()> {
         bail!("{} corrupt pages", report.pages_corrupt);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn common(args: &[&str]) -> Common {
+        let argv = ["kvtier-sim", "chat"].iter().chain(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Chat { common, .. } => common,
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    /// NaN, infinities and out-of-range shares are refused by name before anything starts
+    /// (a NaN time scale used to panic once the nodes were up; a fault rate of 2 used to
+    /// cost a minute waiting for a kvtierd that had refused it).
+    #[test]
+    fn numbers_the_run_cannot_use_are_refused_by_name() {
+        common(&[]).check().unwrap();
+        for (args, says) in [
+            (["--time-scale", "nan"], "--time-scale"),
+            (["--time-scale", "inf"], "--time-scale"),
+            (["--time-scale=-1", "--json"], "--time-scale"),
+            (
+                ["--prefill-tokens-per-second", "0"],
+                "--prefill-tokens-per-second",
+            ),
+            (
+                ["--prefill-tokens-per-second", "nan"],
+                "--prefill-tokens-per-second",
+            ),
+            (["--l3-fault-rate", "2"], "--l3-fault-rate"),
+            (["--l3-fault-rate", "nan"], "--l3-fault-rate"),
+        ] {
+            let e = common(&args).check().unwrap_err().to_string();
+            assert!(e.contains(says), "{args:?}: {e}");
+        }
+    }
 }

@@ -212,6 +212,9 @@ pub struct Router {
     pub queued: Vec<u64>,
     /// Which nodes are in the fleet: the router sends only to those (at least one).
     pub present: Vec<bool>,
+    /// Which nodes answer (their kvtierd's health check): of those present, the router
+    /// sends to those that answer while any does.
+    pub answering: Vec<bool>,
     /// Prefill tokens a second one worker computes: a miss's cost.
     prefill_tokens_per_second: f64,
     /// Workers a node has: its queue drains this many times faster than one worker.
@@ -237,6 +240,7 @@ impl Router {
             rng: seed | 1,
             queued: vec![0; nodes],
             present: vec![true; nodes],
+            answering: vec![true; nodes],
             prefill_tokens_per_second: prefill_tokens_per_second.max(1.0),
             workers_per_node: workers_per_node.max(1) as f64,
             l3_tokens_per_second: prefill_tokens_per_second.max(1.0) * 20.0,
@@ -252,12 +256,18 @@ impl Router {
     /// say; only `kvtier` reads it), and the tokens the router expects that node to compute
     /// for it.
     pub fn route(&mut self, ask: &Ask<'_>, view: &FleetView) -> (usize, u64) {
+        let answering: Vec<usize> = (0..self.nodes)
+            .filter(|n| self.present[*n] && self.answering[*n])
+            .collect();
         let present: Vec<usize> = (0..self.nodes).filter(|n| self.present[*n]).collect();
-        // With none present (a caller's error) every node counts, rather than no answer.
-        let present = if present.is_empty() {
-            (0..self.nodes).collect()
-        } else {
+        // With none answering, those present; with none present (a caller's error) every
+        // node, rather than no answer.
+        let present = if !answering.is_empty() {
+            answering
+        } else if !present.is_empty() {
             present
+        } else {
+            (0..self.nodes).collect()
         };
         let node = match self.policy {
             Policy::RoundRobin => {
@@ -454,8 +464,9 @@ mod tests {
         assert_eq!("prefix_hash".parse::<Policy>().unwrap(), Policy::PrefixHash);
     }
 
-    /// Nodes out of the fleet get nothing under any policy; the rest still do, and prefix
-    /// hashing keeps every prefix that did not live on the node taken out where it was.
+    /// Nodes out of the fleet, or not answering, get nothing under any policy; the rest
+    /// still do, and prefix hashing keeps every prefix that did not live on those nodes
+    /// where it was.
     #[test]
     fn absent_nodes_get_nothing() {
         let view = FleetView::default();
@@ -480,6 +491,7 @@ mod tests {
                 })
                 .collect();
             r.present[2] = false;
+            r.answering[0] = false;
             let mut used = HashSet::new();
             for (p, was) in prompts.iter().zip(&before) {
                 let ask = Ask {
@@ -488,15 +500,15 @@ mod tests {
                     page_size: 64,
                 };
                 let n = r.route(&ask, &view).0;
-                assert_ne!(n, 2, "{policy:?}");
+                assert!(n != 2 && n != 0, "{policy:?} sent to {n}");
                 used.insert(n);
-                if policy == Policy::PrefixHash && *was != 2 {
+                if policy == Policy::PrefixHash && *was != 2 && *was != 0 {
                     assert_eq!(n, *was, "a prefix moved off a node still present");
                 }
             }
             if policy != Policy::Kvtier {
                 // (kvtier with empty queues and no pages: the lowest node wins each tie.)
-                assert_eq!(used.len(), 3, "{policy:?} spread over {used:?}");
+                assert_eq!(used.len(), 2, "{policy:?} spread over {used:?}");
             }
         }
     }

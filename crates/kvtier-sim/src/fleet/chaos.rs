@@ -16,6 +16,17 @@ pub enum FleetChaos {
         /// The node.
         node: usize,
     },
+    /// Node `node`'s kvtierd stops answering for `ms` milliseconds (SIGSTOP, then SIGCONT),
+    /// as in a long pause or a stalled disk: its stream goes quiet rather than ending, and
+    /// the router's health check routes around it.
+    HangNode {
+        /// See [`FleetChaos`].
+        at: usize,
+        /// The node.
+        node: usize,
+        /// How long.
+        ms: u64,
+    },
     /// Node `node` leaves: the router sends it nothing more, and once it has served what it
     /// was sent its kvtierd stops (SIGTERM: its pool goes with it).
     RemoveNode {
@@ -39,6 +50,7 @@ impl FleetChaos {
     pub fn at(&self) -> usize {
         match *self {
             FleetChaos::KillNode { at, .. }
+            | FleetChaos::HangNode { at, .. }
             | FleetChaos::RemoveNode { at, .. }
             | FleetChaos::AddNode { at, .. } => at,
         }
@@ -48,6 +60,7 @@ impl FleetChaos {
     pub fn node(&self) -> usize {
         match *self {
             FleetChaos::KillNode { node, .. }
+            | FleetChaos::HangNode { node, .. }
             | FleetChaos::RemoveNode { node, .. }
             | FleetChaos::AddNode { node, .. } => node,
         }
@@ -68,6 +81,24 @@ impl FleetChaos {
         FleetChaos::AddNode { at, node }
     }
 
+    /// Parses `AT:NODE:MS` (`--hang-node-at 40:1:3000`) into a [`FleetChaos::HangNode`].
+    pub fn parse_hang(s: &str) -> Result<FleetChaos> {
+        let mut parts = s.split(':').map(|p| p.trim().parse::<u64>().ok());
+        match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(Some(at)), Some(Some(node)), Some(Some(ms)), None) if ms > 0 => {
+                Ok(FleetChaos::HangNode {
+                    at: usize::try_from(at)?,
+                    node: usize::try_from(node)?,
+                    ms,
+                })
+            }
+            _ => bail!(
+                "{s:?}: expected REQUEST:NODE:MILLISECONDS, whole numbers (a hang of at least \
+                 1 ms), e.g. 40:1:3000"
+            ),
+        }
+    }
+
     /// Parses `AT:NODE` (a command line's `--kill-node-at 40:1`) into `make(at, node)`.
     pub fn parse(s: &str, make: fn(usize, usize) -> FleetChaos) -> Result<FleetChaos> {
         let parsed = s
@@ -75,23 +106,30 @@ impl FleetChaos {
             .and_then(|(a, n)| Some((a.trim().parse().ok()?, n.trim().parse().ok()?)));
         match parsed {
             Some((at, node)) => Ok(make(at, node)),
-            None => bail!("{s:?}: expected REQUEST:NODE, e.g. 40:1"),
+            None => bail!("{s:?}: expected REQUEST:NODE, two whole numbers, e.g. 40:1"),
         }
     }
 
-    /// Checks `chaos` (sorted here by request) against a fleet of `nodes`: every node
-    /// exists, a node is removed only while in and added only while out, and one node
-    /// always stays in.
-    pub fn validate(chaos: &mut [FleetChaos], nodes: usize) -> Result<()> {
+    /// Checks `chaos` (sorted here by request; at one request, in the order given: a
+    /// command line's kills, removals, adds, then hangs) against a fleet of `nodes` replaying
+    /// `requests`: every node exists, every event comes before a request of the replay, a
+    /// node is removed only while in and added only while out, and one node always stays in.
+    pub fn validate(chaos: &mut [FleetChaos], nodes: usize, requests: usize) -> Result<()> {
         chaos.sort_by_key(FleetChaos::at);
         let mut present = vec![true; nodes];
         for c in chaos.iter() {
             let n = c.node();
+            if c.at() >= requests {
+                bail!(
+                    "{c:?}: the replay has requests 0 to {}, so it would never happen",
+                    requests.saturating_sub(1)
+                );
+            }
             if n >= nodes {
                 bail!("{c:?}: the fleet has nodes 0 to {}", nodes - 1);
             }
             match c {
-                FleetChaos::KillNode { .. } if !present[n] => {
+                FleetChaos::KillNode { .. } | FleetChaos::HangNode { .. } if !present[n] => {
                     bail!("{c:?}: node {n} is out of the fleet then")
                 }
                 FleetChaos::RemoveNode { .. } => {
@@ -109,7 +147,7 @@ impl FleetChaos {
                     }
                     present[n] = true;
                 }
-                FleetChaos::KillNode { .. } => {}
+                FleetChaos::KillNode { .. } | FleetChaos::HangNode { .. } => {}
             }
         }
         Ok(())
@@ -127,15 +165,31 @@ mod tests {
             FleetChaos::parse("40:1", FleetChaos::kill).unwrap(),
             FleetChaos::KillNode { at: 40, node: 1 }
         );
+        assert_eq!(
+            FleetChaos::parse_hang("40:1:3000").unwrap(),
+            FleetChaos::HangNode {
+                at: 40,
+                node: 1,
+                ms: 3000
+            }
+        );
+        for bad in ["40:1", "40:1:0", "40:1:x", "40:1:2:3"] {
+            let e = FleetChaos::parse_hang(bad).unwrap_err();
+            assert!(
+                e.to_string().contains("REQUEST:NODE:MILLISECONDS"),
+                "{bad}: {e}"
+            );
+        }
         for bad in ["40", "x:1", "40:", "-1:0"] {
             let e = FleetChaos::parse(bad, FleetChaos::kill).unwrap_err();
             assert!(e.to_string().contains("REQUEST:NODE"), "{bad}: {e}");
         }
-        let check = |mut c: Vec<FleetChaos>, nodes| FleetChaos::validate(&mut c, nodes);
+        let check = |mut c: Vec<FleetChaos>, nodes| FleetChaos::validate(&mut c, nodes, 100);
         // Sorted by request before it is checked: the add comes after the remove.
         check(vec![FleetChaos::add(30, 1), FleetChaos::remove(10, 1)], 2).unwrap();
         for (c, nodes, says) in [
             (vec![FleetChaos::kill(1, 2)], 2, "nodes 0 to 1"),
+            (vec![FleetChaos::kill(100, 0)], 2, "would never happen"),
             (vec![FleetChaos::add(1, 0)], 2, "is in the fleet"),
             (
                 vec![FleetChaos::remove(1, 0), FleetChaos::remove(2, 0)],

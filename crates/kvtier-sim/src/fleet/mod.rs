@@ -104,6 +104,13 @@ impl Node {
         }
         Ok(())
     }
+
+    /// Sends every kvtierd of the node `signal` (`-STOP`, `-CONT`).
+    fn signal_daemons(&self, signal: &str) {
+        for c in self.clusters.lock().iter() {
+            c.daemon.signal(signal);
+        }
+    }
 }
 
 /// See [`Node::daemons`].
@@ -138,8 +145,12 @@ pub async fn run_fleet(
     if opts.node.workers == 0 {
         bail!("--workers 0: each node needs a worker");
     }
-    if opts.base.time_scale <= 0.0 {
-        bail!("a fleet replay needs --time-scale above 0: queueing is what routing balances");
+    if !(opts.base.time_scale.is_finite() && opts.base.time_scale > 0.0) {
+        bail!(
+            "--time-scale {}: a fleet replay needs a finite factor above 0: queueing is what \
+             routing balances",
+            opts.base.time_scale
+        );
     }
     if !opts.base.chaos.is_empty() {
         bail!(
@@ -154,11 +165,13 @@ pub async fn run_fleet(
         );
     }
     let mut chaos = opts.chaos.clone();
-    FleetChaos::validate(&mut chaos, opts.nodes)?;
+    FleetChaos::validate(&mut chaos, opts.nodes, requests.len())?;
     let page_size = opts.base.layout.page_size as usize;
     let id = run_id();
     let shared_l3: PathBuf = std::env::temp_dir().join(format!("kvtier-sim-{id}-l3"));
     let _ = std::fs::remove_dir_all(&shared_l3);
+    // Removed however the run ends (a failed start, a node that stopped answering, a panic).
+    let _shared_l3 = RemoveDir(shared_l3.clone());
     let mut spec = opts.node.clone();
     match opts.l3 {
         FleetL3::Shared => spec.daemon_sets.extend([
@@ -184,9 +197,10 @@ pub async fn run_fleet(
             .parse()
             .context("l2.pool_pages: not a number of pages")?;
         let share = pages / opts.node.workers as u64;
-        if share == 0 {
+        if share == 0 || share * opts.node.workers as u64 != pages {
             bail!(
-                "--private-l2: {pages} L2 pages cannot be divided among {} workers",
+                "--private-l2: {pages} L2 pages do not divide among {} workers (the private \
+                 pools together are the shared one's size: give a multiple)",
                 opts.node.workers
             );
         }
@@ -257,6 +271,16 @@ pub async fn run_fleet(
         opts.base.prefill_tokens_per_second,
         opts.seed,
     )));
+    let fp = kvtier_core::LayoutFingerprint::of(&opts.base.layout);
+    let stalls = Arc::new(AtomicUsize::new(0));
+    let health: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .map(|(n, node)| {
+            let (sock, router, stalls) = (node.daemon.clone(), router.clone(), stalls.clone());
+            tokio::spawn(async move { check_health(n, sock, fp, &router, &stalls).await })
+        })
+        .collect();
     let results = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let done = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
@@ -324,6 +348,15 @@ pub async fn run_fleet(
                             .await
                             .context("restarting a node's kvtierd")?
                             .with_context(|| format!("restarting node {n}'s kvtierd"))
+                    }));
+                }
+                FleetChaos::HangNode { ms, .. } => {
+                    rep.node_hangs += 1;
+                    node.signal_daemons("-STOP");
+                    chaos_tasks.push(tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        node.signal_daemons("-CONT");
+                        Ok(())
                     }));
                 }
                 FleetChaos::RemoveNode { .. } => {
@@ -412,11 +445,11 @@ pub async fn run_fleet(
     }
     let present = router.lock().present.clone();
     let keys: Vec<_> = requests.iter().map(|r| hasher.keys(&r.input)).collect();
-    let fp = kvtier_core::LayoutFingerprint::of(&opts.base.layout);
-    check_view(&nodes, &present, &followed, &fp, &keys, &mut rep).await?;
-    for w in &watchers {
+    check_view(&nodes, &present, &followed, &fp, &keys, &mut rep).await;
+    for w in watchers.iter().chain(&health) {
         w.abort();
     }
+    rep.stalls = stalls.load(Ordering::Relaxed) as u64;
     rep.policy = opts.policy.name().to_string();
     rep.nodes = opts.nodes;
     rep.workers_per_node = opts.node.workers;
@@ -454,15 +487,25 @@ pub async fn run_fleet(
         .max()
         .unwrap_or(0) as f64;
     rep.busiest_over_mean = if mean > 0.0 { max / mean } else { 1.0 };
-    drop(workers);
-    drop(nodes);
-    let _ = std::fs::remove_dir_all(&shared_l3);
     Ok(rep)
 }
 
+/// Removes a directory when dropped.
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// How long the end-of-run check waits for a node's answer.
+const ASK: Duration = Duration::from_secs(2);
+
 /// Once the events have settled, compares the router's view with each node: for every
 /// prompt of the run, the leading pages the view puts in a node's L2 against what the node
-/// answers to `Locate` (a node out of the fleet: nothing).
+/// answers to `Locate` (a node out of the fleet: nothing). A node that does not answer
+/// within [`ASK`] is counted in `view_unreachable` and left out.
 async fn check_view(
     nodes: &[Arc<Node>],
     present: &[bool],
@@ -470,7 +513,7 @@ async fn check_view(
     layout: &kvtier_core::LayoutFingerprint,
     prompts: &[Vec<kvtier_core::PageKey>],
     rep: &mut FleetReport,
-) -> Result<()> {
+) {
     // Settled: no batch for 300 ms (at most 10 s).
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -486,13 +529,17 @@ async fn check_view(
     let mut clients = Vec::new();
     for (n, node) in nodes.iter().enumerate() {
         clients.push(if present[n] {
-            Some(
-                kvtier_client::HostClient::connect(&node.daemon)
-                    .await
-                    .with_context(|| format!("connecting to node {n}'s kvtierd"))?,
-            )
+            match tokio::time::timeout(ASK, kvtier_client::HostClient::connect(&node.daemon)).await
+            {
+                Ok(Ok(c)) => Some(Some(c)),
+                _ => {
+                    tracing::warn!(node = n, "node does not answer: its view is not checked");
+                    rep.view_unreachable += 1;
+                    None
+                }
+            }
         } else {
-            None
+            Some(None)
         });
     }
     let mut seen = std::collections::HashSet::new();
@@ -504,13 +551,22 @@ async fn check_view(
         let runs = followed.view.lock().prefix(keys, nodes.len());
         for (n, c) in clients.iter_mut().enumerate() {
             let held = match c {
-                Some(c) => {
-                    c.locate(layout, keys, false)
-                        .await
-                        .with_context(|| format!("Locate on node {n}"))?
-                        .l2_pages
+                // Present and answering.
+                Some(Some(client)) => {
+                    match tokio::time::timeout(ASK, client.locate(layout, keys, false)).await {
+                        Ok(Ok(l)) => l.l2_pages,
+                        _ => {
+                            tracing::warn!(node = n, "node stopped answering Locate");
+                            rep.view_unreachable += 1;
+                            *c = None;
+                            continue;
+                        }
+                    }
                 }
-                None => 0,
+                // Out of the fleet: nothing.
+                Some(None) => 0,
+                // Not answering.
+                None => continue,
             };
             rep.view_checked += 1;
             if held != runs[n].0 {
@@ -524,8 +580,47 @@ async fn check_view(
             }
         }
     }
-    Ok(())
 }
+
+/// Asks node `n`'s kvtierd every 200 ms whether it answers (a `Locate`, [`HEALTH`] to
+/// answer) and tells the router: a node that stopped answering (hung, or down and not back)
+/// is sent nothing while another node answers. `stalls` counts the times one stopped.
+async fn check_health(
+    n: usize,
+    socket: String,
+    layout: kvtier_core::LayoutFingerprint,
+    router: &parking_lot::Mutex<Router>,
+    stalls: &AtomicUsize,
+) {
+    let mut client = None;
+    loop {
+        let ok = tokio::time::timeout(HEALTH, async {
+            if client.is_none() {
+                client = Some(kvtier_client::HostClient::connect(&socket).await?);
+            }
+            let c = client
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("no client"))?;
+            c.locate(&layout, &[kvtier_core::PageKey([0; 32])], false)
+                .await?;
+            anyhow::Ok(())
+        })
+        .await
+        .is_ok_and(|r| r.is_ok());
+        if !ok {
+            client = None;
+        }
+        let was = std::mem::replace(&mut router.lock().answering[n], ok);
+        if was && !ok {
+            stalls.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(node = n, "node stopped answering: routed around");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How long a node has to answer its health check.
+const HEALTH: Duration = Duration::from_secs(1);
 
 /// Follows node `n`'s events into the view (again after its kvtierd restarts: the stream
 /// starts over with a snapshot), recording each event's age. When a stream ends the node's

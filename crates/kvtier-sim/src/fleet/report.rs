@@ -50,6 +50,8 @@ pub struct FleetReport {
     /// Chaos done: kvtierds killed and restarted, nodes removed and added back.
     pub node_kills: u64,
     /// See `node_kills`.
+    pub node_hangs: u64,
+    /// See `node_kills`.
     pub nodes_removed: u64,
     /// See `node_kills`.
     pub nodes_added: u64,
@@ -60,6 +62,11 @@ pub struct FleetReport {
     pub view_checked: u64,
     /// See `view_checked`.
     pub view_disagreements: u64,
+    /// Nodes in the fleet that did not answer the end-of-run check (left out of it).
+    pub view_unreachable: u64,
+    /// Times a node stopped answering its health check (the router sent it nothing until
+    /// it answered again).
+    pub stalls: u64,
 }
 
 impl FleetReport {
