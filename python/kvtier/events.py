@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
@@ -31,6 +32,8 @@ from kvtier._rpc import KvtierError
 from kvtier._rpc import error as _error
 from kvtier.host import DaemonClient
 from kvtier.v1 import host_pb2
+
+_log = logging.getLogger(__name__)
 
 
 class EventKind(enum.Enum):
@@ -225,7 +228,10 @@ class NodeView:
     def apply(self, batch: EventBatch, changes: PageChanges | None = None) -> None:
         """Applies ``batch``; ``changes``, when given, is told each page that became held or
         left (what an index over many views, as :class:`kvtier.routing.Router` keeps,
-        follows)."""
+        follows). When ``changes`` raises (its own change undone, as the router's is), the
+        view undoes its side of that event and the error propagates: the batch is then
+        applied up to the event that failed, view and index agreeing, and ``last_seq`` is
+        the last event applied's."""
         self.stream_id = batch.stream_id
         for e in batch.events:
             tier = self._tier(e.tier)
@@ -234,34 +240,51 @@ class NodeView:
                 if held is None:
                     held = tier[e.layout] = KeySet()
                 if held.add(e.key) and changes is not None:
-                    changes(e.tier, e.layout, (_tag(e.key),), True)
+                    try:
+                        changes(e.tier, e.layout, (_tag(e.key),), True)
+                    except BaseException:
+                        held.discard(e.key)
+                        if not held:
+                            del tier[e.layout]
+                        raise
             elif e.kind is EventKind.REMOVED:
                 held = tier.get(e.layout)
-                if held is not None and held.discard(e.key) and changes is not None:
-                    changes(e.tier, e.layout, (_tag(e.key),), False)
+                if held is not None and held.discard(e.key):
+                    if changes is not None:
+                        try:
+                            changes(e.tier, e.layout, (_tag(e.key),), False)
+                        except BaseException:
+                            held.add(e.key)
+                            raise
+                    if not held:
+                        del tier[e.layout]  # a layout's last page: no empty set kept
             elif e.kind is EventKind.CLEARED:
                 # One tenant's pool (tenant_tag) or every tenant's: the key sets keep each
                 # key's last 8 bytes, not its tenant tag, so either way the layout's set goes
                 # (another tenant's pages forgotten cost a miss there, never a wrong route).
-                if e.layout:
-                    gone = tier.pop(e.layout, None)
-                    if gone is not None and changes is not None:
-                        changes(e.tier, e.layout, gone.tags(), False)
-                else:
-                    if changes is not None:
-                        for name, gone in tier.items():
-                            changes(e.tier, name, gone.tags(), False)
-                    tier.clear()
+                self._drop(e.tier, [e.layout] if e.layout else list(tier), changes)
             else:  # RESYNC: a snapshot follows
-                if changes is not None:
-                    for t in EventTier:
-                        for name, gone in self._tier(t).items():
-                            changes(t, name, gone.tags(), False)
-                self.pages.clear()
-                self.storage.clear()
+                self.forget(changes)
                 self.resyncs += 1
             if e.seq:
                 self.last_seq = e.seq
+
+    def _drop(self, tier: EventTier, layouts: Iterable[str], changes: PageChanges | None) -> None:
+        """Forgets ``tier``'s pages of ``layouts``, each layout's set leaving the view once
+        ``changes`` has taken its pages (so a failure leaves the rest held and told)."""
+        sets = self._tier(tier)
+        for name in layouts:
+            gone = sets.get(name)
+            if gone is None:
+                continue
+            if changes is not None:
+                changes(tier, name, gone.tags(), False)
+            del sets[name]
+
+    def forget(self, changes: PageChanges | None = None) -> None:
+        """Forgets every page (each told to ``changes``), as a RESYNC does."""
+        for t in EventTier:
+            self._drop(t, list(self._tier(t)), changes)
 
     def held(self, tier: EventTier = EventTier.L2_HOST) -> int:
         """Pages held in ``tier``, over every layout."""
@@ -311,15 +334,42 @@ class FleetIndex:
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeView] = {}
         self._followers: dict[str, Follower] = {}
+        self._errors: dict[str, int] = {}
         self._changes = changes
 
+    def _tell(self, node: str) -> PageChanges | None:
+        return None if self._changes is None else functools.partial(self._changes, node)
+
     def apply(self, node: str, batch: EventBatch) -> None:
+        """Applies ``node``'s ``batch`` to its view (:meth:`NodeView.apply`: should it raise,
+        the view and ``changes`` agree on what of the batch was applied)."""
         with self._lock:
-            view = self._nodes.setdefault(node, NodeView())
-            if self._changes is None:
-                view.apply(batch)
-            else:
-                view.apply(batch, functools.partial(self._changes, node))
+            self._nodes.setdefault(node, NodeView()).apply(batch, self._tell(node))
+
+    def _apply_followed(self, node: str, follower: Follower, batch: EventBatch) -> None:
+        with self._lock:
+            if self._followers.get(node) is not follower:
+                return  # a follower stopped (node removed or followed anew): not its view now
+            self._nodes.setdefault(node, NodeView()).apply(batch, self._tell(node))
+
+    def _failed(self, node: str, follower: Follower) -> None:
+        # A follower's batch raised something else than a KvtierError: the node's view may
+        # miss part of that batch, so forget it; the follower starts over from a snapshot.
+        with self._lock:
+            if self._followers.get(node) is not follower:
+                return
+            self._errors[node] = self._errors.get(node, 0) + 1
+            view = self._nodes.get(node)
+            if view is not None:
+                view.forget(self._tell(node))
+                view.stream_id = view.last_seq = 0
+
+    def errors(self) -> dict[str, int]:
+        """Per followed node, how many times applying its stream raised an error other than
+        a :class:`KvtierError` (a broken stream), each after which the follower forgot the
+        node's pages and started over from a snapshot (:class:`Follower`)."""
+        with self._lock:
+            return dict(self._errors)
 
     def view(self, node: str) -> NodeView:
         """A copy of ``node``'s view now."""
@@ -351,24 +401,49 @@ class FleetIndex:
 
     def follow(self, node: str, address: str, retry_s: float = 0.2) -> None:
         """Follows the stream of the kvtierd at ``address`` as ``node``, on a thread, until
-        :meth:`close`: it resumes after a disconnect from the last event applied, and rebuilds
-        from the snapshot when the node restarted or the resume fell out of its window."""
+        :meth:`close` or :meth:`remove`: it resumes after a disconnect from the last event
+        applied, and rebuilds from the snapshot when the node restarted or the resume fell
+        out of its window. Following a node already followed stops the old follower first.
+        A batch that raises anything else than a :class:`KvtierError` is logged and counted
+        (:meth:`errors`); the node's pages are forgotten and the follower starts over from a
+        snapshot."""
 
         def position() -> tuple[int, int]:
             v = self.view(node)
             return v.stream_id, v.last_seq
 
-        f = Follower(
+        f: Follower = Follower(
             address,
-            lambda b: self.apply(node, b),
+            lambda b: self._apply_followed(node, f, b),
             position,
             retry_s,
             name=f"kvtier-events-{node}",
+            on_error=lambda _e: self._failed(node, f),
         )
         with self._lock:
+            old = self._followers.get(node)
             self._nodes.setdefault(node, NodeView())
             self._followers[node] = f
+        if old is not None:
+            old.stop()
         f.start()
+
+    def remove(self, node: str) -> bool:
+        """Stops following ``node`` and forgets its view (each page told to ``changes``);
+        whether it was known. Followed or applied again later, it starts from an empty
+        view."""
+        with self._lock:
+            f = self._followers.pop(node, None)
+        if f is not None:
+            f.stop()
+        with self._lock:
+            self._errors.pop(node, None)
+            view = self._nodes.get(node)
+            if view is None:
+                return f is not None
+            view.forget(self._tell(node))
+            del self._nodes[node]
+            return True
 
     def close(self) -> None:
         with self._lock:
@@ -389,7 +464,12 @@ class Follower(threading.Thread):
     ``apply``; after a disconnect it resumes from ``position()`` (the stream id and last
     ``seq`` applied), and a node that restarted or a resume past its window starts over from
     a RESYNC and a snapshot. What :class:`FleetIndex` and the vLLM event bridge
-    (:mod:`kvtier.integrations.vllm.kv_events`) follow nodes with."""
+    (:mod:`kvtier.integrations.vllm.kv_events`) follow nodes with.
+
+    A :class:`KvtierError` (the node went away or restarted) is resumed from. Any other
+    error (``apply`` raised, say) is logged, counted in :attr:`errors` (the last in
+    :attr:`last_error`), told to ``on_error`` when given, and the follower starts over from
+    a RESYNC and a snapshot after ``retry_s``: the thread never dies of it."""
 
     def __init__(
         self,
@@ -398,10 +478,14 @@ class Follower(threading.Thread):
         position: Callable[[], tuple[int, int]],
         retry_s: float = 0.2,
         name: str = "kvtier-events",
+        on_error: Callable[[Exception], None] | None = None,
     ):
         super().__init__(name=name, daemon=True)
         self.address, self.retry_s = address, retry_s
-        self._apply, self._position = apply, position
+        self._apply, self._position, self._on_error = apply, position, on_error
+        #: Errors other than a KvtierError met following the stream (each a fresh start).
+        self.errors = 0
+        self.last_error: Exception | None = None
         self._stop_event = threading.Event()
         self._resync = threading.Event()
         self._client: DaemonClient | None = None
@@ -421,6 +505,7 @@ class Follower(threading.Thread):
         while not self._stop_event.is_set():
             stream_id, last_seq = (0, 0) if self._resync.is_set() else self._position()
             self._resync.clear()
+            failed = False
             try:
                 with self._client_lock:
                     self._client = DaemonClient(self.address)
@@ -432,13 +517,35 @@ class Follower(threading.Thread):
                         break
             except KvtierError:
                 pass  # the node went away or restarted: resume (or resync) when it is back
+            except Exception as e:
+                failed = True
+                self._failed(e)
             finally:
                 with self._client_lock:
                     if self._client is not None:
                         self._client.close()
                         self._client = None
-            if not self._resync.is_set():
+            if failed or not self._resync.is_set():
                 self._stop_event.wait(self.retry_s)
+
+    def _failed(self, e: Exception) -> None:
+        self.errors += 1
+        self.last_error = e
+        _log.error(
+            "events: following %s (%s): %s: %s; forgetting its pages, starting over from a "
+            "snapshot",
+            self.address,
+            self.name,
+            type(e).__name__,
+            e,
+            exc_info=e,
+        )
+        if self._on_error is not None:
+            try:
+                self._on_error(e)
+            except Exception:
+                _log.exception("events: following %s: on_error failed", self.address)
+        self._resync.set()
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import heapq
+import math
 import random
+import secrets
 import threading
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
@@ -87,7 +90,10 @@ _SHIFT = 16
 _COUNT = (1 << _SHIFT) - 1
 MAX_NODES = _COUNT
 """At most this many nodes: each page's L3 count must fit its field."""
-_SPILL = 4096
+_SPILL = 64
+_MIN_BITS = 4
+_M64 = (1 << 64) - 1
+_C2 = 0x94D049BB133111EB  # splitmix64's second multiplier
 
 
 class _Table:
@@ -98,14 +104,35 @@ class _Table:
 
     An entry (int64, never 0) is ``holders << 16 | count``: ``count`` the nodes whose L3 view
     holds the page, ``holders`` above 0 the one node whose L2 holds it plus 1, below 0 minus
-    one plus the index of a bitset in :attr:`sets` (two or more nodes), 0 none. Linear
-    probing from the tag's top bits (tags are SHA-256 output) without wrapping: the arrays
-    have :data:`_SPILL` slots past the last home; deletion shifts back, so there are no
-    tombstones. Tag 0 marks an empty slot: a key whose tag is 0 is kept as 1."""
+    one plus the index of a bitset in :attr:`sets` (two or more nodes), 0 none.
 
-    __slots__ = ("keys", "vals", "bits", "size", "sets", "set_ids", "set_refs", "free")
+    A slot holds the tag's *mix* (:meth:`mix`): a bijection of the 64 bits keyed by two
+    secret random values drawn per table (``secrets``), so that tags chosen to share their
+    bits (a peer's events are input) still scatter over the table; without the key, 4,200
+    tags near 2⁶⁴ or 20,000 sharing their top 44 bits piled into one run. Linear probing
+    from the mix's top bits without wrapping: the arrays have :data:`_SPILL` slots past the
+    last home, and the last slot is always empty (a put that would fill it grows the table
+    first), so every probe ends inside the arrays. Deletion shifts back, so there are no
+    tombstones. Mix 0 marks an empty slot: the one tag that mixes to 0 is kept as mix 1 (a
+    secret pair of tags shares an entry, as two keys sharing a tag do). The table shrinks
+    when a removal leaves it under 1/8 full."""
 
-    def __init__(self, bits: int = 10) -> None:
+    __slots__ = (
+        "keys",
+        "vals",
+        "bits",
+        "size",
+        "sets",
+        "set_ids",
+        "set_refs",
+        "free",
+        "_k0",
+        "_k1",
+    )
+
+    def __init__(self, bits: int = _MIN_BITS, key: tuple[int, int] | None = None) -> None:
+        self._k0, self._k1 = key or (secrets.randbits(64), secrets.randbits(64) | 1)
+        self._k1 |= 1  # odd: multiplying by it is a bijection
         self.bits = bits
         self.keys = np.zeros((1 << bits) + _SPILL, np.uint64)
         self.vals = np.zeros((1 << bits) + _SPILL, np.int64)
@@ -115,36 +142,79 @@ class _Table:
         self.set_refs: list[int] = []
         self.free: list[int] = []
 
-    def _slot(self, t: int) -> tuple[int, bool]:
-        """(where ``t`` is, True) or (the empty slot where it would go, False)."""
+    def mix(self, t: int) -> int:
+        """``t``'s slot value: xor a secret, multiply by a secret odd number, then
+        splitmix64's finish (each step a bijection of 64 bits); never 0."""
+        x = ((t ^ self._k0) * self._k1) & _M64
+        x ^= x >> 32
+        x = (x * _C2) & _M64
+        x ^= x >> 29
+        return x or 1
+
+    def mix_many(self, tags: np.ndarray) -> np.ndarray:
+        """:meth:`mix` of each of ``tags`` (uint64), vectorized."""
+        x = (tags ^ np.uint64(self._k0)) * np.uint64(self._k1)
+        x ^= x >> np.uint64(32)
+        x *= np.uint64(_C2)
+        x ^= x >> np.uint64(29)
+        if not x.all():
+            x[x == 0] = 1
+        return x
+
+    def _slot(self, m: int) -> tuple[int, bool]:
+        """(where mix ``m`` is, True) or (the empty slot where it would go, False)."""
         keys = self.keys
-        i = t >> (64 - self.bits)
+        i = m >> (64 - self.bits)
         while True:
             k = keys.item(i)
-            if k == t:
+            if k == m:
                 return i, True
             if k == 0:
                 return i, False
             i += 1
 
+    def find(self, t: int) -> tuple[int, int, int]:
+        """(``t``'s mix, the slot where it is or the empty one where it would go, its entry:
+        0 none), for :meth:`set`."""
+        m = self.mix(t)
+        i, found = self._slot(m)
+        return m, i, self.vals.item(i) if found else 0
+
     def get(self, t: int) -> int:
-        i, found = self._slot(t or 1)
-        return self.vals.item(i) if found else 0
+        return self.find(t)[2]
 
     def put(self, t: int, v: int) -> None:
-        """Sets ``t``'s entry to ``v``; 0 removes it."""
-        t = t or 1
-        i, found = self._slot(t)
+        """Sets ``t``'s entry to ``v``; 0 removes it (without shrinking: :meth:`trim`)."""
+        self.set(*self.find(t), v)
+
+    def set(self, m: int, i: int, old: int, v: int) -> None:
+        """Sets the entry of mix ``m`` that :meth:`find` found at ``i`` as ``old`` to ``v``
+        (0: removes it). Raises, changing nothing, when the table cannot grow."""
         if v:
-            if not found:
-                if i >= len(self.keys) - 1 or 2 * (self.size + 1) > (1 << self.bits):
-                    self._grow()
-                    i, _ = self._slot(t)
-                self.keys[i] = t
+            if not old:
+                # Grow first when the table would pass half full, or the slot is the last
+                # one (which stays empty, so probes end inside the arrays).
+                while i >= len(self.keys) - 1 or 2 * (self.size + 1) > (1 << self.bits):
+                    self._resize(self.bits + 1)
+                    i, _ = self._slot(m)
+                self.keys[i] = m
                 self.size += 1
             self.vals[i] = v
-        elif found:
+        elif old:
             self._delete(i)
+
+    def reserve(self, more: int) -> None:
+        """Grows now (once) so that ``more`` new entries keep it at most half full."""
+        need = self.bits
+        while 2 * (self.size + more) > (1 << need):
+            need += 1
+        if need > self.bits:
+            self._resize(need)
+
+    def trim(self) -> None:
+        """Shrinks the table when it is under 1/8 full, to about 1/4 full."""
+        if self.bits > _MIN_BITS and 8 * self.size < (1 << self.bits):
+            self._resize(max(_MIN_BITS, (4 * self.size).bit_length()), smaller=True)
 
     def _delete(self, i: int) -> None:
         keys, vals, shift = self.keys, self.vals, 64 - self.bits
@@ -162,12 +232,12 @@ class _Table:
         vals[i] = 0
         self.size -= 1
 
-    def _grow(self) -> None:
+    def _resize(self, bits: int, smaller: bool = False) -> None:
+        """Rebuilds at ``bits`` (or the fewest above it whose placement leaves the last slot
+        empty); the arrays are replaced only once the new ones are whole."""
         live = self.keys != 0
         keys, vals = self.keys[live], self.vals[live]
-        bits = self.bits
         while True:
-            bits += 1
             home = (keys >> np.uint64(64 - bits)).astype(np.int64)
             order = np.argsort(home, kind="stable")
             home = home[order]
@@ -177,26 +247,28 @@ class _Table:
             at = np.maximum.accumulate(home - r) + r if len(home) else home
             if not len(at) or at[-1] < (1 << bits) + _SPILL - 1:
                 break
-        self.bits = bits
-        self.keys = np.zeros((1 << bits) + _SPILL, np.uint64)
-        self.vals = np.zeros((1 << bits) + _SPILL, np.int64)
-        self.keys[at] = keys[order]
-        self.vals[at] = vals[order]
+            if smaller and bits + 1 >= self.bits:
+                return  # no smaller table fits: keep this one
+            bits += 1
+        new_keys = np.zeros((1 << bits) + _SPILL, np.uint64)
+        new_vals = np.zeros((1 << bits) + _SPILL, np.int64)
+        new_keys[at] = keys[order]
+        new_vals[at] = vals[order]
+        self.bits, self.keys, self.vals = bits, new_keys, new_vals
 
     def lookup(self, tags: np.ndarray) -> np.ndarray:
         """Each of ``tags``' entry (0: none), vectorized: each tag's home slot in one gather,
         then the next slot for those neither found nor at an empty slot, and so on."""
-        if not tags.all():
-            tags = np.where(tags == 0, np.uint64(1), tags)
-        at = (tags >> np.uint64(64 - self.bits)).astype(np.int64)
+        mixed = self.mix_many(tags)
+        at = (mixed >> np.uint64(64 - self.bits)).astype(np.int64)
         out = np.zeros(len(tags), np.int64)
         todo = np.arange(len(tags))
         while len(todo):
             k = self.keys[at]
-            hit = k == tags
+            hit = k == mixed
             out[todo[hit]] = self.vals[at[hit]]
             more = ~hit & (k != 0)
-            todo, at, tags = todo[more], at[more] + 1, tags[more]
+            todo, at, mixed = todo[more], at[more] + 1, mixed[more]
         return out
 
     def holders(self, v: int) -> int:
@@ -206,19 +278,9 @@ class _Table:
             return 1 << (h - 1)
         return self.sets[-h - 1] if h < 0 else 0
 
-    def entry(self, nodes: int, count: int, old: int) -> int:
-        """The entry for L2 holders ``nodes`` and L3 ``count``, replacing entry ``old`` (whose
-        bitset, if any, it releases)."""
-        oh = old >> _SHIFT
-        if oh < 0:
-            s = -oh - 1
-            if self.sets[s] == nodes:
-                return (oh << _SHIFT) | count
-            self.set_refs[s] -= 1
-            if not self.set_refs[s]:
-                del self.set_ids[self.sets[s]]
-                self.sets[s] = 0
-                self.free.append(s)
+    def entry(self, nodes: int, count: int) -> int:
+        """The entry for L2 holders ``nodes`` and L3 ``count``, holding a reference on its
+        bitset (if any) until :meth:`release` d."""
         if not nodes:
             return count
         if not nodes & (nodes - 1):
@@ -237,6 +299,17 @@ class _Table:
         self.set_refs[s] += 1
         return ((-s - 1) << _SHIFT) | count
 
+    def release(self, v: int) -> None:
+        """Drops entry ``v``'s reference on its bitset, if it has one."""
+        h = v >> _SHIFT
+        if h < 0:
+            s = -h - 1
+            self.set_refs[s] -= 1
+            if not self.set_refs[s]:
+                del self.set_ids[self.sets[s]]
+                self.sets[s] = 0
+                self.free.append(s)
+
 
 def _node_ids(nodes: int) -> list[int]:
     """The node ids in a bitset (bit i: node i)."""
@@ -254,31 +327,77 @@ def _node_ids(nodes: int) -> list[int]:
 def _tags(keys: Sequence[bytes]) -> np.ndarray:
     """Each key's tag (its last 8 bytes, little-endian), as :class:`kvtier.events.KeySet`
     keeps them; a ``ValueError`` when a key is not 32 bytes."""
-    packed = b"".join(keys)
+    try:
+        packed = b"".join(keys)
+    except TypeError:
+        bad = next(i for i, k in enumerate(keys) if not isinstance(k, (bytes, bytearray)))
+        raise ValueError(f"routing: keys[{bad}]: a page key is bytes, got {keys[bad]!r}") from None
     if len(packed) != 32 * len(keys):
         bad = next(i for i, k in enumerate(keys) if len(k) != 32)
         raise ValueError(f"routing: keys[{bad}]: a page key is 32 bytes, got {len(keys[bad])}")
     return np.frombuffer(packed, dtype="<u8")[3::4].astype(np.uint64)
 
 
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
+    """``value`` when it is an int (not a bool) in ``lo``–``hi``; a ``ValueError`` naming
+    ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"routing: {name}: {value!r} is not an integer")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"{lo}–{hi}" if hi is not None else f"≥ {lo}"
+        raise ValueError(f"routing: {name}: {value} is out of bounds ({bounds})")
+    return int(value)
+
+
+def _real(name: str, value: object, lo: float, hi: float | None = None) -> float:
+    """``value`` as a float when it is a finite number (not a bool) in ``lo``–``hi``; a
+    ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"routing: {name}: {value!r} is not a number")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+        bounds = f"{lo:g}–{hi:g}" if hi is not None else f"≥ {lo:g}"
+        raise ValueError(f"routing: {name}: {value!r} is out of bounds (finite, {bounds})")
+    return v
+
+
+MAX_PAGE_TOKENS = 1 << 20
+MAX_RING_POINTS = 4096
+
+
 class Router:
     """Chooses a node for each request by its :class:`Policy`.
 
     The nodes are those added (:meth:`add`, :meth:`follow`) or whose events were applied,
-    in that order (:attr:`nodes`). For the ``kvtier`` policy the router keeps the nodes'
-    views in :attr:`fleet` (a :class:`kvtier.events.FleetIndex`: apply a node's
-    :class:`kvtier.events.EventBatch` es with :meth:`apply`, or follow its stream with
-    :meth:`follow`) and an inverted index of them. Load comes from the caller, who knows what
-    it sent where: ``queue``, the prefill tokens pending per node.
+    less those removed (:meth:`remove`): :attr:`nodes`, in order of place. A node added takes
+    the first place a removed one left, else the next at the end; so a removal shifts the
+    nodes after it down by one, and an addition may land in the middle. Queues given as
+    sequences, and :attr:`Decision.index`, follow :attr:`nodes` as it is at the call.
 
-    Parameters (each refused with a ``ValueError`` naming it outside its bounds):
+    For the ``kvtier`` policy the router keeps the nodes' views in :attr:`fleet` (a
+    :class:`kvtier.events.FleetIndex`: apply a node's :class:`kvtier.events.EventBatch` es
+    with :meth:`apply`, or follow its stream with :meth:`follow`) and an inverted index of
+    them. Load comes from the caller, who knows what it sent where: ``queue``, the prefill
+    tokens pending per node.
 
-    - ``page_tokens`` (≥ 1, default 16): tokens a page holds, the layout's page size.
+    Parameters (each refused with a ``ValueError`` naming it when of the wrong type, not
+    finite, or outside its bounds; a bool is not a number here):
+
+    - ``page_tokens`` (an int, 1 – 2²⁰, default 16): tokens a page holds, the layout's page
+      size.
     - ``l3_weight`` (0–1, default 0.8): what a page loaded from L3 saves against one in L2.
-    - ``load_weight`` (≥ 0, default 1): a queued token's weight against a saved one.
-    - ``hash_pages`` (≥ 1, default 4): leading pages ``prefix_hash`` hashes.
-    - ``ring_points`` (≥ 1, default 64): points per node on ``prefix_hash``'s ring.
-    - ``seed`` (default 0): ``random``'s.
+    - ``load_weight`` (≥ 0, finite, default 1): a queued token's weight against a saved one.
+    - ``hash_pages`` (an int ≥ 1, default 4): leading pages ``prefix_hash`` hashes.
+    - ``ring_points`` (an int, 1–4,096, default 64): points per node on ``prefix_hash``'s
+      ring.
+    - ``seed`` (an int, default 0): ``random``'s.
 
     Thread-safe: events may be applied (by followers' threads) while requests are routed.
     """
@@ -296,20 +415,20 @@ class Router:
         seed: int = 0,
     ) -> None:
         self.policy = policy if isinstance(policy, Policy) else Policy.parse(policy)
-        for name, value, ok in (
-            ("page_tokens", page_tokens, page_tokens >= 1),
-            ("l3_weight", l3_weight, 0.0 <= l3_weight <= 1.0),
-            ("load_weight", load_weight, load_weight >= 0.0),
-            ("hash_pages", hash_pages, hash_pages >= 1),
-            ("ring_points", ring_points, ring_points >= 1),
-        ):
-            if not ok:
-                raise ValueError(f"routing: {name}: {value} is out of bounds")
-        self.page_tokens, self.l3_weight, self.load_weight = page_tokens, l3_weight, load_weight
-        self.hash_pages, self.ring_points = hash_pages, ring_points
+        self.page_tokens = _int("page_tokens", page_tokens, 1, MAX_PAGE_TOKENS)
+        self.l3_weight = _real("l3_weight", l3_weight, 0.0, 1.0)
+        self.load_weight = _real("load_weight", load_weight, 0.0)
+        self.hash_pages = _int("hash_pages", hash_pages, 1)
+        self.ring_points = _int("ring_points", ring_points, 1, MAX_RING_POINTS)
+        seed = _int("seed", seed, -(1 << 63))
         self._lock = threading.Lock()
-        self._names: list[str] = []
+        # Applying, following and removing one at a time, so that a node removed is not
+        # added back halfway by a concurrent apply of its events.
+        self._members = threading.RLock()
+        self._names: list[str | None] = []  # by place; None: a place a removed node left
         self._ids: dict[str, int] = {}
+        self._free: list[int] = []  # places left free, a heap
+        self._live: tuple[np.ndarray, tuple[str, ...]] | None = None
         self._pages: dict[str, _Table] = {}  # by layout
         self._rng = random.Random(seed)
         self._turn = 0
@@ -321,32 +440,78 @@ class Router:
     @property
     def nodes(self) -> tuple[str, ...]:
         with self._lock:
-            return tuple(self._names)
+            return self._places()[1]
+
+    def _places(self) -> tuple[np.ndarray, tuple[str, ...]]:
+        """(the places in use, their names), in order."""
+        if self._live is None:
+            live = [i for i, n in enumerate(self._names) if n is not None]
+            self._live = (
+                np.array(live, dtype=np.int64),
+                tuple(n for n in self._names if n is not None),
+            )
+        return self._live
 
     def add(self, node: str) -> int:
         """Adds ``node`` (no-op when known); its place in :attr:`nodes`."""
+        i = self._known(node)
+        with self._lock:
+            return int(np.searchsorted(self._places()[0], i))
+
+    def _known(self, node: str) -> int:
+        """``node``'s id, added when new."""
+        if not isinstance(node, str) or not node:
+            raise ValueError(f"routing: node {node!r}: a node is a non-empty string")
         with self._lock:
             return self._id(node)
 
     def _id(self, node: str) -> int:
         i = self._ids.get(node)
         if i is None:
-            if len(self._names) >= MAX_NODES:
-                raise ValueError(f"routing: node {node!r}: at most {MAX_NODES} nodes")
-            i = self._ids[node] = len(self._names)
-            self._names.append(node)
+            if self._free:
+                i = heapq.heappop(self._free)
+                self._names[i] = node
+            else:
+                if len(self._names) >= MAX_NODES:
+                    raise ValueError(f"routing: node {node!r}: at most {MAX_NODES} nodes")
+                i = len(self._names)
+                self._names.append(node)
+            self._ids[node] = i
             self._ring = None
+            self._live = None
         return i
+
+    def remove(self, node: str) -> bool:
+        """Removes ``node``: stops following it, forgets its pages from the index (its L3
+        pages no longer count for the others) and drops it from :attr:`nodes`; the nodes
+        after it move down a place. Added again later, it starts from an empty view. Whether
+        it was known."""
+        with self._members:
+            known = self.fleet.remove(node)
+            with self._lock:
+                i = self._ids.pop(node, None)
+                if i is None:
+                    return known
+                self._names[i] = None
+                while self._names and self._names[-1] is None:
+                    self._names.pop()
+                self._free = [j for j in (*self._free, i) if j < len(self._names)]
+                heapq.heapify(self._free)
+                self._ring = None
+                self._live = None
+            return True
 
     def apply(self, node: str, batch: EventBatch) -> None:
         """Applies ``node``'s events (as :meth:`kvtier.events.FleetIndex.apply`)."""
-        self.add(node)
-        self.fleet.apply(node, batch)
+        with self._members:
+            self._known(node)
+            self.fleet.apply(node, batch)
 
     def follow(self, node: str, address: str, retry_s: float = 0.2) -> None:
         """Follows the kvtierd at ``address`` as ``node`` (:meth:`FleetIndex.follow`)."""
-        self.add(node)
-        self.fleet.follow(node, address, retry_s)
+        with self._members:
+            self._known(node)
+            self.fleet.follow(node, address, retry_s)
 
     def close(self) -> None:
         self.fleet.close()
@@ -360,22 +525,54 @@ class Router:
     def _changed(
         self, node: str, tier: EventTier, layout: str, tags: Iterable[int], held: bool
     ) -> None:
-        # Called by the fleet index, under its lock, for each page a view gained or lost.
+        # Called by the fleet index, under its lock, for pages a view gained or lost. All or
+        # nothing: a failure undoes the tags already changed, so the view (which keeps its
+        # side as it was when this raises) and the index agree.
         with self._lock:
             table = self._pages.get(layout)
             if table is None:
+                if not held:
+                    return
                 table = self._pages[layout] = _Table()
             i = self._id(node)
-            for t in tags:
-                old = table.get(t)
-                nodes, count = table.holders(old), old & _COUNT
-                if tier is not EventTier.L2_HOST:
-                    count += 1 if held else -1
-                elif held:
-                    nodes |= 1 << i
-                else:
-                    nodes &= ~(1 << i)
-                table.put(t, table.entry(nodes, count, old))
+            tags = tags if isinstance(tags, (list, tuple)) else list(tags)
+            done = 0
+            try:
+                if held and len(tags) > 1:
+                    table.reserve(len(tags))
+                for t in tags:
+                    self._change(table, i, tier, t, held)
+                    done += 1
+            except BaseException:
+                for t in reversed(tags[:done]):
+                    self._change(table, i, tier, t, not held)
+                raise
+            finally:
+                if not table.size:
+                    del self._pages[layout]  # no node holds a page of it
+                elif not held:
+                    try:
+                        table.trim()
+                    except MemoryError:
+                        pass  # the table stays as large as it was
+
+    @staticmethod
+    def _change(table: _Table, i: int, tier: EventTier, t: int, held: bool) -> None:
+        m, at, old = table.find(t)
+        nodes, count = table.holders(old), old & _COUNT
+        if tier is not EventTier.L2_HOST:
+            count += 1 if held else -1
+        elif held:
+            nodes |= 1 << i
+        else:
+            nodes &= ~(1 << i)
+        new = table.entry(nodes, count)
+        try:
+            table.set(m, at, old, new)
+        except BaseException:
+            table.release(new)
+            raise
+        table.release(old)
 
     def choose(
         self,
@@ -385,10 +582,14 @@ class Router:
     ) -> Decision | None:
         """The node for a request whose prompt has page ``keys`` (of ``layout``, the
         fingerprint its events carry); ``queue``: prefill tokens pending per node, in
-        :attr:`nodes` order or by name (missing names: 0; ``None``: none anywhere). ``None``
-        when the router knows no node."""
+        :attr:`nodes` order or by name (missing names: 0; ``None``: none anywhere), each
+        finite and ≥ 0 (a ``ValueError`` naming what is wrong otherwise, under every policy:
+        a wrong length, an unknown name, NaN, a negative). ``None`` when the router knows no
+        node."""
         with self._lock:
-            n = len(self._names)
+            places, names = self._places()
+            n = len(names)
+            q = self._queue(queue, names)
             if n == 0:
                 return None
             if self.policy is Policy.ROUND_ROBIN:
@@ -397,38 +598,64 @@ class Router:
             elif self.policy is Policy.RANDOM:
                 i = self._rng.randrange(n)
             elif self.policy is Policy.PREFIX_HASH:
-                i = self._hash_choice(keys)
+                i = self._hash_choice(keys, names)
             else:
-                return self._kvtier_choice(keys, layout, self._queue(queue, n))
-            return Decision(self._names[i], i)
+                return self._kvtier_choice(keys, layout, q, places, names)
+            return Decision(names[i], i)
 
     def prefixes(self, keys: Sequence[bytes], layout: str) -> dict[str, tuple[int, int]]:
         """``(l2(n), l3(n))`` (module docstring) for each node with either above 0."""
         with self._lock:
+            places, names = self._places()
             l2, h, _ = self._walk(_tags(keys), layout)
             return {
                 name: (int(a), int(b - a))
-                for name, a, b in zip(self._names, l2.tolist(), h.tolist())
+                for name, a, b in zip(names, l2[places].tolist(), h[places].tolist())
                 if b > 0
             }
 
     def _queue(
-        self, queue: Sequence[float] | Mapping[str, float] | np.ndarray | None, n: int
+        self,
+        queue: Sequence[float] | Mapping[str, float] | np.ndarray | None,
+        names: Sequence[str],
     ) -> np.ndarray:
+        n = len(names)
         if queue is None:
             return np.zeros(n)
         if isinstance(queue, Mapping):
-            return np.array([float(queue.get(name, 0.0)) for name in self._names])
-        q = np.asarray(queue, dtype=np.float64)
-        if q.shape != (n,):
-            raise ValueError(f"routing: queue: {n} nodes, got {q.shape} entries")
+            unknown = [k for k in queue if k not in self._ids]
+            if unknown:
+                raise ValueError(f"routing: queue: {unknown[0]!r} is not a node")
+            vals = [queue.get(name, 0.0) for name in names]
+            bad = next((i for i, v in enumerate(vals) if not _is_number(v)), None)
+            if bad is not None:
+                raise ValueError(f"routing: queue[{names[bad]!r}]: {vals[bad]!r} is not a number")
+            q = np.array(vals, dtype=np.float64)
+            where = [repr(name) for name in names]
+        else:
+            if isinstance(queue, (str, bytes)):
+                raise ValueError(f"routing: queue: {queue!r} is not a sequence of numbers")
+            try:
+                raw = np.asarray(queue)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"routing: queue: {e}") from None
+            if raw.dtype.kind not in "iuf":
+                raise ValueError(f"routing: queue: numbers are wanted, got {raw.dtype} entries")
+            if raw.shape != (n,):
+                raise ValueError(f"routing: queue: {n} nodes, got {raw.shape} entries")
+            q = raw.astype(np.float64)
+            where = [str(i) for i in range(n)]
+        ok = np.isfinite(q) & (q >= 0)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"routing: queue[{where[i]}]: {q[i]} is not finite and ≥ 0")
         return q
 
-    def _hash_choice(self, keys: Sequence[bytes]) -> int:
+    def _hash_choice(self, keys: Sequence[bytes], names: Sequence[str]) -> int:
         if self._ring is None:
             ring = sorted(
                 (_point(f"{name}#{j}".encode()), i)
-                for i, name in enumerate(self._names)
+                for i, name in enumerate(names)
                 for j in range(self.ring_points)
             )
             self._ring = ([p for p, _ in ring], [i for _, i in ring])
@@ -437,7 +664,7 @@ class Router:
         return owners[at % len(points)]
 
     def _walk(self, tags: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray, int]:
-        """(``l2(n)`` and ``h(n)`` for every node, the pages looked at)."""
+        """(``l2(n)`` and ``h(n)`` for every place, free ones' 0, the pages looked at)."""
         n = len(self._names)
         l2 = np.zeros(n, dtype=np.int64)
         table = self._pages.get(layout)
@@ -491,11 +718,20 @@ class Router:
                 h[_node_ids(dropped)] = at
         return l2, h, pos
 
-    def _kvtier_choice(self, keys: Sequence[bytes], layout: str, queue: np.ndarray) -> Decision:
+    def _kvtier_choice(
+        self,
+        keys: Sequence[bytes],
+        layout: str,
+        queue: np.ndarray,
+        places: np.ndarray,
+        names: tuple[str, ...],
+    ) -> Decision:
         l2, h, _ = self._walk(_tags(keys), layout)
+        if len(places) != len(l2):  # places a removed node left: not scored
+            l2, h = l2[places], h[places]
         score = self.page_tokens * (l2 + self.l3_weight * (h - l2)) - self.load_weight * queue
         i = int(np.argmax(score))
-        return Decision(self._names[i], i, int(l2[i]), int(h[i] - l2[i]), float(score[i]))
+        return Decision(names[i], i, int(l2[i]), int(h[i] - l2[i]), float(score[i]))
 
 
 def _point(data: bytes) -> int:

@@ -257,3 +257,83 @@ def test_a_node_view_keeps_tiers_apart() -> None:
     assert (v.prefix(k), v.prefix(k, tier=l3), v.prefix(k, tier=None)) == (0, 2, 3)
     v.apply(EventBatch(1, "n", (ev(EventKind.CLEARED, l3, lay=""),)))
     assert (v.held(), v.held(l3), v.prefix(k, tier=None)) == (1, 0, 0)
+
+
+def test_a_follower_survives_an_apply_that_raises_and_starts_over(kvtierd) -> None:
+    # Anything but a KvtierError raised while applying a batch once killed the follower's
+    # thread, freezing the node's view; now it is counted, the view forgotten, and the
+    # follower starts over from a snapshot.
+    c = DaemonClient(kvtierd.socket)
+    s = c.register("w", layout())
+    keys = page_keys(list(range(8 * PAGE)), PAGE)
+    store(s, keys[:2])
+    told: list[int] = []
+
+    def changes(node: str, tier: EventTier, lay: str, tags, held: bool) -> None:
+        tags = list(tags)
+        if held and len(told) == 3:
+            told.append(-1)
+            raise RuntimeError("injected")
+        told.extend(tags)
+
+    with FleetIndex(changes=changes) as fleet:
+        fleet.follow("n", kvtierd.socket, retry_s=0.05)
+        until("the first pages", lambda: fleet.view("n").held() == 2)
+        store(s, keys[2:])
+        until("the error counted", lambda: fleet.errors() == {"n": 1})
+        until("every page after the fresh snapshot", lambda: fleet.view("n").held() == 8)
+        assert fleet.locate(keys) == {"n": 8}
+        store(s, page_keys(list(range(900, 900 + PAGE)), PAGE))
+        until("later pages still followed", lambda: fleet.view("n").held() == 9)
+        assert fleet.errors() == {"n": 1}
+    s.close()
+    c.close()
+
+
+def test_a_node_removed_is_no_longer_followed_and_comes_back_empty(nodes) -> None:
+    keys = page_keys(list(range(4 * PAGE)), PAGE)
+    c = DaemonClient(nodes[0].socket)
+    s = c.register("w", layout())
+    store(s, keys[:2])
+    with FleetIndex() as fleet:
+        fleet.follow("n0", nodes[0].socket)
+        fleet.follow("n1", nodes[1].socket)
+        until("node 0's pages", lambda: fleet.view("n0").held() == 2)
+        follower = fleet._followers["n0"]
+        assert fleet.remove("n0") and not fleet.remove("n0")
+        assert not follower.is_alive()
+        assert fleet.locate(keys) == {"n1": 0}
+        store(s, keys[2:])
+        time.sleep(0.3)
+        assert "n0" not in fleet.locate(keys) and fleet.view("n0").held() == 0
+        # Followed again under the same name: from an empty view, then the snapshot.
+        fleet.follow("n0", nodes[0].socket)
+        until("node 0's pages again", lambda: fleet.view("n0").held() == 4)
+        # Following a name already followed replaces its follower.
+        old = fleet._followers["n0"]
+        fleet.follow("n0", nodes[0].socket)
+        assert not old.is_alive()
+        until("still followed", lambda: fleet.locate(keys)["n0"] == 4)
+    s.close()
+    c.close()
+
+
+def test_a_view_that_fails_part_way_agrees_with_what_it_told() -> None:
+    fp = "e" * 32
+    ks = [bytes([i]) * 32 for i in range(1, 6)]
+    told: set[int] = set()
+
+    def changes(tier: EventTier, lay: str, tags, held: bool) -> None:
+        tags = list(tags)
+        if held and len(told) == 3:
+            raise RuntimeError("injected")
+        (told.update if held else told.difference_update)(tags)
+
+    v = NodeView()
+    stored = tuple(
+        PageEvent(i + 1, 0, EventKind.STORED, k, None, fp, EventTier.L2_HOST)
+        for i, k in enumerate(ks)
+    )
+    with pytest.raises(RuntimeError):
+        v.apply(EventBatch(1, "n", stored), changes)
+    assert set(v.pages[fp].tags()) == told and len(told) == 3 and v.last_seq == 3
