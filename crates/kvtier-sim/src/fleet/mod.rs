@@ -87,6 +87,8 @@ struct Node {
     queue: Mutex<tokio::sync::mpsc::UnboundedReceiver<Sent>>,
     /// Requests sent and not yet served.
     outstanding: AtomicUsize,
+    /// Its kvtierds were stopped on purpose (the node left the fleet).
+    stopped: std::sync::atomic::AtomicBool,
     /// The kvtierd whose events and `Locate` stand for the node's L2 (its first cluster's).
     daemon: String,
 }
@@ -248,6 +250,7 @@ pub async fn run_fleet(
             clusters: parking_lot::Mutex::new(clusters),
             queue: Mutex::new(rx),
             outstanding: AtomicUsize::new(0),
+            stopped: Default::default(),
         }));
         workers.push(ws);
     }
@@ -272,13 +275,14 @@ pub async fn run_fleet(
         opts.seed,
     )));
     let fp = kvtier_core::LayoutFingerprint::of(&opts.base.layout);
-    let stalls = Arc::new(AtomicUsize::new(0));
+    let stalls: Arc<Vec<AtomicUsize>> =
+        Arc::new((0..opts.nodes).map(|_| AtomicUsize::new(0)).collect());
     let health: Vec<_> = nodes
         .iter()
         .enumerate()
         .map(|(n, node)| {
-            let (sock, router, stalls) = (node.daemon.clone(), router.clone(), stalls.clone());
-            tokio::spawn(async move { check_health(n, sock, fp, &router, &stalls).await })
+            let (node, router, stalls) = (node.clone(), router.clone(), stalls.clone());
+            tokio::spawn(async move { check_health(n, &node, fp, &router, &stalls).await })
         })
         .collect();
     let results = Arc::new(parking_lot::Mutex::new(Vec::new()));
@@ -367,6 +371,7 @@ pub async fn run_fleet(
                         while node.outstanding.load(Ordering::Acquire) > 0 {
                             tokio::time::sleep(Duration::from_millis(5)).await;
                         }
+                        node.stopped.store(true, Ordering::Release);
                         tokio::task::spawn_blocking(move || node.daemons(&l, DaemonAction::Stop))
                             .await
                             .context("stopping a node's kvtierd")?
@@ -380,10 +385,14 @@ pub async fn run_fleet(
                         if let Some(r) = removal {
                             r.await.context("removing a node")??;
                         }
-                        tokio::task::spawn_blocking(move || node.daemons(&l, DaemonAction::Start))
-                            .await
-                            .context("starting a node's kvtierd")?
-                            .with_context(|| format!("starting node {n}'s kvtierd again"))?;
+                        let started = node.clone();
+                        tokio::task::spawn_blocking(move || {
+                            started.daemons(&l, DaemonAction::Start)
+                        })
+                        .await
+                        .context("starting a node's kvtierd")?
+                        .with_context(|| format!("starting node {n}'s kvtierd again"))?;
+                        node.stopped.store(false, Ordering::Release);
                         for w in &ws {
                             if !w.lock().await.wait_daemon(Duration::from_secs(30)).await? {
                                 bail!("node {n}'s workers never reached its new kvtierd");
@@ -449,7 +458,10 @@ pub async fn run_fleet(
     for w in watchers.iter().chain(&health) {
         w.abort();
     }
-    rep.stalls = stalls.load(Ordering::Relaxed) as u64;
+    rep.stalls = stalls
+        .iter()
+        .map(|s| s.load(Ordering::Relaxed) as u64)
+        .collect();
     rep.policy = opts.policy.name().to_string();
     rep.nodes = opts.nodes;
     rep.workers_per_node = opts.node.workers;
@@ -584,19 +596,20 @@ async fn check_view(
 
 /// Asks node `n`'s kvtierd every 200 ms whether it answers (a `Locate`, [`HEALTH`] to
 /// answer) and tells the router: a node that stopped answering (hung, or down and not back)
-/// is sent nothing while another node answers. `stalls` counts the times one stopped.
+/// is sent nothing while another node answers. `stalls[n]` counts the times it stopped
+/// answering (unless it was stopped on leaving the fleet).
 async fn check_health(
     n: usize,
-    socket: String,
+    node: &Node,
     layout: kvtier_core::LayoutFingerprint,
     router: &parking_lot::Mutex<Router>,
-    stalls: &AtomicUsize,
+    stalls: &[AtomicUsize],
 ) {
     let mut client = None;
     loop {
         let ok = tokio::time::timeout(HEALTH, async {
             if client.is_none() {
-                client = Some(kvtier_client::HostClient::connect(&socket).await?);
+                client = Some(kvtier_client::HostClient::connect(&node.daemon).await?);
             }
             let c = client
                 .as_mut()
@@ -611,8 +624,9 @@ async fn check_health(
             client = None;
         }
         let was = std::mem::replace(&mut router.lock().answering[n], ok);
-        if was && !ok {
-            stalls.fetch_add(1, Ordering::Relaxed);
+        // (A node stopped on leaving the fleet is not expected to answer.)
+        if was && !ok && !node.stopped.load(Ordering::Acquire) {
+            stalls[n].fetch_add(1, Ordering::Relaxed);
             tracing::warn!(node = n, "node stopped answering: routed around");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -64,9 +64,9 @@ pub struct FleetReport {
     pub view_disagreements: u64,
     /// Nodes in the fleet that did not answer the end-of-run check (left out of it).
     pub view_unreachable: u64,
-    /// Times a node stopped answering its health check (the router sent it nothing until
-    /// it answered again).
-    pub stalls: u64,
+    /// Times each node stopped answering its health check, other than when stopped on
+    /// leaving the fleet (the router sent it nothing until it answered again).
+    pub stalls: Vec<u64>,
 }
 
 impl FleetReport {
