@@ -19,7 +19,7 @@ pub enum Policy {
     Random,
     /// Consistent hashing on the prompt's first page: one prefix, one node, blind to load.
     PrefixHash,
-    /// The least modeled time to first token, from kvtier's events (see [`Router::kvtier`]).
+    /// The least modeled time to first token, from kvtier's events (see `Router::kvtier`).
     Kvtier,
 }
 
@@ -306,7 +306,7 @@ impl Router {
     /// Without that last term a loaded fleet recomputes cached prefixes on idle nodes to
     /// shave one request's wait: on the trace slice with isolated pools it served 0.40 of the
     /// ideal reuse, with it 0.46, at the same time to first token.
-    pub fn kvtier(&self, ask: &Ask<'_>, view: &FleetView, present: &[usize]) -> (usize, u64) {
+    fn kvtier(&self, ask: &Ask<'_>, view: &FleetView, present: &[usize]) -> (usize, u64) {
         let runs = view.prefix(ask.keys, self.nodes);
         let computed_at = |n: usize| {
             let (l2, l3) = runs[n];
@@ -509,6 +509,16 @@ mod tests {
             if policy != Policy::Kvtier {
                 // (kvtier with empty queues and no pages: the lowest node wins each tie.)
                 assert_eq!(used.len(), 2, "{policy:?} spread over {used:?}");
+            }
+            // None answering: those present still get requests, never one out.
+            r.answering = vec![false; 4];
+            for p in &prompts {
+                let ask = Ask {
+                    keys: p,
+                    tokens: 64,
+                    page_size: 64,
+                };
+                assert_ne!(r.route(&ask, &view).0, 2, "{policy:?}");
             }
         }
     }
