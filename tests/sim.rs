@@ -538,6 +538,7 @@ fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
             l3: Default::default(),
             private_l2: false,
             chaos: Vec::new(),
+            l3_dir: None,
         };
         let r = rt
             .block_on(run_fleet(requests(n), opts, launcher()))
@@ -601,6 +602,7 @@ fn a_fleet_under_chaos_serves_no_wrong_page_and_its_router_follows() {
         seed: 1,
         l3: Default::default(),
         private_l2: false,
+        l3_dir: None,
         chaos: vec![
             FleetChaos::kill(15, 0),
             FleetChaos::remove(20, 2),

@@ -70,6 +70,10 @@ enum Command {
         /// engine instance, against one pool the node's workers share).
         #[arg(long)]
         private_l2: bool,
+        /// Where the shared L3's directory goes (default: the temp directory). A tmpfs
+        /// (/dev/shm) keeps a disk's stalls out of the measurement.
+        #[arg(long)]
+        l3_dir: Option<PathBuf>,
         /// REQUEST:NODE: before that request, SIGKILL the node's kvtierd and start it again
         /// (repeatable).
         #[arg(long)]
@@ -272,6 +276,7 @@ fn main() -> Result<()> {
             seed,
             isolated,
             private_l2,
+            l3_dir,
             kill_node_at,
             hang_node_at,
             remove_node_at,
@@ -305,7 +310,7 @@ fn main() -> Result<()> {
             } else {
                 FleetL3::Shared
             };
-            fleet = Some((nodes, policies, seed, l3, private_l2, chaos));
+            fleet = Some((nodes, policies, seed, l3, private_l2, chaos, l3_dir));
             let requests = match trace {
                 Some(trace) => workload::mooncake(&trace, limit, 256)?,
                 None => chat.requests(),
@@ -403,7 +408,7 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    if let Some((nodes, policies, seed, l3, private_l2, chaos)) = fleet {
+    if let Some((nodes, policies, seed, l3, private_l2, chaos, l3_dir)) = fleet {
         let Target::Embedded(node) = target else {
             bail!("fleet starts its own nodes: --daemon and --agents do not apply");
         };
@@ -418,6 +423,7 @@ fn main() -> Result<()> {
                 l3,
                 private_l2,
                 chaos: chaos.clone(),
+                l3_dir: l3_dir.clone(),
             };
             let r = rt
                 .block_on(kvtier_sim::fleet::run_fleet(

@@ -61,6 +61,10 @@ pub struct FleetOptions {
     pub private_l2: bool,
     /// What goes wrong, and when.
     pub chaos: Vec<FleetChaos>,
+    /// Where the shared L3's directory goes (`None`: the temp directory). On this machine's
+    /// disk, its stalls set the pace of the whole fleet; on a tmpfs (`/dev/shm`) it stands
+    /// for a shared store with bandwidth to spare.
+    pub l3_dir: Option<PathBuf>,
 }
 
 /// Where a node's pages go past its L2.
@@ -170,7 +174,11 @@ pub async fn run_fleet(
     FleetChaos::validate(&mut chaos, opts.nodes, requests.len())?;
     let page_size = opts.base.layout.page_size as usize;
     let id = run_id();
-    let shared_l3: PathBuf = std::env::temp_dir().join(format!("kvtier-sim-{id}-l3"));
+    let shared_l3: PathBuf = opts
+        .l3_dir
+        .clone()
+        .unwrap_or_else(std::env::temp_dir)
+        .join(format!("kvtier-sim-{id}-l3"));
     let _ = std::fs::remove_dir_all(&shared_l3);
     // Removed however the run ends (a failed start, a node that stopped answering, a panic).
     let _shared_l3 = RemoveDir(shared_l3.clone());
