@@ -494,6 +494,51 @@ fn several_faults_at_once() {
     assert_eq!(r.storage_waits.over_deadline, 0, "{:?}", r.storage_waits);
 }
 
+/// A fleet of `nodes` nodes of one worker over one shared file L3, tiers small against the
+/// trace slice (2,600 device pages, 3,000 L2 pages a node), at trace time × 0.05.
+fn small_fleet(
+    nodes: usize,
+    policy: kvtier_sim::router::Policy,
+    daemon_sets: &[&str],
+    chaos: Vec<kvtier_sim::fleet::FleetChaos>,
+) -> kvtier_sim::fleet::FleetOptions {
+    let sets: Vec<String> = [
+        "l2.pool_pages=3000",
+        "prefetch.recompute_tokens_per_second=0",
+        "prefetch.threshold_tokens=0",
+        "prefetch.budget_fraction=1.0",
+    ]
+    .iter()
+    .chain(daemon_sets)
+    .map(|s| s.to_string())
+    .collect();
+    kvtier_sim::fleet::FleetOptions {
+        base: Options {
+            layout: layout(),
+            device_pages: 2600,
+            device: Default::default(),
+            prefetch: Some(PrefetchPolicy::WaitComplete),
+            sequential: false,
+            time_scale: 0.05,
+            prefill_tokens_per_second: 10_000.0,
+            chaos: Vec::new(),
+            progress: false,
+        },
+        nodes,
+        node: ClusterSpec {
+            workers: 1,
+            daemon_sets: sets,
+            agent_sets: Vec::new(),
+        },
+        policy,
+        seed: 1,
+        l3: Default::default(),
+        private_l2: false,
+        chaos,
+        l3_dir: None,
+    }
+}
+
 /// A fleet of two nodes over one shared L3, routed by kvtier's events: every page any worker
 /// receives is the recomputed one, nothing fails, the events reach the router, and routing by
 /// them serves more of the reuse than round-robin (which the shared L3 already gives some).
@@ -501,7 +546,7 @@ fn several_faults_at_once() {
 /// trace (0.71 against 0.40 seen here), so the test holds only the order.
 #[test]
 fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
-    use kvtier_sim::fleet::{FleetOptions, run_fleet};
+    use kvtier_sim::fleet::run_fleet;
     use kvtier_sim::router::Policy;
     let n = 80;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -510,36 +555,7 @@ fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
         .unwrap();
     let mut reports = Vec::new();
     for policy in [Policy::RoundRobin, Policy::Kvtier] {
-        let opts = FleetOptions {
-            base: Options {
-                layout: layout(),
-                device_pages: 2600,
-                device: Default::default(),
-                prefetch: Some(PrefetchPolicy::WaitComplete),
-                sequential: false,
-                time_scale: 0.05,
-                prefill_tokens_per_second: 10_000.0,
-                chaos: Vec::new(),
-                progress: false,
-            },
-            nodes: 2,
-            node: ClusterSpec {
-                workers: 1,
-                daemon_sets: vec![
-                    "l2.pool_pages=3000".into(),
-                    "prefetch.recompute_tokens_per_second=0".into(),
-                    "prefetch.threshold_tokens=0".into(),
-                    "prefetch.budget_fraction=1.0".into(),
-                ],
-                agent_sets: Vec::new(),
-            },
-            policy,
-            seed: 1,
-            l3: Default::default(),
-            private_l2: false,
-            chaos: Vec::new(),
-            l3_dir: None,
-        };
+        let opts = small_fleet(2, policy, &[], Vec::new());
         let r = rt
             .block_on(run_fleet(requests(n), opts, launcher()))
             .unwrap();
@@ -567,43 +583,18 @@ fn a_fleet_routed_by_kvtier_events_serves_the_reuse_and_no_wrong_page() {
 /// the end, and it forgot and relearned the nodes whose streams ended.
 #[test]
 fn a_fleet_under_chaos_serves_no_wrong_page_and_its_router_follows() {
-    use kvtier_sim::fleet::{FleetChaos, FleetOptions, run_fleet};
+    use kvtier_sim::fleet::{FleetChaos, run_fleet};
     use kvtier_sim::router::Policy;
     let n = 90;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    let opts = FleetOptions {
-        base: Options {
-            layout: layout(),
-            device_pages: 2600,
-            device: Default::default(),
-            prefetch: Some(PrefetchPolicy::WaitComplete),
-            sequential: false,
-            time_scale: 0.05,
-            prefill_tokens_per_second: 10_000.0,
-            chaos: Vec::new(),
-            progress: false,
-        },
-        nodes: 3,
-        node: ClusterSpec {
-            workers: 1,
-            daemon_sets: vec![
-                "l2.pool_pages=3000".into(),
-                "prefetch.recompute_tokens_per_second=0".into(),
-                "prefetch.threshold_tokens=0".into(),
-                "prefetch.budget_fraction=1.0".into(),
-                "l3.fault_error_rate=0.05".into(),
-            ],
-            agent_sets: Vec::new(),
-        },
-        policy: Policy::Kvtier,
-        seed: 1,
-        l3: Default::default(),
-        private_l2: false,
-        l3_dir: None,
-        chaos: vec![
+    let opts = small_fleet(
+        3,
+        Policy::Kvtier,
+        &["l3.fault_error_rate=0.05"],
+        vec![
             FleetChaos::kill(15, 0),
             FleetChaos::remove(20, 2),
             FleetChaos::remove(30, 1),
@@ -614,7 +605,7 @@ fn a_fleet_under_chaos_serves_no_wrong_page_and_its_router_follows() {
                 ms: 3000,
             },
         ],
-    };
+    );
     let r = rt
         .block_on(run_fleet(requests(n), opts, launcher()))
         .unwrap();
